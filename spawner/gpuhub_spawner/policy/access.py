@@ -1,0 +1,122 @@
+"""Who may use what: identity-provider groups -> teams -> profiles.
+
+Pure functions, shared by both spawners. Every start re-runs ``resolve_choice`` on the
+submitted ``user_options``, so a forged form post or REST call naming another team's
+profile, or options no profile offers, is refused with a reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from .model import Policy, Profile, Team
+
+ALLOWED_OPTIONS = {"profile", "team"}
+
+
+class ChoiceError(Exception):
+    """A refused choice; ``status`` is the HTTP status the hub should answer with."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        self.message = message
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Choice:
+    team: Team
+    profile: Profile
+    priority_class: str | None
+    priority: int
+
+    @property
+    def gpu_count(self) -> int:
+        return self.profile.gpu_count
+
+    @property
+    def flavor(self) -> str | None:
+        return self.profile.gpu.flavor if self.profile.gpu_count else None
+
+
+def teams_for(policy: Policy, groups: Iterable[str]) -> list[Team]:
+    groups = set(groups)
+    return [t for t in policy.teams if groups.intersection(t.groups)]
+
+
+def profiles_for(policy: Policy, team: Team) -> list[Profile]:
+    return [p for p in policy.profiles if p.usable_by(team.name)]
+
+
+def no_team_message(policy: Policy) -> str:
+    return (
+        "You are not a member of any team on this hub, so there is no server profile you may use. "
+        "Ask an administrator to add one of your identity-provider groups to a team in the policy."
+    )
+
+
+def resolve_choice(policy: Policy, groups: Iterable[str], user_options: Mapping | None) -> Choice:
+    options = dict(user_options or {})
+    unknown = sorted(set(options) - ALLOWED_OPTIONS)
+    if unknown:
+        raise ChoiceError(
+            400,
+            f"Unknown server option(s) {', '.join(map(repr, unknown))}: servers are chosen by "
+            "'profile' (and 'team' for members of several teams); resources come from the profile.",
+        )
+    for key in ALLOWED_OPTIONS & set(options):
+        if not isinstance(options[key], str):
+            raise ChoiceError(400, f"Server option {key!r} must be a string")
+    teams = teams_for(policy, groups)
+    if not teams:
+        raise ChoiceError(403, no_team_message(policy))
+    slug = options.get("profile")
+    team_name = options.get("team")
+    if team_name:
+        team = next((t for t in teams if t.name == team_name), None)
+        if team is None:
+            raise ChoiceError(403, f"You are not a member of team {team_name!r}.")
+        candidates = [team]
+    else:
+        candidates = teams
+    if slug:
+        profile = policy.profile(slug)
+        if profile is None:
+            raise ChoiceError(400, f"There is no profile {slug!r}.")
+        team = next((t for t in candidates if profile.usable_by(t.name)), None)
+        if team is None:
+            which = f"team {team_name!r}" if team_name else "your team(s)"
+            raise ChoiceError(403, f"Profile {slug!r} is not available to {which}.")
+    else:
+        team = candidates[0]
+        offered = profiles_for(policy, team)
+        if not offered:
+            raise ChoiceError(403, f"Team {team.name!r} has no profiles.")
+        profile = next((p for p in offered if p.default), offered[0])
+    pclass = policy.priority_for(team, profile)
+    return Choice(team, profile, pclass, policy.priority_value(pclass))
+
+
+def check_user_caps(choice: Choice, held: Iterable[Profile]) -> None:
+    """Refuse a start that would take a user past the team's per-user caps.
+
+    ``held`` are the profiles of the user's other servers that are running or waiting.
+    Refusing (rather than queueing) is deliberate: waiting for your own server to stop
+    would look like a stuck spawn.
+    """
+    held = list(held)
+    caps = choice.team.per_user
+    if caps.max_servers is not None and len(held) + 1 > caps.max_servers:
+        raise ChoiceError(
+            403,
+            f"Team {choice.team.name!r} allows {caps.max_servers} server(s) per user and you already "
+            f"have {len(held)}. Stop one before starting another.",
+        )
+    gpus = sum(p.gpu_count for p in held)
+    if caps.max_gpus is not None and choice.gpu_count and gpus + choice.gpu_count > caps.max_gpus:
+        raise ChoiceError(
+            403,
+            f"Team {choice.team.name!r} allows {caps.max_gpus} GPU(s) per user; you hold {gpus} and "
+            f"profile {choice.profile.slug!r} asks for {choice.gpu_count}.",
+        )

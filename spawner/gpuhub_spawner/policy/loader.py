@@ -1,0 +1,314 @@
+"""Read a policy file and explain every mistake with its YAML path and line:column.
+
+PyYAML's composed node tree gives positions; pydantic gives structural errors; the
+cross-reference checks (dangling names, duplicates, unusable profiles, caps above quota)
+live here because they need the whole file.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .model import Policy
+
+Loc = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class PolicyIssue:
+    path: str  # e.g. profiles[2].gpu.count
+    line: int | None
+    column: int | None
+    message: str
+
+    def format(self, filename: str) -> str:
+        where = f"{filename}:{self.line}:{self.column}" if self.line else filename
+        return f"{where}: {self.path or '(top level)'}: {self.message}"
+
+
+class PolicyError(Exception):
+    """A policy that cannot be used; ``issues`` lists every located problem."""
+
+    def __init__(self, filename: str, issues: list[PolicyIssue]):
+        self.filename = filename
+        self.issues = issues
+        super().__init__("\n".join(i.format(filename) for i in issues))
+
+
+def format_loc(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+class _Positions:
+    """Maps a data path to the YAML node (key or value) it came from."""
+
+    def __init__(self, root: yaml.Node | None):
+        self.root = root
+
+    def mark(self, loc: Loc, key: bool = False) -> tuple[int, int] | None:
+        node = self.root
+        best = node
+        for i, part in enumerate(loc):
+            if isinstance(node, yaml.MappingNode):
+                found = None
+                for k, v in node.value:
+                    if isinstance(k, yaml.ScalarNode) and k.value == str(part):
+                        found = (k, v)
+                        break
+                if found is None:
+                    break
+                last = i == len(loc) - 1
+                node = found[0] if (key and last) else found[1]
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+                if part >= len(node.value):
+                    break
+                node = node.value[part]
+            else:
+                break
+            best = node
+        if best is None:
+            return None
+        return best.start_mark.line + 1, best.start_mark.column + 1
+
+    def duplicate_keys(self) -> Iterable[tuple[Loc, yaml.Node]]:
+        def walk(node: yaml.Node, loc: Loc):
+            if isinstance(node, yaml.MappingNode):
+                seen: set[str] = set()
+                for k, v in node.value:
+                    name = getattr(k, "value", None)
+                    if name in seen:
+                        yield loc + (name,), k
+                    seen.add(name)
+                    yield from walk(v, loc + (name,))
+            elif isinstance(node, yaml.SequenceNode):
+                for i, item in enumerate(node.value):
+                    yield from walk(item, loc + (i,))
+
+        if self.root is not None:
+            yield from walk(self.root, ())
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
+def _model_at(loc: Loc) -> type[BaseModel] | None:
+    """The pydantic model whose fields are valid at ``loc`` (for did-you-mean)."""
+    model: Any = Policy
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = next(
+            (f for n, f in model.model_fields.items() if (f.alias or n) == part), None
+        )
+        if field is None:
+            return None
+        model = _unwrap(field.annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _unwrap(annotation: Any) -> Any:
+    import typing
+
+    for arg in (annotation, *typing.get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+        for inner in typing.get_args(arg):
+            found = _unwrap(inner)
+            if isinstance(found, type) and issubclass(found, BaseModel):
+                return found
+    return annotation
+
+
+def suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _message(err: dict) -> str:
+    kind = err["type"]
+    got = err.get("input")
+    if kind in ("int_type", "int_from_float", "int_parsing"):
+        return f"must be a whole number (got {got!r})"
+    if kind == "greater_than_equal":
+        return f"must be at least {err['ctx']['ge']} (got {got!r})"
+    if kind == "less_than_equal":
+        return f"must be at most {err['ctx']['le']} (got {got!r})"
+    if kind == "missing":
+        return "is required"
+    if kind == "too_short":
+        return "must not be empty"
+    if kind == "value_error":
+        return str(err["ctx"]["error"])
+    if kind == "literal_error":
+        return f"must be one of {err['ctx']['expected']} (got {got!r})"
+    if kind in ("dict_type", "model_type"):
+        return f"must be a mapping (got {type(got).__name__})"
+    if kind == "list_type":
+        return f"must be a list (got {type(got).__name__})"
+    return f"{err['msg']} (got {got!r})"
+
+
+def _clean_loc(loc: Loc) -> Loc:
+    # pydantic inserts validator/union tags into locations; drop them.
+    return tuple(p for p in loc if isinstance(p, int) or ("[" not in p and p not in ("int", "str")))
+
+
+def parse_policy(text: str, filename: str = "<policy>") -> Policy:
+    """Parse and validate; raise ``PolicyError`` listing every problem found."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
+        problem = getattr(e, "problem", None) or str(e)
+        raise PolicyError(filename, [PolicyIssue("", line, col, f"YAML syntax error: {problem}")]) from None
+    positions = _Positions(root)
+    issues: list[PolicyIssue] = []
+
+    def add(loc: Loc, message: str, key: bool = False) -> None:
+        line_col = positions.mark(loc, key=key) or (None, None)
+        issues.append(PolicyIssue(format_loc(loc), *line_col, message))
+
+    for loc, _node in positions.duplicate_keys():
+        add(loc, f"key {loc[-1]!r} appears twice; the second would silently win", key=True)
+
+    if not isinstance(data, dict):
+        add((), "the policy must be a mapping with teams, profiles, flavors, ...")
+        raise PolicyError(filename, issues)
+
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = _clean_loc(err["loc"])
+            if err["type"] == "extra_forbidden":
+                model = _model_at(loc[:-1])
+                hint = suggest(loc[-1], _field_names(model)) if model else ""
+                add(loc, f"unknown key {loc[-1]!r}{hint}", key=True)
+            else:
+                add(loc, _message(err))
+        raise PolicyError(filename, sorted(issues, key=lambda i: (i.line or 0, i.column or 0))) from None
+
+    for loc, message in cross_check(policy):
+        add(loc, message)
+    if issues:
+        raise PolicyError(filename, sorted(issues, key=lambda i: (i.line or 0, i.column or 0)))
+    return policy
+
+
+def load_policy(path: str | Path) -> Policy:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PolicyError(str(path), [PolicyIssue("", None, None, f"cannot read file: {e.strerror}")]) from None
+    return parse_policy(text, str(path))
+
+
+def _duplicates(names: list[str], section: str, field: str) -> Iterable[tuple[Loc, str]]:
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            yield (section, i, field), f"{field} {name!r} is already used by {section}[{seen[name]}]"
+        seen.setdefault(name, i)
+
+
+def max_reachable_gpus(policy: Policy, team_name: str, flavor: str) -> int:
+    """The most GPUs of ``flavor`` a team could ever hold: nominal plus what it may borrow."""
+    team = policy.team(team_name)
+    own = team.quota.gpus.get(flavor)
+    nominal = own.nominal if own else 0
+    if not team.cohort:
+        return nominal
+    lendable = 0
+    for other in policy.cohort_members(team):
+        if other.name == team.name:
+            continue
+        q = other.quota.gpus.get(flavor)
+        if q:
+            lendable += q.lending_limit if q.lending_limit is not None else q.nominal
+    borrow = lendable
+    if own and own.borrowing_limit is not None:
+        borrow = min(borrow, own.borrowing_limit)
+    return nominal + borrow
+
+
+def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
+    flavors = [f.name for f in policy.flavors]
+    priorities = [p.name for p in policy.priority_classes]
+    teams = [t.name for t in policy.teams]
+    yield from _duplicates(flavors, "flavors", "name")
+    yield from _duplicates(priorities, "priorityClasses", "name")
+    yield from _duplicates(teams, "teams", "name")
+    yield from _duplicates([t.local_queue for t in policy.teams], "teams", "queue")
+    yield from _duplicates([p.slug for p in policy.profiles], "profiles", "slug")
+
+    if policy.defaults.priority and policy.defaults.priority not in priorities:
+        yield ("defaults", "priority"), f"unknown priority class {policy.defaults.priority!r}" + suggest(policy.defaults.priority, priorities)
+
+    for ti, team in enumerate(policy.teams):
+        if team.default_priority and team.default_priority not in priorities:
+            yield ("teams", ti, "defaultPriority"), f"unknown priority class {team.default_priority!r}" + suggest(team.default_priority, priorities)
+        for fname, q in team.quota.gpus.items():
+            loc = ("teams", ti, "quota", "gpus", fname)
+            if fname not in flavors:
+                yield loc, f"unknown flavor {fname!r}" + suggest(fname, flavors)
+            if q.lending_limit is not None and q.lending_limit > q.nominal:
+                yield loc + ("lendingLimit",), f"lendingLimit {q.lending_limit} is above the nominal quota {q.nominal}"
+            if q.borrowing_limit is not None and not team.cohort:
+                yield loc + ("borrowingLimit",), "borrowingLimit needs the team to be in a cohort"
+        for res in ("cpu", "memory"):
+            q = getattr(team.quota, res)
+            if q and q.lending_limit is not None and q.lending_limit > q.nominal:
+                yield ("teams", ti, "quota", res, "lendingLimit"), "lendingLimit is above the nominal quota"
+            if q and q.borrowing_limit is not None and not team.cohort:
+                yield ("teams", ti, "quota", res, "borrowingLimit"), "borrowingLimit needs the team to be in a cohort"
+        cap = team.per_user.max_gpus
+        if cap is not None:
+            reachable = sum(max_reachable_gpus(policy, team.name, f) for f in team.quota.gpus if f in flavors)
+            if cap > reachable:
+                yield ("teams", ti, "perUser", "maxGPUs"), (
+                    f"per-user cap of {cap} GPUs is above what team {team.name!r} can ever hold ({reachable})"
+                )
+
+    for pi, prof in enumerate(policy.profiles):
+        if prof.priority and prof.priority not in priorities:
+            yield ("profiles", pi, "priority"), f"unknown priority class {prof.priority!r}" + suggest(prof.priority, priorities)
+        for ti, tname in enumerate(prof.teams):
+            if tname != "*" and tname not in teams:
+                yield ("profiles", pi, "teams", ti), f"unknown team {tname!r}" + suggest(tname, teams)
+        allowed = [t for t in teams if prof.usable_by(t)]
+        if not prof.teams:
+            yield ("profiles", pi, "teams"), f"profile {prof.slug!r} lists no team, so nobody can use it"
+            continue
+        if prof.gpu and prof.gpu.count > 0:
+            if prof.gpu.flavor not in flavors:
+                yield ("profiles", pi, "gpu", "flavor"), f"unknown flavor {prof.gpu.flavor!r}" + suggest(prof.gpu.flavor, flavors)
+                continue
+            fits = [t for t in allowed if max_reachable_gpus(policy, t, prof.gpu.flavor) >= prof.gpu.count]
+            if allowed and not fits:
+                yield ("profiles", pi, "gpu", "count"), (
+                    f"no team may use profile {prof.slug!r}: it asks for {prof.gpu.count} "
+                    f"{prof.gpu.flavor} GPU(s) but none of {', '.join(allowed)} can ever hold that many"
+                )
+            capped = [t for t in fits if (policy.team(t).per_user.max_gpus is None or policy.team(t).per_user.max_gpus >= prof.gpu.count)]
+            if fits and not capped:
+                yield ("profiles", pi, "gpu", "count"), (
+                    f"no team may use profile {prof.slug!r}: its {prof.gpu.count} GPU(s) exceed every allowed team's per-user cap"
+                )

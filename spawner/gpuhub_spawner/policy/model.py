@@ -1,0 +1,245 @@
+"""The policy file's schema: one declarative model for hub, Kueue and culler.
+
+Vocabulary follows Kueue (flavors, nominal quota, cohorts, borrowing and lending
+limits, priority classes) so the same file renders into Kueue objects on a cluster
+and drives the in-hub admission queue on one machine. Field names are camelCase in
+YAML; unknown keys are errors (``extra="forbid"``) so typos never pass silently.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
+from pydantic.alias_generators import to_camel
+
+from .quantities import parse_cpu_millis, parse_duration, parse_memory_bytes
+
+# Names become Kubernetes object names (ClusterQueue, ResourceFlavor, ...): DNS-1123 labels.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _dns_label(value: Any) -> Any:
+    if isinstance(value, str) and (len(value) > 63 or not _DNS_LABEL.match(value)):
+        raise ValueError(
+            f"{value!r} is not a valid name: use lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit, at most 63 characters"
+        )
+    return value
+
+
+def _quantity(parser):
+    def parse(value: Any) -> Any:
+        if value is None:
+            return None
+        return parser(value)
+
+    return BeforeValidator(parse)
+
+
+Name = Annotated[str, BeforeValidator(_dns_label)]
+CpuMillis = Annotated[int, _quantity(parse_cpu_millis)]
+MemoryBytes = Annotated[int, _quantity(parse_memory_bytes)]
+Seconds = Annotated[float, _quantity(parse_duration)]
+GpuCount = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+    )
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class LocalDevices(_Model):
+    """How the one-machine backend finds this flavor's devices."""
+
+    match: str | None = None  # substring of the NVML device name, e.g. "A100"
+    devices: list[int | str] | None = None  # explicit indices or UUIDs
+    virtual: GpuCount = 0  # virtual GPUs to declare when NVML finds no device
+
+
+class Flavor(_Model):
+    name: Name
+    resource: str = "nvidia.com/gpu"
+    display_name: str | None = None
+    node_labels: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    local: LocalDevices = LocalDevices()
+
+
+class PriorityClass(_Model):
+    name: Name
+    value: StrictInt
+    description: str = ""
+
+
+def _shorthand_nominal(value: Any) -> Any:
+    """``cpu: 32`` is short for ``cpu: {nominal: 32}``."""
+    return value if isinstance(value, dict) or value is None else {"nominal": value}
+
+
+class GpuQuota(_Model):
+    nominal: GpuCount
+    borrowing_limit: GpuCount | None = None
+    lending_limit: GpuCount | None = None
+
+
+class CpuQuota(_Model):
+    nominal: CpuMillis
+    borrowing_limit: CpuMillis | None = None
+    lending_limit: CpuMillis | None = None
+
+
+class MemoryQuota(_Model):
+    nominal: MemoryBytes
+    borrowing_limit: MemoryBytes | None = None
+    lending_limit: MemoryBytes | None = None
+
+
+class TeamQuota(_Model):
+    cpu: Annotated[CpuQuota | None, BeforeValidator(_shorthand_nominal)] = None
+    memory: Annotated[MemoryQuota | None, BeforeValidator(_shorthand_nominal)] = None
+    gpus: dict[str, Annotated[GpuQuota, BeforeValidator(_shorthand_nominal)]] = {}
+
+
+class PerUser(_Model):
+    max_servers: GpuCount | None = None
+    max_gpus: GpuCount | None = Field(None, alias="maxGPUs")
+
+
+class Team(_Model):
+    name: Name
+    display_name: str | None = None
+    groups: list[str] = Field(min_length=1)
+    cohort: Name | None = None
+    queue: Name | None = None  # LocalQueue name; defaults to the team name
+    default_priority: str | None = None
+    quota: TeamQuota = TeamQuota()
+    per_user: PerUser = PerUser()
+
+    @property
+    def local_queue(self) -> str:
+        return self.queue or self.name
+
+    @property
+    def label(self) -> str:
+        return self.display_name or self.name
+
+
+class IdleRules(_Model):
+    """Culling rules; every field optional so profiles override defaults key by key."""
+
+    timeout: Seconds | None = None  # no kernel/terminal activity for this long
+    gpu_idle_timeout: Seconds | None = None  # own GPUs below threshold for this long
+    gpu_busy_threshold: Annotated[int, Field(ge=0, le=100)] | None = None  # percent
+    max_age: Seconds | None = None
+    warning: Seconds | None = None
+    snooze: Seconds | None = None
+    max_snoozes: GpuCount | None = None
+
+    def over(self, base: "IdleRules") -> "IdleRules":
+        """These rules with unset keys taken from ``base``."""
+        merged = base.model_dump()
+        merged.update({k: v for k, v in self.model_dump().items() if v is not None})
+        return IdleRules(**merged)
+
+
+class GpuRequest(_Model):
+    count: GpuCount
+    flavor: str
+
+
+def _all_teams(value: Any) -> Any:
+    return ["*"] if value == "*" else value
+
+
+class Profile(_Model):
+    slug: Name
+    display_name: str
+    description: str = ""
+    image: str | None = None
+    cpu: CpuMillis | None = None
+    memory: MemoryBytes | None = None
+    gpu: GpuRequest | None = None
+    teams: Annotated[list[str], BeforeValidator(_all_teams)]
+    priority: str | None = None
+    idle: IdleRules = IdleRules()
+    env: dict[str, str] = {}
+    default: bool = False
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+        return env
+
+    @property
+    def gpu_count(self) -> int:
+        return self.gpu.count if self.gpu else 0
+
+    def usable_by(self, team: str) -> bool:
+        return "*" in self.teams or team in self.teams
+
+
+class Defaults(_Model):
+    image: str = "quay.io/jupyter/minimal-notebook:2025-10-20"
+    cpu: CpuMillis = 1000
+    memory: MemoryBytes = 2 * 2**30
+    priority: str | None = None
+    queue_timeout: Seconds = 3600.0  # how long a server may wait in the queue
+    launch_timeout: Seconds = 300.0  # start timeout once admitted
+    idle: IdleRules = IdleRules(
+        timeout=3600.0 * 8,
+        gpu_idle_timeout=3600.0,
+        gpu_busy_threshold=5,
+        max_age=3600.0 * 24 * 7,
+        warning=900.0,
+        snooze=3600.0,
+        max_snoozes=2,
+    )
+
+
+class Policy(_Model):
+    api_version: Literal["gpuhub/v1"] = "gpuhub/v1"
+    flavors: list[Flavor] = []
+    priority_classes: list[PriorityClass] = []
+    teams: list[Team] = Field(min_length=1)
+    profiles: list[Profile] = Field(min_length=1)
+    defaults: Defaults = Defaults()
+
+    # -- look-ups used by both backends -------------------------------------------------
+    def flavor(self, name: str) -> Flavor:
+        return next(f for f in self.flavors if f.name == name)
+
+    def team(self, name: str) -> Team:
+        return next(t for t in self.teams if t.name == name)
+
+    def profile(self, slug: str) -> Profile | None:
+        return next((p for p in self.profiles if p.slug == slug), None)
+
+    def priority_value(self, name: str | None) -> int:
+        for pc in self.priority_classes:
+            if pc.name == name:
+                return pc.value
+        return 0
+
+    def priority_for(self, team: Team, profile: Profile) -> str | None:
+        return profile.priority or team.default_priority or self.defaults.priority
+
+    def idle_rules(self, profile: Profile) -> IdleRules:
+        return profile.idle.over(self.defaults.idle)
+
+    def cohort_members(self, team: Team) -> list[Team]:
+        if not team.cohort:
+            return [team]
+        return [t for t in self.teams if t.cohort == team.cohort]

@@ -1,0 +1,144 @@
+"""What both gpuhub spawners share: the profile form, the server-side re-check, env.
+
+A mixin placed before the backend's spawner class (``LocalProcessSpawner`` or
+``KubeSpawner``). It knows nothing about admission; backends call
+``resolve_request()`` at the top of ``start()`` and refuse on error.
+"""
+
+from __future__ import annotations
+
+import html
+
+from tornado import web
+
+from .policy import PolicyStore
+from .policy.access import Choice, ChoiceError, check_user_caps, profiles_for, resolve_choice, teams_for
+from .policy.model import Policy, Profile
+from .policy.quantities import format_memory
+
+
+class PolicySpawnerMixin:
+    """Profiles filtered by team, re-validated at start; identity env for the server."""
+
+    choice: Choice | None = None
+
+    @property
+    def policy_store(self) -> PolicyStore:
+        return PolicyStore.instance(config=self.config)
+
+    @property
+    def policy(self) -> Policy:
+        return self.policy_store.policy
+
+    @property
+    def user_groups(self) -> list[str]:
+        return [g.name for g in getattr(self.user, "groups", [])]
+
+    # -- the form ------------------------------------------------------------------------
+    def profile_status_hook(self, team, profile: Profile) -> str:
+        """Plain-text availability shown next to a profile (backends override)."""
+        return ""
+
+    async def get_options_form(self) -> str:
+        return self.render_options_form()
+
+    def render_options_form(self) -> str:
+        policy = self.policy
+        teams = teams_for(policy, self.user_groups)
+        if not teams:
+            from .policy.access import no_team_message
+
+            return f'<div class="alert alert-warning" id="gpuhub-no-team">{html.escape(no_team_message(policy))}</div>'
+        parts = ['<div id="gpuhub-profiles">']
+        if len(teams) > 1:
+            opts = "".join(
+                f'<option value="{html.escape(t.name)}">{html.escape(t.label)}</option>' for t in teams
+            )
+            parts.append(
+                '<div class="mb-3"><label for="gpuhub-team" class="form-label">Team</label>'
+                f'<select class="form-select" name="team" id="gpuhub-team">{opts}</select>'
+                '<div class="form-text">Your servers count against the chosen team\'s quota.</div></div>'
+            )
+        first_checked = False
+        for team in teams:
+            hidden = "" if team is teams[0] else ' style="display:none"'
+            parts.append(f'<fieldset class="gpuhub-team" data-team="{html.escape(team.name)}"{hidden}>')
+            for profile in profiles_for(policy, team):
+                checked = ""
+                if team is teams[0] and (profile.default or not first_checked):
+                    checked = " checked" if not first_checked else ""
+                    first_checked = True
+                gpu = (
+                    f"{profile.gpu.count}× {html.escape(policy.flavor(profile.gpu.flavor).display_name or profile.gpu.flavor)} GPU"
+                    if profile.gpu_count
+                    else "no GPU"
+                )
+                res = f"{(profile.cpu or policy.defaults.cpu) / 1000:g} CPU, {format_memory(profile.memory or policy.defaults.memory)} memory, {gpu}"
+                status = self.profile_status_hook(team, profile)
+                pid = f"gpuhub-profile-{team.name}-{profile.slug}"
+                parts.append(
+                    '<div class="form-check mb-2">'
+                    f'<input class="form-check-input" type="radio" name="profile" id="{pid}" '
+                    f'value="{html.escape(profile.slug)}" data-team="{html.escape(team.name)}"{checked}>'
+                    f'<label class="form-check-label" for="{pid}"><strong>{html.escape(profile.display_name)}</strong> '
+                    f'<small class="text-muted">({res})</small><br>{html.escape(profile.description)}'
+                    + (f'<br><small class="gpuhub-availability">{html.escape(status)}</small>' if status else "")
+                    + "</label></div>"
+                )
+            parts.append("</fieldset>")
+        parts.append("</div>")
+        if len(teams) > 1:
+            parts.append(
+                "<script>(function(){var s=document.getElementById('gpuhub-team');"
+                "function show(){var t=s.value;document.querySelectorAll('fieldset.gpuhub-team').forEach(function(f){"
+                "var on=f.dataset.team===t;f.style.display=on?'':'none';f.querySelectorAll('input').forEach(function(i){i.disabled=!on;});"
+                "if(on&&!f.querySelector('input:checked')){var i=f.querySelector('input');if(i)i.checked=true;}});}"
+                "s.addEventListener('change',show);show();})();</script>"
+            )
+        return "".join(parts)
+
+    def options_from_form(self, formdata):
+        options = {}
+        for key in ("profile", "team"):
+            values = formdata.get(key)
+            if values:
+                options[key] = values[0]
+        return options
+
+    # -- the server-side re-check -------------------------------------------------------
+    def held_profiles(self) -> list[Profile]:
+        """Profiles of this user's other servers that are running or waiting."""
+        held = []
+        for name, other in getattr(self.user, "spawners", {}).items():
+            if other is self or not (other.active or other.ready):
+                continue
+            slug = (other.user_options or {}).get("profile")
+            profile = self.policy.profile(slug) if slug else None
+            if profile is not None:
+                held.append(profile)
+        return held
+
+    def resolve_request(self) -> Choice:
+        """Validate ``user_options`` against the live policy; raise HTTP 4xx on refusal."""
+        try:
+            choice = resolve_choice(self.policy, self.user_groups, self.user_options)
+            check_user_caps(choice, self.held_profiles())
+        except ChoiceError as e:
+            self.log.warning("Refusing %s's server: %s", self.user.name, e.message)
+            raise web.HTTPError(e.status, e.message, reason=e.message) from None
+        self.choice = choice
+        return choice
+
+    def choice_environment(self, choice: Choice) -> dict[str, str]:
+        profile = choice.profile
+        env = dict(profile.env)
+        env.update(
+            GPUHUB_USER=self.user.name,
+            GPUHUB_TEAM=choice.team.name,
+            GPUHUB_PROFILE=profile.slug,
+            GPUHUB_IMAGE=profile.image or self.policy.defaults.image,
+            GPUHUB_GPU_COUNT=str(choice.gpu_count),
+            GPUHUB_GPU_FLAVOR=choice.flavor or "",
+            GPUHUB_SERVER_NAME=self.name or "",
+        )
+        return env

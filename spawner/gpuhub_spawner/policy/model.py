@@ -122,6 +122,9 @@ class Team(_Model):
     cohort: Name | None = None
     queue: Name | None = None  # LocalQueue name; defaults to the team name
     default_priority: str | None = None
+    # Kueue's queueing strategies: BestEffortFIFO lets a later, smaller request pass a
+    # blocked head; StrictFIFO makes the team's head of queue block the rest.
+    queueing_strategy: Literal["BestEffortFIFO", "StrictFIFO"] = "BestEffortFIFO"
     quota: TeamQuota = TeamQuota()
     per_user: PerUser = PerUser()
 

@@ -81,6 +81,12 @@ class PolicyStore(SingletonConfigurable):
         assert self._policy is not None
         return self._policy
 
+    @property
+    def current(self) -> Policy:
+        """The policy in force, without checking the file (safe inside callbacks)."""
+        assert self._policy is not None
+        return self._policy
+
     def on_change(self, callback: Callable[[Policy], None]) -> None:
         """Call ``callback(policy)`` after every successful reload (queue re-evaluation)."""
         self._listeners.append(callback)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Start gpuhub on one machine: http://127.0.0.1:8000 (demo users, virtual GPUs without NVML).
+# Installs what it needs into .venv on first use. Extra arguments go to `gpuhub run`.
+set -euo pipefail
+cd "$(dirname "$0")"
+source ./scripts-lib.sh
+ensure_venv ".[lab,mlflow]"
+exec .venv/bin/gpuhub run "$@"

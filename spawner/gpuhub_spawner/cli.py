@@ -1,0 +1,82 @@
+"""``gpuhub``: validate the policy, render Kueue objects, run the one-machine hub."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .policy import PolicyError, load_policy
+
+
+def _validate(args) -> int:
+    status = 0
+    for path in args.files:
+        try:
+            policy = load_policy(path)
+        except PolicyError as e:
+            status = 1
+            print(f"{path}: {len(e.issues)} error(s)", file=sys.stderr)
+            for issue in e.issues:
+                print("  " + issue.format(path), file=sys.stderr)
+            continue
+        print(
+            f"{path}: OK ({len(policy.teams)} teams, {len(policy.profiles)} profiles, "
+            f"{len(policy.flavors)} flavors)"
+        )
+    return status
+
+
+def _run(args) -> int:
+    from .hub.config import demo_password
+
+    config = Path(args.config).resolve()
+    data = Path(args.data_dir).resolve()
+    data.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, GPUHUB_DATA_DIR=str(data), GPUHUB_PORT=str(args.port))
+    if args.policy:
+        env["GPUHUB_POLICY"] = str(Path(args.policy).resolve())
+    policy_path = env.get("GPUHUB_POLICY", str(config.parent / "profiles.yaml"))
+    rc = _validate(argparse.Namespace(files=[policy_path]))
+    if rc:
+        print("Fix the policy before starting the hub.", file=sys.stderr)
+        return rc
+    os.environ.update(env)
+    password = demo_password(data)
+    print(
+        f"\ngpuhub: starting on http://127.0.0.1:{args.port}\n"
+        f"  log in as alice or bob (Vision Lab), carol (NLP), dave (both), erin (Students),\n"
+        f"  mallory (no team) or admin — password: {password}\n"
+        f"  GPUs and queues: http://127.0.0.1:{args.port}/hub/gpuhub\n",
+        flush=True,
+    )
+    from jupyterhub.app import main as hub_main
+
+    return hub_main(["-f", str(config)]) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["render"]:
+        from .kube.render import main as render_main
+
+        return render_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="gpuhub", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check policy files; every error with its line:column")
+    v.add_argument("files", nargs="+")
+    v.set_defaults(func=_validate)
+    r = sub.add_parser("run", help="start the one-machine hub (demo users, virtual GPUs without NVML)")
+    r.add_argument("--config", default="jupyterhub_config/jupyterhub_config.py")
+    r.add_argument("--policy", default=None, help="policy file (default: profiles.yaml beside the config)")
+    r.add_argument("--data-dir", default=os.environ.get("GPUHUB_DATA_DIR", "data"))
+    r.add_argument("--port", type=int, default=int(os.environ.get("GPUHUB_PORT", 8000)))
+    r.set_defaults(func=_run)
+    sub.add_parser("render", help="render cluster objects: `gpuhub render kueue FILE`")
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

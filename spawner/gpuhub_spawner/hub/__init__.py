@@ -1,0 +1,1 @@
+"""Hub-side wiring: the demo authenticator, status pages, and config helpers."""

@@ -1,0 +1,100 @@
+"""Configure a hub for the one-machine backend; ``jupyterhub_config.py`` calls this.
+
+Everything a demo needs is derived from a data directory and a policy file, so tests
+and the README's run command share one code path.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+
+TEMPLATES = str(Path(__file__).resolve().parent.parent / "templates")
+
+DEMO_USERS = {
+    "alice": {"groups": ["vision-lab"]},
+    "bob": {"groups": ["vision-lab"]},
+    "carol": {"groups": ["nlp-group"]},
+    "dave": {"groups": ["nlp-group", "vision-lab"]},
+    "erin": {"groups": ["students"]},
+    "mallory": {"groups": ["visitors"]},
+    "admin": {"groups": ["platform-admins"], "admin": True},
+}
+
+
+def _bin(name: str) -> str:
+    """An executable from this Python's environment (the venv), else from PATH."""
+    candidate = Path(sys.prefix) / "bin" / name
+    return str(candidate) if candidate.exists() else (shutil.which(name) or name)
+
+
+def demo_password(data_dir: Path) -> str:
+    """The demo password: from GPUHUB_DEMO_PASSWORD, else generated once and kept."""
+    env = os.environ.get("GPUHUB_DEMO_PASSWORD")
+    if env:
+        return env
+    path = data_dir / "demo-password"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(12))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def _options_are_read_by_the_spawner(spawner, user_options):
+    return None
+
+
+def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip: str = "127.0.0.1") -> None:
+    from ..hub.pages import extra_handlers, policy_banner
+
+    data = Path(data_dir).resolve()
+    (data / "home").mkdir(parents=True, exist_ok=True)
+    data.chmod(0o700)
+
+    c.PolicyStore.policy_file = str(Path(policy_file).resolve())
+
+    c.JupyterHub.bind_url = f"http://{ip}:{port}"
+    c.JupyterHub.hub_ip = "127.0.0.1"
+    c.JupyterHub.hub_port = int(os.environ.get("GPUHUB_HUB_PORT", 8081))
+    c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{int(os.environ.get('GPUHUB_PROXY_API_PORT', 8001))}"
+    c.ConfigurableHTTPProxy.command = [_bin("configurable-http-proxy")]
+    c.ConfigurableHTTPProxy.pid_file = str(data / "proxy.pid")
+    c.JupyterHub.db_url = f"sqlite:///{data / 'jupyterhub.sqlite'}"
+    c.JupyterHub.cookie_secret_file = str(data / "jupyterhub_cookie_secret")
+    c.JupyterHub.template_paths = [TEMPLATES]
+    c.JupyterHub.extra_handlers = list(extra_handlers)
+    c.JupyterHub.template_vars = {"gpuhub_policy_stale": policy_banner, "gpuhub_links": []}
+
+    # Queued servers are pending spawns; JupyterHub's limit would count them and lock
+    # everyone out behind a full queue. LocalBroker.launch_concurrency limits launches.
+    c.JupyterHub.concurrent_spawn_limit = 0
+    c.JupyterHub.allow_named_servers = True  # per-user caps come from the policy
+    # Restarting the hub leaves servers (and their GPUs) running; they are re-adopted.
+    c.JupyterHub.cleanup_servers = False
+    c.JupyterHub.cleanup_proxy = False
+
+    c.JupyterHub.spawner_class = "gpuhub-local-simple"
+    c.Spawner.cmd = [_bin("jupyterhub-singleuser")]
+    c.SimpleLocalGpuSpawner.home_dir_template = str(data / "home" / "{username}")
+    try:
+        import jupyterlab  # noqa: F401
+
+        c.Spawner.default_url = "/lab"
+    except ImportError:
+        c.Spawner.default_url = "/tree"
+    c.Spawner.http_timeout = 60
+    # The choice is read by the spawner from user_options itself (and re-validated there).
+    c.Spawner.apply_user_options = _options_are_read_by_the_spawner
+    if os.geteuid() == 0:
+        # Demo servers run as the hub's user; as root (containers, CI) Jupyter needs this.
+        c.Spawner.args = ["--ServerApp.allow_root=True"]
+
+    from .demo_auth import DemoAuthenticator
+
+    c.JupyterHub.authenticator_class = DemoAuthenticator
+    c.DemoAuthenticator.demo_users = DEMO_USERS
+    c.DemoAuthenticator.demo_password = demo_password(data)
+    c.Authenticator.admin_users = {u for u, spec in DEMO_USERS.items() if spec.get("admin")}

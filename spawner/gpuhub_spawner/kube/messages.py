@@ -1,0 +1,129 @@
+"""Kueue's and the kubelet's state in plain words for the spawn page.
+
+Researchers should read "waiting for 1 more A100 GPU, you are 2nd of 3 in the Vision
+Lab queue", never "couldn't assign flavors to pod set main: ..." or "0/4 nodes are
+available". Raw messages go to the hub log only. The patterns follow the messages
+Kueue v0.19's flavor assigner and preemptor write into Workload conditions.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..policy.access import Choice
+from ..policy.model import Policy
+from ..policy.quantities import format_memory, parse_cpu_millis, parse_memory_bytes
+from .kueue import ADMITTED, EVICTED, PREEMPTED, QUOTA_RESERVED, condition, is_true
+
+_SHORT = re.compile(r"insufficient unused quota for (?P<res>[^\s,]+) in flavor (?P<flavor>[^\s,]+), (?P<qty>[^\s,;]+) more needed")
+_NEVER = re.compile(r"insufficient quota for (?P<res>[^\s,]+) in flavor (?P<flavor>[^\s,]+), request > maximum capacity \((?P<req>[^\s]+) > (?P<cap>[^\s)]+)\)")
+_NO_RES = re.compile(r"resource (?P<res>[^\s,]+) unavailable in ClusterQueue")
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def amount(policy: Policy, resource: str, flavor: str | None, qty: str) -> str:
+    """``("nvidia.com/gpu", "a100", "1")`` -> ``"1 A100 80GB GPU"``."""
+    try:
+        if resource == "cpu":
+            millis = parse_cpu_millis(qty)
+            cores = f"{millis / 1000:g}"
+            return f"{cores} CPU core" + ("" if cores == "1" else "s")
+        if resource == "memory":
+            return f"{format_memory(parse_memory_bytes(qty))} of memory"
+    except ValueError:
+        return f"{qty} {resource}"
+    gpu = next((f for f in policy.flavors if f.name == flavor), None)
+    label = (gpu.display_name or gpu.name) if gpu else (flavor or resource)
+    return f"{qty} {label} GPU" + ("" if qty == "1" else "s")
+
+
+def shortages(policy: Policy, message: str) -> tuple[list[str], list[str]]:
+    """(resources short right now, requests that can never fit) parsed from Kueue's message."""
+    short = [amount(policy, m["res"], m["flavor"], m["qty"]) for m in _SHORT.finditer(message or "")]
+    never = [
+        f"{amount(policy, m['res'], m['flavor'], m['req'])} requested but the team can hold at most {m['cap']}"
+        for m in _NEVER.finditer(message or "")
+    ]
+    never += [f"the team's queue has no quota for {m['res']}" for m in _NO_RES.finditer(message or "")]
+    return short, never
+
+
+def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pending: dict | None, queue_length: int | None) -> str:
+    """One sentence (two at most) about a gated pod's place in the queue."""
+    team = choice.team.label
+    if workload is None:
+        return f"Your server request was sent to team {team}'s queue; waiting for the queue to register it."
+    reserved = condition(workload, QUOTA_RESERVED)
+    if is_true(workload, QUOTA_RESERVED) or is_true(workload, ADMITTED):
+        return "Quota granted; releasing your server to the scheduler."
+    short, never = shortages(policy, (reserved or {}).get("message", ""))
+    if never:
+        return "This server can never start in team " + team + "'s queue: " + "; ".join(never) + ". Pick a smaller profile."
+    if short:
+        text = f"Waiting for quota: team {team} has no free capacity; {' and '.join(short)} more needed."
+    elif reserved and reserved.get("reason") == "Inadmissible":
+        text = f"Waiting: team {team}'s queue is not accepting servers right now (an administrator has been told in the hub log)."
+    else:
+        text = f"Waiting for quota in team {team}'s queue."
+    if pending is not None and pending.get("positionInLocalQueue") is not None:
+        pos = int(pending["positionInLocalQueue"]) + 1
+        of = f" of {queue_length}" if queue_length else ""
+        text += f" You are {ordinal(pos)}{of} in the {team} queue."
+    return text
+
+
+_PREEMPTED_WHY = {
+    "InClusterQueue": "to make room for a higher-priority server of your team",
+    "InCohortReclamation": "because it ran on capacity borrowed from another team, and that team needed it back",
+    "InCohortFairSharing": "to give another team its fair share of the shared capacity",
+    "InCohortReclaimWhileBorrowing": "because a higher-priority server of another team needed the capacity",
+}
+
+
+def eviction_message(workload: dict | None, pod: dict | None) -> str | None:
+    """Why Kueue stopped this server, or None if nothing says Kueue did."""
+    preempted = condition(workload, PREEMPTED)
+    evicted = condition(workload, EVICTED)
+    if preempted and preempted.get("status") == "True":
+        why = _PREEMPTED_WHY.get(preempted.get("reason", ""), "to make room for a higher-priority server")
+        return f"Your server was stopped by the queue {why}. Your files in your home directory are kept; start it again to rejoin the queue."
+    if evicted and evicted.get("status") == "True":
+        reason = evicted.get("reason", "")
+        if reason == "Preempted":
+            return "Your server was stopped by the queue to make room for a higher-priority server. Start it again to rejoin the queue."
+        if reason in ("InactiveWorkload", "Deactivated"):
+            return "Your server was stopped because an administrator deactivated it in the queue."
+        if reason == "ClusterQueueStopped":
+            return "Your server was stopped because your team's queue was stopped by an administrator."
+        return f"Your server was stopped by the queue ({reason or 'evicted'})."
+    for cond in ((pod or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") in ("TerminationTarget", "DisruptionTarget") and cond.get("status") == "True":
+            if cond.get("reason") == "StoppedByKueue":
+                return "Your server was stopped by the queue to make room for other work. Start it again to rejoin the queue."
+            if cond.get("reason") == "PreemptionByScheduler":
+                return "Your server was stopped by the cluster scheduler to make room for a higher-priority pod."
+            if cond.get("reason") in ("EvictionByEvictionAPI", "DeletionByTaintManager"):
+                return "Your server was stopped because its node was drained or became unhealthy."
+    return None
+
+
+_EVENT_WORDS = {
+    "Scheduled": (60, "A node was found for your server."),
+    "Pulling": (70, "Downloading the server image (this can take a few minutes the first time on a node)."),
+    "Pulled": (80, "Server image ready."),
+    "Created": (85, "Server container created."),
+    "Started": (90, "Server started; waiting for it to answer."),
+    "FailedScheduling": (55, "Quota granted; waiting for a node with free resources (the cluster may be scaling up)."),
+    "TriggeredScaleUp": (55, "Quota granted; the cluster is adding a node for your server."),
+    "BackOff": (80, "The server keeps failing to start; an administrator can see why in the hub log."),
+    "Failed": (80, "The server failed to start; an administrator can see why in the hub log."),
+}
+
+
+def event_message(event: dict) -> tuple[int, str] | None:
+    """Plain words for a pod event after admission; None for events users need not see."""
+    return _EVENT_WORDS.get(event.get("reason", ""))

@@ -1,0 +1,189 @@
+"""``gpuhub render kueue FILE``: the policy as Kueue v1beta2 objects, for GitOps.
+
+One ClusterQueue per team (its quota, cohort, borrowing and lending limits), one
+LocalQueue per team in the user namespace, a ResourceFlavor per GPU flavor plus one
+plain flavor for CPU and memory, and a WorkloadPriorityClass per priority class.
+
+Choices (also in docs/install-kubernetes.md):
+
+* CPU and memory sit in their own resource group on the plain flavor
+  ``gpuhub-default`` (no node labels), GPU flavors in one group per device
+  resource name. A team without a cpu or memory quota is not limited by Kueue on
+  that resource (the nodes still are): it gets a nominal quota of 100k cores /
+  1Pi and, in a cohort, ``lendingLimit: 0`` so the placeholder never lends.
+* Preemption protects interactive servers: only strictly lower priority is ever
+  preempted (``withinClusterQueue`` and ``reclaimWithinCohort: LowerPriority``) and a
+  borrowing workload may preempt only workloads below the highest priority class
+  (``borrowWithinCohort.maxPriorityThreshold``). Servers at the top priority are
+  never preempted; a team lending GPUs gets them back as borrowers stop or are culled.
+* ``BestEffortFIFO``: a 2-GPU request does not block a 1-GPU request behind it.
+* Output is sorted (kind in apply order, then name; keys sorted) so it diffs cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+import yaml
+
+from ..policy.loader import PolicyError, load_policy
+from ..policy.model import Policy, Team
+from ..policy.quantities import format_cpu, format_memory
+from .kueue import API_VERSION, MANAGED_BY
+
+DEFAULT_NAMESPACE = "gpuhub"
+DEFAULT_CPU_FLAVOR = "gpuhub-default"
+UNLIMITED_CPU = "100k"
+UNLIMITED_MEMORY = "1Pi"
+KIND_ORDER = ["ResourceFlavor", "WorkloadPriorityClass", "ClusterQueue", "LocalQueue"]
+
+
+def _meta(name: str, namespace: str | None = None) -> dict:
+    meta = {"name": name, "labels": dict(MANAGED_BY)}
+    if namespace:
+        meta["namespace"] = namespace
+    return meta
+
+
+def resource_flavors(policy: Policy, cpu_flavor: str) -> list[dict]:
+    out = [{"apiVersion": API_VERSION, "kind": "ResourceFlavor", "metadata": _meta(cpu_flavor), "spec": {}}]
+    for flavor in policy.flavors:
+        spec: dict = {}
+        if flavor.node_labels:
+            spec["nodeLabels"] = dict(flavor.node_labels)
+        if flavor.tolerations:
+            spec["tolerations"] = [t.model_dump(exclude_none=True) for t in flavor.tolerations]
+        out.append({"apiVersion": API_VERSION, "kind": "ResourceFlavor", "metadata": _meta(flavor.name), "spec": spec})
+    return out
+
+
+def priority_classes(policy: Policy) -> list[dict]:
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": "WorkloadPriorityClass",
+            "metadata": _meta(pc.name),
+            "value": pc.value,
+            "description": pc.description,
+        }
+        for pc in policy.priority_classes
+    ]
+
+
+def _quota(nominal: str | int, borrowing, lending, cohort: bool) -> dict:
+    entry: dict = {"nominalQuota": str(nominal)}
+    if cohort and borrowing is not None:
+        entry["borrowingLimit"] = str(borrowing)
+    if cohort and lending is not None:
+        entry["lendingLimit"] = str(lending)
+    return entry
+
+
+def preemption(policy: Policy) -> dict:
+    values = sorted({pc.value for pc in policy.priority_classes})
+    rules: dict = {"withinClusterQueue": "LowerPriority", "reclaimWithinCohort": "LowerPriority"}
+    if len(values) > 1:
+        rules["borrowWithinCohort"] = {"policy": "LowerPriority", "maxPriorityThreshold": values[-2]}
+    else:
+        rules["borrowWithinCohort"] = {"policy": "Never"}
+    return rules
+
+
+def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -> dict:
+    cohort = bool(team.cohort)
+    cpu, mem = team.quota.cpu, team.quota.memory
+    cpu_entry = (
+        _quota(format_cpu(cpu.nominal), _fmt(format_cpu, cpu.borrowing_limit), _fmt(format_cpu, cpu.lending_limit), cohort)
+        if cpu
+        else _quota(UNLIMITED_CPU, None, 0, cohort)
+    )
+    mem_entry = (
+        _quota(format_memory(mem.nominal), _fmt(format_memory, mem.borrowing_limit), _fmt(format_memory, mem.lending_limit), cohort)
+        if mem
+        else _quota(UNLIMITED_MEMORY, None, 0, cohort)
+    )
+    groups = [
+        {
+            "coveredResources": ["cpu", "memory"],
+            "flavors": [{"name": cpu_flavor, "resources": [{"name": "cpu", **cpu_entry}, {"name": "memory", **mem_entry}]}],
+        }
+    ]
+    # One group per device resource name; flavors in policy order (Kueue tries them in order).
+    by_resource: dict[str, list[dict]] = defaultdict(list)
+    for flavor in policy.flavors:
+        q = team.quota.gpus.get(flavor.name)
+        if q is None:
+            continue
+        by_resource[flavor.resource].append(
+            {"name": flavor.name, "resources": [{"name": flavor.resource, **_quota(q.nominal, q.borrowing_limit, q.lending_limit, cohort)}]}
+        )
+    for resource in sorted(by_resource):
+        groups.append({"coveredResources": [resource], "flavors": by_resource[resource]})
+    spec: dict = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        "queueingStrategy": "BestEffortFIFO",
+        "preemption": preemption(policy),
+        "resourceGroups": groups,
+    }
+    if team.cohort:
+        spec["cohortName"] = team.cohort
+    return {"apiVersion": API_VERSION, "kind": "ClusterQueue", "metadata": _meta(team.name), "spec": spec}
+
+
+def _fmt(formatter, value):
+    return None if value is None else formatter(value)
+
+
+def local_queue(team: Team, namespace: str) -> dict:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "LocalQueue",
+        "metadata": _meta(team.local_queue, namespace),
+        "spec": {"clusterQueue": team.name},
+    }
+
+
+def render_objects(policy: Policy, namespace: str = DEFAULT_NAMESPACE, cpu_flavor: str = DEFAULT_CPU_FLAVOR) -> list[dict]:
+    """All Kueue objects for ``policy``, in apply order (flavors and classes first)."""
+    if any(f.name == cpu_flavor for f in policy.flavors):
+        raise ValueError(f"flavor name {cpu_flavor!r} is reserved for CPU and memory; pick another --cpu-flavor")
+    objs = resource_flavors(policy, cpu_flavor) + priority_classes(policy)
+    objs += [cluster_queue(policy, t, namespace, cpu_flavor) for t in policy.teams]
+    objs += [local_queue(t, namespace) for t in policy.teams]
+    return sorted(objs, key=lambda o: (KIND_ORDER.index(o["kind"]), o["metadata"]["name"]))
+
+
+def to_yaml(objs: list[dict]) -> str:
+    return yaml.safe_dump_all(objs, sort_keys=True, default_flow_style=False, explicit_start=True)
+
+
+def main(argv: list[str]) -> int:
+    """``gpuhub render kueue FILE [--namespace NS]``; argv is what follows ``render``."""
+    parser = argparse.ArgumentParser(prog="gpuhub render", description="Render the policy as Kubernetes objects.")
+    sub = parser.add_subparsers(dest="what", required=True)
+    kueue = sub.add_parser("kueue", help="Kueue ResourceFlavors, ClusterQueues, LocalQueues, WorkloadPriorityClasses")
+    kueue.add_argument("file", help="the policy YAML (e.g. jupyterhub_config/profiles.yaml)")
+    kueue.add_argument("-n", "--namespace", default=DEFAULT_NAMESPACE, help=f"namespace of the user pods and LocalQueues (default {DEFAULT_NAMESPACE})")
+    kueue.add_argument("--cpu-flavor", default=DEFAULT_CPU_FLAVOR, help=f"ResourceFlavor for CPU and memory (default {DEFAULT_CPU_FLAVOR})")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage
+        return int(e.code or 0)
+    try:
+        policy = load_policy(args.file)
+        objs = render_objects(policy, args.namespace, args.cpu_flavor)
+    except PolicyError as e:
+        for issue in e.issues:
+            print(issue.format(e.filename), file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"{args.file}: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write(to_yaml(objs))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))

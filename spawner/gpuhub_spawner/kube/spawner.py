@@ -1,0 +1,312 @@
+"""KueueSpawner: KubeSpawner whose pods queue in their team's Kueue LocalQueue.
+
+The policy (``PolicySpawnerMixin``) decides profile, team and priority, and refuses
+forged choices and per-user cap violations before any pod exists. KubeSpawner builds
+and creates the pod; Kueue's webhook gates it; this class waits for the gate to
+lift (queue timeout), then lets KubeSpawner wait for the pod (launch timeout), and
+tells the user in plain words what is happening from shared, bounded reads of
+Kueue's state (``state.py``).
+
+Timeouts: JupyterHub wraps ``start()`` in ``wait_for(start_timeout)``, read right after
+``start()`` is called, so ``start()`` sets ``start_timeout`` to queue + launch + slack;
+after admission ``start_timeout`` becomes the launch timeout, which KubeSpawner's own
+wait for a running pod reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import time
+
+from jupyterhub.spawner import SpawnException
+from jupyterhub.utils import maybe_future
+from kubespawner import KubeSpawner
+from traitlets import Float, Integer, default
+
+from ..policy.access import Choice
+from ..policy.quantities import format_duration
+from ..policy_spawner import PolicySpawnerMixin
+from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL, pod_is_gated
+from .messages import event_message, eviction_message, waiting_message
+from .state import GoneAwarePodReflector, PendingPollers, WorkloadReflector
+
+# Traits the policy sets per start; their configured values are the base each start builds on.
+_POLICY_TRAITS = (
+    "image", "cpu_limit", "cpu_guarantee", "mem_limit", "mem_guarantee", "extra_resource_limits",
+    "extra_resource_guarantees", "node_selector", "tolerations", "extra_labels", "environment",
+)
+
+
+class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
+    """One user's server as a pod admitted by Kueue against the team's quota."""
+
+    queue_timeout = Float(
+        None, allow_none=True, config=True,
+        help="Seconds a server may wait in the queue before it is withdrawn (default: the policy's defaults.queueTimeout).",
+    )
+    launch_timeout = Float(
+        None, allow_none=True, config=True,
+        help="Seconds from admission until the pod runs (default: the policy's defaults.launchTimeout).",
+    )
+    start_timeout_slack = Integer(
+        60, config=True, help="Seconds added to queue + launch timeout for JupyterHub's start_timeout."
+    )
+    queue_poll_interval = Float(
+        5.0, config=True,
+        help="Seconds between polls of Kueue's visibility API, one poll per LocalQueue however many users wait.",
+    )
+    status_interval = Float(
+        1.0, config=True, help="Seconds between re-reads of the (in-memory) shared state while waiting."
+    )
+
+    @default("profile_list")
+    def _no_kubespawner_profiles(self):
+        return []  # the policy is the profile list (PolicySpawnerMixin renders and checks it)
+
+    # -- the policy applied to the pod ------------------------------------------------
+    def _base(self) -> dict:
+        if not hasattr(self, "_policy_base"):
+            self._policy_base = {name: getattr(self, name) for name in _POLICY_TRAITS}
+        return self._policy_base
+
+    @property
+    def effective_queue_timeout(self) -> float:
+        return self.queue_timeout if self.queue_timeout is not None else self.policy.defaults.queue_timeout
+
+    @property
+    def effective_launch_timeout(self) -> float:
+        return self.launch_timeout if self.launch_timeout is not None else self.policy.defaults.launch_timeout
+
+    def apply_choice(self, choice: Choice) -> None:
+        """Set image, resources, GPU, placement, Kueue labels and env from the policy."""
+        base = self._base()
+        policy, profile, team = self.policy, choice.profile, choice.team
+        self.image = profile.image or policy.defaults.image
+        cpu = (profile.cpu or policy.defaults.cpu) / 1000
+        mem = profile.memory or policy.defaults.memory
+        self.cpu_guarantee = self.cpu_limit = cpu
+        self.mem_guarantee = self.mem_limit = mem
+        limits = dict(base["extra_resource_limits"])
+        guarantees = dict(base["extra_resource_guarantees"])
+        node_selector = dict(base["node_selector"])
+        tolerations = list(self._sorted_dict_values(base["tolerations"]))
+        env = dict(base["environment"])
+        if choice.gpu_count:
+            flavor = policy.flavor(choice.flavor)
+            limits[flavor.resource] = guarantees[flavor.resource] = str(choice.gpu_count)
+            node_selector.update(flavor.node_labels)
+            tolerations += [t.model_dump(exclude_none=True) for t in flavor.tolerations]
+        else:
+            # CUDA images set NVIDIA_VISIBLE_DEVICES=all; without a GPU request that must not expose any.
+            env["NVIDIA_VISIBLE_DEVICES"] = "void"
+        env.update(self.choice_environment(choice))
+        labels = dict(base["extra_labels"])
+        labels.update({QUEUE_LABEL: team.local_queue, TEAM_LABEL: team.name, PROFILE_LABEL: profile.slug})
+        if choice.priority_class:
+            labels[PRIORITY_LABEL] = choice.priority_class
+        self.extra_resource_limits = limits
+        self.extra_resource_guarantees = guarantees
+        self.node_selector = node_selector
+        self.tolerations = tolerations
+        self.extra_labels = labels
+        self.environment = env
+
+    async def load_user_options(self):
+        """Re-validate ``user_options`` against the live policy (4xx on refusal), then apply it."""
+        self._base()
+        self.apply_choice(self.resolve_request())
+
+    # -- start: queue wait, then launch ----------------------------------------------
+    def start(self):
+        self._queued_at = time.monotonic()
+        self._admitted_at = None
+        self._pod_created = False
+        self.stop_reason = None
+        self.start_timeout = int(self.effective_queue_timeout + self.effective_launch_timeout + self.start_timeout_slack)
+        hook = self.after_pod_created_hook
+        if not getattr(hook, "_gpuhub_admission", False):
+            admin_hook = hook
+
+            async def wait_then_admin_hook(spawner, pod):
+                await spawner.wait_for_admission()
+                if admin_hook:
+                    await maybe_future(admin_hook(spawner, pod))
+
+            wait_then_admin_hook._gpuhub_admission = True
+            self.after_pod_created_hook = wait_then_admin_hook
+        return super().start()
+
+    async def _start(self):
+        """KubeSpawner's start, stopped early (and cleaned up) if Kueue deletes the pod."""
+        task = asyncio.ensure_future(super()._start())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.status_interval)
+                if done:
+                    break
+                if self._pod_created and self._admitted_at and self._current_pod() is None:
+                    task.cancel()
+                    raise SpawnException(self._gone_reason(), reason="evicted", status_code=503)
+            return task.result()
+        except TimeoutError:
+            if self._admitted_at:
+                await self._cleanup()
+                raise SpawnException(
+                    f"Your server got its quota but did not start within {format_duration(self.effective_launch_timeout)}; "
+                    "it was stopped. Try again, or ask an administrator if it keeps happening.",
+                    reason="launch_timeout", status_code=503,
+                ) from None
+            raise
+        except BaseException:
+            if not task.done():
+                task.cancel()
+            raise
+
+    async def _cleanup(self):
+        try:
+            await self.stop(now=True)
+        except Exception:
+            self.log.exception("Could not delete pod %s after a failed start", self.pod_name)
+
+    @property
+    def _ref_key(self) -> str:
+        return f"{self.namespace}/{self.pod_name}"
+
+    def _current_pod(self) -> dict | None:
+        reflector = self.pod_reflector
+        return reflector.pods.get(self._ref_key) if reflector else None
+
+    @property
+    def workload_reflector(self) -> WorkloadReflector | None:
+        return self.__class__.reflectors.get(self._get_reflector_key("workloads"))
+
+    async def _start_watching_pods(self, replace=False):
+        # Same reflector as KubeSpawner's, but it remembers deleted pods (the eviction reason).
+        return await self._start_reflector(
+            kind="pods", reflector_class=GoneAwarePodReflector, labels={"component": self.component_label},
+            omit_namespace=self.enable_user_namespaces, replace=replace,
+        )
+
+    async def _start_watching_workloads(self, replace=False):
+        return await self._start_reflector(kind="workloads", reflector_class=WorkloadReflector, replace=replace)
+
+    def _poller(self):
+        return PendingPollers.get(
+            self.namespace, self.choice.team.local_queue, self.queue_poll_interval, self.k8s_api_request_timeout, self.log
+        )
+
+    async def wait_for_admission(self) -> None:
+        """Hold start() while Kueue's gate is on the pod; withdraw after the queue timeout."""
+        self._pod_created = True
+        await self._start_watching_workloads()
+        poller = self._poller()
+        poller.subscribe()
+        deadline = self._queued_at + self.effective_queue_timeout
+        try:
+            while True:
+                pod = self._current_pod()
+                if pod is None:  # KubeSpawner saw it before calling this hook: it was deleted
+                    raise SpawnException(self._gone_reason(), reason="evicted", status_code=503)
+                if pod is not None and not pod_is_gated(pod):
+                    break
+                if time.monotonic() >= deadline:
+                    team = self.choice.team.label
+                    raise SpawnException(
+                        f"Your server waited {format_duration(self.effective_queue_timeout)} in team {team}'s queue "
+                        "without getting quota, so it was withdrawn. Try again later or pick a smaller profile.",
+                        reason="queue_timeout", status_code=503,
+                    )
+                await asyncio.sleep(min(self.status_interval, max(0.0, deadline - time.monotonic())))
+        finally:
+            poller.unsubscribe()
+        self._admitted_at = time.monotonic()
+        self.start_timeout = int(self.effective_launch_timeout)  # read by KubeSpawner's wait for the running pod
+        self.log.info("Server %s admitted by Kueue after %.1fs in the queue", self._log_name, self._admitted_at - self._queued_at)
+
+    # -- what the user sees ------------------------------------------------------------
+    def queue_status(self) -> dict:
+        """The spawn page's current line: ``{"progress": int, "message": str}``."""
+        pod = self._current_pod()
+        if not self._pod_created or pod is None:
+            return {"progress": 5, "message": f"Preparing your server ({self.choice.profile.display_name if self.choice else 'server'})."}
+        if pod_is_gated(pod):
+            wl_reflector = self.workload_reflector
+            workload = wl_reflector.for_pod(self.namespace, self.pod_name) if wl_reflector else None
+            snapshot = self._poller().snapshot
+            pending = snapshot.position(workload["metadata"]["name"]) if workload else None
+            queue_length = len(snapshot.items) if snapshot.fetched_at else None
+            waited = format_duration(time.monotonic() - self._queued_at)
+            text = waiting_message(self.policy, self.choice, workload, pending, queue_length)
+            if snapshot.error:
+                text += " (Queue position temporarily unavailable.)"
+            return {"progress": 10, "message": f"{text} Waiting for {waited}."}
+        best = (50, "Quota granted; your server is being placed on a node.")
+        for event in self.events:
+            words = event_message(event)
+            if words:
+                best = words
+        return {"progress": best[0], "message": best[1]}
+
+    async def progress(self):
+        """Plain-words status while queued and launching; one update per change."""
+        last = None
+        while True:
+            start_future = self._start_future
+            finished = start_future is not None and start_future.done()
+            try:
+                status = self.queue_status()
+            except Exception:  # never break the spawn page over a status read
+                self.log.exception("queue status for %s", self._log_name)
+                status = None
+            if status and status != last:
+                last = status
+                yield status
+            if finished:
+                break
+            await asyncio.sleep(self.status_interval)
+
+    def _gone_reason(self) -> str:
+        reflector = self.workload_reflector
+        workload = None
+        if reflector:
+            workload = reflector.for_pod(self.namespace, self.pod_name) or reflector.gone_for_pod(
+                self.namespace, self.pod_name, since=getattr(self, "_queued_at", 0.0)
+            )
+        pod_reflector = self.pod_reflector
+        gone_pod = pod_reflector.gone.get(self._ref_key, (0, None))[1] if isinstance(pod_reflector, GoneAwarePodReflector) else None
+        reason = eviction_message(workload, gone_pod)
+        if reason:
+            self.log.warning("Server %s stopped by Kueue: %s (workload conditions: %s)", self._log_name, reason,
+                             ((workload or {}).get("status") or {}).get("conditions"))
+            return reason
+        return "Your server's pod was deleted outside the hub (by an administrator or the cluster). Start it again when you are ready."
+
+    async def poll(self):
+        status = await super().poll()
+        if status is not None and self.stop_reason is None:
+            self.stop_reason = self._gone_reason()
+        return status
+
+    stop_reason: str | None = None
+
+    async def stop(self, now=False):
+        self._pod_created = False
+        return await super().stop(now=now)
+
+    # A stopped server's reason survives the hub's clear_state() and restarts, and is shown once on the form.
+    def get_state(self):
+        state = super().get_state()
+        if self.stop_reason:
+            state["gpuhub_stop_reason"] = self.stop_reason
+        return state
+
+    def load_state(self, state):
+        super().load_state(state)
+        self.stop_reason = (state or {}).get("gpuhub_stop_reason") or self.stop_reason
+
+    async def get_options_form(self):
+        form = await super().get_options_form()
+        if self.stop_reason:
+            form = f'<div class="alert alert-info" id="gpuhub-stop-reason">{html.escape(self.stop_reason)}</div>' + form
+        return form

@@ -1,0 +1,1 @@
+"""The one-machine backend: local processes, NVML (or virtual) GPUs, in-hub admission."""

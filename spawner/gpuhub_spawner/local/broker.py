@@ -1,0 +1,66 @@
+"""Hub-wide state of the one-machine backend: the device table and the admission queue.
+
+One instance per hub process (spawners are per server). Created on first use; it
+re-reads the policy every few seconds so queue decisions and the admin status page
+follow edits without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tornado.ioloop import PeriodicCallback
+from traitlets import Integer
+from traitlets.config import SingletonConfigurable
+
+from ..admission.queue import AdmissionQueue
+from ..policy import PolicyStore
+from ..policy.model import Policy
+from .devices import DeviceTable, discover_nvml
+
+log = logging.getLogger("gpuhub.broker")
+
+
+class LocalBroker(SingletonConfigurable):
+    launch_concurrency = Integer(
+        8,
+        help="""Admitted servers that may be launching at once.
+
+        gpuhub sets JupyterHub's concurrent_spawn_limit to 0 because a server waiting in
+        the queue is a pending spawn: counting it would lock everyone out behind a full
+        queue. This limit applies only to servers that were admitted and are starting.""",
+    ).tag(config=True)
+
+    def __init__(self, discover=discover_nvml, **kwargs):
+        super().__init__(**kwargs)
+        self.store = PolicyStore.instance(config=self.config)
+        self.devices = DeviceTable(lambda: self.store.current, discover=discover)
+        self.queue = AdmissionQueue(lambda: self.store.current, self.devices)
+        self.store.on_change(self._policy_changed)
+        self._launch_slots: asyncio.Semaphore | None = None
+        self._watcher: PeriodicCallback | None = None
+        self._ensure_watcher()
+
+    @property
+    def policy(self) -> Policy:
+        return self.store.policy
+
+    @property
+    def launch_slots(self) -> asyncio.Semaphore:
+        if self._launch_slots is None:
+            self._launch_slots = asyncio.Semaphore(self.launch_concurrency)
+        return self._launch_slots
+
+    def _ensure_watcher(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # constructed outside the hub's loop (tests, CLI); no background checks
+        if self._watcher is None:
+            self._watcher = PeriodicCallback(self.store.refresh, self.store.check_interval * 1000)
+            self._watcher.start()
+
+    def _policy_changed(self, policy: Policy) -> None:
+        self.devices.reload(policy)
+        self.queue.schedule()

@@ -1,0 +1,195 @@
+"""GPU inventory and the device table of one machine.
+
+Devices come from NVML (nvidia-ml-py) when a driver is present, MIG slices included,
+and are matched to flavors by the policy's ``local`` rules. Where NVML finds nothing
+(a laptop, CI) each flavor's ``local.virtual`` count of virtual GPUs stands in, so
+everything but CUDA itself can be tried. The table guarantees that no device is ever
+handed to two servers at once, and re-registers holders after a hub restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from ..admission.quota import Demand, describe
+from ..policy.model import Policy
+
+log = logging.getLogger("gpuhub.devices")
+
+
+@dataclass(frozen=True)
+class NvmlDevice:
+    index: int
+    uuid: str  # GPU-... or MIG-...
+    name: str
+    memory_total: int
+
+
+@dataclass(frozen=True)
+class Device:
+    id: str  # what goes into CUDA_VISIBLE_DEVICES
+    flavor: str
+    name: str
+    virtual: bool
+
+
+def _decode(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def discover_nvml() -> list[NvmlDevice]:
+    """Every GPU (or MIG slice, where MIG is on) that NVML reports; [] without a driver."""
+    try:
+        import pynvml
+    except ImportError:  # pragma: no cover - nvidia-ml-py is a dependency
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        log.info("NVML not available (%s): using the policy's virtual GPUs", e)
+        return []
+    found: list[NvmlDevice] = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = _decode(pynvml.nvmlDeviceGetName(handle))
+            migs = []
+            try:
+                current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+                if current == pynvml.NVML_DEVICE_MIG_ENABLE:
+                    for m in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+                        try:
+                            mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, m)
+                        except pynvml.NVMLError:
+                            continue
+                        migs.append(
+                            NvmlDevice(
+                                i,
+                                _decode(pynvml.nvmlDeviceGetUUID(mh)),
+                                _decode(pynvml.nvmlDeviceGetName(mh)),
+                                pynvml.nvmlDeviceGetMemoryInfo(mh).total,
+                            )
+                        )
+            except pynvml.NVMLError:
+                pass  # MIG not supported on this GPU
+            if migs:
+                found.extend(migs)
+            else:
+                found.append(
+                    NvmlDevice(
+                        i,
+                        _decode(pynvml.nvmlDeviceGetUUID(handle)),
+                        name,
+                        pynvml.nvmlDeviceGetMemoryInfo(handle).total,
+                    )
+                )
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+    return found
+
+
+def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
+    """Assign real devices to flavors (explicit list, then name match), or make virtual ones."""
+    if not nvml:
+        devices, n = [], 0
+        for flavor in policy.flavors:
+            for _ in range(flavor.local.virtual):
+                devices.append(Device(str(n), flavor.name, f"virtual {flavor.display_name or flavor.name}", True))
+                n += 1
+        return devices
+    taken: set[str] = set()
+    devices = []
+    for flavor in policy.flavors:
+        rules = flavor.local
+        for d in nvml:
+            if d.uuid in taken:
+                continue
+            if rules.devices is not None:
+                ok = d.index in rules.devices or d.uuid in rules.devices
+            elif rules.match is not None:
+                ok = rules.match.lower() in d.name.lower()
+            else:
+                ok = len(policy.flavors) == 1
+            if ok:
+                taken.add(d.uuid)
+                devices.append(Device(d.uuid, flavor.name, d.name, False))
+    for d in nvml:
+        if d.uuid not in taken:
+            log.warning("GPU %s (%s, %s) matches no flavor in the policy and will not be handed out", d.index, d.name, d.uuid)
+    return devices
+
+
+class DeviceTable:
+    """Which device is held by which server; the only place devices are handed out."""
+
+    def __init__(self, policy: Callable[[], Policy], discover: Callable[[], list[NvmlDevice]] = discover_nvml):
+        self._policy = policy
+        self._nvml = discover()
+        self.devices: list[Device] = build_inventory(policy(), self._nvml)
+        self.owner: dict[str, str] = {}  # device id -> server key
+        log.info(
+            "GPU inventory: %s",
+            ", ".join(f"{d.id}={d.flavor}{' (virtual)' if d.virtual else ''}" for d in self.devices) or "none",
+        )
+
+    def reload(self, policy: Policy) -> None:
+        """Re-match devices to flavors after a policy change; holders keep their devices."""
+        self.devices = build_inventory(policy, self._nvml)
+
+    def _of(self, flavor: str) -> list[Device]:
+        return [d for d in self.devices if d.flavor == flavor]
+
+    def free_devices(self, flavor: str) -> list[Device]:
+        return [d for d in self._of(flavor) if d.id not in self.owner]
+
+    def held_by(self, key: str) -> list[str]:
+        return [dev for dev, owner in self.owner.items() if owner == key]
+
+    # -- the Allocator protocol of the admission queue -----------------------------------
+    def allocate(self, key: str, demand: Demand) -> list[str] | None:
+        chosen: list[str] = []
+        for res, count in demand.items():
+            if not res.startswith("gpu/") or count <= 0:
+                continue
+            free = self.free_devices(res[4:])
+            if len(free) < count:
+                return None
+            chosen.extend(d.id for d in free[:count])
+        for dev in chosen:
+            self.owner[dev] = key
+        return chosen
+
+    def free(self, key: str) -> None:
+        for dev in self.held_by(key):
+            del self.owner[dev]
+
+    def restore(self, key: str, devices: list[str]) -> None:
+        clash = [d for d in devices if self.owner.get(d, key) != key]
+        if clash:
+            raise ValueError(f"devices {clash} of {key} are already held by {[self.owner[d] for d in clash]}")
+        for dev in devices:
+            self.owner[dev] = key
+
+    def shortage(self, demand: Demand) -> str | None:
+        policy = self._policy()
+        for res, count in demand.items():
+            if res.startswith("gpu/") and len(self.free_devices(res[4:])) < count:
+                total = len(self._of(res[4:]))
+                free = len(self.free_devices(res[4:]))
+                return f"needs {describe(res, count, policy)}: only {free} of the {total} on this machine are free"
+        return None
+
+    def never_fits(self, demand: Demand) -> str | None:
+        policy = self._policy()
+        for res, count in demand.items():
+            if res.startswith("gpu/") and len(self._of(res[4:])) < count:
+                return (
+                    f"{describe(res, count, policy)} requested but this machine has only "
+                    f"{describe(res, len(self._of(res[4:])), policy)}."
+                )
+        return None

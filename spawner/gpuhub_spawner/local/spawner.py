@@ -1,0 +1,276 @@
+"""The one-machine spawner: admission in the hub, devices by CUDA_VISIBLE_DEVICES.
+
+``start()`` validates the choice against the live policy, queues the request, waits
+(with the policy's queue timeout, separate from the launch timeout) until the
+admission queue hands it devices, then launches the local process with exactly those
+devices visible. Devices return to the queue the moment the process exits — stop,
+cull or crash — watched with a pidfd rather than a poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
+from tornado import web
+
+from ..admission.queue import Admission, QueueRefused, Ticket
+from ..admission.quota import demand_for, describe
+from ..policy.access import ChoiceError, resolve_choice
+from ..policy.quantities import format_duration
+from ..policy_spawner import PolicySpawnerMixin
+from .broker import LocalBroker
+
+
+def _process_env(pid: int) -> dict[str, str] | None:
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return None
+    env = {}
+    for item in raw.split(b"\0"):
+        if b"=" in item:
+            k, _, v = item.partition(b"=")
+            env[k.decode(errors="replace")] = v.decode(errors="replace")
+    return env
+
+
+class QueuedGpuMixin(PolicySpawnerMixin):
+    """Admission and device hand-out; mixed into a local process spawner."""
+
+    _ticket: Ticket | None = None
+    _admission: Admission | None = None
+    _exit_fd: int | None = None
+
+    @property
+    def broker(self) -> LocalBroker:
+        return LocalBroker.instance(config=self.config)
+
+    @property
+    def server_key(self) -> str:
+        return f"{self.user.name}/{self.name}"
+
+    @property
+    def devices(self) -> list[str]:
+        return list(self._admission.devices) if self._admission else []
+
+    # -- timeouts: JupyterHub wraps all of start() in start_timeout ---------------------
+    def run_pre_spawn_hook(self):
+        defaults = self.broker.policy.defaults
+        self.start_timeout = int(defaults.queue_timeout + defaults.launch_timeout)
+        return super().run_pre_spawn_hook()
+
+    # -- the form shows what is free ----------------------------------------------------
+    def profile_status_hook(self, team, profile) -> str:
+        if not profile.gpu_count:
+            return ""
+        key = f"gpu/{profile.gpu.flavor}"
+        table = self.broker.devices
+        free = len(table.free_devices(profile.gpu.flavor))
+        total = len([d for d in table.devices if d.flavor == profile.gpu.flavor])
+        used = self.broker.queue.usage().get(team.name, {}).get(key, 0)
+        quota = team.quota.gpus.get(profile.gpu.flavor)
+        waiting = sum(1 for t in self.broker.queue.waiting if t.team == team.name)
+        return (
+            f"Now: {free} of {total} free on this machine; {team.label} uses {used} of its quota of "
+            f"{quota.nominal if quota else 0}; {waiting} waiting in {team.label}'s queue."
+        )
+
+    # -- start ----------------------------------------------------------------------------
+    async def start(self):
+        self.broker.store.refresh()
+        choice = self.resolve_request()
+        policy = self.broker.policy
+        demand = demand_for(policy, choice.profile)
+        ticket = Ticket(
+            key=self.server_key,
+            user=self.user.name,
+            team=choice.team.name,
+            profile=choice.profile.slug,
+            demand=demand,
+            priority=choice.priority,
+        )
+        try:
+            self.broker.queue.submit(ticket)
+        except QueueRefused as e:
+            raise web.HTTPError(409, str(e), reason=str(e)) from None
+        self._ticket = ticket
+        queue_timeout = policy.defaults.queue_timeout
+        try:
+            self._admission = await asyncio.wait_for(asyncio.shield(ticket.future), queue_timeout)
+        except asyncio.TimeoutError:
+            self.broker.queue.cancel(ticket.key)
+            wanted = ", ".join(describe(k, v, policy) for k, v in sorted(demand.items()) if k.startswith("gpu/"))
+            msg = (
+                f"Your server waited {format_duration(queue_timeout)} in {choice.team.label}'s queue "
+                f"without getting {wanted or 'its resources'}, so the request was withdrawn. "
+                "Try again later or choose a smaller profile."
+            )
+            self.log.warning("Queue timeout for %s: %s", ticket.key, msg)
+            raise web.HTTPError(503, msg, reason=msg) from None
+        except asyncio.CancelledError:
+            # The user left the queue (stop button / DELETE) or the hub is shutting down.
+            if not self.broker.queue.cancel(ticket.key):
+                self.broker.queue.release(ticket.key)
+            raise
+        try:
+            async with self.broker.launch_slots:
+                url = await asyncio.wait_for(super().start(), policy.defaults.launch_timeout)
+        except BaseException:
+            self.broker.queue.release(ticket.key)
+            self._admission = None
+            raise
+        self._watch_exit(self.pid)
+        return url
+
+    def get_env(self):
+        env = super().get_env()
+        if self.choice is not None:
+            env.update(self.choice_environment(self.choice))
+        # Always set, even empty: a CPU profile must not see the machine's GPUs.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
+        env["GPUHUB_DEVICES"] = ",".join(self.devices)
+        return env
+
+    # -- release -----------------------------------------------------------------------------
+    def _watch_exit(self, pid: int) -> None:
+        """Release devices the moment ``pid`` exits (pidfd: event-driven, no polling)."""
+        if not pid or not hasattr(os, "pidfd_open"):
+            return
+        self._unwatch()
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            self._release("process already gone")
+            return
+        loop = asyncio.get_running_loop()
+        self._exit_fd = fd
+
+        def exited():
+            self._unwatch()
+            if self.proc is not None:
+                self.proc.poll()  # reap our child
+            self.log.info("Server %s (pid %s) exited", self.server_key, pid)
+            self._release("process exited")
+
+        loop.add_reader(fd, exited)
+
+    def _unwatch(self) -> None:
+        if self._exit_fd is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self._exit_fd)
+            except RuntimeError:
+                pass
+            os.close(self._exit_fd)
+            self._exit_fd = None
+
+    def _release(self, why: str) -> None:
+        if self._admission is not None:
+            self.log.info("Releasing %s for %s: %s", self._admission.devices or "resources", self.server_key, why)
+        self.broker.queue.release(self.server_key)
+        self._admission = None
+
+    async def poll(self):
+        status = await super().poll()
+        if status is not None and self._admission is not None:
+            self._unwatch()
+            self._release("found stopped")
+        return status
+
+    async def stop(self, now=False):
+        self.broker.queue.cancel(self.server_key)
+        try:
+            await super().stop(now=now)
+        finally:
+            self._unwatch()
+            self._release("stopped")
+            self._ticket = None
+
+    # -- restarts -----------------------------------------------------------------------------
+    def get_state(self):
+        state = super().get_state()
+        if self._admission is not None:
+            a = self._admission
+            state["gpuhub"] = {
+                "team": a.team,
+                "profile": a.profile,
+                "demand": a.demand,
+                "devices": a.devices,
+                "since": a.since,
+            }
+        return state
+
+    def load_state(self, state):
+        super().load_state(state)
+        saved = state.get("gpuhub")
+        if not saved or not self.pid or self._admission is not None:
+            return
+        try:
+            os.kill(self.pid, 0)
+        except OSError:
+            return  # not running: nothing to restore, poll() will clear it
+        env = _process_env(self.pid)
+        devices = saved["devices"]
+        if env is not None and "GPUHUB_DEVICES" in env:
+            devices = [d for d in env["GPUHUB_DEVICES"].split(",") if d]  # what really runs
+        adm = Admission(
+            self.server_key, self.user.name, saved["team"], saved["profile"], saved["demand"], devices, saved.get("since", time.time())
+        )
+        try:
+            self.broker.queue.restore(adm)
+        except ValueError as e:
+            self.log.error("Cannot restore %s's allocation: %s", self.server_key, e)
+            return
+        self._admission = adm
+        try:
+            self.choice = resolve_choice(self.broker.policy, self.user_groups, self.user_options or {"profile": saved["profile"], "team": saved["team"]})
+        except ChoiceError:
+            self.choice = None
+        self.log.info("Restored %s holding %s after restart", self.server_key, devices or "no devices")
+        try:
+            self._watch_exit(self.pid)
+        except RuntimeError:
+            pass  # no running loop yet; poll() will notice an exit
+
+    # -- progress on the spawn page -----------------------------------------------------------
+    async def progress(self):
+        ticket = self._ticket
+        if ticket is None:
+            return
+        version = -1
+        started = ticket.created
+        timeout = self.broker.policy.defaults.queue_timeout
+        while ticket.admission is None and not ticket.future.done():
+            if ticket.status is not None:
+                waited = time.time() - started
+                yield {
+                    "progress": 10,
+                    "message": f"{ticket.status.message} Waited {format_duration(waited)}; the request is "
+                    f"withdrawn after {format_duration(timeout)}. You will start automatically when it is your turn.",
+                    "gpuhub": {
+                        "position": ticket.status.position,
+                        "waiting": ticket.status.waiting_in_team,
+                        "team": ticket.status.team,
+                        "in_use": ticket.status.in_use,
+                        "reason": ticket.status.reason,
+                    },
+                }
+            version = ticket.version
+            await ticket.changed(version, timeout=30)
+        adm = ticket.admission
+        if adm is not None:
+            what = f"GPU(s) {', '.join(adm.devices)}" if adm.devices else "no GPU"
+            yield {"progress": 50, "message": f"Admitted with {what}; starting your server."}
+
+
+class LocalGpuSpawner(QueuedGpuMixin, LocalProcessSpawner):
+    """Production one-machine spawner: servers run as the matching system user."""
+
+
+class SimpleLocalGpuSpawner(QueuedGpuMixin, SimpleLocalProcessSpawner):
+    """Demo/CI spawner: servers run as the hub's user with per-user home directories.
+
+    No isolation between users' files; use ``LocalGpuSpawner`` with system users in production.
+    """

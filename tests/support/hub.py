@@ -1,0 +1,236 @@
+"""Start a real JupyterHub (our config, our spawner) as a subprocess, on free ports.
+
+Tests talk to it the way users do: log in through the login form, then use the REST
+API with a token of their own. Every single-user server started by the hub carries
+``GPUHUB_TEST_RUN`` in its environment so teardown can find and kill leftovers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "jupyterhub_config" / "jupyterhub_config.py"
+PASSWORD = "test-password-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes_with_env(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+class Hub:
+    def __init__(self, workdir: Path, policy_text: str, extra_config: str = ""):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.data = self.workdir / "data"
+        self.policy = self.workdir / "policy.yaml"
+        self.policy.write_text(policy_text)
+        self.run_id = uuid.uuid4().hex
+        self.port = free_port()
+        self.hub_port = free_port()
+        self.proxy_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = self.workdir / "jupyterhub_config.py"
+        self.config.write_text(
+            f"exec(open({str(CONFIG)!r}).read())\n"
+            f"c.Spawner.environment = {{'GPUHUB_TEST_RUN': {self.run_id!r}}}\n"
+            "c.JupyterHub.log_level = 'DEBUG'\n"
+            "c.Spawner.debug = False\n"
+            "c.Spawner.default_url = '/tree'\n"
+            + extra_config
+        )
+        self.proc: subprocess.Popen | None = None
+        self.log = self.workdir / "hub.log"
+        self.started_in: float | None = None
+
+    @property
+    def env(self) -> dict:
+        return dict(
+            os.environ,
+            GPUHUB_DATA_DIR=str(self.data),
+            GPUHUB_POLICY=str(self.policy),
+            GPUHUB_PORT=str(self.port),
+            GPUHUB_HUB_PORT=str(self.hub_port),
+            GPUHUB_PROXY_API_PORT=str(self.proxy_port),
+            GPUHUB_DEMO_PASSWORD=PASSWORD,
+        )
+
+    def start(self, timeout: float = 60) -> "Hub":
+        t0 = time.perf_counter()
+        logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterhub", "-f", str(self.config)],
+            cwd=self.workdir, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hub exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/hub/api/", timeout=2).status_code == 200:
+                    self.started_in = time.perf_counter() - t0
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"hub did not answer in {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, kill_servers: bool = True, timeout: float = 30) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if kill_servers:
+            self.kill_servers()
+
+    def kill_servers(self) -> None:
+        pidfile = self.data / "proxy.pid"
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass
+        for pid in processes_with_env(f"GPUHUB_TEST_RUN={self.run_id}"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def login(self, name: str, password: str = PASSWORD) -> "UserClient":
+        return UserClient(self, name, password)
+
+
+class UserClient:
+    def __init__(self, hub: Hub, name: str, password: str):
+        self.hub = hub
+        self.name = name
+        self.session = requests.Session()
+        self.session.get(hub.url + "/hub/login")
+        xsrf = self.session.cookies.get("_xsrf")
+        r = self.session.post(
+            hub.url + "/hub/login",
+            data={"username": name, "password": password, "_xsrf": xsrf},
+            allow_redirects=False,
+        )
+        if r.status_code != 302:
+            raise PermissionError(f"login as {name} failed: {r.status_code}")
+        xsrf = self.session.cookies.get("_xsrf", path="/hub/") or xsrf
+        r = self.session.post(
+            f"{hub.url}/hub/api/users/{name}/tokens",
+            headers={"X-XSRFToken": xsrf},
+            json={"note": "tests"},
+        )
+        r.raise_for_status()
+        self.token = r.json()["token"]
+        self.api = requests.Session()
+        self.api.headers["Authorization"] = f"token {self.token}"
+
+    def url(self, path: str) -> str:
+        return f"{self.hub.url}/hub/api{path}"
+
+    def model(self) -> dict:
+        r = self.api.get(self.url(f"/users/{self.name}"))
+        r.raise_for_status()
+        return r.json()
+
+    def server(self, name: str = "") -> dict | None:
+        return self.model()["servers"].get(name)
+
+    def start(self, profile: str | None = None, server: str = "", **options) -> requests.Response:
+        if profile is not None:
+            options["profile"] = profile
+        path = f"/users/{self.name}/servers/{server}" if server else f"/users/{self.name}/server"
+        return self.api.post(self.url(path), json=options)
+
+    def stop(self, server: str = "") -> requests.Response:
+        path = f"/users/{self.name}/servers/{server}" if server else f"/users/{self.name}/server"
+        return self.api.delete(self.url(path))
+
+    def wait_ready(self, server: str = "", timeout: float = 90) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            s = self.server(server)
+            if s and s.get("ready"):
+                return s
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name}'s server {server!r} not ready after {timeout}s: {self.server(server)}\n{self.hub.tail()}")
+
+    def wait_gone(self, server: str = "", timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.server(server) is None:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name}'s server {server!r} still there: {self.server(server)}")
+
+    def progress(self, server: str = "", until=lambda evt: True, timeout: float = 30) -> list[dict]:
+        """Read the spawn progress event stream until ``until(event)`` holds."""
+        path = f"/users/{self.name}/servers/{server}/progress" if server else f"/users/{self.name}/server/progress"
+        events = []
+        with self.api.get(self.url(path), stream=True, timeout=timeout) as r:
+            r.raise_for_status()
+            for line in r.iter_lines(decode_unicode=True):
+                if not line or not line.startswith("data:"):
+                    continue
+                evt = json.loads(line[5:])
+                events.append(evt)
+                if until(evt) or evt.get("ready") or evt.get("failed"):
+                    break
+        return events
+
+    def server_env(self, server: str = "") -> dict[str, str]:
+        """The real environment of this user's running server process."""
+        s = self.server(server)
+        assert s and s.get("ready"), s
+        r = requests.get(
+            self.hub.url + s["url"] + "api/status",
+            headers={"Authorization": f"token {self.token}"},
+        )
+        r.raise_for_status()
+        for pid in processes_with_env(f"GPUHUB_TEST_RUN={self.hub.run_id}"):
+            env = _environ(pid)
+            if env.get("JUPYTERHUB_USER") == self.name and env.get("JUPYTERHUB_SERVER_NAME", "") == server:
+                return env
+        raise LookupError(f"no process for {self.name}/{server}")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)

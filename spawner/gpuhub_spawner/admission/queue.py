@@ -86,13 +86,23 @@ class Ticket:
 
     def __post_init__(self):
         self._future: asyncio.Future | None = None
+        self._cancelled = False
         self._changed = asyncio.Event()
 
     @property
     def future(self) -> asyncio.Future:
+        """Resolves to the ``Admission``; cancelled when the request leaves the queue."""
         if self._future is None:
             self._future = asyncio.get_running_loop().create_future()
+            if self._cancelled:
+                self._future.cancel()
         return self._future
+
+    def _cancel(self) -> None:
+        self._cancelled = True
+        if self._future is not None and not self._future.done():
+            self._future.cancel()
+        self._notify()
 
     def _notify(self) -> None:
         self.version += 1
@@ -148,8 +158,7 @@ class AdmissionQueue:
         if ticket is None:
             return False
         self.waiting.remove(ticket)
-        if ticket._future is not None and not ticket._future.done():
-            ticket._future.cancel()
+        ticket._cancel()
         log.info("Request %s left the queue", key)
         self.schedule()
         return True

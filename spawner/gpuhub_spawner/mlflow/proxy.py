@@ -216,7 +216,7 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         headers["Host"] = self.state.upstream_hostport
         headers["Authorization"] = self.state.accounts.user_auth(username)
         headers["X-Forwarded-User"] = username
-        url = self.state.upstream_base + self.state.prefix + rel
+        url = self.state.upstream_root + rel
         if self.request.query:
             url += "?" + self.request.query
         method = self.request.method
@@ -242,8 +242,8 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             self.add_header(name, value)
 
     def _rewrite_location(self, value: str) -> str:
-        up = self.state.upstream_base
-        return value[len(up):] if value.startswith(up) else value
+        root = self.state.upstream_root
+        return self.state.prefix + value[len(root):] if value.startswith(root) else value
 
     async def _stream(self, rel: str, body: bytes, username: str):
         """Artifacts can be large: relay the response as it arrives."""

@@ -185,8 +185,13 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
         line_col = positions.mark(loc, key=key) or (None, None)
         issues.append(PolicyIssue(format_loc(loc), *line_col, message))
 
-    for loc, _node in positions.duplicate_keys():
-        add(loc, f"key {loc[-1]!r} appears twice; the second would silently win", key=True)
+    for loc, node in positions.duplicate_keys():
+        issues.append(
+            PolicyIssue(
+                format_loc(loc), node.start_mark.line + 1, node.start_mark.column + 1,
+                f"key {loc[-1]!r} appears twice; the second would silently win",
+            )
+        )
 
     if not isinstance(data, dict):
         add((), "the policy must be a mapping with teams, profiles, flavors, ...")

@@ -1,0 +1,65 @@
+"""MLflow run-context provider: every run from a gpuhub server is tagged with where
+it came from, with no code in the notebook.
+
+Registered as entry point ``mlflow.run_context_provider`` (``gpuhub``). MLflow
+instantiates it when its context registry loads (``import mlflow``); that is also
+when GPU servers turn on system-metrics logging (GPU utilisation and memory through
+nvidia-ml-py), unless the user already chose otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mlflow.tracking.context.abstract_context import RunContextProvider
+
+from . import gitinfo, identity
+
+TAG_PREFIX = "gpuhub."
+
+
+def tags_for(ident: identity.ServerIdentity | None, git: gitinfo.GitState | None) -> dict[str, str]:
+    tags: dict[str, str] = {}
+    if ident is not None:
+        tags.update({
+            "mlflow.user": ident.user,
+            f"{TAG_PREFIX}user": ident.user,
+            f"{TAG_PREFIX}team": ident.team,
+            f"{TAG_PREFIX}profile": ident.profile,
+            f"{TAG_PREFIX}image": ident.image,
+            f"{TAG_PREFIX}gpu.flavor": ident.gpu_flavor or "none",
+            f"{TAG_PREFIX}gpu.count": str(ident.gpu_count),
+            f"{TAG_PREFIX}server": ident.server_name or "default",
+        })
+        if ident.image_digest:
+            tags[f"{TAG_PREFIX}image.digest"] = ident.image_digest
+    if git is not None:
+        tags.update({
+            "mlflow.source.git.commit": git.commit,
+            f"{TAG_PREFIX}git.commit": git.commit,
+            f"{TAG_PREFIX}git.dirty": "true" if git.dirty else "false",
+        })
+        if git.branch and git.branch != "HEAD":
+            tags["mlflow.source.git.branch"] = git.branch
+    return tags
+
+
+def enable_gpu_system_metrics(ident: identity.ServerIdentity | None, environ=None) -> bool:
+    """On GPU servers, log system metrics unless the user set the variable themselves."""
+    env = os.environ if environ is None else environ
+    if ident is None or not ident.has_gpu:
+        return False
+    env.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")
+    return env["MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"].lower() in ("true", "1")
+
+
+class GpuhubRunContext(RunContextProvider):
+    def __init__(self):
+        self._ident = identity.current()
+        enable_gpu_system_metrics(self._ident)
+
+    def in_context(self) -> bool:
+        return self._ident is not None
+
+    def tags(self) -> dict[str, str]:
+        return tags_for(self._ident, gitinfo.state())

@@ -1,0 +1,175 @@
+"""Central MLflow for gpuhub: one call wires it into the hub config.
+
+``configure(c, data_dir=...)`` adds a hub-managed service ``mlflow`` that runs an
+MLflow tracking server (``--app-name basic-auth``, bound to 127.0.0.1) behind an
+authenticating proxy (see ``proxy.py``). Browsers reach it with their hub login
+(OAuth, no second password); notebooks reach it with their own server's
+``JUPYTERHUB_API_TOKEN``, which the ``gpuhub_notebook`` package sends as a bearer
+token. No MLflow password is ever handed to a user environment. See docs/mlflow.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["configure", "SERVICE_ROLE"]
+
+SERVICE_ROLE = "gpuhub-mlflow-service"
+
+
+def _merge_list(existing: Any, additions: list) -> list:
+    out = list(existing or [])
+    for item in additions:
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def _section_get(section, name: str, default=None):
+    """A traitlets Config value if it was set (not a LazyConfigValue), else ``default``."""
+    return section[name] if name in section else default
+
+
+def configure(
+    c,
+    *,
+    data_dir: str,
+    service_name: str = "mlflow",
+    host: str = "127.0.0.1",
+    port: int = 10101,
+    tracking_uri: str | None = None,
+    policy_path: str | None = None,
+    external_url: str | None = None,
+    admin_credentials_file: str | None = None,
+    backend_store_uri: str | None = None,
+    artifacts_destination: str | None = None,
+    auth_db_uri: str | None = None,
+    reconcile_interval: float = 60.0,
+    token_env: bool = False,
+    link_name: str = "MLflow",
+    python: str | None = None,
+    extra_args: list[str] | None = None,
+    service_environment: dict[str, str] | None = None,
+) -> dict:
+    """Add the MLflow service, its role, user access and single-user environment to ``c``.
+
+    Merges into (never replaces) ``c.JupyterHub.services``, ``c.JupyterHub.load_roles``,
+    ``c.JupyterHub.extra_user_scopes``, ``c.Spawner.server_token_scopes``,
+    ``c.Spawner.environment`` and ``c.JupyterHub.template_vars["gpuhub_links"]``.
+
+    Args:
+        data_dir: where the service keeps its key, state, and (one machine) the SQLite
+            stores and artifacts. Must be private to the hub's Unix user.
+        host, port: where the service listens (``url`` of the hub service).
+        tracking_uri: what notebooks use as ``MLFLOW_TRACKING_URI``. Default: the
+            service's own address (one machine). On Kubernetes, an address pods can
+            reach, e.g. ``http://proxy-public/services/mlflow``.
+        policy_path: the policy YAML, to map hub groups to teams (team read access).
+        external_url: an existing MLflow server (basic-auth app) to front instead of
+            starting one; its admin credentials come from ``admin_credentials_file``
+            or the service environment (``GPUHUB_MLFLOW_ADMIN_USERNAME/PASSWORD``).
+        backend_store_uri, artifacts_destination, auth_db_uri: override the SQLite /
+            local-directory defaults (PostgreSQL, ``s3://...``).
+        token_env: also set ``MLFLOW_TRACKING_TOKEN`` (= the server's own hub token) for
+            images without ``gpuhub-notebook``. Off by default: the token is then sent
+            only to this tracking URI, by ``gpuhub_notebook``'s request-header provider.
+        service_environment: extra environment for the service (e.g. S3 settings).
+
+    Returns the service definition that was added.
+    """
+    hub = c.JupyterHub
+    base_url = _section_get(hub, "base_url", "/") or "/"
+    if not base_url.endswith("/"):
+        base_url += "/"
+    prefix = f"{base_url}services/{service_name}/"
+    command = [python or sys.executable, "-m", "gpuhub_spawner.mlflow", "--data-dir", str(data_dir),
+               "--reconcile-interval", str(reconcile_interval)]
+    if policy_path:
+        command += ["--policy", str(policy_path)]
+    if external_url:
+        command += ["--external-url", external_url]
+    if admin_credentials_file:
+        command += ["--admin-credentials-file", str(admin_credentials_file)]
+    if backend_store_uri:
+        command += ["--backend-store-uri", backend_store_uri]
+    if artifacts_destination:
+        command += ["--artifacts-destination", artifacts_destination]
+    if auth_db_uri:
+        command += ["--auth-db-uri", auth_db_uri]
+    for arg in extra_args or []:
+        command += ["--mlflow-arg", arg]
+
+    service = {
+        "name": service_name,
+        "url": f"http://{host}:{port}",
+        "command": command,
+        "oauth_no_confirm": True,
+        "display": True,
+        "info": {"description": "Central MLflow tracking server (hub login)"},
+        "environment": {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", **(service_environment or {})},
+    }
+    services = [s for s in _section_get(hub, "services", []) if s.get("name") != service_name]
+    hub.services = services + [service]
+
+    # The service lists users (to revoke removed ones) and reads their groups (teams).
+    roles = [r for r in _section_get(hub, "load_roles", []) if r.get("name") != SERVICE_ROLE]
+    roles.append({
+        "name": SERVICE_ROLE,
+        "description": "gpuhub MLflow service: map hub users and groups to MLflow accounts",
+        "scopes": ["list:users", "read:users:name", "read:users:groups"],
+        "services": [service_name],
+    })
+    hub.load_roles = roles
+
+    access = f"access:services!service={service_name}"
+    # Every hub user may use MLflow (browser OAuth), and so may their servers' tokens.
+    hub.extra_user_scopes = set(_section_get(hub, "extra_user_scopes", set()) or set()) | {access}
+
+    spawner = c.Spawner
+    existing_scopes = _section_get(spawner, "server_token_scopes", None)
+    if callable(existing_scopes):
+        def server_token_scopes(sp, _inner=existing_scopes):
+            import inspect
+
+            result = _inner(sp)
+            if inspect.isawaitable(result):
+                async def merged():
+                    return _merge_list(await result, [access])
+                return merged()
+            return _merge_list(result, [access])
+
+        spawner.server_token_scopes = server_token_scopes
+    else:
+        # Empty means "the server role"; keep its scopes when adding ours.
+        base = list(existing_scopes or ["users:activity!user", "access:servers!server"])
+        spawner.server_token_scopes = _merge_list(base, [access])
+
+    uri = tracking_uri or f"http://{host}:{port}{prefix}".rstrip("/")
+    env = dict(_section_get(spawner, "environment", {}) or {})
+    env.update({
+        "MLFLOW_TRACKING_URI": uri,
+        # gpuhub_notebook sends the server's hub token only to this URI.
+        "GPUHUB_MLFLOW_TRACKING_URI": uri,
+        "MLFLOW_EXPERIMENT_NAME": _personal_experiment,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    })
+    if token_env:
+        env["MLFLOW_TRACKING_TOKEN"] = _server_token
+    spawner.environment = env
+
+    tv = dict(_section_get(hub, "template_vars", {}) or {})
+    links = [l for l in tv.get("gpuhub_links", []) if l.get("name") != link_name]
+    links.append({"name": link_name, "url": prefix})
+    tv["gpuhub_links"] = links
+    hub.template_vars = tv
+    return service
+
+
+def _personal_experiment(spawner) -> str:
+    """Each user's runs go to ``users/<name>`` unless the notebook picks another experiment."""
+    return f"users/{spawner.user.name}"
+
+
+def _server_token(spawner) -> str:
+    return spawner.api_token

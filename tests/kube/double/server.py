@@ -1,0 +1,831 @@
+"""A test double of the Kubernetes API server, Kueue and a kubelet, on 127.0.0.1.
+
+Only what KubeSpawner and KueueSpawner use, behaving like the real thing where it
+matters: list/watch with resourceVersion (replay, synthetic ADDED for rv 0, 410 for
+compacted history, timeoutSeconds), 404/409, strict validation of every object
+written (``schemas.py``), Kueue's pod webhook (scheduling gate, Workload), a small
+admission loop over the rendered ClusterQueues, the visibility API, and a kubelet
+that runs an admitted pod's own container command and env as a local process.
+
+It runs in its own thread and event loop, like a separate server. Test code calls
+the public methods from any thread; they hop onto the double's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from aiohttp import web
+
+from gpuhub_spawner.kube.kueue import (
+    ADMISSION_GATE, API_VERSION, JOB_UID_LABEL, MANAGED_LABEL, PRIORITY_LABEL, QUEUE_LABEL, owner_pod_name,
+)
+from gpuhub_spawner.policy.quantities import parse_cpu_millis, parse_memory_bytes
+
+from .schemas import InvalidObject, validate
+
+TOKEN = "double-token"
+HISTORY_KEEP = 5000
+KUEUE_KINDS = {"workloads": "Workload", "localqueues": "LocalQueue", "clusterqueues": "ClusterQueue",
+               "resourceflavors": "ResourceFlavor", "workloadpriorityclasses": "WorkloadPriorityClass"}
+CORE_KINDS = {"pods": "Pod", "events": "Event"}
+CLUSTER_SCOPED = {"clusterqueues", "resourceflavors", "workloadpriorityclasses"}
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status(code: int, reason: str, message: str) -> web.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code}
+    return web.json_response(body, status=code)
+
+
+def _match_labels(obj: dict, selector: str) -> bool:
+    labels = obj["metadata"].get("labels") or {}
+    for term in filter(None, (selector or "").split(",")):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            if labels.get(k) == v:
+                return False
+        elif "=" in term:
+            k, v = term.split("=", 1)
+            if labels.get(k.rstrip("=")) != v:
+                return False
+        elif labels.get(term) is None:
+            return False
+    return True
+
+
+def _match_fields(obj: dict, selector: str) -> bool:
+    for term in filter(None, (selector or "").split(",")):
+        k, v = term.split("=", 1)
+        value = obj
+        for part in k.rstrip("=").split("."):
+            value = (value or {}).get(part) if isinstance(value, dict) else None
+        if str(value) != v:
+            return False
+    return True
+
+
+@dataclass
+class Fault:
+    method: str
+    path: re.Pattern
+    status: int
+    times: int
+
+
+class Watcher:
+    def __init__(self, plural, namespace, labels, fields):
+        self.plural, self.namespace, self.labels, self.fields = plural, namespace, labels, fields
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def wants(self, plural, obj) -> bool:
+        return (plural == self.plural and (self.namespace is None or obj["metadata"].get("namespace") == self.namespace)
+                and _match_labels(obj, self.labels) and _match_fields(obj, self.fields))
+
+
+class KubeDouble:
+    def __init__(self, workdir: Path, node_env: dict[str, str] | None = None):
+        self.workdir = Path(workdir)
+        self.node_env = node_env or {}
+        self.loop = asyncio.new_event_loop()
+        self.port = None
+        self._thread = threading.Thread(target=self._serve, name="kube-double", daemon=True)
+        self._ready = threading.Event()
+        self._reset_state()
+
+    # -- lifecycle ------------------------------------------------------------------
+    def _reset_state(self):
+        self.objects: dict[tuple[str, str | None, str], dict] = {}
+        self.rv = itertools.count(1000)
+        self.last_rv = 999
+        self.history: list[tuple[int, str, str, dict]] = []
+        self.watchers: list[Watcher] = []
+        self.watch_responses: list[web.StreamResponse] = []
+        self.calls: Counter = Counter()
+        self.faults: list[Fault] = []
+        self.invalid: list[str] = []
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.auto_admit = True
+
+    def start(self) -> "KubeDouble":
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def _serve(self):
+        asyncio.set_event_loop(self.loop)
+        app = web.Application(middlewares=[self._middleware])
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        self.runner = web.AppRunner(app, handle_signals=False)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self._tick_task = self.loop.create_task(self._ticker())
+        self._ready.set()
+        self.loop.run_forever()
+
+    def call(self, fn, *args, **kwargs):
+        """Run ``fn`` (sync or async) on the double's loop and return its result."""
+        async def run():
+            result = fn(*args, **kwargs)
+            if asyncio.iscoroutine(result):
+                result = await result
+            return result
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+
+    def reset(self):
+        """Kill pod processes, drop watches and forget every object."""
+        def do():
+            for proc in self.processes.values():
+                self._kill(proc)
+            self._close_watches()
+            self._reset_state()
+        self.call(do)
+
+    def close(self):
+        self.reset()
+        self.call(self.runner.cleanup)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kubeconfig(self) -> str:
+        return json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "double",
+            "clusters": [{"name": "double", "cluster": {"server": self.url}}],
+            "users": [{"name": "hub", "user": {"token": TOKEN}}],
+            "contexts": [{"name": "double", "context": {"cluster": "double", "user": "hub", "namespace": "gpuhub"}}],
+        })
+
+    # -- test controls (any thread) ------------------------------------------------------
+    def apply(self, objs: list[dict]):
+        def do():
+            for obj in objs:
+                obj = copy.deepcopy(obj)
+                validate(obj)
+                plural = next(p for p, k in KUEUE_KINDS.items() if k == obj["kind"])
+                self._write(plural, obj["metadata"].get("namespace"), obj, "ADDED")
+            self._reconcile()
+        self.call(do)
+
+    def fail(self, method: str, path_regex: str, status: int = 500, times: int = 1):
+        self.call(lambda: self.faults.append(Fault(method.upper(), re.compile(path_regex), status, times)))
+
+    def drop_watches(self):
+        self.call(self._close_watches)
+
+    def get(self, plural, namespace, name) -> dict | None:
+        return self.call(lambda: copy.deepcopy(self.objects.get((plural, namespace, name))))
+
+    def list(self, plural, namespace=None) -> list[dict]:
+        return self.call(lambda: [copy.deepcopy(o) for (p, ns, _), o in sorted(self.objects.items(), key=lambda kv: str(kv[0]))
+                                  if p == plural and (namespace is None or ns == namespace)])
+
+    def workload_for(self, namespace, pod_name) -> dict | None:
+        return next((w for w in self.list("workloads", namespace) if owner_pod_name(w) == pod_name), None)
+
+    def preempt(self, namespace: str, pod_name: str, preempted_reason: str = "InClusterQueue"):
+        """What Kueue does to a preempted plain pod: Workload conditions, pod condition, delete."""
+        self.call(self._preempt, namespace, pod_name, preempted_reason)
+
+    def count(self, method: str | None = None, what: str | None = None) -> int:
+        return self.call(lambda: sum(n for (m, w), n in self.calls.items()
+                                     if (method is None or m == method) and (what is None or w == what)))
+
+    # -- storage and watch fan-out -----------------------------------------------------
+    def _write(self, plural, namespace, obj, event_type):
+        rv = next(self.rv)
+        self.last_rv = rv
+        meta = obj["metadata"]
+        meta["resourceVersion"] = str(rv)
+        if event_type == "ADDED":
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", now_iso())
+            meta.setdefault("generation", 1)
+        key = (plural, namespace, meta["name"])
+        if event_type == "DELETED":
+            self.objects.pop(key, None)
+        else:
+            self.objects[key] = obj
+        snapshot = copy.deepcopy(obj)
+        self.history.append((rv, event_type, plural, snapshot))
+        if len(self.history) > HISTORY_KEEP:
+            del self.history[: len(self.history) - HISTORY_KEEP]
+        for w in self.watchers:
+            if w.wants(plural, snapshot):
+                w.queue.put_nowait((event_type, snapshot))
+        if plural != "events":
+            self._schedule_reconcile()
+        return obj
+
+    def _close_watches(self):
+        for w in self.watchers:
+            w.queue.put_nowait(None)
+        self.watchers = []
+
+    # -- HTTP ------------------------------------------------------------------------
+    @web.middleware
+    async def _middleware(self, request, handler):
+        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return _status(401, "Unauthorized", "Unauthorized")
+        for fault in self.faults:
+            if fault.times > 0 and fault.method in (request.method, "*") and fault.path.search(request.path_qs):
+                fault.times -= 1
+                self.calls[(request.method, "fault")] += 1
+                return _status(fault.status, "InternalError", f"injected fault {fault.status}")
+        return await handler(request)
+
+    async def _dispatch(self, request: web.Request):
+        parts = [p for p in request.path.split("/") if p]
+        try:
+            if parts[:2] == ["api", "v1"] and len(parts) >= 4 and parts[2] == "namespaces":
+                ns, plural, name = parts[3], parts[4], (parts[5] if len(parts) > 5 else None)
+                if plural not in CORE_KINDS:
+                    return _status(404, "NotFound", f"the server could not find the requested resource ({plural})")
+                return await self._resource(request, plural, ns, name)
+            if parts[:3] == ["apis", "kueue.x-k8s.io", "v1beta2"]:
+                rest = parts[3:]
+                if rest and rest[0] == "namespaces":
+                    ns, plural, name = rest[1], rest[2], (rest[3] if len(rest) > 3 else None)
+                else:
+                    ns, plural, name = None, rest[0], (rest[1] if len(rest) > 1 else None)
+                if plural not in KUEUE_KINDS:
+                    return _status(404, "NotFound", f"the server could not find the requested resource ({plural})")
+                return await self._resource(request, plural, ns, name)
+            if parts[:3] == ["apis", "visibility.kueue.x-k8s.io", "v1beta2"]:
+                self.calls[("GET", "pendingworkloads")] += 1
+                rest = parts[3:]
+                if rest[0] == "namespaces" and rest[2] == "localqueues" and rest[4] == "pendingworkloads":
+                    return self._pending(lq=(rest[1], rest[3]))
+                if rest[0] == "clusterqueues" and rest[2] == "pendingworkloads":
+                    return self._pending(cq=rest[1])
+        except InvalidObject as e:
+            self.invalid.append(str(e))
+            return _status(422, "Invalid", str(e))
+        return _status(404, "NotFound", f"the server could not find the requested resource ({request.path})")
+
+    async def _resource(self, request, plural, ns, name):
+        method = request.method
+        q = request.query
+        if method == "GET" and name is None:
+            if q.get("watch") in ("true", "1", "True"):
+                self.calls[("WATCH", plural)] += 1
+                return await self._watch(request, plural, ns)
+            self.calls[("LIST", plural)] += 1
+            items = [copy.deepcopy(o) for (p, n, _), o in self.objects.items()
+                     if p == plural and (ns is None or n == ns)
+                     and _match_labels(o, q.get("labelSelector", "")) and _match_fields(o, q.get("fieldSelector", ""))]
+            kind = (CORE_KINDS.get(plural) or KUEUE_KINDS[plural]) + "List"
+            api = "v1" if plural in CORE_KINDS else API_VERSION
+            return web.json_response({"apiVersion": api, "kind": kind, "metadata": {"resourceVersion": str(self.last_rv)}, "items": items})
+        self.calls[(method, plural)] += 1
+        key = (plural, ns, name)
+        if method == "GET":
+            obj = self.objects.get(key)
+            return web.json_response(obj) if obj else _status(404, "NotFound", f'{plural} "{name}" not found')
+        if method == "POST" and name is None:
+            body = await request.json()
+            if plural != "pods":
+                validate(body)
+                if (plural, ns, body["metadata"]["name"]) in self.objects:
+                    return _status(409, "AlreadyExists", f'{plural} "{body["metadata"]["name"]}" already exists')
+                body["metadata"]["namespace"] = ns
+                return web.json_response(self._write(plural, ns, body, "ADDED"), status=201)
+            return self._create_pod(ns, body)
+        if method == "DELETE":
+            obj = self.objects.get(key)
+            if obj is None:
+                return _status(404, "NotFound", f'{plural} "{name}" not found')
+            grace = q.get("gracePeriodSeconds")
+            try:
+                body = await request.json()
+            except Exception:
+                body = {}
+            if grace is None and body:
+                grace = body.get("gracePeriodSeconds")
+            return web.json_response(self._delete(plural, ns, name, int(grace) if grace is not None else 30))
+        if method == "PATCH":
+            obj = self.objects.get(key)
+            if obj is None:
+                return _status(404, "NotFound", f'{plural} "{name}" not found')
+            patch = await request.json()
+            expected = (patch.get("metadata") or {}).get("resourceVersion")
+            if expected and expected != obj["metadata"]["resourceVersion"]:
+                return _status(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": the object has been modified')
+            merged = _merge(copy.deepcopy(obj), patch)
+            validate(merged)
+            return web.json_response(self._write(plural, ns, merged, "MODIFIED"))
+        return _status(405, "MethodNotAllowed", "method not allowed")
+
+    async def _watch(self, request, plural, ns):
+        q = request.query
+        rv = q.get("resourceVersion")
+        timeout = float(q.get("timeoutSeconds") or 1800)
+        w = Watcher(plural, ns, q.get("labelSelector", ""), q.get("fieldSelector", ""))
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        initial: list[tuple[str, dict]] = []
+        if rv in (None, "", "0"):
+            initial = [("ADDED", copy.deepcopy(o)) for (p, _, _), o in self.objects.items() if w.wants(p, o)]
+        else:
+            rv = int(rv)
+            oldest = self.history[0][0] if self.history else self.last_rv + 1
+            if rv < oldest - 1:
+                gone = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired", "code": 410,
+                        "message": f"too old resource version: {rv} ({oldest - 1})", "metadata": {}}
+                await resp.write((json.dumps({"type": "ERROR", "object": gone}) + "\n").encode())
+                return resp
+            initial = [(t, o) for r, t, p, o in self.history if r > rv and w.wants(p, o)]
+        self.watchers.append(w)
+        deadline = time.monotonic() + timeout
+        try:
+            for event in initial:
+                await resp.write((json.dumps({"type": event[0], "object": event[1]}) + "\n").encode())
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(w.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    break
+                if item is None:  # dropped by the test: cut the connection mid-stream
+                    request.transport.close() if request.transport else None
+                    return resp
+                await resp.write((json.dumps({"type": item[0], "object": item[1]}) + "\n").encode())
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            if w in self.watchers:
+                self.watchers.remove(w)
+        return resp
+
+    # -- pods: Kueue's webhook, deletion, kubelet ---------------------------------------------
+    def _create_pod(self, ns, pod):
+        pod.setdefault("apiVersion", "v1")
+        pod.setdefault("kind", "Pod")
+        pod["metadata"]["namespace"] = ns
+        validate(pod)  # what the client sent, before any mutation
+        name = pod["metadata"]["name"]
+        if ("pods", ns, name) in self.objects:
+            return _status(409, "AlreadyExists", f'pods "{name}" already exists')
+        labels = pod["metadata"].setdefault("labels", {})
+        queued = QUEUE_LABEL in labels
+        if queued:  # Kueue's pod webhook
+            labels[MANAGED_LABEL] = "true"
+            pod["spec"].setdefault("schedulingGates", []).append({"name": ADMISSION_GATE})
+        pod["status"] = {"phase": "Pending", "qosClass": "Guaranteed"}
+        validate(pod)
+        self._write("pods", ns, pod, "ADDED")
+        if queued:
+            self._create_workload(pod)
+        else:
+            self.loop.call_soon(self._run_pod, ns, name)
+        return web.json_response(pod, status=201)
+
+    def _create_workload(self, pod):
+        meta = pod["metadata"]
+        digest = hashlib.sha256(meta["uid"].encode()).hexdigest()[:5]
+        pclass = meta["labels"].get(PRIORITY_LABEL)
+        wpc = self.objects.get(("workloadpriorityclasses", None, pclass)) if pclass else None
+        spec_template = {k: v for k, v in pod["spec"].items() if k != "schedulingGates"}
+        wl = {
+            "apiVersion": API_VERSION, "kind": "Workload",
+            "metadata": {
+                "name": f"pod-{meta['name']}-{digest}", "namespace": meta["namespace"],
+                "labels": {JOB_UID_LABEL: meta["uid"]},
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"],
+                                     "controller": True, "blockOwnerDeletion": True}],
+            },
+            "spec": {
+                "queueName": meta["labels"][QUEUE_LABEL],
+                "podSets": [{"name": "main", "count": 1, "template": {"metadata": {"labels": dict(meta["labels"])}, "spec": spec_template}}],
+                "priority": wpc["value"] if wpc else 0,
+                "active": True,
+            },
+        }
+        if wpc:
+            wl["spec"]["priorityClassRef"] = {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": pclass}
+        validate(wl)
+        self._write("workloads", meta["namespace"], wl, "ADDED")
+
+    def _delete(self, plural, ns, name, grace):
+        obj = self.objects[(plural, ns, name)]
+        if plural != "pods":
+            self._write(plural, ns, obj, "DELETED")
+            return obj
+        proc = self.processes.get(f"{ns}/{name}")
+        if proc and proc.poll() is None and grace > 0:
+            obj["metadata"]["deletionTimestamp"] = now_iso()
+            obj["metadata"]["deletionGracePeriodSeconds"] = grace
+            self._write("pods", ns, obj, "MODIFIED")
+            proc.send_signal(signal.SIGTERM)
+            self.loop.create_task(self._finish_delete(ns, name, grace))
+            return obj
+        self._remove_pod(ns, name)
+        return obj
+
+    async def _finish_delete(self, ns, name, grace):
+        proc = self.processes.get(f"{ns}/{name}")
+        deadline = time.monotonic() + min(grace, 5)
+        while proc and proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if ("pods", ns, name) in self.objects:
+            self._remove_pod(ns, name)
+
+    def _remove_pod(self, ns, name):
+        proc = self.processes.pop(f"{ns}/{name}", None)
+        if proc:
+            self._kill(proc)
+        pod = self.objects.get(("pods", ns, name))
+        if pod is None:
+            return
+        self._write("pods", ns, pod, "DELETED")
+        for wl in [w for (p, n, _), w in list(self.objects.items()) if p == "workloads" and n == ns]:
+            if owner_pod_name(wl) == name:  # garbage collection through the owner reference
+                self._write("workloads", ns, wl, "DELETED")
+
+    @staticmethod
+    def _kill(proc):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(5)
+
+    def _event(self, pod, reason, message, etype="Normal"):
+        ts = now_iso()
+        ev = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{pod['metadata']['name']}.{uuid.uuid4().hex[:16]}", "namespace": pod["metadata"]["namespace"]},
+            "involvedObject": {"kind": "Pod", "name": pod["metadata"]["name"], "namespace": pod["metadata"]["namespace"],
+                               "uid": pod["metadata"]["uid"], "apiVersion": "v1"},
+            "reason": reason, "message": message, "type": etype, "count": 1,
+            "firstTimestamp": ts, "lastTimestamp": ts, "source": {"component": "kubelet", "host": "double-node-1"},
+        }
+        validate(ev)
+        self._write("events", pod["metadata"]["namespace"], ev, "ADDED")
+
+    def _run_pod(self, ns, name):
+        """The scheduler and kubelet: bind, then run the container's command+env as a process."""
+        pod = self.objects.get(("pods", ns, name))
+        if pod is None or pod["spec"].get("schedulingGates") or f"{ns}/{name}" in self.processes:
+            return
+        pod = copy.deepcopy(pod)
+        pod["spec"]["nodeName"] = "double-node-1"
+        self._write("pods", ns, pod, "MODIFIED")
+        self._event(pod, "Scheduled", f"Successfully assigned {ns}/{name} to double-node-1")
+        container = pod["spec"]["containers"][0]
+        self._event(pod, "Pulling", f'Pulling image "{container["image"]}"')
+        self._event(pod, "Pulled", f'Successfully pulled image "{container["image"]}"')
+        argv = list(container.get("command") or []) + list(container.get("args") or [])
+        env = dict(self.node_env)
+        for item in container.get("env") or []:
+            if "value" not in item:
+                raise InvalidObject(f"env {item['name']}: valueFrom is not supported by the double's kubelet")
+            env[item["name"]] = item["value"]
+        home = self.workdir / f"{ns}-{name}"
+        home.mkdir(parents=True, exist_ok=True)
+        env.setdefault("HOME", str(home))
+        cwd = container.get("workingDir") if container.get("workingDir") and Path(container["workingDir"]).is_dir() else str(home)
+        log = open(home / "container.log", "ab")
+        try:
+            proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            self._event(pod, "Failed", f"Error: {e}", "Warning")
+            return
+        finally:
+            log.close()
+        self.processes[f"{ns}/{name}"] = proc
+        self._event(pod, "Created", "Created container notebook")
+        self._event(pod, "Started", "Started container notebook")
+        ts = now_iso()
+        pod = copy.deepcopy(self.objects[("pods", ns, name)])
+        pod["status"] = {
+            "phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1", "startTime": ts, "qosClass": "Guaranteed",
+            "conditions": [{"type": t, "status": "True", "lastTransitionTime": ts}
+                           for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
+            "containerStatuses": [{"name": container["name"], "ready": True, "started": True, "restartCount": 0,
+                                   "image": container["image"], "imageID": "", "state": {"running": {"startedAt": ts}}}],
+        }
+        validate(pod)
+        self._write("pods", ns, pod, "MODIFIED")
+
+    def _check_processes(self):
+        for key, proc in list(self.processes.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            ns, name = key.split("/", 1)
+            pod = self.objects.get(("pods", ns, name))
+            if pod is None or pod["status"].get("phase") != "Running":
+                continue
+            pod = copy.deepcopy(pod)
+            c = pod["status"]["containerStatuses"][0]
+            c.update(ready=False, started=False, state={"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}})
+            pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
+            self._write("pods", ns, pod, "MODIFIED")
+            wl = next((w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_pod_name(w) == name), None)
+            if wl:
+                wl = copy.deepcopy(wl)
+                _set_condition(wl, "Finished", "True", "Succeeded" if code == 0 else "Failed", f"exit code {code}")
+                self._write("workloads", ns, wl, "MODIFIED")
+
+    # -- Kueue: admission loop and visibility ---------------------------------------------
+    async def _ticker(self):
+        while True:
+            await asyncio.sleep(0.2)
+            try:
+                self._check_processes()
+                self._reconcile()
+            except Exception as e:  # keep the double alive; the test sees the symptom
+                print("kube double tick failed:", repr(e), file=sys.stderr)
+
+    def _schedule_reconcile(self):
+        if not getattr(self, "_reconcile_pending", False):
+            self._reconcile_pending = True
+            self.loop.call_soon(self._reconcile)
+
+    def _cq_for(self, wl):
+        lq = self.objects.get(("localqueues", wl["metadata"]["namespace"], wl["spec"]["queueName"]))
+        if lq is None:
+            return None, f"LocalQueue {wl['spec']['queueName']} doesn't exist"
+        cq = self.objects.get(("clusterqueues", None, lq["spec"]["clusterQueue"]))
+        if cq is None:
+            return None, f"ClusterQueue {lq['spec']['clusterQueue']} doesn't exist"
+        return cq, None
+
+    def _pending_workloads(self):
+        out = []
+        for (p, _, _), wl in self.objects.items():
+            if p != "workloads" or _cond(wl, "QuotaReserved") == "True" or _cond(wl, "Finished") == "True":
+                continue
+            out.append(wl)
+        # Kueue orders by priority, then by creation (the order the pods were created here).
+        return sorted(out, key=lambda w: (-(w["spec"].get("priority") or 0), _creation_rank(w)))
+
+    def _usage(self):
+        used = defaultdict(int)  # (cq, flavor, resource) -> amount
+        for (p, _, _), wl in self.objects.items():
+            if p == "workloads" and _cond(wl, "QuotaReserved") == "True" and _cond(wl, "Finished") != "True":
+                adm = wl["status"]["admission"]
+                for psa in adm["podSetAssignments"]:
+                    for res, qty in psa["resourceUsage"].items():
+                        used[(adm["clusterQueue"], psa["flavors"][res], res)] += _amount(res, qty)
+        return used
+
+    def _quota(self, cq_name, flavor, res):
+        cq = self.objects.get(("clusterqueues", None, cq_name))
+        for rg in cq["spec"]["resourceGroups"]:
+            for fl in rg["flavors"]:
+                if fl["name"] == flavor:
+                    for r in fl["resources"]:
+                        if r["name"] == res:
+                            lim = lambda k: _amount(res, r[k]) if k in r else None
+                            return _amount(res, r["nominalQuota"]), lim("borrowingLimit"), lim("lendingLimit")
+        return 0, 0, 0
+
+    def _available(self, cq, flavor, res, used):
+        """Free quota for (flavor, resource): own unused nominal plus what the cohort can lend."""
+        name = cq["metadata"]["name"]
+        nominal, borrow_limit, _ = self._quota(name, flavor, res)
+        mine = used[(name, flavor, res)]
+        own_free = max(0, nominal - mine)
+        cohort = cq["spec"].get("cohortName")
+        if not cohort:
+            return own_free, nominal
+        lendable_free, lendable_total = 0, 0
+        for (p, _, other_name), other in self.objects.items():
+            if p != "clusterqueues" or other_name == name or other["spec"].get("cohortName") != cohort:
+                continue
+            o_nom, _, o_lend = self._quota(other_name, flavor, res)
+            lend = o_nom if o_lend is None else min(o_lend, o_nom)
+            lendable_total += lend
+            o_used = used[(other_name, flavor, res)]
+            lendable_free += max(0, min(lend, o_nom - o_used))
+        borrowed = max(0, mine - nominal)
+        room = lendable_free if borrow_limit is None else min(lendable_free, max(0, borrow_limit - borrowed))
+        cap = nominal + (lendable_total if borrow_limit is None else min(borrow_limit, lendable_total))
+        return own_free + room, cap
+
+    def _reconcile(self):
+        self._reconcile_pending = False
+        if not self.auto_admit:
+            return
+        used = self._usage()
+        for wl in self._pending_workloads():
+            cq, problem = self._cq_for(wl)
+            if cq is None:
+                self._set_pending(wl, "Inadmissible", problem)
+                continue
+            pod_spec = wl["spec"]["podSets"][0]["template"]["spec"]
+            request = _requests(pod_spec)
+            assignment, reasons = {}, []
+            for res in request:
+                if not any(res in rg["coveredResources"] for rg in cq["spec"]["resourceGroups"]):
+                    reasons.append(f"resource {res} unavailable in ClusterQueue")
+            for rg in cq["spec"]["resourceGroups"]:
+                wanted = [r for r in rg["coveredResources"] if r in request]
+                if not wanted or reasons:
+                    continue
+                group_reasons = []
+                for fl in rg["flavors"]:
+                    flavor = self.objects.get(("resourceflavors", None, fl["name"]))
+                    labels = (flavor or {}).get("spec", {}).get("nodeLabels") or {}
+                    selector = pod_spec.get("nodeSelector") or {}
+                    if any(k in selector and selector[k] != v for k, v in labels.items()):
+                        group_reasons.append(f"flavor {fl['name']} doesn't match node affinity")
+                        continue
+                    ok = True
+                    for res in wanted:
+                        free, cap = self._available(cq, fl["name"], res, used)
+                        if request[res] > cap:
+                            group_reasons.append(f"insufficient quota for {res} in flavor {fl['name']}, request > maximum capacity ({_fmt(res, request[res])} > {_fmt(res, cap)})")
+                            ok = False
+                        elif request[res] > free:
+                            group_reasons.append(f"insufficient unused quota for {res} in flavor {fl['name']}, {_fmt(res, request[res] - free)} more needed")
+                            ok = False
+                    if ok:
+                        assignment.update({res: fl["name"] for res in wanted})
+                        break
+                else:
+                    reasons.extend(group_reasons)
+            if reasons:
+                self._set_pending(wl, "Pending", "couldn't assign flavors to pod set main: " + ", ".join(reasons))
+                continue
+            for res, flavor in assignment.items():
+                used[(cq["metadata"]["name"], flavor, res)] += request[res]
+            self._admit(wl, cq, assignment, request)
+
+    def _set_pending(self, wl, reason, message):
+        cond = next((c for c in (wl.get("status") or {}).get("conditions") or [] if c["type"] == "QuotaReserved"), None)
+        if cond and cond["reason"] == reason and cond["message"] == message:
+            return
+        wl = copy.deepcopy(wl)
+        _set_condition(wl, "QuotaReserved", "False", reason, message)
+        validate(wl)
+        self._write("workloads", wl["metadata"]["namespace"], wl, "MODIFIED")
+
+    def _admit(self, wl, cq, assignment, request):
+        wl = copy.deepcopy(wl)
+        wl.setdefault("status", {})["admission"] = {
+            "clusterQueue": cq["metadata"]["name"],
+            "podSetAssignments": [{"name": "main", "count": 1, "flavors": assignment,
+                                   "resourceUsage": {r: _fmt(r, request[r]) for r in assignment}}],
+        }
+        _set_condition(wl, "QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {cq['metadata']['name']}")
+        _set_condition(wl, "Admitted", "True", "Admitted", "The workload is admitted")
+        validate(wl)
+        ns = wl["metadata"]["namespace"]
+        self._write("workloads", ns, wl, "MODIFIED")
+        pod_name = owner_pod_name(wl)
+        pod = copy.deepcopy(self.objects.get(("pods", ns, pod_name)))
+        if not pod:
+            return
+        pod["spec"]["schedulingGates"] = [g for g in pod["spec"].get("schedulingGates", []) if g["name"] != ADMISSION_GATE]
+        if not pod["spec"]["schedulingGates"]:
+            del pod["spec"]["schedulingGates"]
+        for flavor_name in sorted(set(assignment.values())):  # Kueue injects the flavor's node labels
+            flavor = self.objects.get(("resourceflavors", None, flavor_name)) or {}
+            pod["spec"].setdefault("nodeSelector", {}).update(flavor.get("spec", {}).get("nodeLabels") or {})
+        validate(pod)
+        self._write("pods", ns, pod, "MODIFIED")
+        self.loop.call_soon(self._run_pod, ns, pod_name)
+
+    def _preempt(self, ns, pod_name, preempted_reason):
+        wl = next((w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_pod_name(w) == pod_name), None)
+        message = "Preempted to accommodate a workload (UID: 00000000-0000-0000-0000-000000000000, JobUID: 00000000-0000-0000-0000-000000000000) due to prioritization in the ClusterQueue"
+        if wl:
+            wl = copy.deepcopy(wl)
+            _set_condition(wl, "Evicted", "True", "Preempted", message)
+            _set_condition(wl, "Preempted", "True", preempted_reason, message)
+            _set_condition(wl, "QuotaReserved", "False", "Pending", "Preempted")
+            _set_condition(wl, "Admitted", "False", "NoReservation", "The workload has no reservation")
+            wl["status"].pop("admission", None)
+            validate(wl)
+            self._write("workloads", ns, wl, "MODIFIED")
+        pod = copy.deepcopy(self.objects.get(("pods", ns, pod_name)))
+        if pod:
+            pod["status"].setdefault("conditions", []).append(
+                {"type": "TerminationTarget", "status": "True", "reason": "StoppedByKueue", "message": message, "lastTransitionTime": now_iso()})
+            validate(pod)
+            self._write("pods", ns, pod, "MODIFIED")
+            self._remove_pod(ns, pod_name)
+
+    def _pending(self, lq=None, cq=None):
+        by_cq = defaultdict(list)
+        for wl in self._pending_workloads():
+            target, _ = self._cq_for(wl)
+            if target is not None:
+                by_cq[target["metadata"]["name"]].append(wl)
+        items = []
+        for cq_name, wls in by_cq.items():
+            per_lq = Counter()
+            for pos, wl in enumerate(wls):
+                key = (wl["metadata"]["namespace"], wl["spec"]["queueName"])
+                items.append({
+                    "metadata": {"name": wl["metadata"]["name"], "namespace": wl["metadata"]["namespace"],
+                                 "creationTimestamp": wl["metadata"]["creationTimestamp"],
+                                 "ownerReferences": wl["metadata"]["ownerReferences"]},
+                    "priority": wl["spec"].get("priority", 0), "localQueueName": wl["spec"]["queueName"],
+                    "positionInClusterQueue": pos, "positionInLocalQueue": per_lq[key], "_cq": cq_name,
+                })
+                per_lq[key] += 1
+        if lq:
+            items = [i for i in items if (i["metadata"]["namespace"], i["localQueueName"]) == lq]
+        if cq:
+            items = [i for i in items if i["_cq"] == cq]
+        for i in items:
+            del i["_cq"]
+        return web.json_response({"apiVersion": "visibility.kueue.x-k8s.io/v1beta2", "kind": "PendingWorkloadsSummary",
+                                  "metadata": {"creationTimestamp": None}, "items": items})
+
+
+_CREATION = itertools.count()
+_RANKS: dict[str, int] = {}
+
+
+def _creation_rank(wl):
+    uid = wl["metadata"]["uid"]
+    if uid not in _RANKS:
+        _RANKS[uid] = next(_CREATION)
+    return _RANKS[uid]
+
+
+def _cond(obj, ctype):
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return c["status"]
+    return None
+
+
+def _set_condition(obj, ctype, status, reason, message):
+    conds = obj.setdefault("status", {}).setdefault("conditions", [])
+    for c in conds:
+        if c["type"] == ctype:
+            if c["status"] != status:
+                c["lastTransitionTime"] = now_iso()
+            c.update(status=status, reason=reason, message=message)
+            return
+    conds.append({"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": now_iso()})
+
+
+def _amount(res, qty) -> int:
+    if res == "cpu":
+        return parse_cpu_millis(qty)
+    if res == "memory":
+        return parse_memory_bytes(qty)
+    return int(str(qty))
+
+
+def _fmt(res, amount: int) -> str:
+    if res == "cpu":
+        return str(amount // 1000) if amount % 1000 == 0 else f"{amount}m"
+    return str(amount)
+
+
+def _requests(pod_spec) -> dict[str, int]:
+    total = defaultdict(int)
+    for c in pod_spec.get("containers", []):
+        res = c.get("resources") or {}
+        merged = dict(res.get("limits") or {})
+        merged.update(res.get("requests") or {})  # requests default to limits
+        for name, qty in merged.items():
+            total[name] += _amount(name, qty)
+    return dict(total)
+
+
+def _merge(target, patch):
+    """JSON merge patch (RFC 7386), which is what KubeSpawner's patches need."""
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            _merge(target[k], v)
+        else:
+            target[k] = v
+    return target

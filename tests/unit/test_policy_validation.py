@@ -1,0 +1,113 @@
+"""`gpuhub validate` explains every mistake with its YAML path and line:column."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuhub_spawner.policy import PolicyError, load_policy, parse_policy
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "jupyterhub_config" / "profiles.yaml"
+
+BASE = """\
+flavors:
+  - name: a100
+    local: {virtual: 2}
+teams:
+  - name: vision
+    groups: [vision-lab]
+    quota:
+      gpus:
+        a100: {nominal: 2}
+    perUser: {maxGPUs: 2}
+profiles:
+  - slug: gpu
+    displayName: One GPU
+    gpu: {count: 1, flavor: a100}
+    teams: [vision]
+"""
+
+
+def errors(text):
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, "p.yaml")
+    return [i.format("p.yaml") for i in e.value.issues]
+
+
+def test_shipped_example_is_valid():
+    policy = load_policy(EXAMPLE)
+    assert {t.name for t in policy.teams} == {"vision", "nlp", "students"}
+    assert policy.profile("a100-2").gpu.count == 2
+
+
+def test_base_is_valid():
+    assert parse_policy(BASE).team("vision").quota.gpus["a100"].nominal == 2
+
+
+def test_syntax_error_is_located():
+    (msg,) = errors(BASE + "  - slug: [unclosed\n")
+    assert msg.startswith("p.yaml:17:1: ") and "YAML syntax error" in msg
+
+
+def test_unknown_key_suggests_the_right_one():
+    msgs = errors(BASE.replace("displayName: One GPU", "displayname: One GPU"))
+    assert "p.yaml:13:5: profiles[0].displayname: unknown key 'displayname' (did you mean 'displayName'?)" in msgs
+    assert "p.yaml:12:5: profiles[0].displayName: is required" in msgs
+
+
+def test_wrong_type_negative_and_fractional_gpu_counts():
+    assert ":14:18: profiles[0].gpu.count: must be at least 0 (got -1)" in errors(BASE.replace("count: 1", "count: -1"))[0]
+    assert "profiles[0].gpu.count: must be a whole number (got 1.5)" in errors(BASE.replace("count: 1", "count: 1.5"))[0]
+    assert "teams[0].quota.gpus.a100.nominal: must be a whole number (got 'two')" in errors(BASE.replace("nominal: 2", "nominal: two"))[0]
+
+
+def test_dangling_references():
+    msgs = errors(BASE.replace("flavor: a100}", "flavor: a10}").replace("teams: [vision]", "teams: [vison]"))
+    joined = "\n".join(msgs)
+    assert "profiles[0].teams[0]: unknown team 'vison' (did you mean 'vision'?)" in joined
+    assert "profiles[0].gpu.flavor: unknown flavor 'a10' (did you mean 'a100'?)" in joined
+    assert ":15:13:" in joined  # the team reference's own position
+
+
+def test_duplicate_slug_and_duplicate_yaml_key():
+    dup = BASE + "  - slug: gpu\n    displayName: Again\n    teams: [vision]\n"
+    assert any("profiles[1].slug: slug 'gpu' is already used by profiles[0]" in m for m in errors(dup))
+    twice = BASE.replace("    displayName: One GPU\n", "    displayName: One GPU\n    displayName: Two\n")
+    assert any("key 'displayName' appears twice" in m and ":14:5:" in m for m in errors(twice))
+
+
+def test_profile_no_team_can_use():
+    msgs = errors(BASE.replace("count: 1", "count: 3").replace("maxGPUs: 2", "maxGPUs: 1"))
+    assert any("no team may use profile 'gpu'" in m and "3 a100 GPU(s)" in m for m in msgs)
+    assert any("lists no team" in m for m in errors(BASE.replace("teams: [vision]", "teams: []")))
+
+
+def test_per_user_cap_above_team_quota():
+    (msg,) = errors(BASE.replace("maxGPUs: 2", "maxGPUs: 5"))
+    assert "teams[0].perUser.maxGPUs: per-user cap of 5 GPUs is above what team 'vision' can ever hold (2)" in msg
+
+
+def test_borrowing_needs_cohort_and_lending_within_nominal():
+    msgs = errors(BASE.replace("{nominal: 2}", "{nominal: 2, borrowingLimit: 1, lendingLimit: 3}"))
+    assert any("borrowingLimit needs the team to be in a cohort" in m for m in msgs)
+    assert any("lendingLimit 3 is above the nominal quota 2" in m for m in msgs)
+
+
+def test_quantities_and_durations():
+    p = parse_policy(BASE.replace("    teams: [vision]\n", "    teams: [vision]\n    cpu: 500m\n    memory: 16Gi\n    idle: {timeout: 1h30m}\n"))
+    prof = p.profile("gpu")
+    assert (prof.cpu, prof.memory, prof.idle.timeout) == (500, 16 * 2**30, 5400.0)
+    assert "is not a quantity" in errors(BASE.replace("    teams: [vision]\n", "    teams: [vision]\n    memory: lots\n"))[0]
+
+
+def test_cli_exit_codes_and_output(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "validate", str(EXAMPLE)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "OK" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BASE.replace("count: 1", "count: -1").replace("perUser", "perUzer"))
+    out = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "validate", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert f"{bad}:10:5: teams[0].perUzer: unknown key 'perUzer' (did you mean 'perUser'?)" in out.stderr
+    assert f"{bad}:14:18: profiles[0].gpu.count: must be at least 0 (got -1)" in out.stderr

@@ -21,7 +21,7 @@ from prometheus_client import Gauge, Histogram
 from ..policy.model import Policy
 from .quota import Demand, add_usage, check_fit, describe
 
-log = logging.getLogger("gpuhub.admission")
+log = logging.getLogger("JupyterHub.gpuhub.admission")
 
 QUEUE_WAITING = Gauge("gpuhub_queue_waiting", "Servers waiting for admission", ["team"])
 RESOURCE_IN_USE = Gauge("gpuhub_admitted_resources", "Admitted resources per team", ["team", "resource"])

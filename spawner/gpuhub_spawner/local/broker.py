@@ -19,7 +19,7 @@ from ..policy import PolicyStore
 from ..policy.model import Policy
 from .devices import DeviceTable, discover_nvml
 
-log = logging.getLogger("gpuhub.broker")
+log = logging.getLogger("JupyterHub.gpuhub.broker")
 
 
 class LocalBroker(SingletonConfigurable):

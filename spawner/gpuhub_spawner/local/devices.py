@@ -16,7 +16,7 @@ from typing import Callable
 from ..admission.quota import Demand, describe
 from ..policy.model import Policy
 
-log = logging.getLogger("gpuhub.devices")
+log = logging.getLogger("JupyterHub.gpuhub.devices")
 
 
 @dataclass(frozen=True)

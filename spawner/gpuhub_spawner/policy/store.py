@@ -63,7 +63,7 @@ class PolicyStore(SingletonConfigurable):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.log = logging.getLogger("gpuhub.policy")
+        self.log = logging.getLogger("JupyterHub.gpuhub.policy")
         self._policy: Policy | None = None
         self._signature = None
         self.status = PolicyStatus(path=self.policy_file)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 POLICY = """\
 flavors:
   - name: gpu
-    displayName: Test GPU
+    displayName: Tesla
     local: {virtual: 2}
 priorityClasses:
   - {name: interactive, value: 1000}
@@ -125,7 +125,7 @@ def test_queue_past_quota_then_release_admits_next(hub, clean):
     events = bob.progress(until=lambda e: "position" in e.get("message", ""))
     msg = events[-1]["message"]
     assert "position 1 of 1 in Vision Lab's queue" in msg
-    assert "is using 1 Test GPU" in msg and "alice" not in msg
+    assert "needs 1 Tesla GPU: your team Vision Lab is using 1 of the 1 it may hold" in msg and "alice" not in msg
     assert dave.start("gpu-1", team="vision").status_code == 202
     events = dave.progress(until=lambda e: "position 2" in e.get("message", ""))
     assert "position 2 of 2" in events[-1]["message"]

@@ -130,14 +130,12 @@ def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand) -> Fit:
             result.fits = False
             what = describe(key, amount, policy)
             if after > ceiling:
-                why = (
-                    f"your team {team.label} is using {describe(key, used, policy)} of the "
-                    f"{describe(key, ceiling, policy)} it may hold"
-                    + (f" (quota {own.nominal}, may borrow {ceiling - own.nominal})" if ceiling > own.nominal else "")
-                )
+                why = f"your team {team.label} is using {used} of the {ceiling} it may hold"
+                if ceiling > own.nominal:
+                    why += f" (quota {own.nominal}, may borrow {ceiling - own.nominal})"
             else:
                 why = (
-                    f"your team {team.label} is using {describe(key, used, policy)} (quota {own.nominal}) "
+                    f"your team {team.label} is using {used} (quota {own.nominal}) "
                     f"and the {team.cohort} cohort has {max(0, pool_free)} free to lend"
                 )
             result.shortages.append(

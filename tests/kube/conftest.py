@@ -8,7 +8,11 @@ reflectors afterwards (they belong to the test's event loop).
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import shutil
+import tempfile
 import socket
 import sys
 from pathlib import Path
@@ -27,6 +31,17 @@ POLICY = REPO / "jupyterhub_config" / "profiles.yaml"
 NAMESPACE = "gpuhub"
 VENV_BIN = Path(sys.executable).parent
 
+# kubernetes_asyncio reads $KUBECONFIG when it is imported, before any fixture runs:
+# point it at a file now and write the double's address into it when the double starts.
+# KubeSpawner prefers in-cluster config; make sure a CI pod's service account is not picked up.
+_WORK = Path(tempfile.mkdtemp(prefix="gpuhub-kube-double-"))
+_WORK.chmod(0o755)  # not pytest's 0700 tmp dir: pod processes need to reach their HOME
+atexit.register(shutil.rmtree, _WORK, True)
+KUBECONFIG = _WORK / "kubeconfig"
+if not os.environ.get("GPUHUB_TEST_KUBECONFIG"):
+    os.environ["KUBECONFIG"] = str(KUBECONFIG)
+    os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -40,22 +55,22 @@ def schemas_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def double(tmp_path_factory):
-    work = tmp_path_factory.mktemp("kube-double")
-    node_env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"}
+def double():
+    if os.environ.get("GPUHUB_TEST_KUBECONFIG"):
+        pytest.skip("GPUHUB_TEST_KUBECONFIG is set: this session talks to a real cluster (run -m cluster)")
+    work = _WORK
+    # The "image": the tests' venv on PATH, and Jupyter config as an image would bake it in
+    # (docker-stacks images run as jovyan; here the process may run as root).
+    config_dir = work / "image-jupyter-config"
+    config_dir.mkdir(exist_ok=True)
+    (config_dir / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"allow_root": True}}))
+    node_env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8",
+                "JUPYTER_CONFIG_DIR": str(config_dir)}
     server = KubeDouble(work, node_env=node_env).start()
-    kubeconfig = work / "kubeconfig"
-    kubeconfig.write_text(server.kubeconfig())
-    old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(kubeconfig)
-    # KubeSpawner prefers in-cluster config; make sure a CI pod's service account is not picked up.
-    os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+    KUBECONFIG.write_text(server.kubeconfig())
     yield server
     server.close()
-    if old is None:
-        os.environ.pop("KUBECONFIG", None)
-    else:
-        os.environ["KUBECONFIG"] = old
+    shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.fixture
@@ -101,8 +116,10 @@ class MockUser(SimpleNamespace):
 
 
 class MockHub(SimpleNamespace):
-    def __init__(self):
-        super().__init__(public_host="", url="http://127.0.0.1:1/hub/", base_url="/hub/", api_url="http://127.0.0.1:1/hub/api")
+    """The hub as a spawner sees it; its API root is answered by the double (version check)."""
+
+    def __init__(self, base):
+        super().__init__(public_host="", url=f"{base}/hub/", base_url="/hub/", api_url=f"{base}/hub/api")
 
 
 @pytest.fixture
@@ -127,8 +144,9 @@ def make_spawner(kube):
         for key, value in traits.items():
             setattr(cfg.KueueSpawner, key, value)
         owner = next((s.user for s in made if s.user.name == user), None) or MockUser(user, groups)
-        spawner = KueueSpawner(config=cfg, user=owner, hub=MockHub(), name=server_name, api_token="test-token",
-                               oauth_client_id=f"jupyterhub-user-{user}")
+        spawner = KueueSpawner(config=cfg, user=owner, hub=MockHub(kube.url), api_token="test-token",
+                               oauth_client_id=f"jupyterhub-user-{user}",
+                               **({"orm_spawner": SimpleNamespace(name=server_name, server=None)} if server_name else {}))
         spawner.user_options = {"profile": profile} if profile else {}
         owner.spawners[server_name] = spawner
         made.append(spawner)

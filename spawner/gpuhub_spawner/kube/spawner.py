@@ -20,6 +20,7 @@ import html
 import time
 
 from jupyterhub.spawner import SpawnException
+from kubernetes_asyncio.client import ApiException
 from jupyterhub.utils import maybe_future
 from kubespawner import KubeSpawner
 from traitlets import Float, Integer, default
@@ -147,7 +148,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                     break
                 if self._pod_created and self._admitted_at and self._current_pod() is None:
                     task.cancel()
-                    raise SpawnException(self._gone_reason(), reason="evicted", status_code=503)
+                    raise SpawnException(await self._gone_reason(), reason="evicted", status_code=503)
             return task.result()
         except TimeoutError:
             if self._admitted_at:
@@ -161,6 +162,20 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         except BaseException:
             if not task.done():
                 task.cancel()
+            raise
+
+    async def _make_create_pod_request(self, pod, request_timeout):
+        """KubeSpawner's create, but a 5xx/429 answer is retried instead of failing the spawn.
+
+        If the failed request did create the pod, the retry gets 409 and KubeSpawner
+        deletes and recreates it, so no pod is leaked either way.
+        """
+        try:
+            return await super()._make_create_pod_request(pod, request_timeout)
+        except ApiException as e:
+            if e.status and (e.status >= 500 or e.status == 429):
+                self.log.warning("Creating pod %s got HTTP %s; retrying", pod.metadata.name, e.status)
+                return False
             raise
 
     async def _cleanup(self):
@@ -207,7 +222,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             while True:
                 pod = self._current_pod()
                 if pod is None:  # KubeSpawner saw it before calling this hook: it was deleted
-                    raise SpawnException(self._gone_reason(), reason="evicted", status_code=503)
+                    raise SpawnException(await self._gone_reason(), reason="evicted", status_code=503)
                 if pod is not None and not pod_is_gated(pod):
                     break
                 if time.monotonic() >= deadline:
@@ -229,7 +244,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         """The spawn page's current line: ``{"progress": int, "message": str}``."""
         pod = self._current_pod()
         if not self._pod_created or pod is None:
-            return {"progress": 5, "message": f"Preparing your server ({self.choice.profile.display_name if self.choice else 'server'})."}
+            what = f" ({self.choice.profile.display_name})" if self.choice else ""
+            return {"progress": 5, "message": f"Preparing your server{what}."}
         if pod_is_gated(pod):
             wl_reflector = self.workload_reflector
             workload = wl_reflector.for_pod(self.namespace, self.pod_name) if wl_reflector else None
@@ -266,7 +282,22 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 break
             await asyncio.sleep(self.status_interval)
 
-    def _gone_reason(self) -> str:
+    async def _gone_reason(self, settle: float = 3.0) -> str:
+        """Why the pod vanished. Pod and Workload arrive on separate watches, so give the
+        Workload's eviction a moment to arrive before calling the deletion unexplained."""
+        deadline = time.monotonic() + settle
+        while True:
+            final = time.monotonic() >= deadline
+            # The Workload says precisely why (preempted by whom); the pod's condition only that Kueue did.
+            reason = self._eviction_reason(workload_only=not final)
+            if reason or final:
+                break
+            await asyncio.sleep(0.1)
+        if reason:
+            return reason
+        return "Your server's pod was deleted outside the hub (by an administrator or the cluster). Start it again when you are ready."
+
+    def _eviction_reason(self, workload_only: bool = False) -> str | None:
         reflector = self.workload_reflector
         workload = None
         if reflector:
@@ -275,17 +306,16 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             )
         pod_reflector = self.pod_reflector
         gone_pod = pod_reflector.gone.get(self._ref_key, (0, None))[1] if isinstance(pod_reflector, GoneAwarePodReflector) else None
-        reason = eviction_message(workload, gone_pod)
-        if reason:
+        reason = eviction_message(workload, None if workload_only else gone_pod)
+        if reason and (workload or {}).get("status", {}).get("conditions"):
             self.log.warning("Server %s stopped by Kueue: %s (workload conditions: %s)", self._log_name, reason,
                              ((workload or {}).get("status") or {}).get("conditions"))
-            return reason
-        return "Your server's pod was deleted outside the hub (by an administrator or the cluster). Start it again when you are ready."
+        return reason
 
     async def poll(self):
         status = await super().poll()
         if status is not None and self.stop_reason is None:
-            self.stop_reason = self._gone_reason()
+            self.stop_reason = await self._gone_reason()
         return status
 
     stop_reason: str | None = None

@@ -124,6 +124,7 @@ class KubeDouble:
         self.calls: Counter = Counter()
         self.faults: list[Fault] = []
         self.invalid: list[str] = []
+        self.errors: list[str] = []
         self.processes: dict[str, subprocess.Popen] = {}
         self.auto_admit = True
 
@@ -165,6 +166,7 @@ class KubeDouble:
 
     def close(self):
         self.reset()
+        self.loop.call_soon_threadsafe(self._tick_task.cancel)
         self.call(self.runner.cleanup)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
@@ -211,6 +213,10 @@ class KubeDouble:
         """What Kueue does to a preempted plain pod: Workload conditions, pod condition, delete."""
         self.call(self._preempt, namespace, pod_name, preempted_reason)
 
+    def watching(self, plural: str) -> bool:
+        """True once a client holds a watch on ``plural`` (events from now on reach it)."""
+        return self.call(lambda: any(w.plural == plural for w in self.watchers))
+
     def count(self, method: str | None = None, what: str | None = None) -> int:
         return self.call(lambda: sum(n for (m, w), n in self.calls.items()
                                      if (method is None or m == method) and (what is None or w == what)))
@@ -249,6 +255,11 @@ class KubeDouble:
     # -- HTTP ------------------------------------------------------------------------
     @web.middleware
     async def _middleware(self, request, handler):
+        if request.path.startswith("/hub/api"):
+            # Stand-in for the hub's API root: jupyterhub-singleuser checks it at startup.
+            from jupyterhub import __version__ as hub_version
+
+            return web.json_response({"version": hub_version}, headers={"X-JupyterHub-Version": hub_version})
         if request.headers.get("Authorization") != f"Bearer {TOKEN}":
             return _status(401, "Unauthorized", "Unauthorized")
         for fault in self.faults:
@@ -492,6 +503,14 @@ class KubeDouble:
 
     def _run_pod(self, ns, name):
         """The scheduler and kubelet: bind, then run the container's command+env as a process."""
+        try:
+            self._start_container(ns, name)
+        except Exception as e:  # surfaced to tests through ``errors``
+            import traceback
+
+            self.errors.append(f"{ns}/{name}: {e!r}\n{traceback.format_exc()}")
+
+    def _start_container(self, ns, name):
         pod = self.objects.get(("pods", ns, name))
         if pod is None or pod["spec"].get("schedulingGates") or f"{ns}/{name}" in self.processes:
             return
@@ -513,6 +532,7 @@ class KubeDouble:
         env.setdefault("HOME", str(home))
         cwd = container.get("workingDir") if container.get("workingDir") and Path(container["workingDir"]).is_dir() else str(home)
         log = open(home / "container.log", "ab")
+        # runAsUser is not applied: the tests' Python may not be readable by another uid.
         try:
             proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as e:

@@ -1,0 +1,145 @@
+"""`gpuhub render kueue`: objects valid against the v0.19.2 CRDs and faithful to the policy."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from double.schemas import InvalidObject, validate
+from gpuhub_spawner.kube.render import UNLIMITED_CPU, UNLIMITED_MEMORY, main, render_objects
+from gpuhub_spawner.policy import load_policy, parse_policy
+
+from conftest import POLICY
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_policy(POLICY)
+
+
+def by_kind(objs, kind):
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def test_every_object_validates_against_the_crds(policy):
+    objs = render_objects(policy, "research-hub")
+    assert {o["kind"] for o in objs} == {"ResourceFlavor", "WorkloadPriorityClass", "ClusterQueue", "LocalQueue"}
+    for obj in objs:
+        validate(obj)
+
+
+def test_validator_rejects_what_the_api_server_would(policy):
+    """The check above can fail: unknown fields, wrong types and CEL rules are caught."""
+    cq = by_kind(render_objects(policy), "ClusterQueue")["vision"]
+    typo = copy.deepcopy(cq)
+    typo["spec"]["cohort"] = typo["spec"].pop("cohortName")  # the v1beta1 spelling
+    bad_type = copy.deepcopy(cq)
+    bad_type["spec"]["queueingStrategy"] = "Random"
+    no_cohort = copy.deepcopy(cq)
+    del no_cohort["spec"]["cohortName"]  # keeps borrowingLimit: CEL rule
+    for obj in (typo, bad_type, no_cohort):
+        with pytest.raises(InvalidObject):
+            validate(obj)
+
+
+def test_objects_match_the_policy(policy):
+    objs = render_objects(policy, "research-hub")
+    flavors = by_kind(objs, "ResourceFlavor")
+    assert set(flavors) == {"gpuhub-default", "a100", "l4"}
+    assert flavors["a100"]["spec"]["nodeLabels"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+    assert flavors["a100"]["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    classes = by_kind(objs, "WorkloadPriorityClass")
+    assert {n: c["value"] for n, c in classes.items()} == {"interactive": 1000, "batch": 100}
+
+    cqs = by_kind(objs, "ClusterQueue")
+    assert set(cqs) == {"vision", "nlp", "students"}
+    vision = cqs["vision"]["spec"]
+    assert vision["cohortName"] == "research"
+    assert "cohortName" not in cqs["students"]["spec"]
+    assert vision["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "research-hub"}}
+    cpu_group, gpu_group = vision["resourceGroups"]
+    assert cpu_group["coveredResources"] == ["cpu", "memory"]
+    assert cpu_group["flavors"][0]["resources"] == [
+        {"name": "cpu", "nominalQuota": "16"}, {"name": "memory", "nominalQuota": "64Gi"}]
+    assert gpu_group == {"coveredResources": ["nvidia.com/gpu"], "flavors": [
+        {"name": "a100", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "2", "borrowingLimit": "1", "lendingLimit": "1"}]}]}
+    nlp_gpu = cqs["nlp"]["spec"]["resourceGroups"][1]
+    assert [f["name"] for f in nlp_gpu["flavors"]] == ["a100", "l4"]
+    # Interactive (top priority) servers are never preempted: only strictly lower priority is.
+    assert vision["preemption"] == {
+        "withinClusterQueue": "LowerPriority", "reclaimWithinCohort": "LowerPriority",
+        "borrowWithinCohort": {"policy": "LowerPriority", "maxPriorityThreshold": 100}}
+
+    lqs = by_kind(objs, "LocalQueue")
+    assert {n: (q["metadata"]["namespace"], q["spec"]["clusterQueue"]) for n, q in lqs.items()} == {
+        "vision": ("research-hub", "vision"), "nlp": ("research-hub", "nlp"), "students": ("research-hub", "students")}
+
+
+def test_team_without_cpu_memory_quota_is_still_covered():
+    text = POLICY.read_text().replace("      cpu: 8\n      memory: 32Gi\n", "").replace(
+        "    quota:\n      cpu: 16\n      memory: 64Gi\n      gpus:\n        a100: {nominal: 2",
+        "    quota:\n      gpus:\n        a100: {nominal: 2")
+    policy = parse_policy(text)
+    assert policy.team("students").quota.cpu is None and policy.team("vision").quota.cpu is None
+    cqs = by_kind(render_objects(policy), "ClusterQueue")
+    for obj in cqs.values():
+        validate(obj)
+    students = cqs["students"]["spec"]["resourceGroups"][0]["flavors"][0]["resources"]
+    assert students == [{"name": "cpu", "nominalQuota": UNLIMITED_CPU}, {"name": "memory", "nominalQuota": UNLIMITED_MEMORY}]
+    vision = cqs["vision"]["spec"]["resourceGroups"][0]["flavors"][0]["resources"]
+    assert vision == [  # in a cohort, the placeholder quota never lends
+        {"name": "cpu", "nominalQuota": UNLIMITED_CPU, "lendingLimit": "0"},
+        {"name": "memory", "nominalQuota": UNLIMITED_MEMORY, "lendingLimit": "0"}]
+
+
+def test_single_priority_class_never_preempts_borrowed_capacity():
+    text = POLICY.read_text().replace("  - name: batch\n    value: 100\n    description: Background jobs that can wait.\n", "")
+    text = text.replace("defaultPriority: batch", "defaultPriority: interactive")
+    cq = by_kind(render_objects(parse_policy(text)), "ClusterQueue")["vision"]
+    validate(cq)
+    assert cq["spec"]["preemption"]["borrowWithinCohort"] == {"policy": "Never"}
+
+
+def test_cli_output_is_deterministic_yaml(capsys, tmp_path):
+    assert main(["kueue", str(POLICY), "--namespace", "ml"]) == 0
+    first = capsys.readouterr().out
+    # Same policy, teams listed in another order: same bytes.
+    data = yaml.safe_load(POLICY.read_text())
+    data["teams"].reverse()
+    data["flavors"].reverse()
+    shuffled = tmp_path / "p.yaml"
+    shuffled.write_text(yaml.safe_dump(data))
+    assert main(["kueue", str(shuffled), "-n", "ml"]) == 0
+    second = capsys.readouterr().out
+    docs = list(yaml.safe_load_all(first))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("ResourceFlavor", "a100"), ("ResourceFlavor", "gpuhub-default"), ("ResourceFlavor", "l4"),
+        ("WorkloadPriorityClass", "batch"), ("WorkloadPriorityClass", "interactive"),
+        ("ClusterQueue", "nlp"), ("ClusterQueue", "students"), ("ClusterQueue", "vision"),
+        ("LocalQueue", "nlp"), ("LocalQueue", "students"), ("LocalQueue", "vision")]
+    assert all(d["metadata"].get("namespace") in (None, "ml") for d in docs)
+    # GPU flavor order inside a ClusterQueue is Kueue's try-order, so it follows the policy file.
+    strip = lambda text: [d for d in yaml.safe_load_all(text) if d["kind"] != "ClusterQueue"]
+    assert strip(first) == strip(second)
+    assert main(["kueue", str(POLICY), "--namespace", "ml"]) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_cli_reports_located_errors(capsys, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(POLICY.read_text().replace("gpu: {count: 2, flavor: a100}", "gpu: {count: 2, flavor: a10}"))
+    assert main(["kueue", str(broken)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"{broken}:" in captured.err and "unknown flavor 'a10'" in captured.err
+    assert main(["kueue", str(tmp_path / "missing.yaml")]) == 1
+    assert "cannot read file" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_flavor_named_like_the_cpu_flavor(capsys, tmp_path):
+    clash = tmp_path / "clash.yaml"
+    clash.write_text(POLICY.read_text())
+    assert main(["kueue", str(clash), "--cpu-flavor", "a100"]) == 1
+    assert "reserved for CPU and memory" in capsys.readouterr().err

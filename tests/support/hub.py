@@ -44,7 +44,8 @@ def processes_with_env(marker: str) -> list[int]:
 
 
 class Hub:
-    def __init__(self, workdir: Path, policy_text: str, extra_config: str = ""):
+    def __init__(self, workdir: Path, policy_text: str, extra_config: str = "", mlflow: bool = False):
+        self.mlflow = mlflow  # the MLflow service costs ~450 MiB and ~10 s of CPU per hub
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.data = self.workdir / "data"
@@ -54,11 +55,12 @@ class Hub:
         self.port = free_port()
         self.hub_port = free_port()
         self.proxy_port = free_port()
+        self.mlflow_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = self.workdir / "jupyterhub_config.py"
         self.config.write_text(
             f"exec(open({str(CONFIG)!r}).read())\n"
-            f"c.Spawner.environment = {{'GPUHUB_TEST_RUN': {self.run_id!r}}}\n"
+            f"c.Spawner.environment.update({{'GPUHUB_TEST_RUN': {self.run_id!r}}})\n"
             "c.JupyterHub.log_level = 'DEBUG'\n"
             "c.Spawner.debug = False\n"
             "c.Spawner.default_url = '/tree'\n"
@@ -78,6 +80,8 @@ class Hub:
             GPUHUB_HUB_PORT=str(self.hub_port),
             GPUHUB_PROXY_API_PORT=str(self.proxy_port),
             GPUHUB_DEMO_PASSWORD=PASSWORD,
+            GPUHUB_MLFLOW="1" if self.mlflow else "0",
+            GPUHUB_MLFLOW_PORT=str(self.mlflow_port),
         )
 
     def start(self, timeout: float = 60) -> "Hub":

@@ -98,3 +98,14 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.DemoAuthenticator.demo_users = DEMO_USERS
     c.DemoAuthenticator.demo_password = demo_password(data)
     c.Authenticator.admin_users = {u for u, spec in DEMO_USERS.items() if spec.get("admin")}
+
+    # Central MLflow, managed by the hub (after template_vars: it adds its home-page link).
+    if os.environ.get("GPUHUB_MLFLOW", "1") != "0":
+        from ..mlflow import configure as configure_mlflow
+
+        configure_mlflow(
+            c,
+            data_dir=str(data / "mlflow"),
+            policy_path=str(Path(policy_file).resolve()),
+            port=int(os.environ.get("GPUHUB_MLFLOW_PORT", 10101)),
+        )

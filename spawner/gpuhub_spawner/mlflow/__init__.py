@@ -51,6 +51,13 @@ def configure(
     python: str | None = None,
     extra_args: list[str] | None = None,
     service_environment: dict[str, str] | None = None,
+    pass_environment: tuple[str, ...] = (
+        "GPUHUB_MLFLOW_BACKEND_STORE_URI", "GPUHUB_MLFLOW_AUTH_DB_URI",
+        "GPUHUB_MLFLOW_ADMIN_USERNAME", "GPUHUB_MLFLOW_ADMIN_PASSWORD",
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
+        "MLFLOW_S3_ENDPOINT_URL", "MLFLOW_S3_IGNORE_TLS",
+    ),
+    bind_ip: str | None = None,
 ) -> dict:
     """Add the MLflow service, its role, user access and single-user environment to ``c``.
 
@@ -75,6 +82,11 @@ def configure(
             images without ``gpuhub-notebook``. Off by default: the token is then sent
             only to this tracking URI, by ``gpuhub_notebook``'s request-header provider.
         service_environment: extra environment for the service (e.g. S3 settings).
+        pass_environment: hub environment variables handed to the service when set
+            (database URIs with passwords, S3 credentials: on Kubernetes they come from
+            Secrets into the hub pod's env, and reach only the service and MLflow).
+        bind_ip: where the service listens if not ``host`` (``0.0.0.0`` in a hub pod,
+            where ``host`` is the hub Service's name).
 
     Returns the service definition that was added.
     """
@@ -91,14 +103,20 @@ def configure(
         command += ["--external-url", external_url]
     if admin_credentials_file:
         command += ["--admin-credentials-file", str(admin_credentials_file)]
-    if backend_store_uri:
-        command += ["--backend-store-uri", backend_store_uri]
     if artifacts_destination:
         command += ["--artifacts-destination", artifacts_destination]
-    if auth_db_uri:
-        command += ["--auth-db-uri", auth_db_uri]
     for arg in extra_args or []:
         command += ["--mlflow-arg", arg]
+    if bind_ip:
+        command += ["--bind-ip", bind_ip]
+    import os
+
+    passed = {k: os.environ[k] for k in pass_environment if k in os.environ}
+    # Store URIs may hold passwords: environment, never the command (the hub logs commands).
+    if backend_store_uri:
+        passed["GPUHUB_MLFLOW_BACKEND_STORE_URI"] = backend_store_uri
+    if auth_db_uri:
+        passed["GPUHUB_MLFLOW_AUTH_DB_URI"] = auth_db_uri
 
     service = {
         "name": service_name,
@@ -107,7 +125,7 @@ def configure(
         "oauth_no_confirm": True,
         "display": True,
         "info": {"description": "Central MLflow tracking server (hub login)"},
-        "environment": {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", **(service_environment or {})},
+        "environment": {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", **passed, **(service_environment or {})},
     }
     services = [s for s in _section_get(hub, "services", []) if s.get("name") != service_name]
     hub.services = services + [service]

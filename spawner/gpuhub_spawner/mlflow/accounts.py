@@ -23,7 +23,7 @@ from urllib.parse import urlencode
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
-log = logging.getLogger("gpuhub.mlflow")
+log = logging.getLogger("JupyterHub.gpuhub.mlflow")
 
 TEAM_ROLE_PREFIX = "team-"
 WORKSPACE = "default"

@@ -30,7 +30,7 @@ from jupyterhub.services.auth import HubOAuthenticated
 from tornado import httputil, web
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
-log = logging.getLogger("gpuhub.mlflow")
+log = logging.getLogger("JupyterHub.gpuhub.mlflow")
 
 API = r"(?:ajax-)?api/[23]\.0/mlflow/"
 BLOCKED = re.compile(

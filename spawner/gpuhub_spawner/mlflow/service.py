@@ -32,7 +32,7 @@ from .proxy import MlflowProxyHandler, RootRedirect, make_http_client
 from .secrets import Passwords, ensure_private_dir, load_or_create_key
 from .upstream import ADMIN_USERNAME, MlflowServer, ServerSettings
 
-log = logging.getLogger("gpuhub.mlflow")
+log = logging.getLogger("JupyterHub.gpuhub.mlflow")
 
 
 class TeamResolver:
@@ -169,9 +169,13 @@ def parse_args(argv=None):
     p.add_argument("--admin-credentials-file",
                    help="JSON {username, password} of the existing server's admin (with --external-url); "
                         "default: $GPUHUB_MLFLOW_ADMIN_USERNAME/$GPUHUB_MLFLOW_ADMIN_PASSWORD")
-    p.add_argument("--backend-store-uri", help="default sqlite under --data-dir; e.g. postgresql://...")
+    p.add_argument("--backend-store-uri", default=os.environ.get("GPUHUB_MLFLOW_BACKEND_STORE_URI"),
+                   help="default $GPUHUB_MLFLOW_BACKEND_STORE_URI, else sqlite under --data-dir; "
+                        "pass database passwords through that variable, not this flag")
     p.add_argument("--artifacts-destination", help="default <data-dir>/artifacts; e.g. s3://bucket/path")
-    p.add_argument("--auth-db-uri", help="MLflow auth database; default sqlite under --data-dir")
+    p.add_argument("--auth-db-uri", default=os.environ.get("GPUHUB_MLFLOW_AUTH_DB_URI"),
+                   help="MLflow auth database; default $GPUHUB_MLFLOW_AUTH_DB_URI, else sqlite under --data-dir")
+    p.add_argument("--bind-ip", help="listen here instead of the host of JUPYTERHUB_SERVICE_URL (e.g. 0.0.0.0 in a pod)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--reconcile-interval", type=float, default=60.0, help="seconds between removed-user sweeps")
     p.add_argument("--max-body-mb", type=int, default=1024, help="largest request (artifact upload) accepted")
@@ -222,7 +226,9 @@ def main(argv=None):
         upstream_url = server.url
         host_header = server.hostport
     accounts = Accounts(upstream_url, admin_user, admin_password, passwords, host_header=host_header)
-    hub_auth = HubOAuth(cache_max_age=10)
+    # The handlers use the HubOAuth singleton: configure it before any handler runs.
+    # A short cache: a token the hub revoked stops working here within seconds.
+    hub_auth = HubOAuth.instance(cache_max_age=10)
     state = ServiceState(prefix=prefix, upstream_url=upstream_url, accounts=accounts,
                          teams=TeamResolver(args.policy), state_dir=state_dir)
     (state_dir / "upstream.json").write_text(json.dumps({"url": upstream_url}))
@@ -243,7 +249,7 @@ def main(argv=None):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         http_server = HTTPServer(app, xheaders=False, max_body_size=args.max_body_mb * 2**20)
-        http_server.listen(service_url.port, service_url.hostname)
+        http_server.listen(service_url.port, args.bind_ip or service_url.hostname)
         log.info("MLflow service listening on %s%s", os.environ["JUPYTERHUB_SERVICE_URL"].rstrip("/"), prefix)
 
         async def bring_up():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 
-log = logging.getLogger("gpuhub.mlflow")
+log = logging.getLogger("JupyterHub.gpuhub.mlflow")
 
 ADMIN_USERNAME = "gpuhub-mlflow-admin"
 
@@ -43,6 +43,9 @@ def auth_ini(auth_db_uri: str, admin_username: str = ADMIN_USERNAME) -> str:
         f"admin_username = {admin_username}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
         "grant_default_workspace_access = false\n"
+        # PBKDF2 on every request costs ~0.3 s on a small machine; the proxy is the
+        # gate that revokes (hub tokens), so a short credential cache is safe.
+        "auth_cache_ttl_seconds = 30\n"
     )
 
 
@@ -103,7 +106,8 @@ class MlflowServer:
             "--host", s.host,
             "--port", str(s.port),
             "--workers", str(s.workers),
-            "--backend-store-uri", s.backend_store_uri,
+            # The backend store URI (it may hold a database password) goes through the
+            # environment (MLFLOW_BACKEND_STORE_URI), never onto a command line.
             "--artifacts-destination", s.artifacts_destination,
             "--serve-artifacts",
             "--app-name", "basic-auth",
@@ -116,8 +120,12 @@ class MlflowServer:
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_MLFLOW_"))}
         ini = self.settings.data_dir / "basic_auth.ini"
-        ini.write_text(auth_ini(self.settings.auth_db_uri))
+        fd = os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold a DB password
+        with os.fdopen(fd, "w") as f:
+            f.write(auth_ini(self.settings.auth_db_uri))
+        os.chmod(ini, 0o600)
         env.update(
+            MLFLOW_BACKEND_STORE_URI=self.settings.backend_store_uri,
             MLFLOW_AUTH_CONFIG_PATH=str(ini),
             MLFLOW_AUTH_ADMIN_PASSWORD=self._admin_password,
             MLFLOW_FLASK_SERVER_SECRET_KEY=self._flask_secret,

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 
-from mlflow.tracking.request_header.abstract_request_header_provider import RequestHeaderProvider
-
 
 def _norm(uri: str) -> str:
     return uri.rstrip("/")
@@ -29,7 +27,10 @@ def hub_token_for(tracking_uri: str, environ=None) -> str | None:
     return token
 
 
-class HubTokenHeaderProvider(RequestHeaderProvider):
+class HubTokenHeaderProvider:
+    """Implements MLflow's RequestHeaderProvider (in_context, request_headers); no base
+    class import, so loading it while ``import mlflow`` runs cannot cycle."""
+
     def _token(self) -> str | None:
         import mlflow
 

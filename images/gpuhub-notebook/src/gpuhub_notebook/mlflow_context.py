@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import os
 
-from mlflow.tracking.context.abstract_context import RunContextProvider
-
 from . import gitinfo, identity
+
+# MLflow's registries only call in_context() and tags(), so the provider needs no
+# MLflow base class - and importing none keeps this module free of an import cycle
+# (MLflow loads this entry point while ``import mlflow`` is still running).
 
 TAG_PREFIX = "gpuhub."
 
 
-def tags_for(ident: identity.ServerIdentity | None, git: gitinfo.GitState | None) -> dict[str, str]:
+def tags_for(ident: identity.ServerIdentity | None, git: gitinfo.GitState | None,
+             notebook: str | None = None) -> dict[str, str]:
     tags: dict[str, str] = {}
+    if notebook:
+        # MLflow's own source is the kernel launcher; the notebook is what users recognise.
+        tags["mlflow.source.name"] = notebook
+        tags[f"{TAG_PREFIX}notebook"] = notebook
     if ident is not None:
         tags.update({
             "mlflow.user": ident.user,
@@ -53,7 +60,9 @@ def enable_gpu_system_metrics(ident: identity.ServerIdentity | None, environ=Non
     return env["MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"].lower() in ("true", "1")
 
 
-class GpuhubRunContext(RunContextProvider):
+class GpuhubRunContext:
+    """Implements mlflow.tracking.context.abstract_context.RunContextProvider."""
+
     def __init__(self):
         self._ident = identity.current()
         enable_gpu_system_metrics(self._ident)
@@ -62,4 +71,4 @@ class GpuhubRunContext(RunContextProvider):
         return self._ident is not None
 
     def tags(self) -> dict[str, str]:
-        return tags_for(self._ident, gitinfo.state())
+        return tags_for(self._ident, gitinfo.state(), os.environ.get("JPY_SESSION_NAME") or None)

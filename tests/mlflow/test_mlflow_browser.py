@@ -1,0 +1,89 @@
+"""A researcher in a real Chromium: log in to the hub, run a notebook cell in
+JupyterLab that logs to MLflow with no setup, then find the run in the MLflow UI
+reached from the hub's home page (no second password)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+CELL = "import mlflow\nmlflow.log_metric('loss', 0.1)\nprint('RUN', mlflow.last_active_run().info.run_id)"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
+    from support.hub import PASSWORD
+
+    hub, mlflow = mlflow_hub
+    user = hub.login("dave")  # API client for the same user: starts the server, writes the notebook
+    mlflow.wait_ready(user.token)
+    r = user.start("cpu", team="vision")
+    assert r.status_code in (201, 202), r.text
+    server = user.wait_ready()
+    notebook = {"cells": [{"cell_type": "code", "source": CELL, "metadata": {}, "outputs": [], "execution_count": None}],
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+                "nbformat": 4, "nbformat_minor": 5}
+    r = user.api.put(f"{hub.url}{server['url']}api/contents/log-run.ipynb",
+                     json={"type": "notebook", "format": "json", "content": notebook})
+    assert r.status_code in (200, 201), r.text
+
+    ctx = browser.new_context()
+    page = ctx.new_page()
+    page.set_default_timeout(int(os.environ.get("GPUHUB_BROWSER_TIMEOUT_MS", 90_000)))
+    page.goto(hub.url + "/hub/login")
+    page.fill("input[name=username]", "dave")
+    page.fill("input[name=password]", PASSWORD)
+    page.click("[type=submit]")
+    page.wait_for_url(re.compile(r".*/(hub/home|hub/spawn|user/dave/).*"))
+
+    page.goto(f"{hub.url}{server['url']}lab/tree/log-run.ipynb")
+    editor = page.locator(".jp-Notebook .jp-Cell .cm-content").first
+    editor.wait_for()
+    # The status bar says "Idle" once the kernel is connected and ready for requests.
+    page.locator(".jp-StatusBar-Widget", has_text=re.compile(r"\| Idle")).first.wait_for()
+    editor.click()
+    page.keyboard.press("Shift+Enter")
+    output = page.locator(".jp-OutputArea-output", has_text="RUN ").first
+    try:
+        output.wait_for()
+    except Exception:
+        page.screenshot(path=str(hub.workdir / "notebook.png"))
+        raise
+    run_id = re.search(r"RUN ([0-9a-f]{32})", output.inner_text()).group(1)
+
+    run = mlflow.api(user.token).get(mlflow.direct + "/api/2.0/mlflow/runs/get", params={"run_id": run_id}).json()["run"]
+    assert run["info"]["user_id"] == "dave"
+    run_name = run["info"]["run_name"]
+
+    # From the hub's home page, follow the MLflow link: hub OAuth, no password prompt.
+    page.goto(hub.url + "/hub/home")
+    page.click("#gpuhub-links a.gpuhub-link:has-text('MLflow')")
+    page.wait_for_url(re.compile(r".*/services/mlflow/.*"))
+    page.goto(f"{mlflow.public}/#/experiments/{run['info']['experiment_id']}/runs/{run_id}")
+    page.get_by_text(run_name).first.wait_for()
+    page.screenshot(path=str(hub.workdir / "mlflow-ui.png"))
+    body = page.content()
+    assert run_name in body
+    ctx.close()

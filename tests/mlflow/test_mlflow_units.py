@@ -1,0 +1,205 @@
+"""Pieces of the MLflow wiring that need no server: config merging, the proxy's
+ownership rules, the notebook-side tags and token scoping (against a real git repo)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from traitlets.config import Config
+
+from gpuhub_spawner.mlflow import configure
+from gpuhub_spawner.mlflow.proxy import BLOCKED, Refused, rewrite_request
+from gpuhub_spawner.mlflow.secrets import Passwords, load_or_create_key
+from gpuhub_spawner.mlflow.upstream import ADMIN_USERNAME, MlflowServer, ServerSettings, _redact
+
+
+def test_configure_merges_into_existing_config(tmp_path):
+    c = Config()
+    c.JupyterHub.services = [{"name": "culler", "command": ["x"]}]
+    c.JupyterHub.load_roles = [{"name": "culler", "scopes": ["list:users"], "services": ["culler"]}]
+    c.JupyterHub.template_vars = {"gpuhub_links": [{"name": "GPUs", "url": "/hub/gpuhub"}], "other": 1}
+    c.Spawner.environment = {"GPUHUB_TEST_RUN": "1"}
+    c.Spawner.server_token_scopes = ["users:activity!user", "access:servers!server", "read:users:name!user"]
+    c.JupyterHub.extra_user_scopes = {"read:groups"}
+    configure(c, data_dir=str(tmp_path), port=12345, policy_path="/p.yaml")
+    configure(c, data_dir=str(tmp_path), port=12345, policy_path="/p.yaml")  # idempotent
+
+    names = [s["name"] for s in c.JupyterHub.services]
+    assert names == ["culler", "mlflow"]
+    svc = c.JupyterHub.services[1]
+    assert svc["url"] == "http://127.0.0.1:12345" and svc["oauth_no_confirm"] is True
+    assert svc["command"][1:3] == ["-m", "gpuhub_spawner.mlflow"] and "--policy" in svc["command"]
+    assert [r["name"] for r in c.JupyterHub.load_roles] == ["culler", "gpuhub-mlflow-service"]
+    assert c.JupyterHub.extra_user_scopes == {"read:groups", "access:services!service=mlflow"}
+    assert c.Spawner.server_token_scopes == [
+        "users:activity!user", "access:servers!server", "read:users:name!user", "access:services!service=mlflow"]
+    env = c.Spawner.environment
+    assert env["GPUHUB_TEST_RUN"] == "1"
+    assert env["MLFLOW_TRACKING_URI"] == env["GPUHUB_MLFLOW_TRACKING_URI"] == "http://127.0.0.1:12345/services/mlflow"
+    assert "MLFLOW_TRACKING_TOKEN" not in env
+    assert callable(env["MLFLOW_EXPERIMENT_NAME"])
+    assert c.JupyterHub.template_vars["other"] == 1
+    assert c.JupyterHub.template_vars["gpuhub_links"] == [
+        {"name": "GPUs", "url": "/hub/gpuhub"}, {"name": "MLflow", "url": "/services/mlflow/"}]
+    # Nothing secret in the hub config: no password, no key.
+    assert "password" not in json.dumps(c.JupyterHub.services).lower()
+
+
+def test_configure_defaults_keep_the_server_role_scopes(tmp_path):
+    c = Config()
+    configure(c, data_dir=str(tmp_path), token_env=True, tracking_uri="http://proxy-public/services/mlflow",
+              backend_store_uri="postgresql://mlflow:pw@db/mlflow", bind_ip="0.0.0.0")
+    svc = c.JupyterHub.services[0]
+    assert "postgresql://mlflow:pw@db/mlflow" not in " ".join(svc["command"])  # the hub logs commands
+    assert svc["environment"]["GPUHUB_MLFLOW_BACKEND_STORE_URI"] == "postgresql://mlflow:pw@db/mlflow"
+    assert svc["command"][-2:] == ["--bind-ip", "0.0.0.0"]
+    assert c.Spawner.server_token_scopes == [
+        "users:activity!user", "access:servers!server", "access:services!service=mlflow"]
+    assert c.Spawner.environment["MLFLOW_TRACKING_URI"] == "http://proxy-public/services/mlflow"
+    assert callable(c.Spawner.environment["MLFLOW_TRACKING_TOKEN"])
+    assert c.JupyterHub.template_vars["gpuhub_links"] == [{"name": "MLflow", "url": "/services/mlflow/"}]
+
+
+def test_configure_wraps_callable_token_scopes(tmp_path):
+    c = Config()
+    c.Spawner.server_token_scopes = lambda spawner: ["users:activity!user"]
+    configure(c, data_dir=str(tmp_path))
+    assert c.Spawner.server_token_scopes(None) == ["users:activity!user", "access:services!service=mlflow"]
+
+
+def test_run_owner_is_forced_to_the_hub_user():
+    body = json.dumps({"experiment_id": "1", "user_id": "bob",
+                       "tags": [{"key": "mlflow.user", "value": "bob"}, {"key": "k", "value": "v"}]}).encode()
+    out = json.loads(rewrite_request("api/2.0/mlflow/runs/create", "POST", body, "alice"))
+    assert out["user_id"] == "alice"
+    assert {t["key"]: t["value"] for t in out["tags"]} == {"mlflow.user": "alice", "k": "v"}
+    out = json.loads(rewrite_request("ajax-api/2.0/mlflow/runs/set-tag", "POST",
+                                     b'{"run_id": "r", "key": "mlflow.user", "value": "bob"}', "alice"))
+    assert out["value"] == "alice"
+    out = json.loads(rewrite_request("api/2.0/mlflow/runs/log-batch", "POST",
+                                     b'{"run_id": "r", "tags": [{"key": "mlflow.user", "value": "bob"}]}', "alice"))
+    assert out["tags"] == [{"key": "mlflow.user", "value": "alice"}]
+    # Unrelated requests pass byte for byte.
+    assert rewrite_request("api/2.0/mlflow/runs/log-metric", "POST", b'{"a":1}', "alice") == b'{"a":1}'
+
+
+@pytest.mark.parametrize("path,field", [("api/2.0/mlflow/experiments/create", "name"),
+                                        ("ajax-api/2.0/mlflow/experiments/update", "new_name")])
+def test_personal_experiment_names_are_reserved(path, field):
+    with pytest.raises(Refused):
+        rewrite_request(path, "POST", json.dumps({field: "users/alice/x", "experiment_id": "1"}).encode(), "bob")
+    rewrite_request(path, "POST", json.dumps({field: "users/bob/x", "experiment_id": "1"}).encode(), "bob")
+    rewrite_request(path, "POST", json.dumps({field: "team-vision/x", "experiment_id": "1"}).encode(), "bob")
+
+
+@pytest.mark.parametrize("path", ["signup", "api/2.0/mlflow/users/create", "ajax-api/2.0/mlflow/users/update-password",
+                                  "api/2.0/mlflow/users/update-admin", "api/2.0/mlflow/users/delete",
+                                  "api/3.0/mlflow/roles/assign", "ajax-api/3.0/mlflow/roles/permissions/add"])
+def test_account_administration_is_blocked(path):
+    assert BLOCKED.match(path)
+
+
+@pytest.mark.parametrize("path", ["api/2.0/mlflow/users/current", "ajax-api/3.0/mlflow/users/permissions/grant",
+                                  "api/2.0/mlflow/runs/create", "ajax-api/3.0/mlflow/users/current/permissions"])
+def test_ordinary_routes_are_not_blocked(path):
+    assert not BLOCKED.match(path)
+
+
+def test_service_key_is_private_and_stable(tmp_path):
+    key = load_or_create_key(tmp_path / "state")
+    assert (tmp_path / "state" / "service.key").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
+    assert load_or_create_key(tmp_path / "state") == key
+    p = Passwords(key)
+    assert p.user("alice") == Passwords(key).user("alice") != p.user("bob") != p.admin()
+    assert len(p.admin()) >= 12  # MLflow refuses shorter admin passwords
+    assert key.decode() not in repr(p)
+
+
+def test_mlflow_command_and_environment(tmp_path):
+    s = MlflowServer(ServerSettings(data_dir=tmp_path, prefix="/services/mlflow/"), "adminpw-0123456789", "flask")
+    cmd = s.command()
+    assert cmd[cmd.index("--app-name") + 1] == "basic-auth"
+    assert cmd[cmd.index("--allowed-hosts") + 1] == s.hostport
+    assert cmd[cmd.index("--static-prefix") + 1] == "/services/mlflow"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert "adminpw-0123456789" not in " ".join(cmd)  # the password is never on a command line
+    assert "--backend-store-uri" not in cmd  # store URIs (DB passwords) go through the environment
+    env = s.environment()
+    assert env["MLFLOW_BACKEND_STORE_URI"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert (tmp_path / "basic_auth.ini").stat().st_mode & 0o777 == 0o600
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"] == "adminpw-0123456789"
+    ini = (tmp_path / "basic_auth.ini").read_text()
+    assert "default_permission = NO_PERMISSIONS" in ini and f"admin_username = {ADMIN_USERNAME}" in ini
+    assert "adminpw" not in ini
+
+
+def test_store_uri_passwords_are_redacted_in_logs():
+    assert _redact("postgresql://mlflow:s3cret@db:5432/mlflow") == "postgresql://mlflow:***@db:5432/mlflow"
+    assert _redact("sqlite:////data/mlflow.db") == "sqlite:////data/mlflow.db"
+
+
+# -- notebook side -------------------------------------------------------------------
+def test_tags_from_identity_and_a_real_git_repo(tmp_path):
+    from gpuhub_notebook import gitinfo, identity
+    from gpuhub_notebook.mlflow_context import tags_for
+
+    env = {"GPUHUB_USER": "alice", "GPUHUB_TEAM": "vision", "GPUHUB_PROFILE": "a100-1",
+           "GPUHUB_IMAGE": "registry/img@sha256:abc", "GPUHUB_GPU_COUNT": "1", "GPUHUB_GPU_FLAVOR": "a100",
+           "GPUHUB_SERVER_NAME": "exp"}
+    ident = identity.current(env)
+    genv = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@e", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, env=genv, check=True, capture_output=True, text=True)
+    (tmp_path / "f.py").write_text("1\n")
+    run("init", "-q")
+    run("add", ".")
+    run("commit", "-q", "-m", "x")
+    head = run("rev-parse", "HEAD").stdout.strip()
+    clean = gitinfo.state(str(tmp_path))
+    assert clean.commit == head and not clean.dirty
+    (tmp_path / "f.py").write_text("2\n")
+    tags = tags_for(ident, gitinfo.state(str(tmp_path)), "/home/alice/nb.ipynb")
+    assert tags["mlflow.user"] == tags["gpuhub.user"] == "alice"
+    assert tags["gpuhub.image.digest"] == "sha256:abc"
+    assert tags["gpuhub.gpu.count"] == "1" and tags["gpuhub.gpu.flavor"] == "a100"
+    assert tags["gpuhub.server"] == "exp"
+    assert tags["gpuhub.git.commit"] == head and tags["gpuhub.git.dirty"] == "true"
+    assert tags["mlflow.source.name"] == "/home/alice/nb.ipynb"
+    assert gitinfo.state(str(tmp_path / "..")) is None or gitinfo.state(str(tmp_path / "..")).root != str(tmp_path)
+
+
+def test_system_metrics_only_on_gpu_servers():
+    from gpuhub_notebook import identity
+    from gpuhub_notebook.mlflow_context import enable_gpu_system_metrics
+
+    gpu = identity.current({"GPUHUB_USER": "a", "GPUHUB_GPU_COUNT": "2"})
+    cpu = identity.current({"GPUHUB_USER": "a", "GPUHUB_GPU_COUNT": "0"})
+    env = {}
+    assert enable_gpu_system_metrics(gpu, env) and env["MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"] == "true"
+    env = {}
+    assert not enable_gpu_system_metrics(cpu, env) and env == {}
+    env = {"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}  # the user's choice wins
+    assert not enable_gpu_system_metrics(gpu, env)
+    assert identity.current({}) is None
+
+
+def test_hub_token_goes_only_to_the_hubs_mlflow():
+    from gpuhub_notebook.mlflow_auth import hub_token_for
+
+    env = {"GPUHUB_MLFLOW_TRACKING_URI": "http://hub:10101/services/mlflow", "JUPYTERHUB_API_TOKEN": "tok"}
+    assert hub_token_for("http://hub:10101/services/mlflow/", env) == "tok"
+    assert hub_token_for("https://mlflow.elsewhere.example", env) is None
+    assert hub_token_for("http://hub:10101/services/mlflow", {**env, "MLFLOW_TRACKING_TOKEN": "own"}) is None
+    assert hub_token_for("http://hub:10101/services/mlflow", {"JUPYTERHUB_API_TOKEN": "tok"}) is None
+
+
+def test_this_test_directory_does_not_shadow_mlflow():
+    # tests/ is on sys.path (tests/conftest.py); tests/mlflow must stay a plain
+    # directory (no __init__.py) so that `import mlflow` is the real package.
+    import mlflow
+
+    assert "site-packages" in mlflow.__file__ and hasattr(mlflow, "log_metric")

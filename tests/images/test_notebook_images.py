@@ -25,7 +25,7 @@ def _pins() -> dict[str, str]:
     reqs = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
     pins = {}
     for r in reqs:
-        m = re.match(r"^([A-Za-z0-9_.-]+)==([^;\s]+)", r)
+        m = re.match(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^;\s]+)", r)
         if m:
             pins[m.group(1).lower()] = m.group(2)
     return pins

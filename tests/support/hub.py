@@ -60,7 +60,8 @@ class Hub:
         self.config = self.workdir / "jupyterhub_config.py"
         self.config.write_text(
             f"exec(open({str(CONFIG)!r}).read())\n"
-            f"c.Spawner.environment.update({{'GPUHUB_TEST_RUN': {self.run_id!r}}})\n"
+            "c.Spawner.environment = dict(c.Spawner.environment if 'environment' in c.Spawner else {}, "
+            f"GPUHUB_TEST_RUN={self.run_id!r})\n"
             "c.JupyterHub.log_level = 'DEBUG'\n"
             "c.Spawner.debug = False\n"
             "c.Spawner.default_url = '/tree'\n"

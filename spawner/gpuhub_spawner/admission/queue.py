@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Protocol
 from prometheus_client import Gauge, Histogram
 
 from ..policy.model import Policy
-from .quota import Demand, add_usage, check_fit, describe
+from .quota import Demand, add_usage, check_fit
 
 log = logging.getLogger("JupyterHub.gpuhub.admission")
 
@@ -268,17 +268,6 @@ class AdmissionQueue:
             for key, amount in keys.items():
                 RESOURCE_IN_USE.labels(team=team, resource=key).set(amount)
 
-    # -- read-only views for pages ---------------------------------------------------------
-    def summary(self, policy: Policy) -> dict:
-        """Queue lengths and holdings per team: counts only, no other users' names."""
-        usage = self.usage()
-        out = {}
-        for team in policy.teams:
-            out[team.name] = {
-                "waiting": sum(1 for t in self.waiting if t.team == team.name),
-                "in_use": {describe(k, v, policy): v for k, v in usage.get(team.name, {}).items() if k.startswith("gpu/")},
-            }
-        return out
-
+    # -- read-only view for pages -----------------------------------------------------------
     def holdings(self) -> Iterable[Admission]:
         return list(self.admitted.values())

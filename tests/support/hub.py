@@ -44,8 +44,11 @@ def processes_with_env(marker: str) -> list[int]:
 
 
 class Hub:
-    def __init__(self, workdir: Path, policy_text: str, extra_config: str = "", mlflow: bool = False):
+    def __init__(
+        self, workdir: Path, policy_text: str, extra_config: str = "", mlflow: bool = False, env: dict | None = None
+    ):
         self.mlflow = mlflow  # the MLflow service costs ~450 MiB and ~10 s of CPU per hub
+        self.extra_env = dict(env or {})
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.data = self.workdir / "data"
@@ -83,6 +86,7 @@ class Hub:
             GPUHUB_DEMO_PASSWORD=PASSWORD,
             GPUHUB_MLFLOW="1" if self.mlflow else "0",
             GPUHUB_MLFLOW_PORT=str(self.mlflow_port),
+            **self.extra_env,
         )
 
     def start(self, timeout: float = 60) -> "Hub":
@@ -180,6 +184,15 @@ class UserClient:
             options["profile"] = profile
         path = f"/users/{self.name}/servers/{server}" if server else f"/users/{self.name}/server"
         return self.api.post(self.url(path), json=options)
+
+    def start_background(self, profile: str | None = None, server: str = "", **options):
+        """Start without blocking: the hub holds the request up to its slow-spawn timeout."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1)
+        future = pool.submit(self.start, profile, server, **options)
+        pool.shutdown(wait=False)
+        return future
 
     def stop(self, server: str = "") -> requests.Response:
         path = f"/users/{self.name}/servers/{server}" if server else f"/users/{self.name}/server"

@@ -64,3 +64,12 @@ def test_max_age_applies_even_when_busy_and_ignores_snooze():
     assert not ok and "maximum age" in msg
     d, state = run(Signals(inactive=0, kernels_idle=0, gpu_idle=0, age=86400 + 300), state, now=400)
     assert d.action == "cull"
+
+
+def test_a_quiet_phase_in_a_detached_training_run_is_not_a_stop():
+    # browser closed hours ago; the GPU dipped for one reading (checkpoint, evaluation)
+    state = CullState()
+    d, state = run(Signals(inactive=20_000, kernels_idle=20_000, gpu_idle=0, age=20_000), state, now=0)
+    assert d.action == "keep"
+    d, state = run(Signals(inactive=20_060, kernels_idle=20_060, gpu_idle=60, age=20_060), state, now=60)
+    assert d.action == "keep" and state.deadline is None

@@ -61,7 +61,10 @@ def _due(rules: IdleRules, s: Signals, has_gpus: bool) -> tuple[float, str] | No
         candidates.append((rules.max_age - s.age, f"reached the maximum age of {format_duration(rules.max_age)}"))
     if not gpu_busy:
         if rules.timeout and s.inactive is not None:
-            candidates.append((rules.timeout - s.inactive, f"no activity for {format_duration(rules.timeout)}"))
+            # A detached training run leaves the hub's activity stale: for a GPU server
+            # the clock starts at the later of the last activity and the last busy GPU.
+            idle = min(s.inactive, s.gpu_idle) if has_gpus and s.gpu_idle is not None else s.inactive
+            candidates.append((rules.timeout - idle, f"no activity for {format_duration(rules.timeout)}"))
         if has_gpus and rules.gpu_idle_timeout and s.gpu_idle is not None:
             # GPUs idle and kernels idle: a browser tab left open does not keep GPUs.
             kernels = s.kernels_idle if s.kernels_idle is not None else s.inactive

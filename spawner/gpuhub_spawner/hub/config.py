@@ -43,11 +43,39 @@ def demo_password(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
+def configure_culler(c, *, public_url: str, cull_every: int | None = None) -> None:
+    """Run the GPU-aware culler (jupyterhub-idle-culler 2.0) as a hub service."""
+    every = cull_every or int(os.environ.get("GPUHUB_CULL_EVERY", 60))
+    services = list(c.JupyterHub.services) if "services" in c.JupyterHub else []
+    services.append(
+        {
+            "name": "gpuhub-culler",
+            "command": [
+                sys.executable, "-m", "gpuhub_spawner.culling.service",
+                f"--cull-every={every}", "--timeout=1", "--remove-named-servers=False",
+            ],
+            "environment": {"GPUHUB_PUBLIC_URL": public_url},
+        }
+    )
+    c.JupyterHub.services = services
+    roles = list(c.JupyterHub.load_roles) if "load_roles" in c.JupyterHub else []
+    roles.append(
+        {
+            "name": "gpuhub-culler",
+            "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers", "access:servers"],
+            "services": ["gpuhub-culler"],
+        }
+    )
+    c.JupyterHub.load_roles = roles
+
+
 def _options_are_read_by_the_spawner(spawner, user_options):
     return None
 
 
 def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip: str = "127.0.0.1") -> None:
+    from ..hub.culling_api import cull_warnings
+    from ..hub.culling_api import handlers as culling_handlers
     from ..hub.pages import extra_handlers, policy_banner
 
     data = Path(data_dir).resolve()
@@ -65,8 +93,12 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.JupyterHub.db_url = f"sqlite:///{data / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(data / "jupyterhub_cookie_secret")
     c.JupyterHub.template_paths = [TEMPLATES]
-    c.JupyterHub.extra_handlers = list(extra_handlers)
-    c.JupyterHub.template_vars = {"gpuhub_policy_stale": policy_banner, "gpuhub_links": []}
+    c.JupyterHub.extra_handlers = list(extra_handlers) + list(culling_handlers)
+    c.JupyterHub.template_vars = {
+        "gpuhub_policy_stale": policy_banner,
+        "gpuhub_cull_warnings": cull_warnings,
+        "gpuhub_links": [],
+    }
 
     # Queued servers are pending spawns; JupyterHub's limit would count them and lock
     # everyone out behind a full queue. LocalBroker.launch_concurrency limits launches.
@@ -98,6 +130,8 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.DemoAuthenticator.demo_users = DEMO_USERS
     c.DemoAuthenticator.demo_password = demo_password(data)
     c.Authenticator.admin_users = {u for u, spec in DEMO_USERS.items() if spec.get("admin")}
+
+    configure_culler(c, public_url=f"http://{ip}:{port}")
 
     # Central MLflow, managed by the hub (after template_vars: it adds its home-page link).
     if os.environ.get("GPUHUB_MLFLOW", "1") != "0":

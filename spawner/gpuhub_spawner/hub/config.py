@@ -43,11 +43,20 @@ def demo_password(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
+def _merged_list(section, name: str) -> list:
+    return list(getattr(section, name)) if name in section else []
+
+
 def configure_culler(c, *, public_url: str, cull_every: int | None = None) -> None:
-    """Run the GPU-aware culler (jupyterhub-idle-culler 2.0) as a hub service."""
+    """Run the GPU-aware culler (jupyterhub-idle-culler 2.0) as a hub service.
+
+    Also registers the hub API it asks for decisions and the home-page warnings, so
+    both backends call just this (the Kubernetes values do, from hub.extraConfig).
+    """
+    from ..hub.culling_api import cull_warnings, handlers
+
     every = cull_every or int(os.environ.get("GPUHUB_CULL_EVERY", 60))
-    services = list(c.JupyterHub.services) if "services" in c.JupyterHub else []
-    services.append(
+    c.JupyterHub.services = _merged_list(c.JupyterHub, "services") + [
         {
             "name": "gpuhub-culler",
             "command": [
@@ -56,17 +65,20 @@ def configure_culler(c, *, public_url: str, cull_every: int | None = None) -> No
             ],
             "environment": {"GPUHUB_PUBLIC_URL": public_url},
         }
-    )
-    c.JupyterHub.services = services
-    roles = list(c.JupyterHub.load_roles) if "load_roles" in c.JupyterHub else []
-    roles.append(
+    ]
+    c.JupyterHub.load_roles = _merged_list(c.JupyterHub, "load_roles") + [
         {
             "name": "gpuhub-culler",
             "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers", "access:servers"],
             "services": ["gpuhub-culler"],
         }
-    )
-    c.JupyterHub.load_roles = roles
+    ]
+    c.JupyterHub.extra_handlers = _merged_list(c.JupyterHub, "extra_handlers") + list(handlers)
+    template_vars = dict(c.JupyterHub.template_vars) if "template_vars" in c.JupyterHub else {}
+    template_vars["gpuhub_cull_warnings"] = cull_warnings
+    c.JupyterHub.template_vars = template_vars
+    paths = _merged_list(c.JupyterHub, "template_paths")
+    c.JupyterHub.template_paths = paths if TEMPLATES in paths else [TEMPLATES, *paths]
 
 
 def _options_are_read_by_the_spawner(spawner, user_options):
@@ -74,8 +86,6 @@ def _options_are_read_by_the_spawner(spawner, user_options):
 
 
 def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip: str = "127.0.0.1") -> None:
-    from ..hub.culling_api import cull_warnings
-    from ..hub.culling_api import handlers as culling_handlers
     from ..hub.pages import extra_handlers, policy_banner
 
     data = Path(data_dir).resolve()
@@ -93,10 +103,10 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.JupyterHub.db_url = f"sqlite:///{data / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(data / "jupyterhub_cookie_secret")
     c.JupyterHub.template_paths = [TEMPLATES]
-    c.JupyterHub.extra_handlers = list(extra_handlers) + list(culling_handlers)
+    c.JupyterHub.extra_handlers = list(extra_handlers)
     c.JupyterHub.template_vars = {
         "gpuhub_policy_stale": policy_banner,
-        "gpuhub_cull_warnings": cull_warnings,
+        "gpuhub_status_page": True,
         "gpuhub_links": [],
     }
 

@@ -1,0 +1,36 @@
+"""The culler service is configured with least scopes and merges with other services."""
+
+from pathlib import Path
+
+import yaml
+from traitlets.config import Config
+
+from gpuhub_spawner.hub.config import TEMPLATES, configure_culler
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_culler_service_least_scopes_and_merging():
+    c = Config()
+    c.JupyterHub.services = [{"name": "mlflow", "url": "http://127.0.0.1:1"}]
+    c.JupyterHub.template_vars = {"gpuhub_links": [{"name": "MLflow", "url": "/services/mlflow/"}]}
+    configure_culler(c, public_url="http://proxy-public", cull_every=60)
+    names = [s["name"] for s in c.JupyterHub.services]
+    assert names == ["mlflow", "gpuhub-culler"]
+    (role,) = [r for r in c.JupyterHub.load_roles if r["name"] == "gpuhub-culler"]
+    assert sorted(role["scopes"]) == sorted(["list:users", "read:users:activity", "read:servers", "delete:servers", "access:servers"])
+    culler = c.JupyterHub.services[1]
+    assert "--cull-every=60" in culler["command"] and "--remove-named-servers=False" in culler["command"]
+    assert c.JupyterHub.template_vars["gpuhub_links"][0]["name"] == "MLflow"  # kept
+    assert callable(c.JupyterHub.template_vars["gpuhub_cull_warnings"])
+    assert c.JupyterHub.template_paths[0] == TEMPLATES
+    assert any("/api/gpuhub/cull-decision" in h[0] for h in c.JupyterHub.extra_handlers)
+
+
+def test_helm_values_run_the_same_culler_config():
+    values = yaml.safe_load((REPO / "helm-values" / "values.yaml").read_text())
+    code = values["hub"]["extraConfig"]["gpuhub-culler"]
+    c = Config()
+    exec(compile(code, "hub.extraConfig.gpuhub-culler", "exec"), {"c": c})
+    assert [s["name"] for s in c.JupyterHub.services] == ["gpuhub-culler"]
+    assert values["cull"]["enabled"] is False  # the chart's 1.4 culler would race ours

@@ -100,8 +100,8 @@ class SnoozeHandler(_Base):
 
 def cull_warnings(user) -> list[dict]:
     """Template variable for the home page: this user's warned servers."""
-    if user is None or not hasattr(user, "spawners"):
-        return []
+    if user is None or not hasattr(user, "spawners") or not CullBoard.initialized():
+        return []  # no decision made yet, so no warning stands
     board = CullBoard.instance()
     policy = board.policy
     profiles = {}

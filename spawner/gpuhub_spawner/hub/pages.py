@@ -14,6 +14,7 @@ from jupyterhub.apihandlers import APIHandler
 from tornado import web
 
 from ..local.broker import LocalBroker
+from ..policy import PolicyStore
 from ..policy.quantities import format_duration
 
 
@@ -64,14 +65,14 @@ class StatusAPIHandler(APIHandler):
     @web.authenticated
     def get(self):
         user = self.current_user
-        self.write(json.dumps(status_snapshot(LocalBroker.instance(config=self.config), bool(user.admin))))
+        self.write(json.dumps(status_snapshot(LocalBroker.instance(config=self.config), bool(getattr(user, "admin", False)))))
 
 
 class StatusPageHandler(BaseHandler):
     @web.authenticated
     async def get(self):
         user = self.current_user
-        snap = status_snapshot(LocalBroker.instance(config=self.config), bool(user.admin))
+        snap = status_snapshot(LocalBroker.instance(config=self.config), bool(getattr(user, "admin", False)))
         html = await self.render_template("gpuhub_status.html", snap=snap, user=user)
         self.finish(html)
 
@@ -80,10 +81,10 @@ def policy_banner(user) -> dict | None:
     """Template variable: the policy's health, for admins only."""
     if user is None or not getattr(user, "admin", False):
         return None
-    try:
-        status = LocalBroker.instance().store.status
-    except Exception:  # before the first spawn in a misconfigured hub
-        return None
+    # Only read an existing store: creating singletons here would miss the hub's config.
+    if not PolicyStore.initialized():
+        return None  # nothing loaded yet, so nothing can be stale
+    status = PolicyStore.instance().status
     return status.as_dict() if status.stale else None
 
 

@@ -116,6 +116,9 @@ def test_idle_gpu_warned_culled_and_handed_on_busy_gpu_survives(hub, gpus):
     assert "GPUs and kernels were idle for 10s" in w["reason"] and w["deadline"] > time.time() - 1
     page = alice.session.get(hub.url + "/hub/home").text
     assert "will be stopped" in page and "Your files are kept" in page
+    snap = requests.get(hub.url + "/hub/api/gpuhub/status", headers={"Authorization": f"token {carol.token}"}).json()
+    held = next(d for d in snap["devices"] if d["user"] == "alice")
+    assert held["idle_for"] and held["stops_at"]  # everyone sees which GPUs sit idle
 
     wait_for(lambda: alice.server() is None, 30, "alice's idle GPU server to be culled")
     assert home_file.read_text() == "keep me"  # a cull never touches the home directory

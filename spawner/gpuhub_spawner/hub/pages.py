@@ -26,9 +26,14 @@ def status_snapshot(broker: LocalBroker, is_admin: bool) -> dict:
     for adm in queue.holdings():
         for dev in adm.devices:
             holders[dev] = adm
+    from ..culling.board import CullBoard
+
+    records = CullBoard.instance().records if CullBoard.initialized() else {}
     devices = []
     for d in broker.devices.devices:
         adm = holders.get(d.id)
+        rec = records.get(adm.key) if adm else None
+        gpu_idle = format_duration(now - rec.gpu_last_busy) if rec and rec.gpu_last_busy else None
         devices.append(
             {
                 "id": d.id,
@@ -39,6 +44,8 @@ def status_snapshot(broker: LocalBroker, is_admin: bool) -> dict:
                 "team": adm.team if adm else None,
                 "profile": adm.profile if adm else None,
                 "held_for": format_duration(now - adm.since) if adm else None,
+                "idle_for": gpu_idle if gpu_idle != "0s" else None,
+                "stops_at": rec.state.deadline if rec and rec.state.deadline else None,
             }
         )
     usage = queue.usage()

@@ -9,7 +9,10 @@ ensure_venv() {
   # Re-install only when the project definition changed since the last install.
   local stamp=".venv/.gpuhub-installed"
   local want
-  want="$(sha256sum pyproject.toml images/gpuhub-notebook/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16) $extras"
+  # (the notebook package's lab extension is copied at install time, so it counts too)
+  want="$( (sha256sum pyproject.toml images/gpuhub-notebook/pyproject.toml; \
+            find images/gpuhub-notebook/src/gpuhub_notebook/labextension -type f -exec sha256sum {} + 2>/dev/null | sort) \
+          | sha256sum | cut -c1-16) $extras"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
     .venv/bin/python -m pip install --quiet -e "$extras"

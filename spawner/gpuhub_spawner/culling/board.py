@@ -70,7 +70,8 @@ class CullBoard(SingletonConfigurable):
         if has_gpus:
             util = read_utilization(devices) if devices else None
             if util is None and reported_gpus:
-                util = {str(g.get("id")): int(g.get("utilization", 0)) for g in reported_gpus}
+                # A MIG slice reports no utilisation (null): unknown, not idle.
+                util = {str(g.get("id")): int(g["utilization"]) for g in reported_gpus if g.get("utilization") is not None}
             if util:
                 threshold = rules.gpu_busy_threshold if rules.gpu_busy_threshold is not None else 5
                 if rec.gpu_last_busy is None:

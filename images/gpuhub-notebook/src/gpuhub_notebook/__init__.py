@@ -8,8 +8,27 @@ Modules:
   mlflow_auth     MLflow request-header provider: sends this server's hub token to
                   the hub's MLflow service only (entry point ``mlflow.request_header_provider``)
 
-The culler's GPU-activity reporter will live beside these (e.g. ``activity``).
-Nothing here imports MLflow at package import time.
+  activity          GPUs (nvidia-ml-py), kernels and terminals of this server, for the culler
+  server_extension  Jupyter server extension: ``gpuhub/activity`` for the hub's culler and
+                    ``gpuhub/culling`` (cull warning + snooze relay) for the lab extension
+  labextension/     the prebuilt JupyterLab extension (cull-warning notification with Snooze);
+                    source in ``images/gpuhub-notebook/labextension``
+
+Nothing here imports MLflow or Jupyter at package import time.
 """
 
 __version__ = "0.1.0"
+
+
+def _jupyter_server_extension_points():
+    return [{"module": "gpuhub_notebook"}]
+
+
+def _load_jupyter_server_extension(serverapp):
+    from .server_extension import load
+
+    load(serverapp)
+
+
+def _jupyter_labextension_paths():
+    return [{"src": "labextension", "dest": "gpuhub-notebook"}]

@@ -1,0 +1,315 @@
+/**
+ * gpuhub cull warnings inside JupyterLab.
+ *
+ * Polls the server extension's `gpuhub/culling` relay (on load, every 30 s and when the tab
+ * becomes visible again). While the hub has warned this server, a JupyterLab notification
+ * (never auto-closing) says when the server will be stopped and offers a Snooze action that
+ * POSTs to the relay and updates the notification with the hub's answer.
+ */
+import {
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import { Notification } from '@jupyterlab/apputils';
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+const POLL_MS = 30_000;
+const MAX_MESSAGE = 140;
+const REMIND_MINUTES = 5; // a warning the user closed comes back once this close to the deadline // JupyterLab truncates longer notification messages
+
+interface ICullWarning {
+  deadline: number;
+  reason: string;
+  snoozes_left: number;
+  snooze_seconds: number;
+  warned_at: number;
+}
+
+interface ICullingReply {
+  enabled: boolean;
+  server: string | null;
+  now: number;
+  warning: ICullWarning | null;
+  error?: string;
+}
+
+interface IReply<T> {
+  status: number;
+  body: T;
+}
+
+function pad(n: number): string {
+  return n < 10 ? `0${n}` : `${n}`;
+}
+
+/** HH:MM in the browser's time zone. */
+function clock(epochSeconds: number): string {
+  const d = new Date(epochSeconds * 1000);
+  return `${pad(d.getHours())}:${pad(d.getMinutes())}`;
+}
+
+function minutesLeft(deadline: number, now: number): number {
+  return Math.max(0, Math.ceil((deadline - now) / 60));
+}
+
+function warningMessage(w: ICullWarning, now: number, prefix = ''): string {
+  const head = `${prefix}This server will be stopped at ${clock(w.deadline)} (in ${minutesLeft(
+    w.deadline,
+    now
+  )} min): `;
+  const tail = '. Your files are kept.';
+  let reason = (w.reason || 'idle').trim().replace(/\.+$/, '');
+  const room = MAX_MESSAGE - head.length - tail.length;
+  if (reason.length > room) {
+    reason = reason.slice(0, Math.max(0, room - 1)) + '\u2026';
+  }
+  return head + reason + tail;
+}
+
+/**
+ * Whether the notification's toast is on screen (JupyterLab's toasts carry the notification id;
+ * if that ever changes, a warning is simply treated as closed and refreshed less often).
+ */
+function toastVisible(id: string): boolean {
+  const el = document.getElementById(id);
+  return !!el && !!el.closest('.Toastify');
+}
+
+class CullWatcher {
+  constructor(private settings: ServerConnection.ISettings) {}
+
+  start(): void {
+    void this.poll();
+    this._timer = window.setInterval(() => void this.poll(), POLL_MS);
+    document.addEventListener('visibilitychange', () => {
+      if (document.visibilityState === 'visible') {
+        void this.poll();
+      }
+    });
+  }
+
+  private async request<T>(method: 'GET' | 'POST'): Promise<IReply<T>> {
+    const url = URLExt.join(this.settings.baseUrl, 'gpuhub', 'culling');
+    const init: RequestInit = { method, cache: 'no-store' };
+    if (method === 'POST') {
+      init.body = JSON.stringify({});
+    }
+    const resp = await ServerConnection.makeRequest(url, init, this.settings);
+    let body: any = {};
+    try {
+      body = await resp.json();
+    } catch {
+      body = {};
+    }
+    return { status: resp.status, body: body as T };
+  }
+
+  /** Seconds since the epoch on the server's clock (the hub's deadline is on that clock). */
+  private now(): number {
+    return Date.now() / 1000 + this._offset;
+  }
+
+  async poll(): Promise<void> {
+    if (this._busy) {
+      return;
+    }
+    this._busy = true;
+    try {
+      const { status, body } = await this.request<ICullingReply>('GET');
+      if (status === 200 && body && body.enabled === false) {
+        // Not under a hub: nothing will ever be culled here.
+        window.clearInterval(this._timer);
+        return;
+      }
+      if (status !== 200 || !body) {
+        return; // hub briefly unreachable: keep whatever is shown
+      }
+      if (typeof body.now === 'number') {
+        this._offset = body.now - Date.now() / 1000;
+      }
+      this.show(body.warning);
+    } catch (err) {
+      console.debug('gpuhub: culling poll failed', err);
+    } finally {
+      this._busy = false;
+    }
+  }
+
+  private actions(w: ICullWarning): Notification.IAction[] {
+    if (!(w.snoozes_left > 0)) {
+      return [];
+    }
+    const minutes = Math.round((w.snooze_seconds || 0) / 60);
+    return [
+      {
+        label: 'Snooze',
+        caption: `Keep this server ${minutes ? `${minutes} min ` : ''}longer (${
+          w.snoozes_left
+        } snooze${w.snoozes_left === 1 ? '' : 's'} left)`,
+        displayType: 'accent',
+        callback: (event: MouseEvent) => {
+          event.preventDefault(); // keep the notification; we update it with the result
+          void this.snooze();
+        }
+      }
+    ];
+  }
+
+  private notify(
+    message: string,
+    type: Notification.TypeOptions,
+    actions: Notification.IAction[],
+    autoClose: number | false
+  ): void {
+    if (this._id && Notification.manager.has(this._id)) {
+      Notification.update({
+        id: this._id,
+        message,
+        type,
+        autoClose,
+        actions
+      });
+    } else {
+      this._id = Notification.emit(message, type, { autoClose, actions });
+    }
+  }
+
+  private show(w: ICullWarning | null, prefix = ''): void {
+    if (!w) {
+      if (this._id && this._key !== null) {
+        this.notify(
+          'This server is no longer scheduled to be stopped.',
+          'info',
+          [],
+          5000
+        );
+      }
+      this._id = null;
+      this._key = null;
+      return;
+    }
+    const key = `${w.warned_at}:${w.deadline}`;
+    const message = warningMessage(w, this.now(), prefix);
+    if (key !== this._key) {
+      // A new warning (or a new deadline): show it even if an older one was dismissed.
+      this._key = key;
+      this._reminded = minutesLeft(w.deadline, this.now()) <= REMIND_MINUTES;
+      if (this._id && Notification.manager.has(this._id)) {
+        Notification.dismiss(this._id);
+      }
+      const actions = this.actions(w);
+      this._shown = `${message}|${actions.length}`;
+      this._id = Notification.warning(message, { autoClose: false, actions });
+      return;
+    }
+    const actions = this.actions(w);
+    const shown = `${message}|${actions.length}`;
+    const exists = !!this._id && Notification.manager.has(this._id);
+    if (exists && toastVisible(this._id!)) {
+      // Same warning, on screen: refresh the countdown (and the Snooze button) when it changed.
+      if (shown !== this._shown) {
+        this._shown = shown;
+        Notification.update({
+          id: this._id!,
+          message,
+          type: 'warning',
+          autoClose: false,
+          actions
+        });
+      }
+    } else if (
+      !this._reminded &&
+      minutesLeft(w.deadline, this.now()) <= REMIND_MINUTES
+    ) {
+      // The user closed the warning: show it once more shortly before the deadline.
+      // (Updating a notification whose toast was closed pops the toast up again; so
+      // otherwise a closed warning is left alone.)
+      this._reminded = true;
+      this._shown = shown;
+      if (exists) {
+        Notification.update({
+          id: this._id!,
+          message,
+          type: 'warning',
+          autoClose: false,
+          actions
+        });
+      } else {
+        this._id = Notification.warning(message, { autoClose: false, actions });
+      }
+    }
+  }
+
+  async snooze(): Promise<void> {
+    let status = 0;
+    let body: any = {};
+    try {
+      ({ status, body } = await this.request<any>('POST'));
+    } catch (err) {
+      body = { message: String(err) };
+    }
+    if (status === 200) {
+      let reply: IReply<ICullingReply> | null = null;
+      try {
+        reply = await this.request<ICullingReply>('GET');
+      } catch {
+        reply = null;
+      }
+      const deadline = typeof body.deadline === 'number' ? body.deadline : null;
+      const w = reply && reply.status === 200 ? reply.body.warning : null;
+      if (w) {
+        // Still warned, with the new deadline: say so on the same notification.
+        this._key = `${w.warned_at}:${w.deadline}`;
+        this._reminded = minutesLeft(w.deadline, this.now()) <= REMIND_MINUTES;
+        this.notify(
+          warningMessage(w, this.now(), 'Snoozed. '),
+          'warning',
+          this.actions(w),
+          false
+        );
+      } else {
+        const until = deadline
+          ? ` It will not be stopped before ${clock(deadline)}.`
+          : '';
+        this.notify(`Snoozed: this server keeps running.${until}`, 'success', [], 10000);
+        this._id = null;
+        this._key = null;
+      }
+      return;
+    }
+    const reason = (body && body.message) || `snooze failed (${status || 'network error'})`;
+    if (status === 409) {
+      this.notify(reason.slice(0, MAX_MESSAGE), 'error', [], false);
+    } else {
+      this.notify(
+        `Snooze failed: ${reason}`.slice(0, MAX_MESSAGE),
+        'error',
+        [],
+        false
+      );
+      this._key = null; // the next poll shows the warning (and its Snooze) again
+    }
+  }
+
+  private _busy = false;
+  private _id: string | null = null;
+  private _key: string | null = null;
+  private _offset = 0;
+  private _reminded = false;
+  private _shown = '';
+  private _timer = 0;
+}
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: 'gpuhub-notebook:cull-warning',
+  description:
+    'Shows the hub cull warning for this server, with a Snooze action.',
+  autoStart: true,
+  activate: (app: JupyterFrontEnd) => {
+    const watcher = new CullWatcher(app.serviceManager.serverSettings);
+    void app.restored.then(() => watcher.start());
+  }
+};
+
+export default plugin;

@@ -1,0 +1,154 @@
+"""Jupyter server extension: GPU activity for the hub's culler, cull warnings for JupyterLab.
+
+Handlers, under the server's ``base_url`` and authenticated like every server API:
+
+``GET gpuhub/activity``
+    GPUs, kernels and terminals (``activity``). The culler calls it with a token that has
+    ``access:servers``.
+
+``GET gpuhub/culling``
+    This server's entry of the hub's ``GET {JUPYTERHUB_API_URL}/gpuhub/culling/{user}``, fetched
+    with the server's own ``JUPYTERHUB_API_TOKEN``::
+
+        {"enabled": true, "server": "<name>", "now": <epoch>, "warning": {...} | null}
+
+    ``enabled`` is false outside a hub (no ``JUPYTERHUB_API_URL``); the lab extension stops polling.
+
+``POST gpuhub/culling``
+    Relays ``POST {JUPYTERHUB_API_URL}/gpuhub/culling/{user}/snooze`` with ``{"server": "<this
+    server>"}`` and passes the hub's status (200, 409, ...) and JSON body through.
+
+Enabled by ``etc/jupyter/jupyter_server_config.d/gpuhub_notebook.json`` (installed with the
+package), or explicitly: ``c.ServerApp.jpserver_extensions = {"gpuhub_notebook": True}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from urllib.parse import quote
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+
+from . import activity
+
+HUB_TIMEOUT = 10.0
+
+
+class ActivityHandler(APIHandler):
+    auth_resource = "api"
+
+    @web.authenticated
+    @authorized
+    async def get(self):
+        loop = asyncio.get_running_loop()
+        # NVML calls block; keep them off the event loop (a wedged driver must not hang the server).
+        body = await loop.run_in_executor(None, activity.read_gpus)
+        body["kernels"] = activity.kernel_activity(self.settings.get("kernel_manager"))
+        body["terminals"] = activity.terminal_activity(self.settings.get("terminal_manager"))
+        self.set_header("Cache-Control", "no-store")
+        self.finish(json.dumps(body))
+
+
+def hub_environment(environ=None) -> dict | None:
+    env = os.environ if environ is None else environ
+    url = env.get("JUPYTERHUB_API_URL", "").rstrip("/")
+    token = env.get("JUPYTERHUB_API_TOKEN", "")
+    user = env.get("JUPYTERHUB_USER", "")
+    if not (url and token and user):
+        return None
+    return {
+        "url": url,
+        "token": token,
+        "user": user,
+        "server": env.get("JUPYTERHUB_SERVER_NAME", ""),
+        # internal_ssl: the hub wants this server's client certificate.
+        "ssl": {k: env[v] for k, v in (("client_cert", "JUPYTERHUB_SSL_CERTFILE"),
+                                       ("client_key", "JUPYTERHUB_SSL_KEYFILE"),
+                                       ("ca_certs", "JUPYTERHUB_SSL_CLIENT_CA")) if env.get(v)},
+    }
+
+
+async def _hub_request(hub: dict, path: str, method: str = "GET", body: dict | None = None):
+    """(status, parsed JSON or {}) from the hub; status 0 when it could not be reached."""
+    req = HTTPRequest(
+        f"{hub['url']}/gpuhub/culling/{quote(hub['user'], safe='')}{path}",
+        method=method,
+        headers={"Authorization": f"token {hub['token']}", "Content-Type": "application/json",
+                 "Accept": "application/json"},
+        body=json.dumps(body) if body is not None else None,
+        request_timeout=HUB_TIMEOUT,
+        connect_timeout=HUB_TIMEOUT,
+        **hub["ssl"],
+    )
+    try:
+        resp = await AsyncHTTPClient().fetch(req, raise_error=False)
+    except (OSError, HTTPClientError, asyncio.TimeoutError) as e:
+        return 0, {"message": f"hub unreachable: {e}"}
+    try:
+        data = json.loads(resp.body or b"{}")
+    except ValueError:
+        data = {"message": (resp.body or b"")[:200].decode(errors="replace")}
+    if resp.code == 599:  # tornado's code for connection errors and timeouts
+        return 0, {"message": f"hub unreachable: {resp.error}"}
+    return resp.code, data if isinstance(data, dict) else {"message": str(data)}
+
+
+class CullingHandler(APIHandler):
+    auth_resource = "api"
+
+    @web.authenticated
+    @authorized
+    async def get(self):
+        self.set_header("Cache-Control", "no-store")
+        hub = hub_environment()
+        if hub is None:
+            self.finish(json.dumps({"enabled": False, "server": None, "now": time.time(), "warning": None}))
+            return
+        status, data = await _hub_request(hub, "")
+        reply = {"enabled": True, "server": hub["server"], "now": time.time(), "warning": None}
+        if status == 200:
+            entry = (data.get("servers") or {}).get(hub["server"])
+            reply["warning"] = entry if isinstance(entry, dict) else None
+        elif status == 404:
+            reply["error"] = data.get("message") or "the hub has no culling endpoint"
+        else:
+            self.set_status(502)
+            reply["error"] = data.get("message") or f"hub answered {status}"
+        self.finish(json.dumps(reply))
+
+    @web.authenticated
+    @authorized
+    async def post(self):
+        hub = hub_environment()
+        if hub is None:
+            self.set_status(404)
+            self.finish(json.dumps({"message": "not running under JupyterHub: nothing to snooze"}))
+            return
+        # Always this server: the relay acts with this server's token, for this server only.
+        status, data = await _hub_request(hub, "/snooze", method="POST", body={"server": hub["server"]})
+        if status == 0:
+            status = 502
+        elif status in (401, 403):
+            # Our token was refused by the hub: not the browser's credentials, so not a 403 here.
+            data = {"message": f"the hub refused this server's token ({status}): {data.get('message', '')}".strip()}
+            status = 502
+        self.set_status(status)
+        data.setdefault("server", hub["server"])
+        self.finish(json.dumps(data))
+
+
+def load(serverapp) -> None:
+    web_app = serverapp.web_app
+    base = web_app.settings["base_url"]
+    web_app.add_handlers(".*$", [
+        (url_path_join(base, "gpuhub", "activity"), ActivityHandler),
+        (url_path_join(base, "gpuhub", "culling"), CullingHandler),
+    ])
+    serverapp.log.info("gpuhub_notebook: serving %sgpuhub/activity and %sgpuhub/culling", base, base)

@@ -1,0 +1,89 @@
+"""In a real Chromium: JupyterLab shows the hub's cull warning as a notification, and its Snooze
+button goes through the server's relay to the (stand-in) hub and updates the notification."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from nbside import SERVER_NAME
+
+pytestmark = [pytest.mark.browser]
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def test_warning_notification_and_snooze(nb_server, stand_in, browser, tmp_path):
+    w = stand_in.warn(SERVER_NAME, minutes=12, reason="GPU idle for 30 min", snoozes_left=1, snooze_seconds=1800)
+    first_deadline = w["deadline"]
+    ctx = browser.new_context()
+    page = ctx.new_page()
+    page.set_default_timeout(int(os.environ.get("GPUHUB_BROWSER_TIMEOUT_MS", 60_000)))
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(f"{nb_server.url}lab?token={nb_server.token}")
+        toast = page.locator(".Toastify__toast", has_text="This server will be stopped at")
+        toast.wait_for()
+        text = toast.inner_text()
+        assert re.search(r"This server will be stopped at \d\d:\d\d \(in 1[12] min\): GPU idle for 30 min\. "
+                         r"Your files are kept\.", text), text
+        # What the extension relies on to tell a shown toast from one the user closed.
+        assert toast.evaluate("el => !!el.id && document.getElementById(el.id) === el && !!el.closest('.Toastify')")
+        # Same warning, new reading: the toast on screen is updated in place (one toast, not two).
+        with stand_in.lock:
+            stand_in.warnings[SERVER_NAME]["reason"] = "GPU idle for 31 min"
+        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        toast = page.locator(".Toastify__toast", has_text="GPU idle for 31 min")
+        toast.wait_for()
+        assert page.locator(".Toastify__toast", has_text="This server will be stopped at").count() == 1
+        snooze = toast.get_by_role("button", name="Snooze")
+        snooze.click()
+        # The relay reached the hub, for this server, and the notification says so in place.
+        toast = page.locator(".Toastify__toast", has_text="Snoozed. This server will be stopped at")
+        toast.wait_for()
+        assert re.search(r"\(in (41|42) min\)", toast.inner_text()), toast.inner_text()
+        assert [p["body"] for p in stand_in.posts()] == [{"server": SERVER_NAME}]
+        assert stand_in.warnings[SERVER_NAME]["deadline"] == first_deadline + 1800
+        # That was the last snooze: no Snooze button any more.
+        assert toast.get_by_role("button", name="Snooze").count() == 0
+        if os.environ.get("GPUHUB_SCREENSHOT_DIR"):
+            page.screenshot(path=os.path.join(os.environ["GPUHUB_SCREENSHOT_DIR"], "cull-warning-snoozed.png"))
+
+        # Closed by the user: it stays closed at the next poll (it would come back once, 5 min
+        # before the deadline).
+        toast.locator(".jp-Notification-Toast-Close").first.click()
+        page.locator(".Toastify__toast", has_text="This server will be stopped at").wait_for(state="detached")
+        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        page.wait_for_timeout(1500)
+        assert page.locator(".Toastify__toast", has_text="This server will be stopped at").count() == 0
+
+        # The hub withdraws the warning (the user got back to work): the notification follows at
+        # the next poll; a tab becoming visible again polls at once.
+        stand_in.reset()
+        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        page.locator(".Toastify__toast", has_text="no longer scheduled to be stopped").wait_for()
+        assert page.locator(".Toastify__toast", has_text="This server will be stopped at").count() == 0
+        assert errors == []
+    except Exception:
+        page.screenshot(path=str(tmp_path / "lab.png"))
+        print("screenshot:", tmp_path / "lab.png")
+        raise
+    finally:
+        ctx.close()

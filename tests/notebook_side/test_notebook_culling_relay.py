@@ -1,0 +1,74 @@
+"""``GET/POST <base_url>gpuhub/culling``: the relay from JupyterLab to the hub's culling API,
+against a stand-in for the hub (the real endpoint is covered by the hub's integration tests).
+It must use the server's own hub token, answer for this server only, and pass 409 through."""
+
+from __future__ import annotations
+
+import time
+
+import requests
+from nbside import HUB_TOKEN, SERVER_NAME, USER
+
+
+def test_no_warning(nb_server, stand_in):
+    r = nb_server.get("gpuhub/culling")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["enabled"] is True and body["server"] == SERVER_NAME and body["warning"] is None
+    assert abs(body["now"] - time.time()) < 30
+    (req,) = stand_in.requests
+    assert (req["method"], req["path"], req["auth"]) == ("GET", f"/hub/api/gpuhub/culling/{USER}", f"token {HUB_TOKEN}")
+
+
+def test_returns_only_this_servers_warning(nb_server, stand_in):
+    stand_in.warn("", minutes=3, reason="default server idle")  # the user's other server
+    assert nb_server.get("gpuhub/culling").json()["warning"] is None
+    w = stand_in.warn(SERVER_NAME, minutes=10, reason="GPU idle for 30 min")
+    assert nb_server.get("gpuhub/culling").json()["warning"] == w
+
+
+def test_snooze_relays_for_this_server_until_none_are_left(nb_server, stand_in):
+    w = stand_in.warn(SERVER_NAME, snoozes_left=1, snooze_seconds=600)
+    first = w["deadline"]
+    # Whatever the browser names, the relay snoozes the server it runs in.
+    r = nb_server.post("gpuhub/culling", json={"server": "someone-else"})
+    assert r.status_code == 200, r.text
+    assert r.json()["deadline"] == first + 600
+    (post,) = stand_in.posts()
+    assert post["path"] == f"/hub/api/gpuhub/culling/{USER}/snooze"
+    assert post["body"] == {"server": SERVER_NAME} and post["auth"] == f"token {HUB_TOKEN}"
+    assert nb_server.get("gpuhub/culling").json()["warning"]["deadline"] == first + 600
+
+    r = nb_server.post("gpuhub/culling")
+    assert r.status_code == 409
+    assert r.json()["message"].startswith("No snoozes left")
+
+
+def test_relay_needs_the_users_authentication(nb_server, stand_in):
+    assert requests.get(nb_server.url + "gpuhub/culling", timeout=10).status_code == 403
+    assert requests.post(nb_server.url + "gpuhub/culling", timeout=10).status_code == 403
+    assert stand_in.requests == []  # nothing reached the hub
+
+
+def test_hub_unreachable_is_a_502_not_a_hang(tmp_path, stand_in):
+    from nbside import NotebookServer, free_port
+
+    server = NotebookServer(tmp_path, {"JUPYTERHUB_API_URL": f"http://127.0.0.1:{free_port()}/hub/api",
+                                       "JUPYTERHUB_API_TOKEN": HUB_TOKEN, "JUPYTERHUB_USER": USER},
+                            base_url="/").start()
+    try:
+        r = server.get("gpuhub/culling")
+        assert r.status_code == 502 and "unreachable" in r.json()["error"]
+        r = server.post("gpuhub/culling")
+        assert r.status_code == 502
+    finally:
+        server.stop()
+
+
+def test_outside_a_hub_the_relay_is_disabled():
+    from gpuhub_notebook.server_extension import hub_environment
+
+    assert hub_environment({}) is None
+    assert hub_environment({"JUPYTERHUB_API_URL": "http://hub/hub/api/", "JUPYTERHUB_API_TOKEN": "t",
+                            "JUPYTERHUB_USER": "bob"}) == {
+        "url": "http://hub/hub/api", "token": "t", "user": "bob", "server": "", "ssl": {}}

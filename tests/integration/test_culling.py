@@ -116,6 +116,10 @@ def test_idle_gpu_warned_culled_and_handed_on_busy_gpu_survives(hub, gpus):
     assert "GPUs and kernels were idle for 10s" in w["reason"] and w["deadline"] > time.time() - 1
     page = alice.session.get(hub.url + "/hub/home").text
     assert "will be stopped" in page and "Your files are kept" in page
+    # what JupyterLab's notification polls: the server's relay, with the server's own token
+    relayed = requests.get(hub.url + "/user/alice/gpuhub/culling", headers={"Authorization": f"token {alice.token}"})
+    assert relayed.status_code == 200, relayed.text
+    assert "GPUs and kernels were idle" in json.dumps(relayed.json())
     snap = requests.get(hub.url + "/hub/api/gpuhub/status", headers={"Authorization": f"token {carol.token}"}).json()
     held = next(d for d in snap["devices"] if d["user"] == "alice")
     assert held["idle_for"] and held["stops_at"]  # everyone sees which GPUs sit idle

@@ -123,6 +123,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         self._queued_at = time.monotonic()
         self._admitted_at = None
         self._pod_created = False
+        self._started = False
         self.stop_reason = None
         self.start_timeout = int(self.effective_queue_timeout + self.effective_launch_timeout + self.start_timeout_slack)
         hook = self.after_pod_created_hook
@@ -149,7 +150,9 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 if self._pod_created and self._admitted_at and self._current_pod() is None:
                     task.cancel()
                     raise SpawnException(await self._gone_reason(), reason="evicted", status_code=503)
-            return task.result()
+            result = task.result()
+            self._started = True
+            return result
         except TimeoutError:
             if self._admitted_at:
                 await self._cleanup()
@@ -314,14 +317,21 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
 
     async def poll(self):
         status = await super().poll()
-        if status is not None and self.stop_reason is None:
+        # Only a server that was up can have been stopped by someone else. A refused or
+        # failed start (the hub polls it before cleaning up) was already answered with why.
+        was_up = self._started if self._started is not None else self.server is not None
+        if status is not None and self.stop_reason is None and was_up:
             self.stop_reason = await self._gone_reason()
         return status
 
     stop_reason: str | None = None
+    # True once start() returned, False while starting, after a failed start or a stop;
+    # None if this process never started it (a server adopted after a hub restart).
+    _started: bool | None = None
 
     async def stop(self, now=False):
         self._pod_created = False
+        self._started = False
         return await super().stop(now=now)
 
     # A stopped server's reason survives the hub's clear_state() and restarts, and is shown once on the form.

@@ -12,7 +12,15 @@ import html
 from tornado import web
 
 from .policy import PolicyStore
-from .policy.access import Choice, ChoiceError, check_user_caps, profiles_for, resolve_choice, teams_for
+from .policy.access import (
+    Choice,
+    ChoiceError,
+    check_user_caps,
+    no_team_message,
+    profiles_for,
+    resolve_choice,
+    teams_for,
+)
 from .policy.model import Policy, Profile
 from .policy.quantities import format_memory
 
@@ -46,8 +54,6 @@ class PolicySpawnerMixin:
         policy = self.policy
         teams = teams_for(policy, self.user_groups)
         if not teams:
-            from .policy.access import no_team_message
-
             return f'<div class="alert alert-warning" id="gpuhub-no-team">{html.escape(no_team_message(policy))}</div>'
         parts = ['<div id="gpuhub-profiles">']
         if len(teams) > 1:
@@ -59,15 +65,13 @@ class PolicySpawnerMixin:
                 f'<select class="form-select" name="team" id="gpuhub-team">{opts}</select>'
                 '<div class="form-text">Your servers count against the chosen team\'s quota.</div></div>'
             )
-        first_checked = False
         for team in teams:
             hidden = "" if team is teams[0] else ' style="display:none"'
             parts.append(f'<fieldset class="gpuhub-team" data-team="{html.escape(team.name)}"{hidden}>')
-            for profile in profiles_for(policy, team):
-                checked = ""
-                if team is teams[0] and (profile.default or not first_checked):
-                    checked = " checked" if not first_checked else ""
-                    first_checked = True
+            offered = profiles_for(policy, team)
+            preselected = next((p for p in offered if p.default), offered[0] if offered else None)
+            for profile in offered:
+                checked = " checked" if team is teams[0] and profile is preselected else ""
                 gpu = (
                     f"{profile.gpu.count}× {html.escape(policy.flavor(profile.gpu.flavor).display_name or profile.gpu.flavor)} GPU"
                     if profile.gpu_count

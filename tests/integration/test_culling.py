@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support.hub import Hub
+from support.hub import Hub, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -86,16 +86,6 @@ def warnings(client):
     r = client.api.get(client.url(f"/gpuhub/culling/{client.name}"))
     r.raise_for_status()
     return r.json()["servers"]
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_idle_gpu_warned_culled_and_handed_on_busy_gpu_survives(hub, gpus):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import jsonschema
@@ -10,22 +9,10 @@ import pytest
 import yaml
 
 from double.schemas import validate
+from support.helm import merge
 
 REPO = Path(__file__).resolve().parents[2]
 VALUES = REPO / "helm-values" / "values.yaml"
-
-
-def merge(base, over):
-    """Helm's coalescing: maps merge key by key, everything else is replaced."""
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        elif value is None:
-            out.pop(key, None)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 @pytest.fixture(scope="module")

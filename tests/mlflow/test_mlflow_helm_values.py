@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 import yaml
 from traitlets.config import Config
+from support.helm import merge
 
 REPO = Path(__file__).resolve().parents[2]
 VALUES = REPO / "helm-values" / "values.yaml"
@@ -22,18 +23,6 @@ def _schemas() -> Path:
         if (parent / "shared" / "schemas" / "z2jh-4.4.0").is_dir():
             return parent / "shared" / "schemas" / "z2jh-4.4.0"
     pytest.skip("shared/schemas/z2jh-4.4.0 not found")
-
-
-def merge(base, over):
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        elif value is None:
-            out.pop(key, None)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def _merged():

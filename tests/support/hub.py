@@ -30,6 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    """Poll ``predicate`` until it returns something truthy; fail with ``what``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 def processes_with_env(marker: str) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():

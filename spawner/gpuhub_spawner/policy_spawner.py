@@ -15,6 +15,7 @@ from .policy import PolicyStore
 from .policy.access import (
     Choice,
     ChoiceError,
+    active_profiles,
     check_user_caps,
     no_team_message,
     profiles_for,
@@ -112,15 +113,8 @@ class PolicySpawnerMixin:
     # -- the server-side re-check -------------------------------------------------------
     def held_profiles(self) -> list[Profile]:
         """Profiles of this user's other servers that are running or waiting."""
-        held = []
-        for name, other in getattr(self.user, "spawners", {}).items():
-            if other is self or not (other.active or other.ready):
-                continue
-            slug = (other.user_options or {}).get("profile")
-            profile = self.policy.profile(slug) if slug else None
-            if profile is not None:
-                held.append(profile)
-        return held
+        profiles = active_profiles(self.policy, self.user)
+        return [p for name, p in profiles.items() if name != self.name and p is not None]
 
     def resolve_request(self) -> Choice:
         """Validate ``user_options`` against the live policy; raise HTTP 4xx on refusal."""

@@ -14,6 +14,7 @@ from jupyterhub.apihandlers import APIHandler
 from tornado import web
 
 from ..culling.board import CullBoard
+from ..policy.access import active_profiles
 
 CULLER_SERVICE = "gpuhub-culler"
 
@@ -28,13 +29,7 @@ class _Base(APIHandler):
         return CullBoard.instance(config=self.config)
 
     def profiles_of(self, user) -> dict:
-        policy = self.board.policy
-        out = {}
-        for name, spawner in user.spawners.items():
-            if spawner.active:
-                slug = (spawner.user_options or {}).get("profile")
-                out[name] = policy.profile(slug) if slug else None
-        return out
+        return active_profiles(self.board.policy, user)
 
     def target_user(self, name: str):
         who = self.current_user
@@ -57,8 +52,7 @@ class CullDecisionHandler(_Base):
         spawner = user.spawners.get(body.get("server", "")) if user else None
         if spawner is None or not spawner.active:
             raise web.HTTPError(404, "no such running server")
-        slug = (spawner.user_options or {}).get("profile")
-        profile = self.board.policy.profile(slug) if slug else None
+        profile = self.profiles_of(user)[spawner.name]
         started = spawner.orm_spawner.started.isoformat() if spawner.orm_spawner.started else None
         decision = self.board.decide(
             f"{user.name}/{spawner.name}",
@@ -103,12 +97,7 @@ def cull_warnings(user) -> list[dict]:
     if user is None or not hasattr(user, "spawners") or not CullBoard.initialized():
         return []  # no decision made yet, so no warning stands
     board = CullBoard.instance()
-    policy = board.policy
-    profiles = {}
-    for name, spawner in user.spawners.items():
-        if spawner.active:
-            slug = (spawner.user_options or {}).get("profile")
-            profiles[name] = policy.profile(slug) if slug else None
+    profiles = active_profiles(board.policy, user)
     return [dict(server=name, **w) for name, w in board.warnings_for(user.name, profiles).items()]
 
 

@@ -120,3 +120,17 @@ def check_user_caps(choice: Choice, held: Iterable[Profile]) -> None:
             f"Team {choice.team.name!r} allows {caps.max_gpus} GPU(s) per user; you hold {gpus} and "
             f"profile {choice.profile.slug!r} asks for {choice.gpu_count}.",
         )
+
+
+def active_profiles(policy: Policy, user) -> dict[str, Profile | None]:
+    """The profile each of ``user``'s running or waiting servers was started with.
+
+    Keyed by server name; ``None`` where the server named no profile (or one since
+    removed from the policy). ``user`` is JupyterHub's user wrapper.
+    """
+    out: dict[str, Profile | None] = {}
+    for name, spawner in getattr(user, "spawners", {}).items():
+        if spawner.active:  # pending or ready
+            slug = (spawner.user_options or {}).get("profile")
+            out[name] = policy.profile(slug) if slug else None
+    return out

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source ./scripts-lib.sh
 ensure_venv ".[lab,mlflow]"
+ensure_node_proxy
 exec .venv/bin/gpuhub run "$@"

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source ./scripts-lib.sh
 ensure_venv ".[lab,mlflow,test]"
+ensure_node_proxy
 ensure_chromium
 set +e
 .venv/bin/python -m pytest "$@"

@@ -23,6 +23,28 @@ ensure_venv() {
   fi
 }
 
+# The Node configurable-http-proxy, as z2jh ships it: it routes by host (per-user subdomains)
+# and has no cap on concurrent streams. Installed from the npm registry into .venv/node.
+CHP_VERSION="5.3.0"
+ensure_node_proxy() {
+  local bin=".venv/node/node_modules/.bin/configurable-http-proxy"
+  if [ -x "$bin" ] && [ "$(cat .venv/node/.version 2>/dev/null)" = "$CHP_VERSION" ]; then
+    return 0
+  fi
+  if ! command -v npm >/dev/null; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+      echo "Installing Debian's nodejs and npm for the proxy..." >&2
+      apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+    else
+      echo "No npm: falling back to the Python proxy WITHOUT per-user subdomains (see docs/security.md)" >&2
+      return 0
+    fi
+  fi
+  mkdir -p .venv/node
+  npm install --silent --no-audit --no-fund --prefix .venv/node "configurable-http-proxy@$CHP_VERSION" >/dev/null
+  echo "$CHP_VERSION" > .venv/node/.version
+}
+
 ensure_chromium() {
   if [ -x /usr/bin/chromium ]; then return 0; fi
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then

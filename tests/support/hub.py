@@ -70,7 +70,10 @@ class Hub:
         self.hub_port = free_port()
         self.proxy_port = free_port()
         self.mlflow_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # The hub's public origin. User servers live on <user>.localhost (their own origins,
+        # JupyterHub.subdomain_host); tests/conftest.py resolves *.localhost to loopback as
+        # browsers do.
+        self.url = f"http://localhost:{self.port}"
         self.config = self.workdir / "jupyterhub_config.py"
         self.config.write_text(
             f"exec(open({str(CONFIG)!r}).read())\n"
@@ -119,6 +122,10 @@ class Hub:
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"hub did not answer in {timeout}s:\n{self.tail()}")
+
+    def server_url(self, url: str) -> str:
+        """An absolute URL for a server model's ``url`` (absolute with subdomains, else a path)."""
+        return url if "://" in url else self.url + url
 
     def tail(self, n: int = 60) -> str:
         try:
@@ -246,7 +253,7 @@ class UserClient:
         s = self.server(server)
         assert s and s.get("ready"), s
         r = requests.get(
-            self.hub.url + s["url"] + "api/status",
+            self.hub.server_url(s["url"]) + "api/status",
             headers={"Authorization": f"token {self.token}"},
         )
         r.raise_for_status()

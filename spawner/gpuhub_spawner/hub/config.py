@@ -98,7 +98,11 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.JupyterHub.hub_ip = "127.0.0.1"
     c.JupyterHub.hub_port = int(os.environ.get("GPUHUB_HUB_PORT", 8081))
     c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{int(os.environ.get('GPUHUB_PROXY_API_PORT', 8001))}"
-    c.ConfigurableHTTPProxy.command = [_bin("gpuhub-proxy")]  # streams the spawn progress
+    from .origins import configure_origins, node_proxy_command
+
+    node_proxy = node_proxy_command()  # routes by host; the Python proxy is the fallback
+    c.ConfigurableHTTPProxy.command = node_proxy or [_bin("gpuhub-proxy")]
+    configure_origins(c, port=port, host_routing=bool(node_proxy))
     c.ConfigurableHTTPProxy.pid_file = str(data / "proxy.pid")
     c.JupyterHub.db_url = f"sqlite:///{data / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(data / "jupyterhub_cookie_secret")

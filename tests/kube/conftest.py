@@ -8,12 +8,9 @@ reflectors afterwards (they belong to the test's event loop).
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
-import tempfile
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,42 +20,27 @@ import pytest_asyncio
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from double.harness import (  # noqa: E402  (sets $KUBECONFIG before kubernetes_asyncio loads)
+    KUBECONFIG, NAMESPACE, POLICY, VENV_BIN, WORK, MockHub, MockUser, free_port,
+)
 from double.schemas import shared_schemas  # noqa: E402
 from double.server import KubeDouble  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-POLICY = REPO / "jupyterhub_config" / "profiles.yaml"
-NAMESPACE = "gpuhub"
-VENV_BIN = Path(sys.executable).parent
-
-# kubernetes_asyncio reads $KUBECONFIG when it is imported, before any fixture runs:
-# point it at a file now and write the double's address into it when the double starts.
-# KubeSpawner prefers in-cluster config; make sure a CI pod's service account is not picked up.
-_WORK = Path(tempfile.mkdtemp(prefix="gpuhub-kube-double-"))
-_WORK.chmod(0o755)  # not pytest's 0700 tmp dir: pod processes need to reach their HOME
-atexit.register(shutil.rmtree, _WORK, True)
-KUBECONFIG = _WORK / "kubeconfig"
-if not os.environ.get("GPUHUB_TEST_KUBECONFIG"):
-    os.environ["KUBECONFIG"] = str(KUBECONFIG)
-    os.environ.pop("KUBERNETES_SERVICE_HOST", None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def schemas_dir() -> Path:
-    return shared_schemas()
+    try:
+        return shared_schemas()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
-def double():
+def double(schemas_dir):
+    """The API double; it validates every object against the real CRDs, so it needs them."""
     if os.environ.get("GPUHUB_TEST_KUBECONFIG"):
         pytest.skip("GPUHUB_TEST_KUBECONFIG is set: this session talks to a real cluster (run -m cluster)")
-    work = _WORK
+    work = WORK
     # The "image": the tests' venv on PATH, and Jupyter config as an image would bake it in
     # (docker-stacks images run as jovyan; here the process may run as root).
     config_dir = work / "image-jupyter-config"
@@ -66,7 +48,8 @@ def double():
     (config_dir / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"allow_root": True}}))
     node_env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8",
                 "JUPYTER_CONFIG_DIR": str(config_dir)}
-    server = KubeDouble(work, node_env=node_env).start()
+    # Kueue's pod webhook narrowed to the user namespace, as docs/install-kubernetes.md says.
+    server = KubeDouble(work, node_env=node_env, webhook_namespaces={NAMESPACE}).start()
     KUBECONFIG.write_text(server.kubeconfig())
     yield server
     server.close()
@@ -105,21 +88,6 @@ async def kube(double, policy_store):
     await KubeSpawner._stop_all_reflectors()
     PendingPollers.reset()
     double.reset()
-
-
-class MockUser(SimpleNamespace):
-    """The parts of ``jupyterhub.user.User`` a spawner touches."""
-
-    def __init__(self, name, groups, **kw):
-        super().__init__(name=name, escaped_name=name, id=abs(hash(name)) % 10000, url=f"/user/{name}/",
-                         groups=[SimpleNamespace(name=g) for g in groups], spawners={}, **kw)
-
-
-class MockHub(SimpleNamespace):
-    """The hub as a spawner sees it; its API root is answered by the double (version check)."""
-
-    def __init__(self, base):
-        super().__init__(public_host="", url=f"{base}/hub/", base_url="/hub/", api_url=f"{base}/hub/api")
 
 
 @pytest.fixture

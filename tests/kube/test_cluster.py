@@ -87,7 +87,7 @@ async def test_queue_then_run_then_stop_on_a_real_cluster(cluster):
 
     from gpuhub_spawner.kube.spawner import KueueSpawner
 
-    from conftest import MockHub, MockUser
+    from double.harness import MockHub, MockUser
 
     cfg = Config()
     cfg.KueueSpawner.namespace = NAMESPACE

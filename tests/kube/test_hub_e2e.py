@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import KUBECONFIG, NAMESPACE
+from double.harness import HUB_NAMESPACE, KUBECONFIG, NAMESPACE
 from support.hub import Hub
 
 pytestmark = pytest.mark.integration

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from jupyterhub.spawner import SpawnException
 
+from double.harness import NAMESPACE
 from gpuhub_spawner.kube.state import PendingPollers
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
@@ -69,7 +70,7 @@ async def test_queued_then_admitted_then_running_then_stopped(kube, make_spawner
     waiting = await asyncio.wait_for(progress.until(lambda m: "1st of 1" in m), WAIT)
     assert "Waiting for quota: team Students has no free capacity; 1 L4 24GB GPU more needed." in waiting
     assert "in the Students queue" in waiting
-    pod = kube.get("pods", "gpuhub", second.pod_name)
+    pod = kube.get("pods", NAMESPACE, second.pod_name)
     assert pod["spec"]["schedulingGates"] == [{"name": "kueue.x-k8s.io/admission"}]
     assert not start.done()
     # The user never sees Kueue's or the scheduler's raw words.
@@ -81,15 +82,15 @@ async def test_queued_then_admitted_then_running_then_stopped(kube, make_spawner
     assert any(m.startswith("Server started") for m in progress.messages)
     info = await asyncio.wait_for(answers(url), WAIT)  # the pod's own command and env serve Jupyter
     assert "version" in info
-    pod = kube.get("pods", "gpuhub", second.pod_name)
+    pod = kube.get("pods", NAMESPACE, second.pod_name)
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
     assert env["GPUHUB_TEAM"] == "students" and env["JUPYTERHUB_USER"] == "bob"
     assert pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L4"
     assert await second.poll() is None
 
     await asyncio.wait_for(second.stop(), WAIT)
-    assert kube.list("pods", "gpuhub") == []
-    assert kube.list("workloads", "gpuhub") == []
+    assert kube.list("pods", NAMESPACE) == []
+    assert kube.list("workloads", NAMESPACE) == []
     assert await second.poll() == 1
     assert kube.invalid == [] and kube.errors == []
 
@@ -101,8 +102,8 @@ async def test_preempted_server_is_marked_stopped_and_the_user_told_why(kube, ma
     # As in a hub that has been up a while: the shared Workload watch is established.
     await asyncio.wait_for(until(lambda: kube.watching("workloads")), WAIT)
 
-    kube.preempt("gpuhub", spawner.pod_name, "InClusterQueue")
-    await until(lambda: kube.get("pods", "gpuhub", spawner.pod_name) is None)
+    kube.preempt(NAMESPACE, spawner.pod_name, "InClusterQueue")
+    await until(lambda: kube.get("pods", NAMESPACE, spawner.pod_name) is None)
     await asyncio.wait_for(until(lambda: spawner._current_pod() is None), WAIT)
     assert await spawner.poll() == 1  # the hub now marks the server stopped
     assert "higher-priority server of your team" in spawner.stop_reason
@@ -113,7 +114,7 @@ async def test_preempted_server_is_marked_stopped_and_the_user_told_why(kube, ma
     restored.load_state(state)
     form = await restored.get_options_form()
     assert 'id="gpuhub-stop-reason"' in form and "higher-priority" in form
-    assert kube.list("workloads", "gpuhub") == []
+    assert kube.list("workloads", NAMESPACE) == []
 
 
 async def test_preempted_while_launching_fails_the_spawn_with_the_reason(kube, make_spawner):
@@ -123,13 +124,13 @@ async def test_preempted_while_launching_fails_the_spawn_with_the_reason(kube, m
     try:
         start = spawner.start()
         await asyncio.wait_for(until(lambda: spawner._admitted_at is not None and kube.watching("workloads")), WAIT)
-        kube.preempt("gpuhub", spawner.pod_name, "InCohortReclamation")
+        kube.preempt(NAMESPACE, spawner.pod_name, "InCohortReclamation")
         with pytest.raises(SpawnException) as err:
             await asyncio.wait_for(start, WAIT)
     finally:
         kube.call(lambda: delattr(kube, "_start_container"))
     assert "borrowed from another team" in str(err.value.log_message)
-    assert kube.list("pods", "gpuhub") == []
+    assert kube.list("pods", NAMESPACE) == []
 
 
 async def test_queue_timeout_withdraws_the_server(kube, make_spawner):
@@ -143,9 +144,9 @@ async def test_queue_timeout_withdraws_the_server(kube, make_spawner):
         await asyncio.wait_for(start, WAIT)
     assert err.value.status_code == 503
     assert "waited 1s in team Students's queue" in err.value.log_message
-    await until(lambda: kube.get("pods", "gpuhub", waiter.pod_name) is None)  # no pod left behind
-    assert kube.workload_for("gpuhub", waiter.pod_name) is None
-    assert [p["metadata"]["name"] for p in kube.list("pods", "gpuhub")] == [blocker.pod_name]
+    await until(lambda: kube.get("pods", NAMESPACE, waiter.pod_name) is None)  # no pod left behind
+    assert kube.workload_for(NAMESPACE, waiter.pod_name) is None
+    assert [p["metadata"]["name"] for p in kube.list("pods", NAMESPACE)] == [blocker.pod_name]
 
 
 async def test_launch_limit_applies_after_admission_only(kube, make_spawner):
@@ -157,25 +158,25 @@ async def test_launch_limit_applies_after_admission_only(kube, make_spawner):
     finally:
         kube.call(lambda: delattr(kube, "_start_container"))
     assert "did not start within 1s" in err.value.log_message
-    await until(lambda: kube.list("pods", "gpuhub") == [])
+    await until(lambda: kube.list("pods", NAMESPACE) == [])
 
 
 async def test_api_faults_recover_without_leaking_pods(kube, make_spawner):
     blocker = make_spawner(user="hal", groups=("students",), profile="l4-1", cmd=SLEEPER)
-    kube.fail("POST", r"/namespaces/gpuhub/pods$", 500, times=2)  # create fails twice, then works
+    kube.fail("POST", rf"/namespaces/{NAMESPACE}/pods$", 500, times=2)  # create fails twice, then works
     await asyncio.wait_for(blocker.start(), WAIT)
-    assert kube.count("POST", "fault") == 2 and len(kube.list("pods", "gpuhub")) == 1
+    assert kube.count("POST", "fault") == 2 and len(kube.list("pods", NAMESPACE)) == 1
 
     # A pod left over with the same name (a crashed hub): KubeSpawner gets 409, deletes it, retries.
     waiter = make_spawner(user="ida", groups=("students",), profile="l4-1", cmd=SLEEPER)
     stale = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": waiter.pod_name, "labels": {"component": "singleuser-server"}},
              "spec": {"containers": [{"name": "notebook", "image": "stale:1", "command": SLEEPER}]}}
-    kube.call(kube._create_pod, "gpuhub", stale)
+    kube.call(kube._create_pod, NAMESPACE, stale)
     kube.fail("GET", r"pendingworkloads", 500, times=3)  # the queue position is briefly unavailable
     start = waiter.start()
     progress = Progress(waiter)
     await asyncio.wait_for(progress.until(lambda m: "1 L4 24GB GPU more needed" in m), WAIT)
-    pod = kube.get("pods", "gpuhub", waiter.pod_name)
+    pod = kube.get("pods", NAMESPACE, waiter.pod_name)
     assert pod["spec"]["containers"][0]["image"] != "stale:1"
 
     kube.drop_watches()  # every watch cut mid-stream while the server waits
@@ -184,8 +185,8 @@ async def test_api_faults_recover_without_leaking_pods(kube, make_spawner):
     await asyncio.wait_for(progress.task, WAIT)
     assert kube.count("GET", "fault") >= 1  # a failed visibility poll did not fail the spawn
     await asyncio.wait_for(waiter.stop(), WAIT)
-    assert kube.list("pods", "gpuhub") == []
-    assert kube.list("workloads", "gpuhub") == []
+    assert kube.list("pods", NAMESPACE) == []
+    assert kube.list("workloads", NAMESPACE) == []
     assert kube.invalid == []
 
 
@@ -220,4 +221,4 @@ async def test_api_calls_stay_bounded_with_100_waiting_spawns(kube, make_spawner
     await asyncio.gather(*starts, return_exceptions=True)
     await asyncio.gather(*(s.stop(now=True) for s in spawners))
     await asyncio.gather(*(p.task for p in progresses), return_exceptions=True)
-    await until(lambda: len(kube.list("pods", "gpuhub")) == 1)
+    await until(lambda: len(kube.list("pods", NAMESPACE)) == 1)

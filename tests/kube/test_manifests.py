@@ -10,7 +10,7 @@ from double.schemas import validate
 from gpuhub_spawner.kube.kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
 from gpuhub_spawner.policy import load_policy
 
-from conftest import POLICY
+from double.harness import POLICY
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 

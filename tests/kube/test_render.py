@@ -8,10 +8,13 @@ import pytest
 import yaml
 
 from double.schemas import InvalidObject, validate
-from gpuhub_spawner.kube.render import UNLIMITED_CPU, UNLIMITED_MEMORY, main, render_objects
+from double.harness import POLICY
+from gpuhub_spawner.kube.render import (
+    UNLIMITED_CPU, UNLIMITED_EPHEMERAL, UNLIMITED_MEMORY, localqueue_conflicts, main, render_objects,
+)
 from gpuhub_spawner.policy import load_policy, parse_policy
 
-from conftest import POLICY
+pytestmark = pytest.mark.usefixtures("schemas_dir")  # the v0.19.2 CRDs (skips with the reason without them)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +63,11 @@ def test_objects_match_the_policy(policy):
     assert "cohortName" not in cqs["students"]["spec"]
     assert vision["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "research-hub"}}
     cpu_group, gpu_group = vision["resourceGroups"]
-    assert cpu_group["coveredResources"] == ["cpu", "memory"]
+    assert cpu_group["coveredResources"] == ["cpu", "memory", "ephemeral-storage"]
     assert cpu_group["flavors"][0]["resources"] == [
-        {"name": "cpu", "nominalQuota": "16"}, {"name": "memory", "nominalQuota": "64Gi"}]
+        {"name": "cpu", "nominalQuota": "16"}, {"name": "memory", "nominalQuota": "64Gi"},
+        {"name": "ephemeral-storage", "nominalQuota": UNLIMITED_EPHEMERAL, "lendingLimit": "0"}]
+    assert vision["queueingStrategy"] == "BestEffortFIFO"
     assert gpu_group == {"coveredResources": ["nvidia.com/gpu"], "flavors": [
         {"name": "a100", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "2", "borrowingLimit": "1", "lendingLimit": "1"}]}]}
     nlp_gpu = cqs["nlp"]["spec"]["resourceGroups"][1]
@@ -87,11 +92,46 @@ def test_team_without_cpu_memory_quota_is_still_covered():
     for obj in cqs.values():
         validate(obj)
     students = cqs["students"]["spec"]["resourceGroups"][0]["flavors"][0]["resources"]
-    assert students == [{"name": "cpu", "nominalQuota": UNLIMITED_CPU}, {"name": "memory", "nominalQuota": UNLIMITED_MEMORY}]
+    assert students == [{"name": "cpu", "nominalQuota": UNLIMITED_CPU}, {"name": "memory", "nominalQuota": UNLIMITED_MEMORY},
+                        {"name": "ephemeral-storage", "nominalQuota": UNLIMITED_EPHEMERAL}]
     vision = cqs["vision"]["spec"]["resourceGroups"][0]["flavors"][0]["resources"]
     assert vision == [  # in a cohort, the placeholder quota never lends
         {"name": "cpu", "nominalQuota": UNLIMITED_CPU, "lendingLimit": "0"},
-        {"name": "memory", "nominalQuota": UNLIMITED_MEMORY, "lendingLimit": "0"}]
+        {"name": "memory", "nominalQuota": UNLIMITED_MEMORY, "lendingLimit": "0"},
+        {"name": "ephemeral-storage", "nominalQuota": UNLIMITED_EPHEMERAL, "lendingLimit": "0"}]
+
+
+def test_strict_fifo_from_the_policy_is_rendered():
+    text = POLICY.read_text().replace("  - name: students\n", "  - name: students\n    queueingStrategy: StrictFIFO\n", 1)
+    cqs = by_kind(render_objects(parse_policy(text)), "ClusterQueue")
+    assert cqs["students"]["spec"]["queueingStrategy"] == "StrictFIFO"
+    assert cqs["vision"]["spec"]["queueingStrategy"] == "BestEffortFIFO"
+    validate(cqs["students"])
+
+
+def test_localqueue_cluster_queue_is_immutable_in_kueue(schemas_dir):
+    """The CRD says so; the renderer's check is there because of it."""
+    crd = yaml.safe_load((schemas_dir / "kueue-v0.19.2" / "localqueues.yaml").read_text())
+    v1beta2 = next(v for v in crd["spec"]["versions"] if v["name"] == "v1beta2")
+    field = v1beta2["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["clusterQueue"]
+    assert {"rule": "self == oldSelf", "message": "field is immutable"} in field["x-kubernetes-validations"]
+
+
+def test_renaming_a_team_with_a_fixed_queue_name_is_detected_and_explained(capsys, tmp_path, policy):
+    live = render_objects(policy)
+    renamed = POLICY.read_text().replace("  - name: students\n", "  - name: learners\n    queue: students\n", 1)
+    renamed = renamed.replace("teams: [nlp, students]", "teams: [nlp, learners]")
+    path = tmp_path / "renamed.yaml"
+    path.write_text(renamed)
+    [problem] = localqueue_conflicts(render_objects(parse_policy(renamed)), live)
+    assert "LocalQueue gpuhub-users/students points at ClusterQueue 'students'" in problem
+    assert "'learners'" in problem and "field is immutable" in problem and "kubectl delete localqueue" in problem
+    live_file = tmp_path / "live.yaml"
+    live_file.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": live}))
+    assert main(["kueue", str(path), "--live", str(live_file)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "field is immutable" in captured.err
+    assert main(["kueue", str(POLICY), "--live", str(live_file)]) == 0  # unchanged names: fine
 
 
 def test_single_priority_class_never_preempts_borrowed_capacity():

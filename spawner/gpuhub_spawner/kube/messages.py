@@ -2,8 +2,9 @@
 
 Researchers should read "waiting for 1 more A100 GPU, you are 2nd of 3 in the Vision
 Lab queue", never "couldn't assign flavors to pod set main: ..." or "0/4 nodes are
-available". Raw messages go to the hub log only. The patterns follow the messages
-Kueue v0.19's flavor assigner and preemptor write into Workload conditions.
+available". Raw messages go to the hub log only. The patterns are built from the
+message templates in ``kueue.py`` (copied from Kueue v0.19.2's source), so what is
+parsed here is exactly what Kueue and the test double write.
 """
 
 from __future__ import annotations
@@ -13,11 +14,23 @@ import re
 from ..policy.access import Choice
 from ..policy.model import Policy
 from ..policy.quantities import format_memory, parse_cpu_millis, parse_memory_bytes
+from . import kueue as K
 from .kueue import ADMITTED, EVICTED, PREEMPTED, QUOTA_RESERVED, condition, is_true
 
-_SHORT = re.compile(r"insufficient unused quota for (?P<res>[^\s,]+) in flavor (?P<flavor>[^\s,]+), (?P<qty>[^\s,;]+) more needed")
-_NEVER = re.compile(r"insufficient quota for (?P<res>[^\s,]+) in flavor (?P<flavor>[^\s,]+), request > maximum capacity \((?P<req>[^\s]+) > (?P<cap>[^\s)]+)\)")
-_NO_RES = re.compile(r"resource (?P<res>[^\s,]+) unavailable in ClusterQueue")
+
+def _pattern(template: str) -> re.Pattern:
+    """A Kueue message template (``{name}`` fields) as a regex with one group per field."""
+    out, pos = "", 0
+    for m in re.finditer(r"\{(\w+)\}", template):
+        out += re.escape(template[pos:m.start()]) + rf"(?P<{m.group(1)}>[^\s,()]+)"
+        pos = m.end()
+    return re.compile(out + re.escape(template[pos:]))
+
+
+_SHORT = _pattern(K.MSG_UNUSED_QUOTA)
+_NEVER = _pattern(K.MSG_MAX_CAPACITY)
+_NO_RES = _pattern(K.MSG_RESOURCE_UNAVAILABLE)
+_BLOCKED = [_pattern(t) for t in (K.MSG_LQ_MISSING, K.MSG_LQ_INACTIVE, K.MSG_CQ_MISSING, K.MSG_CQ_INACTIVE)]
 
 
 def ordinal(n: int) -> str:
@@ -43,13 +56,23 @@ def amount(policy: Policy, resource: str, flavor: str | None, qty: str) -> str:
 
 def shortages(policy: Policy, message: str) -> tuple[list[str], list[str]]:
     """(resources short right now, requests that can never fit) parsed from Kueue's message."""
-    short = [amount(policy, m["res"], m["flavor"], m["qty"]) for m in _SHORT.finditer(message or "")]
+    short = [amount(policy, m["resource"], m["flavor"], m["more"]) for m in _SHORT.finditer(message or "")]
     never = [
-        f"{amount(policy, m['res'], m['flavor'], m['req'])} requested but the team can hold at most {m['cap']}"
+        f"{amount(policy, m['resource'], m['flavor'], m['request'])} requested but the team can hold at most "
+        f"{amount(policy, m['resource'], m['flavor'], m['capacity'])}"
         for m in _NEVER.finditer(message or "")
     ]
-    never += [f"the team's queue has no quota for {m['res']}" for m in _NO_RES.finditer(message or "")]
+    never += [
+        f"the team's queue has no quota for {m['resource']}"
+        + (" (set by a LimitRange or the image? see docs/install-kubernetes.md)" if m["resource"] not in ("cpu", "memory") else "")
+        for m in _NO_RES.finditer(message or "")
+    ]
     return short, never
+
+
+def queue_blocked(message: str) -> bool:
+    """True if Kueue says the LocalQueue/ClusterQueue is missing or inactive (any reason)."""
+    return any(p.search(message or "") for p in _BLOCKED)
 
 
 def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pending: dict | None, queue_length: int | None) -> str:
@@ -65,7 +88,8 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
         return "This server can never start in team " + team + "'s queue: " + "; ".join(never) + ". Pick a smaller profile."
     if short:
         text = f"Waiting for quota: team {team} has no free capacity; {' and '.join(short)} more needed."
-    elif reserved and reserved.get("reason") == "Inadmissible":
+    elif reserved and (queue_blocked(reserved.get("message", "")) or reserved.get("reason") in (
+            K.REASON_INADMISSIBLE, K.REASON_MISCONFIGURED, K.REASON_SUSPENDED)):
         text = f"Waiting: team {team}'s queue is not accepting servers right now (an administrator has been told in the hub log)."
     else:
         text = f"Waiting for quota in team {team}'s queue."
@@ -77,10 +101,17 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
 
 
 _PREEMPTED_WHY = {
-    "InClusterQueue": "to make room for a higher-priority server of your team",
-    "InCohortReclamation": "because it ran on capacity borrowed from another team, and that team needed it back",
-    "InCohortFairSharing": "to give another team its fair share of the shared capacity",
-    "InCohortReclaimWhileBorrowing": "because a higher-priority server of another team needed the capacity",
+    K.PREEMPTED_IN_CLUSTER_QUEUE: "to make room for a higher-priority server of your team",
+    K.PREEMPTED_IN_COHORT_RECLAMATION: "because it ran on capacity borrowed from another team, and that team needed it back",
+    K.PREEMPTED_IN_COHORT_FAIR_SHARING: "to give another team its fair share of the shared capacity",
+    K.PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING: "because a higher-priority server of another team needed the capacity",
+}
+_EVICTED_WHY = {
+    K.EVICTED_BY_PREEMPTION: "Your server was stopped by the queue to make room for a higher-priority server. Start it again to rejoin the queue.",
+    K.EVICTED_DEACTIVATED: "Your server was stopped because an administrator deactivated it in the queue.",
+    K.EVICTED_BY_CLUSTER_QUEUE_STOPPED: "Your server was stopped because your team's queue was stopped by an administrator.",
+    K.EVICTED_BY_LOCAL_QUEUE_STOPPED: "Your server was stopped because your team's queue was stopped by an administrator.",
+    K.EVICTED_DUE_TO_NODE_FAILURES: "Your server was stopped because its node failed. Start it again to rejoin the queue.",
 }
 
 
@@ -93,17 +124,16 @@ def eviction_message(workload: dict | None, pod: dict | None) -> str | None:
         return f"Your server was stopped by the queue {why}. Your files in your home directory are kept; start it again to rejoin the queue."
     if evicted and evicted.get("status") == "True":
         reason = evicted.get("reason", "")
-        if reason == "Preempted":
-            return "Your server was stopped by the queue to make room for a higher-priority server. Start it again to rejoin the queue."
-        if reason in ("InactiveWorkload", "Deactivated"):
-            return "Your server was stopped because an administrator deactivated it in the queue."
-        if reason == "ClusterQueueStopped":
-            return "Your server was stopped because your team's queue was stopped by an administrator."
-        return f"Your server was stopped by the queue ({reason or 'evicted'})."
+        return _EVICTED_WHY.get(reason) or f"Your server was stopped by the queue ({reason or 'evicted'})."
     for cond in ((pod or {}).get("status") or {}).get("conditions") or []:
-        if cond.get("type") in ("TerminationTarget", "DisruptionTarget") and cond.get("status") == "True":
-            if cond.get("reason") == "StoppedByKueue":
-                return "Your server was stopped by the queue to make room for other work. Start it again to rejoin the queue."
+        if cond.get("type") in (K.POD_TERMINATION_TARGET, "DisruptionTarget") and cond.get("status") == "True":
+            reason = cond.get("reason") or ""
+            prefix = K.STOP_REASON_WORKLOAD_EVICTED + "DueTo"
+            if reason.startswith(prefix):
+                return _EVICTED_WHY.get(reason[len(prefix):]) or (
+                    "Your server was stopped by the queue to make room for other work. Start it again to rejoin the queue.")
+            if reason.startswith(K.STOP_REASON_WORKLOAD_EVICTED) or reason == K.STOP_REASON_WORKLOAD_DELETED:
+                return "Your server was stopped by the queue. Start it again to rejoin the queue."
             if cond.get("reason") == "PreemptionByScheduler":
                 return "Your server was stopped by the cluster scheduler to make room for a higher-priority pod."
             if cond.get("reason") in ("EvictionByEvictionAPI", "DeletionByTaintManager"):
@@ -125,5 +155,14 @@ _EVENT_WORDS = {
 
 
 def event_message(event: dict) -> tuple[int, str] | None:
-    """Plain words for a pod event after admission; None for events users need not see."""
-    return _EVENT_WORDS.get(event.get("reason", ""))
+    """Plain words for a pod event after admission; None for events users need not see.
+
+    Kueue records its own ``Started`` event ("Admitted by clusterQueue X") when it lifts
+    the gate: that means admitted, not that the container started.
+    """
+    reason, message = event.get("reason", ""), event.get("message") or event.get("note") or ""
+    if reason == K.EVENT_STARTED and message.startswith(K.msg_started("")):
+        return (50, "Quota granted; your server is being placed on a node.")
+    if reason in (K.EVENT_CREATED_WORKLOAD, K.EVENT_STOPPED):
+        return None
+    return _EVENT_WORDS.get(reason)

@@ -16,7 +16,16 @@ Choices (also in docs/install-kubernetes.md):
   borrowing workload may preempt only workloads below the highest priority class
   (``borrowWithinCohort.maxPriorityThreshold``). Servers at the top priority are
   never preempted; a team lending GPUs gets them back as borrowers stop or are culled.
-* ``BestEffortFIFO``: a 2-GPU request does not block a 1-GPU request behind it.
+* ``queueingStrategy`` is the team's ``queueingStrategy`` (default ``BestEffortFIFO``: a
+  2-GPU request does not block a 1-GPU request behind it; ``StrictFIFO``: it does).
+* ``ephemeral-storage`` is covered with a placeholder quota like CPU/memory without a quota:
+  Kueue counts every resource a pod requests, and a LimitRange that gives pods a default
+  ``ephemeral-storage`` request would otherwise make them inadmissible forever ("resource
+  ephemeral-storage unavailable in ClusterQueue"). Other extended resources that a webhook or
+  LimitRange adds must be listed in the policy as flavors, or excluded in Kueue's config.
+* LocalQueues live in the *user* namespace (default ``gpuhub-users``), not the hub's, and a
+  LocalQueue's ``clusterQueue`` is immutable: ``localqueue_conflicts`` finds renames that
+  ``kubectl apply`` would refuse (``gpuhub render kueue --live``).
 * Output is sorted (kind in apply order, then name; keys sorted) so it diffs cleanly.
 """
 
@@ -33,10 +42,11 @@ from ..policy.model import Policy, Team
 from ..policy.quantities import format_cpu, format_memory
 from .kueue import API_VERSION, MANAGED_BY
 
-DEFAULT_NAMESPACE = "gpuhub"
+DEFAULT_NAMESPACE = "gpuhub-users"
 DEFAULT_CPU_FLAVOR = "gpuhub-default"
 UNLIMITED_CPU = "100k"
 UNLIMITED_MEMORY = "1Pi"
+UNLIMITED_EPHEMERAL = "1Pi"
 KIND_ORDER = ["ResourceFlavor", "WorkloadPriorityClass", "ClusterQueue", "LocalQueue"]
 
 
@@ -104,10 +114,12 @@ def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -
         if mem
         else _quota(UNLIMITED_MEMORY, None, 0, cohort)
     )
+    eph_entry = _quota(UNLIMITED_EPHEMERAL, None, 0, cohort)
     groups = [
         {
-            "coveredResources": ["cpu", "memory"],
-            "flavors": [{"name": cpu_flavor, "resources": [{"name": "cpu", **cpu_entry}, {"name": "memory", **mem_entry}]}],
+            "coveredResources": ["cpu", "memory", "ephemeral-storage"],
+            "flavors": [{"name": cpu_flavor, "resources": [
+                {"name": "cpu", **cpu_entry}, {"name": "memory", **mem_entry}, {"name": "ephemeral-storage", **eph_entry}]}],
         }
     ]
     # One group per device resource name; flavors in policy order (Kueue tries them in order).
@@ -123,7 +135,7 @@ def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -
         groups.append({"coveredResources": [resource], "flavors": by_resource[resource]})
     spec: dict = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
-        "queueingStrategy": "BestEffortFIFO",
+        "queueingStrategy": team.queueing_strategy,
         "preemption": preemption(policy),
         "resourceGroups": groups,
     }
@@ -155,6 +167,28 @@ def render_objects(policy: Policy, namespace: str = DEFAULT_NAMESPACE, cpu_flavo
     return sorted(objs, key=lambda o: (KIND_ORDER.index(o["kind"]), o["metadata"]["name"]))
 
 
+def localqueue_conflicts(rendered: list[dict], live: list[dict]) -> list[str]:
+    """LocalQueues whose ``spec.clusterQueue`` would change: Kueue's CRD marks it immutable
+    (``self == oldSelf``, "field is immutable"), so ``kubectl apply`` fails on them. Typical
+    cause: a team renamed while its ``queue`` name stayed. One explanation per conflict."""
+    have = {(o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in live if o.get("kind") == "LocalQueue"}
+    out = []
+    for obj in rendered:
+        if obj["kind"] != "LocalQueue":
+            continue
+        key = (obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        old = have.get(key)
+        if old and (old.get("spec") or {}).get("clusterQueue") != obj["spec"]["clusterQueue"]:
+            ns, name = key
+            out.append(
+                f"LocalQueue {ns}/{name} points at ClusterQueue {old['spec'].get('clusterQueue')!r}; the policy now says "
+                f"{obj['spec']['clusterQueue']!r}. Kueue does not allow changing it (field is immutable). Either keep the "
+                f"team's name, or stop that queue's servers and `kubectl delete localqueue -n {ns} {name}` before applying "
+                "(waiting servers of that queue lose their place)."
+            )
+    return out
+
+
 def to_yaml(objs: list[dict]) -> str:
     return yaml.safe_dump_all(objs, sort_keys=True, default_flow_style=False, explicit_start=True)
 
@@ -167,6 +201,7 @@ def main(argv: list[str]) -> int:
     kueue.add_argument("file", help="the policy YAML (e.g. jupyterhub_config/profiles.yaml)")
     kueue.add_argument("-n", "--namespace", default=DEFAULT_NAMESPACE, help=f"namespace of the user pods and LocalQueues (default {DEFAULT_NAMESPACE})")
     kueue.add_argument("--cpu-flavor", default=DEFAULT_CPU_FLAVOR, help=f"ResourceFlavor for CPU and memory (default {DEFAULT_CPU_FLAVOR})")
+    kueue.add_argument("--live", metavar="FILE", help="`kubectl get localqueues -n NS -o yaml` output: refuse changes Kueue forbids")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed usage
@@ -181,6 +216,18 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"{args.file}: {e}", file=sys.stderr)
         return 1
+    if args.live:
+        try:
+            docs = [d for d in yaml.safe_load_all(open(args.live)) if d]
+        except (OSError, yaml.YAMLError) as e:
+            print(f"{args.live}: {e}", file=sys.stderr)
+            return 1
+        live = [i for d in docs for i in (d.get("items") or [d])]
+        conflicts = localqueue_conflicts(objs, live)
+        for message in conflicts:
+            print(f"{args.file}: {message}", file=sys.stderr)
+        if conflicts:
+            return 1
     sys.stdout.write(to_yaml(objs))
     return 0
 

@@ -7,6 +7,17 @@ lift (queue timeout), then lets KubeSpawner wait for the pod (launch timeout), a
 tells the user in plain words what is happening from shared, bounded reads of
 Kueue's state (``state.py``).
 
+Hub restarts: JupyterHub polls every server record on start and stops those that do not
+answer HTTP. A server still waiting in Kueue's queue (its pod gated) or admitted but not
+yet running would be deleted, losing its place. ``poll()`` recognises such a pod in a
+hub that did not start it and waits for it (queue timeout, then launch timeout, from the
+pod's creation) before answering, so the pod keeps its place and starts when admitted.
+
+Kueue outages: its pod webhook has ``failurePolicy: Fail``, so pod creation fails while
+it is down (told to the user in plain words, not retried until the start timeout), and
+its ``kueue.x-k8s.io/managed`` finalizer keeps a deleted pod's object until Kueue is back,
+so ``stop()`` treats "containers gone, only Kueue's finalizer left" as stopped.
+
 Timeouts: JupyterHub wraps ``start()`` in ``wait_for(start_timeout)``, read right after
 ``start()`` is called, so ``start()`` sets ``start_timeout`` to queue + launch + slack;
 after admission ``start_timeout`` becomes the launch timeout, which KubeSpawner's own
@@ -21,14 +32,18 @@ import time
 
 from jupyterhub.spawner import SpawnException
 from kubernetes_asyncio.client import ApiException
-from jupyterhub.utils import maybe_future
+from jupyterhub.utils import exponential_backoff, maybe_future
+from kubernetes_asyncio.client import V1DeleteOptions
 from kubespawner import KubeSpawner
 from traitlets import Float, Integer, default
 
 from ..policy.access import Choice
 from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
-from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL, pod_is_gated
+from ..policy.access import ChoiceError, resolve_choice
+from .kueue import (
+    POD_FINALIZER, PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL, WEBHOOK_FAILED_MARKER, pod_is_gated,
+)
 from .messages import event_message, eviction_message, waiting_message
 from .state import GoneAwarePodReflector, PendingPollers, WorkloadReflector
 
@@ -176,6 +191,15 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         try:
             return await super()._make_create_pod_request(pod, request_timeout)
         except ApiException as e:
+            if WEBHOOK_FAILED_MARKER in str(getattr(e, "body", "") or ""):
+                # Kueue's pod webhook (failurePolicy: Fail) is down: retrying until the start
+                # timeout would leave the user watching "Preparing" for an hour.
+                self.log.error("Creating pod %s refused by an admission webhook: %s", pod.metadata.name, e.body)
+                raise SpawnException(
+                    "The queue service (Kueue) is not answering, so no server can be queued right now. "
+                    "Nothing was started; try again in a few minutes. An administrator can see why in the hub log.",
+                    reason="kueue_unavailable", status_code=503,
+                ) from None
             if e.status and (e.status >= 500 or e.status == 429):
                 self.log.warning("Creating pod %s got HTTP %s; retrying", pod.metadata.name, e.status)
                 return False
@@ -251,7 +275,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             return {"progress": 5, "message": f"Preparing your server{what}."}
         if pod_is_gated(pod):
             wl_reflector = self.workload_reflector
-            workload = wl_reflector.for_pod(self.namespace, self.pod_name) if wl_reflector else None
+            workload = wl_reflector.for_pod(self.namespace, self.pod_name, pod["metadata"].get("uid")) if wl_reflector else None
             snapshot = self._poller().snapshot
             pending = snapshot.position(workload["metadata"]["name"]) if workload else None
             queue_length = len(snapshot.items) if snapshot.fetched_at else None
@@ -302,13 +326,14 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
 
     def _eviction_reason(self, workload_only: bool = False) -> str | None:
         reflector = self.workload_reflector
-        workload = None
-        if reflector:
-            workload = reflector.for_pod(self.namespace, self.pod_name) or reflector.gone_for_pod(
-                self.namespace, self.pod_name, since=getattr(self, "_queued_at", 0.0)
-            )
         pod_reflector = self.pod_reflector
         gone_pod = pod_reflector.gone.get(self._ref_key, (0, None))[1] if isinstance(pod_reflector, GoneAwarePodReflector) else None
+        uid = ((self._current_pod() or gone_pod or {}).get("metadata") or {}).get("uid")
+        workload = None
+        if reflector:
+            workload = reflector.for_pod(self.namespace, self.pod_name, uid) or reflector.gone_for_pod(
+                self.namespace, self.pod_name, since=getattr(self, "_queued_at", 0.0), uid=uid
+            )
         reason = eviction_message(workload, None if workload_only else gone_pod)
         if reason and (workload or {}).get("status", {}).get("conditions"):
             self.log.warning("Server %s stopped by Kueue: %s (workload conditions: %s)", self._log_name, reason,
@@ -316,6 +341,10 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         return reason
 
     async def poll(self):
+        if self._started is None and not self._resumed:
+            pod = await self._unfinished_pod()
+            if pod is not None:
+                return await self._resume(pod)
         status = await super().poll()
         # Only a server that was up can have been stopped by someone else. A refused or
         # failed start (the hub polls it before cleaning up) was already answered with why.
@@ -328,11 +357,119 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
     # True once start() returned, False while starting, after a failed start or a stop;
     # None if this process never started it (a server adopted after a hub restart).
     _started: bool | None = None
+    _resumed = False
+
+    # -- hub restart: a queued or launching pod keeps its place -------------------------
+    async def _unfinished_pod(self) -> dict | None:
+        """This server's pod if it is still queued (gated) or admitted but not running yet."""
+        await self._start_watching_pods()
+        await self.pod_reflector.first_load_future
+        pod = self._current_pod()
+        if pod is None or pod["metadata"].get("deletionTimestamp"):
+            return None
+        if pod_is_gated(pod) or (pod.get("status") or {}).get("phase") == "Pending":
+            return pod
+        return None
+
+    async def _resume(self, pod: dict):
+        """Wait, as start() would have, for a pod this hub process did not create.
+
+        Returns what ``poll()`` must: None once it runs (the hub then checks it answers
+        and routes it), 1 if it was withdrawn (queue or launch timeout, evicted), which
+        makes the hub stop it with the reason kept on the spawn form.
+        """
+        self._resumed = True
+        try:
+            self.choice = resolve_choice(self.policy, self.user_groups, self.user_options)
+        except ChoiceError as e:
+            self.log.warning("Server %s: its profile is no longer allowed (%s); not resuming its queued pod", self._log_name, e.message)
+            self.stop_reason = f"Your waiting server was withdrawn after a hub restart: {e.message}"
+            return 1
+        created = _parse_time(pod["metadata"].get("creationTimestamp"))
+        self._queued_at = time.monotonic() - max(0.0, time.time() - created) if created else time.monotonic()
+        self._pod_created = True
+        self._admitted_at = None
+        self.log.info("Server %s was waiting in Kueue's queue when the hub restarted; keeping its place", self._log_name)
+        try:
+            if pod_is_gated(pod):
+                await self.wait_for_admission()
+            else:
+                self._admitted_at = time.monotonic()
+            deadline = self._admitted_at + self.effective_launch_timeout
+            while True:
+                current = self._current_pod()
+                if current is None:
+                    raise SpawnException(await self._gone_reason(), reason="evicted", status_code=503)
+                if self.is_pod_running(current):
+                    break
+                if time.monotonic() >= deadline:
+                    raise SpawnException(
+                        f"Your server got its quota but did not start within {format_duration(self.effective_launch_timeout)}; "
+                        "it was stopped. Try again, or ask an administrator if it keeps happening.",
+                        reason="launch_timeout", status_code=503)
+                await asyncio.sleep(self.status_interval)
+        except SpawnException as e:
+            self.stop_reason = e.message
+            self.log.warning("Server %s withdrawn while the hub was restarting: %s", self._log_name, self.stop_reason)
+            return 1
+        self._started = True
+        status = await super().poll()  # updates the server's URL to the running pod's
+        if status is None:
+            asyncio.ensure_future(self._route_when_checked())
+        return status
+
+    async def _route_when_checked(self):
+        """The hub adds routes for servers it starts, and for the others only on its next
+        periodic route check (z2jh: 60 s). Add this one as soon as the hub's check passed."""
+        proxy = (getattr(self.user, "settings", None) or {}).get("proxy")
+        if proxy is None:
+            return
+        for _ in range(int(self.http_timeout * 10) + 100):
+            if not self._check_pending:
+                break
+            await asyncio.sleep(0.1)
+        if self.ready:
+            try:
+                await proxy.add_user(self.user, self.name)
+            except Exception:
+                self.log.exception("Adding the route for %s after the hub restart", self._log_name)
+
+    # -- stop ----------------------------------------------------------------------------
+    def _stopped_but_finalized(self, pod: dict | None) -> bool:
+        """Deleted, containers stopped, held only by Kueue's finalizer (Kueue is down)."""
+        if pod is None:
+            return True
+        meta = pod.get("metadata") or {}
+        if not meta.get("deletionTimestamp") or set(meta.get("finalizers") or []) - {POD_FINALIZER}:
+            return False
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        return all("running" not in (c.get("state") or {}) for c in statuses)
 
     async def stop(self, now=False):
+        """KubeSpawner's stop, but a pod kept only by Kueue's finalizer counts as stopped:
+        its containers are gone and its resources freed; Kueue removes the object when back."""
         self._pod_created = False
         self._started = False
-        return await super().stop(now=now)
+        await self._start_watching_pods()
+        grace = 0 if now else self.delete_grace_period
+        options = V1DeleteOptions(grace_period_seconds=grace)
+        await exponential_backoff(
+            lambda: self._make_delete_pod_request(self.pod_name, options, grace, self.k8s_api_request_timeout),
+            f"Could not delete pod {self._ref_key}", timeout=self.k8s_api_request_retry_timeout,
+        )
+        try:
+            await exponential_backoff(
+                lambda: self._stopped_but_finalized(self._current_pod()),
+                f"pod {self._ref_key} did not stop in {self.k8s_api_request_retry_timeout + grace} seconds",
+                timeout=self.k8s_api_request_retry_timeout + grace,
+            )
+        except TimeoutError:
+            self.log.error("Pod %s did not stop, restarting pod reflector", self._ref_key)
+            await self._start_watching_pods(replace=True)
+            raise
+        pod = self._current_pod()
+        if pod is not None:
+            self.log.warning("Pod %s stopped but is kept by Kueue's finalizer (is Kueue running?)", self._ref_key)
 
     # A stopped server's reason survives the hub's clear_state() and restarts, and is shown once on the form.
     def get_state(self):
@@ -350,3 +487,14 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         if self.stop_reason:
             form = f'<div class="alert alert-info" id="gpuhub-stop-reason">{html.escape(self.stop_reason)}</div>' + form
         return form
+
+
+def _parse_time(value: str | None) -> float | None:
+    from datetime import datetime
+
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

@@ -20,7 +20,7 @@ from kubespawner.reflector import NamespacedResourceReflector
 from kubespawner.spawner import PodReflector
 from traitlets import validate
 
-from .kueue import GROUP, VERSION, VISIBILITY_GROUP, VISIBILITY_VERSION, owner_pod_name
+from .kueue import GROUP, VERSION, VISIBILITY_GROUP, VISIBILITY_VERSION, owner_pod_name, owner_pod_uid
 
 GONE_KEEP = 2000
 _MISSING = object()  # deleted objects remembered per reflector (a few KiB each)
@@ -98,18 +98,21 @@ class WorkloadReflector(_RemembersGone, NamespacedResourceReflector):
         super().__init__(*args, **kwargs)
         self.api = _WorkloadsApi(self.api)
 
-    def for_pod(self, namespace: str, pod_name: str) -> dict | None:
-        """The Workload Kueue made for ``pod_name`` (owner reference), newest first."""
+    def for_pod(self, namespace: str, pod_name: str, uid: str | None = None) -> dict | None:
+        """The Workload Kueue made for this pod: matched by the owner reference's UID when
+        known (a pod deleted and recreated under the same name has a new UID), else by name."""
         found = [
             wl for wl in list(self.resources.values())
             if wl["metadata"].get("namespace") == namespace and owner_pod_name(wl) == pod_name
+            and (uid is None or owner_pod_uid(wl) == uid)
         ]
         found.sort(key=lambda wl: wl["metadata"].get("creationTimestamp") or "", reverse=True)
         return found[0] if found else None
 
-    def gone_for_pod(self, namespace: str, pod_name: str, since: float = 0.0) -> dict | None:
+    def gone_for_pod(self, namespace: str, pod_name: str, since: float = 0.0, uid: str | None = None) -> dict | None:
         for key, (when, wl) in reversed(list(self.gone.items())):
-            if when >= since and wl["metadata"].get("namespace") == namespace and owner_pod_name(wl) == pod_name:
+            if (when >= since and wl["metadata"].get("namespace") == namespace and owner_pod_name(wl) == pod_name
+                    and (uid is None or owner_pod_uid(wl) == uid)):
                 return wl
         return None
 

@@ -1,6 +1,7 @@
 """Validation against the real contracts: Kueue v0.19.2 CRDs and Kubernetes' own schemas.
 
-The CRD files live in ``<repo>/../shared/schemas`` (never copied into the repo).
+The CRD files live in ``shared/schemas`` (``$GPUHUB_SHARED_DIR``, or ``../shared`` beside the
+repository; never copied into it).
 Strictness: unknown fields are rejected (the API server would silently prune them,
 which hides bugs), and the few CEL rules that matter for our objects are checked
 by hand (jsonschema cannot run CEL).
@@ -23,13 +24,13 @@ class InvalidObject(Exception):
 
 
 def shared_schemas() -> Path:
-    """Walk up from this file to the directory that holds ``shared/schemas``."""
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidate = parent / "shared" / "schemas"
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("shared/schemas not found above " + str(here))
+    """``shared/schemas`` (``$GPUHUB_SHARED_DIR`` or beside the repository); see support/helm.py."""
+    from support.helm import MISSING_SHARED, shared_dir
+
+    base = shared_dir()
+    if base is None or not (base / "schemas" / "kueue-v0.19.2").is_dir():
+        raise FileNotFoundError(MISSING_SHARED)
+    return base / "schemas"
 
 
 def _strict(schema):

@@ -33,8 +33,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gpuhub_spawner.kube import kueue as K
 from gpuhub_spawner.kube.kueue import (
-    ADMISSION_GATE, API_VERSION, JOB_UID_LABEL, MANAGED_LABEL, PRIORITY_LABEL, QUEUE_LABEL, owner_pod_name,
+    ADMISSION_GATE, API_VERSION, JOB_UID_LABEL, MANAGED_LABEL, POD_FINALIZER, PRIORITY_LABEL, QUEUE_LABEL, owner_pod_name,
 )
 from gpuhub_spawner.policy.quantities import parse_cpu_millis, parse_memory_bytes
 
@@ -104,9 +105,10 @@ class Watcher:
 
 
 class KubeDouble:
-    def __init__(self, workdir: Path, node_env: dict[str, str] | None = None):
+    def __init__(self, workdir: Path, node_env: dict[str, str] | None = None, webhook_namespaces: set[str] | None = None):
         self.workdir = Path(workdir)
         self.node_env = node_env or {}
+        self._webhook_default = set(webhook_namespaces) if webhook_namespaces is not None else None
         self.loop = asyncio.new_event_loop()
         self.port = None
         self._thread = threading.Thread(target=self._serve, name="kube-double", daemon=True)
@@ -127,6 +129,14 @@ class KubeDouble:
         self.errors: list[str] = []
         self.processes: dict[str, subprocess.Popen] = {}
         self.auto_admit = True
+        # Kueue's controller and webhook: up, or down (webhook calls fail, finalizers stay).
+        self.kueue_up = True
+        # Namespaces Kueue's pod webhooks are called for. None: Kueue's own manifests.yaml
+        # (every namespace but kube-system and kueue-system); install-kubernetes.md narrows it.
+        self.webhook_namespaces: set[str] | None = (
+            set(self._webhook_default) if getattr(self, "_webhook_default", None) is not None else None)
+        # Namespaces Kueue manages pods in (managedJobsNamespaceSelector); None = all.
+        self.managed_namespaces: set[str] | None = None
 
     def start(self) -> "KubeDouble":
         self._thread.start()
@@ -212,6 +222,28 @@ class KubeDouble:
     def preempt(self, namespace: str, pod_name: str, preempted_reason: str = "InClusterQueue"):
         """What Kueue does to a preempted plain pod: Workload conditions, pod condition, delete."""
         self.call(self._preempt, namespace, pod_name, preempted_reason)
+
+    def set_kueue(self, up: bool):
+        """Kueue's controller and webhook go down or come back (finalizers are then released)."""
+        def do():
+            self.kueue_up = up
+            if up:
+                self._release_finalizers()
+        self.call(do)
+
+    def create(self, plural: str, namespace: str, obj: dict) -> tuple[int, dict]:
+        """POST an object as a client would (status code, body): for tests of admission paths."""
+        async def do():
+            body = copy.deepcopy(obj)
+            if plural == "pods":
+                resp = self._create_pod(namespace, body)
+            else:
+                resp = web.json_response(self._write(plural, namespace, body, "ADDED"), status=201)
+            return resp.status, json.loads(resp.body)
+        return self.call(do)
+
+    def delete(self, plural: str, namespace: str, name: str, grace: int = 0) -> dict:
+        return self.call(lambda: copy.deepcopy(self._delete(plural, namespace, name, grace)))
 
     def watching(self, plural: str) -> bool:
         """True once a client holds a watch on ``plural`` (events from now on reach it)."""
@@ -395,18 +427,31 @@ class KubeDouble:
         return resp
 
     # -- pods: Kueue's webhook, deletion, kubelet ---------------------------------------------
+    def _webhook_applies(self, ns) -> bool:
+        if self.webhook_namespaces is None:
+            return ns not in ("kube-system", K.WEBHOOK_NAMESPACE)
+        return ns in self.webhook_namespaces
+
     def _create_pod(self, ns, pod):
         pod.setdefault("apiVersion", "v1")
         pod.setdefault("kind", "Pod")
         pod["metadata"]["namespace"] = ns
         validate(pod)  # what the client sent, before any mutation
         name = pod["metadata"]["name"]
+        if self._webhook_applies(ns) and not self.kueue_up:
+            # The API server's words when a failurePolicy: Fail webhook has no endpoints.
+            return _status(500, "InternalError", (
+                f'Internal error occurred: failed calling webhook "{K.POD_MUTATING_WEBHOOK}": failed to call webhook: '
+                f'Post "https://{K.WEBHOOK_SERVICE}.{K.WEBHOOK_NAMESPACE}.svc:443/mutate--v1-pod?timeout=10s": '
+                f'no endpoints available for service "{K.WEBHOOK_SERVICE}"'))
         if ("pods", ns, name) in self.objects:
             return _status(409, "AlreadyExists", f'pods "{name}" already exists')
         labels = pod["metadata"].setdefault("labels", {})
-        queued = QUEUE_LABEL in labels
-        if queued:  # Kueue's pod webhook
-            labels[MANAGED_LABEL] = "true"
+        queued = QUEUE_LABEL in labels and self._webhook_applies(ns) and (
+            self.managed_namespaces is None or ns in self.managed_namespaces)
+        if queued:  # Kueue's pod webhook (pod_webhook.go Default)
+            labels[MANAGED_LABEL] = K.MANAGED_VALUE
+            pod["metadata"].setdefault("finalizers", []).append(POD_FINALIZER)
             pod["spec"].setdefault("schedulingGates", []).append({"name": ADMISSION_GATE})
         pod["status"] = {"phase": "Pending", "qosClass": "Guaranteed"}
         validate(pod)
@@ -442,6 +487,8 @@ class KubeDouble:
             wl["spec"]["priorityClassRef"] = {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": pclass}
         validate(wl)
         self._write("workloads", meta["namespace"], wl, "ADDED")
+        self._event(pod, K.EVENT_CREATED_WORKLOAD, K.msg_created_workload(meta["namespace"], wl["metadata"]["name"]),
+                    component=K.EVENT_REPORTING_CONTROLLER, action=K.EVENT_CREATED_WORKLOAD)
 
     def _delete(self, plural, ns, name, grace):
         obj = self.objects[(plural, ns, name)]
@@ -457,7 +504,7 @@ class KubeDouble:
             self.loop.create_task(self._finish_delete(ns, name, grace))
             return obj
         self._remove_pod(ns, name)
-        return obj
+        return self.objects.get(("pods", ns, name), obj)
 
     async def _finish_delete(self, ns, name, grace):
         proc = self.processes.get(f"{ns}/{name}")
@@ -474,10 +521,27 @@ class KubeDouble:
         pod = self.objects.get(("pods", ns, name))
         if pod is None:
             return
+        if POD_FINALIZER in (pod["metadata"].get("finalizers") or []) and not self.kueue_up:
+            # The kubelet has stopped the containers; the object stays until Kueue removes
+            # its finalizer (pod_controller.go removePodFinalizers), which needs Kueue running.
+            pod = copy.deepcopy(pod)
+            pod["metadata"].setdefault("deletionTimestamp", now_iso())
+            pod["metadata"].setdefault("deletionGracePeriodSeconds", 0)
+            status = pod.setdefault("status", {})
+            status["phase"] = "Failed" if status.get("phase") == "Running" else status.get("phase", "Pending")
+            for c in status.get("containerStatuses") or []:
+                c.update(ready=False, started=False, state={"terminated": {"exitCode": 143, "reason": "Error"}})
+            self._write("pods", ns, pod, "MODIFIED")
+            return
         self._write("pods", ns, pod, "DELETED")
         for wl in [w for (p, n, _), w in list(self.objects.items()) if p == "workloads" and n == ns]:
             if owner_pod_name(wl) == name:  # garbage collection through the owner reference
                 self._write("workloads", ns, wl, "DELETED")
+
+    def _release_finalizers(self):
+        for (p, ns, name), pod in list(self.objects.items()):
+            if p == "pods" and pod["metadata"].get("deletionTimestamp") and POD_FINALIZER in (pod["metadata"].get("finalizers") or []):
+                self._remove_pod(ns, name)
 
     @staticmethod
     def _kill(proc):
@@ -488,7 +552,7 @@ class KubeDouble:
                 pass
             proc.wait(5)
 
-    def _event(self, pod, reason, message, etype="Normal"):
+    def _event(self, pod, reason, message, etype="Normal", component="kubelet", action=None):
         ts = now_iso()
         ev = {
             "apiVersion": "v1", "kind": "Event",
@@ -496,8 +560,13 @@ class KubeDouble:
             "involvedObject": {"kind": "Pod", "name": pod["metadata"]["name"], "namespace": pod["metadata"]["namespace"],
                                "uid": pod["metadata"]["uid"], "apiVersion": "v1"},
             "reason": reason, "message": message, "type": etype, "count": 1,
-            "firstTimestamp": ts, "lastTimestamp": ts, "source": {"component": "kubelet", "host": "double-node-1"},
+            "firstTimestamp": ts, "lastTimestamp": ts,
         }
+        if component == "kubelet":
+            ev["source"] = {"component": "kubelet", "host": "double-node-1"}
+        else:  # events.k8s.io/v1 events (Kueue's recorder) as the core API shows them
+            ev.update(reportingComponent=component, reportingInstance=f"{component}-double", action=action or reason,
+                      eventTime=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"), source={})
         validate(ev)
         self._write("events", pod["metadata"]["namespace"], ev, "ADDED")
 
@@ -591,12 +660,17 @@ class KubeDouble:
             self.loop.call_soon(self._reconcile)
 
     def _cq_for(self, wl):
+        """(ClusterQueue, None) or (None, (reason, message)) as Kueue's queue blockers say it."""
         lq = self.objects.get(("localqueues", wl["metadata"]["namespace"], wl["spec"]["queueName"]))
         if lq is None:
-            return None, f"LocalQueue {wl['spec']['queueName']} doesn't exist"
+            return None, (K.REASON_INADMISSIBLE, K.MSG_LQ_MISSING.format(name=wl["spec"]["queueName"]))
         cq = self.objects.get(("clusterqueues", None, lq["spec"]["clusterQueue"]))
         if cq is None:
-            return None, f"ClusterQueue {lq['spec']['clusterQueue']} doesn't exist"
+            return None, (K.REASON_INADMISSIBLE, K.MSG_CQ_MISSING.format(name=lq["spec"]["clusterQueue"]))
+        flavors = [fl["name"] for rg in cq["spec"]["resourceGroups"] for fl in rg["flavors"]]
+        if any(("resourceflavors", None, f) not in self.objects for f in flavors):
+            # A ClusterQueue naming a missing flavor is inactive; the scheduler says so with "Pending".
+            return None, (K.REASON_PENDING, K.MSG_CQ_INACTIVE.format(name=cq["metadata"]["name"]))
         return cq, None
 
     def _pending_workloads(self):
@@ -654,20 +728,23 @@ class KubeDouble:
 
     def _reconcile(self):
         self._reconcile_pending = False
-        if not self.auto_admit:
+        if not self.auto_admit or not self.kueue_up:
             return
         used = self._usage()
+        blocked_cqs: set[str] = set()  # StrictFIFO: the head that does not fit blocks the rest
         for wl in self._pending_workloads():
             cq, problem = self._cq_for(wl)
+            if cq is not None and cq["metadata"]["name"] in blocked_cqs:
+                continue
             if cq is None:
-                self._set_pending(wl, "Inadmissible", problem)
+                self._set_pending(wl, *problem)
                 continue
             pod_spec = wl["spec"]["podSets"][0]["template"]["spec"]
             request = _requests(pod_spec)
             assignment, reasons = {}, []
             for res in request:
                 if not any(res in rg["coveredResources"] for rg in cq["spec"]["resourceGroups"]):
-                    reasons.append(f"resource {res} unavailable in ClusterQueue")
+                    reasons.append(K.MSG_RESOURCE_UNAVAILABLE.format(resource=res))
             for rg in cq["spec"]["resourceGroups"]:
                 wanted = [r for r in rg["coveredResources"] if r in request]
                 if not wanted or reasons:
@@ -678,16 +755,18 @@ class KubeDouble:
                     labels = (flavor or {}).get("spec", {}).get("nodeLabels") or {}
                     selector = pod_spec.get("nodeSelector") or {}
                     if any(k in selector and selector[k] != v for k, v in labels.items()):
-                        group_reasons.append(f"flavor {fl['name']} doesn't match node affinity")
+                        group_reasons.append(K.MSG_NODE_AFFINITY.format(flavor=fl["name"]))
                         continue
                     ok = True
                     for res in wanted:
                         free, cap = self._available(cq, fl["name"], res, used)
-                        if request[res] > cap:
-                            group_reasons.append(f"insufficient quota for {res} in flavor {fl['name']}, request > maximum capacity ({_fmt(res, request[res])} > {_fmt(res, cap)})")
+                        if request[res] > cap:  # one pod set: nothing previously considered
+                            group_reasons.append(K.MSG_MAX_CAPACITY.format(
+                                resource=res, flavor=fl["name"], previous=_fmt(res, 0), request=_fmt(res, request[res]),
+                                capacity=_fmt(res, cap)))
                             ok = False
                         elif request[res] > free:
-                            group_reasons.append(f"insufficient unused quota for {res} in flavor {fl['name']}, {_fmt(res, request[res] - free)} more needed")
+                            group_reasons.append(K.MSG_UNUSED_QUOTA.format(resource=res, flavor=fl["name"], more=_fmt(res, request[res] - free)))
                             ok = False
                     if ok:
                         assignment.update({res: fl["name"] for res in wanted})
@@ -695,7 +774,9 @@ class KubeDouble:
                 else:
                     reasons.extend(group_reasons)
             if reasons:
-                self._set_pending(wl, "Pending", "couldn't assign flavors to pod set main: " + ", ".join(reasons))
+                self._set_pending(wl, K.REASON_PENDING, K.MSG_ASSIGN_PREFIX.format(podset="main") + ", ".join(sorted(reasons)))
+                if cq["spec"].get("queueingStrategy") == "StrictFIFO":
+                    blocked_cqs.add(cq["metadata"]["name"])
                 continue
             for res, flavor in assignment.items():
                 used[(cq["metadata"]["name"], flavor, res)] += request[res]
@@ -717,8 +798,8 @@ class KubeDouble:
             "podSetAssignments": [{"name": "main", "count": 1, "flavors": assignment,
                                    "resourceUsage": {r: _fmt(r, request[r]) for r in assignment}}],
         }
-        _set_condition(wl, "QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {cq['metadata']['name']}")
-        _set_condition(wl, "Admitted", "True", "Admitted", "The workload is admitted")
+        _set_condition(wl, K.QUOTA_RESERVED, "True", "QuotaReserved", K.MSG_QUOTA_RESERVED.format(name=cq["metadata"]["name"]))
+        _set_condition(wl, K.ADMITTED, "True", "Admitted", K.MSG_ADMITTED)
         validate(wl)
         ns = wl["metadata"]["namespace"]
         self._write("workloads", ns, wl, "MODIFIED")
@@ -734,6 +815,7 @@ class KubeDouble:
             pod["spec"].setdefault("nodeSelector", {}).update(flavor.get("spec", {}).get("nodeLabels") or {})
         validate(pod)
         self._write("pods", ns, pod, "MODIFIED")
+        self._event(pod, K.EVENT_STARTED, K.msg_started(cq["metadata"]["name"]), component=K.EVENT_REPORTING_CONTROLLER)
         self.loop.call_soon(self._run_pod, ns, pod_name)
 
     def _preempt(self, ns, pod_name, preempted_reason):
@@ -741,8 +823,8 @@ class KubeDouble:
         message = "Preempted to accommodate a workload (UID: 00000000-0000-0000-0000-000000000000, JobUID: 00000000-0000-0000-0000-000000000000) due to prioritization in the ClusterQueue"
         if wl:
             wl = copy.deepcopy(wl)
-            _set_condition(wl, "Evicted", "True", "Preempted", message)
-            _set_condition(wl, "Preempted", "True", preempted_reason, message)
+            _set_condition(wl, K.EVICTED, "True", K.EVICTED_BY_PREEMPTION, message)
+            _set_condition(wl, K.PREEMPTED, "True", preempted_reason, message)
             _set_condition(wl, "QuotaReserved", "False", "Pending", "Preempted")
             _set_condition(wl, "Admitted", "False", "NoReservation", "The workload has no reservation")
             wl["status"].pop("admission", None)
@@ -751,9 +833,11 @@ class KubeDouble:
         pod = copy.deepcopy(self.objects.get(("pods", ns, pod_name)))
         if pod:
             pod["status"].setdefault("conditions", []).append(
-                {"type": "TerminationTarget", "status": "True", "reason": "StoppedByKueue", "message": message, "lastTransitionTime": now_iso()})
+                {"type": K.POD_TERMINATION_TARGET, "status": "True", "reason": K.stop_reason_for_eviction(K.EVICTED_BY_PREEMPTION),
+                 "message": message, "lastTransitionTime": now_iso()})
             validate(pod)
             self._write("pods", ns, pod, "MODIFIED")
+            self._event(pod, K.EVENT_STOPPED, message, component=K.EVENT_REPORTING_CONTROLLER)
             self._remove_pod(ns, pod_name)
 
     def _pending(self, lq=None, cq=None):
@@ -823,8 +907,15 @@ def _amount(res, qty) -> int:
 
 
 def _fmt(res, amount: int) -> str:
+    """Kueue's ResourceFormatter (pkg/resources/resource_formatter.go): milli-CPU in
+    DecimalSI, memory and ephemeral-storage canonical BinarySI, the rest plain integers."""
     if res == "cpu":
         return str(amount // 1000) if amount % 1000 == 0 else f"{amount}m"
+    if res in ("memory", "ephemeral-storage") and amount:
+        for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
+            unit = 1024 ** ("KMGTPE".index(suffix[0]) + 1)
+            if amount % unit == 0:
+                return f"{amount // unit}{suffix}"
     return str(amount)
 
 

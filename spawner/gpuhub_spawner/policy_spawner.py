@@ -111,21 +111,52 @@ class PolicySpawnerMixin:
         return options
 
     # -- the server-side re-check -------------------------------------------------------
-    def held_profiles(self) -> list[Profile]:
-        """Profiles of this user's other servers that are running or waiting."""
+    def held_profiles(self) -> list[Profile | None]:
+        """Profiles of this user's other servers that are running or waiting.
+
+        ``None`` for a server whose profile is unknown (removed from the policy): it still
+        counts as a server against ``maxServers``. A pending server whose request is not
+        resolved yet is left out: it is checked itself when it gets here, and resolution
+        (below) happens without yielding, so concurrent starts are counted one by one.
+        """
+        resolved = {
+            name for name, sp in getattr(self.user, "spawners", {}).items() if "profile" in (sp.user_options or {})
+        }
         profiles = active_profiles(self.policy, self.user)
-        return [p for name, p in profiles.items() if name != self.name and p is not None]
+        return [p for name, p in profiles.items() if name != self.name and name in resolved]
 
     def resolve_request(self) -> Choice:
-        """Validate ``user_options`` against the live policy; raise HTTP 4xx on refusal."""
+        """Validate ``user_options`` against the live policy; raise HTTP 4xx on refusal.
+
+        The resolved choice (the default profile and team filled in) replaces
+        ``user_options`` before anything else happens, in memory and in the hub's
+        database, so caps, culling, status pages and metrics all read one record — a
+        request that left ``profile`` out cannot slip past them.
+        """
         try:
             choice = resolve_choice(self.policy, self.user_groups, self.user_options)
             check_user_caps(choice, self.held_profiles())
         except ChoiceError as e:
             self.log.warning("Refusing %s's server: %s", self.user.name, e.message)
             raise web.HTTPError(e.status, e.message, reason=e.message) from None
-        self.choice = choice
+        self.record_choice(choice)
         return choice
+
+    def record_choice(self, choice: Choice) -> None:
+        self.choice = choice
+        resolved = {"profile": choice.profile.slug, "team": choice.team.name}
+        if self.user_options != resolved:
+            self.user_options = resolved
+            orm = getattr(self, "orm_spawner", None)
+            if orm is not None:
+                orm.user_options = resolved
+                self.db.commit()
+
+    def get_state(self):
+        state = super().get_state()
+        if self.choice is not None:
+            state["gpuhub_choice"] = {"profile": self.choice.profile.slug, "team": self.choice.team.name}
+        return state
 
     def choice_environment(self, choice: Choice) -> dict[str, str]:
         profile = choice.profile

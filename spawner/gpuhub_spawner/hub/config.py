@@ -144,6 +144,9 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.DemoAuthenticator.demo_users = DEMO_USERS
     c.DemoAuthenticator.demo_password = demo_password(data)
     c.Authenticator.admin_users = {u for u, spec in DEMO_USERS.items() if spec.get("admin")}
+    from .scopes import configure_scopes
+
+    configure_scopes(c, admin_users=c.Authenticator.admin_users)
 
     configure_culler(c, public_url=f"http://{ip}:{port}")
 

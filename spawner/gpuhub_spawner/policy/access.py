@@ -98,10 +98,11 @@ def resolve_choice(policy: Policy, groups: Iterable[str], user_options: Mapping 
     return Choice(team, profile, pclass, policy.priority_value(pclass))
 
 
-def check_user_caps(choice: Choice, held: Iterable[Profile]) -> None:
+def check_user_caps(choice: Choice, held: Iterable[Profile | None]) -> None:
     """Refuse a start that would take a user past the team's per-user caps.
 
-    ``held`` are the profiles of the user's other servers that are running or waiting.
+    ``held`` are the profiles of the user's other servers that are running or waiting
+    (``None`` for one whose profile is unknown: a server, with no GPUs we can count).
     Refusing (rather than queueing) is deliberate: waiting for your own server to stop
     would look like a stuck spawn.
     """
@@ -113,7 +114,7 @@ def check_user_caps(choice: Choice, held: Iterable[Profile]) -> None:
             f"Team {choice.team.name!r} allows {caps.max_servers} server(s) per user and you already "
             f"have {len(held)}. Stop one before starting another.",
         )
-    gpus = sum(p.gpu_count for p in held)
+    gpus = sum(p.gpu_count for p in held if p is not None)
     if caps.max_gpus is not None and choice.gpu_count and gpus + choice.gpu_count > caps.max_gpus:
         raise ChoiceError(
             403,

@@ -134,7 +134,7 @@ def reach(client, server: str = "") -> requests.Response:
     """The user's own server through the hub's proxy, with the user's token."""
     s = client.server(server)
     assert s and s.get("ready"), s
-    return requests.get(client.hub.url + s["url"] + "api/status",
+    return requests.get(client.hub.server_url(s["url"]) + "api/status",
                         headers={"Authorization": f"token {client.token}"}, timeout=10)
 
 
@@ -288,4 +288,50 @@ def test_queue_timeout_withdraws_the_server_and_says_so(kube_hub, double, users)
     assert alice.stop().status_code in (202, 204)
     alice.wait_gone()
     until(lambda: pods(double) == [], what="no pods left")
+    assert double.invalid == [] and double.errors == []
+
+
+def test_hub_restart_keeps_waiting_servers_in_their_place(kube_hub, double, users):
+    """Every `helm upgrade` that changes the hub config restarts the hub: waiting servers
+    must survive it, keep their place, and be admitted later in the same order."""
+    from gpuhub_spawner.kube.kueue import pod_is_gated
+
+    alice, bob = users["alice"], users["bob"]
+    dave = kube_hub.login("dave")  # in both teams; queues in Vision Lab's here
+    assert alice.start("l4-1").status_code in (201, 202)
+    alice.wait_ready()
+    bob.start_background("l4-1")
+    until(lambda: pods(double, "bob"), what="bob's gated pod", hub=kube_hub)
+    dave.start_background("l4-1", team="vision")
+    until(lambda: pods(double, "dave"), what="dave's gated pod", hub=kube_hub)
+    before = {u: pods(double, u)[0]["metadata"]["uid"] for u in ("bob", "dave")}
+    assert all(pod_is_gated(pods(double, u)[0]) for u in before)
+
+    kube_hub.stop(kill_servers=False)
+    assert {u: pods(double, u)[0]["metadata"]["uid"] for u in before} == before  # the hub is gone, the queue is not
+    kube_hub.start()
+    alice, bob, dave = (kube_hub.login(u) for u in ("alice", "bob", "dave"))
+
+    # The restarted hub kept the same pods: same UIDs, so the same place in Kueue's queue.
+    time.sleep(3)  # several of the hub's own check and poll rounds
+    assert {u: [p["metadata"]["uid"] for p in pods(double, u)] for u in before} == {u: [uid] for u, uid in before.items()}
+    assert all(pod_is_gated(pods(double, u)[0]) for u in before)
+    assert reach(alice).status_code == 200  # the running server was re-adopted as before
+
+    # Alice stops: bob (first in line) is admitted and reachable; dave still waits.
+    assert alice.stop().status_code in (202, 204)
+    alice.wait_gone()
+    bob.wait_ready()
+    assert reach(bob).status_code == 200
+    assert pod_is_gated(pods(double, "dave")[0])
+    assert bob.stop().status_code in (202, 204)
+    bob.wait_gone()
+    dave.wait_ready()
+    assert reach(dave).status_code == 200
+    assert dave.stop().status_code in (202, 204)
+    dave.wait_gone()
+    until(lambda: pods(double) == [], what="no pods left")
+    log = kube_hub.log.read_text(errors="replace")
+    assert "was waiting in Kueue's queue when the hub restarted; keeping its place" in log
+    assert "does not appear to be running" not in log
     assert double.invalid == [] and double.errors == []

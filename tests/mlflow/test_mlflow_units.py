@@ -10,7 +10,8 @@ import pytest
 from traitlets.config import Config
 
 from gpuhub_spawner.mlflow import configure
-from gpuhub_spawner.mlflow.proxy import BLOCKED, Refused, rewrite_request
+from gpuhub_spawner.mlflow.paths import AmbiguousPath, decode_path, encode_path
+from gpuhub_spawner.mlflow.proxy import Refused, account_route, rewrite_request, same_origin_error
 from gpuhub_spawner.mlflow.secrets import Passwords, load_or_create_key
 from gpuhub_spawner.mlflow.upstream import ADMIN_USERNAME, MlflowServer, ServerSettings, _redact
 
@@ -96,15 +97,72 @@ def test_personal_experiment_names_are_reserved(path, field):
 
 @pytest.mark.parametrize("path", ["signup", "api/2.0/mlflow/users/create", "ajax-api/2.0/mlflow/users/update-password",
                                   "api/2.0/mlflow/users/update-admin", "api/2.0/mlflow/users/delete",
-                                  "api/3.0/mlflow/roles/assign", "ajax-api/3.0/mlflow/roles/permissions/add"])
+                                  "api/2.0/mlflow/users/create-ui", "api/3.0/mlflow/roles/assign",
+                                  "ajax-api/3.0/mlflow/roles/permissions/add", "api/3.0/mlflow/roles/get",
+                                  "api/3.0/mlflow/roles/users/list", "api/3.0/mlflow/roles/permissions/list",
+                                  "api/9.9/mlflow/users/anything-new"])
 def test_account_administration_is_blocked(path):
-    assert BLOCKED.match(path)
+    assert account_route(path) == "block"
 
 
 @pytest.mark.parametrize("path", ["api/2.0/mlflow/users/current", "ajax-api/3.0/mlflow/users/permissions/grant",
-                                  "api/2.0/mlflow/runs/create", "ajax-api/3.0/mlflow/users/current/permissions"])
-def test_ordinary_routes_are_not_blocked(path):
-    assert not BLOCKED.match(path)
+                                  "ajax-api/3.0/mlflow/users/current/permissions", "api/3.0/mlflow/users/roles/list"])
+def test_self_service_account_routes_pass(path):
+    assert account_route(path) == "allow"
+
+
+def test_listings_are_filtered_and_other_routes_untouched():
+    assert account_route("ajax-api/2.0/mlflow/users/list") == "users-list"
+    assert account_route("api/3.0/mlflow/roles/list") == "roles-list"
+    assert account_route("api/2.0/mlflow/runs/create") is None
+    assert account_route("api/2.0/mlflow-artifacts/artifacts/users/list") is None
+
+
+@pytest.mark.parametrize("raw", [
+    "/services/mlflow/api/2.0/mlflow/experiments%2Fcreate", "/services/mlflow/api/2.0/mlflow/experiments%2fcreate",
+    "/services/mlflow/api/2.0/mlflow/x/../experiments/create", "/services/mlflow/api/2.0/mlflow/x/%2e%2E/experiments/create",
+    "/services/mlflow/api/2.0/mlflow/./runs/create", "/services/mlflow/api/2.0/mlflow/%2E/runs/create",
+    "/services/mlflow/api/2.0//mlflow/runs/create", "/services/mlflow/api/2.0/mlflow/runs\\create",
+    "/services/mlflow/api/2.0/mlflow/runs%5Ccreate", "/services/mlflow/api/2.0/mlflow/%2565xperiments/create",
+    "/services/mlflow/api/2.0/mlflow/runs/create%00", "/services/mlflow/api/2.0/mlflow/%ff/create",
+])
+def test_ambiguous_paths_are_refused(raw):
+    with pytest.raises(AmbiguousPath):
+        decode_path(raw)
+
+
+def test_paths_are_decoded_like_mlflow_and_reencoded_canonically():
+    assert decode_path("/services/mlflow/api/2.0/mlflow/%65xperiments/create") == \
+        "/services/mlflow/api/2.0/mlflow/experiments/create"
+    assert decode_path("/services/mlflow/api/2.0/mlflow/runs/%63reate") == "/services/mlflow/api/2.0/mlflow/runs/create"
+    assert decode_path("/services/mlflow/") == "/services/mlflow/"
+    name = "/services/mlflow/api/2.0/mlflow-artifacts/artifacts/1/r/artifacts/a b?#100%.txt"
+    from urllib.parse import unquote
+
+    assert decode_path(encode_path(name)) == name == unquote(encode_path(name))
+
+
+def _headers(**kw):
+    from tornado.httputil import HTTPHeaders
+
+    return HTTPHeaders({k.replace("_", "-"): v for k, v in kw.items()})
+
+
+def test_same_origin_proof_for_cookie_writes():
+    origins = frozenset({"https://hub.example.org"})
+    ok = same_origin_error
+    assert ok(_headers(Origin="https://hub.example.org", Sec_Fetch_Site="same-origin"), origins, "x") is None
+    assert ok(_headers(Origin="https://HUB.example.org:443"), origins, "x") is None
+    assert ok(_headers(Sec_Fetch_Site="same-origin"), origins, "x") is None
+    assert ok(_headers(), origins, "hub.example.org")  # neither header: refused
+    assert ok(_headers(Origin="null"), origins, "hub.example.org")
+    assert ok(_headers(Origin="null", Sec_Fetch_Site="same-origin"), origins, "x")
+    assert ok(_headers(Origin="https://bob.hub.example.org"), origins, "hub.example.org")
+    assert ok(_headers(Sec_Fetch_Site="same-site"), origins, "x")
+    assert ok(_headers(Sec_Fetch_Site="none"), origins, "x")
+    # No configured origin: the request's own Host is the reference.
+    assert ok(_headers(Origin="http://localhost:8000"), frozenset(), "localhost:8000") is None
+    assert ok(_headers(Origin="http://bob.localhost:8000"), frozenset(), "localhost:8000")
 
 
 def test_service_key_is_private_and_stable(tmp_path):

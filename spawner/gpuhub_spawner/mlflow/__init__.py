@@ -58,6 +58,7 @@ def configure(
         "MLFLOW_S3_ENDPOINT_URL", "MLFLOW_S3_IGNORE_TLS",
     ),
     bind_ip: str | None = None,
+    service_options: dict | None = None,
 ) -> dict:
     """Add the MLflow service, its role, user access and single-user environment to ``c``.
 
@@ -87,6 +88,8 @@ def configure(
             Secrets into the hub pod's env, and reach only the service and MLflow).
         bind_ip: where the service listens if not ``host`` (``0.0.0.0`` in a hub pod,
             where ``host`` is the hub Service's name).
+        service_options: traitlets of the service (``MlflowService``, docs/mlflow.md),
+            e.g. ``{"max_upload_size": 2**31, "public_origins": ["https://hub.example.org"]}``.
 
     Returns the service definition that was added.
     """
@@ -109,6 +112,9 @@ def configure(
         command += ["--mlflow-arg", arg]
     if bind_ip:
         command += ["--bind-ip", bind_ip]
+    for name, value in (service_options or {}).items():
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            command.append(f"--MlflowService.{name}={v}")
     import os
 
     passed = {k: os.environ[k] for k in pass_environment if k in os.environ}

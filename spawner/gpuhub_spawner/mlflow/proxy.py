@@ -7,6 +7,8 @@ maps that identity to the MLflow account of the same name, replaces whatever
 credentials came in with that account's basic auth, and forwards. MLflow's own
 permission model then decides; the proxy only adds what MLflow cannot know:
 
+* one reading of the path: rules apply to the percent-decoded path, the same one
+  MLflow routes on, and ambiguous paths are refused (``paths.py``);
 * run ownership: ``runs/create`` gets ``user_id`` and the ``mlflow.user`` tag set
   to the hub user (clients send the Unix user, often ``jovyan``), and later edits
   of ``mlflow.user`` are forced back to the hub user;
@@ -14,8 +16,12 @@ permission model then decides; the proxy only adds what MLflow cannot know:
   ``<name>`` (so nobody can squat another user's default experiment);
 * team read access: an experiment created through the proxy is readable by the
   creator's teams;
-* account administration (creating users, passwords, admin flags, roles) is not
-  reachable through the proxy at all.
+* accounts: administration (creating users, passwords, admin flags, roles) is not
+  reachable; ``users/list`` and ``roles/list`` answer with the caller's own entries
+  only, so nobody enumerates other accounts or their grants;
+* cookie-authenticated writes must prove they come from the service's own origin;
+* bodies are streamed both ways (an upload never sits in memory), within
+  ``max_upload_size``; only the small JSON bodies the rules rewrite are buffered.
 """
 
 from __future__ import annotations
@@ -24,35 +30,50 @@ import asyncio
 import json
 import logging
 import re
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
 from jupyterhub.services.auth import HubOAuthenticated
-from tornado import httputil, web
+from tornado import httputil, iostream, web
+from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+from .paths import AmbiguousPath, decode_path, encode_path
 
 log = logging.getLogger("JupyterHub.gpuhub.mlflow")
 
-API = r"(?:ajax-)?api/[23]\.0/mlflow/"
-BLOCKED = re.compile(
-    r"^(?:signup|" + API + r"users/(?:create|create-ui|update-password|update-admin|delete)"
-    r"|" + API + r"roles/(?:create|update|delete|assign|unassign|permissions/(?:add|remove|update)))/?$"
+API = r"(?:ajax-)?api/\d+\.\d+/mlflow/"
+# Everything about accounts and roles; only ALLOWED_ACCOUNT_ROUTES and the two
+# filtered listings below get through, the rest is answered 403.
+ACCOUNT_ROUTES = re.compile(r"^(?:signup|" + API + r"(?:users|roles)(?:/.*)?)$")
+# Self-service routes: MLflow itself limits each to the caller's own account (or to
+# resources the caller MANAGEs, for grant/revoke: sharing one's own experiments).
+ALLOWED_ACCOUNT_ROUTES = re.compile(
+    r"^" + API + r"users/(?:current|current/permissions|get|roles/list"
+    r"|permissions/(?:grant|revoke|get|list))/?$"
 )
+USERS_LIST = re.compile(r"^" + API + r"users/list/?$")
+ROLES_LIST = re.compile(r"^" + API + r"roles/list/?$")
 RUNS_CREATE = re.compile(r"^" + API + r"runs/create/?$")
 RUNS_SET_TAG = re.compile(r"^" + API + r"runs/set-tag/?$")
 RUNS_LOG_BATCH = re.compile(r"^" + API + r"runs/log-batch/?$")
 EXPERIMENTS_CREATE = re.compile(r"^" + API + r"experiments/create/?$")
 EXPERIMENTS_UPDATE = re.compile(r"^" + API + r"experiments/update/?$")
-STREAMED = re.compile(r"(?:^|/)(?:mlflow-artifacts/|get-artifact|model-versions/get-artifact|get-trace-artifact)")
+REWRITTEN = (RUNS_CREATE, RUNS_SET_TAG, RUNS_LOG_BATCH, EXPERIMENTS_CREATE, EXPERIMENTS_UPDATE)
 API_PATH = re.compile(r"^(?:ajax-)?api/|^graphql|^gateway/|^v1/")
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+BODY_METHODS = ("POST", "PUT", "PATCH")
 
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-    "transfer-encoding", "upgrade", "content-length", "host", "authorization", "cookie",
+    "transfer-encoding", "upgrade", "content-length", "host", "authorization", "cookie", "expect",
     "origin", "referer", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
 }
 RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "content-length", "www-authenticate", "server", "date"}
 USER_TAG = "mlflow.user"
 PERSONAL_PREFIX = "users/"
+DRAIN_LIMIT = 2**20  # refusals of bodies up to this size are answered after reading them
+_END = object()
+_ABORT = object()
 
 
 class Refused(Exception):
@@ -73,6 +94,23 @@ def check_experiment_name(name: object, username: str) -> None:
             raise Refused(403, f"Experiment names under '{PERSONAL_PREFIX}{owner}' are reserved for hub user {owner}.")
 
 
+def account_route(rel_path: str) -> str | None:
+    """``None`` (not an account route), ``"allow"``, ``"users-list"``, ``"roles-list"`` or ``"block"``."""
+    if not ACCOUNT_ROUTES.match(rel_path):
+        return None
+    if ALLOWED_ACCOUNT_ROUTES.match(rel_path):
+        return "allow"
+    if USERS_LIST.match(rel_path):
+        return "users-list"
+    if ROLES_LIST.match(rel_path):
+        return "roles-list"
+    return "block"
+
+
+def is_rewritten(rel_path: str, method: str) -> bool:
+    return method in BODY_METHODS and any(m.match(rel_path) for m in REWRITTEN)
+
+
 def _force_user_tags(tags: object, username: str) -> list:
     tags = [t for t in (tags or []) if isinstance(t, dict) and t.get("key") != USER_TAG]
     tags.append({"key": USER_TAG, "value": username})
@@ -80,11 +118,11 @@ def _force_user_tags(tags: object, username: str) -> list:
 
 
 def rewrite_request(rel_path: str, method: str, body: bytes, username: str) -> bytes:
-    """Apply the ownership rules to a request body; raise Refused to refuse it."""
-    if method not in ("POST", "PATCH", "PUT"):
-        return body
-    matchers = (RUNS_CREATE, RUNS_SET_TAG, RUNS_LOG_BATCH, EXPERIMENTS_CREATE, EXPERIMENTS_UPDATE)
-    if not any(m.match(rel_path) for m in matchers):
+    """Apply the ownership rules to a request body; raise Refused to refuse it.
+
+    ``rel_path`` is the decoded path (``paths.decode_path``) below the service prefix.
+    """
+    if not is_rewritten(rel_path, method):
         return body
     try:
         data = json.loads(body or b"{}")
@@ -108,11 +146,67 @@ def rewrite_request(rel_path: str, method: str, body: bytes, username: str) -> b
     return json.dumps(data).encode()
 
 
+def normalize_origin(url: str) -> str:
+    """``scheme://host[:port]`` of a URL, lower-cased, default ports dropped."""
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port
+    if port is None or (scheme, port) in (("http", 80), ("https", 443)):
+        return f"{scheme}://{host}"
+    return f"{scheme}://{host}:{port}"
+
+
+def same_origin_error(headers: httputil.HTTPHeaders, public_origins: frozenset[str], host: str) -> str | None:
+    """Why a cookie-authenticated write is not proven same-origin, or None if it is.
+
+    Browsers send ``Sec-Fetch-Site`` and/or ``Origin`` on every write; a cross-site
+    page cannot forge either. So: each header that is present must say "same
+    origin" (``Origin`` one of ``public_origins``, or, when none is configured, the
+    request's own ``Host``), and at least one must be present. ``Origin: null``
+    (sandboxed frames, data: URLs, some redirects) never matches.
+    """
+    site = headers.get("Sec-Fetch-Site")
+    origin = headers.get("Origin")
+    if site is None and origin is None:
+        return "a cookie-authenticated write must carry Origin or Sec-Fetch-Site"
+    if site is not None and site.strip().lower() != "same-origin":
+        return f"Sec-Fetch-Site {site!r}"
+    if origin is not None:
+        if origin.strip().lower() == "null":
+            return "Origin null"
+        try:
+            normalized = normalize_origin(origin)
+        except ValueError:
+            return f"Origin {origin!r}"
+        if public_origins:
+            if normalized not in public_origins:
+                return f"Origin {origin!r} is not one of the configured public origins"
+        elif urlsplit(normalized).netloc != host.lower():
+            return f"Origin {origin!r} does not match Host {host!r}"
+    return None
+
+
+@web.stream_request_body
 class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
     SUPPORTED_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
     def initialize(self, state):
         self.state = state
+        self.rel = ""
+        self.username = None
+        self.teams: tuple[str, ...] = ()
+        self._route = None
+        self._buffered = False
+        self._has_body = False
+        self._limit = 0
+        self._received = 0
+        self._chunks: list[bytes] = []
+        self._queue: asyncio.Queue | None = None
+        self._upstream: asyncio.Future | None = None
+        self._refusal: web.HTTPError | None = None
 
     # Cookie-authenticated writes are checked by origin below instead of tornado's
     # _xsrf token, which the MLflow UI does not know about.
@@ -122,18 +216,41 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
     def set_default_headers(self):
         self.clear_header("Server")
 
-    @property
-    def rel_path(self) -> str:
-        return self.request.path[len(self.state.prefix):] if self.request.path.startswith(self.state.prefix) else ""
-
     def write_error(self, status_code: int, **kwargs):
         exc = kwargs.get("exc_info", (None, None, None))[1]
         message = getattr(exc, "log_message", None) or getattr(exc, "message", None) or self._reason
+        default_code = {400: "INVALID_PARAMETER_VALUE", 401: "PERMISSION_DENIED", 403: "PERMISSION_DENIED",
+                        413: "REQUEST_LIMIT_EXCEEDED"}.get(status_code, "INTERNAL_ERROR")
         self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps({"error_code": getattr(exc, "error_code", "PERMISSION_DENIED" if status_code in (401, 403) else "INTERNAL_ERROR"),
-                                "message": message}))
+        self.finish(json.dumps({"error_code": getattr(exc, "error_code", default_code), "message": message}))
 
+    # -- before the body -----------------------------------------------------------
     async def prepare(self):
+        try:
+            await self._admit()
+        except web.HTTPError as e:
+            length = self.request.headers.get("Content-Length", "")
+            if e.status_code != 413 and length.isdigit() and 0 < int(length) <= DRAIN_LIMIT:
+                # Answer after reading the (small) body: closing with unread bytes makes the
+                # kernel reset the connection, and the hub's proxy would then answer 503
+                # instead of relaying this refusal.
+                self._refusal = e
+                self._buffered, self._limit = False, DRAIN_LIMIT
+                return
+            raise
+
+    async def _admit(self):
+        state = self.state
+        method = self.request.method
+        try:
+            path = decode_path(self.request.path)
+        except AmbiguousPath as e:
+            log.warning("Refusing %s %r: %s", method, self.request.path[:200], e)
+            raise web.HTTPError(400, f"Ambiguous request path refused: {e}.") from None
+        if not path.startswith(state.prefix):
+            raise web.HTTPError(404)
+        self.rel = path[len(state.prefix):]
+
         model = await self.hub_auth.get_user(self, sync=False)
         user = None
         if model and model.get("kind", "user") == "user" and self.hub_auth.check_scopes(self.hub_auth.access_scopes, model):
@@ -142,71 +259,206 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             log.warning("Refusing %s %s: no access to the MLflow service", model.get("kind"), model.get("name"))
         if user is None:
             token_given = bool(self.request.headers.get("Authorization"))
-            if token_given or API_PATH.match(self.rel_path) or self.request.method not in ("GET", "HEAD"):
+            if token_given or API_PATH.match(self.rel) or method not in ("GET", "HEAD"):
                 raise web.HTTPError(401 if not model else 403,
                                     "Log in to the hub (browser) or send a hub API token (Authorization: Bearer ...).")
             self.redirect(self.get_login_url())
             return
-        if not getattr(self, "_token_authenticated", False) and self.request.method not in ("GET", "HEAD", "OPTIONS"):
-            self._check_same_origin()
+        if not getattr(self, "_token_authenticated", False) and method not in SAFE_METHODS:
+            error = same_origin_error(self.request.headers, state.public_origins, self.request.host)
+            if error:
+                log.warning("Refusing cookie-authenticated %s %s of %s: %s", method, self.rel, user["name"], error)
+                raise web.HTTPError(403, f"Cross-origin request refused ({error}).")
         self.current_user = user
+        self.username = user["name"]
 
-    def _check_same_origin(self):
-        site = self.request.headers.get("Sec-Fetch-Site")
-        if site and site not in ("same-origin", "none"):
-            raise web.HTTPError(403, "Cross-site request refused.")
-        origin = self.request.headers.get("Origin")
-        if origin and origin != "null":
-            host = self.request.headers.get("X-Forwarded-Host") or self.request.host
-            if urlparse(origin).netloc != host:
-                raise web.HTTPError(403, "Cross-origin request refused.")
-
-    async def get(self):
-        await self.forward()
-
-    head = post = put = patch = delete = options = get
-
-    async def forward(self):
-        state = self.state
-        user = self.current_user
-        username = user["name"]
-        rel = self.rel_path
-        if BLOCKED.match(rel):
+        self._route = account_route(self.rel)
+        if self._route == "block":
             raise web.HTTPError(403, "Account administration is managed by the hub, not through MLflow.")
+        self._buffered = is_rewritten(self.rel, method) or self._route in ("users-list", "roles-list")
+        self._limit = state.max_json_body_size if self._buffered else state.max_upload_size
+        headers = self.request.headers
+        chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        length = headers.get("Content-Length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                raise web.HTTPError(400, "Invalid Content-Length.") from None
+            if declared > self._limit:
+                raise web.HTTPError(413, self._too_large())
+        self._has_body = chunked or bool(length and int(length) > 0)
+        # Our own limit answers 413 first; tornado's (a bare 400) is only a backstop.
+        self.request.connection.set_max_body_size(self._limit + 2**24)
+
+        await state.ready()
+        self.teams = state.teams_for(user)
+        await state.ensure_account(self.username, self.teams)
+        if not self._buffered:
+            self._queue = asyncio.Queue(maxsize=8)  # at most 8 chunks of 64 KiB in flight
+            self._upstream = asyncio.ensure_future(self._proxy_streamed())
+
+    def _too_large(self) -> str:
+        what = "JSON request" if self._buffered else "upload"
+        return f"Request body too large: this {what} may have at most {self._limit} bytes."
+
+    # -- the body --------------------------------------------------------------------
+    async def data_received(self, chunk: bytes):
+        if self._finished or self._refusal is not None:
+            return
+        self._received += len(chunk)
+        if self._received > self._limit:
+            self._abort_upstream()
+            self.send_error(413, exc_info=(web.HTTPError, web.HTTPError(413, self._too_large()), None))
+            return
+        if self._buffered:
+            self._chunks.append(chunk)
+        elif not self._upstream.done():  # else MLflow answered without the body: drop it
+            await self._put(chunk)
+
+    async def _put(self, item) -> None:
+        put = asyncio.ensure_future(self._queue.put(item))
+        await asyncio.wait({put, self._upstream}, return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():
+            put.cancel()
+
+    def _abort_upstream(self) -> None:
+        if self._queue is None:
+            return
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(_ABORT)
+
+    def on_connection_close(self):
+        self._abort_upstream()
+        super().on_connection_close()
+
+    # -- after the body ----------------------------------------------------------------
+    async def _respond(self, *args):
+        if self._finished:
+            return
+        if self._refusal is not None:
+            raise self._refusal
+        if self._buffered:
+            await self._respond_buffered()
+        else:
+            if self._has_body:
+                await self._put(_END)
+            await self._upstream
+        if not self._finished:
+            self.finish()
+
+    get = head = post = put = patch = delete = options = _respond
+
+    async def _respond_buffered(self):
+        state = self.state
+        username = self.username
         try:
-            body = rewrite_request(rel, self.request.method, self.request.body, username)
+            body = rewrite_request(self.rel, self.request.method, b"".join(self._chunks), username)
         except Refused as e:
             self.set_status(e.status)
             self.set_header("Content-Type", "application/json")
             self.finish(json.dumps({"error_code": e.error_code, "message": e.message}))
             return
-        await state.ready()
-        teams = state.teams_for(user)
-        await state.ensure_account(username, teams)
-
-        for attempt in (1, 2):
-            if STREAMED.search(rel):
-                await self._stream(rel, body, username)
-                return
-            response = await self._fetch(rel, body, username)
-            if response.code == 401 and attempt == 1:
-                # The account changed behind our back (deleted, password reset): redo it once.
-                state.accounts.forget(username)
-                await state.ensure_account(username, teams)
-                continue
-            break
-        if response.code == 200 and EXPERIMENTS_CREATE.match(rel) and teams:
+        response = await self._fetch(self.rel, body)
+        if response.code == 200 and self._route == "users-list":
+            data = json.loads(response.body)
+            data["users"] = [u for u in data.get("users", []) if u.get("username") == username]
+            return self._relay_json(response, data)
+        if response.code == 200 and self._route == "roles-list":
+            mine = await self._fetch(self.rel.replace("roles/list", "users/roles/list"), b"",
+                                     query=f"username={url_escape(username, plus=False)}", method="GET")
+            own = {r.get("id") for r in json.loads(mine.body).get("roles", [])} if mine.code == 200 else set()
+            data = json.loads(response.body)
+            data["roles"] = [r for r in data.get("roles", []) if r.get("id") in own]
+            return self._relay_json(response, data)
+        if response.code == 200 and EXPERIMENTS_CREATE.match(self.rel) and self.teams:
             try:
                 experiment_id = json.loads(response.body)["experiment_id"]
-                await state.accounts.share_experiment_with_teams(experiment_id, teams)
+                await state.accounts.share_experiment_with_teams(experiment_id, self.teams)
             except Exception:
-                log.exception("Could not share new experiment of %s with teams %s", username, teams)
+                log.exception("Could not share new experiment of %s with teams %s", username, self.teams)
         self._relay_head(response.code, response.reason, response.headers)
         if response.body:
             self.write(response.body)
-        self.finish()
 
-    def _upstream_request(self, rel: str, body: bytes, username: str, **kwargs) -> HTTPRequest:
+    def _relay_json(self, response, data) -> None:
+        self._relay_head(response.code, response.reason, response.headers)
+        self.set_header("Content-Type", "application/json")
+        self.write(json.dumps(data))
+
+    async def _fetch(self, rel: str, body: bytes, query: str | None = None, method: str | None = None):
+        """A buffered upstream call (small JSON), redone once if the account changed."""
+        for attempt in (1, 2):
+            req = self._upstream_request(rel, query=query, method=method, body=body)
+            response = await self.state.http.fetch(req, raise_error=False)
+            if response.code == 401 and attempt == 1:
+                # The account changed behind our back (deleted, password reset): redo it once.
+                self.state.accounts.forget(self.username)
+                await self.state.ensure_account(self.username, self.teams)
+                continue
+            return response
+
+    async def _proxy_streamed(self):
+        """Relay request and response bodies chunk by chunk, with back-pressure both ways."""
+        for attempt in (1, 2):
+            retry = attempt == 1 and not self._has_body  # a consumed body cannot be resent
+            head = {"start": None, "headers": httputil.HTTPHeaders(), "done": False, "redo": False}
+
+            def on_header(line: str, head=head, retry=retry):
+                if head["start"] is None:
+                    head["start"] = httputil.parse_response_start_line(line.strip())
+                    return
+                if line.strip():
+                    head["headers"].parse_line(line)
+                    return
+                start = head["start"]
+                if start.code == 100:
+                    head["start"], head["headers"] = None, httputil.HTTPHeaders()
+                    return
+                if start.code == 401 and retry:
+                    head["redo"] = True
+                    return
+                if not self._finished:
+                    self._relay_head(start.code, start.reason, head["headers"])
+                head["done"] = True
+
+            def on_chunk(chunk: bytes, head=head):
+                if head["redo"] or self._finished:
+                    return None
+                self.write(chunk)
+                return self.flush()  # awaited by tornado: a slow reader slows the download
+
+            kwargs = {}
+            if self._has_body:
+                queue = self._queue
+
+                async def produce(write):
+                    while True:
+                        item = await queue.get()
+                        if item is _END:
+                            return
+                        if item is _ABORT:
+                            raise iostream.StreamClosedError()
+                        await write(item)
+
+                kwargs["body_producer"] = produce
+                # MLflow may refuse (403) before reading: then no byte is sent upstream.
+                kwargs["expect_100_continue"] = True
+            req = self._upstream_request(self.rel, header_callback=on_header, streaming_callback=on_chunk, **kwargs)
+            length = self.request.headers.get("Content-Length")
+            if self._has_body and length is not None:
+                req.headers["Content-Length"] = length
+            response = await self.state.http.fetch(req, raise_error=False)
+            if head["redo"]:
+                self.state.accounts.forget(self.username)
+                await self.state.ensure_account(self.username, self.teams)
+                continue
+            if not head["done"] and not self._finished:
+                self._relay_head(response.code if response.code != 200 else 502, response.reason, response.headers)
+            return
+
+    def _upstream_request(self, rel: str, query: str | None = None, method: str | None = None, **kwargs) -> HTTPRequest:
         headers = httputil.HTTPHeaders()
         for name, value in self.request.headers.get_all():
             lname = name.lower()
@@ -214,65 +466,38 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
                 continue
             headers.add(name, value)
         headers["Host"] = self.state.upstream_hostport
-        headers["Authorization"] = self.state.accounts.user_auth(username)
-        headers["X-Forwarded-User"] = username
-        url = self.state.upstream_root + rel
-        if self.request.query:
-            url += "?" + self.request.query
-        method = self.request.method
-        send_body = body if (body or method in ("POST", "PUT", "PATCH")) else None
+        headers["Authorization"] = self.state.accounts.user_auth(self.username)
+        headers["X-Forwarded-User"] = self.username
+        # The decoded path, canonically re-encoded: MLflow decodes it back to exactly
+        # the string the rules above were applied to.
+        url = self.state.upstream_base + encode_path(self.state.upstream_path + rel)
+        query = self.request.query if query is None else query
+        if query:
+            url += "?" + query
+        method = method or self.request.method
+        if "body" in kwargs and not kwargs["body"] and method not in BODY_METHODS:
+            kwargs["body"] = None
         return HTTPRequest(
-            url, method=method, headers=headers, body=send_body, allow_nonstandard_methods=True,
+            url, method=method, headers=headers, allow_nonstandard_methods=True,
             follow_redirects=False, decompress_response=False, request_timeout=self.state.request_timeout,
             connect_timeout=20, **kwargs,
         )
-
-    async def _fetch(self, rel: str, body: bytes, username: str):
-        return await self.state.http.fetch(self._upstream_request(rel, body, username), raise_error=False)
 
     def _relay_head(self, code: int, reason: str | None, headers: httputil.HTTPHeaders):
         if code == 599:
             raise web.HTTPError(502, "The MLflow tracking server did not answer.")
         self.set_status(code, reason or httputil.responses.get(code, "Unknown"))
         for name, value in headers.get_all():
-            if name.lower() in RESPONSE_DROP:
+            lname = name.lower()
+            if lname in RESPONSE_DROP or lname.startswith("access-control-"):
                 continue
-            if name.lower() == "location":
+            if lname == "location":
                 value = self._rewrite_location(value)
             self.add_header(name, value)
 
     def _rewrite_location(self, value: str) -> str:
         root = self.state.upstream_root
         return self.state.prefix + value[len(root):] if value.startswith(root) else value
-
-    async def _stream(self, rel: str, body: bytes, username: str):
-        """Artifacts can be large: relay the response as it arrives."""
-        head = {"done": False, "start": None, "headers": httputil.HTTPHeaders()}
-
-        def on_header(line: str):
-            if head["start"] is None:
-                head["start"] = httputil.parse_response_start_line(line.strip())
-                return
-            if line.strip():
-                head["headers"].parse_line(line)
-            else:
-                start = head["start"]
-                if start.code == 100:
-                    head["start"] = None
-                    head["headers"] = httputil.HTTPHeaders()
-                    return
-                self._relay_head(start.code, start.reason, head["headers"])
-                head["done"] = True
-
-        def on_chunk(chunk: bytes):
-            self.write(chunk)
-            asyncio.ensure_future(self.flush())
-
-        req = self._upstream_request(rel, body, username, header_callback=on_header, streaming_callback=on_chunk)
-        response = await self.state.http.fetch(req, raise_error=False)
-        if not head["done"]:
-            self._relay_head(response.code if response.code != 200 else 502, response.reason, response.headers)
-        self.finish()
 
 
 class RootRedirect(web.RequestHandler):
@@ -284,4 +509,4 @@ class RootRedirect(web.RequestHandler):
 
 
 def make_http_client() -> AsyncHTTPClient:
-    return AsyncHTTPClient(force_instance=True, max_clients=64, max_body_size=8 * 2**30, max_buffer_size=512 * 2**20)
+    return AsyncHTTPClient(force_instance=True, max_clients=64, max_body_size=2**40, max_buffer_size=64 * 2**20)

@@ -11,7 +11,6 @@ for its services on shutdown).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -26,9 +25,11 @@ from jupyterhub.services.auth import HubOAuth, HubOAuthCallbackHandler
 from tornado import web
 from tornado.httpclient import HTTPRequest
 from tornado.httpserver import HTTPServer
+from traitlets import Float, Integer, List, TraitError, Unicode, default, validate
+from traitlets.config import Application
 
 from .accounts import Accounts
-from .proxy import MlflowProxyHandler, RootRedirect, make_http_client
+from .proxy import MlflowProxyHandler, RootRedirect, make_http_client, normalize_origin
 from .secrets import Passwords, ensure_private_dir, load_or_create_key
 from .upstream import ADMIN_USERNAME, MlflowServer, ServerSettings
 
@@ -72,10 +73,15 @@ class TeamResolver:
 
 class ServiceState:
     def __init__(self, *, prefix: str, upstream_url: str, accounts: Accounts, teams: TeamResolver,
-                 state_dir: Path, request_timeout: float = 3600.0):
+                 state_dir: Path, request_timeout: float = 3600.0, max_upload_size: int = 2**30,
+                 max_json_body_size: int = 16 * 2**20, public_origins: list[str] | tuple[str, ...] = ()):
         u = urlparse(upstream_url)
         self.upstream_root = upstream_url.rstrip("/") + "/"  # relative paths are appended to this
         self.upstream_base = f"{u.scheme}://{u.netloc}"
+        self.upstream_path = u.path.rstrip("/") + "/"  # MLflow's --static-prefix, decoded
+        self.max_upload_size = max_upload_size
+        self.max_json_body_size = max_json_body_size
+        self.public_origins = frozenset(public_origins)
         self.upstream_hostport = u.netloc
         self.prefix = prefix  # with trailing slash, e.g. /services/mlflow/
         self.accounts = accounts
@@ -160,30 +166,97 @@ class ServiceState:
         return gone
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m gpuhub_spawner.mlflow", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", required=True, help="state, SQLite stores and artifacts (one machine)")
-    p.add_argument("--policy", help="policy YAML: hub groups -> teams for team read access")
-    p.add_argument("--external-url", help="use this existing MLflow server (with basic-auth) instead of starting one")
-    p.add_argument("--admin-credentials-file",
-                   help="JSON {username, password} of the existing server's admin (with --external-url); "
-                        "default: $GPUHUB_MLFLOW_ADMIN_USERNAME/$GPUHUB_MLFLOW_ADMIN_PASSWORD")
-    p.add_argument("--backend-store-uri", default=os.environ.get("GPUHUB_MLFLOW_BACKEND_STORE_URI"),
-                   help="default $GPUHUB_MLFLOW_BACKEND_STORE_URI, else sqlite under --data-dir; "
-                        "pass database passwords through that variable, not this flag")
-    p.add_argument("--artifacts-destination", help="default <data-dir>/artifacts; e.g. s3://bucket/path")
-    p.add_argument("--auth-db-uri", default=os.environ.get("GPUHUB_MLFLOW_AUTH_DB_URI"),
-                   help="MLflow auth database; default $GPUHUB_MLFLOW_AUTH_DB_URI, else sqlite under --data-dir")
-    p.add_argument("--bind-ip", help="listen here instead of the host of JUPYTERHUB_SERVICE_URL (e.g. 0.0.0.0 in a pod)")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--reconcile-interval", type=float, default=60.0, help="seconds between removed-user sweeps")
-    p.add_argument("--max-body-mb", type=int, default=1024, help="largest request (artifact upload) accepted")
-    p.add_argument("--mlflow-arg", action="append", default=[], help="extra argument for `mlflow server`")
-    return p.parse_args(argv)
+class MlflowService(Application):
+    """The ``mlflow`` hub service: settings are traitlets, set on its command line
+    (``--MlflowService.max_upload_size=...``; ``configure(service_options=...)``
+    writes those) or in a config file (``--config=<file>``)."""
+
+    name = "gpuhub-mlflow"
+    description = __doc__
+
+    data_dir = Unicode(help="State, SQLite stores and artifacts (one machine).").tag(config=True)
+    policy = Unicode("", help="Policy YAML: hub groups -> teams for team read access.").tag(config=True)
+    external_url = Unicode("", help="Use this existing MLflow server (with basic-auth) instead of starting one.").tag(config=True)
+    admin_credentials_file = Unicode(
+        "", help="JSON {username, password} of the existing server's admin (with external_url); "
+                 "default: $GPUHUB_MLFLOW_ADMIN_USERNAME/$GPUHUB_MLFLOW_ADMIN_PASSWORD").tag(config=True)
+    backend_store_uri = Unicode(
+        help="Default $GPUHUB_MLFLOW_BACKEND_STORE_URI, else SQLite under data_dir; pass database "
+             "passwords through that variable, not the command line.").tag(config=True)
+    artifacts_destination = Unicode("", help="Default <data_dir>/artifacts; e.g. s3://bucket/path.").tag(config=True)
+    auth_db_uri = Unicode(help="MLflow auth database; default $GPUHUB_MLFLOW_AUTH_DB_URI, else SQLite under data_dir.").tag(config=True)
+    bind_ip = Unicode("", help="Listen here instead of the host of JUPYTERHUB_SERVICE_URL (0.0.0.0 in a pod).").tag(config=True)
+    workers = Integer(1, help="uvicorn workers of the MLflow server.").tag(config=True)
+    reconcile_interval = Float(60.0, help="Seconds between removed-user sweeps.").tag(config=True)
+    mlflow_args = List(Unicode(), help="Extra arguments for `mlflow server`.").tag(config=True)
+    max_upload_size = Integer(
+        2**30, min=0,
+        help="Largest request body (artifact upload) in bytes; larger ones get 413. Bodies are "
+             "streamed to MLflow, so this bounds disk use, not the service's memory.").tag(config=True)
+    max_json_body_size = Integer(
+        16 * 2**20, min=0,
+        help="Largest body of the JSON requests the proxy rewrites (runs/create, log-batch, "
+             "experiments/create, ...), which it must hold in memory; larger ones get 413.").tag(config=True)
+    public_origins = List(
+        Unicode(),
+        help="Origins (scheme://host[:port]) the MLflow UI is served from. A cookie-authenticated "
+             "write must come from one of them (Origin header) or say Sec-Fetch-Site: same-origin. "
+             "Default: the origin of $JUPYTERHUB_PUBLIC_URL (set by the hub when "
+             "JupyterHub.public_url or a service domain is configured); if that is unset too, the "
+             "request's own Host.").tag(config=True)
+    request_timeout = Float(3600.0, help="Seconds one proxied request (an upload) may take.").tag(config=True)
+
+    aliases = {
+        "data-dir": "MlflowService.data_dir",
+        "policy": "MlflowService.policy",
+        "external-url": "MlflowService.external_url",
+        "admin-credentials-file": "MlflowService.admin_credentials_file",
+        "backend-store-uri": "MlflowService.backend_store_uri",
+        "artifacts-destination": "MlflowService.artifacts_destination",
+        "auth-db-uri": "MlflowService.auth_db_uri",
+        "bind-ip": "MlflowService.bind_ip",
+        "workers": "MlflowService.workers",
+        "reconcile-interval": "MlflowService.reconcile_interval",
+        "mlflow-arg": "MlflowService.mlflow_args",
+        "max-upload-size": "MlflowService.max_upload_size",
+        "public-origin": "MlflowService.public_origins",
+        "config": "MlflowService.config_file",
+    }
+    config_file = Unicode("", help="A traitlets config file (c.MlflowService.<name> = ...).").tag(config=True)
+
+    @default("backend_store_uri")
+    def _default_backend_store_uri(self):
+        return os.environ.get("GPUHUB_MLFLOW_BACKEND_STORE_URI", "")
+
+    @default("auth_db_uri")
+    def _default_auth_db_uri(self):
+        return os.environ.get("GPUHUB_MLFLOW_AUTH_DB_URI", "")
+
+    @default("public_origins")
+    def _default_public_origins(self):
+        url = os.environ.get("JUPYTERHUB_PUBLIC_URL")
+        return [normalize_origin(url)] if url and "://" in url else []
+
+    @validate("public_origins")
+    def _validate_public_origins(self, proposal):
+        out = []
+        for url in proposal["value"]:
+            origin = normalize_origin(url)
+            if not urlparse(origin).hostname or urlparse(origin).scheme not in ("http", "https"):
+                raise TraitError(f"MlflowService.public_origins: {url!r} is not an http(s) origin")
+            out.append(origin)
+        return out
+
+    def initialize(self, argv=None):
+        self.parse_command_line(argv)
+        if self.config_file:
+            self.load_config_file(self.config_file)
+            self.parse_command_line(argv)  # the command line wins over the file
+        if not self.data_dir:
+            raise SystemExit(f"{self.name}: --data-dir is required")
 
 
-def _admin_credentials(args, passwords: Passwords) -> tuple[str, str]:
+def _admin_credentials(args: MlflowService, passwords: Passwords) -> tuple[str, str]:
     if not args.external_url:
         return ADMIN_USERNAME, passwords.admin()
     if args.admin_credentials_file:
@@ -196,7 +269,8 @@ def _admin_credentials(args, passwords: Passwords) -> tuple[str, str]:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = MlflowService()
+    args.initialize(argv)
     logging.basicConfig(level=logging.INFO, format="[%(levelname).1s %(asctime)s gpuhub-mlflow] %(message)s")
     service_url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/mlflow/")
@@ -218,8 +292,9 @@ def main(argv=None):
         server = MlflowServer(
             ServerSettings(
                 data_dir=data_dir, prefix=prefix.rstrip("/"),
-                backend_store_uri=args.backend_store_uri, artifacts_destination=args.artifacts_destination,
-                auth_db_uri=args.auth_db_uri, workers=args.workers, extra_args=args.mlflow_arg,
+                backend_store_uri=args.backend_store_uri or None,
+                artifacts_destination=args.artifacts_destination or None,
+                auth_db_uri=args.auth_db_uri or None, workers=args.workers, extra_args=args.mlflow_args,
             ),
             admin_password=admin_password, flask_secret=passwords.flask_secret(),
         )
@@ -230,7 +305,9 @@ def main(argv=None):
     # A short cache: a token the hub revoked stops working here within seconds.
     hub_auth = HubOAuth.instance(cache_max_age=10)
     state = ServiceState(prefix=prefix, upstream_url=upstream_url, accounts=accounts,
-                         teams=TeamResolver(args.policy), state_dir=state_dir)
+                         teams=TeamResolver(args.policy or None), state_dir=state_dir,
+                         request_timeout=args.request_timeout, max_upload_size=args.max_upload_size,
+                         max_json_body_size=args.max_json_body_size, public_origins=args.public_origins)
     (state_dir / "upstream.json").write_text(json.dumps({"url": upstream_url}))
 
     app = web.Application(
@@ -248,7 +325,9 @@ def main(argv=None):
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        http_server = HTTPServer(app, xheaders=False, max_body_size=args.max_body_mb * 2**20)
+        # Bodies the proxy does not stream (the OAuth callback) stay small; the proxy
+        # raises this per request to its own upload limit.
+        http_server = HTTPServer(app, xheaders=False, max_body_size=2**20)
         http_server.listen(service_url.port, args.bind_ip or service_url.hostname)
         log.info("MLflow service listening on %s%s", os.environ["JUPYTERHUB_SERVICE_URL"].rstrip("/"), prefix)
 

@@ -528,10 +528,17 @@ async def replay(p: Params, trace: list[TraceUser], policy: Policy, scenario: st
                         if busy_reading:
                             s.gpu_last_busy = now
                         gpu_idle = (now - s.gpu_last_busy) * 60.0
-                    kernels_idle = 0.0 if (run is not None and not run.plan.background) else (now - s.last_cell) * 60.0
                     r = rules[u.trace.profile]
-                    sig = Signals(inactive=inactive * 60.0, kernels_idle=kernels_idle, gpu_idle=gpu_idle, age=(now - s.start) * 60.0)
-                    d = decide(now * 60.0, r, sig, s.cull, bool(u.gpus))
+                    # What the real hub decides from: its own records only (start, the
+                    # proxy's and the server's activity, trusted GPU readings); no probe
+                    # of the server, no kernel report from it.
+                    sig = Signals(
+                        started=s.start * 60.0,
+                        last_activity=s.last_hub * 60.0,
+                        gpu_last_busy=None if s.gpu_last_busy is None else s.gpu_last_busy * 60.0,
+                        has_gpus=bool(u.gpus),
+                    )
+                    d = decide(now * 60.0, r, sig, s.cull)
                     if d.action == "warn":
                         if s.cull.warned_at == now * 60.0:
                             met.warnings += 1

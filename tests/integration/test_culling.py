@@ -1,22 +1,30 @@
-"""GPU-aware culling against a real hub, the real culler service and a fake NVML.
+"""Culling in a real hub, with the real culler service and real servers, at production ratios.
 
-The fake ``pynvml`` (tests/support/fake_nvml) is first on PYTHONPATH for the hub, so
-the product code that discovers devices and reads their utilisation is unchanged;
-tests set each device's utilisation by rewriting its JSON file.
+Culler pass 5 s, timeouts 30 s, warnings 10 s; the hub's own activity sync compressed with
+its own settings (``JupyterHub.last_activity_interval`` and the single-user servers'
+``JUPYTERHUB_ACTIVITY_INTERVAL``, both 5 s instead of 300 s). GPU readings come from a fake
+``pynvml`` first on the hub's ``PYTHONPATH`` (tests/support/fake_nvml); the product code
+that reads NVML is unchanged.
+
+Users attack through what they control — their own server's process, configured from
+``~/.jupyter/jupyter_server_config.py``: one logs every request header it receives, one
+claims its GPU is 100 % busy and reports itself active every few seconds.
 """
 
 import json
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from support.hub import Hub, wait_for
+from support.hub import Hub, processes_with_env, wait_for, _environ
 
 pytestmark = pytest.mark.integration
 
 FAKE_NVML_DIR = Path(__file__).resolve().parents[1] / "support" / "fake_nvml"
+PASS = 5
 
 POLICY = """\
 flavors:
@@ -26,18 +34,48 @@ flavors:
 teams:
   - {name: vision, displayName: Vision Lab, groups: [vision-lab], quota: {gpus: {gpu: 1}}}
   - {name: nlp, displayName: NLP, groups: [nlp-group], quota: {gpus: {gpu: 1}}}
+  - {name: students, displayName: Students, groups: [students, visitors]}
 profiles:
   - slug: cpu
     displayName: CPU only
     teams: "*"
-    idle: {timeout: 40s, warning: 3s, maxSnoozes: 0}
+    idle: {timeout: 30s, warning: 10s, maxSnoozes: 0}
   - slug: gpu-1
     displayName: One GPU
     gpu: {count: 1, flavor: gpu}
     teams: [vision, nlp]
-    idle: {timeout: 1h, gpuIdleTimeout: 10s, warning: 5s, snooze: 10s, maxSnoozes: 1}
+    idle: {timeout: 1h, gpuIdleTimeout: 30s, warning: 10s, snooze: 20s, maxSnoozes: 1}
 defaults:
   idle: {gpuBusyThreshold: 10, maxAge: 7d}
+"""
+
+EXTRA_CONFIG = """
+c.JupyterHub.last_activity_interval = 5
+c.Spawner.environment = dict(c.Spawner.environment, JUPYTERHUB_ACTIVITY_INTERVAL="5")
+"""
+
+# ~/.jupyter/jupyter_server_config.py of a user who logs every request their server gets.
+HEADER_LOGGER = """
+import json, os, tornado.web
+_orig = tornado.web.Application.log_request
+def _capture(self, handler):
+    with open(os.path.join(os.environ["HOME"], "captured.jsonl"), "a") as f:
+        f.write(json.dumps({"uri": handler.request.uri, "headers": dict(handler.request.headers)}) + "\\n")
+    return _orig(self, handler)
+tornado.web.Application.log_request = _capture
+# (and it says it is always active, so it lives through every pass of the test)
+import datetime
+from jupyter_server.serverapp import ServerWebApplication
+ServerWebApplication.last_activity = lambda self: datetime.datetime.now(datetime.timezone.utc)
+"""
+
+# ... and of a user whose server says it is always active and its GPU 100 % busy.
+LIAR = """
+import datetime, time
+from jupyter_server.serverapp import ServerWebApplication
+ServerWebApplication.last_activity = lambda self: datetime.datetime.now(datetime.timezone.utc)
+import gpuhub_notebook.activity as _a
+_a.read_gpus = lambda environ=None: {"gpus": [{"id": "forged", "utilization": 100}], "sampled_at": time.time()}
 """
 
 
@@ -70,8 +108,13 @@ def hub(tmp_path_factory, gpus):
     h = Hub(
         tmp_path_factory.mktemp("cull"),
         POLICY,
-        env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path), "GPUHUB_CULL_EVERY": "1"},
+        extra_config=EXTRA_CONFIG,
+        env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path), "GPUHUB_CULL_EVERY": str(PASS)},
     )
+    for user, config in (("mallory", HEADER_LOGGER), ("carol", LIAR)):
+        d = h.data / "home" / user / ".jupyter"
+        d.mkdir(parents=True)
+        (d / "jupyter_server_config.py").write_text(config)
     h.start()
     yield h
     h.stop()
@@ -82,70 +125,185 @@ def device_of(hub, client, user):
     return next(d["id"] for d in snap["devices"] if d["user"] == user)
 
 
-def warnings(client):
+def culling(client):
     r = client.api.get(client.url(f"/gpuhub/culling/{client.name}"))
     r.raise_for_status()
-    return r.json()["servers"]
+    return r.json()
 
 
-def test_idle_gpu_warned_culled_and_handed_on_busy_gpu_survives(hub, gpus):
-    alice, bob, carol, dave = (hub.login(n) for n in ("alice", "bob", "carol", "dave"))
-    assert {d["id"] for d in requests.get(hub.url + "/hub/api/gpuhub/status", headers={"Authorization": f"token {alice.token}"}).json()["devices"]} == {"GPU-fake-0", "GPU-fake-1"}
+def warnings(client):
+    return culling(client)["servers"]
+
+
+class Visits:
+    """A user working in their server: real requests through the public URL, every second."""
+
+    def __init__(self, hub, client):
+        self.url = hub.server_url(client.server()["url"]) + "api/contents"  # its own origin
+        self.headers = {"Authorization": f"token {client.token}"}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.stop.wait(1):
+            requests.get(self.url, headers=self.headers, timeout=10)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+class ComesBack(threading.Thread):
+    """Alice leaves her server alone until it is warned, then works in it again."""
+
+    def __init__(self, hub, client):
+        super().__init__(daemon=True)
+        self.hub, self.client = hub, client
+        self.first_warning = None
+        self.withdrawn_while_visiting = False
+        self.error = None
+
+    def run(self):
+        try:
+            self.first_warning = wait_for(lambda: warnings(self.client).get(""), 90, "a warning for alice's idle server")
+            with Visits(self.hub, self.client):
+                self.withdrawn_while_visiting = bool(wait_for(
+                    lambda: warnings(self.client) == {} and self.client.server() is not None, 3 * PASS, "the warning to go"))
+                wait_for(lambda: time.time() > self.first_warning["deadline"] + 2 * PASS, 60, "two passes past the old deadline")
+        except Exception as e:  # reported by the test
+            self.error = e
+
+
+@pytest.fixture(scope="module")
+def scene(hub, gpus):
+    """Everyone starts at once; the tests below watch what happens next."""
+    users = {n: hub.login(n) for n in ("alice", "bob", "carol", "dave", "erin", "mallory")}
+    bob, carol = users["bob"], users["carol"]
+    bob.start("gpu-1")
+    bob.wait_ready()
+    gpus.set(device_of(hub, bob, "bob"), 90)  # a training run, browser closed
     carol.start("gpu-1")
     carol.wait_ready()
-    gpus.set(device_of(hub, carol, "carol"), 90)  # a training run, browser closed
-    alice.start("gpu-1")
-    alice.wait_ready()
-    alice_gpu = device_of(hub, alice, "alice")
-    dave.start_background("cpu")
-    home_file = hub.data / "home" / "alice" / "results.txt"
-    home_file.write_text("keep me")
-    queued = bob.start_background("gpu-1")  # bob waits for vision's GPU
+    carol_gpu = device_of(hub, carol, "carol")
+    # her server really claims it: 100 % on its own endpoint (and fresh activity every 5 s)
+    claim = requests.get(hub.server_url(carol.server()["url"]) + "gpuhub/activity", headers={"Authorization": f"token {carol.token}"})
+    for n in ("alice", "erin", "mallory"):
+        users[n].start("cpu")
+    for n in ("alice", "erin", "mallory"):
+        users[n].wait_ready()
+    alice = ComesBack(hub, users["alice"])
+    alice.start()
+    (hub.data / "home" / "carol" / "results.txt").write_text("keep me")
+    queued = users["dave"].start_background("gpu-1", team="nlp")  # waits for carol's GPU
+    return dict(users=users, queued=queued, claim=claim, carol_gpu=carol_gpu, alice=alice)
 
-    w = wait_for(lambda: warnings(alice).get(""), 20, "a warning for alice")
-    assert "GPUs and kernels were idle for 10s" in w["reason"] and w["deadline"] > time.time() - 1
-    page = alice.session.get(hub.url + "/hub/home").text
+
+def test_untouched_server_is_warned_at_its_timeout_and_stopped_after_the_warning(hub, scene):
+    erin = scene["users"]["erin"]
+    started = erin.server()["started"]
+    w = wait_for(lambda: warnings(erin).get(""), 60, "a warning for erin's untouched server")
+    assert w["rule"] == "idle" and "no activity for 30s" in w["reason"]
+    assert w["deadline"] - w["warned_at"] == pytest.approx(10, abs=0.01)  # the whole warning, announced
+    page = erin.session.get(hub.url + "/hub/home").text
     assert "will be stopped" in page and "Your files are kept" in page
-    # what JupyterLab's notification polls: the server's relay, with the server's own token
-    relayed = requests.get(hub.url + "/user/alice/gpuhub/culling", headers={"Authorization": f"token {alice.token}"})
-    assert relayed.status_code == 200, relayed.text
-    assert "GPUs and kernels were idle" in json.dumps(relayed.json())
-    snap = requests.get(hub.url + "/hub/api/gpuhub/status", headers={"Authorization": f"token {carol.token}"}).json()
-    held = next(d for d in snap["devices"] if d["user"] == "alice")
-    assert held["idle_for"] and held["stops_at"]  # everyone sees which GPUs sit idle
-
-    wait_for(lambda: alice.server() is None, 30, "alice's idle GPU server to be culled")
-    assert home_file.read_text() == "keep me"  # a cull never touches the home directory
-    assert queued.result().status_code == 202
-    bob.wait_ready(timeout=60)  # the freed GPU went to the next in line
-    assert device_of(hub, bob, "bob") == alice_gpu
+    wait_for(lambda: erin.server() is None, 40, "erin's server to be stopped after the warning")
     log = hub.log.read_text()
-    assert "Culling alice/ (profile gpu-1): its GPUs and kernels were idle for 10s" in log
-    # carol's busy GPU kept her server well past its GPU-idle timeout, with no warning
-    assert carol.server()["ready"] and warnings(carol) == {}
-    # the CPU server follows its own, longer rule: still there, culled later by it
-    assert dave.server() is not None
-    wait_for(lambda: dave.server() is None, 60, "the CPU server to be culled by its own 40s rule")
-    assert "Culling dave/ (profile cpu): no activity for 40s" in hub.log.read_text()
+    assert "Culling erin/ (profile cpu): no activity for 30s" in log
+    notice = culling(erin)["culled"][""]
+    assert notice["rule"] == "idle" and notice["at"] >= w["deadline"] and notice["started"] > 0
+    assert started  # it really ran before
+    page = erin.session.get(hub.url + "/hub/home").text
+    assert 'id="gpuhub-culled"' in page and "was stopped" in page and "no activity for 30s" in page
+    assert "Your files are kept" in page and "Start it again" in page
 
 
-def test_snooze_postpones_and_the_limit_holds(hub, gpus):
+def test_a_user_who_comes_back_after_the_warning_is_kept(hub, scene):
+    alice = scene["alice"]
+    alice.join(120)
+    assert alice.error is None, alice.error
+    assert alice.first_warning["rule"] == "idle" and alice.withdrawn_while_visiting
+    client = scene["users"]["alice"]
+    assert client.server() is not None and client.server()["ready"]  # two passes past the old deadline
+    log = hub.log.read_text()
+    assert "Warning withdrawn for alice/" in log and "Culling alice/" not in log
+
+
+def test_a_server_claiming_a_busy_gpu_is_culled_when_nvml_reads_idle_and_the_gpu_goes_on(hub, scene, gpus):
+    users, queued = scene["users"], scene["queued"]
+    carol, dave, bob = users["carol"], users["dave"], users["bob"]
+    assert scene["claim"].status_code == 200 and scene["claim"].json()["gpus"][0]["utilization"] == 100
+    carol_gpu = scene["carol_gpu"]
+    # her fake activity counts as coming back: it costs her the one snooze, then the GPU goes
+    wait_for(lambda: carol.server() is None, 120, "carol's idle GPU server to be culled")
+    log = hub.log.read_text()
+    assert "Warning carol/ (profile gpu-1): stops in 10s: its GPUs were idle for 30s" in log
+    assert "Snoozed carol/: the user came back (snooze 1)" in log
+    assert "Culling carol/ (profile gpu-1): its GPUs were idle for 30s" in log
+    assert (hub.data / "home" / "carol" / "results.txt").read_text() == "keep me"
+    assert queued.result().status_code in (201, 202)
+    dave.wait_ready(timeout=60)  # the freed GPU went to the next in line
+    assert device_of(hub, dave, "dave") == carol_gpu
+    # bob's busy GPU kept his server well past its GPU-idle timeout, without a warning
+    assert bob.server()["ready"] and warnings(bob) == {}
+    assert "bob/" not in "".join(line for line in log.splitlines() if "Warning " in line)
+
+
+def test_no_hub_token_reaches_a_user_server_during_many_passes(hub, scene):
+    mallory = scene["users"]["mallory"]
+    with Visits(hub, mallory):  # her own requests: they show the capture works
+        deadline = time.time() + 4 * PASS
+        wait_for(lambda: time.time() > deadline, 6 * PASS, "four culler passes")
+    captured = [json.loads(line) for line in (hub.data / "home" / "mallory" / "captured.jsonl").read_text().splitlines()]
+    assert any(mallory.token in json.dumps(c) for c in captured), "the header logger captured nothing"
+    own = {mallory.token, mallory.server_env()["JUPYTERHUB_API_TOKEN"]}
+    culler = next(
+        _environ(pid) for pid in processes_with_env("JUPYTERHUB_SERVICE_NAME=gpuhub-culler")
+    )
+    assert culler["JUPYTERHUB_API_TOKEN"] not in json.dumps(captured)
+    for c in captured:
+        auth = {k.lower(): v for k, v in c["headers"].items()}.get("authorization", "")
+        token = auth.split(" ", 1)[-1] if auth else None
+        assert token is None or token in own, f"a foreign credential reached mallory's server: {c['uri']}"
+        assert "token=" not in c["uri"] or any(t in c["uri"] for t in own)
+
+
+def test_metrics_count_warnings_culls_and_idle_gpu_time(hub, scene):
+    admin = hub.login("admin")  # read:metrics
+    text = admin.api.get(hub.url + "/hub/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("gpuhub_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['gpuhub_culls_total{rule="idle"}'] >= 1
+    assert values['gpuhub_culls_total{rule="gpu-idle"}'] >= 1
+    assert values['gpuhub_cull_warnings_total{rule="gpu-idle"}'] >= 1
+    assert values['gpuhub_cull_snoozes_total{how="returned"}'] >= 1
+    assert values['gpuhub_idle_gpu_seconds_total{team="nlp"}'] >= 30
+
+
+def test_a_pending_warning_and_its_snoozes_survive_a_hub_restart(hub, scene, gpus):
+    bob = scene["users"]["bob"]
+    gpus.set(device_of(hub, bob, "bob"), 0)  # training finished; the GPU now sits idle
+    w = wait_for(lambda: warnings(bob).get(""), 60, "a GPU-idle warning for bob")
+    r = bob.api.post(bob.url("/gpuhub/culling/bob/snooze"), json={"server": ""})
+    assert r.status_code == 200, r.text
+    before = warnings(bob)[""]
+    assert before["snoozes_used"] == 1 and before["snoozes_left"] == 0 and before["deadline"] >= w["deadline"] + 20
+    hub.stop(kill_servers=False)
+    state = hub.data / "gpuhub-culling.json"
+    assert state.stat().st_mode & 0o777 == 0o600
+    hub.start()
     bob = hub.login("bob")
-    if not bob.server():
-        bob.start("gpu-1")
-    bob.wait_ready()
-    w = wait_for(lambda: warnings(bob).get(""), 30, "a warning for bob")
-    first_deadline = w["deadline"]
-    assert w["snoozes_left"] == 1
-    r = bob.api.post(bob.url("/gpuhub/culling/bob/snooze"), json={"server": ""})
-    assert r.status_code == 200 and "snooze 1 of 1" in r.json()["message"]
-    assert r.json()["deadline"] >= first_deadline + 10
-    # past the first deadline it is still running
-    wait_for(lambda: time.time() > first_deadline + 2, 20, "the first deadline to pass")
-    assert bob.server() is not None
-    r = bob.api.post(bob.url("/gpuhub/culling/bob/snooze"), json={"server": ""})
-    assert r.status_code == 409 and "No snoozes left" in r.json()["message"]
-    # another user cannot see or snooze bob's server
+    after = warnings(bob)[""]
+    assert (after["deadline"], after["snoozes_used"], after["warned_at"]) == (
+        before["deadline"], before["snoozes_used"], before["warned_at"])
+    # and the history came back too: carol is still told what happened to her server
     carol = hub.login("carol")
-    assert carol.api.post(carol.url("/gpuhub/culling/bob/snooze"), json={"server": ""}).status_code == 404
-    wait_for(lambda: bob.server() is None, 40, "bob's server to be culled after the snooze ran out")
+    assert culling(carol)["culled"][""]["rule"] == "gpu-idle"
+    assert "its GPUs were idle for 30s" in carol.session.get(hub.url + "/hub/home").text
+    wait_for(lambda: bob.server() is None, 60, "bob's idle GPU server to be stopped at the restored deadline")

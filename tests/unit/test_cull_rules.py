@@ -1,75 +1,114 @@
-"""The culling decision: busy GPUs are kept, idle GPUs are freed, users are warned first."""
+"""The culling decision: warned at the timeout, stopped after the warning, never against the user.
 
-from gpuhub_spawner.culling.rules import CullState, Signals, decide, snooze
+Times are epoch seconds; a server started at t=0. Only hub-recorded times go in:
+start, last activity, last trusted busy GPU reading.
+"""
+
+from gpuhub_spawner.culling.rules import GPU_IDLE, MAX_AGE, TIMEOUT, CullState, Signals, decide, snooze
 from gpuhub_spawner.policy.model import IdleRules
 
-RULES = IdleRules(timeout=3600, gpu_idle_timeout=900, gpu_busy_threshold=5, max_age=86400, warning=300, snooze=600, max_snoozes=2)
+GPU = IdleRules(timeout=3600, gpu_idle_timeout=1800, gpu_busy_threshold=5, max_age=7 * 86400, warning=900, snooze=3600, max_snoozes=2)
+CPU = IdleRules(timeout=8 * 3600, warning=900, max_snoozes=0)
 
 
-def run(signals, state=None, now=10_000.0, has_gpus=True, rules=RULES):
-    state = state or CullState()
-    return decide(now, rules, signals, state, has_gpus), state
+def step(now, rules, state, *, activity=None, gpu_busy=None, gpus=True):
+    return decide(now, rules, Signals(started=0.0, last_activity=activity, gpu_last_busy=gpu_busy, has_gpus=gpus), state)
 
 
-def test_busy_gpu_is_kept_even_with_no_browser_or_kernel_activity():
-    d, _ = run(Signals(inactive=50_000, kernels_idle=50_000, gpu_idle=0, age=60_000))
-    assert d.action == "keep"
+def test_untouched_cpu_server_is_warned_at_its_timeout_and_stopped_after_the_warning():
+    s = CullState()
+    assert step(CPU.timeout - 1, CPU, s, gpus=False).action == "keep"
+    d = step(CPU.timeout, CPU, s, gpus=False)
+    assert d.action == "warn" and d.rule == TIMEOUT and d.deadline == CPU.timeout + 900
+    assert step(CPU.timeout + 899, CPU, s, gpus=False).action == "warn"
+    assert step(CPU.timeout + 900, CPU, s, gpus=False).action == "cull"
 
 
-def test_idle_gpu_with_open_browser_tab_is_warned_then_culled():
-    state = CullState()
-    # browser keeps hub activity fresh; GPUs and kernels idle past gpuIdleTimeout - warning
-    d, state = run(Signals(inactive=5, kernels_idle=700, gpu_idle=700, age=3000), state, now=1000)
-    assert d.action == "warn" and d.deadline == 1000 + 300 and "GPUs and kernels were idle" in d.reason
-    d, state = run(Signals(inactive=5, kernels_idle=900, gpu_idle=900, age=3200), state, now=1200)
-    assert d.action == "warn"  # never before the announced deadline
-    d, state = run(Signals(inactive=5, kernels_idle=1000, gpu_idle=1000, age=3300), state, now=1300)
-    assert d.action == "cull"
+def test_a_user_who_comes_back_before_the_deadline_is_never_stopped_whatever_the_warning_length():
+    long_warning = IdleRules(timeout=120, warning=110)  # the alice case, within what the validator accepts
+    s = CullState()
+    assert step(120, long_warning, s, gpus=False).action == "warn"
+    # she types at t=200 (activity recorded after the idle period began): the warning goes
+    d = step(229, long_warning, s, activity=200, gpus=False)
+    assert d.action == "keep" and s.deadline is None
+    # and the next stop is a full timeout after her activity, with a fresh warning
+    assert step(319, long_warning, s, activity=200, gpus=False).action == "keep"
+    assert step(320, long_warning, s, activity=200, gpus=False).action == "warn"
 
 
-def test_activity_clears_the_warning():
-    d, state = run(Signals(inactive=3400, kernels_idle=3400, gpu_idle=None, age=4000), has_gpus=False)
-    assert d.action == "warn"
-    d, state = run(Signals(inactive=10, kernels_idle=10, gpu_idle=None, age=4100), state, has_gpus=False)
-    assert d.action == "keep" and state.deadline is None
+def test_an_idle_gpu_is_released_after_gpu_idle_timeout_plus_warning_whatever_the_browser_does():
+    s = CullState()
+    # a browser tab keeps the hub's activity fresh; the GPU never reads busy
+    d = step(1800, GPU, s, activity=1799)
+    assert d.action == "warn" and d.rule == GPU_IDLE and "GPUs were idle" in d.reason
+    assert step(2699, GPU, s, activity=2698).action == "warn"
+    # the user was there all along (activity after the warning): each deadline costs a snooze ...
+    d = step(2700, GPU, s, activity=2699)
+    assert d.action == "warn" and s.snoozes == 1 and d.deadline == 2700 + 3600
+    d = step(6300, GPU, s, activity=6299)
+    assert d.action == "warn" and s.snoozes == 2
+    # ... and when they are used up the GPU goes, as the last warning said
+    assert step(9900, GPU, s, activity=9899).action == "cull"
+    assert 9900 == GPU.gpu_idle_timeout + GPU.warning + GPU.max_snoozes * GPU.snooze
+
+
+def test_a_busy_gpu_keeps_the_server_with_no_browser_and_ends_a_warning():
+    s = CullState()
+    assert step(30_000, GPU, s, activity=10, gpu_busy=29_990).action == "keep"
+    s = CullState()
+    assert step(1800, GPU, s).action == "warn"
+    d = step(2000, GPU, s, gpu_busy=1950)  # training started
+    assert d.action == "keep" and s.deadline is None and s.snoozes == 0
+
+
+def test_unknown_gpu_counts_as_idle():
+    # no trusted reading ever (virtual GPU, no NVML, no DCGM series): idle since start
+    s = CullState()
+    assert step(1800, GPU, s, activity=1790).action == "warn"
+
+
+def test_user_snooze_postpones_and_is_limited():
+    s = CullState()
+    step(1800, GPU, s)
+    ok, msg = snooze(1900, GPU, s)
+    assert ok and "snooze 1 of 2" in msg and s.deadline == 2700 + 3600
+    assert step(2700, GPU, s).action == "warn"  # not at the old deadline
+    assert snooze(2800, GPU, s)[0]
+    ok, msg = snooze(2801, GPU, s)
+    assert not ok and "No snoozes left" in msg
+    assert step(2700 + 7200, GPU, s).action == "cull"
+
+
+def test_no_pending_stop_no_snooze():
+    ok, msg = snooze(10, GPU, CullState())
+    assert not ok and "no pending stop" in msg
+
+
+def test_max_age_applies_even_when_busy_and_ignores_snoozes():
+    s = CullState()
+    age = GPU.max_age
+    d = step(age, GPU, s, activity=age, gpu_busy=age)
+    assert d.action == "warn" and d.rule == MAX_AGE
+    ok, msg = snooze(age + 1, GPU, s)
+    assert not ok and "maximum age" in msg
+    assert step(age + 900, GPU, s, activity=age + 899, gpu_busy=age + 899).action == "cull"
 
 
 def test_cpu_profile_follows_its_own_longer_timeout():
-    cpu = IdleRules(timeout=8 * 3600, warning=300, max_snoozes=0)
-    d, _ = run(Signals(inactive=7200, kernels_idle=7200, gpu_idle=None, age=7200), has_gpus=False, rules=cpu)
-    assert d.action == "keep"
-    d, _ = run(Signals(inactive=8 * 3600, kernels_idle=8 * 3600, gpu_idle=None, age=9 * 3600), has_gpus=False, rules=cpu)
-    assert d.action == "warn"
-
-
-def test_snooze_postpones_and_is_limited():
-    state = CullState()
-    d, state = run(Signals(inactive=5, kernels_idle=800, gpu_idle=800, age=3000), state, now=1000)
-    assert d.action == "warn"
-    ok, msg = snooze(1000, RULES, state)
-    assert ok and "snooze 1 of 2" in msg
-    # at the old deadline it is not culled
-    d, state = run(Signals(inactive=5, kernels_idle=1100, gpu_idle=1100, age=3300), state, now=1300)
-    assert d.action in ("keep", "warn") and d.action != "cull"
-    assert snooze(1300, RULES, state)[0]
-    ok, msg = snooze(1301, RULES, state)
-    assert not ok and "No snoozes left" in msg
-
-
-def test_max_age_applies_even_when_busy_and_ignores_snooze():
-    state = CullState()
-    d, state = run(Signals(inactive=0, kernels_idle=0, gpu_idle=0, age=86400 - 100), state, now=0)
-    assert d.action == "warn" and "maximum age" in d.reason
-    ok, msg = snooze(0, RULES, state)
-    assert not ok and "maximum age" in msg
-    d, state = run(Signals(inactive=0, kernels_idle=0, gpu_idle=0, age=86400 + 300), state, now=400)
-    assert d.action == "cull"
+    s = CullState()
+    assert step(7200, CPU, s, activity=0, gpus=False).action == "keep"
 
 
 def test_a_quiet_phase_in_a_detached_training_run_is_not_a_stop():
-    # browser closed hours ago; the GPU dipped for one reading (checkpoint, evaluation)
-    state = CullState()
-    d, state = run(Signals(inactive=20_000, kernels_idle=20_000, gpu_idle=0, age=20_000), state, now=0)
-    assert d.action == "keep"
-    d, state = run(Signals(inactive=20_060, kernels_idle=20_060, gpu_idle=60, age=20_060), state, now=60)
-    assert d.action == "keep" and state.deadline is None
+    s = CullState()
+    assert step(20_000, GPU, s, activity=0, gpu_busy=20_000).action == "keep"
+    assert step(20_060, GPU, s, activity=0, gpu_busy=20_000).action == "keep" and s.deadline is None
+
+
+def test_kernel_activity_cannot_keep_an_idle_gpu():
+    # the server reports activity every few seconds (what a user's server can forge):
+    # it keeps the *timeout* rule away, never the GPU rule
+    s = CullState()
+    for t in range(0, 1800, 60):
+        assert step(t, GPU, s, activity=t).action == "keep"
+    assert step(1800, GPU, s, activity=1800).action == "warn"

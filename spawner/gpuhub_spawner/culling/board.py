@@ -1,40 +1,137 @@
-"""The hub's record of cull warnings and snoozes, and where each decision is made.
+"""The hub's record of pending stops, snoozes and past culls, and where decisions are made.
 
-The culler service (jupyterhub-idle-culler 2.0) gathers activity and asks the hub,
-server by server, what to do. Deciding in the hub keeps one copy of the state that
-users see on the home page, that JupyterLab shows, and that snoozes change — no race
-between a snooze and a culler pass — and lets the hub read the GPUs it assigned.
+Each culler pass asks the hub once for every server's decision
+(``POST /hub/api/gpuhub/cull-decisions``); the hub decides in-process from what it
+recorded itself — start time, last activity, trusted GPU readings — so deciding 5,000
+servers is a loop, not 5,000 round trips, and no user's server is ever contacted.
+Deciding in the hub also keeps one copy of the state that users see (home page,
+JupyterLab) and change (snooze): no race between a snooze and a pass.
+
+The state survives a hub restart: ``state_file`` (JSON in the hub's data directory,
+mode 0600, replaced atomically) holds pending warnings, snooze counts, the last busy GPU
+reading and each user's recent culls.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+from traitlets import Integer, Unicode
 from traitlets.config import SingletonConfigurable
 
 from ..policy import PolicyStore
 from ..policy.model import IdleRules, Policy, Profile
 from ..policy.quantities import format_duration
-from .gpu import read_utilization
-from .rules import CullState, Decision, Signals, decide, snooze
+from . import metrics
+from .gpu import DcgmPrometheusReader, read_nvml
+from .rules import GPU_IDLE, CullState, Decision, Signals, decide, due_rules, snooze
 
 log = logging.getLogger("JupyterHub.gpuhub.culler")
+
+DEFAULT_BUSY_THRESHOLD = 5
+HISTORY_PER_USER = 10
+SOFT_SAVE_EVERY = 60.0  # seconds between saves caused only by fresh GPU readings
 
 
 @dataclass
 class ServerRecord:
-    started: str | None
+    started: float
     state: CullState = field(default_factory=CullState)
     gpu_last_busy: float | None = None
 
 
+@dataclass
+class ServerView:
+    """What the hub knows about one ready server, gathered by the API handler."""
+
+    user: str
+    server: str
+    profile: Profile | None
+    started: float
+    last_activity: float | None
+    team: str = ""
+    devices: list[str] = field(default_factory=list)  # one machine: device ids for NVML
+    pod: tuple[str, str] | None = None  # Kubernetes: (namespace, pod) for DCGM
+
+    @property
+    def key(self) -> str:
+        return f"{self.user}/{self.server}"
+
+    @property
+    def has_gpus(self) -> bool:
+        return bool(self.profile and self.profile.gpu_count)
+
+
 class CullBoard(SingletonConfigurable):
+    state_file = Unicode("", help="Where warnings, snoozes and cull history persist (JSON, 0600); empty: memory only.").tag(
+        config=True
+    )
+    pass_interval = Integer(60, help="Seconds between culler passes (for idle GPU-seconds and the DCGM window).").tag(
+        config=True
+    )
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.records: dict[str, ServerRecord] = {}
+        self.history: dict[str, list[dict]] = {}
+        self._dirty = False
+        self._saved_at = 0.0
+        self._last_pass: float | None = None
+        self.dcgm = DcgmPrometheusReader(parent=self)
+        self.load()
 
+    # -- persistence ----------------------------------------------------------------------
+    def load(self) -> None:
+        if not self.state_file or not os.path.exists(self.state_file):
+            return
+        try:
+            with open(self.state_file) as f:
+                data = json.load(f)
+            for key, rec in data.get("records", {}).items():
+                self.records[key] = ServerRecord(
+                    started=rec["started"], state=CullState(**rec.get("state", {})), gpu_last_busy=rec.get("gpu_last_busy")
+                )
+            self.history = {u: list(h) for u, h in data.get("history", {}).items()}
+            log.info("Culling state restored: %d servers tracked, %d pending stops", len(self.records),
+                     sum(1 for r in self.records.values() if r.state.deadline))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            # A damaged file must not stop the hub; keep it for inspection.
+            log.error("Cannot read culling state %s (%s); starting empty, file kept as .bad", self.state_file, e)
+            try:
+                os.replace(self.state_file, self.state_file + ".bad")
+            except OSError:
+                pass
+
+    def save(self, force: bool = False) -> None:
+        if not self.state_file or not (self._dirty or force):
+            return
+        data = {"records": {k: asdict(v) for k, v in self.records.items()}, "history": self.history}
+        path = Path(self.state_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".culling-", suffix=".tmp")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self._dirty = False
+        self._saved_at = time.time()
+
+    # -- rules ----------------------------------------------------------------------------
     @property
     def policy(self) -> Policy:
         return PolicyStore.instance(config=self.config).policy
@@ -43,68 +140,133 @@ class CullBoard(SingletonConfigurable):
         policy = self.policy
         return policy.idle_rules(profile) if profile else policy.defaults.idle
 
-    def _record(self, key: str, started: str | None) -> ServerRecord:
+    def _record(self, key: str, started: float) -> ServerRecord:
         rec = self.records.get(key)
-        if rec is None or rec.started != started:
+        if rec is None or abs(rec.started - started) > 1:
             rec = self.records[key] = ServerRecord(started=started)
+            self._dirty = True
         return rec
 
-    def decide(
-        self,
-        key: str,
-        profile: Profile | None,
-        *,
-        started: str | None,
-        inactive: float | None,
-        kernels_idle: float | None,
-        age: float | None,
-        devices: list[str] | None,
-        reported_gpus: list[dict] | None,
-        now: float | None = None,
-    ) -> Decision:
-        now = time.time() if now is None else now
-        rules = self.rules_for(profile)
-        rec = self._record(key, started)
-        has_gpus = bool(profile and profile.gpu_count)
-        gpu_idle = None
-        if has_gpus:
-            util = read_utilization(devices) if devices else None
-            if util is None and reported_gpus:
-                # A MIG slice reports no utilisation (null): unknown, not idle.
-                util = {str(g.get("id")): int(g["utilization"]) for g in reported_gpus if g.get("utilization") is not None}
-            if util:
-                threshold = rules.gpu_busy_threshold if rules.gpu_busy_threshold is not None else 5
-                if rec.gpu_last_busy is None:
-                    rec.gpu_last_busy = now - (age or 0)  # idle since start until seen busy
-                if any(u >= threshold for u in util.values()):
-                    rec.gpu_last_busy = now
-                gpu_idle = now - rec.gpu_last_busy
-        signals = Signals(inactive=inactive, kernels_idle=kernels_idle, gpu_idle=gpu_idle, age=age)
-        decision = decide(now, rules, signals, rec.state, has_gpus)
-        slug = profile.slug if profile else "?"
-        fmt = lambda v: "n/a" if v is None else format_duration(v)  # noqa: E731
-        idle_text = f"inactive {fmt(inactive)}, kernels idle {fmt(kernels_idle)}, GPUs idle {fmt(gpu_idle)}, age {fmt(age)}"
-        if decision.action == "cull":
-            log.warning("Culling %s (profile %s): %s; %s", key, slug, decision.reason, idle_text)
-            self.records.pop(key, None)
-        elif decision.action == "warn":
-            log.info("Warning %s (profile %s): stops in %s: %s; %s", key, slug, fmt(decision.remaining), decision.reason, idle_text)
-        return decision
+    def wants_fresh_activity(self, view: ServerView, now: float) -> bool:
+        """Whether this server may be warned or stopped now (worth the proxy's latest activity)."""
+        rec = self.records.get(view.key)
+        if rec is not None and rec.state.deadline is not None:
+            return True
+        gpu_busy = rec.gpu_last_busy if rec else None
+        signals = Signals(view.started, view.last_activity, gpu_busy, view.has_gpus)
+        return any(due <= now for due, *_ in due_rules(self.rules_for(view.profile), signals))
 
+    # -- a pass ---------------------------------------------------------------------------
+    async def read_gpus(self, views: list[ServerView]) -> dict[str, float | None]:
+        """Max utilisation per server key from trusted sources; absent = no reading."""
+        gpu_views = [v for v in views if v.has_gpus]
+        devices = [d for v in gpu_views for d in v.devices]
+        pods = [v.pod for v in gpu_views if v.pod]
+        by_device = await asyncio.get_running_loop().run_in_executor(None, read_nvml, devices) if devices else {}
+        by_pod = await self.dcgm.read(pods, self.pass_interval) if pods else {}
+        out: dict[str, float | None] = {}
+        for v in gpu_views:
+            values = [by_device[d] for d in v.devices if d in by_device]
+            if v.pod and v.pod in by_pod:
+                values.append(by_pod[v.pod])
+            if values:
+                out[v.key] = max(values)
+        return out
+
+    async def decide_all(self, views: list[ServerView], now: float | None = None, complete: bool = True) -> dict[str, Decision]:
+        """Decide every server of one pass; ``complete``: ``views`` are all ready servers."""
+        t0 = time.perf_counter()
+        now = time.time() if now is None else now
+        readings = await self.read_gpus(views)
+        decisions: dict[str, Decision] = {}
+        idle_gpus: dict[str, float] = {}
+        for v in views:
+            rules = self.rules_for(v.profile)
+            rec = self._record(v.key, v.started)
+            util = readings.get(v.key)
+            threshold = rules.gpu_busy_threshold if rules.gpu_busy_threshold is not None else DEFAULT_BUSY_THRESHOLD
+            if v.has_gpus:
+                if util is not None and util >= threshold:
+                    rec.gpu_last_busy = now
+                else:  # idle, or no trusted reading: unknown is idle
+                    idle_gpus[v.team] = idle_gpus.get(v.team, 0) + v.profile.gpu_count
+            before = (rec.state.deadline, rec.state.snoozes)
+            d = decide(now, rules, Signals(v.started, v.last_activity, rec.gpu_last_busy, v.has_gpus), rec.state)
+            decisions[v.key] = d
+            self._account(v, rec, d, before, util, now)
+        if complete:
+            keys = {v.key for v in views}
+            for gone in [k for k in self.records if k not in keys]:
+                del self.records[gone]
+                self._dirty = True
+        if self._last_pass is not None:
+            elapsed = min(now - self._last_pass, 3 * self.pass_interval)
+            for team, n in idle_gpus.items():
+                metrics.IDLE_GPU_SECONDS.labels(team=team).inc(n * max(0.0, elapsed))
+        self._last_pass = now
+        metrics.IDLE_GPUS_BY_TEAM.publish(idle_gpus, {t.name for t in self.policy.teams})
+        self.save() if self._dirty else None
+        if not self._dirty and now - self._saved_at > SOFT_SAVE_EVERY:
+            self.save(force=True)  # the last busy readings, so a restart does not forget them
+        metrics.PASS_SECONDS.set(time.perf_counter() - t0)
+        return decisions
+
+    def _account(self, v: ServerView, rec: ServerRecord, d: Decision, before, util, now: float) -> None:
+        fmt = lambda s: "n/a" if s is None else format_duration(max(0.0, s))  # noqa: E731
+        slug = v.profile.slug if v.profile else "?"
+        gpu_text = "" if not v.has_gpus else (
+            f", GPU {util:.0f}%" if util is not None else ", GPU unread (counts as idle)"
+        )
+        idle_text = (
+            f"inactive {fmt(now - (v.last_activity or v.started))}, "
+            f"GPUs idle {fmt(now - (rec.gpu_last_busy or v.started)) if v.has_gpus else 'n/a'}{gpu_text}, "
+            f"age {fmt(now - v.started)}"
+        )
+        if d.action == "keep":
+            if before[0] is not None:
+                log.info("Warning withdrawn for %s (profile %s): %s", v.key, slug, idle_text)
+                self._dirty = True
+            return
+        if d.action == "cull":
+            log.warning("Culling %s (profile %s): %s; %s", v.key, slug, d.reason, idle_text)
+            metrics.CULLS.labels(rule=d.rule or "?").inc()
+            entry = {
+                "server": v.server, "profile": slug,
+                "profile_name": v.profile.display_name if v.profile else None,
+                "at": now, "reason": d.reason, "rule": d.rule,
+                "idle_since": d.idle_since, "started": v.started,
+            }
+            self.history.setdefault(v.user, []).append(entry)
+            del self.history[v.user][:-HISTORY_PER_USER]
+            self.records.pop(v.key, None)
+            self._dirty = True
+            return
+        if before[0] is None or before[0] != rec.state.deadline or before[1] != rec.state.snoozes:
+            self._dirty = True
+        if before[0] is None:
+            metrics.WARNINGS.labels(rule=d.rule or "?").inc()
+            log.info("Warning %s (profile %s): stops in %s: %s; %s", v.key, slug, fmt(d.remaining), d.reason, idle_text)
+        elif rec.state.snoozes > before[1] and d.rule == GPU_IDLE:
+            metrics.SNOOZES.labels(how="returned").inc()
+            log.info("Snoozed %s: the user came back (snooze %d); stops in %s unless its GPUs are used",
+                     v.key, rec.state.snoozes, fmt(d.remaining))
+
+    # -- users ----------------------------------------------------------------------------
     def snooze(self, key: str, profile: Profile | None, now: float | None = None) -> tuple[bool, str, float | None]:
         now = time.time() if now is None else now
         rec = self.records.get(key)
-        rules = self.rules_for(profile)
-        exhausted = rec is not None and rec.state.snoozes >= (rules.max_snoozes or 0)
-        if rec is None or (rec.state.deadline is None and not exhausted):
+        if rec is None:
             return False, "This server has no pending stop to snooze.", None
-        ok, message = snooze(now, rules, rec.state)
+        ok, message = snooze(now, self.rules_for(profile), rec.state)
         if ok:
             log.info("Snoozed %s: %s", key, message)
+            metrics.SNOOZES.labels(how="user").inc()
+            self._dirty = True
+            self.save()
         return ok, message, rec.state.deadline
 
     def warnings_for(self, user: str, profiles: dict[str, Profile | None]) -> dict[str, dict]:
-        """The user's warned servers (for the home page, JupyterLab and the API)."""
+        """The user's servers with a pending stop (home page, JupyterLab, API)."""
         out = {}
         for server, profile in profiles.items():
             rec = self.records.get(f"{user}/{server}")
@@ -115,14 +277,21 @@ class CullBoard(SingletonConfigurable):
             out[server] = {
                 "deadline": s.deadline,
                 "reason": s.reason,
+                "rule": s.rule,
                 "warned_at": s.warned_at,
+                "snoozes_used": s.snoozes,
                 "snoozes_left": 0 if s.hard else max(0, (rules.max_snoozes or 0) - s.snoozes),
                 "snooze_seconds": rules.snooze or 0,
             }
         return out
 
-    def forget(self, key: str) -> None:
-        self.records.pop(key, None)
+    def culled_for(self, user: str, active: set[str]) -> dict[str, dict]:
+        """Each server's last cull, unless the server is running (or starting) again."""
+        out: dict[str, dict] = {}
+        for entry in self.history.get(user, []):
+            out[entry["server"]] = entry
+        return {name: e for name, e in out.items() if name not in active}
 
-    def snapshot(self) -> dict:
-        return {k: asdict(v) for k, v in self.records.items()}
+    def forget(self, key: str) -> None:
+        if self.records.pop(key, None) is not None:
+            self._dirty = True

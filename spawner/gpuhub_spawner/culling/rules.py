@@ -1,19 +1,30 @@
 """Decide, for one server at one moment, whether to keep, warn about, or stop it.
 
-Signals, all in seconds (``None`` = unknown or not applicable):
+Every input is a point in time the hub itself recorded (epoch seconds), never a claim
+the user's server makes about itself:
 
-- ``inactive``: since the hub last saw activity (browser, kernels, terminals);
-- ``kernels_idle``: since the last kernel or terminal activity, ``0`` if one is busy;
-- ``gpu_idle``: since the server's own GPUs were last above the busy threshold,
-  ``0`` if they are busy now, ``None`` for a server without GPUs;
-- ``age``: since the server started.
+- ``started``: when the hub started the server;
+- ``last_activity``: the hub's last recorded activity (the proxy's per-route timestamps
+  and the server's own activity reports). A server can only make itself look *busier*
+  with these, so they may keep a server but never decide a GPU cull;
+- ``gpu_last_busy``: the last trusted GPU reading (NVML in the hub, DCGM on Kubernetes)
+  at or above the busy threshold; ``None`` when never seen busy or when no trusted reading
+  exists — unknown is idle, never busy.
 
-A server whose GPUs are busy is never stopped for idleness, whatever the browser and
-kernels do (a training loop started from a terminal, browser closed). A GPU server whose
-GPUs and kernels are idle is stopped after ``gpuIdleTimeout`` even if a browser tab
-keeps the hub's activity fresh. ``maxAge`` always applies. Every stop is preceded by a
-warning at least ``warning`` seconds ahead; a snooze moves the deadline by ``snooze``,
-at most ``maxSnoozes`` times.
+The three rules, each measured from the start of the idle period it is about:
+
+``timeout``      no activity (and, for a GPU server, no busy GPU) for this long.
+``gpuIdleTimeout`` GPU servers: no busy GPU reading for this long, whatever the browser
+                 or the server's kernels report.
+``maxAge``       this old, busy or not; no snooze moves it.
+
+A rule that fires opens a warning; the server is stopped ``warning`` later unless the
+idle period ends first. What ends it: activity for ``timeout`` (the user came back:
+the warning is simply withdrawn), a busy GPU for both GPU rules. For a ``gpuIdleTimeout``
+warning, activity after the warning (the user came back but left the GPU idle) counts as
+one snooze at the deadline while snoozes remain, so a returning user is not stopped
+without a fresh warning; after the last snooze the GPU is released, as announced. The
+longest an idle GPU can be held is therefore ``gpuIdleTimeout + warning + maxSnoozes x snooze``.
 """
 
 from __future__ import annotations
@@ -23,112 +34,117 @@ from dataclasses import dataclass, field
 from ..policy.model import IdleRules
 from ..policy.quantities import format_duration
 
+TIMEOUT, GPU_IDLE, MAX_AGE = "idle", "gpu-idle", "max-age"
+
 
 @dataclass
 class Signals:
-    inactive: float | None
-    kernels_idle: float | None
-    gpu_idle: float | None
-    age: float | None
+    started: float
+    last_activity: float | None = None
+    gpu_last_busy: float | None = None
+    has_gpus: bool = False
 
 
 @dataclass
 class CullState:
-    """What the culler remembers about one server between passes."""
+    """What the hub remembers about one server's pending stop (persisted)."""
 
     warned_at: float | None = None
     deadline: float | None = None
     reason: str | None = None
+    rule: str | None = None  # TIMEOUT | GPU_IDLE | MAX_AGE
+    idle_since: float | None = None  # start of the idle period the warning is about
     snoozes: int = 0
-    snoozed_until: float | None = None
     hard: bool = False  # the maximum age: no snooze moves it
+    returned: int = 0  # snoozes used up by the user coming back
 
 
 @dataclass
 class Decision:
     action: str  # "keep" | "warn" | "cull"
     reason: str = ""
+    rule: str | None = None
     deadline: float | None = None  # when it will be stopped (warn)
     remaining: float | None = None
-    details: dict = field(default_factory=dict)
+    idle_since: float | None = None
 
 
-def _due(rules: IdleRules, s: Signals, has_gpus: bool) -> tuple[float, str] | None:
-    """Seconds until a rule fires (may be negative) and why; None if no rule applies."""
-    candidates: list[tuple[float, str]] = []
-    gpu_busy = has_gpus and s.gpu_idle is not None and s.gpu_idle <= 0
-    if rules.max_age and s.age is not None:
-        candidates.append((rules.max_age - s.age, f"reached the maximum age of {format_duration(rules.max_age)}"))
-    if not gpu_busy:
-        if rules.timeout and s.inactive is not None:
-            # A detached training run leaves the hub's activity stale: for a GPU server
-            # the clock starts at the later of the last activity and the last busy GPU.
-            idle = min(s.inactive, s.gpu_idle) if has_gpus and s.gpu_idle is not None else s.inactive
-            candidates.append((rules.timeout - idle, f"no activity for {format_duration(rules.timeout)}"))
-        if has_gpus and rules.gpu_idle_timeout and s.gpu_idle is not None:
-            # GPUs idle and kernels idle: a browser tab left open does not keep GPUs.
-            kernels = s.kernels_idle if s.kernels_idle is not None else s.inactive
-            if kernels is not None:
-                idle = min(s.gpu_idle, kernels)
-                candidates.append(
-                    (
-                        rules.gpu_idle_timeout - idle,
-                        f"its GPUs and kernels were idle for {format_duration(rules.gpu_idle_timeout)}",
-                    )
-                )
-    if not candidates:
-        return None
-    return min(candidates, key=lambda c: c[0])
+def due_rules(rules: IdleRules, s: Signals) -> list[tuple[float, str, float, str]]:
+    """``(due_at, rule, idle_since, reason)`` for every rule that applies, earliest first."""
+    activity = max(s.started, s.last_activity or s.started)
+    gpu_busy = max(s.started, s.gpu_last_busy or s.started)
+    out = []
+    if rules.max_age:
+        out.append((s.started + rules.max_age, MAX_AGE, s.started, f"it reached the maximum age of {format_duration(rules.max_age)}"))
+    if rules.timeout:
+        since = max(activity, gpu_busy) if s.has_gpus else activity
+        what = "no activity and no busy GPU" if s.has_gpus else "no activity"
+        out.append((since + rules.timeout, TIMEOUT, since, f"{what} for {format_duration(rules.timeout)}"))
+    if s.has_gpus and rules.gpu_idle_timeout:
+        out.append(
+            (gpu_busy + rules.gpu_idle_timeout, GPU_IDLE, gpu_busy, f"its GPUs were idle for {format_duration(rules.gpu_idle_timeout)}")
+        )
+    return sorted(out)
 
 
-def decide(now: float, rules: IdleRules, signals: Signals, state: CullState, has_gpus: bool) -> Decision:
+def _idle_period_ended(state: CullState, s: Signals) -> bool:
+    """Whether what the pending warning is about stopped being true."""
+    if state.rule == MAX_AGE:
+        return False
+    gpu_busy = s.gpu_last_busy or 0.0
+    if s.has_gpus and gpu_busy > (state.idle_since or 0.0):
+        return True  # the GPU was used: both GPU-server rules restart
+    if state.rule == TIMEOUT:
+        return (s.last_activity or 0.0) > (state.idle_since or 0.0)  # the user came back
+    return False
+
+
+def decide(now: float, rules: IdleRules, s: Signals, state: CullState) -> Decision:
     """Update ``state`` and return what to do now."""
-    due = _due(rules, signals, has_gpus)
-    warning = rules.warning or 0.0
-    details = {"inactive": signals.inactive, "kernels_idle": signals.kernels_idle, "gpu_idle": signals.gpu_idle, "age": signals.age}
-    if due is None:
-        _clear(state)
-        return Decision("keep", details=details)
-    remaining, reason = due
-    if state.snoozed_until is not None and state.snoozed_until > now and "maximum age" not in reason:
-        remaining = max(remaining, state.snoozed_until - now)
-    if remaining > warning:
-        _clear(state)  # activity resumed (or snoozed far enough): no warning stands
-        return Decision("keep", reason=reason, remaining=remaining, details=details)
+    if state.deadline is not None and _idle_period_ended(state, s):
+        clear(state)
     if state.deadline is None:
-        # First warning: never stop sooner than `warning` after telling the user.
+        due = [d for d in due_rules(rules, s) if d[0] <= now]
+        if not due:
+            return Decision("keep")
+        _due_at, rule, since, reason = due[0]
         state.warned_at = now
-        state.deadline = now + max(remaining, warning)
-        state.reason = reason
-        state.hard = "maximum age" in reason
-    elif state.snoozed_until is not None and state.snoozed_until > state.deadline:
-        state.deadline = state.snoozed_until
+        state.deadline = now + (rules.warning or 0.0)
+        state.rule, state.idle_since, state.reason = rule, since, reason
+        state.hard = rule == MAX_AGE
+        state.snoozes = state.returned = 0
     if now >= state.deadline:
-        return Decision("cull", reason=state.reason or reason, deadline=state.deadline, remaining=0.0, details=details)
-    state.reason = reason
-    return Decision("warn", reason=reason, deadline=state.deadline, remaining=state.deadline - now, details=details)
+        came_back = (s.last_activity or 0.0) > (state.warned_at or 0.0)
+        if state.rule == GPU_IDLE and came_back and state.snoozes < (rules.max_snoozes or 0) and rules.snooze:
+            # The user came back after the warning but left the GPU idle: one snooze,
+            # with a fresh warning, instead of stopping a server in front of them.
+            state.snoozes += 1
+            state.returned += 1
+            state.warned_at = now
+            state.deadline = now + rules.snooze
+        else:
+            return Decision("cull", state.reason or "", state.rule, state.deadline, 0.0, state.idle_since)
+    return Decision("warn", state.reason or "", state.rule, state.deadline, state.deadline - now, state.idle_since)
 
 
 def snooze(now: float, rules: IdleRules, state: CullState) -> tuple[bool, str]:
-    """Postpone the stop by ``rules.snooze``; refused past ``maxSnoozes``."""
+    """Postpone the pending stop by ``rules.snooze``; refused past ``maxSnoozes``."""
     allowed = rules.max_snoozes or 0
+    if state.deadline is None:
+        return False, "This server has no pending stop to snooze."
     if state.hard:
         return False, "This server reached its maximum age; a snooze cannot keep it."
-    if state.snoozes >= allowed:
+    if state.snoozes >= allowed or not rules.snooze:
         return False, f"No snoozes left ({allowed} allowed)."
-    length = rules.snooze or 0.0
-    base = max(now, state.deadline or now)
     state.snoozes += 1
-    state.snoozed_until = base + length
-    state.deadline = state.snoozed_until
+    state.deadline = max(now, state.deadline) + rules.snooze
     return True, (
-        f"Postponed by {format_duration(length)} (snooze {state.snoozes} of {allowed}); "
-        f"the server stays until at least {format_duration(state.snoozed_until - now)} from now unless it becomes active."
+        f"Postponed by {format_duration(rules.snooze)} (snooze {state.snoozes} of {allowed}); "
+        f"it will be stopped in {format_duration(state.deadline - now)} unless it becomes active."
     )
 
 
-def _clear(state: CullState) -> None:
+def clear(state: CullState) -> None:
+    state.warned_at = state.deadline = state.reason = state.rule = state.idle_since = None
     state.hard = False
-    state.warned_at = None
-    state.deadline = None
-    state.reason = None
+    state.snoozes = state.returned = 0

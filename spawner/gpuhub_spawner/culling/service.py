@@ -1,109 +1,118 @@
-"""The culler service: jupyterhub-idle-culler 2.0 with a GPU-aware arbiter hook.
+"""The culler service: jupyterhub-idle-culler 2.0, deciding from one hub answer per pass.
 
-idle-culler does what it is good at — listing ready servers page by page, running its
-pass every ``cull_every`` seconds, stopping servers through the hub API (named servers
-are stopped, never removed; homes are never touched). Its ``cull_arbiter_hook`` cannot
-express warnings, snoozes or GPU activity on its own, so the hook here gathers each
-server's kernel/terminal activity (and, in pods, the GPU activity the notebook-side
-package reports) and asks the hub's ``/api/gpuhub/cull-decision``, which holds the
-warning/snooze state and reads the GPUs it assigned.
+idle-culler does what it is good at — listing ready servers page by page, running a pass
+every ``cull_every`` seconds, stopping servers through the hub API (named servers are
+stopped, never removed; homes are never touched). Each pass starts with a single
+``POST /hub/api/gpuhub/cull-decisions``; the hub decides every server in-process and
+``cull_arbiter_hook`` only looks the server up in that answer.
 
-Scopes (least needed): list:users, read:users:activity, read:servers, delete:servers
-(idle-culler) and access:servers (to read kernels and GPU activity from servers).
+This service never talks to a user's server: it holds a token with ``delete:servers``,
+and anything sent to a user's server is that user's to read. Its scopes are the ones
+idle-culler needs — list:users, read:users:activity, read:servers, delete:servers — and
+no ``access:servers``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from datetime import datetime, timezone
-from urllib.parse import unquote
+import time
+from functools import partial
 
-from jupyterhub_idle_culler import IdleCuller, parse_date
+import jupyterhub_idle_culler as engine
+from jupyterhub_idle_culler import IdleCuller
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-from traitlets import Unicode, default
+from tornado.ioloop import IOLoop, PeriodicCallback
 
 
-def _seconds_since(iso: str | None, now: datetime) -> float | None:
-    if not iso:
-        return None
-    return max(0.0, (now - parse_date(iso)).total_seconds())
+class PassDecisions:
+    """The hub's answer for one pass: servers to stop (and, for the log, to warn)."""
 
+    def __init__(self, body: dict):
+        self.decisions: dict[str, dict] = body.get("decisions", {})
+        self.servers = int(body.get("servers", 0))
 
-def owner_of(server: dict, base_url: str) -> str:
-    """The user name from a server model's URL (``{base}user/{name}/{server}/``)."""
-    path = server["url"]
-    prefix = base_url.rstrip("/") + "/user/"
-    if not path.startswith(prefix):
-        raise ValueError(f"unexpected server url {path!r}")
-    return unquote(path[len(prefix):].split("/", 1)[0])
+    def should_cull(self, server: dict) -> bool:
+        key = server.get("full_name")
+        return bool(key) and self.decisions.get(key, {}).get("action") == "cull"
 
 
 class GpuHubCuller(IdleCuller):
-    public_url = Unicode(
-        os.environ.get("GPUHUB_PUBLIC_URL", "http://127.0.0.1:8000"),
-        help="Where single-user servers are reached (the proxy), to read their activity.",
-    ).tag(config=True)
-
-    @default("cull_arbiter_hook")
-    def _gpuhub_arbiter(self):
-        return self.arbiter
-
     def _headers(self) -> dict:
-        return {"Authorization": f"token {os.environ['JUPYTERHUB_API_TOKEN']}"}
+        return {"Authorization": f"token {os.environ['JUPYTERHUB_API_TOKEN']}", "Content-Type": "application/json"}
 
-    async def _get_json(self, url: str) -> object | None:
-        resp = await AsyncHTTPClient().fetch(
-            HTTPRequest(url, headers=self._headers(), request_timeout=10), raise_error=False
-        )
-        if resp.code != 200:
-            return None
-        return json.loads(resp.body)
-
-    async def server_activity(self, server: dict, now: datetime) -> tuple[float | None, list[dict] | None]:
-        """Seconds since kernel/terminal activity (0 if a kernel is busy), reported GPUs."""
-        base = self.public_url.rstrip("/") + server["url"]
-        kernels = await self._get_json(base + "api/kernels")
-        terminals = await self._get_json(base + "api/terminals")
-        activity = await self._get_json(base + "gpuhub/activity")
-        if kernels is None and terminals is None:
-            return None, None
-        if any(k.get("execution_state") == "busy" for k in kernels or []):
-            idle = 0.0
-        else:
-            stamps = [k.get("last_activity") for k in kernels or []] + [t.get("last_activity") for t in terminals or []]
-            ages = [_seconds_since(s, now) for s in stamps if s]
-            started = _seconds_since(server.get("started"), now)
-            idle = min(ages) if ages else started
-        gpus = activity.get("gpus") if isinstance(activity, dict) else None
-        return idle, gpus
-
-    async def arbiter(self, *, inactive, inactive_limit, server, **kwargs) -> bool:
-        now = datetime.now(timezone.utc)
-        user = owner_of(server, os.environ.get("JUPYTERHUB_BASE_URL", "/"))
-        kernels_idle, gpus = await self.server_activity(server, now)
-        body = {
-            "user": user,
-            "server": server.get("name", ""),
-            "inactive": inactive.total_seconds() if inactive is not None else None,
-            "kernels_idle": kernels_idle,
-            "age": _seconds_since(server.get("started"), now),
-            "gpus": gpus,
-        }
+    async def fetch_decisions(self) -> PassDecisions | None:
         resp = await AsyncHTTPClient().fetch(
             HTTPRequest(
-                self.url.rstrip("/") + "/gpuhub/cull-decision",
+                self.url.rstrip("/") + "/gpuhub/cull-decisions",
                 method="POST",
                 headers=self._headers(),
-                body=json.dumps(body),
-                request_timeout=10,
+                body="{}",
+                request_timeout=60,
             ),
             raise_error=False,
         )
         if resp.code != 200:
-            self.log.error("cull decision for %s/%s failed: %s %s", user, body["server"], resp.code, resp.body[:200])
-            return False
-        return json.loads(resp.body)["action"] == "cull"
+            self.log.error("cull decisions failed: %s %s", resp.code, (resp.body or b"")[:200])
+            return None
+        return PassDecisions(json.loads(resp.body))
+
+    async def cull_pass(self, cull) -> None:
+        t0 = time.perf_counter()
+        decisions = await self.fetch_decisions()
+        if decisions is None:
+            return  # nothing is stopped on a failed answer
+        to_cull = sum(1 for d in decisions.decisions.values() if d.get("action") == "cull")
+        if not to_cull:
+            # Nothing to stop: skip listing every server (bounded hub work per pass).
+            self.log.debug("Pass: %d servers decided, none to stop (%.2fs)", decisions.servers, time.perf_counter() - t0)
+            return
+        arbiter = lambda *, inactive, inactive_limit, server, **kw: decisions.should_cull(server)  # noqa: E731
+        await cull(cull_arbiter=arbiter)
+        self.log.info("Pass: %d servers decided, %d to stop (%.2fs)", decisions.servers, to_cull, time.perf_counter() - t0)
+
+    def start(self):
+        """idle-culler's own start(), with each pass preceded by the hub's decisions."""
+        if self.generate_config:
+            print(self.generate_config_file())
+            raise SystemExit(0)
+        if self.config_file:
+            self.load_config_file(self.config_file)
+        try:
+            AsyncHTTPClient.configure("tornado.curl_httpclient.CurlAsyncHTTPClient")
+        except ImportError:
+            pass
+        cull = partial(
+            engine.cull_idle,
+            url=self.url,
+            api_token=os.environ["JUPYTERHUB_API_TOKEN"],
+            inactive_limit=self.timeout,
+            logger=self.log,
+            cull_users=False,
+            remove_named_servers=self.remove_named_servers,
+            max_age=0,  # the hub's rules hold maxAge, with a warning
+            concurrency=self.concurrency,
+            ssl_enabled=self.ssl_enabled,
+            internal_certs_location=self.internal_certs_location,
+            cull_admin_users=self.cull_admin_users,
+            api_page_size=self.api_page_size,
+            cull_default_servers=self.cull_default_servers,
+            cull_named_servers=self.cull_named_servers,
+        )
+
+        async def one_pass():
+            try:
+                await self.cull_pass(cull)
+            except Exception:
+                self.log.exception("culler pass failed")
+
+        loop = IOLoop.current()
+        loop.add_callback(one_pass)
+        PeriodicCallback(one_pass, 1e3 * self.cull_every).start()
+        try:
+            loop.start()
+        except KeyboardInterrupt:
+            pass
 
 
 def main():

@@ -47,13 +47,16 @@ def _merged_list(section, name: str) -> list:
     return list(getattr(section, name)) if name in section else []
 
 
-def configure_culler(c, *, public_url: str, cull_every: int | None = None) -> None:
+def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, state_dir: str | None = None) -> None:
     """Run the GPU-aware culler (jupyterhub-idle-culler 2.0) as a hub service.
 
-    Also registers the hub API it asks for decisions and the home-page warnings, so
-    both backends call just this (the Kubernetes values do, from hub.extraConfig).
+    Also registers the hub API it asks for decisions and the home-page notices, so both
+    backends call just this (the Kubernetes values do, from hub.extraConfig). The service
+    never contacts users' servers, so its role has no ``access:servers`` and
+    ``public_url`` is no longer used (kept for callers). Warnings, snoozes and cull
+    history persist in ``state_dir`` (default: beside the hub's sqlite database).
     """
-    from ..hub.culling_api import cull_warnings, handlers
+    from ..hub.culling_api import handlers, template_vars as culling_template_vars
 
     every = cull_every or int(os.environ.get("GPUHUB_CULL_EVERY", 60))
     c.JupyterHub.services = _merged_list(c.JupyterHub, "services") + [
@@ -62,20 +65,26 @@ def configure_culler(c, *, public_url: str, cull_every: int | None = None) -> No
             "command": [
                 sys.executable, "-m", "gpuhub_spawner.culling.service",
                 f"--cull-every={every}", "--timeout=1", "--remove-named-servers=False",
+                "--api-page-size=200", "--concurrency=10",
             ],
-            "environment": {"GPUHUB_PUBLIC_URL": public_url},
         }
     ]
     c.JupyterHub.load_roles = _merged_list(c.JupyterHub, "load_roles") + [
         {
             "name": "gpuhub-culler",
-            "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers", "access:servers"],
+            # idle-culler's own needs; deliberately no access:servers (see culling/service.py).
+            "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
             "services": ["gpuhub-culler"],
         }
     ]
+    c.CullBoard.pass_interval = every
+    if state_dir is None and "db_url" in c.JupyterHub and str(c.JupyterHub.db_url).startswith("sqlite:///"):
+        state_dir = str(Path(str(c.JupyterHub.db_url)[len("sqlite:///"):]).parent)
+    if state_dir:
+        c.CullBoard.state_file = str(Path(state_dir) / "gpuhub-culling.json")
     c.JupyterHub.extra_handlers = _merged_list(c.JupyterHub, "extra_handlers") + list(handlers)
     template_vars = dict(c.JupyterHub.template_vars) if "template_vars" in c.JupyterHub else {}
-    template_vars["gpuhub_cull_warnings"] = cull_warnings
+    template_vars.update(culling_template_vars(c))
     c.JupyterHub.template_vars = template_vars
     paths = _merged_list(c.JupyterHub, "template_paths")
     c.JupyterHub.template_paths = paths if TEMPLATES in paths else [TEMPLATES, *paths]

@@ -1,19 +1,29 @@
-"""Hub API for culling: the culler service's decisions, users' warnings and snoozes.
+"""Hub API for culling: one decision request per culler pass, users' warnings and snoozes.
 
-- ``POST /hub/api/gpuhub/cull-decision`` — the culler service only.
-- ``GET  /hub/api/gpuhub/culling/{user}`` — the user (any of their tokens, including
-  their server's), admins, the culler service: the user's warned servers.
-- ``POST /hub/api/gpuhub/culling/{user}/snooze`` ``{"server": name}`` — the user.
+- ``POST /hub/api/gpuhub/cull-decisions`` — the culler service only. Decides every ready
+  server in-process from the hub's own records and answers the ones to warn or stop
+  (``{"servers": ["user/name", ...]}`` restricts it to those servers).
+- ``GET  /hub/api/gpuhub/culling/{user}`` — the user (any of their tokens, including their
+  server's), admins: pending stops (``servers``) and recent culls (``culled``).
+- ``POST /hub/api/gpuhub/culling/{user}/snooze`` ``{"server": name}`` — the user or an admin.
+
+Nothing here contacts a user's server: activity is what the hub recorded (proxy route
+timestamps, the server's own activity reports) and GPU utilisation comes from NVML in the
+hub or DCGM through Prometheus (``culling.gpu``).
 """
 
 from __future__ import annotations
 
 import json
+import time
+from datetime import datetime, timezone
 
+from dateutil.parser import parse as parse_date
+from jupyterhub import orm
 from jupyterhub.apihandlers import APIHandler
 from tornado import web
 
-from ..culling.board import CullBoard
+from ..culling.board import CullBoard, ServerView
 from ..policy.access import active_profiles
 
 CULLER_SERVICE = "gpuhub-culler"
@@ -21,6 +31,39 @@ CULLER_SERVICE = "gpuhub-culler"
 
 def _is_service(who, name: str) -> bool:
     return getattr(who, "kind", None) == "service" and getattr(who, "name", None) == name
+
+
+def _epoch(dt: datetime | None) -> float | None:
+    if dt is None:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)  # the hub stores naive UTC
+    return dt.timestamp()
+
+
+def _team_of(spawner) -> str:
+    team = getattr(getattr(spawner, "choice", None), "team", None)
+    return getattr(team, "name", "") or ""
+
+
+def view_of(spawner, profile) -> ServerView | None:
+    orm_spawner = spawner.orm_spawner
+    started = _epoch(orm_spawner.started)
+    if not spawner.ready or started is None:
+        return None  # waiting in the queue or starting: never culled
+    pod = None
+    if getattr(spawner, "pod_name", None):
+        pod = (getattr(spawner, "namespace", "") or "", spawner.pod_name)
+    return ServerView(
+        user=spawner.user.name,
+        server=spawner.name,
+        profile=profile,
+        started=started,
+        last_activity=_epoch(orm_spawner.last_activity),
+        team=_team_of(spawner),
+        devices=[str(d) for d in (getattr(spawner, "devices", None) or [])],
+        pod=pod,
+    )
 
 
 class _Base(APIHandler):
@@ -35,7 +78,7 @@ class _Base(APIHandler):
         who = self.current_user
         if who is None:
             raise web.HTTPError(403)
-        if not (_is_service(who, CULLER_SERVICE) or getattr(who, "name", None) == name or getattr(who, "admin", False)):
+        if not (getattr(who, "name", None) == name and getattr(who, "kind", "user") == "user" or getattr(who, "admin", False)):
             raise web.HTTPError(404)  # as the hub does: no hint that another user exists
         user = self.find_user(name)
         if user is None:
@@ -43,46 +86,102 @@ class _Base(APIHandler):
         return user
 
 
-class CullDecisionHandler(_Base):
+class CullDecisionsHandler(_Base):
+    def _views(self, keys: list[str] | None) -> list[ServerView]:
+        policy = self.board.policy
+        views = []
+        if keys is not None:
+            pairs = []
+            for key in keys:
+                name, _, server = str(key).partition("/")
+                user = self.find_user(name)
+                if user is not None and server in user.spawners:
+                    pairs.append((user, server))
+        else:
+            q = self.db.query(orm.Spawner).filter(orm.Spawner.server_id.isnot(None))
+            pairs = [(self.users[s.user], s.name) for s in q]
+        profiles_cache: dict[str, dict] = {}
+        for user, server in pairs:
+            spawner = user.spawners[server]
+            if not spawner.active:
+                continue
+            profiles = profiles_cache.get(user.name)
+            if profiles is None:
+                profiles = profiles_cache[user.name] = active_profiles(policy, user)
+            view = view_of(spawner, profiles.get(server))
+            if view is not None:
+                views.append(view)
+        return views
+
+    async def _fresh_activity(self, views: list[ServerView], now: float) -> None:
+        """The proxy's latest per-route activity for servers about to be warned or stopped.
+
+        The hub copies route timestamps into its database only every
+        ``last_activity_interval``; a user who came back moments ago must not be culled
+        for that lag. One request to the proxy's API, only when something is due.
+        """
+        due = {(v.user, v.server): v for v in views if self.board.wants_fresh_activity(v, now)}
+        if not due:
+            return
+        try:
+            routes = await self.proxy.get_all_routes()
+        except Exception as e:
+            self.log.warning("Cannot read the proxy's routes for fresh activity: %s", e)
+            return
+        for route in routes.values():
+            data = route.get("data", {})
+            v = due.get((data.get("user"), data.get("server_name")))
+            if v is None or not data.get("last_activity"):
+                continue
+            try:
+                seen = _epoch(parse_date(data["last_activity"]))
+            except (ValueError, OverflowError):
+                continue
+            v.last_activity = max(v.last_activity or 0.0, seen or 0.0)
+
     async def post(self):
         if not _is_service(self.current_user, CULLER_SERVICE):
             raise web.HTTPError(403, "only the culler service asks for cull decisions")
-        body = json.loads(self.request.body or b"{}")
-        user = self.find_user(body.get("user", ""))
-        spawner = user.spawners.get(body.get("server", "")) if user else None
-        if spawner is None or not spawner.active:
-            raise web.HTTPError(404, "no such running server")
-        profile = self.profiles_of(user)[spawner.name]
-        started = spawner.orm_spawner.started.isoformat() if spawner.orm_spawner.started else None
-        decision = self.board.decide(
-            f"{user.name}/{spawner.name}",
-            profile,
-            started=started,
-            inactive=body.get("inactive"),
-            kernels_idle=body.get("kernels_idle"),
-            age=body.get("age"),
-            devices=list(getattr(spawner, "devices", []) or []),
-            reported_gpus=body.get("gpus"),
-        )
-        self.write(
-            json.dumps(
-                {"action": decision.action, "reason": decision.reason, "deadline": decision.deadline, "remaining": decision.remaining}
-            )
-        )
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError:
+            raise web.HTTPError(400, "body must be JSON")
+        keys = body.get("servers")
+        if keys is not None and not isinstance(keys, list):
+            raise web.HTTPError(400, "servers must be a list of 'user/name'")
+        now = time.time()
+        views = self._views(keys)
+        await self._fresh_activity(views, now)
+        decisions = await self.board.decide_all(views, now=now, complete=keys is None)
+        out = {
+            key: {"action": d.action, "reason": d.reason, "rule": d.rule, "deadline": d.deadline}
+            for key, d in decisions.items()
+            if d.action != "keep"
+        }
+        self.write(json.dumps({"now": now, "servers": len(views), "decisions": out}))
 
 
 class CullWarningsHandler(_Base):
     def get(self, name):
         user = self.target_user(name)
-        self.write(json.dumps({"servers": self.board.warnings_for(user.name, self.profiles_of(user))}))
+        profiles = self.profiles_of(user)
+        self.write(
+            json.dumps(
+                {
+                    "servers": self.board.warnings_for(user.name, profiles),
+                    "culled": self.board.culled_for(user.name, set(profiles)),
+                }
+            )
+        )
 
 
 class SnoozeHandler(_Base):
     def post(self, name):
         user = self.target_user(name)
-        if _is_service(self.current_user, CULLER_SERVICE):
-            raise web.HTTPError(403, "only the user (or an admin) snoozes")
-        body = json.loads(self.request.body or b"{}")
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError:
+            raise web.HTTPError(400, "body must be JSON")
         server = body.get("server", "")
         profiles = self.profiles_of(user)
         if server not in profiles:
@@ -92,17 +191,37 @@ class SnoozeHandler(_Base):
         self.write(json.dumps({"message": message, "deadline": deadline}))
 
 
-def cull_warnings(user) -> list[dict]:
-    """Template variable for the home page: this user's warned servers."""
-    if user is None or not hasattr(user, "spawners") or not CullBoard.initialized():
-        return []  # no decision made yet, so no warning stands
-    board = CullBoard.instance()
-    profiles = active_profiles(board.policy, user)
-    return [dict(server=name, **w) for name, w in board.warnings_for(user.name, profiles).items()]
+def template_vars(config) -> dict:
+    """Home-page variables: pending stops and recent culls of the logged-in user.
+
+    Bound to the hub's config so that the state restored from ``CullBoard.state_file``
+    shows right after a restart, before the culler's first pass.
+    """
+
+    def board_for(user):
+        if user is None or not hasattr(user, "spawners"):
+            return None
+        return CullBoard.instance(config=config)
+
+    def cull_warnings(user) -> list[dict]:
+        board = board_for(user)
+        if board is None:
+            return []
+        profiles = active_profiles(board.policy, user)
+        return [dict(server=name, **w) for name, w in board.warnings_for(user.name, profiles).items()]
+
+    def culled_notices(user) -> list[dict]:
+        board = board_for(user)
+        if board is None:
+            return []
+        active = {name for name, s in user.spawners.items() if s.active}
+        return sorted(board.culled_for(user.name, active).values(), key=lambda e: -e["at"])
+
+    return {"gpuhub_cull_warnings": cull_warnings, "gpuhub_culled": culled_notices}
 
 
 handlers = [
-    (r"/api/gpuhub/cull-decision", CullDecisionHandler),
+    (r"/api/gpuhub/cull-decisions", CullDecisionsHandler),
     (r"/api/gpuhub/culling/([^/]+)", CullWarningsHandler),
     (r"/api/gpuhub/culling/([^/]+)/snooze", SnoozeHandler),
 ]

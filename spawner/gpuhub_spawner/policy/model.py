@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic.alias_generators import to_camel
 
 from .quantities import parse_cpu_millis, parse_duration, parse_memory_bytes
@@ -154,6 +155,30 @@ class IdleRules(_Model):
         merged.update({k: v for k, v in self.model_dump().items() if v is not None})
         return IdleRules(**merged)
 
+    def problems(self, has_gpus: bool = True) -> list[tuple[tuple[str, ...], str]]:
+        """Combinations that cannot work, as ``(fields involved, message)``.
+
+        The warning is the user's chance to come back before a stop, so it must be
+        shorter than every idle period it follows; snoozes need a length; a busy
+        threshold of 0 % would call every GPU busy forever.
+        """
+        from .quantities import format_duration as fmt
+
+        out = []
+        w = self.warning or 0
+        for name, label in (("timeout", "timeout"), ("gpu_idle_timeout", "gpuIdleTimeout"), ("max_age", "maxAge")):
+            limit = getattr(self, name)
+            if name == "gpu_idle_timeout" and not has_gpus:
+                continue
+            if limit and w >= limit:
+                out.append((("warning", name), f"warning ({fmt(w)}) must be shorter than {label} ({fmt(limit)}): "
+                            "a user could never come back in time to keep the server"))
+        if (self.max_snoozes or 0) > 0 and not self.snooze:
+            out.append((("max_snoozes", "snooze"), f"maxSnoozes is {self.max_snoozes} but no snooze length is set"))
+        if has_gpus and self.gpu_idle_timeout and self.gpu_busy_threshold == 0:
+            out.append((("gpu_busy_threshold",), "gpuBusyThreshold 0 counts every GPU as busy, so gpuIdleTimeout could never apply"))
+        return out
+
 
 class GpuRequest(_Model):
     count: GpuCount
@@ -241,6 +266,39 @@ class Policy(_Model):
 
     def idle_rules(self, profile: Profile) -> IdleRules:
         return profile.idle.over(self.defaults.idle)
+
+    @model_validator(mode="after")
+    def _idle_rules_consistent(self) -> "Policy":
+        """Reject idle rules that contradict themselves, located at the key that set them."""
+        errors, seen = [], set()
+
+        def where(own: IdleRules, base_loc, fields):
+            for f in fields:
+                if getattr(own, f) is not None:
+                    return (*base_loc, IdleRules.model_fields[f].alias)
+            for f in fields:
+                if getattr(self.defaults.idle, f) is not None and "defaults" in self.model_fields_set:
+                    return ("defaults", "idle", IdleRules.model_fields[f].alias)
+            return base_loc
+
+        checks = [(self.defaults.idle, self.defaults.idle, ("defaults", "idle"), True)]
+        for i, prof in enumerate(self.profiles):
+            checks.append((self.idle_rules(prof), prof.idle, ("profiles", i, "idle"), bool(prof.gpu_count)))
+            if prof.idle.gpu_idle_timeout is not None and not prof.gpu_count:
+                errors.append((("profiles", i, "idle", "gpuIdleTimeout"), "gpuIdleTimeout on a profile without GPUs never applies"))
+        for effective, own, loc, gpus in checks:
+            for fields, message in effective.problems(gpus):
+                at = where(own, loc, fields)
+                if (at, message) not in seen:
+                    seen.add((at, message))
+                    errors.append((at, message))
+        if errors:
+            raise ValidationError.from_exception_data(
+                "Policy",
+                [InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": m}), loc=loc, input=None)
+                 for loc, m in errors],
+            )
+        return self
 
     def cohort_members(self, team: Team) -> list[Team]:
         if not team.cohort:

@@ -155,7 +155,7 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.Authenticator.admin_users = {u for u, spec in DEMO_USERS.items() if spec.get("admin")}
     from .scopes import configure_scopes
 
-    configure_scopes(c, admin_users=c.Authenticator.admin_users)
+    configure_scopes(c)
 
     configure_culler(c, public_url=f"http://{ip}:{port}")
 

@@ -20,7 +20,7 @@ from ..local.broker import LocalBroker
 from ..policy import PolicyStore
 from ..policy.access import teams_for
 from ..policy.quantities import format_duration
-from .scopes import STATUS, STATUS_ALL
+from .scopes import STATUS, STATUS_ALL, allowed
 
 _HIDDEN = ("user", "profile", "held_for", "idle_for", "stops_at")
 
@@ -89,13 +89,13 @@ def status_snapshot(broker: LocalBroker, see_all: bool, own_teams: set[str] = fr
 
 class _StatusMixin:
     def snapshot_for_request(self) -> dict:
-        if not self.has_scope(STATUS):
+        if not allowed(self, STATUS):
             raise web.HTTPError(403, f"This needs the scope {STATUS}.")
         broker = LocalBroker.instance(config=self.config)
         user = self.current_user
         groups = [g.name for g in getattr(user, "groups", [])] if getattr(user, "kind", "user") == "user" else []
         own = {t.name for t in teams_for(broker.policy, groups)}
-        return status_snapshot(broker, self.has_scope(STATUS_ALL), own)
+        return status_snapshot(broker, allowed(self, STATUS_ALL), own)
 
 
 class StatusAPIHandler(_StatusMixin, APIHandler):

@@ -6,15 +6,13 @@ name gets nothing here, even when an admin owns it), never just who owns the tok
 - ``custom:gpuhub:status``: device and queue counts; holders' names only inside the
   reader's own teams. Every user has it (``extra_user_scopes``).
 - ``custom:gpuhub:status:all``: every holder, every waiting request, the policy's health.
-  The ``gpuhub-admin`` role: admin users and the admin groups.
+  Implied by ``admin:servers`` (hub admins); ``gpuhub-admin`` grants it to groups.
 - ``custom:gpuhub:culling``: read cull warnings and snooze servers; filtered by ``!user``.
   Every user has it for themselves, their servers' own tokens too (for JupyterLab's
   notification), admins for everyone.
 """
 
 from __future__ import annotations
-
-from typing import Iterable
 
 STATUS = "custom:gpuhub:status"
 STATUS_ALL = "custom:gpuhub:status:all"
@@ -33,16 +31,38 @@ CUSTOM_SCOPES = {
     },
 }
 
-# JupyterHub's default "server" role (a server's own token), plus reading its owner's warnings.
-SERVER_ROLE_SCOPES = ["users:activity!user", "access:servers!server", f"{CULLING}!user"]
+# A request that may administer servers may see and act on everything gpuhub shows about
+# them: ``admin:servers`` implies gpuhub's scopes (JupyterHub forbids adding scopes to its
+# own ``admin`` role, and this also covers admins made by an authenticator's admin_groups).
+IMPLIED_BY = {STATUS_ALL: "admin:servers", CULLING: "admin:servers"}
+# Added to JupyterHub's "server" role (a server's own token): its owner's cull warnings,
+# for JupyterLab's notification.
+SERVER_SCOPES = [f"{CULLING}!user"]
+
+
+def allowed(handler, scope: str, user: str | None = None) -> bool:
+    """Whether the request carries ``scope`` (for ``user``, if given) or a scope implying it."""
+    suffix = f"!user={user}" if user else ""
+    if handler.has_scope(scope + suffix):
+        return True
+    implied = IMPLIED_BY.get(scope)
+    return bool(implied and handler.has_scope(implied + suffix))
 
 
 def _merged(section, name: str, default):
     return type(default)(getattr(section, name)) if name in section else default
 
 
-def configure_scopes(c, *, admin_users: Iterable[str] = (), admin_groups: Iterable[str] = ()) -> None:
-    """Define the custom scopes and grant them (idempotent across repeated calls)."""
+def configure_scopes(c, *, admin_groups=()) -> None:
+    """Define the custom scopes and grant them (idempotent across repeated calls).
+
+    Users get ``status`` and their own ``culling``; their servers' tokens their owner's
+    ``culling``. ``admin_groups`` (identity-provider groups of gpuhub admins who are not
+    hub admins) get ``status:all`` and everyone's ``culling`` through the role
+    ``gpuhub-admin``.
+    """
+    from jupyterhub.roles import get_default_roles
+
     custom = _merged(c.JupyterHub, "custom_scopes", {})
     custom.update(CUSTOM_SCOPES)
     c.JupyterHub.custom_scopes = custom
@@ -51,15 +71,13 @@ def configure_scopes(c, *, admin_users: Iterable[str] = (), admin_groups: Iterab
         if scope not in extra:
             extra.append(scope)
     c.JupyterHub.extra_user_scopes = extra
-    roles = [r for r in _merged(c.JupyterHub, "load_roles", []) if r.get("name") not in ("gpuhub-admin", "server")]
-    roles.append(
-        {
-            "name": "gpuhub-admin",
-            "description": "gpuhub administrators: every holder and request, anyone's cull warnings.",
-            "scopes": [STATUS_ALL, CULLING],
-            "users": sorted(set(admin_users)),
-            "groups": sorted(set(admin_groups)),
-        }
-    )
-    roles.append({"name": "server", "scopes": list(SERVER_ROLE_SCOPES)})
-    c.JupyterHub.load_roles = roles
+    defaults = {r["name"]: r for r in get_default_roles()}
+    roles = {r["name"]: dict(r) for r in _merged(c.JupyterHub, "load_roles", [])}
+    server = roles.get("server", {"name": "server"})
+    server["scopes"] = sorted(set(server.get("scopes", defaults["server"]["scopes"])) | set(SERVER_SCOPES))
+    roles["server"] = server
+    admins = roles.get("gpuhub-admin", {"name": "gpuhub-admin", "scopes": [STATUS_ALL, CULLING], "groups": []})
+    admins["groups"] = sorted(set(admins.get("groups", [])) | set(admin_groups))
+    admins["description"] = "gpuhub administrators: every GPU holder and request, anyone's cull warnings."
+    roles["gpuhub-admin"] = admins
+    c.JupyterHub.load_roles = list(roles.values())

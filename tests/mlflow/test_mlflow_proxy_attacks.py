@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 
 API = "/api/2.0/mlflow"
 PREFIX = "/services/mlflow"
-MAX_UPLOAD = 256 * 2**20  # this hub's MlflowService.max_upload_size
+MAX_UPLOAD = 512 * 2**20  # this hub's MlflowService.max_upload_size
 MiB = 2**20
 
 

@@ -82,6 +82,9 @@ def test_run_owner_is_forced_to_the_hub_user():
     out = json.loads(rewrite_request("api/2.0/mlflow/runs/log-batch", "POST",
                                      b'{"run_id": "r", "tags": [{"key": "mlflow.user", "value": "bob"}]}', "alice"))
     assert out["tags"] == [{"key": "mlflow.user", "value": "alice"}]
+    out = json.loads(rewrite_request("ajax-api/2.0/mlflow/runs/create-promptlab-run", "POST",
+                                     b'{"experiment_id": "1", "user_id": "bob"}', "alice"))
+    assert out["user_id"] == "alice"
     # Unrelated requests pass byte for byte.
     assert rewrite_request("api/2.0/mlflow/runs/log-metric", "POST", b'{"a":1}', "alice") == b'{"a":1}'
 

@@ -53,7 +53,8 @@ ALLOWED_ACCOUNT_ROUTES = re.compile(
 )
 USERS_LIST = re.compile(r"^" + API + r"users/list/?$")
 ROLES_LIST = re.compile(r"^" + API + r"roles/list/?$")
-RUNS_CREATE = re.compile(r"^" + API + r"runs/create/?$")
+# runs/create-promptlab-run (UI prompt lab) also takes a user_id of its own.
+RUNS_CREATE = re.compile(r"^" + API + r"runs/create(?:-promptlab-run)?/?$")
 RUNS_SET_TAG = re.compile(r"^" + API + r"runs/set-tag/?$")
 RUNS_LOG_BATCH = re.compile(r"^" + API + r"runs/log-batch/?$")
 EXPERIMENTS_CREATE = re.compile(r"^" + API + r"experiments/create/?$")

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import yaml
 from traitlets.config import Config
-from support.helm import merge
+from support.helm import merge, require_shared
 
 REPO = Path(__file__).resolve().parents[2]
 VALUES = REPO / "helm-values" / "values.yaml"
@@ -19,10 +19,7 @@ MLFLOW_VALUES = REPO / "helm-values" / "mlflow-values.yaml"
 
 
 def _schemas() -> Path:
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "shared" / "schemas" / "z2jh-4.4.0").is_dir():
-            return parent / "shared" / "schemas" / "z2jh-4.4.0"
-    pytest.skip("shared/schemas/z2jh-4.4.0 not found")
+    return require_shared("schemas", "z2jh-4.4.0")  # skips with the reason on a plain clone
 
 
 def _merged():
@@ -64,8 +61,11 @@ def test_extra_config_configures_the_service(monkeypatch, tmp_path):
     assert svc["command"][svc["command"].index("--bind-ip") + 1] == "0.0.0.0"
     assert svc["environment"]["GPUHUB_MLFLOW_BACKEND_STORE_URI"].startswith("postgresql://")
     assert "pw@" not in " ".join(svc["command"])
-    assert c.Spawner.environment["MLFLOW_TRACKING_URI"] == f"http://hub:{port}/services/mlflow"
-    egress = merged["singleuser"]["networkPolicy"]["egress"]
-    assert any(p["port"] == port for rule in egress for p in rule["ports"])
+    # User pods live in gpuhub-users: the hub Service by its namespaced name.
+    assert c.Spawner.environment["MLFLOW_TRACKING_URI"] == f"http://hub.gpuhub.svc.cluster.local:{port}/services/mlflow"
     ingress = merged["hub"]["networkPolicy"]["ingress"]
-    assert any(p["port"] == port for rule in ingress for p in rule["ports"])
+    assert any(p["port"] == port for rule in ingress for p in rule["ports"]
+               if any("gpuhub-users" in str(src.get("namespaceSelector")) for src in rule["from"]))
+    user_ns = list(yaml.safe_load_all((REPO / "helm-values" / "user-namespace.yaml").read_text()))
+    netpol = next(d for d in user_ns if d and d["kind"] == "NetworkPolicy")
+    assert any(p["port"] == port for rule in netpol["spec"]["egress"] for p in rule.get("ports") or [])

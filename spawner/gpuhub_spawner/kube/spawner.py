@@ -35,7 +35,7 @@ from kubernetes_asyncio.client import ApiException
 from jupyterhub.utils import exponential_backoff, maybe_future
 from kubernetes_asyncio.client import V1DeleteOptions
 from kubespawner import KubeSpawner
-from traitlets import Float, Integer, default
+from traitlets import Dict, Float, Integer, Unicode, default
 
 from ..policy.access import Choice
 from ..policy.quantities import format_duration
@@ -75,6 +75,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
     status_interval = Float(
         1.0, config=True, help="Seconds between re-reads of the (in-memory) shared state while waiting."
     )
+    default_images = Dict(
+        value_trait=Unicode(), per_key_traits={"cpu": Unicode(), "gpu": Unicode()}, config=True,
+        help="Image for profiles that name none, by kind (``cpu``, ``gpu``): gpuhub's own notebook images "
+             "(images/cpu, images/cuda), which carry gpuhub-notebook (GPU activity, cull warnings, MLflow auth). "
+             "Takes precedence over the policy's defaults.image, which on one machine is only a label.",
+    )
 
     @default("profile_list")
     def _no_kubespawner_profiles(self):
@@ -98,7 +104,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         """Set image, resources, GPU, placement, Kueue labels and env from the policy."""
         base = self._base()
         policy, profile, team = self.policy, choice.profile, choice.team
-        self.image = profile.image or policy.defaults.image
+        self.image = profile.image or self.default_images.get("gpu" if choice.gpu_count else "cpu") or policy.defaults.image
         cpu = (profile.cpu or policy.defaults.cpu) / 1000
         mem = profile.memory or policy.defaults.memory
         self.cpu_guarantee = self.cpu_limit = cpu
@@ -117,6 +123,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             # CUDA images set NVIDIA_VISIBLE_DEVICES=all; without a GPU request that must not expose any.
             env["NVIDIA_VISIBLE_DEVICES"] = "void"
         env.update(self.choice_environment(choice))
+        env["GPUHUB_IMAGE"] = self.image  # what the pod really runs (MLflow run tag)
         labels = dict(base["extra_labels"])
         labels.update({QUEUE_LABEL: team.local_queue, TEAM_LABEL: team.name, PROFILE_LABEL: profile.slug})
         if choice.priority_class:

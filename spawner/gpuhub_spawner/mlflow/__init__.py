@@ -64,7 +64,8 @@ def configure(
 
     Merges into (never replaces) ``c.JupyterHub.services``, ``c.JupyterHub.load_roles``,
     ``c.JupyterHub.extra_user_scopes``, ``c.Spawner.server_token_scopes``,
-    ``c.Spawner.environment`` and ``c.JupyterHub.template_vars["gpuhub_links"]``.
+    ``c.Spawner.environment`` (and every ``c.<X>Spawner.environment`` already set, such as
+    z2jh's ``c.KubeSpawner.environment``) and ``c.JupyterHub.template_vars["gpuhub_links"]``.
 
     Args:
         data_dir: where the service keeps its key, state, and (one machine) the SQLite
@@ -170,17 +171,17 @@ def configure(
         spawner.server_token_scopes = _merge_list(base, [access])
 
     uri = tracking_uri or f"http://{host}:{port}{prefix}".rstrip("/")
-    env = dict(_section_get(spawner, "environment", {}) or {})
-    env.update({
+    ours = {
         "MLFLOW_TRACKING_URI": uri,
         # gpuhub_notebook sends the server's hub token only to this URI.
         "GPUHUB_MLFLOW_TRACKING_URI": uri,
         "MLFLOW_EXPERIMENT_NAME": _personal_experiment,
         "MLFLOW_DISABLE_TELEMETRY": "true",
-    })
+    }
     if token_env:
-        env["MLFLOW_TRACKING_TOKEN"] = _server_token
-    spawner.environment = env
+        ours["MLFLOW_TRACKING_TOKEN"] = _server_token
+    for section in _environment_sections(c):
+        section.environment = {**dict(_section_get(section, "environment", {}) or {}), **ours}
 
     tv = dict(_section_get(hub, "template_vars", {}) or {})
     links = [l for l in tv.get("gpuhub_links", []) if l.get("name") != link_name]
@@ -188,6 +189,22 @@ def configure(
     tv["gpuhub_links"] = links
     hub.template_vars = tv
     return service
+
+
+def _environment_sections(c) -> list:
+    """Every config section whose ``environment`` a spawner could end up with.
+
+    traitlets gives an instance the value of the most derived class section that sets a
+    trait, so ``c.Spawner.environment`` loses to ``c.KubeSpawner.environment``, which the
+    Zero to JupyterHub chart sets from ``singleuser.extraEnv``. Writing into ``c.Spawner``
+    and into each ``*Spawner`` section that already sets ``environment`` reaches the
+    effective one whatever the spawner class is, without importing it.
+    """
+    sections = [c.Spawner]
+    for name in list(c.keys()):
+        if name.endswith("Spawner") and name != "Spawner" and "environment" in c[name]:
+            sections.append(c[name])
+    return sections
 
 
 def _personal_experiment(spawner) -> str:

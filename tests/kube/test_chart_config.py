@@ -1,0 +1,232 @@
+"""Our Helm values through the real Zero to JupyterHub 4.4.0 chart, the way a cluster sees them.
+
+``helm template`` renders the chart (``shared/charts/jupyterhub-4.4.0``) with
+``helm-values/values.yaml`` and ``mlflow-values.yaml`` (Helm validates the merged values
+against the chart's JSON schema). Then the chart's own hub configuration — the
+``jupyterhub_config.py`` and ``z2jh.py`` from the rendered ConfigMap, reading the rendered
+Secret's ``values.yaml`` — is executed to get the *effective* config, and a KueueSpawner
+built from it makes the pod a user would get. Only the mount root
+``/usr/local/etc/jupyterhub/`` is redirected to a temporary folder, and tornado's curl
+HTTP client (pycurl is in the hub image, not in this venv) is not switched on.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import sys
+from pathlib import Path
+from unittest import mock
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_asyncio.client import ApiClient
+from traitlets.config import Config
+
+from double.harness import HUB_NAMESPACE, NAMESPACE, POLICY, MockHub, MockUser
+from support.helm import helm_template, require_shared
+
+REPO = Path(__file__).resolve().parents[2]
+VALUES = [REPO / "helm-values" / "values.yaml", REPO / "helm-values" / "mlflow-values.yaml"]
+MOUNT = "/usr/local/etc/jupyterhub/"
+
+
+@pytest.fixture(scope="module")
+def rendered():
+    chart = require_shared("charts", "jupyterhub-4.4.0")
+    return helm_template(chart, VALUES, release="gpuhub", namespace=HUB_NAMESPACE)
+
+
+def obj(docs, kind, name):
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def run_chart_config(docs, root: Path) -> Config:
+    """Execute the rendered chart's jupyterhub_config.py as the hub container would."""
+    cm, secret = obj(docs, "ConfigMap", "hub"), obj(docs, "Secret", "hub")
+    (root / "config").mkdir(parents=True)
+    (root / "secret").mkdir()
+    (root / "code").mkdir()
+    for key, value in cm["data"].items():
+        (root / "config" / key).write_text(value)
+    for key, value in secret["data"].items():
+        (root / "secret" / key).write_bytes(base64.b64decode(value))
+    mount = str(root) + "/"
+    (root / "code" / "z2jh.py").write_text(cm["data"]["z2jh.py"].replace(MOUNT, mount))
+    config_py = root / "code" / "jupyterhub_config.py"
+    config_py.write_text(cm["data"]["jupyterhub_config.py"].replace(MOUNT, mount))
+    c = Config()
+    env = {"HUB_SERVICE_PORT": "8081", "PROXY_API_SERVICE_PORT": "8001", "POD_NAMESPACE": HUB_NAMESPACE,
+           # what the Secrets named in mlflow-values.yaml put into the hub container
+           "GPUHUB_MLFLOW_BACKEND_STORE_URI": "postgresql://mlflow:pw@postgres/mlflow"}
+    from tornado.httpclient import AsyncHTTPClient
+
+    saved_path = list(sys.path)
+    sys.modules.pop("z2jh", None)
+    try:
+        with mock.patch.dict(os.environ, env), mock.patch.object(AsyncHTTPClient, "configure") as curl:
+            exec(compile(config_py.read_text(), str(config_py), "exec"), {"get_config": lambda: c, "__file__": str(config_py)})
+        curl.assert_called_once_with("tornado.curl_httpclient.CurlAsyncHTTPClient")
+    finally:
+        sys.path[:] = saved_path
+        sys.modules.pop("z2jh", None)
+    return c
+
+
+@pytest.fixture(scope="module")
+def chart_config(rendered, tmp_path_factory):
+    return run_chart_config(rendered, tmp_path_factory.mktemp("chart-hub"))
+
+
+def test_helm_renders_the_real_chart_with_valid_objects(rendered):
+    kinds = {d["kind"] for d in rendered}
+    assert {"Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "Ingress", "Role"} <= kinds
+    for doc in rendered:
+        if doc["kind"] in ("Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "Ingress", "Role",
+                           "RoleBinding", "DaemonSet", "Job", "ServiceAccount", "PersistentVolumeClaim"):
+            kubernetes_validate.validate(doc, "1.30", strict=True)
+    hub = obj(rendered, "Deployment", "hub")["spec"]["template"]["spec"]["containers"][0]
+    assert hub["image"] == "registry.example.com/gpuhub/hub:4.4.0-gpuhub-0.1.0"
+
+
+def test_helm_refuses_values_the_chart_schema_forbids(rendered, tmp_path):
+    from support.helm import HelmError
+
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({"hub": {"extraVolumeMount": []}}))
+    with pytest.raises(HelmError, match="extraVolumeMount"):
+        helm_template(require_shared("charts", "jupyterhub-4.4.0"), VALUES + [typo], namespace=HUB_NAMESPACE)
+
+
+def test_user_servers_get_their_own_origin(rendered, chart_config):
+    assert chart_config.JupyterHub.subdomain_host == "https://hub.example.org"
+    ingress = obj(rendered, "Ingress", "jupyterhub")
+    hosts = [r["host"] for r in ingress["spec"]["rules"]]
+    assert hosts == ["hub.example.org", "*.hub.example.org"]
+    for rule in ingress["spec"]["rules"]:  # both reach the proxy, which routes by host
+        [path] = rule["http"]["paths"]
+        assert path["backend"]["service"]["name"] == "proxy-public"
+    [tls] = ingress["spec"]["tls"]
+    assert set(tls["hosts"]) == {"hub.example.org", "*.hub.example.org"} and tls["secretName"]
+
+
+def test_effective_config_selects_kueue_spawner_in_the_user_namespace(chart_config):
+    c = chart_config
+    assert c.JupyterHub.spawner_class == "gpuhub-kube"
+    assert c.KubeSpawner.namespace == NAMESPACE  # hub.config overrides the chart's POD_NAMESPACE
+    assert c.JupyterHub.hub_connect_url == f"http://hub.{HUB_NAMESPACE}.svc.cluster.local:8081"
+    assert c.JupyterHub.allow_named_servers is True  # the policy's perUser.maxServers > 1 needs them
+    assert c.JupyterHub.concurrent_spawn_limit == 500
+    assert c.PolicyStore.policy_file == "/etc/gpuhub/policy/profiles.yaml"
+    assert c.DcgmPrometheusReader.prometheus_url  # GPU utilisation from DCGM, never from the pod
+    names = [s["name"] for s in c.JupyterHub.services]
+    assert "gpuhub-culler" in names and "mlflow" in names and "jupyterhub-idle-culler" not in names
+    culler_role = next(r for r in c.JupyterHub.load_roles if r["name"] == "gpuhub-culler")
+    assert not any(s.startswith("access:servers") for s in culler_role["scopes"])  # never calls user pods
+    # z2jh sets c.KubeSpawner.environment from singleuser.extraEnv; that section is the one
+    # a KubeSpawner subclass reads, so MLflow's settings must be there (issue 12 item 2).
+    assert c.KubeSpawner.environment["MLFLOW_TRACKING_URI"] == (
+        f"http://hub.{HUB_NAMESPACE}.svc.cluster.local:10101/services/mlflow")
+
+
+@pytest.fixture
+def spawner_for(double, chart_config):
+    from gpuhub_spawner.kube.spawner import KueueSpawner
+    from gpuhub_spawner.policy import PolicyStore
+
+    c = Config(chart_config)  # the ConfigMap's mount point does not exist here: its content does
+    c.PolicyStore.policy_file = str(POLICY)
+    PolicyStore.clear_instance()
+
+    def make(user, groups, profile):
+        spawner = KueueSpawner(config=c, user=MockUser(user, groups), hub=MockHub(double.url), api_token="t",
+                               oauth_client_id=f"jupyterhub-user-{user}")
+        spawner.user_options = {"profile": profile}
+        return spawner
+
+    yield make
+    PolicyStore.clear_instance()
+
+
+async def pod_of(spawner) -> dict:
+    await spawner.load_user_options()
+    return ApiClient().sanitize_for_serialization(await spawner.get_pod_manifest())
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_the_pod_a_user_gets_from_the_charts_own_config(spawner_for, rendered):
+    values = yaml.safe_load(VALUES[0].read_text())
+    images = values["hub"]["config"]["KueueSpawner"]["default_images"]
+    spawner = spawner_for("alice", ["vision-lab"], "a100-1")
+    pod = await pod_of(spawner)
+    assert spawner.namespace == NAMESPACE
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    uri = f"http://hub.{HUB_NAMESPACE}.svc.cluster.local:10101/services/mlflow"
+    assert env["MLFLOW_TRACKING_URI"] == uri and env["GPUHUB_MLFLOW_TRACKING_URI"] == uri
+    assert env["MLFLOW_EXPERIMENT_NAME"] == "users/alice"
+    assert env["GPUHUB_IMAGE"] == container["image"] == images["gpu"]  # gpuhub's own CUDA image
+    labels = pod["metadata"]["labels"]
+    assert labels["kueue.x-k8s.io/queue-name"] == "vision"
+    assert labels["kueue.x-k8s.io/priority-class"] == "interactive"
+    assert labels["hub.jupyter.org/network-access-hub"] == "true"  # reaches the hub across namespaces
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", **pod}, "1.30", strict=True)
+
+    cpu = await pod_of(spawner_for("bob", ["vision-lab"], "cpu"))
+    assert cpu["spec"]["containers"][0]["image"] == images["cpu"] == "{name}:{tag}".format(**values["singleuser"]["image"])
+    # The image pullers tolerate the GPU taint; CPU-only user pods must not.
+    assert not any(t.get("key") == "nvidia.com/gpu" for t in cpu["spec"].get("tolerations") or [])
+
+
+def test_image_pullers_prepull_gpuhubs_images_on_gpu_nodes(rendered):
+    values = yaml.safe_load(VALUES[0].read_text())
+    wanted = set(values["hub"]["config"]["KueueSpawner"]["default_images"].values())
+    for name in ("hook-image-puller", "continuous-image-puller"):
+        ds = obj(rendered, "DaemonSet", name)["spec"]["template"]["spec"]
+        pulled = {c["image"] for c in ds["initContainers"]}
+        assert wanted <= pulled, (name, pulled)
+        assert not any("minimal-notebook" in i or "k8s-singleuser-sample" in i for i in pulled)
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in ds["tolerations"]
+
+
+def test_hub_and_proxy_reach_user_pods_in_their_namespace(rendered):
+    def allows_users(rule):
+        return any(((t.get("namespaceSelector") or {}).get("matchLabels") or {}).get("kubernetes.io/metadata.name") == NAMESPACE
+                   and any(p["port"] == 8888 for p in rule.get("ports") or []) for t in rule.get("to") or [])
+
+    for name in ("hub", "proxy"):
+        egress = obj(rendered, "NetworkPolicy", name)["spec"]["egress"]
+        assert any(allows_users(r) for r in egress), name
+    hub_ingress = obj(rendered, "NetworkPolicy", "hub")["spec"]["ingress"]
+    # interNamespaceAccessLabels: accept -> labelled pods of any namespace may reach the hub
+    assert any(src.get("namespaceSelector") == {"matchLabels": {}} and src.get("podSelector") ==
+               {"matchLabels": {"hub.jupyter.org/network-access-hub": "true"}}
+               for rule in hub_ingress for src in rule.get("from") or [])
+
+
+def test_user_namespace_file_is_valid_and_names_its_namespaces_as_its_comment_says():
+    path = REPO / "helm-values" / "user-namespace.yaml"
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+    assert {d["kind"] for d in docs} == {"Namespace", "Role", "RoleBinding", "NetworkPolicy"}  # nothing cluster-wide
+    role = next(d for d in docs if d["kind"] == "Role")
+    resources = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert ("kueue.x-k8s.io", "workloads") in resources and ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads") in resources
+    kueue_verbs = {v for rule in role["rules"] if rule["apiGroups"] != [""] for v in rule["verbs"]}
+    assert kueue_verbs <= {"get", "list", "watch"}  # Kueue's objects: read only
+
+    def count(node, value, skip=("app.kubernetes.io/managed-by",)):
+        if isinstance(node, dict):
+            return sum(count(v, value) for k, v in node.items() if k not in skip)
+        if isinstance(node, list):
+            return sum(count(v, value) for v in node)
+        return int(node == value)
+
+    text = path.read_text()
+    users, hub = sum(count(d, NAMESPACE) for d in docs), sum(count(d, HUB_NAMESPACE) for d in docs)
+    assert f"({NAMESPACE}) in {users} places" in text and f"({HUB_NAMESPACE}) in {hub} places" in text
+    assert f"change all {users + hub}" in text

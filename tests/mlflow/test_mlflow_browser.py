@@ -45,7 +45,8 @@ def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
     notebook = {"cells": [{"cell_type": "code", "source": CELL, "metadata": {}, "outputs": [], "execution_count": None}],
                 "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
                 "nbformat": 4, "nbformat_minor": 5}
-    r = user.api.put(f"{hub.url}{server['url']}api/contents/log-run.ipynb",
+    server_url = hub.server_url(server["url"])  # its own origin (<user>.localhost) with subdomains
+    r = user.api.put(f"{server_url}api/contents/log-run.ipynb",
                      json={"type": "notebook", "format": "json", "content": notebook})
     assert r.status_code in (200, 201), r.text
 
@@ -58,7 +59,7 @@ def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
     page.click("[type=submit]")
     page.wait_for_url(re.compile(r".*/(hub/home|hub/spawn|user/dave/).*"))
 
-    page.goto(f"{hub.url}{server['url']}lab/tree/log-run.ipynb")
+    page.goto(f"{server_url}lab/tree/log-run.ipynb")
     editor = page.locator(".jp-Notebook .jp-Cell .cm-content").first
     editor.wait_for()
     # The status bar says "Idle" once the kernel is connected and ready for requests.

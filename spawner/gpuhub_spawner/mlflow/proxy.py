@@ -450,7 +450,17 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             length = self.request.headers.get("Content-Length")
             if self._has_body and length is not None:
                 req.headers["Content-Length"] = length
-            response = await self.state.http.fetch(req, raise_error=False)
+            try:
+                response = await self.state.http.fetch(req, raise_error=False)
+            except Exception as e:  # connection-level failure, either side
+                if not head["done"]:
+                    log.warning("MLflow did not answer %s %s: %s", self.request.method, self.rel, e)
+                    raise web.HTTPError(502, "The MLflow tracking server did not answer.") from None
+                # Part of the body was relayed: close instead of finishing, so that the
+                # client sees a cut transfer, never a complete-looking short one.
+                log.info("Relay of %s %s cut: %s", self.request.method, self.rel, e)
+                self.request.connection.close()
+                return
             if head["redo"]:
                 self.state.accounts.forget(self.username)
                 await self.state.ensure_account(self.username, self.teams)
@@ -488,13 +498,17 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         if code == 599:
             raise web.HTTPError(502, "The MLflow tracking server did not answer.")
         self.set_status(code, reason or httputil.responses.get(code, "Unknown"))
+        seen = set()
         for name, value in headers.get_all():
             lname = name.lower()
             if lname in RESPONSE_DROP or lname.startswith("access-control-"):
                 continue
             if lname == "location":
                 value = self._rewrite_location(value)
-            self.add_header(name, value)
+            # Replace tornado's defaults (Content-Type: text/html) instead of adding a
+            # second value: proxies and browsers may keep the first one.
+            (self.add_header if lname in seen else self.set_header)(name, value)
+            seen.add(lname)
 
     def _rewrite_location(self, value: str) -> str:
         root = self.state.upstream_root

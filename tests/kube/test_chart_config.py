@@ -230,3 +230,19 @@ def test_user_namespace_file_is_valid_and_names_its_namespaces_as_its_comment_sa
     users, hub = sum(count(d, NAMESPACE) for d in docs), sum(count(d, HUB_NAMESPACE) for d in docs)
     assert f"({NAMESPACE}) in {users} places" in text and f"({HUB_NAMESPACE}) in {hub} places" in text
     assert f"change all {users + hub}" in text
+
+
+def test_without_subdomains_the_hub_warns_loudly_at_start(tmp_path, capsys):
+    """An operator who drops the wildcard host is told what is at risk, at every start."""
+    off = tmp_path / "no-subdomains.yaml"
+    off.write_text(yaml.safe_dump({"hub": {"config": {"JupyterHub": {"subdomain_host": ""}}}}))
+    docs = helm_template(require_shared("charts", "jupyterhub-4.4.0"), VALUES + [off], namespace=HUB_NAMESPACE)
+    c = run_chart_config(docs, tmp_path / "root")
+    assert not c.JupyterHub.get("subdomain_host")
+    err = capsys.readouterr().err
+    assert "user servers share the hub's origin" in err and "subdomain_host is not set" in err
+
+
+def test_with_subdomains_there_is_no_warning(rendered, tmp_path, capsys):
+    run_chart_config(rendered, tmp_path / "root")
+    assert "share the hub's origin" not in capsys.readouterr().err

@@ -21,8 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+import yaml
 
 from double.harness import HUB_NAMESPACE, KUBECONFIG, NAMESPACE
+from support.helm import chart_proxy_command, require_shared
 from support.hub import Hub
 
 pytestmark = pytest.mark.integration
@@ -110,7 +112,13 @@ def kube_hub(double, tmp_path_factory):
     policy_path.write_text(POLICY)
     double.reset()
     double.apply(render_objects(load_policy(policy_path), NAMESPACE))
-    hub = Hub(work, POLICY, extra_config=KUBE_CONFIG, env={"KUBECONFIG": str(KUBECONFIG)})
+    env = {"KUBECONFIG": str(KUBECONFIG)}
+    # The proxy at the version z2jh 4.4.0's proxy image ships (CHP 5.2.0), when npm can fetch it.
+    chart_proxy = chart_proxy_command(require_shared("charts", "jupyterhub-4.4.0"))
+    if chart_proxy:
+        env["GPUHUB_PROXY_COMMAND"] = " ".join(chart_proxy[0])
+    hub = Hub(work, POLICY, extra_config=KUBE_CONFIG, env=env)
+    hub.chart_proxy_version = chart_proxy[1] if chart_proxy else None
     try:
         hub.start()
         print(f"\n[measure] kube hub start: {hub.started_in:.2f}s")
@@ -141,6 +149,16 @@ def reach(client, server: str = "") -> requests.Response:
 def wait_pending(client, server: str = "") -> dict:
     return until(lambda: (client.server(server) or {}).get("pending") == "spawn" and client.server(server),
                  what=f"{client.name}'s spawn pending", hub=client.hub)
+
+
+def test_the_hub_runs_with_the_charts_proxy_version(kube_hub):
+    """JupyterHub 6.1 with the configurable-http-proxy of z2jh 4.4.0's proxy image: every
+    test in this module (host routing per user included) goes through it."""
+    if kube_hub.chart_proxy_version is None:
+        pytest.skip("npm cannot install configurable-http-proxy here; the hub used its default proxy")
+    tag = yaml.safe_load((require_shared("charts", "jupyterhub-4.4.0") / "values.yaml").read_text())["proxy"]["chp"]["image"]["tag"]
+    assert kube_hub.chart_proxy_version == str(tag)
+    assert requests.get(kube_hub.url + "/hub/api", timeout=10).status_code == 200  # through that proxy
 
 
 def test_spawn_page_lists_only_the_team_profiles(kube_hub, users):

@@ -119,3 +119,22 @@ def helm_template(chart: Path, values: list[Path], release: str = "gpuhub", name
 
 class HelmError(Exception):
     pass
+
+
+def chart_proxy_command(chart: Path) -> tuple[list[str], str] | None:
+    """The Node configurable-http-proxy at the version the chart's proxy image ships
+    (``proxy.chp.image.tag``), installed once with npm into the cache; None without npm.
+    Running the hub with it shows that JupyterHub 6.1 works with the chart's proxy."""
+    tag = str(yaml.safe_load((chart / "values.yaml").read_text())["proxy"]["chp"]["image"]["tag"])
+    prefix = _cache_dir().parent / f"chp-{tag}"
+    binary = prefix / "node_modules" / ".bin" / "configurable-http-proxy"
+    if not binary.exists():
+        if not (shutil.which("npm") and shutil.which("node")):
+            return None
+        prefix.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                               f"configurable-http-proxy@{tag}"], capture_output=True, text=True)
+        if done.returncode != 0 or not binary.exists():
+            return None
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True).stdout.strip()
+    return [str(binary)], version

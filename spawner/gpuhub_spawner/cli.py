@@ -58,6 +58,10 @@ def _run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["job"]:
+        from .jobs.cli import main as job_main  # batch jobs: docs/jobs.md
+
+        return job_main(argv[1:])
     if argv[:1] == ["render"]:
         from .kube.render import main as render_main
 

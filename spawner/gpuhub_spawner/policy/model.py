@@ -123,6 +123,8 @@ class Team(_Model):
     cohort: Name | None = None
     queue: Name | None = None  # LocalQueue name; defaults to the team name
     default_priority: str | None = None
+    # Priority class of the team's batch jobs (gpuhub job); default: as its servers.
+    job_priority: str | None = None
     # Kueue's queueing strategies: BestEffortFIFO lets a later, smaller request pass a
     # blocked head; StrictFIFO makes the team's head of queue block the rest.
     queueing_strategy: Literal["BestEffortFIFO", "StrictFIFO"] = "BestEffortFIFO"
@@ -298,6 +300,24 @@ class Policy(_Model):
                 [InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": m}), loc=loc, input=None)
                  for loc, m in errors],
             )
+        return self
+
+    @model_validator(mode="after")
+    def _job_priorities_known(self) -> "Policy":
+        """A team's ``jobPriority`` must name one of the priority classes (jobs queue at it)."""
+        import difflib
+
+        names = [p.name for p in self.priority_classes]
+        errors = []
+        for i, team in enumerate(self.teams):
+            if team.job_priority is not None and team.job_priority not in names:
+                close = difflib.get_close_matches(team.job_priority, names, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                errors.append(InitErrorDetails(
+                    type=PydanticCustomError("value_error", "{error}", {"error": f"unknown priority class {team.job_priority!r}{hint}"}),
+                    loc=("teams", i, "jobPriority"), input=team.job_priority))
+        if errors:
+            raise ValidationError.from_exception_data("Policy", errors)
         return self
 
     def cohort_members(self, team: Team) -> list[Team]:

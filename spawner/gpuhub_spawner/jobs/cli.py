@@ -1,0 +1,189 @@
+"""``gpuhub job``: submit, list, status, logs, cancel, show — a thin client of the hub API.
+
+The hub is found from ``--hub URL`` (the hub's address, e.g. https://hub.example.org) or
+``JUPYTERHUB_API_URL`` (set in every server); the token from ``JUPYTERHUB_API_TOKEN``
+(set in every server, so it works in a notebook terminal with no setup) or
+``GPUHUB_TOKEN`` (a token from the hub's token page). Tokens are never taken on the
+command line, where other users' ``ps`` would see them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from ..policy import PolicyError
+from .spec import parse_job
+
+
+class HubError(Exception):
+    def __init__(self, status: int, message: str, issues: list[str] | None = None):
+        self.status, self.message, self.issues = status, message, issues or []
+        super().__init__(message)
+
+
+def api_base(hub: str | None) -> str:
+    url = hub or os.environ.get("JUPYTERHUB_API_URL")
+    if not url:
+        raise HubError(0, "no hub: pass --hub URL or set JUPYTERHUB_API_URL (it is set inside every gpuhub server)")
+    url = url.rstrip("/")
+    if url.endswith("/hub/api"):
+        return url
+    if url.endswith("/hub"):
+        return url + "/api"
+    return url + "/hub/api"
+
+
+def token() -> str:
+    tok = os.environ.get("GPUHUB_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
+    if not tok:
+        raise HubError(0, "no token: set GPUHUB_TOKEN to a token from the hub's token page "
+                          "(inside a gpuhub server JUPYTERHUB_API_TOKEN is already set)")
+    return tok
+
+
+def call(base: str, method: str, path: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(base + path, data=data, method=method, headers={
+        "Authorization": f"token {token()}", "Content-Type": "application/json", "Accept": "application/json",
+    })
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            err = json.loads(e.read() or b"{}")
+        except ValueError:
+            err = {}
+        raise HubError(e.code, err.get("message") or e.reason, err.get("issues")) from None
+    except urllib.error.URLError as e:
+        raise HubError(0, f"cannot reach the hub at {base}: {e.reason}") from None
+
+
+def _time(t) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _submit(args, base):
+    try:
+        text = open(args.file).read()
+    except OSError as e:
+        raise HubError(0, f"cannot read {args.file}: {e.strerror}") from None
+    parse_job(text, args.file)  # located errors at once, before any network
+    job = call(base, "POST", "/gpuhub/jobs", {"spec": text, "filename": os.path.basename(args.file)})
+    print(job["status"])
+    print(job["id"])  # the last line is the id: JOB=$(gpuhub job submit job.yaml | tail -1)
+
+
+def _list(args, base):
+    jobs = call(base, "GET", "/gpuhub/jobs" + ("?all=1" if args.all else ""))["jobs"]
+    if not jobs:
+        print("no jobs")
+    for j in jobs:
+        print(f"{j['id']}  {j['state']:<9}  {j['user']:<12} {j['profile']['slug']:<12} attempts={len(j['attempts'])}  "
+              f"submitted {_time(j['submitted'])}  {j.get('name') or ''}")
+
+
+def _status(args, base):
+    print(call(base, "GET", f"/gpuhub/jobs/{args.id}")["status"])
+
+
+def _show(args, base):
+    job = call(base, "GET", f"/gpuhub/jobs/{args.id}")
+    if args.json:
+        print(json.dumps(job, indent=2, sort_keys=True))
+        return
+    p = job["profile"]
+    print(f"{job['status']}\n")
+    rows = [
+        ("job", job["id"] + (f" ({job['name']})" if job.get("name") else "")),
+        ("user / team", f"{job['user']} / {job['team']}"),
+        ("profile", f"{p['slug']}: {p['gpu']['count']} GPU {p['gpu']['flavor'] or ''}, {p['cpu']}m CPU, {p['memory']} B memory"),
+        ("priority", f"{job['priority_class'] or '-'} ({job['priority']})"),
+        ("policy sha256", job["policy_sha256"]),
+        ("image", job["image"] + (f" ({job['image_digest']})" if job["image_digest"] else "")),
+        ("command", " ".join(job["command"])),
+        ("working dir", "~/" + job["working_dir"]),
+        ("checkpoints", job["checkpoint_dir"]),
+        ("env (names)", ", ".join(job["env_names"])),
+        ("experiment", job.get("experiment") or "(your personal experiment)"),
+        ("time limit", f"{job['time_limit']:g}s" if job.get("time_limit") else "-"),
+        ("retries", f"{job['retries']['limit']} on {', '.join(map(str, job['retries']['reasons']))}"),
+        ("submitted", _time(job["submitted"])),
+        ("finished", _time(job.get("finished"))),
+    ]
+    for k, v in rows:
+        print(f"{k:>14}: {v}")
+    for a in job["attempts"]:
+        git = a.get("git") or {}
+        print(f"\nattempt {a['number']}: {a.get('reason') or 'in progress'} {a.get('message') or ''}")
+        for k in ("queued", "admitted", "started", "finished"):
+            print(f"{k:>14}: {_time(a.get(k))}")
+        print(f"{'devices':>14}: {', '.join(a['devices']) or 'none'}")
+        print(f"{'exit code':>14}: {a['exit_code'] if a.get('exit_code') is not None else '-'}")
+        print(f"{'git':>14}: {git.get('commit', '-')}{' (dirty)' if git.get('dirty') else ''}")
+        print(f"{'MLflow runs':>14}: {', '.join(a.get('mlflow_run_ids') or []) or '-'}")
+        print(f"{'log':>14}: {a.get('log') or '-'}")
+
+
+def _logs(args, base):
+    offset = 0
+    while True:
+        chunk = call(base, "GET", f"/gpuhub/jobs/{args.id}/logs?offset={offset}")
+        sys.stdout.write(chunk["text"])
+        sys.stdout.flush()
+        offset = chunk["offset"]
+        if not args.follow or chunk["done"]:
+            if args.follow:
+                print(chunk["status"], file=sys.stderr)
+            return
+        if not chunk["text"]:
+            time.sleep(1)
+
+
+def _cancel(args, base):
+    print(call(base, "POST", f"/gpuhub/jobs/{args.id}/cancel")["status"])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gpuhub job", description="Batch jobs in your team's GPU queue (docs/jobs.md).")
+    parser.add_argument("--hub", help="the hub's URL (default: $JUPYTERHUB_API_URL)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("submit", help="validate and submit a job file; prints the job id last")
+    s.add_argument("file")
+    s.set_defaults(func=_submit)
+    lst = sub.add_parser("list", help="your jobs")
+    lst.add_argument("--all", action="store_true", help="everyone's (admins)")
+    lst.set_defaults(func=_list)
+    for name, func, text in (("status", _status, "the state word first, then where it stands"),
+                             ("cancel", _cancel, "leave the queue or stop it; its GPUs are free at once"),
+                             ("show", _show, "the full record of every attempt")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("id")
+        if name == "show":
+            p.add_argument("--json", action="store_true")
+        p.set_defaults(func=func)
+    lg = sub.add_parser("logs", help="the output of every attempt")
+    lg.add_argument("id")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    lg.set_defaults(func=_logs)
+    args = parser.parse_args(argv)
+    try:
+        base = api_base(args.hub)
+        args.func(args, base)
+    except PolicyError as e:
+        print(f"{e.filename}: {len(e.issues)} error(s)", file=sys.stderr)
+        for issue in e.issues:
+            print("  " + issue.format(e.filename), file=sys.stderr)
+        return 1
+    except HubError as e:
+        print(f"gpuhub job: {e.message}" + (f" (HTTP {e.status})" if e.status else ""), file=sys.stderr)
+        for issue in e.issues:
+            print("  " + issue, file=sys.stderr)
+        return 1
+    return 0

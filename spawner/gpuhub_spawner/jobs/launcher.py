@@ -1,0 +1,83 @@
+"""Launch one job attempt through the one-machine spawner's own launcher.
+
+``JobProcess`` *is* ``local.isolation.IsolatedProcessSpawner`` (the class every
+one-machine server starts through), with only what differs for a job overridden:
+the command (``jobs.entry`` then the job's argv instead of ``jupyterhub-singleuser``),
+the environment (built from scratch: no server token, no OAuth client), the devices
+(the job's admission) and its cgroup leaf. So a job gets exactly what a server of the
+same profile gets — its user's Unix account and private home, a cgroup with the
+profile's CPU and memory, a private ``/dev`` with only its GPUs, ``no_new_privs`` —
+and a change to that launcher applies to jobs at once.
+
+Seam: this depends on ``IsolatedProcessSpawner``'s hooks ``device_nodes``,
+``resource_limits``, ``user_env``, ``_cgroup_leaf``, ``popen_kwargs``, ``cmd`` +
+``get_args`` and on ``start``/``stop``/``on_process_exit``/``stop_reason``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from types import SimpleNamespace
+
+from ..local.isolation import IsolatedProcessSpawner
+
+# Config sections a job's launcher inherits, in order (later wins): the spawner the hub
+# uses for servers, so home directories, device trees, account prefixes and cgroup
+# settings are the same for jobs.
+SERVER_SECTIONS = ("LocalGpuSpawner",)
+
+
+def launcher_config(config):
+    cfg = copy.deepcopy(config)
+    for name in SERVER_SECTIONS:
+        if name in cfg:
+            cfg.JobProcess.merge(cfg[name])
+    return cfg
+
+
+class JobProcess(IsolatedProcessSpawner):
+    """One attempt of one job, as its user; see the module docstring."""
+
+    def __init__(self, *, user_name: str, job_id: str, argv: list[str], env: dict[str, str], devices: list[str],
+                 device_nodes: list[str], limits: tuple[int | None, int | None], **kwargs):
+        super().__init__(user=SimpleNamespace(name=user_name, url=f"/user/{user_name}/", escaped_name=user_name),
+                         name=job_id, **kwargs)
+        self.job_id = job_id
+        self.job_argv = list(argv)
+        self.job_env = dict(env)
+        self.job_devices = list(devices)
+        self._nodes = list(device_nodes)
+        self._limits = limits
+        self.cmd = [sys.executable, "-I", "-m", "gpuhub_spawner.jobs.entry", "--", *self.job_argv]
+
+    def get_args(self):
+        return []
+
+    def device_nodes(self) -> list[str]:
+        return list(self._nodes)
+
+    def resource_limits(self):
+        return self._limits
+
+    def _cgroup_leaf(self) -> str:
+        # Server leaves are "<account>" or "<account>.<name>.<hash>"; jobs never collide.
+        return f"{self.account_name}.{self.job_id}"
+
+    def get_env(self):
+        """From scratch: the hub's kept variables, the servers' configured environment
+        (MLflow, ...), the account's identity, then the job's own (already filtered)."""
+        env = {}
+        import os
+
+        for key in self.env_keep:
+            if key in os.environ:
+                env[key] = os.environ[key]
+        for key, value in self.environment.items():
+            env[key] = value(self) if callable(value) else value
+        env = self.user_env(env)
+        env.update(self.job_env)
+        devices = ",".join(self.job_devices)
+        env["CUDA_VISIBLE_DEVICES"] = devices  # always set: a CPU job must not see GPUs
+        env["GPUHUB_DEVICES"] = devices
+        return env

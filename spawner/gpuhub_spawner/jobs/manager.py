@@ -1,0 +1,670 @@
+"""Batch jobs on one machine: the team's queue, the user's identity, retries, evidence.
+
+One ``JobManager`` per hub. A submitted job is checked like a server start (the team may
+use the profile: ``policy.access.resolve_choice``; the user's GPU cap counts their servers
+and jobs together: ``check_user_caps``), refused with the reason before anything queues,
+then driven by one asyncio task through its attempts:
+
+    queued ──admission──► running ──exit 0──► succeeded
+       ▲                     │
+       └── preempted, interrupted, or a failure listed in ``retries.reasons`` (≤ limit)
+                             └──► failed (non-retryable, limit reached, time limit) / cancelled
+
+- **Same queue.** Every attempt is a ``Ticket`` in the hub's ``AdmissionQueue`` (key
+  ``job:<id>``), at the team's ``jobPriority`` (else the priority its servers get), so
+  jobs and servers share one quota and one order.
+- **Interactive first.** A job never preempts anything. When an interactive server of the
+  job's team waits and the team's running jobs of no higher priority hold what it needs,
+  the youngest such jobs are stopped (reason ``preempted``) and re-queued: Kueue's
+  within-ClusterQueue preemption, with servers as the protected class.
+- **Same launcher.** Each attempt starts through ``jobs.launcher.JobProcess`` — the
+  one-machine spawner's isolated launcher — as the user's Unix account with exactly the
+  admitted GPUs and the profile's CPU and memory.
+- **Recovery.** Every attempt gets ``GPUHUB_ATTEMPT`` and the same ``GPUHUB_CHECKPOINT_DIR``
+  in the user's home. ``timeLimit`` bounds the job's total running time.
+- **Evidence.** ``jobs.records``: one record per job, rewritten at every stage change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from traitlets import Float, Unicode
+from traitlets.config import SingletonConfigurable
+
+from ..admission.queue import QueueRefused, Ticket
+from ..admission.quota import add_usage, check_fit, demand_for, describe
+from ..local.broker import LocalBroker
+from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
+from ..policy.model import Policy, Profile
+from ..policy.quantities import format_duration
+from . import records as R
+from .launcher import JobProcess, launcher_config
+from .spec import FAILED, INTERRUPTED, OOM, PREEMPTED, JobSpec
+
+log = logging.getLogger("JupyterHub.gpuhub.jobs")
+
+TIME_LIMIT = "time-limit"
+CANCELLED_REASON = "cancelled"
+KEY_PREFIX = "job:"
+
+
+def policy_hash(policy: Policy) -> str:
+    """A stable hash of the policy in force (its validated content, not the file's bytes)."""
+    return hashlib.sha256(policy.model_dump_json(by_alias=True).encode()).hexdigest()
+
+
+def job_priority(policy: Policy, choice: Choice) -> tuple[str | None, int]:
+    name = choice.team.job_priority or choice.priority_class
+    return name, policy.priority_value(name)
+
+
+@dataclass
+class _Live:
+    """What only the running hub knows about a job (never persisted)."""
+
+    ticket: Ticket | None = None
+    launcher: JobProcess | None = None
+    task: asyncio.Task | None = None
+    stop_reason: str | None = None
+    stop_message: str = ""
+    exited: asyncio.Future | None = None
+    token: str | None = None
+    demand: dict = field(default_factory=dict)
+
+
+class JobManager(SingletonConfigurable):
+    data_dir = Unicode("data", help="The hub's data directory; records live in <data_dir>/jobs (0700).").tag(config=True)
+    reclaim_interval = Float(
+        1.0, help="Seconds between checks whether a waiting interactive server should reclaim GPUs from its team's jobs."
+    ).tag(config=True)
+    retention_days = Float(
+        0.0, help="Delete finished jobs' records and logs older than this at hub start (0: keep forever)."
+    ).tag(config=True)
+    hub_api_url = Unicode("", help="The hub API URL given to jobs (JUPYTERHUB_API_URL).").tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.store = R.JobStore(Path(self.data_dir) / "jobs")
+        self.jobs: dict[str, R.JobRecord] = {}
+        self._live: dict[str, _Live] = {}
+        self._env_values: dict[str, dict[str, str]] = {}
+        self._reclaimer: asyncio.Task | None = None
+        self._recovered = False
+
+    @property
+    def broker(self) -> LocalBroker:
+        return LocalBroker.instance(config=self.config)
+
+    @property
+    def policy(self) -> Policy:
+        return self.broker.store.current
+
+    # -- hub start -------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Load every record; re-queue waiting jobs, end (and retry) those a restart interrupted."""
+        if self._recovered:
+            return
+        self._recovered = True
+        now = time.time()
+        for rec in self.store.load_all():
+            if rec.state in R.FINAL and self.retention_days and (rec.finished or now) < now - self.retention_days * 86400:
+                self._delete(rec)
+                continue
+            self.jobs[rec.id] = rec
+            if rec.state in R.FINAL:
+                continue
+            att = rec.current
+            if rec.state == R.RUNNING and att is not None and att.finished is None:
+                self._kill_leftover(rec, att)
+                self._end_attempt(rec, att, INTERRUPTED, None, "the hub restarted while this attempt ran")
+            elif att is not None and att.admitted is None and att.finished is None:
+                rec.attempts.pop()  # it only waited: it waits again, keeping its number
+            self._start_task(rec)
+        self._ensure_reclaimer()
+
+    def _delete(self, rec: R.JobRecord) -> None:
+        import shutil
+
+        self.store.path(rec.id).unlink(missing_ok=True)
+        shutil.rmtree(self.store.root / rec.id, ignore_errors=True)
+
+    def _kill_leftover(self, rec: R.JobRecord, att: R.Attempt) -> None:
+        from ..local.isolation import process_start_time
+
+        launcher = self._launcher(rec, att, [], {})
+        try:
+            launcher.cgroup_host.server(launcher._cgroup_leaf()).kill_all()
+        except Exception:  # noqa: BLE001 - best effort; the pid check below still runs
+            log.exception("Cannot sweep the cgroup of %s", rec.id)
+        if att.pid and att.start_time is not None and process_start_time(att.pid) == att.start_time:
+            try:
+                os.killpg(att.pid, 9)
+            except OSError:
+                pass
+
+    # -- submission ------------------------------------------------------------------------
+    def held_profiles(self, user) -> list[Profile | None]:
+        """The user's running or waiting servers and jobs (GPU caps count both)."""
+        policy = self.policy
+        held = list(active_profiles(policy, user).values())
+        for rec in self.jobs.values():
+            if rec.user == user.name and rec.state not in R.FINAL:
+                held.append(policy.profile(rec.profile["slug"]))
+        return held
+
+    def submit(self, user, groups: list[str], spec: JobSpec) -> R.JobRecord:
+        """Check, queue and record a job; raise ``ChoiceError`` (4xx) before anything queues."""
+        self.broker.store.refresh()
+        policy = self.policy
+        options = {"profile": spec.profile, **({"team": spec.team} if spec.team else {})}
+        choice = resolve_choice(policy, groups, options)
+        # Jobs are capped by the team's per-user GPUs (servers and jobs together), not by
+        # maxServers: a researcher with a notebook open may still queue work.
+        team = choice.team
+        uncapped = team.model_copy(update={"per_user": team.per_user.model_copy(update={"max_servers": None})})
+        check_user_caps(Choice(uncapped, choice.profile, choice.priority_class, choice.priority), self.held_profiles(user))
+        pclass, priority = job_priority(policy, choice)
+        profile = choice.profile
+        demand = demand_for(policy, profile)
+        never = self.broker.devices.never_fits(demand)
+        if never:
+            raise ChoiceError(409, never)
+        job_id = "job-" + secrets.token_hex(5)
+        image = spec.image or profile.image or policy.defaults.image
+        rec = R.JobRecord(
+            id=job_id, user=user.name, team=team.name,
+            profile={
+                "slug": profile.slug, "displayName": profile.display_name,
+                "gpu": {"count": profile.gpu_count, "flavor": choice.flavor},
+                "cpu": demand["cpu"], "memory": demand["memory"],
+            },
+            priority_class=pclass, priority=priority, policy_sha256=policy_hash(policy),
+            image=image, image_digest=image.rsplit("@", 1)[1] if "@" in image else "",
+            command=spec.argv, working_dir=spec.working_dir or "", checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
+            env_names=[], experiment=spec.experiment, time_limit=spec.time_limit,
+            retries=spec.retries.model_dump(), spec=spec.model_dump(by_alias=True, exclude={"env"}) | {"env": sorted(spec.env)},
+            name=spec.name,
+        )
+        self._env_values[job_id] = dict(spec.env)  # values: hub-private file, never in the record
+        live = self._live.setdefault(job_id, _Live())
+        live.demand = demand
+        att = R.Attempt(number=1, queued=time.time())
+        rec.attempts.append(att)
+        try:
+            self._enqueue(rec, att)  # refused (never fits the team) before any record exists
+        except QueueRefused as e:
+            self._live.pop(job_id, None)
+            raise ChoiceError(409, str(e)) from None
+        self.jobs[job_id] = rec
+        self.store.save_env(job_id, spec.env)
+        self.store.save(rec)
+        log.info("Job %s of %s queued (%s, team %s, priority %s)", job_id, user.name, profile.slug, team.name, pclass)
+        self._start_task(rec, first_ticket=True)
+        self._ensure_reclaimer()
+        return rec
+
+    def _enqueue(self, rec: R.JobRecord, att: R.Attempt) -> Ticket:
+        live = self._live.setdefault(rec.id, _Live())
+        if not live.demand:
+            profile = self.policy.profile(rec.profile["slug"])
+            if profile is None:
+                raise QueueRefused(f"profile {rec.profile['slug']!r} is no longer in the policy")
+            live.demand = demand_for(self.policy, profile)
+        ticket = Ticket(key=KEY_PREFIX + rec.id, user=rec.user, team=rec.team, profile=rec.profile["slug"],
+                        demand=dict(live.demand), priority=rec.priority, created=att.queued)
+        queue = self.broker.queue
+        # Seam: jobs keep their own records across restarts; the queue journal is for
+        # servers (its entries are re-spawned through the REST API), so a job's ticket is
+        # submitted with the journal detached for this one synchronous call.
+        journal = getattr(queue, "journal", None)
+        queue.journal = None
+        try:
+            queue.submit(ticket)
+        finally:
+            queue.journal = journal
+        live.ticket = ticket
+        return ticket
+
+    # -- the attempts ----------------------------------------------------------------------
+    def _start_task(self, rec: R.JobRecord, first_ticket: bool = False) -> None:
+        live = self._live.setdefault(rec.id, _Live())
+        live.task = asyncio.ensure_future(self._drive(rec, first_ticket))
+
+    async def _drive(self, rec: R.JobRecord, first_ticket: bool) -> None:
+        live = self._live[rec.id]
+        try:
+            while True:
+                att = rec.current
+                if att is None or att.finished is not None:
+                    att = R.Attempt(number=len(rec.attempts) + 1, queued=time.time())
+                    rec.attempts.append(att)
+                if not first_ticket:
+                    try:
+                        self._enqueue(rec, att)
+                    except QueueRefused as e:
+                        self._end_attempt(rec, att, FAILED, None, f"cannot queue: {e}")
+                        self._finish(rec, R.FAILED, str(e))
+                        return
+                first_ticket = False
+                rec.state, rec.message = R.QUEUED, ""
+                self.store.save(rec)
+                try:
+                    adm = await live.ticket.future
+                except asyncio.CancelledError:
+                    if live.stop_reason == CANCELLED_REASON:
+                        self._end_attempt(rec, att, CANCELLED_REASON, None, live.stop_message)
+                        self._finish(rec, R.CANCELLED, live.stop_message)
+                        return
+                    raise
+                att.admitted = time.time()
+                att.devices = list(adm.devices)
+                try:
+                    reason, code, message = await self._run_attempt(rec, att, live)
+                finally:
+                    self.broker.queue.release(KEY_PREFIX + rec.id)  # its GPUs go to the next in line
+                self._end_attempt(rec, att, reason, code, message)
+                if reason == "succeeded":
+                    self._finish(rec, R.SUCCEEDED, "")
+                    return
+                if reason == CANCELLED_REASON:
+                    self._finish(rec, R.CANCELLED, message)
+                    return
+                retryable = reason != TIME_LIMIT and self._retryable(rec, reason, code)
+                retries_used = len(rec.attempts) - 1
+                if retryable and retries_used < rec.retries["limit"]:
+                    log.info("Job %s attempt %d ended (%s); queued again", rec.id, att.number, reason)
+                    continue
+                if retryable:
+                    message += f" No retries left ({rec.retries['limit']} allowed)."
+                self._finish(rec, R.FAILED, message)
+                return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a job must end visibly, never hang
+            log.exception("Job %s failed inside the hub", rec.id)
+            att = rec.current
+            if att is not None and att.finished is None:
+                self._end_attempt(rec, att, FAILED, None, f"gpuhub could not run it: {e}")
+            self._finish(rec, R.FAILED, f"gpuhub could not run it: {e}")
+        finally:
+            self.broker.queue.cancel(KEY_PREFIX + rec.id)
+            self.broker.queue.release(KEY_PREFIX + rec.id)
+
+    @staticmethod
+    def _retryable(rec: R.JobRecord, reason: str, code: int | None) -> bool:
+        reasons = rec.retries.get("reasons", [])
+        return reason in reasons or (reason == FAILED and code is not None and code in reasons)
+
+    def _launcher(self, rec: R.JobRecord, att: R.Attempt, env: dict, limits) -> JobProcess:
+        policy = self.policy
+        nodes = self.broker.devices.nodes_for(att.devices) if att.devices else []
+        return JobProcess(
+            user_name=rec.user, job_id=rec.id, argv=rec.command, env=env, devices=att.devices,
+            device_nodes=nodes, limits=limits, config=launcher_config(self.config),
+        )
+
+    def _job_env(self, rec: R.JobRecord, att: R.Attempt, home: str) -> dict[str, str]:
+        policy = self.policy
+        profile = policy.profile(rec.profile["slug"])
+        env = dict(profile.env if profile else {})
+        if rec.id not in self._env_values:
+            self._env_values[rec.id] = self.store.load_env(rec.id)
+        env.update(self._env_values[rec.id])
+        workdir = os.path.join(home, rec.working_dir) if rec.working_dir else home
+        ckpt = rec.checkpoint_dir if rec.checkpoint_dir.startswith("/") else os.path.join(home, rec.checkpoint_dir)
+        tags = {"gpuhub.job.id": rec.id, "gpuhub.job.attempt": str(att.number)}
+        if rec.name:
+            tags["gpuhub.job.name"] = rec.name
+        env.update(
+            GPUHUB_USER=rec.user, GPUHUB_TEAM=rec.team, GPUHUB_PROFILE=rec.profile["slug"],
+            GPUHUB_IMAGE=rec.image, GPUHUB_GPU_COUNT=str(rec.profile["gpu"]["count"]),
+            GPUHUB_GPU_FLAVOR=rec.profile["gpu"]["flavor"] or "", GPUHUB_SERVER_NAME="",
+            GPUHUB_JOB_ID=rec.id, GPUHUB_ATTEMPT=str(att.number), GPUHUB_CHECKPOINT_DIR=ckpt,
+            GPUHUB_WORKDIR=workdir, JUPYTERHUB_USER=rec.user,
+            MLFLOW_RUN_CONTEXT=json.dumps(tags),
+        )
+        if rec.image_digest:
+            env["GPUHUB_IMAGE_DIGEST"] = rec.image_digest
+        if rec.experiment:
+            env["MLFLOW_EXPERIMENT_NAME"] = rec.experiment
+        if self.hub_api_url:
+            env["JUPYTERHUB_API_URL"] = self.hub_api_url
+        return env
+
+    async def _run_attempt(self, rec: R.JobRecord, att: R.Attempt, live: _Live) -> tuple[str, int | None, str]:
+        policy = self.policy
+        profile = policy.profile(rec.profile["slug"])
+        limits = (rec.profile["cpu"], rec.profile["memory"])
+        launcher = self._launcher(rec, att, {}, limits)
+        env = self._job_env(rec, att, launcher.visible_home)
+        logdir = self.store.log_dir(rec.id)
+        att.log = str(logdir / f"attempt-{att.number}.log")
+        logfd = os.open(att.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        gpus = ", ".join(att.devices) if att.devices else "no GPU"
+        os.write(logfd, f"[gpuhub] {rec.id} attempt {att.number} admitted with {gpus} at {_ts(att.admitted)}\n".encode())
+        rfd, wfd = os.pipe()
+        env["GPUHUB_EVIDENCE_FD"] = str(wfd)
+        token = self._new_token(rec, env)
+        launcher.job_env = env
+        launcher.popen_kwargs = {"stdout": logfd, "stderr": logfd, "pass_fds": (wfd,)}
+        live.launcher, live.stop_reason, live.stop_message = launcher, None, ""
+        evidence = asyncio.get_running_loop().create_future()
+        try:
+            await launcher.start()
+        except Exception as e:  # noqa: BLE001
+            os.close(rfd)
+            os.write(logfd, f"[gpuhub] could not start: {e}\n".encode())
+            self._revoke(token)
+            live.launcher = None
+            return FAILED, None, f"could not start: {e}"
+        finally:
+            os.close(wfd)
+            os.close(logfd)
+        self._read_evidence(rfd, evidence)
+        if live.stop_reason:  # cancelled or preempted while it was starting
+            await launcher.stop(now=True)
+        proc = launcher.proc
+        att.started, att.pid, att.account = time.time(), proc.pid, launcher.account_name if launcher.isolated else None
+        from ..local.isolation import process_start_time
+
+        att.start_time = process_start_time(proc.pid)  # identity for the restart sweep
+        rec.env_names = sorted(launcher.get_env())
+        rec.state, rec.message = R.RUNNING, ""
+        self.store.save(rec)
+        live.exited = _exit_future(proc.pid)
+        remaining = None
+        if rec.time_limit:
+            used = sum(a.running_seconds() for a in rec.attempts if a is not att)
+            remaining = max(0.0, rec.time_limit - used)
+        try:
+            await asyncio.wait_for(asyncio.shield(live.exited), remaining)
+        except asyncio.TimeoutError:
+            await self._stop(rec.id, TIME_LIMIT, f"stopped: it reached its time limit of {format_duration(rec.time_limit)}")
+            await live.exited
+        code = proc.wait()
+        launcher.on_process_exit()  # sweeps its cgroup; records an OOM kill
+        try:
+            ev = await asyncio.wait_for(evidence, 2)
+            att.git = ev.get("git")
+        except (asyncio.TimeoutError, ValueError):
+            pass
+        if live.stop_reason:
+            reason, message = live.stop_reason, live.stop_message
+        elif launcher.stop_reason:
+            reason, message = OOM, launcher.stop_reason
+        elif code == 0:
+            reason, message = "succeeded", "exit code 0"
+        elif code < 0:
+            reason, message = FAILED, f"killed by signal {-code}"
+        else:
+            reason, message = FAILED, f"exit code {code}"
+        await self._collect_runs(rec, att, env, token)
+        self._revoke(token)
+        with open(att.log, "a") as f:
+            f.write(f"[gpuhub] attempt {att.number} ended at {_ts(time.time())}: {reason} ({message})\n")
+        live.launcher = None
+        return reason, code if code >= 0 else None, message
+
+    def _read_evidence(self, fd: int, fut: asyncio.Future) -> None:
+        loop = asyncio.get_running_loop()
+        os.set_blocking(fd, False)
+        buf = bytearray()
+
+        def readable():
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            if chunk and len(buf) < 65536:
+                buf.extend(chunk)
+                return
+            loop.remove_reader(fd)
+            os.close(fd)
+            if not fut.done():
+                try:
+                    fut.set_result(json.loads(bytes(buf).split(b"\n", 1)[0] or b"{}"))
+                except ValueError as e:
+                    fut.set_exception(e)
+
+        loop.add_reader(fd, readable)
+
+    def _end_attempt(self, rec: R.JobRecord, att: R.Attempt, reason: str, code: int | None, message: str) -> None:
+        att.finished = time.time()
+        att.reason, att.exit_code, att.message = reason, code, message
+        self.store.save(rec)
+
+    def _finish(self, rec: R.JobRecord, state: str, message: str) -> None:
+        rec.state, rec.message, rec.finished = state, message.strip(), time.time()
+        self.store.save(rec)
+        log.info("Job %s %s after %d attempt(s): %s", rec.id, state, len(rec.attempts), message)
+
+    # -- stopping --------------------------------------------------------------------------
+    async def _stop(self, job_id: str, reason: str, message: str) -> None:
+        live = self._live.get(job_id)
+        if live is None:
+            return
+        live.stop_reason, live.stop_message = reason, message
+        launcher = live.launcher
+        if launcher is not None and launcher.proc is not None:
+            await launcher.stop(now=True)  # SIGTERM, then SIGKILL; the whole cgroup goes
+            if live.exited is not None:
+                await live.exited
+
+    async def cancel(self, job_id: str) -> R.JobRecord:
+        """Leave the queue or stop the attempt; its GPUs are free when this returns."""
+        rec = self.jobs[job_id]
+        if rec.state in R.FINAL:
+            return rec
+        live = self._live.get(job_id)
+        message = "cancelled by its owner or an admin"
+        if live is not None:
+            live.stop_reason, live.stop_message = CANCELLED_REASON, message
+            if self.broker.queue.cancel(KEY_PREFIX + job_id):
+                pass  # the task sees its ticket cancelled
+            else:
+                await self._stop(job_id, CANCELLED_REASON, message)
+            if live.task is not None:
+                await asyncio.wait([live.task], timeout=30)
+        return rec
+
+    # -- interactive servers reclaim their team's GPUs ------------------------------------------
+    def _ensure_reclaimer(self) -> None:
+        if self._reclaimer is None or self._reclaimer.done():
+            self._reclaimer = asyncio.ensure_future(self._reclaim_loop())
+
+    async def _reclaim_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reclaim_interval)
+            if not any(l.launcher is not None for l in self._live.values()):
+                continue
+            try:
+                for job_id, message in self.victims():
+                    log.info("Preempting job %s: %s", job_id, message)
+                    asyncio.ensure_future(self._stop(job_id, PREEMPTED, message))
+            except Exception:  # noqa: BLE001
+                log.exception("reclaim check failed")
+
+    def victims(self) -> list[tuple[str, str]]:
+        """Jobs to stop so that waiting interactive servers fit (same team, priority ≤ theirs)."""
+        policy = self.policy
+        queue = self.broker.queue
+        running = [
+            (jid, self.jobs[jid], live) for jid, live in self._live.items()
+            if live.launcher is not None and live.stop_reason is None and jid in self.jobs
+        ]
+        if not running:
+            return []
+        usage = queue.usage()
+        chosen: list[tuple[str, str]] = []
+        taken: set[str] = set()
+        for ticket in sorted(queue.waiting, key=Ticket.sort_key):
+            if ticket.key.startswith(KEY_PREFIX) or ticket.restored:
+                continue
+            team = _team(policy, ticket.team)
+            if team is None:
+                continue
+            gpu_keys = [k for k in ticket.demand if k.startswith("gpu/")]
+            if not gpu_keys:
+                continue
+            if check_fit(policy, usage, team, ticket.demand).fits and not self.broker.devices.shortage(ticket.demand):
+                continue  # it will be admitted anyway
+            pool = sorted(
+                (r for r in running if r[1].team == team.name and r[1].priority <= ticket.priority
+                 and r[0] not in taken and any(k in r[2].demand for k in gpu_keys)),
+                key=lambda r: (r[1].priority, -(r[1].current.started or 0)),
+            )
+            trial = {t: dict(u) for t, u in usage.items()}
+            freed: dict[str, int] = {}
+            picks = []
+            for jid, rec, live in pool:
+                add_usage(trial, rec.team, live.demand, -1)
+                for k in gpu_keys:
+                    freed[k] = freed.get(k, 0) + live.demand.get(k, 0)
+                picks.append(jid)
+                devices_ok = all(
+                    len(self.broker.devices.free_devices(k[4:])) + freed.get(k, 0) >= ticket.demand[k] for k in gpu_keys
+                )
+                if check_fit(policy, trial, team, ticket.demand).fits and devices_ok:
+                    label = team.label
+                    wanted = ", ".join(describe(k, ticket.demand[k], policy) for k in gpu_keys)
+                    for p in picks:
+                        taken.add(p)
+                        chosen.append((p, f"preempted: an interactive server in {label} needed {wanted}"))
+                    usage = trial
+                    break
+        return chosen
+
+    # -- MLflow: the attempt's own credential, and the runs it logged --------------------------
+    def _mlflow_uri(self, env: dict) -> str | None:
+        return env.get("GPUHUB_MLFLOW_TRACKING_URI") or None
+
+    def _new_token(self, rec: R.JobRecord, env: dict) -> str | None:
+        """A token of the job's own user, good only for the MLflow service, for this attempt."""
+        uri = self._mlflow_uri(env)
+        if not uri:
+            return None
+        try:
+            from jupyterhub.app import JupyterHub
+
+            app = JupyterHub.instance()
+            user = app.users[rec.user]
+            service = uri.rstrip("/").rsplit("/services/", 1)[-1].split("/")[0] if "/services/" in uri else "mlflow"
+            token = user.new_api_token(
+                note=f"gpuhub {rec.id} attempt {len(rec.attempts)}", scopes=[f"access:services!service={service}"],
+                expires_in=int(rec.time_limit + 3600) if rec.time_limit else None,
+            )
+        except Exception:  # noqa: BLE001 - MLflow then needs the user's own setup
+            log.exception("Cannot make an MLflow token for %s", rec.id)
+            return None
+        env["JUPYTERHUB_API_TOKEN"] = token
+        if "MLFLOW_TRACKING_TOKEN" in env:
+            env["MLFLOW_TRACKING_TOKEN"] = token
+        return token
+
+    def _revoke(self, token: str | None) -> None:
+        if not token:
+            return
+        try:
+            from jupyterhub import orm
+            from jupyterhub.app import JupyterHub
+
+            db = JupyterHub.instance().db
+            found = orm.APIToken.find(db, token)
+            if found is not None:
+                db.delete(found)
+                db.commit()
+        except Exception:  # noqa: BLE001
+            log.exception("Cannot revoke a job token")
+
+    async def _collect_runs(self, rec: R.JobRecord, att: R.Attempt, env: dict, token: str | None) -> None:
+        """The MLflow runs this attempt logged (tag gpuhub.job.attempt), asked with its own token."""
+        uri = self._mlflow_uri(env)
+        if not uri or not token:
+            return
+        from tornado.httpclient import AsyncHTTPClient
+
+        client = AsyncHTTPClient()
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        experiment = env.get("MLFLOW_EXPERIMENT_NAME") or f"users/{rec.user}"
+        try:
+            from urllib.parse import quote
+
+            r = await client.fetch(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name={quote(experiment)}",
+                                   headers=headers, raise_error=False, request_timeout=10)
+            if r.code != 200:
+                return
+            exp_id = json.loads(r.body)["experiment"]["experiment_id"]
+            body = {"experiment_ids": [exp_id], "max_results": 100,
+                    "filter": f"tags.`gpuhub.job.id` = '{rec.id}' and tags.`gpuhub.job.attempt` = '{att.number}'"}
+            r = await client.fetch(f"{uri}/api/2.0/mlflow/runs/search", method="POST", body=json.dumps(body),
+                                   headers=headers, raise_error=False, request_timeout=10)
+            if r.code == 200:
+                att.mlflow_run_ids = [run["info"]["run_id"] for run in json.loads(r.body).get("runs", [])]
+        except Exception:  # noqa: BLE001 - evidence is best effort here; the tags stay on the runs
+            log.warning("Cannot list MLflow runs of %s attempt %d", rec.id, att.number, exc_info=True)
+
+    # -- reading -----------------------------------------------------------------------------
+    def status_line(self, rec: R.JobRecord) -> str:
+        """The state word first, then where it stands, in the spawn page's words."""
+        if rec.state == R.QUEUED:
+            live = self._live.get(rec.id)
+            st = live.ticket.status if live and live.ticket else None
+            if st is not None:
+                reason = st.reason[0].lower() + st.reason[1:] if st.reason else ""
+                label = (_team(self.policy, rec.team) or type("T", (), {"label": rec.team})).label
+                return f"queued: position {st.position} of {st.waiting_in_team} in {label}'s queue; this job {reason}."
+            return "queued: waiting for the scheduler."
+        if rec.state == R.RUNNING:
+            att = rec.current
+            gpus = ", ".join(att.devices) if att and att.devices else "no GPU"
+            return f"running: attempt {att.number if att else '?'} since {_ts(att.started if att else None)} with {gpus}."
+        att = rec.current
+        detail = rec.message or (att.message if att else "")
+        return f"{rec.state}: {detail}" if detail else rec.state
+
+    def view(self, rec: R.JobRecord) -> dict:
+        data = rec.to_dict()
+        data["status"] = self.status_line(rec)
+        for a in data["attempts"]:
+            a.pop("pid", None)
+        return data
+
+    def log_files(self, rec: R.JobRecord) -> list[Path]:
+        return [Path(a.log) for a in rec.attempts if a.log]
+
+
+def _exit_future(pid: int) -> asyncio.Future:
+    """Resolves when ``pid`` exits (pidfd: no polling)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        fut.set_result(None)
+        return fut
+
+    def exited():
+        loop.remove_reader(fd)
+        os.close(fd)
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, exited)
+    return fut
+
+
+def _team(policy: Policy, name: str):
+    return next((t for t in policy.teams if t.name == name), None)
+
+
+def _ts(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "-"

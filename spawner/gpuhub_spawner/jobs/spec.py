@@ -1,0 +1,189 @@
+"""The job file (``job.yaml``): what a researcher hands gpuhub, validated like the policy.
+
+Every mistake is reported with its line:column through the policy loader's located-error
+machinery (``policy.loader``), so ``gpuhub job submit`` and ``gpuhub validate`` speak the
+same way. Only the *shape* is checked here; whether the user's team may run the profile
+is decided by the hub at submission (``policy.access``), never by the client.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic.alias_generators import to_camel
+
+from ..policy.loader import PolicyError, PolicyIssue, _clean_loc, _message, _Positions, format_loc, suggest
+from ..policy.quantities import parse_duration
+
+# Reasons an attempt can end with; the retryable ones are listed in ``retries.reasons``.
+PREEMPTED = "preempted"  # its GPUs were reclaimed (an interactive server, Kueue)
+INTERRUPTED = "interrupted"  # the hub restarted while it ran
+FAILED = "failed"  # non-zero exit (any code); list exit codes to retry only those
+OOM = "oom"  # went over the profile's memory limit
+RETRY_WORDS = (PREEMPTED, INTERRUPTED, FAILED, OOM)
+DEFAULT_RETRY_ON = (PREEMPTED, INTERRUPTED)
+
+# Set by gpuhub for every attempt; a job file may not override them (the record and the
+# run tags must say what really ran, and the devices are the hub's decision).
+RESERVED_ENV = re.compile(r"^(GPUHUB_|JUPYTERHUB_|JPY_|MLFLOW_RUN_CONTEXT$|CUDA_VISIBLE_DEVICES$|NVIDIA_VISIBLE_DEVICES$)")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_RETRIES = 20
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+
+def _shorthand_retries(value: Any) -> Any:
+    """``retries: 2`` is short for ``retries: {limit: 2}``."""
+    if isinstance(value, dict) and any(isinstance(k, bool) for k in value):
+        raise ValueError("YAML reads the key 'on' (or yes/no) as a boolean; list retryable reasons under 'reasons'")
+    return {"limit": value} if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _duration(value: Any) -> Any:
+    return None if value is None else parse_duration(value)
+
+
+class Retries(_Model):
+    limit: Annotated[StrictInt, Field(ge=0, le=MAX_RETRIES)] = 0
+    reasons: list[Literal["preempted", "interrupted", "failed", "oom"] | Annotated[StrictInt, Field(ge=1, le=255)]] = list(DEFAULT_RETRY_ON)
+
+    def retries(self, reason: str, exit_code: int | None) -> bool:
+        if reason in self.reasons:
+            return True
+        return reason == FAILED and exit_code is not None and exit_code in self.reasons
+
+
+class JobSpec(_Model):
+    profile: str = Field(min_length=1)
+    team: str | None = None  # for members of several teams
+    name: str | None = Field(None, max_length=100)
+    command: list[str] | str
+    image: str | None = None  # Kubernetes; one machine runs in the machine's environment
+    working_dir: str | None = None  # relative to the home directory
+    env: dict[str, str] = {}
+    retries: Annotated[Retries, BeforeValidator(_shorthand_retries)] = Retries()
+    checkpoint_dir: str | None = None  # relative to home; default .gpuhub/checkpoints/<job id>
+    experiment: str | None = Field(None, min_length=1, max_length=200)
+    time_limit: Annotated[float | None, BeforeValidator(_duration)] = None
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _scalar_args(cls, value):
+        # `[python, train.py, --epochs, 3]`, `[true]`: YAML makes numbers and booleans of
+        # unquoted words; as arguments they mean their text.
+        if isinstance(value, list):
+            return [str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v for v in value]
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value):
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError("must not be empty")
+            try:
+                shlex.split(value)
+            except ValueError as e:
+                raise ValueError(f"is not a valid shell command ({e})") from None
+        elif not value or not value[0]:
+            raise ValueError("must not be empty (give the program and its arguments)")
+        return value
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value):
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for key, v in value.items():
+            key = str(key)
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if RESERVED_ENV.match(key):
+                raise ValueError(f"{key!r} is set by gpuhub for every attempt and cannot be overridden")
+            if isinstance(v, (dict, list)) or v is None:
+                raise ValueError(f"the value of {key} must be a string, number or boolean")
+            out[key] = str(v).lower() if isinstance(v, bool) else str(v)
+        return out
+
+    @field_validator("working_dir", "checkpoint_dir")
+    @classmethod
+    def _relative(cls, value):
+        if value is None:
+            return value
+        parts = value.split("/")
+        if ".." in parts or "\0" in value:
+            raise ValueError("must stay inside your home directory (no '..')")
+        return value
+
+    @field_validator("time_limit")
+    @classmethod
+    def _positive(cls, value):
+        if value is not None and value <= 0:
+            raise ValueError("must be longer than 0s")
+        return value
+
+    @property
+    def argv(self) -> list[str]:
+        """The command as argv: a shell string runs under ``/bin/sh -c``."""
+        return ["/bin/sh", "-c", self.command] if isinstance(self.command, str) else list(self.command)
+
+
+_MODELS = {(): JobSpec, ("retries",): Retries}
+
+
+def parse_job(text: str, filename: str = "job.yaml") -> JobSpec:
+    """Parse and validate a job file; raise ``PolicyError`` listing every located problem."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
+        problem = getattr(e, "problem", None) or str(e)
+        raise PolicyError(filename, [PolicyIssue("", line, col, f"YAML syntax error: {problem}")]) from None
+    positions = _Positions(root)
+    issues: list[PolicyIssue] = []
+
+    def add(loc, message, key=False):
+        line_col = positions.mark(loc, key=key) or (None, None)
+        issues.append(PolicyIssue(format_loc(loc), *line_col, message))
+
+    for loc, node in positions.duplicate_keys():
+        issues.append(PolicyIssue(format_loc(loc), node.start_mark.line + 1, node.start_mark.column + 1,
+                                  f"key {loc[-1]!r} appears twice; the second would silently win"))
+    if not isinstance(data, dict):
+        add((), "a job file must be a mapping with at least 'profile' and 'command'")
+        raise PolicyError(filename, issues)
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = _clean_loc(err["loc"])
+            if err["type"] == "extra_forbidden":
+                model = _MODELS.get(tuple(p for p in loc[:-1] if not isinstance(p, int)))
+                names = [f.alias or n for n, f in model.model_fields.items()] if model else []
+                add(loc, f"unknown key {loc[-1]!r}{suggest(loc[-1], names)}", key=True)
+            elif loc and loc[0] == "command" and err["type"] in ("string_type", "list_type"):
+                add(("command",), "must be a list of strings or one shell command string")
+            elif loc and loc[0] == "retries" and len(loc) >= 3 and loc[1] == "reasons":
+                add(loc[:3], f"must be one of {', '.join(RETRY_WORDS)} or an exit code 1-255 (got {err.get('input')!r})")
+            elif loc and loc[0] == "env" and err["type"] == "value_error":
+                add(("env",), _message(err))
+            else:
+                add(loc, _message(err))
+        seen, unique = set(), []
+        for i in issues:  # unions report one problem per member; say it once
+            if (i.path, i.message) not in seen:
+                seen.add((i.path, i.message))
+                unique.append(i)
+        raise PolicyError(filename, sorted(unique, key=lambda i: (i.line or 0, i.column or 0))) from None
+    if issues:
+        raise PolicyError(filename, issues)
+    return spec

@@ -1,0 +1,378 @@
+"""Batch jobs against a real hub run as root: the CLI, the shared queue, isolation, recovery.
+
+One hub for the module. Jobs run through the same isolated launcher as servers (their
+user's Unix account, cgroup, private /dev); virtual GPUs stand in for NVML. The training
+script is plain Python that checkpoints like a PyTorch loop would (no torch needed).
+Accounts and cgroups get a per-run prefix and are removed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+from support.hub import Hub, wait_for
+from support.kernel import KernelSession
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root"),
+]
+
+POLICY = """\
+flavors:
+  - name: gpu
+    displayName: Tesla
+    local: {virtual: 2}
+priorityClasses:
+  - {name: interactive, value: 1000}
+  - {name: batch, value: 100}
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    defaultPriority: interactive
+    jobPriority: batch
+    quota: {gpus: {gpu: 1}}
+    perUser: {maxGPUs: 1}
+  - name: nlp
+    displayName: NLP
+    groups: [nlp-group]
+    jobPriority: batch
+    quota: {gpus: {gpu: 1}}
+profiles:
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}
+  - {slug: gpu-1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: [vision, nlp], cpu: "1", memory: 1Gi}
+  - {slug: nlp-special, displayName: NLP only, teams: [nlp]}
+defaults:
+  queueTimeout: 5m
+"""
+
+# A training loop that checkpoints every step (atomically) and resumes from the last one.
+TRAIN = textwrap.dedent("""\
+    import json, os, time
+    ckpt = os.path.join(os.environ["GPUHUB_CHECKPOINT_DIR"], "state.json")
+    state = {"step": 0, "total": 0}
+    if os.path.exists(ckpt):
+        state = json.load(open(ckpt))
+        print("resumed from step", state["step"], flush=True)
+    print("attempt", os.environ["GPUHUB_ATTEMPT"], "devices", repr(os.environ["CUDA_VISIBLE_DEVICES"]), flush=True)
+    for step in range(state["step"] + 1, 9):
+        time.sleep(0.4)
+        state = {"step": step, "total": state["total"] + step}
+        json.dump(state, open(ckpt + ".tmp", "w")); os.replace(ckpt + ".tmp", ckpt)
+        print("step", step, flush=True)
+    print("total", state["total"], flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    from gpuhub_spawner.local.isolation import remove_isolation
+
+    prefix = f"gj{uuid.uuid4().hex[:5]}-"
+    h = Hub(tmp_path_factory.mktemp("jobs"), POLICY, env={"GPUHUB_ACCOUNT_PREFIX": prefix})
+    h.prefix = prefix
+    try:
+        h.start()
+        yield h
+    finally:
+        h.stop()
+        remove_isolation(prefix)
+
+
+@pytest.fixture(scope="module")
+def users(hub):
+    return {n: hub.login(n) for n in ("alice", "bob", "carol", "admin")}
+
+
+def cli(hub, user, *args, env=None, check=True):
+    """``gpuhub job ...`` from outside the hub, with a token from the token page."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
+    e.update(GPUHUB_TOKEN=user.token, **(env or {}))
+    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
+                       capture_output=True, text=True, env=e, timeout=60)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def job_file(tmp_path, text: str) -> str:
+    p = tmp_path / f"job-{uuid.uuid4().hex[:6]}.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def submit(hub, user, tmp_path, text: str) -> str:
+    r = cli(hub, user, "submit", job_file(tmp_path, text))
+    return r.stdout.strip().splitlines()[-1]
+
+
+def record(user, job_id) -> dict:
+    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
+    r.raise_for_status()
+    return r.json()
+
+
+def wait_state(user, job_id, *states, timeout=60) -> dict:
+    return wait_for(lambda: (rec := record(user, job_id))["state"] in states and rec, timeout,
+                    f"{job_id} to be {'/'.join(states)}")
+
+
+def logs(user, job_id) -> str:
+    return user.api.get(user.url(f"/gpuhub/jobs/{job_id}/logs")).json()["text"]
+
+
+def stop_servers(users):
+    for u in users.values():
+        for name in list(u.model()["servers"]):
+            u.stop(name)
+            u.wait_gone(name)
+
+
+def held_devices(users) -> list[str]:
+    snap = users["admin"].api.get(users["admin"].url("/gpuhub/status")).json()
+    return [d["id"] for d in snap["devices"] if d["held"]]
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_bad_job_file_is_explained_with_line_and_column(hub, users, tmp_path):
+    bad = "profile: gpu-1\ncomand: python train.py\nretries: {limit: 2, reasons: [preemptd]}\ntimeLimit: soon\n"
+    r = cli(hub, users["bob"], "submit", job_file(tmp_path, bad), check=False)
+    assert r.returncode == 1
+    assert ":2:1: comand: unknown key 'comand' (did you mean 'command'?)" in r.stderr
+    assert ":3:31: retries.reasons[0]: must be one of preempted" in r.stderr
+    assert ":4:12: timeLimit: 'soon' is not a duration" in r.stderr
+    # The hub says the same to a client that skips local validation; nothing is queued.
+    resp = users["bob"].api.post(users["bob"].url("/gpuhub/jobs"), json={"spec": bad, "filename": "j.yaml"})
+    assert resp.status_code == 400 and "j.yaml:2:1: comand: unknown key" in "\n".join(resp.json()["issues"])
+    assert users["bob"].api.get(users["bob"].url("/gpuhub/jobs")).json()["jobs"] == []
+
+
+def test_forged_jobs_are_refused_before_anything_queues(hub, users, tmp_path):
+    bob = users["bob"]
+    # Another team's profile.
+    r = cli(hub, bob, "submit", job_file(tmp_path, "profile: nlp-special\ncommand: [true]\n"), check=False)
+    assert r.returncode == 1 and "Profile 'nlp-special' is not available to your team(s)" in r.stderr and "403" in r.stderr
+    # A team the user is not in.
+    r = cli(hub, bob, "submit", job_file(tmp_path, "profile: gpu-1\nteam: nlp\ncommand: [true]\n"), check=False)
+    assert "not a member of team 'nlp'" in r.stderr
+    # More GPUs than the per-user cap: bob holds one in a server, the cap is one.
+    assert bob.start("gpu-1").status_code in (201, 202)
+    bob.wait_ready()
+    r = cli(hub, bob, "submit", job_file(tmp_path, "profile: gpu-1\ncommand: [true]\n"), check=False)
+    assert "allows 1 GPU(s) per user; you hold 1" in r.stderr
+    assert bob.api.get(bob.url("/gpuhub/jobs")).json()["jobs"] == []
+    snap = users["admin"].api.get(users["admin"].url("/gpuhub/status")).json()
+    assert all(t["waiting"] == 0 for t in snap["teams"])
+    stop_servers(users)
+
+
+def test_job_from_outside_runs_as_its_user_with_a_full_record(hub, users, tmp_path):
+    from gpuhub_spawner.local.unix_users import ensure_account, ensure_home
+
+    bob = users["bob"]
+    account = ensure_account("bob", hub.prefix)
+    home = hub.data / "home" / "bob"
+    ensure_home(str(home), account)
+    proj = home / "proj"
+    proj.mkdir(exist_ok=True)
+    (proj / "hello.py").write_text(
+        "import os, json\nprint('uid', os.getuid(), 'cwd', os.getcwd())\n"
+        "print('secret seen', os.environ.get('SECRET_NAME'))\n"
+        "print('cuda', repr(os.environ['CUDA_VISIBLE_DEVICES']))\n"
+        "print('ctx', os.environ['MLFLOW_RUN_CONTEXT'])\n"
+        "print('has server token', 'JPY_API_TOKEN' in os.environ)\n"
+    )
+    git = ["git", "-C", str(proj), "-c", "user.name=t", "-c", "user.email=t@x"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "first"], check=True)
+    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(["chown", "-R", f"{account.uid}:{account.gid}", str(proj)], check=True)
+
+    job_id = submit(hub, bob, tmp_path, f"""\
+name: hello
+profile: cpu
+workingDir: proj
+command: [{sys.executable}, hello.py]
+env: {{SECRET_NAME: value-never-in-the-record}}
+""")
+    rec = wait_state(bob, job_id, "succeeded", "failed")
+    out = logs(bob, job_id)
+    assert rec["state"] == "succeeded", out
+    assert f"uid {account.uid} cwd /home/{account.name}/proj" in out
+    assert "secret seen value-never-in-the-record" in out and "cuda ''" in out
+    assert f'"gpuhub.job.id": "{job_id}", "gpuhub.job.attempt": "1"' in out
+    assert "has server token False" in out
+    # The record: who, what, where, when; env names only.
+    assert (rec["user"], rec["team"], rec["profile"]["slug"]) == ("bob", "vision", "cpu")
+    assert len(rec["policy_sha256"]) == 64 and rec["priority_class"] == "batch"
+    att = rec["attempts"][0]
+    assert att["git"]["commit"] == head and att["git"]["dirty"] is False
+    assert att["exit_code"] == 0 and att["reason"] == "succeeded" and att["account"] == account.name
+    assert att["queued"] <= att["admitted"] <= att["started"] <= att["finished"]
+    assert "SECRET_NAME" in rec["env_names"] and "GPUHUB_ATTEMPT" in rec["env_names"]
+    raw = json.dumps(rec) + (hub.data / "jobs" / f"{job_id}.json").read_text()
+    assert "value-never-in-the-record" not in raw
+    assert oct((hub.data / "jobs" / f"{job_id}.json").stat().st_mode & 0o777) == "0o600"
+    show = cli(hub, bob, "show", job_id).stdout
+    assert show.startswith("succeeded") and head in show and "SECRET_NAME" in show
+    assert cli(hub, bob, "status", job_id).stdout.startswith("succeeded")
+    assert job_id in cli(hub, bob, "list").stdout
+    # The hub page shows the same record.
+    page = bob.session.get(f"{hub.url}/hub/gpuhub/jobs/{job_id}")
+    assert page.status_code == 200 and head[:12] in page.text
+
+
+def test_submit_from_a_notebook_terminal_with_the_servers_own_token(hub, users, tmp_path):
+    alice = users["alice"]
+    assert alice.start("cpu").status_code in (201, 202)
+    s = alice.wait_ready()
+    k = KernelSession("", hub.server_url(s["url"]), alice.token, f"jobs-{uuid.uuid4().hex[:6]}.ipynb")
+    try:
+        out = k.execute(textwrap.dedent(f"""\
+            import os, subprocess, sys
+            open("job.yaml", "w").write("profile: cpu\\ncommand: [{sys.executable}, -c, 'import os; print(os.getuid(), os.environ.get(\\"JUPYTERHUB_API_TOKEN\\", \\"none\\")[:6])']\\n")
+            r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "submit", "job.yaml"], capture_output=True, text=True)
+            print(r.returncode, r.stderr)
+            print(r.stdout.strip().splitlines()[-1])
+            print(os.getuid(), os.environ["JUPYTERHUB_API_TOKEN"][:6])
+        """))
+    finally:
+        k.close()
+    rc_line, job_id, server_ident = [ln for ln in out.strip().splitlines() if ln.strip()][-3:]
+    assert rc_line.strip() == "0", out
+    rec = wait_state(alice, job_id, "succeeded", "failed")
+    assert rec["state"] == "succeeded" and rec["user"] == "alice"
+    job_uid, job_token = logs(alice, job_id).splitlines()[1].split()
+    server_uid, server_token = server_ident.split()
+    assert job_uid == server_uid  # the same account as alice's server
+    assert job_token != server_token  # its own MLflow-only token, not the server's
+    stop_servers(users)
+
+
+def test_job_waits_behind_the_teams_quota_and_cancel_frees_its_gpu_at_once(hub, users, tmp_path):
+    alice, bob = users["alice"], users["bob"]
+    assert alice.start("gpu-1").status_code in (201, 202)
+    alice.wait_ready()
+    job_id = submit(hub, bob, tmp_path, f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'import time; print(\"up\", flush=True); time.sleep(300)']\n")
+    status = cli(hub, bob, "status", job_id).stdout
+    assert status.startswith("queued: position 1 of 1 in Vision Lab's queue"), status
+    assert "needs 1 Tesla GPU: your team Vision Lab is using 1 of the 1 it may hold" in status, status
+    alice.stop()
+    rec = wait_state(bob, job_id, "running")
+    assert rec["attempts"][0]["devices"] and held_devices(users) == rec["attempts"][0]["devices"]
+    wait_for(lambda: "up" in logs(bob, job_id), 30, "the job's output")
+    r = cli(hub, bob, "cancel", job_id)
+    assert r.stdout.startswith("cancelled")
+    assert held_devices(users) == []  # free when cancel returns
+    rec = record(bob, job_id)
+    assert rec["state"] == "cancelled" and rec["attempts"][0]["reason"] == "cancelled"
+    alice.wait_gone()
+
+
+def test_preempted_job_resumes_from_its_checkpoint_and_finishes_with_the_right_total(hub, users, tmp_path):
+    alice, bob = users["alice"], users["bob"]
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    script.chmod(0o644)
+    tmp_path.chmod(0o755)
+    for parent in tmp_path.parents:
+        if str(parent) == "/":
+            break
+        parent.chmod(parent.stat().st_mode | 0o011)
+    job_id = submit(hub, bob, tmp_path, f"""\
+name: train
+profile: gpu-1
+command: [{sys.executable}, {script}]
+retries: {{limit: 2, reasons: [preempted]}}
+""")
+    wait_for(lambda: "step 2" in logs(bob, job_id), 60, "training to reach step 2")
+    # An interactive server of the same team needs the GPU: it reclaims it from the job.
+    assert alice.start("gpu-1").status_code in (201, 202)
+    alice.wait_ready()
+    rec = wait_state(bob, job_id, "queued")
+    first = rec["attempts"][0]
+    assert first["reason"] == "preempted" and "interactive server in Vision Lab" in first["message"]
+    assert rec["status"].startswith("queued: position 1 of 1 in Vision Lab's queue")
+    alice.stop()
+    rec = wait_state(bob, job_id, "succeeded", "failed", timeout=90)
+    out = logs(bob, job_id)
+    assert rec["state"] == "succeeded", out
+    assert [a["reason"] for a in rec["attempts"]] == ["preempted", "succeeded"]
+    assert "attempt 2 devices" in out and "resumed from step" in out
+    resumed = int(out.split("resumed from step")[1].split()[0])
+    assert resumed >= 2
+    assert out.count("step 1\n") == 1  # nothing before the checkpoint ran twice
+    assert out.strip().splitlines()[-2] == "total 36"  # 1+..+8, across both attempts
+    alice.wait_gone()
+
+
+def test_non_retryable_exit_is_not_retried_and_time_limit_stops_and_says_so(hub, users, tmp_path):
+    carol = users["carol"]
+    failing = submit(hub, carol, tmp_path, f"""\
+profile: cpu
+command: "{sys.executable} -c 'import sys; print(\\"boom\\"); sys.exit(3)'"
+retries: {{limit: 2, reasons: [preempted, 75]}}
+""")
+    slow = submit(hub, carol, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, 'import time; time.sleep(120)']\ntimeLimit: 3s\nretries: 2\n")
+    rec = wait_state(carol, failing, "failed", "succeeded")
+    assert len(rec["attempts"]) == 1 and rec["attempts"][0]["exit_code"] == 3
+    assert rec["status"] == "failed: exit code 3"
+    rec = wait_state(carol, slow, "failed", "succeeded", timeout=60)
+    assert len(rec["attempts"]) == 1 and rec["attempts"][0]["reason"] == "time-limit"
+    assert "time limit of 3s" in rec["status"]
+    assert "time-limit" in logs(carol, slow)
+
+
+def test_another_user_cannot_read_or_cancel_a_job(hub, users, tmp_path):
+    bob, carol, admin = users["bob"], users["carol"], users["admin"]
+    job_id = submit(hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, 'import time; print(\"private\"); time.sleep(120)']\n")
+    wait_state(bob, job_id, "running")
+    for method, path in (("GET", ""), ("GET", "/logs"), ("POST", "/cancel"), ("DELETE", "")):
+        r = carol.api.request(method, carol.url(f"/gpuhub/jobs/{job_id}{path}"))
+        assert r.status_code == 404, (method, path, r.status_code)
+    assert job_id not in json.dumps(carol.api.get(carol.url("/gpuhub/jobs?all=1")).json())
+    assert carol.session.get(f"{hub.url}/hub/gpuhub/jobs/{job_id}").status_code == 404
+    r = cli(hub, carol, "logs", job_id, check=False)
+    assert r.returncode == 1 and "No such job" in r.stderr
+    # Encoded paths do not reach another route (raw client: requests would normalise).
+    import http.client
+
+    conn = http.client.HTTPConnection("localhost", hub.port)
+    conn.request("GET", f"/hub/api/gpuhub/jobs/{job_id}%2Flogs", headers={"Authorization": f"token {carol.token}"})
+    assert conn.getresponse().status == 404
+    # A token limited to reading its owner's name gets nothing, not even the owner's jobs.
+    tok = bob.api.post(bob.url("/users/bob/tokens"), json={"scopes": ["read:users:name!user"]}).json()["token"]
+    assert requests.get(bob.url(f"/gpuhub/jobs/{job_id}"), headers={"Authorization": f"token {tok}"}).status_code == 404
+    assert record(bob, job_id)["state"] == "running"
+    # Admins may.
+    assert admin.api.get(admin.url(f"/gpuhub/jobs/{job_id}")).status_code == 200
+    assert job_id in json.dumps(admin.api.get(admin.url("/gpuhub/jobs?all=1")).json())
+    assert admin.api.post(admin.url(f"/gpuhub/jobs/{job_id}/cancel")).json()["state"] == "cancelled"
+
+
+def test_records_and_logs_survive_a_hub_restart(hub, users, tmp_path):
+    bob = users["bob"]
+    done = submit(hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, 'print(\"before restart\")']\n")
+    wait_state(bob, done, "succeeded")
+    before = record(bob, done)
+    hub.stop(kill_servers=False)
+    hub.start()
+    bob2 = hub.login("bob")
+    after = record(bob2, done)
+    assert after["attempts"] == before["attempts"] and after["state"] == "succeeded"
+    assert "before restart" in logs(bob2, done)
+    users["bob"] = bob2

@@ -1,0 +1,80 @@
+"""The job file is validated like the policy: every mistake with its line:column."""
+
+import pytest
+
+from gpuhub_spawner.jobs.spec import parse_job
+from gpuhub_spawner.policy import PolicyError, parse_policy
+
+
+def errors(text: str) -> list[str]:
+    with pytest.raises(PolicyError) as e:
+        parse_job(text, "job.yaml")
+    return [i.format("job.yaml") for i in e.value.issues]
+
+
+def test_a_complete_job_file():
+    spec = parse_job(
+        "profile: gpu-1\nname: mnist\ncommand: [python, train.py, --epochs, 3]\nworkingDir: proj\n"
+        "env: {EPOCHS: 3, DEBUG: true}\nretries: {limit: 2, reasons: [preempted, failed, 75]}\n"
+        "checkpointDir: ckpt/mnist\nexperiment: mnist\ntimeLimit: 1h30m\nimage: ghcr.io/x/y@sha256:abc\n"
+    )
+    assert spec.argv == ["python", "train.py", "--epochs", "3"]
+    assert spec.env == {"EPOCHS": "3", "DEBUG": "true"}
+    assert spec.time_limit == 5400 and spec.retries.limit == 2
+    assert spec.retries.retries("failed", 1) and spec.retries.retries("preempted", None)
+    assert not spec.retries.retries("oom", None)
+
+
+def test_shorthands_and_defaults():
+    spec = parse_job("profile: cpu\ncommand: python train.py --lr 0.1\nretries: 3\n")
+    assert spec.argv == ["/bin/sh", "-c", "python train.py --lr 0.1"]
+    assert spec.retries.limit == 3 and spec.retries.reasons == ["preempted", "interrupted"]
+    # A non-zero exit is retried only when asked: by word or by exit code.
+    assert not spec.retries.retries("failed", 3)
+    assert parse_job("profile: cpu\ncommand: [x]\nretries: {limit: 1, reasons: [75]}\n").retries.retries("failed", 75)
+
+
+def test_every_mistake_is_located():
+    out = errors(
+        "profile: gpu-1\n"
+        "comand: python x\n"
+        "retries: {limit: -1, reasons: [preemptd, 300]}\n"
+        "timeLimit: soon\n"
+        "workingDir: ../elsewhere\n"
+    )
+    assert out == [
+        "job.yaml:1:1: command: is required",
+        "job.yaml:2:1: comand: unknown key 'comand' (did you mean 'command'?)",
+        "job.yaml:3:18: retries.limit: must be at least 0 (got -1)",
+        "job.yaml:3:32: retries.reasons[0]: must be one of preempted, interrupted, failed, oom or an exit code 1-255 (got 'preemptd')",
+        "job.yaml:3:42: retries.reasons[1]: must be one of preempted, interrupted, failed, oom or an exit code 1-255 (got 300)",
+        "job.yaml:4:12: timeLimit: 'soon' is not a duration (examples: 90s, 15m, 1h30m, 2d)",
+        "job.yaml:5:13: workingDir: must stay inside your home directory (no '..')",
+    ]
+
+
+def test_identity_and_devices_cannot_be_overridden_through_env():
+    for name in ("GPUHUB_ATTEMPT", "CUDA_VISIBLE_DEVICES", "JUPYTERHUB_API_TOKEN", "MLFLOW_RUN_CONTEXT"):
+        assert errors(f"profile: cpu\ncommand: [x]\nenv: {{{name}: '1'}}\n") == [
+            f"job.yaml:3:6: env: {name!r} is set by gpuhub for every attempt and cannot be overridden"
+        ]
+
+
+def test_yaml_pitfalls_are_explained():
+    assert errors("profile: cpu\ncommand: [x]\nretries: {limit: 1, on: [oom]}\n") == [
+        "job.yaml:3:10: retries: YAML reads the key 'on' (or yes/no) as a boolean; list retryable reasons under 'reasons'"
+    ]
+    assert errors("profile: cpu\ncommand: 5\n") == ["job.yaml:2:10: command: must be a list of strings or one shell command string"]
+    assert errors("profile: cpu\ncommand: []\n")[0].endswith("command: must not be empty (give the program and its arguments)")
+    assert errors("profile: cpu\nprofile: gpu\ncommand: [x]\n") == [
+        "job.yaml:2:1: profile: key 'profile' appears twice; the second would silently win"
+    ]
+    assert errors("profile: [\n")[0].startswith("job.yaml:2:1: (top level): YAML syntax error")
+
+
+def test_a_teams_job_priority_must_be_a_priority_class():
+    base = "priorityClasses: [{name: batch, value: 1}]\nteams:\n  - {name: a, groups: [g], jobPriority: %s}\nprofiles:\n  - {slug: cpu, displayName: C, teams: '*'}\n"
+    assert parse_policy(base % "batch").teams[0].job_priority == "batch"
+    with pytest.raises(PolicyError) as e:
+        parse_policy(base % "bach", "p.yaml")
+    assert str(e.value) == "p.yaml:3:41: teams[0].jobPriority: unknown priority class 'bach' (did you mean 'batch'?)"

@@ -5,6 +5,7 @@ and real kernels. Nothing in the notebook configures MLflow."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -71,6 +72,12 @@ def alice_notebook(hub, users):
     _git(repo, "commit", "-q", "-m", "first")
     commit = _git(repo, "rev-parse", "HEAD")
     (repo / "model.py").write_text("LR = 0.2\n")  # uncommitted change: dirty tree
+    home = repo.parent.stat()
+    if os.geteuid() == 0 and home.st_uid != 0:
+        # Servers run as the user's own Unix account: the repository is theirs (git
+        # refuses to read a repository owned by someone else).
+        for path in [repo, *repo.rglob("*")]:
+            os.chown(path, home.st_uid, home.st_gid, follow_symlinks=False)
     kernel = KernelSession(hub.url, server["url"], alice.token, "project/train.ipynb")
     yield kernel, commit
     kernel.close()

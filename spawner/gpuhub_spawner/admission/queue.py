@@ -1,15 +1,23 @@
 """The admission queue: priority first, FIFO within a priority, admitted on events.
 
 Runs inside the hub's event loop; every mutation ends in ``schedule()``, which admits
-whatever now fits and refreshes the plain-words status of every waiting ticket. There
-is no polling: a stop, a cancel, a new request or a policy reload is the trigger.
-Ordering follows Kueue's scheduler: requests that fit within their team's nominal quota
-go before requests that must borrow, then higher priority, then earlier arrival.
+whatever now fits and refreshes the plain-words status of the waiting tickets the event
+touched. There is no polling: a stop, a cancel, a new request or a policy reload is the
+trigger. Ordering follows Kueue's scheduler: requests that fit within their team's
+nominal quota go before requests that must borrow, then higher priority, then earlier
+arrival.
+
+Cost per event (a storm can leave thousands waiting): each team keeps its own sorted
+queue, usage is kept incrementally, a pass tries each waiting team once per distinct
+request shape, and only the teams whose state the event can change (the cohort of the
+teams admitted or released, and teams blocked on the devices that moved) get new
+statuses. So an event costs O(waiting in the touched teams), not O(all waiting).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
 import time
@@ -40,6 +48,13 @@ class Allocator(Protocol):
     def restore(self, key: str, devices: list[str]) -> None: ...
     def shortage(self, demand: Demand) -> str | None: ...
     def never_fits(self, demand: Demand) -> str | None: ...
+
+
+class Journal(Protocol):
+    """Keeps waiting requests across hub restarts (``admission.journal.QueueJournal``)."""
+
+    def waiting(self, ticket: "Ticket") -> None: ...
+    def removed(self, key: str) -> None: ...
 
 
 class QueueRefused(Exception):
@@ -83,6 +98,8 @@ class Ticket:
     status: WaitStatus | None = None
     admission: Admission | None = None
     version: int = 0
+    user_options: dict = field(default_factory=dict)  # to re-spawn it after a restart
+    restored: bool = False  # re-queued from the journal, its spawner not yet back
 
     def __post_init__(self):
         self._future: asyncio.Future | None = None
@@ -96,12 +113,27 @@ class Ticket:
             self._future = asyncio.get_running_loop().create_future()
             if self._cancelled:
                 self._future.cancel()
+            elif self.admission is not None:
+                self._future.set_result(self.admission)
         return self._future
+
+    @property
+    def done(self) -> bool:
+        return self.admission is not None or self._cancelled
+
+    def sort_key(self) -> tuple:
+        return (-self.priority, self.created, self.seq)
 
     def _cancel(self) -> None:
         self._cancelled = True
         if self._future is not None and not self._future.done():
             self._future.cancel()
+        self._notify()
+
+    def _admit(self, adm: Admission) -> None:
+        self.admission = adm
+        if self._future is not None and not self._future.done():
+            self._future.set_result(adm)
         self._notify()
 
     def _notify(self) -> None:
@@ -110,7 +142,12 @@ class Ticket:
         self._changed = asyncio.Event()
 
     async def changed(self, since_version: int, timeout: float | None = None) -> None:
-        """Wait until the status moves past ``since_version`` (or ``timeout``)."""
+        """Wait until the status moves past ``since_version`` (or ``timeout``).
+
+        Readers capture ``version`` *before* they act on the status (and before any
+        ``yield``), so a change that lands meanwhile returns at once instead of being
+        missed until the next change.
+        """
         if self.version != since_version:
             return
         event = self._changed
@@ -121,27 +158,40 @@ class Ticket:
 
 
 class AdmissionQueue:
-    def __init__(self, policy: Callable[[], Policy], allocator: Allocator | None = None):
+    def __init__(self, policy: Callable[[], Policy], allocator: Allocator | None = None, journal: Journal | None = None):
         self._policy = policy
         self.allocator = allocator
-        self.waiting: list[Ticket] = []
+        self.journal = journal
+        self._teams: dict[str, list[Ticket]] = {}  # team -> waiting, in (priority, arrival) order
+        self._keys: dict[str, Ticket] = {}  # key -> waiting ticket
+        self._restored: dict[str, Ticket] = {}  # key -> journal ticket whose spawner is not back yet
         self.admitted: dict[str, Admission] = {}
+        self._usage: dict[str, dict[str, int]] = {}
+        self._device_blocked: dict[str, set[str]] = {}  # flavor key -> teams whose reason is a device shortage
         self.on_admit: list[Callable[[Admission], None]] = []
+        # While set, nothing is admitted (statuses still update): after a restart the
+        # requests that waited before must be back in the queue before anything jumps it.
+        self.held = False
 
     # -- state -----------------------------------------------------------------------------
+    @property
+    def waiting(self) -> list[Ticket]:
+        """Every waiting ticket (for pages; O(n))."""
+        return [t for q in self._teams.values() for t in q]
+
+    def waiting_in(self, team: str) -> int:
+        return len(self._teams.get(team, ()))
+
     def usage(self) -> dict[str, dict[str, int]]:
-        usage: dict[str, dict[str, int]] = {}
-        for adm in self.admitted.values():
-            add_usage(usage, adm.team, adm.demand)
-        return usage
+        return {team: dict(keys) for team, keys in self._usage.items()}
 
     def ticket(self, key: str) -> Ticket | None:
-        return next((t for t in self.waiting if t.key == key), None)
+        return self._keys.get(key)
 
     # -- events ----------------------------------------------------------------------------
     def submit(self, ticket: Ticket) -> Ticket:
         """Queue a request (and admit it at once if it fits); refuse what can never fit."""
-        if ticket.key in self.admitted or self.ticket(ticket.key):
+        if ticket.key in self.admitted or ticket.key in self._keys:
             raise QueueRefused(f"server {ticket.key} already holds or waits for resources")
         policy = self._policy()
         team = policy.team(ticket.team)
@@ -149,18 +199,63 @@ class AdmissionQueue:
         never = fit.never or (self.allocator.never_fits(ticket.demand) if self.allocator else None)
         if never:
             raise QueueRefused(never)
-        self.waiting.append(ticket)
-        self.schedule()
+        self._insert(ticket)
+        if self.journal is not None:
+            self.journal.waiting(ticket)
+        self.schedule({ticket.team})
         return ticket
 
-    def cancel(self, key: str) -> bool:
-        ticket = self.ticket(key)
+    def restore_waiting(self, tickets: Iterable[Ticket]) -> list[Ticket]:
+        """Re-queue requests that waited before a hub restart, in their original order.
+
+        Their spawners come back through JupyterHub (see ``local.requeue``) and ``adopt``
+        them; until then a restored ticket holds its place (and, if admitted, its devices).
+        """
+        self.held = False
+        teams = set()
+        back = []
+        for ticket in tickets:
+            if ticket.key in self.admitted or ticket.key in self._keys:
+                log.warning("Not restoring %s: it already holds or waits for resources", ticket.key)
+                continue
+            ticket.restored = True
+            self._insert(ticket)
+            self._restored[ticket.key] = ticket
+            teams.add(ticket.team)
+            back.append(ticket)
+        if back:
+            log.info("Restored %d waiting request(s) from before the restart", len(back))
+        self.schedule(teams if back else None)
+        return back
+
+    def adopt(self, key: str) -> Ticket | None:
+        """The restored ticket for ``key`` (waiting or already admitted), handed to its spawner once."""
+        ticket = self._restored.pop(key, None)
+        if ticket is not None:
+            ticket.restored = False
+        return ticket
+
+    def drop_restored(self, key: str) -> None:
+        """A restored request whose spawner will not come back: free its place or its devices."""
+        if self._restored.pop(key, None) is None:
+            return
+        if not self.cancel(key):
+            self.release(key)
+
+    def cancel(self, key: str, forget: bool = True) -> bool:
+        """Take ``key`` out of the queue; ``forget=False`` keeps its journal entry (hub shutdown)."""
+        ticket = self._keys.pop(key, None)
         if ticket is None:
             return False
-        self.waiting.remove(ticket)
+        queue = self._teams[ticket.team]
+        del queue[self._index(queue, ticket)]
+        if not queue:
+            del self._teams[ticket.team]
         ticket._cancel()
+        if forget and self.journal is not None:
+            self.journal.removed(key)
         log.info("Request %s left the queue", key)
-        self.schedule()
+        self.schedule({ticket.team})
         return True
 
     def release(self, key: str) -> Admission | None:
@@ -168,10 +263,12 @@ class AdmissionQueue:
         adm = self.admitted.pop(key, None)
         if adm is None:
             return None
+        self._restored.pop(key, None)
+        add_usage(self._usage, adm.team, adm.demand, -1)
         if self.allocator:
             self.allocator.free(key)
         log.info("Released %s (%s, team %s): %s", key, adm.profile, adm.team, adm.devices or "no devices")
-        self.schedule()
+        self.schedule({adm.team}, freed=adm.demand)
         return adm
 
     def restore(self, adm: Admission) -> None:
@@ -181,91 +278,151 @@ class AdmissionQueue:
         if self.allocator:
             self.allocator.restore(adm.key, adm.devices)
         self.admitted[adm.key] = adm
-        self._update_metrics()
+        add_usage(self._usage, adm.team, adm.demand)
+        self._update_metrics({adm.team})
 
     # -- the scheduler ---------------------------------------------------------------------
-    def _order(self, policy: Policy, usage) -> list[tuple[bool, Ticket]]:
-        entries = []
-        for t in self.waiting:
-            try:
-                team = policy.team(t.team)
-            except StopIteration:  # team removed from the policy while waiting
-                entries.append((True, t))
-                continue
-            entries.append((check_fit(policy, usage, team, t.demand).borrows, t))
-        entries.sort(key=lambda e: (e[0], -e[1].priority, e[1].created, e[1].seq))
-        return entries
+    @staticmethod
+    def _index(queue: list[Ticket], ticket: Ticket) -> int:
+        i = bisect.bisect_left(queue, ticket.sort_key(), key=Ticket.sort_key)
+        while queue[i] is not ticket:
+            i += 1
+        return i
 
-    def schedule(self) -> list[Admission]:
+    def _insert(self, ticket: Ticket) -> None:
+        queue = self._teams.setdefault(ticket.team, [])
+        bisect.insort_right(queue, ticket, key=Ticket.sort_key)
+        self._keys[ticket.key] = ticket
+
+    def _cohort(self, policy: Policy, teams: Iterable[str]) -> set[str]:
+        out: set[str] = set()
+        for name in teams:
+            team = policy.team_or_none(name)
+            out.update(m.name for m in policy.cohort_members(team)) if team else out.add(name)
+        return out
+
+    def _candidates(self, policy: Policy) -> list[tuple[bool, Ticket]]:
+        """Per waiting team, its first ticket of each request shape, in Kueue's order."""
+        out = []
+        for name, queue in self._teams.items():
+            team = policy.team_or_none(name)
+            if team is None:
+                continue
+            if team.queueing_strategy == "StrictFIFO":
+                heads = queue[:1]
+            else:
+                seen, heads = set(), []
+                for t in queue:
+                    shape = tuple(sorted(t.demand.items()))
+                    if shape not in seen:
+                        seen.add(shape)
+                        heads.append(t)
+            for t in heads:
+                out.append((check_fit(policy, self._usage, team, t.demand).borrows, t))
+        out.sort(key=lambda e: (e[0], -e[1].priority, e[1].created, e[1].seq))
+        return out
+
+    def schedule(self, touched: Iterable[str] | None = None, freed: Demand | None = None) -> list[Admission]:
+        """Admit what fits; refresh the statuses of ``touched`` teams (all when None)."""
         policy = self._policy()
-        usage = self.usage()
         admitted: list[Admission] = []
-        blocked_teams: set[str] = set()
-        for _borrows, ticket in self._order(policy, usage):
-            team = next((t for t in policy.teams if t.name == ticket.team), None)
-            if team is None or ticket.team in blocked_teams:
-                continue
-            fit = check_fit(policy, usage, team, ticket.demand)
-            devices: list[str] | None = []
-            if fit.fits and self.allocator:
-                devices = self.allocator.allocate(ticket.key, ticket.demand)
-            if not fit.fits or devices is None:
-                if team.queueing_strategy == "StrictFIFO":
-                    blocked_teams.add(ticket.team)
-                continue
-            adm = Admission(ticket.key, ticket.user, ticket.team, ticket.profile, ticket.demand, devices or [])
-            self.admitted[ticket.key] = adm
-            add_usage(usage, ticket.team, ticket.demand)
-            self.waiting.remove(ticket)
-            ticket.admission = adm
-            ADMISSION_WAIT.observe(time.time() - ticket.created)
-            log.info("Admitted %s (%s, team %s) devices=%s", ticket.key, ticket.profile, ticket.team, adm.devices)
-            if not ticket.future.done():
-                ticket.future.set_result(adm)
-            ticket._notify()
-            admitted.append(adm)
-            for hook in self.on_admit:
-                hook(adm)
-        self._refresh_statuses(policy, usage)
-        self._update_metrics()
+        moved: set[str] = set(freed or ())  # resources whose availability changed
+        while not self.held:  # each admission changes usage: re-pick the best candidate
+            progress = False
+            for _borrows, ticket in self._candidates(policy):
+                team = policy.team(ticket.team)
+                if not check_fit(policy, self._usage, team, ticket.demand).fits:
+                    continue
+                devices: list[str] | None = []
+                if self.allocator:
+                    devices = self.allocator.allocate(ticket.key, ticket.demand)
+                    if devices is None:
+                        continue
+                self._admit(ticket, devices or [])
+                admitted.append(ticket.admission)
+                moved.update(ticket.demand)
+                progress = True
+                break
+            if not progress:
+                break
+        teams = None if touched is None else set(touched) | {a.team for a in admitted}
+        if teams is not None:
+            teams = self._cohort(policy, teams)
+            for key in moved:
+                teams |= self._device_blocked.get(key, set())
+        self._refresh_statuses(policy, teams)
+        self._update_metrics(teams)
         return admitted
 
-    def _refresh_statuses(self, policy: Policy, usage) -> None:
-        per_team: dict[str, list[Ticket]] = {}
-        for _b, t in self._order(policy, usage):
-            per_team.setdefault(t.team, []).append(t)
-        for team_name, tickets in per_team.items():
-            team = next((t for t in policy.teams if t.name == team_name), None)
-            for pos, ticket in enumerate(tickets, 1):
+    def _admit(self, ticket: Ticket, devices: list[str]) -> None:
+        adm = Admission(ticket.key, ticket.user, ticket.team, ticket.profile, ticket.demand, devices)
+        queue = self._teams[ticket.team]
+        del queue[self._index(queue, ticket)]
+        if not queue:
+            del self._teams[ticket.team]
+        del self._keys[ticket.key]
+        self.admitted[ticket.key] = adm
+        add_usage(self._usage, ticket.team, ticket.demand)
+        if self.journal is not None:
+            # Before the launch: a restart must never re-admit what may already run.
+            self.journal.removed(ticket.key)
+        ADMISSION_WAIT.observe(time.time() - ticket.created)
+        log.info("Admitted %s (%s, team %s) devices=%s", ticket.key, ticket.profile, ticket.team, adm.devices)
+        ticket._admit(adm)
+        for hook in self.on_admit:
+            hook(adm)
+
+    def _refresh_statuses(self, policy: Policy, teams: set[str] | None) -> None:
+        names = list(self._teams) if teams is None else [n for n in teams if n in self._teams]
+        if teams is None:
+            self._device_blocked = {}
+        for name in names:
+            for blocked in self._device_blocked.values():
+                blocked.discard(name)
+        for name in names:
+            self._refresh_team(policy, name, self._teams[name])
+
+    def _refresh_team(self, policy: Policy, team_name: str, queue: list[Ticket]) -> None:
+        team = policy.team_or_none(team_name)
+        label = team.label if team else team_name
+        # Kueue's order inside the team: within-nominal requests before borrowers.
+        if team is not None:
+            queue = sorted(queue, key=lambda t: check_fit(policy, self._usage, team, t.demand).borrows)
+        used = self._usage.get(team_name, {})
+        cache: dict[tuple, tuple[str, str | None]] = {}
+        for pos, ticket in enumerate(queue, 1):
+            shape = tuple(sorted(ticket.demand.items()))
+            if shape not in cache:
+                blocked_on = None
                 if team is None:
                     reason = f"team {team_name!r} is no longer in the policy"
                 else:
-                    fit = check_fit(policy, usage, team, ticket.demand)
-                    if not fit.fits:
-                        reason = "; ".join(s.reason for s in fit.shortages)
-                    elif self.allocator and (short := self.allocator.shortage(ticket.demand)):
+                    fit = check_fit(policy, self._usage, team, ticket.demand)
+                    reason = "; ".join(s.reason for s in fit.shortages) if not fit.fits else ""
+                    if fit.fits and self.allocator and (short := self.allocator.shortage(ticket.demand)):
                         reason = short
-                    elif pos > 1:
-                        reason = "requests ahead of yours in your team's queue go first"
-                    else:
-                        reason = "waiting for the scheduler"
-                in_use = {k: usage.get(team_name, {}).get(k, 0) for k in ticket.demand}
-                label = team.label if team else team_name
-                message = (
-                    f"Waiting in the queue: position {pos} of {len(tickets)} in {label}'s queue. "
-                    f"This server {reason[0].lower() + reason[1:] if reason else ''}."
-                )
-                status = WaitStatus(pos, len(tickets), reason, team_name, in_use, message)
-                if status != ticket.status:
-                    ticket.status = status
-                    ticket._notify()
+                        blocked_on = next((k for k in ticket.demand if k.startswith("gpu/")), None)
+                cache[shape] = (reason, blocked_on)
+            reason, blocked_on = cache[shape]
+            if blocked_on:
+                self._device_blocked.setdefault(blocked_on, set()).add(team_name)
+            if not reason:
+                reason = "requests ahead of yours in your team's queue go first" if pos > 1 else "waiting for the scheduler"
+            in_use = {k: used.get(k, 0) for k in ticket.demand}
+            message = (
+                f"Waiting in the queue: position {pos} of {len(queue)} in {label}'s queue. "
+                f"This server {reason[0].lower() + reason[1:] if reason else ''}."
+            )
+            status = WaitStatus(pos, len(queue), reason, team_name, in_use, message)
+            if status != ticket.status:
+                ticket.status = status
+                ticket._notify()
 
-    def _update_metrics(self) -> None:
-        teams = {t.team for t in self.waiting} | {a.team for a in self.admitted.values()}
-        for team in teams:
-            QUEUE_WAITING.labels(team=team).set(sum(1 for t in self.waiting if t.team == team))
-        for team, keys in self.usage().items():
-            for key, amount in keys.items():
+    def _update_metrics(self, teams: set[str] | None = None) -> None:
+        names = (set(self._teams) | set(self._usage)) if teams is None else teams
+        for team in names:
+            QUEUE_WAITING.labels(team=team).set(len(self._teams.get(team, ())))
+            for key, amount in self._usage.get(team, {}).items():
                 RESOURCE_IN_USE.labels(team=team, resource=key).set(amount)
 
     # -- read-only view for pages -----------------------------------------------------------

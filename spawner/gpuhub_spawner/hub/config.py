@@ -126,6 +126,10 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     # Queued servers are pending spawns; JupyterHub's limit would count them and lock
     # everyone out behind a full queue. LocalBroker.launch_concurrency limits launches.
     c.JupyterHub.concurrent_spawn_limit = 0
+    # Waiting requests are journaled in the data dir and come back after a restart.
+    from ..local.requeue import configure_requeue
+
+    configure_requeue(c, data)
     c.JupyterHub.allow_named_servers = True  # per-user caps come from the policy
     # Restarting the hub leaves servers (and their GPUs) running; they are re-adopted.
     c.JupyterHub.cleanup_servers = False

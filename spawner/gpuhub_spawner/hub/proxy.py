@@ -5,9 +5,19 @@ tornado's default 20 s. The spawn page's progress is a server-sent event stream 
 stays open while a server waits in the queue, so buffering would hide every queue
 message. This entry point streams headers and body chunks as they arrive and lets a
 stream stay open; everything else is the upstream proxy unchanged.
+
+It is the fallback where Node.js is missing (the hub prefers the Node proxy z2jh ships,
+see ``hub.config.node_proxy_command``). Upstream forwards with tornado's shared
+``AsyncHTTPClient()``, whose ``max_clients`` is 10: every open spawn page holds one
+client for as long as it waits, so ten waiting users made every other request queue and
+fail with 503. Here the client has no practical cap (``GPUHUB_PROXY_MAX_CLIENTS``,
+default 10,000; each costs only a socket), so long streams and ordinary requests never
+wait for each other.
 """
 
 from __future__ import annotations
+
+import os
 
 from configurable_http_proxy import cli, handlers
 from tornado.httpclient import AsyncHTTPClient
@@ -55,7 +65,12 @@ async def _streaming_call_proxy(self, path=None):
     self.finish()
 
 
+MAX_CLIENTS = int(os.environ.get("GPUHUB_PROXY_MAX_CLIENTS", 10_000))
+
+
 def main():
+    # Before the first AsyncHTTPClient() is made: every later one shares this limit.
+    AsyncHTTPClient.configure(None, max_clients=MAX_CLIENTS)
     handlers.ProxyHandler.call_proxy = _streaming_call_proxy
     return cli.main()
 

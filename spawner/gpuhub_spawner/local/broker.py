@@ -11,9 +11,10 @@ import asyncio
 import logging
 
 from tornado.ioloop import PeriodicCallback
-from traitlets import Integer
+from traitlets import Integer, Unicode
 from traitlets.config import SingletonConfigurable
 
+from ..admission.journal import QueueJournal
 from ..admission.queue import AdmissionQueue
 from ..policy import PolicyStore
 from ..policy.model import Policy
@@ -32,11 +33,29 @@ class LocalBroker(SingletonConfigurable):
         queue. This limit applies only to servers that were admitted and are starting.""",
     ).tag(config=True)
 
+    queue_journal = Unicode(
+        "",
+        help="""File that keeps waiting requests across hub restarts (in the hub's data dir).
+
+        Empty: the queue lives in memory only. See ``local.requeue`` for how the requests
+        come back through JupyterHub after a restart.""",
+    ).tag(config=True)
+
     def __init__(self, discover=discover_nvml, **kwargs):
         super().__init__(**kwargs)
         self.store = PolicyStore.instance(config=self.config)
         self.devices = DeviceTable(lambda: self.store.current, discover=discover)
-        self.queue = AdmissionQueue(lambda: self.store.current, self.devices)
+        self.journal = QueueJournal(self.queue_journal) if self.queue_journal else None
+        # What waited before a restart; re-queued by local.requeue once the hub has
+        # re-registered the servers still running (so no device is handed out twice).
+        self.waiting_before_restart = self.journal.load() if self.journal else []
+        self.queue = AdmissionQueue(lambda: self.store.current, self.devices, self.journal)
+        if self.waiting_before_restart:
+            self.queue.held = True  # until they are back: nobody jumps the queue meanwhile
+            try:
+                asyncio.get_running_loop().call_later(300, self._end_hold)
+            except RuntimeError:
+                pass
         self.store.on_change(self._policy_changed)
         self._launch_slots: asyncio.Semaphore | None = None
         self._watcher: PeriodicCallback | None = None
@@ -60,6 +79,13 @@ class LocalBroker(SingletonConfigurable):
         if self._watcher is None:
             self._watcher = PeriodicCallback(self.store.refresh, self.store.check_interval * 1000)
             self._watcher.start()
+
+    def _end_hold(self) -> None:
+        """Safety net: never keep the queue held if the requests did not come back."""
+        if self.queue.held:
+            log.warning("Queued requests from before the restart did not come back; admitting again")
+            self.queue.held = False
+            self.queue.schedule()
 
     def _policy_changed(self, policy: Policy) -> None:
         self.devices.reload(policy)

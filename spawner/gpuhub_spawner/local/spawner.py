@@ -80,7 +80,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
 
     # -- start ----------------------------------------------------------------------------
     async def start(self):
-        self.broker.store.refresh()
+        await self.broker.store.fresh()  # an edit just saved applies to this spawn
         choice = self.resolve_request()
         policy = self.broker.policy
         demand = demand_for(policy, choice.profile)
@@ -91,15 +91,26 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             profile=choice.profile.slug,
             demand=demand,
             priority=choice.priority,
+            user_options=dict(self.user_options or {}),
         )
-        try:
-            self.broker.queue.submit(ticket)
-        except QueueRefused as e:
-            raise web.HTTPError(409, str(e), reason=str(e)) from None
+        queue = self.broker.queue
+        restored = queue.adopt(ticket.key)  # waited before a hub restart (local.requeue)
+        if restored is not None and (restored.team, restored.profile) == (ticket.team, ticket.profile):
+            self.log.info("%s takes back its place in the queue from before the restart", ticket.key)
+            ticket = restored
+        else:
+            if restored is not None and not queue.cancel(restored.key):
+                queue.release(restored.key)  # a different choice now: its old place goes
+            try:
+                queue.submit(ticket)
+            except QueueRefused as e:
+                raise web.HTTPError(409, str(e), reason=str(e)) from None
         self._ticket = ticket
         queue_timeout = policy.defaults.queue_timeout
         try:
-            self._admission = await asyncio.wait_for(asyncio.shield(ticket.future), queue_timeout)
+            # The wait counts from the request, also for one that waited before a restart.
+            left = max(0.0, queue_timeout - (time.time() - ticket.created))
+            self._admission = await asyncio.wait_for(asyncio.shield(ticket.future), left)
         except asyncio.TimeoutError:
             self.broker.queue.cancel(ticket.key)
             wanted = ", ".join(describe(k, v, policy) for k, v in sorted(demand.items()) if k.startswith("gpu/"))
@@ -111,8 +122,9 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             self.log.warning("Queue timeout for %s: %s", ticket.key, msg)
             raise web.HTTPError(503, msg, reason=msg) from None
         except asyncio.CancelledError:
-            # The user left the queue (stop button / DELETE) or the hub is shutting down.
-            if not self.broker.queue.cancel(ticket.key):
+            # The user left the queue (stop() already took it out and off the journal) or
+            # the hub is shutting down: then the journal keeps it for after the restart.
+            if not self.broker.queue.cancel(ticket.key, forget=False):
                 self.broker.queue.release(ticket.key)
             raise
         try:
@@ -236,18 +248,24 @@ class QueuedGpuMixin(PolicySpawnerMixin):
 
     # -- progress on the spawn page -----------------------------------------------------------
     async def progress(self):
+        """Every change of the request's state, as it happens (and at least every 30 s).
+
+        The version is read before each message is sent: a change that lands while a
+        message is on its way (an admission, a new position) is sent next, not lost.
+        """
         ticket = self._ticket
         if ticket is None:
             return
-        version = -1
-        started = ticket.created
         timeout = self.broker.policy.defaults.queue_timeout
-        while ticket.admission is None and not ticket.future.done():
+        while True:
+            version = ticket.version
+            if ticket.done:
+                break
             if ticket.status is not None:
-                waited = time.time() - started
+                waited = time.time() - ticket.created
                 yield {
                     "progress": 10,
-                    "message": f"{ticket.status.message} Waited {format_duration(waited)}; the request is "
+                    "message": f"{ticket.status.message} Waiting for {format_duration(waited)}; the request is "
                     f"withdrawn after {format_duration(timeout)}. You will start automatically when it is your turn.",
                     "gpuhub": {
                         "position": ticket.status.position,
@@ -255,9 +273,9 @@ class QueuedGpuMixin(PolicySpawnerMixin):
                         "team": ticket.status.team,
                         "in_use": ticket.status.in_use,
                         "reason": ticket.status.reason,
+                        "waited": round(waited, 1),
                     },
                 }
-            version = ticket.version
             await ticket.changed(version, timeout=30)
         adm = ticket.admission
         if adm is not None:

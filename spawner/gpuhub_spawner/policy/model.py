@@ -9,6 +9,7 @@ YAML; unknown keys are errors (``extra="forbid"``) so typos never pass silently.
 from __future__ import annotations
 
 import re
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
@@ -251,11 +252,30 @@ class Policy(_Model):
     def flavor(self, name: str) -> Flavor:
         return next(f for f in self.flavors if f.name == name)
 
+    # Dict look-ups: a queue event asks for teams and cohorts per waiting request, and a
+    # large policy has hundreds of teams. (Cached per frozen policy; first name wins.)
+    @cached_property
+    def _by_name(self) -> tuple[dict, dict, dict]:
+        teams, profiles, cohorts = {}, {}, {}
+        for t in self.teams:
+            teams.setdefault(t.name, t)
+            if t.cohort:
+                cohorts.setdefault(t.cohort, []).append(t)
+        for p in self.profiles:
+            profiles.setdefault(p.slug, p)
+        return teams, profiles, cohorts
+
     def team(self, name: str) -> Team:
-        return next(t for t in self.teams if t.name == name)
+        try:
+            return self._by_name[0][name]
+        except KeyError:
+            raise StopIteration(name) from None
+
+    def team_or_none(self, name: str) -> Team | None:
+        return self._by_name[0].get(name)
 
     def profile(self, slug: str) -> Profile | None:
-        return next((p for p in self.profiles if p.slug == slug), None)
+        return self._by_name[1].get(slug)
 
     def priority_value(self, name: str | None) -> int:
         for pc in self.priority_classes:
@@ -323,4 +343,4 @@ class Policy(_Model):
     def cohort_members(self, team: Team) -> list[Team]:
         if not team.cohort:
             return [team]
-        return [t for t in self.teams if t.cohort == team.cohort]
+        return self._by_name[2].get(team.cohort, [])

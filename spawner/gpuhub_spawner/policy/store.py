@@ -8,6 +8,7 @@ as ``stale`` while the last good policy keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -41,6 +42,15 @@ class PolicyStatus:
         }
 
 
+def _timed_load(path: Path) -> tuple[Policy | None, PolicyError | None, float]:
+    """Read and validate (in whichever thread); never raises a ``PolicyError``."""
+    t0 = time.perf_counter()
+    try:
+        return load_policy(path), None, time.perf_counter() - t0
+    except PolicyError as e:
+        return None, e, time.perf_counter() - t0
+
+
 def _signature(path: Path) -> tuple[float, int, int] | None:
     # mtime alone misses two writes within one tick; ConfigMap updates swap a symlink,
     # so stat() follows it and the inode changes.
@@ -61,6 +71,12 @@ class PolicyStore(SingletonConfigurable):
         2.0, help="Seconds between background checks of the policy file for changes."
     ).tag(config=True)
 
+    inline_reload_budget = Float(
+        0.02,
+        help="""Reload in the event loop only if the last load took at most this long (s);
+        larger policies are re-read in a thread so the hub never stalls on a reload.""",
+    ).tag(config=True)
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.log = logging.getLogger("JupyterHub.gpuhub.policy")
@@ -68,6 +84,8 @@ class PolicyStore(SingletonConfigurable):
         self._signature = None
         self.status = PolicyStatus(path=self.policy_file)
         self._listeners: list[Callable[[Policy], None]] = []
+        self._reloading: asyncio.Future | None = None
+        self._load_seconds = 0.0
         self.refresh()
         if self._policy is None:
             # Without one good policy the hub cannot decide anything safely: refuse to start.
@@ -92,14 +110,52 @@ class PolicyStore(SingletonConfigurable):
         self._listeners.append(callback)
 
     def refresh(self) -> bool:
-        """Reload if the file changed; return True when a new policy took effect."""
+        """Reload if the file changed; return True when a new policy took effect.
+
+        Inside the hub's event loop a policy that took longer than ``inline_reload_budget``
+        to load last time is re-read in a thread and swapped in atomically on the loop
+        when it is ready (a 2,000-profile file takes ~0.3 s; the loop must not stall).
+        Small files keep the simple, immediate reload.
+        """
         path = Path(self.policy_file)
         sig = _signature(path)
         if sig == self._signature and self._policy is not None:
             return False
-        self._signature = sig
+        if self._reloading is not None:
+            return False  # the thread already reads it; it re-checks the file when done
         try:
-            policy = load_policy(path)
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None and self._policy is not None and self._load_seconds > self.inline_reload_budget:
+            self._signature = sig
+            future = loop.run_in_executor(None, _timed_load, path)
+            self._reloading = future
+
+            def done(f: asyncio.Future) -> None:
+                self._reloading = None
+                self._apply(path, sig, f.result())
+                self.refresh()  # changed again meanwhile?
+
+            future.add_done_callback(done)
+            return False
+        self._signature = sig
+        return self._apply(path, sig, _timed_load(path))
+
+    async def fresh(self) -> Policy:
+        """The policy, after any change to the file has taken effect (for spawns)."""
+        self.refresh()
+        while self._reloading is not None:
+            await asyncio.shield(self._reloading)
+            await asyncio.sleep(0)  # let its done-callback swap the policy in
+        return self.current
+
+    def _apply(self, path: Path, sig, outcome) -> bool:
+        policy, error, seconds = outcome
+        self._load_seconds = seconds
+        try:
+            if error is not None:
+                raise error
         except PolicyError as e:
             self.status.stale = self._policy is not None
             self.status.errors = [i.format(e.filename) for i in e.issues]

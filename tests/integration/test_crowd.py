@@ -1,0 +1,227 @@
+"""A crowd at one real hub: a storm of spawns, open spawn pages, a kill -9 mid-queue.
+
+One hub for the module (4 virtual GPUs, 50 users of one team). Asserts invariants
+only — no over-allocation, nothing lost, order kept, no 503 through the public URL,
+every waiter told of its admission; the timed figures (200 users, 500 pages) are in
+``tests/benchmarks/crowd.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from support.hub import Hub, wait_for
+
+pytestmark = pytest.mark.integration
+
+GPUS = 4
+USERS = [f"u{i:02d}" for i in range(50)]
+
+POLICY = f"""\
+flavors:
+  - name: gpu
+    local: {{virtual: {GPUS}}}
+teams:
+  - name: crowd
+    displayName: Crowd
+    groups: [crowd]
+    quota: {{gpus: {{gpu: {{nominal: {GPUS}}}}}}}
+profiles:
+  - {{slug: cpu, displayName: CPU only, teams: "*", default: true}}
+  - {{slug: gpu-1, displayName: One GPU, gpu: {{count: 1, flavor: gpu}}, teams: [crowd]}}
+defaults:
+  queueTimeout: 1h
+"""
+
+EXTRA = (
+    "c.DemoAuthenticator.demo_users = dict(c.DemoAuthenticator.demo_users, "
+    f"**{{n: {{'groups': ['crowd']}} for n in {USERS!r}}})\n"
+)
+
+
+class Stream:
+    """One open spawn page: the progress event stream, read in the background."""
+
+    def __init__(self, user, server: str = ""):
+        self.user = user
+        path = f"/users/{user.name}/servers/{server}/progress" if server else f"/users/{user.name}/server/progress"
+        self.resp = user.api.get(user.url(path), stream=True, timeout=(10, 120))
+        self.resp.raise_for_status()
+        self.events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for line in self.resp.iter_lines(decode_unicode=True):
+                if line and line.startswith("data:"):
+                    self.events.put(json.loads(line[5:]))
+        except Exception:  # closed by the test
+            pass
+        self.events.put(None)
+
+    def next(self, until=lambda e: True, timeout: float = 60) -> dict:
+        while True:
+            evt = self.events.get(timeout=timeout)
+            if evt is None:
+                raise EOFError(f"{self.user.name}'s stream ended")
+            if until(evt):
+                return evt
+
+    def close(self):
+        # The reader blocks until the next event or keepalive (8 s); cut the socket instead.
+        try:
+            self.resp.raw.connection.sock.shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError):
+            pass
+        self.resp.close()
+
+
+def children(ppid: int, marker: str) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == ppid:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    out.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def position(evt) -> int | None:
+    return (evt.get("gpuhub") or {}).get("position")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("crowd"), POLICY, extra_config=EXTRA)
+    h.start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def crowd(hub):
+    with ThreadPoolExecutor(10) as pool:
+        return dict(zip(USERS, pool.map(hub.login, USERS)))
+
+
+def holders(hub, user) -> dict[str, str]:
+    snap = requests.get(hub.url + "/hub/api/gpuhub/status", headers={"Authorization": f"token {user.token}"}).json()
+    return {d["id"]: d["user"] for d in snap["devices"] if d["user"]}
+
+
+def positions(crowd, names) -> dict[str, int]:
+    """Each waiting user's position, as their own spawn page shows it."""
+    out = {}
+    for n in names:
+        s = Stream(crowd[n])
+        try:
+            out[n] = position(s.next(until=lambda e: position(e) is not None))
+        finally:
+            s.close()
+    return out
+
+
+def test_storm_admits_exactly_the_capacity_and_queues_the_rest(hub, crowd):
+    with ThreadPoolExecutor(len(USERS)) as pool:
+        codes = list(pool.map(lambda n: crowd[n].start("gpu-1").status_code, USERS))
+    assert set(codes) <= {201, 202}, codes  # nobody refused, nobody 503
+    running = wait_for(lambda: (h := holders(hub, crowd[USERS[0]])) and len(h) == GPUS and h, 60, "the GPUs to fill")
+    assert len(set(running.values())) == GPUS  # one device each, none shared
+    for n in running.values():
+        crowd[n].wait_ready()
+    waiting = [n for n in USERS if n not in running.values()]
+    pos = positions(crowd, waiting)
+    assert sorted(pos.values()) == list(range(1, len(waiting) + 1))  # nothing lost, no ties
+    assert holders(hub, crowd[USERS[0]]) == running  # still exactly the capacity
+
+
+def test_open_spawn_pages_do_not_starve_the_public_url(hub, crowd):
+    """With 30 waiting users' pages open, everyone else's requests still go through."""
+    running = set(holders(hub, crowd[USERS[0]]).values())
+    waiting = [n for n in USERS if n not in running]
+    pages = [Stream(crowd[n]) for n in waiting[:30]]
+    try:
+        for p in pages:
+            p.next(until=lambda e: position(e) is not None)  # each page really is open
+        one = crowd[sorted(running)[0]]
+        server = hub.server_url(one.server()["url"])
+        for i in range(20):
+            u = crowd[waiting[-1 - (i % 10)]]
+            assert u.api.get(u.url(f"/users/{u.name}"), timeout=60).status_code == 200
+            assert requests.get(hub.url + "/hub/login", timeout=60).status_code == 200
+            r = requests.get(server + "api/status", headers={"Authorization": f"token {one.token}"}, timeout=60)
+            assert r.status_code == 200  # a running user's server, through the proxy
+    finally:
+        for p in pages:
+            p.close()
+
+
+def test_release_reaches_every_open_page_fifo(hub, crowd):
+    """A stop admits the head of the queue; its page says so, the others move up."""
+    running = holders(hub, crowd[USERS[0]])
+    waiting = [n for n in USERS if n not in running.values()]
+    pos = positions(crowd, waiting)
+    order = sorted(waiting, key=pos.get)
+    pages = {n: Stream(crowd[n]) for n in order[:8]}
+    try:
+        for n, p in pages.items():
+            assert position(p.next(until=lambda e: position(e) is not None)) == pos[n]
+        leaving = sorted(running.values())[0]
+        crowd[leaving].stop()
+        head = pages[order[0]].next(until=lambda e: "Admitted" in e.get("message", "") or e.get("ready"))
+        assert "Admitted" in head["message"]  # seen before the server was ready: not lost
+        for i, n in enumerate(order[1:8], 1):
+            assert position(pages[n].next(until=lambda e: position(e) != i + 1)) == i
+        crowd[order[0]].wait_ready()
+        now = holders(hub, crowd[USERS[0]])
+        assert order[0] in now.values() and leaving not in now.values() and len(now) == GPUS
+    finally:
+        for p in pages.values():
+            p.close()
+
+
+def test_kill_9_mid_queue_keeps_every_place_and_admits_nobody_twice(hub, crowd):
+    running = holders(hub, crowd[USERS[0]])
+    waiting = [n for n in USERS if n not in running.values() and crowd[n].server() is not None]
+    before = positions(crowd, waiting)
+    assert len(before) == len(USERS) - GPUS - 1  # the one who stopped left
+
+    services = children(hub.proc.pid, "gpuhub_spawner.culling.service")
+    hub.proc.send_signal(signal.SIGKILL)
+    hub.proc.wait()
+    for pid in services:  # a hub-managed service outlives a kill -9; the new hub starts its own
+        os.kill(pid, signal.SIGKILL)
+    hub.start()
+
+    # the servers that ran still run, on the same devices; the queue holds nobody twice
+    wait_for(lambda: len(hub.log.read_text().split("Re-spawned ")) > len(waiting), 120, "the queue to come back")
+    assert holders(hub, crowd[USERS[0]]) == running
+    after = positions(crowd, waiting)
+    assert after == before  # every place kept
+
+    # and the queue still moves in that order
+    order = sorted(waiting, key=after.get)
+    page = Stream(crowd[order[0]])
+    try:
+        page.next(until=lambda e: position(e) == 1)
+        leaving = sorted(running.values())[0]
+        crowd[leaving].stop()
+        page.next(until=lambda e: "Admitted" in e.get("message", ""))
+    finally:
+        page.close()
+    crowd[order[0]].wait_ready()
+    now = holders(hub, crowd[USERS[0]])
+    assert len(now) == GPUS and len(set(now.values())) == GPUS and order[0] in now.values()
+    assert positions(crowd, order[1:3]) == {order[1]: 1, order[2]: 2}

@@ -1,0 +1,83 @@
+"""The spawn page's event stream: every change of a waiting request arrives at once.
+
+``progress()`` used to read the ticket's version after its ``yield`` returned, so a
+change that landed while the previous event was being sent (an admission, a new
+position) was swallowed until the next change or a 30 s timeout.
+"""
+
+import asyncio
+from types import SimpleNamespace
+
+from gpuhub_spawner.admission import AdmissionQueue, Ticket
+from gpuhub_spawner.local.devices import DeviceTable
+from gpuhub_spawner.local.spawner import QueuedGpuMixin
+from gpuhub_spawner.policy import parse_policy
+
+POLICY = """\
+flavors: [{name: gpu, local: {virtual: 1}}]
+teams: [{name: a, groups: [a], quota: {gpus: {gpu: {nominal: 1}}}}]
+profiles: [{slug: g1, displayName: g1, gpu: {count: 1, flavor: gpu}, teams: "*"}]
+defaults: {queueTimeout: 1h}
+"""
+
+
+def setup():
+    policy = parse_policy(POLICY)
+    q = AdmissionQueue(lambda: policy, DeviceTable(lambda: policy, discover=lambda: []))
+    broker = SimpleNamespace(policy=policy, queue=q)
+    return q, broker
+
+
+def waiter(q, broker, key):
+    ticket = q.submit(Ticket(key=key, user=key[:-1], team="a", profile="g1", demand={"gpu/gpu": 1}))
+    spawner = SimpleNamespace(_ticket=ticket, broker=broker)
+    return ticket, QueuedGpuMixin.progress(spawner)
+
+
+async def test_admission_while_an_event_is_being_sent_arrives_at_once():
+    q, broker = setup()
+    q.submit(Ticket(key="holder/", user="holder", team="a", profile="g1", demand={"gpu/gpu": 1}))
+    ticket, events = waiter(q, broker, "w/")
+    first = await asyncio.wait_for(events.__anext__(), 1)
+    assert "position 1 of 1" in first["message"]
+    # the consumer is still sending `first` when the holder stops
+    q.release("holder/")
+    assert ticket.admission is not None
+    nxt = await asyncio.wait_for(events.__anext__(), 1)  # was: 30 s, or never
+    assert nxt["message"].startswith("Admitted with GPU(s)")
+
+
+async def test_position_change_while_sending_arrives_at_once():
+    q, broker = setup()
+    q.submit(Ticket(key="holder/", user="holder", team="a", profile="g1", demand={"gpu/gpu": 1}))
+    q.submit(Ticket(key="first/", user="first", team="a", profile="g1", demand={"gpu/gpu": 1}))
+    _, events = waiter(q, broker, "second/")
+    e1 = await asyncio.wait_for(events.__anext__(), 1)
+    assert e1["gpuhub"]["position"] == 2
+    q.cancel("first/")  # lands between two events
+    e2 = await asyncio.wait_for(events.__anext__(), 1)
+    assert e2["gpuhub"]["position"] == 1 and "position 1 of 1" in e2["message"]
+
+
+async def test_every_waiter_sees_each_change_in_a_crowd():
+    """Many pages open at once; each release must reach every waiter promptly."""
+    q, broker = setup()
+    q.submit(Ticket(key="holder/", user="holder", team="a", profile="g1", demand={"gpu/gpu": 1}))
+    streams = [waiter(q, broker, f"u{i}/") for i in range(30)]
+    for i, (_, ev) in enumerate(streams):
+        assert (await asyncio.wait_for(ev.__anext__(), 1))["gpuhub"]["position"] == i + 1
+    q.release("holder/")  # u0 is admitted, everyone else moves up one
+    for i, (ticket, ev) in enumerate(streams):
+        evt = await asyncio.wait_for(ev.__anext__(), 1)
+        if i == 0:
+            assert evt["message"].startswith("Admitted")
+        else:
+            assert evt["gpuhub"]["position"] == i
+
+
+async def test_first_message_of_a_fresh_request_does_not_claim_a_wait():
+    q, broker = setup()
+    q.submit(Ticket(key="holder/", user="holder", team="a", profile="g1", demand={"gpu/gpu": 1}))
+    _, events = waiter(q, broker, "w/")
+    first = await asyncio.wait_for(events.__anext__(), 1)
+    assert "Waiting for 0s" in first["message"] and first["gpuhub"]["waited"] < 1

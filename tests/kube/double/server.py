@@ -129,6 +129,9 @@ class KubeDouble:
         self.errors: list[str] = []
         self.processes: dict[str, subprocess.Popen] = {}
         self.auto_admit = True
+        # Reads without credentials, as an API server with anonymous auth and a read-only
+        # RBAC grant serves them: kubectl sends no bearer token over plain HTTP.
+        self.anonymous_reads = False
         # Kueue's controller and webhook: up, or down (webhook calls fail, finalizers stay).
         self.kueue_up = True
         # Namespaces Kueue's pod webhooks are called for. None: Kueue's own manifests.yaml
@@ -292,7 +295,8 @@ class KubeDouble:
             from jupyterhub import __version__ as hub_version
 
             return web.json_response({"version": hub_version}, headers={"X-JupyterHub-Version": hub_version})
-        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+        anonymous_read = self.anonymous_reads and request.method == "GET" and "Authorization" not in request.headers
+        if request.headers.get("Authorization") != f"Bearer {TOKEN}" and not anonymous_read:
             return _status(401, "Unauthorized", "Unauthorized")
         for fault in self.faults:
             if fault.times > 0 and fault.method in (request.method, "*") and fault.path.search(request.path_qs):

@@ -1,0 +1,141 @@
+"""A job on Kubernetes: a suspended ``batch/v1`` Job that Kueue's job integration admits.
+
+The pod template is the user's *server* pod as ``KueueSpawner`` builds it for the same
+profile (same image, resources, GPU request, node placement, volumes, labels and
+environment), with the server's command replaced by the job's. The Kueue labels go on
+the Job, not on its pods: Kueue manages the Job (it creates the Workload, un-suspends the
+Job on admission and suspends it again on preemption), so its pods must not also join
+the plain-pod integration.
+
+Recovery maps onto the Job API:
+
+- Kueue preemption *suspends* the Job (its pods are deleted, not failed): the Job waits
+  in the queue again and nothing counts against ``backoffLimit``;
+- ``podFailurePolicy`` decides per exit: pod disruptions (``DisruptionTarget``: node
+  drain, eviction) are ignored when ``preempted``/``interrupted`` are retryable; the
+  listed exit codes (or every non-zero one with ``failed``) count against
+  ``backoffLimit = retries.limit``; any other non-zero exit fails the Job at once;
+- ``timeLimit`` is ``activeDeadlineSeconds`` and Kueue's ``max-exec-time-seconds`` label.
+
+Only the manifest is tested here (kubernetes-validate, strict, and the Workload Kueue
+derives from it against the v0.19.2 CRD); Kueue's job controller was not run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from ..kube.kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
+from ..policy.access import Choice
+from ..policy.model import Policy
+from .spec import FAILED, INTERRUPTED, PREEMPTED, JobSpec
+
+JOB_LABEL = "gpuhub/job"
+MAX_EXEC_LABEL = "kueue.x-k8s.io/max-exec-time-seconds"
+USER_ANNOTATION = "gpuhub/user"
+SERVER_ONLY_ENV = ("JUPYTERHUB_API_TOKEN", "JPY_API_TOKEN", "JUPYTERHUB_CLIENT_ID", "JUPYTERHUB_OAUTH_CALLBACK_URL",
+                   "JUPYTERHUB_OAUTH_SCOPES", "JUPYTERHUB_OAUTH_ACCESS_SCOPES", "JUPYTERHUB_OAUTH_CLIENT_ALLOWED_SCOPES",
+                   "JUPYTERHUB_SERVICE_PREFIX", "JUPYTERHUB_SERVICE_URL", "JUPYTERHUB_ACTIVITY_URL",
+                   "JUPYTERHUB_COOKIE_HOST_PREFIX_ENABLED", "JUPYTERHUB_SERVER_NAME", "JUPYTERHUB_DEFAULT_URL")
+
+
+def pod_failure_policy(spec: JobSpec) -> dict:
+    reasons = spec.retries.reasons
+    rules = []
+    disruption = "Ignore" if (PREEMPTED in reasons or INTERRUPTED in reasons) else "FailJob"
+    rules.append({"action": disruption, "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]})
+    if FAILED in reasons:
+        rules.append({"action": "Count", "onExitCodes": {"operator": "NotIn", "values": [0]}})
+    else:
+        codes = sorted(c for c in reasons if isinstance(c, int))
+        if codes:
+            rules.append({"action": "Count", "onExitCodes": {"operator": "In", "values": codes}})
+        rules.append({"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}})
+    return {"rules": rules}
+
+
+def job_manifest(job_id: str, user: str, spec: JobSpec, policy: Policy, choice: Choice, pod: dict,
+                 job_priority_class: str | None = None, namespace: str | None = None) -> dict:
+    """The suspended Job for ``spec``; ``pod`` is the user's server pod manifest (a dict)."""
+    pod = copy.deepcopy(pod)
+    meta = pod.get("metadata") or {}
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in (QUEUE_LABEL, PRIORITY_LABEL)}
+    labels[JOB_LABEL] = job_id
+    pod_spec = pod["spec"]
+    pod_spec["restartPolicy"] = "Never"  # required by podFailurePolicy; retries are new pods
+    container = pod_spec["containers"][0]
+    home = next((e.get("value") for e in container.get("env", []) if e.get("name") == "HOME"), None) or "/home/jovyan"
+    container["name"] = "job"
+    container["command"] = spec.argv
+    container.pop("args", None)
+    for key in ("ports", "readinessProbe", "livenessProbe", "startupProbe", "lifecycle"):
+        container.pop(key, None)
+    if spec.working_dir:
+        container["workingDir"] = spec.working_dir if spec.working_dir.startswith("/") else f"{home}/{spec.working_dir}"
+    if spec.image:
+        container["image"] = spec.image
+    ckpt = spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}"
+    env = [e for e in container.get("env", []) if e.get("name") not in SERVER_ONLY_ENV and e.get("name") not in spec.env]
+    env += [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
+    env += [
+        {"name": "GPUHUB_JOB_ID", "value": job_id},
+        {"name": "GPUHUB_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # No attempt counter exists in a Job's pods: each retry is a new pod, so the pod's
+        # name stands for the attempt (expanded by the kubelet from GPUHUB_POD above).
+        {"name": "GPUHUB_ATTEMPT", "value": "$(GPUHUB_POD)"},
+        {"name": "GPUHUB_CHECKPOINT_DIR", "value": ckpt if ckpt.startswith("/") else f"{home}/{ckpt}"},
+        {"name": "MLFLOW_RUN_CONTEXT", "value": json.dumps({"gpuhub.job.id": job_id, "gpuhub.job.attempt": "$(GPUHUB_POD)"})},
+    ]
+    if spec.experiment:
+        env = [e for e in env if e.get("name") != "MLFLOW_EXPERIMENT_NAME"] + [{"name": "MLFLOW_EXPERIMENT_NAME", "value": spec.experiment}]
+    container["env"] = env
+    pclass = job_priority_class or choice.team.job_priority or choice.priority_class
+    job_labels = {QUEUE_LABEL: choice.team.local_queue, TEAM_LABEL: choice.team.name,
+                  PROFILE_LABEL: choice.profile.slug, JOB_LABEL: job_id}
+    if pclass:
+        job_labels[PRIORITY_LABEL] = pclass
+    if spec.time_limit:
+        # Kueue's own limit (Workload.spec.maximumExecutionTimeSeconds) besides the Job's deadline.
+        job_labels[MAX_EXEC_LABEL] = str(int(spec.time_limit))
+    job_spec = {
+        "suspend": True,  # Kueue un-suspends it on admission
+        "parallelism": 1,
+        "completions": 1,
+        "backoffLimit": spec.retries.limit,
+        "podFailurePolicy": pod_failure_policy(spec),
+        "template": {"metadata": {"labels": labels, "annotations": meta.get("annotations") or {}}, "spec": pod_spec},
+    }
+    if spec.time_limit:
+        job_spec["activeDeadlineSeconds"] = int(spec.time_limit)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_id,
+            "namespace": namespace or meta.get("namespace") or "default",
+            "labels": job_labels,
+            "annotations": {USER_ANNOTATION: user, **({"gpuhub/name": spec.name} if spec.name else {})},
+        },
+        "spec": job_spec,
+    }
+
+
+def workload_for(job: dict, priority_value: int = 0) -> dict:
+    """The Workload Kueue's job controller derives from ``job`` (for contract tests)."""
+    labels = job["metadata"]["labels"]
+    wl = {
+        "apiVersion": "kueue.x-k8s.io/v1beta2",
+        "kind": "Workload",
+        "metadata": {"name": f"job-{job['metadata']['name']}", "namespace": job["metadata"]["namespace"]},
+        "spec": {
+            "queueName": labels[QUEUE_LABEL],
+            "podSets": [{"name": "main", "count": job["spec"]["parallelism"], "template": job["spec"]["template"]}],
+        },
+    }
+    if PRIORITY_LABEL in labels:
+        wl["spec"]["priorityClassRef"] = {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": labels[PRIORITY_LABEL]}
+        wl["spec"]["priority"] = priority_value
+    if MAX_EXEC_LABEL in labels:
+        wl["spec"]["maximumExecutionTimeSeconds"] = int(labels[MAX_EXEC_LABEL])
+    return wl

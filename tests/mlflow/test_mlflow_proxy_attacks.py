@@ -275,6 +275,35 @@ def test_upload_into_another_users_run_is_refused_by_mlflow(mlflow, users):
     assert "planted.bin" not in {f["path"] for f in files.get("files", [])}
 
 
+def test_json_bodies_the_proxy_reads_are_limited_too(mlflow, users):
+    """The proxy holds the JSON bodies it rewrites (16 MiB at most, by default): a larger one,
+    announced or chunked, gets 413 and never reaches MLflow."""
+    _, run_id = own_run(mlflow, users["alice"])
+    u = urlsplit(mlflow.direct)
+    path = f"{PREFIX}{API}/runs/log-batch"
+    limit = 16 * MiB
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    conn.putrequest("POST", path)
+    conn.putheader("Authorization", f"Bearer {users['alice'].token}")
+    conn.putheader("Content-Length", str(limit + 1))
+    conn.endheaders()  # answered from the head alone
+    r = conn.getresponse()
+    assert r.status == 413, r.read()[:300]
+    conn.close()
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    filler = b" " * MiB
+    chunks = [b'{"run_id": "' + run_id.encode() + b'", "params": [{"key": "big", "value": "1"}]}']
+    chunks += [filler] * 17  # JSON allows trailing whitespace: valid, just too large
+    conn.request("POST", path, body=iter(chunks), encode_chunked=True,
+                 headers={"Authorization": f"Bearer {users['alice'].token}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    assert r.status == 413, data[:300]
+    run = mlflow.api(users["alice"].token).get(mlflow.direct + API + "/runs/get", params={"run_id": run_id}).json()["run"]
+    assert "big" not in {p["key"] for p in run["data"].get("params", [])}
+
+
 # -- finding 8: no account enumeration ----------------------------------------------------
 def test_users_list_shows_only_the_caller(mlflow, users):
     for name in ("bob", "carol"):  # make sure several accounts exist

@@ -311,9 +311,12 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         if self._finished or self._refusal is not None:
             return
         self._received += len(chunk)
-        if self._received > self._limit:
-            self._abort_upstream()
-            self.send_error(413, exc_info=(web.HTTPError, web.HTTPError(413, self._too_large()), None))
+        if self._received > self._limit:  # only a chunked body gets here (Content-Length is checked first)
+            if not self._headers_written:
+                # Stop relaying, drop the rest, answer 413 once the body ends (tornado cuts
+                # the connection at the limit + 16 MiB).
+                self._abort_upstream()
+                self._refusal = web.HTTPError(413, self._too_large())
             return
         if self._buffered:
             self._chunks.append(chunk)

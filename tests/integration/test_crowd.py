@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -225,3 +226,36 @@ def test_kill_9_mid_queue_keeps_every_place_and_admits_nobody_twice(hub, crowd):
     now = holders(hub, crowd[USERS[0]])
     assert len(now) == GPUS and len(set(now.values())) == GPUS and order[0] in now.values()
     assert positions(crowd, order[1:3]) == {order[1]: 1, order[2]: 2}
+
+
+def test_python_proxy_fallback_has_no_ten_stream_cap(tmp_path):
+    """Where Node.js is missing the hub runs gpuhub-proxy: 12 open pages (> tornado's 10) starve nothing."""
+    proxy = str(Path(sys.executable).parent / "gpuhub-proxy")
+    h = Hub(tmp_path, POLICY.replace(f"virtual: {GPUS}", "virtual: 1").replace(f"nominal: {GPUS}", "nominal: 1"),
+            extra_config=EXTRA, env={"GPUHUB_PROXY_COMMAND": proxy, "GPUHUB_SUBDOMAINS": "0"})
+    h.start()
+    pages = []
+    try:
+        names = USERS[:13]
+        with ThreadPoolExecutor(13) as pool:
+            users = dict(zip(names, pool.map(h.login, names)))
+        assert users[names[0]].start("gpu-1").status_code in (201, 202)
+        users[names[0]].wait_ready()
+        for n in names[1:]:
+            users[n].start_background("gpu-1")
+        for n in names[1:]:
+            pages.append(Stream(users[n]))
+            pages[-1].next(until=lambda e: position(e) is not None)
+        pid = int((h.data / "proxy.pid").read_text())
+        assert b"gpuhub-proxy" in Path(f"/proc/{pid}/cmdline").read_bytes()  # really the Python proxy
+        one = users[names[0]]
+        for _ in range(5):
+            assert requests.get(h.url + "/hub/login", timeout=60).status_code == 200
+            assert one.api.get(one.url(f"/users/{one.name}"), timeout=60).status_code == 200
+            r = requests.get(h.server_url(one.server()["url"]) + "api/status",
+                             headers={"Authorization": f"token {one.token}"}, timeout=60)
+            assert r.status_code == 200
+    finally:
+        for p in pages:
+            p.close()
+        h.stop()

@@ -90,6 +90,20 @@ def hub(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def train_script(hub):
+    """The training script where every job account can read it (pytest's tmp tree is 0700)."""
+    import shutil
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="gpuhub-jobs-"))
+    shared.chmod(0o755)
+    (shared / "train.py").write_text(TRAIN)
+    (shared / "train.py").chmod(0o644)
+    yield str(shared / "train.py")
+    shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
 def users(hub):
     return {n: hub.login(n) for n in ("alice", "bob", "carol", "admin")}
 
@@ -283,21 +297,13 @@ def test_job_waits_behind_the_teams_quota_and_cancel_frees_its_gpu_at_once(hub, 
     alice.wait_gone()
 
 
-def test_preempted_job_resumes_from_its_checkpoint_and_finishes_with_the_right_total(hub, users, tmp_path):
+def test_preempted_job_resumes_from_its_checkpoint_and_finishes_with_the_right_total(hub, users, tmp_path, train_script):
     alice, bob = users["alice"], users["bob"]
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
-    script.chmod(0o644)
-    tmp_path.chmod(0o755)
-    for parent in tmp_path.parents:
-        if str(parent) == "/":
-            break
-        parent.chmod(parent.stat().st_mode | 0o011)
     job_id = submit(hub, bob, tmp_path, f"""\
 name: train
 profile: gpu-1
-command: [{sys.executable}, {script}]
-retries: {{limit: 2, reasons: [preempted]}}
+command: [{sys.executable}, {train_script}]
+retries: {{limit: 0, reasons: [preempted]}}
 """)
     wait_for(lambda: "step 2" in logs(bob, job_id), 60, "training to reach step 2")
     # An interactive server of the same team needs the GPU: it reclaims it from the job.
@@ -364,15 +370,35 @@ def test_another_user_cannot_read_or_cancel_a_job(hub, users, tmp_path):
     assert admin.api.post(admin.url(f"/gpuhub/jobs/{job_id}/cancel")).json()["state"] == "cancelled"
 
 
-def test_records_and_logs_survive_a_hub_restart(hub, users, tmp_path):
-    bob = users["bob"]
+def test_records_queue_and_running_jobs_survive_a_hub_restart(hub, users, tmp_path, train_script):
+    alice, bob, carol = users["alice"], users["bob"], users["carol"]
     done = submit(hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, 'print(\"before restart\")']\n")
     wait_state(bob, done, "succeeded")
     before = record(bob, done)
+    # alice's server holds Vision Lab's GPU; bob's GPU job waits behind it; carol's job trains.
+    assert alice.start("gpu-1").status_code in (201, 202)
+    alice.wait_ready()
+    waiting = submit(hub, bob, tmp_path, f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'print(\"ran after restart\")']\n")
+    assert record(bob, waiting)["state"] == "queued"
+    training = submit(hub, carol, tmp_path, f"name: train\nprofile: gpu-1\ncommand: [{sys.executable}, {train_script}]\n")
+    wait_for(lambda: "step 2" in logs(carol, training), 60, "training to reach step 2")
+
     hub.stop(kill_servers=False)
     hub.start()
-    bob2 = hub.login("bob")
-    after = record(bob2, done)
+    users.update({n: hub.login(n) for n in ("alice", "bob", "carol", "admin")})
+    alice, bob, carol = users["alice"], users["bob"], users["carol"]
+    after = record(bob, done)
     assert after["attempts"] == before["attempts"] and after["state"] == "succeeded"
-    assert "before restart" in logs(bob2, done)
-    users["bob"] = bob2
+    assert "before restart" in logs(bob, done)
+    # The interrupted attempt is recorded, and the job resumes from its checkpoint.
+    rec = wait_state(carol, training, "succeeded", "failed", timeout=90)
+    out = logs(carol, training)
+    assert [a["reason"] for a in rec["attempts"]] == ["interrupted", "succeeded"], out
+    assert "resumed from step" in out and out.strip().splitlines()[-2] == "total 36"
+    # The waiting job kept its place behind alice's server, which survived the restart.
+    assert alice.server()["ready"]
+    assert record(bob, waiting)["status"].startswith("queued: position 1 of 1 in Vision Lab's queue")
+    alice.stop()
+    assert wait_state(bob, waiting, "succeeded")["attempts"][0]["number"] == 1
+    assert "ran after restart" in logs(bob, waiting)
+    alice.wait_gone()

@@ -7,7 +7,8 @@ then driven by one asyncio task through its attempts:
 
     queued ──admission──► running ──exit 0──► succeeded
        ▲                     │
-       └── preempted, interrupted, or a failure listed in ``retries.reasons`` (≤ limit)
+       └── preempted or interrupted (listed in ``retries.reasons``: by default), or a
+           listed failure (at most ``retries.limit`` of them)
                              └──► failed (non-retryable, limit reached, time limit) / cancelled
 
 - **Same queue.** Every attempt is a ``Ticket`` in the hub's ``AdmissionQueue`` (key
@@ -126,6 +127,9 @@ class JobManager(SingletonConfigurable):
             if rec.state == R.RUNNING and att is not None and att.finished is None:
                 self._kill_leftover(rec, att)
                 self._end_attempt(rec, att, INTERRUPTED, None, "the hub restarted while this attempt ran")
+                if not self._retryable(rec, INTERRUPTED, None):
+                    self._finish(rec, R.FAILED, "interrupted by a hub restart ('interrupted' is not in retries.reasons)")
+                    continue
             elif att is not None and att.admitted is None and att.finished is None:
                 rec.attempts.pop()  # it only waited: it waits again, keeping its number
             self._start_task(rec)
@@ -279,8 +283,11 @@ class JobManager(SingletonConfigurable):
                     self._finish(rec, R.CANCELLED, message)
                     return
                 retryable = reason != TIME_LIMIT and self._retryable(rec, reason, code)
-                retries_used = len(rec.attempts) - 1
-                if retryable and retries_used < rec.retries["limit"]:
+                # The platform's doing (a reclaim, a hub restart) re-queues without using a
+                # retry, as Kueue's preemption does not count against a Job's backoffLimit.
+                platform = reason in (PREEMPTED, INTERRUPTED)
+                used = sum(1 for a in rec.attempts if a.reason not in (PREEMPTED, INTERRUPTED))
+                if retryable and (platform or used <= rec.retries["limit"]):
                     log.info("Job %s attempt %d ended (%s); queued again", rec.id, att.number, reason)
                     continue
                 if retryable:

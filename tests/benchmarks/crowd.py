@@ -1,0 +1,395 @@
+"""The Monday-morning crowd against real hubs, each figure against a baseline from the same run.
+
+What is real: JupyterHub 6.1 started with gpuhub's own config (tests/support/hub.py), its
+proxy (the Node configurable-http-proxy by default), the demo login, gpuhub's spawner,
+queue and devices (virtual GPUs). To fit hundreds of servers on one small machine, the
+single-user servers in ``storm``/``pages``/``handoff`` are a tiny HTTP process
+(``tiny_server.py``) on both sides of each comparison; ``spawn`` uses real
+``jupyterhub-singleuser`` servers.
+
+    .venv/bin/python tests/benchmarks/crowd.py storm   [--users 200] [--gpus 16] [--proxy node|python|python-capped]
+    .venv/bin/python tests/benchmarks/crowd.py pages   [--users 500]
+    .venv/bin/python tests/benchmarks/crowd.py handoff [--rounds 5]
+    .venv/bin/python tests/benchmarks/crowd.py spawn   [--rounds 3]
+
+``storm``: N users ask for a GPU at once through the public URL. Probes of the hub API run
+all along, through the public URL and on the hub's own port. Baseline: the same hub and
+proxy with JupyterHub's stock ``SimpleLocalProcessSpawner`` instead of gpuhub's, same storm.
+``--proxy python-capped`` reproduces the proxy before this change (tornado's 10 clients).
+
+``pages``: N waiting users keep their spawn page (progress stream) open through the public
+URL; probes while they are open vs before they were opened; then one GPU is freed and the
+time until every open page has shown its new state is measured.
+
+``handoff``: a stop frees a GPU; time from the stop request to the next user's page saying
+"Admitted" and to that server being ready, vs a stock spawn (request to ready) in the same hub.
+
+``spawn``: request-to-ready of a real jupyterhub-singleuser server, gpuhub's spawner vs stock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+import conftest  # noqa: E402,F401  (resolves *.localhost and keeps its cookies, as browsers do)
+from support.hub import Hub, wait_for  # noqa: E402
+
+TINY = HERE / "tiny_server.py"
+
+
+def policy(gpus: int) -> str:
+    return f"""\
+flavors:
+  - name: gpu
+    local: {{virtual: {gpus}}}
+teams:
+  - name: crowd
+    displayName: Crowd
+    groups: [crowd]
+    quota: {{gpus: {{gpu: {{nominal: {gpus}}}}}}}
+profiles:
+  - {{slug: cpu, displayName: CPU only, teams: "*", default: true}}
+  - {{slug: gpu-1, displayName: One GPU, gpu: {{count: 1, flavor: gpu}}, teams: [crowd]}}
+defaults:
+  queueTimeout: 2h
+"""
+
+
+def users_config(names) -> str:
+    return (
+        "c.DemoAuthenticator.demo_users = dict(c.DemoAuthenticator.demo_users, "
+        f"**{{n: {{'groups': ['crowd']}} for n in {list(names)!r}}})\n"
+    )
+
+
+def tiny_config() -> str:
+    return f"c.Spawner.cmd = [{sys.executable!r}, {str(TINY)!r}]\n"
+
+
+STOCK = "c.JupyterHub.spawner_class = 'jupyterhub.spawner.SimpleLocalProcessSpawner'\n"
+
+PROXIES = {
+    "node": {},
+    "python": {"GPUHUB_PROXY_COMMAND": str(Path(sys.executable).parent / "gpuhub-proxy"), "GPUHUB_SUBDOMAINS": "0"},
+    "python-capped": {
+        "GPUHUB_PROXY_COMMAND": str(Path(sys.executable).parent / "gpuhub-proxy"),
+        "GPUHUB_SUBDOMAINS": "0",
+        "GPUHUB_PROXY_MAX_CLIENTS": "10",
+    },
+}
+
+
+def pct(values, p):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+class Prober:
+    """Ordinary requests all along: a user's model from the hub API, timed, errors counted."""
+
+    def __init__(self, hub: Hub, user, threads: int = 2):
+        self.hub, self.user = hub, user
+        self.samples: dict[str, list[tuple[float, float, int]]] = {"public": [], "hub-port": []}
+        self._stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def _run(self, i):
+        s = requests.Session()
+        s.headers["Authorization"] = f"token {self.user.token}"
+        urls = {
+            "public": f"{self.hub.url}/hub/api/users/{self.user.name}",
+            "hub-port": f"http://127.0.0.1:{self.hub.hub_port}/hub/api/users/{self.user.name}",
+        }
+        while not self._stop.is_set():
+            for where, url in urls.items():
+                t0 = time.perf_counter()
+                try:
+                    code = s.get(url, timeout=120).status_code
+                except requests.RequestException:
+                    code = 0
+                self.samples[where].append((time.time(), time.perf_counter() - t0, code))
+            time.sleep(0.05)
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        for t in self.threads:
+            t.join()
+
+    def window(self, where, t0, t1):
+        rows = [r for r in self.samples[where] if t0 <= r[0] <= t1]
+        return [r[1] for r in rows if r[2] == 200], [r[2] for r in rows if r[2] != 200]
+
+
+def login_all(hub: Hub, names, threads=16):
+    with ThreadPoolExecutor(threads) as pool:
+        return dict(zip(names, pool.map(hub.login, names)))
+
+
+def ready_count(hub: Hub, admin) -> int:
+    r = admin.api.get(admin.url("/users?state=ready&limit=10000"), timeout=120)
+    return len(r.json()) if r.ok else -1
+
+
+# -- storm ------------------------------------------------------------------------------
+def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window: float) -> dict:
+    names = [f"s{i:03d}" for i in range(users)]
+    with tempfile.TemporaryDirectory() as tmp:
+        hub = Hub(Path(tmp), policy(gpus), extra_config=users_config(names) + tiny_config() + extra, env=env)
+        hub.start()
+        try:
+            crowd = login_all(hub, names)
+            admin = hub.login("admin")
+            probe = Prober(hub, admin, threads=4).start()
+            time.sleep(5)
+            t_idle = time.time()
+            barrier = threading.Barrier(users)
+
+            def ask(n):
+                barrier.wait()
+                try:
+                    return crowd[n].start("gpu-1").status_code
+                except requests.RequestException:
+                    return 0
+
+            t0 = time.time()
+            with ThreadPoolExecutor(users) as pool:
+                codes = list(pool.map(ask, names))
+            answered = time.time() - t0
+            expect = users if "Simple" in extra else min(users, gpus)
+            wait_for(lambda: ready_count(hub, admin) >= expect, 600, f"{expect} servers ready", interval=1)
+            ready = time.time() - t0
+            time.sleep(max(0.0, t0 + window - time.time()))
+            t1 = t0 + window  # the same window on both hubs
+            probe.stop()
+            out = {"label": label, "answered_s": answered, "ready_s": ready,
+                   "codes": {c: codes.count(c) for c in sorted(set(codes))}}
+            for where in ("public", "hub-port"):
+                idle, _ = probe.window(where, t_idle - 5, t_idle)
+                lat, errors = probe.window(where, t0, t1)
+                out[where] = {
+                    "idle_p99": pct(idle, 99), "p50": pct(lat, 50), "p99": pct(lat, 99),
+                    "n": len(lat) + len(errors), "errors": errors,
+                }
+            return out
+        finally:
+            hub.stop()
+
+
+def storm(args):
+    env = PROXIES[args.proxy]
+    runs = [
+        storm_once(f"gpuhub ({args.proxy} proxy)", "", env, args.users, args.gpus, args.window),
+        storm_once(f"stock spawner ({args.proxy} proxy)", STOCK, env, args.users, args.gpus, args.window),
+    ]
+    print(f"\nstorm: {args.users} users ask for one GPU at once; {args.gpus} virtual GPUs; "
+          f"probes over the first {args.window:.0f}s")
+    for r in runs:
+        print(f"{r['label']}: all spawn requests answered after {r['answered_s']:.1f}s, "
+              f"the servers that may run ready after {r['ready_s']:.1f}s")
+    print(f"{'hub':34} {'POST codes':22} {'where':9} {'idle p99':>9} {'p50':>8} {'p99':>8} {'errors':>7}")
+    for r in runs:
+        for where in ("public", "hub-port"):
+            w = r[where]
+            print(f"{r['label']:34} {json.dumps(r['codes']):22} {where:9} {w['idle_p99']*1000:8.0f}ms "
+                  f"{w['p50']*1000:7.0f}ms {w['p99']*1000:7.0f}ms {len(w['errors']):>4}/{w['n']}")
+    g, s = runs
+    print(f"\nAPI p99 through the public URL, gpuhub / stock spawner: {g['public']['p99'] / s['public']['p99']:.2f}x (goal <= 1.5)")
+    print(f"API p99, public URL / hub's own port (the proxy's share), gpuhub: {g['public']['p99'] / g['hub-port']['p99']:.2f}x")
+    print(f"503s through the public URL: storm requests {g['codes'].get(503, 0)}, probes {g['public']['errors'].count(503)}")
+
+
+# -- pages --------------------------------------------------------------------------------
+class Page:
+    def __init__(self, user):
+        self.user = user
+        self.resp = user.api.get(user.url(f"/users/{user.name}/server/progress"), stream=True, timeout=(30, 600))
+        self.resp.raise_for_status()
+        self.events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for line in self.resp.iter_lines(decode_unicode=True):
+                if line and line.startswith("data:"):
+                    self.events.put((time.time(), json.loads(line[5:])))
+        except Exception:
+            pass
+        self.events.put((time.time(), None))
+
+    def until(self, pred, timeout=300):
+        while True:
+            t, evt = self.events.get(timeout=timeout)
+            if evt is None:
+                raise EOFError(self.user.name)
+            if pred(evt):
+                return t, evt
+
+    def close(self):
+        try:
+            self.resp.raw.connection.sock.shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError):
+            pass
+        self.resp.close()
+
+
+def pos(evt):
+    return (evt.get("gpuhub") or {}).get("position")
+
+
+def pages(args):
+    names = [f"p{i:03d}" for i in range(args.users + 1)]
+    with tempfile.TemporaryDirectory() as tmp:
+        hub = Hub(Path(tmp), policy(1), extra_config=users_config(names) + tiny_config(), env=PROXIES[args.proxy])
+        hub.start()
+        opened = []
+        try:
+            crowd = login_all(hub, names)
+            admin = hub.login("admin")
+            holder = crowd[names[0]]
+            holder.start("gpu-1")
+            holder.wait_ready()
+            with ThreadPoolExecutor(64) as pool:
+                codes = list(pool.map(lambda n: crowd[n].start("gpu-1").status_code, names[1:]))
+            probe = Prober(hub, admin).start()
+            time.sleep(10)
+            t_before = time.time()
+            t_open = time.time()
+            with ThreadPoolExecutor(64) as pool:
+                opened = list(pool.map(lambda n: Page(crowd[n]), names[1:]))
+            first = {}
+            for p in opened:
+                first[p.user.name] = pos(p.until(lambda e: pos(e) is not None)[1])
+            t_all_open = time.time()
+            time.sleep(10)
+            t_mid = time.time()
+            # one GPU frees: the head is admitted, everyone else moves up one
+            t_stop = time.time()
+            holder.stop()
+            seen = []
+            for p in opened:
+                want = first[p.user.name] - 1
+                t, _ = p.until(lambda e: ("Admitted" in e.get("message", "")) if want == 0 else pos(e) == want)
+                seen.append(t - t_stop)
+            time.sleep(2)
+            probe.stop()
+            before, err_b = probe.window("public", t_before - 10, t_before)
+            during, err_d = probe.window("public", t_all_open, t_mid)
+            print(f"\npages: {args.users} waiting users with their spawn page open ({args.proxy} proxy)")
+            print(f"spawn requests: {json.dumps({c: codes.count(c) for c in sorted(set(codes))})}; "
+                  f"all {len(opened)} pages open after {t_all_open - t_open:.1f}s; positions 1..{max(first.values())}")
+            print(f"API through the public URL, no pages open: p50 {pct(before, 50)*1000:.0f}ms p99 {pct(before, 99)*1000:.0f}ms errors {len(err_b)}")
+            print(f"API through the public URL, {len(opened)} pages open: p50 {pct(during, 50)*1000:.0f}ms p99 {pct(during, 99)*1000:.0f}ms errors {len(err_d)} "
+                  f"({pct(during, 99) / pct(before, 99):.2f}x)")
+            print(f"one GPU freed -> every open page shows its new state: median {statistics.median(seen)*1000:.0f}ms, "
+                  f"max {max(seen)*1000:.0f}ms (goal <= 1000ms)")
+        finally:
+            for p in opened:
+                p.close()
+            hub.stop()
+
+
+# -- handoff and spawn ----------------------------------------------------------------------
+def handoff(args):
+    names = ["h0", "h1", "h2"]
+    with tempfile.TemporaryDirectory() as tmp:
+        hub = Hub(Path(tmp), policy(1), extra_config=users_config(names) + tiny_config(), env=PROXIES[args.proxy])
+        hub.start()
+        try:
+            u = login_all(hub, names)
+            stock, admitted, ready = [], [], []
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                u["h2"].start("cpu")
+                u["h2"].wait_ready()
+                stock.append(time.perf_counter() - t0)
+                u["h2"].stop()
+                u["h2"].wait_gone()
+                u["h0"].start("gpu-1")
+                u["h0"].wait_ready()
+                u["h1"].start_background("gpu-1")
+                wait_for(lambda: u["h1"].server(), 30, "h1's spawn to be pending", interval=0.1)
+                page = Page(u["h1"])
+                page.until(lambda e: pos(e) == 1)
+                t0 = time.perf_counter()
+                u["h0"].stop()
+                page.until(lambda e: "Admitted" in e.get("message", ""))
+                admitted.append(time.perf_counter() - t0)
+                u["h1"].wait_ready()
+                ready.append(time.perf_counter() - t0)
+                page.close()
+                for n in ("h0", "h1"):
+                    u[n].stop()
+                    u[n].wait_gone()
+            med = statistics.median
+            print(f"\nhandoff over {args.rounds} rounds (tiny servers, {args.proxy} proxy)")
+            print(f"stop -> next user's page says Admitted: median {med(admitted)*1000:.0f}ms max {max(admitted)*1000:.0f}ms")
+            print(f"stop -> next user's server ready:       median {med(ready)*1000:.0f}ms")
+            print(f"a CPU spawn, request -> ready (baseline): median {med(stock)*1000:.0f}ms")
+            print(f"handoff / plain spawn: {med(ready) / med(stock):.2f}x")
+        finally:
+            hub.stop()
+
+
+def spawn(args):
+    out = {}
+    for label, extra in (("gpuhub spawner", ""), ("stock SimpleLocalProcessSpawner", STOCK)):
+        with tempfile.TemporaryDirectory() as tmp:
+            hub = Hub(Path(tmp), policy(1), extra_config=users_config(["w0"]) + extra, env=PROXIES[args.proxy])
+            hub.start()
+            try:
+                u = hub.login("w0")
+                times = []
+                for _ in range(args.rounds):
+                    t0 = time.perf_counter()
+                    u.start("cpu")
+                    u.wait_ready(timeout=120)
+                    times.append(time.perf_counter() - t0)
+                    u.stop()
+                    u.wait_gone()
+                out[label] = times
+            finally:
+                hub.stop()
+    print(f"\nspawn of a real jupyterhub-singleuser, request -> ready, {args.rounds} rounds")
+    for label, times in out.items():
+        print(f"{label:34} median {statistics.median(times):.2f}s  all {', '.join(f'{t:.2f}' for t in times)}")
+    g, s = (statistics.median(v) for v in out.values())
+    print(f"gpuhub / stock: {g / s:.2f}x")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["storm", "pages", "handoff", "spawn"])
+    ap.add_argument("--users", type=int)
+    ap.add_argument("--gpus", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--window", type=float, default=40.0, help="storm: seconds of probes from the first request")
+    ap.add_argument("--proxy", choices=sorted(PROXIES), default="node")
+    args = ap.parse_args()
+    if args.users is None:
+        args.users = {"storm": 200, "pages": 500}.get(args.what, 0)
+    {"storm": storm, "pages": pages, "handoff": handoff, "spawn": spawn}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -264,3 +264,26 @@ def test_this_test_directory_does_not_shadow_mlflow():
     import mlflow
 
     assert "site-packages" in mlflow.__file__ and hasattr(mlflow, "log_metric")
+
+
+def test_service_settings_are_traitlets(monkeypatch, tmp_path):
+    from traitlets import TraitError
+
+    from gpuhub_spawner.mlflow.service import MlflowService
+
+    monkeypatch.setenv("JUPYTERHUB_PUBLIC_URL", "http://mlflow--service.localhost:8000/services/mlflow/")
+    app = MlflowService()
+    app.initialize(["--data-dir", str(tmp_path), "--mlflow-arg", "--a", "--mlflow-arg", "--b"])
+    assert app.max_upload_size == 2**30 and app.mlflow_args == ["--a", "--b"]
+    assert app.public_origins == ["http://mlflow--service.localhost:8000"]  # from the hub's env
+    # What configure(service_options=...) writes:
+    c = Config()
+    configure(c, data_dir=str(tmp_path), service_options={"max_upload_size": 5 * 2**20,
+                                                          "public_origins": ["https://Hub.example.org:443/x"]})
+    command = c.JupyterHub.services[0]["command"]
+    app = MlflowService()
+    app.initialize(command[command.index("--data-dir"):])
+    assert app.max_upload_size == 5 * 2**20
+    assert app.public_origins == ["https://hub.example.org"]
+    with pytest.raises(TraitError):
+        MlflowService(public_origins=["ftp://hub.example.org"])

@@ -248,12 +248,25 @@ class MlflowService(Application):
         return out
 
     def initialize(self, argv=None):
+        argv = _join_mlflow_args(sys.argv[1:] if argv is None else list(argv))
         self.parse_command_line(argv)
         if self.config_file:
             self.load_config_file(self.config_file)
             self.parse_command_line(argv)  # the command line wins over the file
         if not self.data_dir:
             raise SystemExit(f"{self.name}: --data-dir is required")
+
+
+def _join_mlflow_args(argv: list[str]) -> list[str]:
+    """``--mlflow-arg --workers=2`` -> ``--mlflow-arg=--workers=2``: the values are options
+    of ``mlflow server``, which a command-line parser would otherwise take for ours."""
+    out, it = [], iter(argv)
+    for arg in it:
+        if arg == "--mlflow-arg":
+            out.append(f"--mlflow-arg={next(it, '')}")
+        else:
+            out.append(arg)
+    return out
 
 
 def _admin_credentials(args: MlflowService, passwords: Passwords) -> tuple[str, str]:

@@ -337,6 +337,8 @@ retries: {{limit: 2, reasons: [preempted, 75]}}
     rec = wait_state(carol, failing, "failed", "succeeded")
     assert len(rec["attempts"]) == 1 and rec["attempts"][0]["exit_code"] == 3
     assert rec["status"] == "failed: exit code 3"
+    followed = cli(hub, carol, "logs", "-f", failing)  # returns when the job has ended
+    assert "boom" in followed.stdout and followed.stderr.strip() == "failed: exit code 3"
     rec = wait_state(carol, slow, "failed", "succeeded", timeout=60)
     assert len(rec["attempts"]) == 1 and rec["attempts"][0]["reason"] == "time-limit"
     assert "time limit of 3s" in rec["status"]
@@ -402,3 +404,48 @@ def test_records_queue_and_running_jobs_survive_a_hub_restart(hub, users, tmp_pa
     assert wait_state(bob, waiting, "succeeded")["attempts"][0]["number"] == 1
     assert "ran after restart" in logs(bob, waiting)
     alice.wait_gone()
+
+
+@pytest.fixture(scope="module")
+def mlflow_hub(tmp_path_factory):
+    """A second hub with the real MLflow service (costs ~20 s, so only this test uses it)."""
+    from gpuhub_spawner.local.isolation import remove_isolation
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mlflow"))
+    from mlflow_service import MlflowEndpoint, mlflow_extra_config
+    from support.hub import free_port
+
+    prefix = f"gm{uuid.uuid4().hex[:5]}-"
+    port = free_port()
+    h = Hub(tmp_path_factory.mktemp("jobs-mlflow"), POLICY, extra_config=mlflow_extra_config(port),
+            env={"GPUHUB_ACCOUNT_PREFIX": prefix})
+    try:
+        h.start(timeout=90)
+        yield h, MlflowEndpoint(h, port)
+    finally:
+        h.stop()
+        remove_isolation(prefix)
+
+
+def test_mlflow_works_in_a_job_with_no_setup_and_every_run_carries_job_and_attempt(mlflow_hub, tmp_path):
+    hub, mlflow = mlflow_hub
+    bob = hub.login("bob")
+    mlflow.wait_ready(bob.token)
+    code = ("import mlflow\\n"
+            "with mlflow.start_run(run_name='epoch') as run:\\n"
+            "    mlflow.log_metric('loss', 0.5)\\n"
+            "print('run', run.info.run_id)")
+    job_id = submit(hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, \"{code}\"]\n")
+    rec = wait_state(bob, job_id, "succeeded", "failed", timeout=120)
+    out = logs(bob, job_id)
+    assert rec["state"] == "succeeded", out
+    run_id = out.split("run ")[-1].split()[0]
+    assert rec["attempts"][0]["mlflow_run_ids"] == [run_id]
+    r = mlflow.api(bob.token).get(mlflow.direct + "/api/2.0/mlflow/runs/get", params={"run_id": run_id})
+    tags = {t["key"]: t["value"] for t in r.json()["run"]["data"]["tags"]}
+    assert tags["gpuhub.job.id"] == job_id and tags["gpuhub.job.attempt"] == "1"
+    assert (tags["gpuhub.user"], tags["gpuhub.team"], tags["gpuhub.profile"]) == ("bob", "vision", "cpu")
+    assert tags["mlflow.user"] == "bob"  # the run belongs to the job's user, through its own token
+    # That token lived only for the attempt.
+    notes = [t["note"] for t in bob.api.get(bob.url("/users/bob/tokens")).json()["api_tokens"]]
+    assert not any(job_id in n for n in notes), notes

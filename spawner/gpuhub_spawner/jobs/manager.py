@@ -360,7 +360,8 @@ class JobManager(SingletonConfigurable):
         os.write(logfd, f"[gpuhub] {rec.id} attempt {att.number} admitted with {gpus} at {_ts(att.admitted)}\n".encode())
         rfd, wfd = os.pipe()
         env["GPUHUB_EVIDENCE_FD"] = str(wfd)
-        token = self._new_token(rec, env)
+        configured = {k: (v(launcher) if callable(v) else v) for k, v in launcher.environment.items()}
+        token = self._new_token(rec, env, configured)
         launcher.job_env = env
         launcher.popen_kwargs = {"stdout": logfd, "stderr": logfd, "pass_fds": (wfd,)}
         live.launcher, live.stop_reason, live.stop_message = launcher, None, ""
@@ -414,7 +415,7 @@ class JobManager(SingletonConfigurable):
             reason, message = FAILED, f"killed by signal {-code}"
         else:
             reason, message = FAILED, f"exit code {code}"
-        await self._collect_runs(rec, att, env, token)
+        await self._collect_runs(rec, att, {**configured, **env}, token)
         self._revoke(token)
         with open(att.log, "a") as f:
             f.write(f"[gpuhub] attempt {att.number} ended at {_ts(time.time())}: {reason} ({message})\n")
@@ -554,9 +555,9 @@ class JobManager(SingletonConfigurable):
     def _mlflow_uri(self, env: dict) -> str | None:
         return env.get("GPUHUB_MLFLOW_TRACKING_URI") or None
 
-    def _new_token(self, rec: R.JobRecord, env: dict) -> str | None:
+    def _new_token(self, rec: R.JobRecord, env: dict, configured: dict) -> str | None:
         """A token of the job's own user, good only for the MLflow service, for this attempt."""
-        uri = self._mlflow_uri(env)
+        uri = self._mlflow_uri(configured)
         if not uri:
             return None
         try:
@@ -573,7 +574,7 @@ class JobManager(SingletonConfigurable):
             log.exception("Cannot make an MLflow token for %s", rec.id)
             return None
         env["JUPYTERHUB_API_TOKEN"] = token
-        if "MLFLOW_TRACKING_TOKEN" in env:
+        if "MLFLOW_TRACKING_TOKEN" in configured:  # images without gpuhub-notebook (token_env)
             env["MLFLOW_TRACKING_TOKEN"] = token
         return token
 

@@ -402,7 +402,7 @@ class JobManager(SingletonConfigurable):
         launcher.on_process_exit()  # sweeps its cgroup; records an OOM kill
         try:
             ev = await asyncio.wait_for(evidence, 2)
-            att.git = ev.get("git")
+            att.git = _git_evidence(ev.get("git") if isinstance(ev, dict) else None)
         except (asyncio.TimeoutError, ValueError):
             pass
         if live.stop_reason:
@@ -668,6 +668,16 @@ def _exit_future(pid: int) -> asyncio.Future:
 
     loop.add_reader(fd, exited)
     return fut
+
+
+def _git_evidence(git) -> dict | None:
+    """Only the expected shape of what the job's first step reported (it runs as the user)."""
+    import re
+
+    if not isinstance(git, dict) or not isinstance(git.get("commit"), str) or not re.fullmatch(r"[0-9a-f]{40,64}", git["commit"]):
+        return None
+    branch = git.get("branch") if isinstance(git.get("branch"), str) else ""
+    return {"commit": git["commit"], "dirty": bool(git.get("dirty")), "branch": branch[:200]}
 
 
 def _team(policy: Policy, name: str):

@@ -1,0 +1,54 @@
+"""Job records: private, atomic, complete after a reload; nothing a job reports is taken on trust."""
+
+import stat
+
+from gpuhub_spawner.jobs import records as R
+from gpuhub_spawner.jobs.manager import _git_evidence
+
+
+def make(job_id="job-0123456789"):
+    rec = R.JobRecord(id=job_id, user="bob", team="vision", profile={"slug": "gpu-1"}, priority_class="batch", priority=100,
+                      policy_sha256="ab" * 32, image="img@sha256:x", image_digest="sha256:x", command=["python", "t.py"],
+                      working_dir="proj", checkpoint_dir=".gpuhub/checkpoints/x", env_names=["SECRET"], experiment=None,
+                      time_limit=60.0, retries={"limit": 1, "reasons": ["preempted"]}, spec={"env": ["SECRET"]})
+    rec.attempts.append(R.Attempt(number=1, queued=1.0, admitted=2.0, started=3.0, finished=4.0, exit_code=0, reason="succeeded"))
+    return rec
+
+
+def test_records_round_trip_private_and_without_env_values(tmp_path):
+    store = R.JobStore(tmp_path / "jobs")
+    rec = make()
+    store.save(rec)
+    store.save_env(rec.id, {"SECRET": "s3cret"})
+    path = store.path(rec.id)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE((tmp_path / "jobs").stat().st_mode) == 0o700
+    assert "s3cret" not in path.read_text()
+    assert stat.S_IMODE((tmp_path / "jobs" / rec.id / "env.json").stat().st_mode) == 0o600
+    [back] = R.JobStore(tmp_path / "jobs").load_all()
+    assert back.to_dict() == rec.to_dict() and back.current.reason == "succeeded"
+    assert store.load_env(rec.id) == {"SECRET": "s3cret"}
+    assert not list((tmp_path / "jobs").glob("*.tmp"))
+
+
+def test_an_unreadable_record_is_skipped_not_fatal(tmp_path):
+    store = R.JobStore(tmp_path / "jobs")
+    store.save(make("job-000000000a"))
+    (tmp_path / "jobs" / "job-000000000b.json").write_text("{torn")
+    assert [r.id for r in store.load_all()] == ["job-000000000a"]
+
+
+def test_job_ids_cannot_name_other_files(tmp_path):
+    store = R.JobStore(tmp_path / "jobs")
+    for bad in ("../x", "job-../../etc", "job-ZZZZZZZZZZ", "job-0123456789/../a"):
+        try:
+            store.path(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
+
+
+def test_git_evidence_keeps_only_the_expected_shape():
+    good = {"commit": "a" * 40, "dirty": 1, "branch": "main", "extra": "x" * 10}
+    assert _git_evidence(good) == {"commit": "a" * 40, "dirty": True, "branch": "main"}
+    for bad in (None, "x", {"commit": "not-hex"}, {"commit": "a" * 39}, {"commit": ["a"]}):
+        assert _git_evidence(bad) is None

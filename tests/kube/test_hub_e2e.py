@@ -309,6 +309,28 @@ def test_queue_timeout_withdraws_the_server_and_says_so(kube_hub, double, users)
     assert double.invalid == [] and double.errors == []
 
 
+def test_a_kueue_outage_is_told_at_once_and_running_servers_are_untouched(kube_hub, double, users):
+    alice, carol = users["alice"], users["carol"]
+    assert alice.start("cpu").status_code in (201, 202)
+    alice.wait_ready()
+    double.set_kueue(False)  # Kueue's controller and its failurePolicy: Fail pod webhook are down
+    try:
+        r = carol.start("cpu")
+        assert r.status_code == 503, r.text
+        assert "The queue service (Kueue) is not answering" in r.json()["message"], r.text
+        until(lambda: carol.server() is None, what="carol's refused spawn cleared", hub=kube_hub)
+        assert pods(double, "carol") == []
+        assert reach(alice).status_code == 200  # a running server does not need Kueue
+    finally:
+        double.set_kueue(True)
+    assert carol.start("cpu").status_code in (201, 202)  # back to normal
+    carol.wait_ready()
+    for user in (alice, carol):
+        assert user.stop().status_code in (202, 204)
+        user.wait_gone()
+    until(lambda: pods(double) == [], what="no pods left")
+
+
 def test_hub_restart_keeps_waiting_servers_in_their_place(kube_hub, double, users):
     """Every `helm upgrade` that changes the hub config restarts the hub: waiting servers
     must survive it, keep their place, and be admitted later in the same order."""

@@ -450,6 +450,7 @@ class KubeDouble:
                 f'no endpoints available for service "{K.WEBHOOK_SERVICE}"'))
         if ("pods", ns, name) in self.objects:
             return _status(409, "AlreadyExists", f'pods "{name}" already exists')
+        _canonical_resources(pod["spec"])  # the API server stores quantities as canonical strings
         labels = pod["metadata"].setdefault("labels", {})
         queued = QUEUE_LABEL in labels and self._webhook_applies(ns) and (
             self.managed_namespaces is None or ns in self.managed_namespaces)
@@ -921,6 +922,19 @@ def _fmt(res, amount: int) -> str:
             if amount % unit == 0:
                 return f"{amount // unit}{suffix}"
     return str(amount)
+
+
+def _canonical_resources(spec: dict) -> None:
+    """What the API server does to a pod's quantities: ``0.5`` CPU is stored as ``"500m"``,
+    ``2`` as ``"2"`` (Kueue copies the stored pod into the Workload, whose CRD wants strings)."""
+    for container in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+        for kind in ("limits", "requests"):
+            values = (container.get("resources") or {}).get(kind) or {}
+            for res, qty in list(values.items()):
+                if res == "cpu":
+                    values[res] = _fmt("cpu", parse_cpu_millis(qty))
+                elif isinstance(qty, (int, float)):
+                    values[res] = str(int(qty)) if float(qty).is_integer() else str(qty)
 
 
 def _requests(pod_spec) -> dict[str, int]:

@@ -87,3 +87,44 @@ def test_warning_notification_and_snooze(nb_server, stand_in, browser, tmp_path)
         raise
     finally:
         ctx.close()
+
+
+def test_after_the_stop_the_warning_is_replaced_by_what_happened(fake_nvml, stand_in, browser, tmp_path):
+    """The stale "will be stopped (in 0 min)" with its Snooze button must not outlive the server."""
+    from nbside import HUB_TOKEN, USER, NotebookServer
+
+    server = NotebookServer(
+        tmp_path / "doomed",
+        {"GPUHUB_FAKE_NVML": str(fake_nvml.path), "JUPYTERHUB_API_URL": stand_in.api_url,
+         "JUPYTERHUB_API_TOKEN": HUB_TOKEN, "JUPYTERHUB_USER": USER, "JUPYTERHUB_SERVER_NAME": SERVER_NAME},
+        base_url=f"/user/{USER}/{SERVER_NAME}/",
+    ).start()
+    stand_in.warn(SERVER_NAME, minutes=0.05, reason="its GPUs were idle for 30m", snoozes_left=0)
+    ctx = browser.new_context()
+    page = ctx.new_page()
+    page.set_default_timeout(int(os.environ.get("GPUHUB_BROWSER_TIMEOUT_MS", 60_000)))
+    try:
+        page.goto(f"{server.url}lab?token={server.token}")
+        page.locator(".Toastify__toast", has_text="This server will be stopped").wait_for()
+        server.stop()  # the culler stopped it
+        for _ in range(2):  # two polls that get no answer (a visible tab polls at once)
+            page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+            page.wait_for_timeout(1000)
+        toast = page.locator(".Toastify__toast", has_text="This server was stopped")
+        toast.wait_for()
+        text = toast.inner_text()
+        assert re.search(r"This server was stopped at \d\d:\d\d: its GPUs were idle for 30m\. Your files are kept; "
+                         r"start it again from the hub home page\.", text), text
+        assert toast.get_by_role("button", name="Hub home").count() == 1
+        # the stale warning (and its Snooze) is gone, not left beside the notice
+        page.locator(".Toastify__toast", has_text="will be stopped").wait_for(state="detached")
+        assert page.get_by_role("button", name="Snooze").count() == 0
+        if os.environ.get("GPUHUB_SCREENSHOT_DIR"):
+            page.screenshot(path=os.path.join(os.environ["GPUHUB_SCREENSHOT_DIR"], "culled-notice.png"))
+    except Exception:
+        page.screenshot(path=str(tmp_path / "lab.png"))
+        print("screenshot:", tmp_path / "lab.png")
+        raise
+    finally:
+        ctx.close()
+        server.stop()

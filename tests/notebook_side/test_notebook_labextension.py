@@ -24,7 +24,7 @@ def test_committed_build_output_is_complete():
     assert (BUILT / meta["jupyterlab"]["_build"]["load"]).is_file()
     bundle = "".join(p.read_text() for p in (BUILT / "static").glob("*.js"))
     # The bundle is the current source, not an empty or older build.
-    for text in ("This server will be stopped at", "Your files are kept.", "Snooze", "gpuhub", "culling",
+    for text in ("This server will be stopped ", "This server was stopped", "Hub home", "Your files are kept.", "Snooze", "gpuhub", "culling",
                  "gpuhub-notebook:cull-warning"):
         assert text in bundle, text
     assert not (BUILT / "static" / "node_modules").exists()

@@ -1,17 +1,21 @@
 /**
  * gpuhub cull warnings inside JupyterLab.
  *
- * Polls the server extension's `gpuhub/culling` relay (on load, every 30 s and when the tab
- * becomes visible again). While the hub has warned this server, a JupyterLab notification
- * (never auto-closing) says when the server will be stopped and offers a Snooze action that
- * POSTs to the relay and updates the notification with the hub's answer.
+ * Polls the server extension's `gpuhub/culling` relay (on load, every 30 s while the tab is
+ * visible, and when it becomes visible again; a hidden tab does not poll, so it never keeps
+ * its own server looking used). While the hub has warned this server, a JupyterLab
+ * notification (never auto-closing) says when the server will be stopped and offers a Snooze
+ * action that POSTs to the relay and updates the notification with the hub's answer.
+ *
+ * When the relay stops answering (the server was stopped), the warning is replaced by what
+ * happened: stopped at, why, files kept, and a link to the hub home page to start it again.
  */
 import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
 import { Notification } from '@jupyterlab/apputils';
-import { URLExt } from '@jupyterlab/coreutils';
+import { PageConfig, URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
 const POLL_MS = 30_000;
@@ -54,10 +58,14 @@ function minutesLeft(deadline: number, now: number): number {
 }
 
 function warningMessage(w: ICullWarning, now: number, prefix = ''): string {
-  const head = `${prefix}This server will be stopped at ${clock(w.deadline)} (in ${minutesLeft(
-    w.deadline,
-    now
-  )} min): `;
+  const left = w.deadline - now;
+  const when =
+    left <= 0
+      ? 'any moment now'
+      : left < 120
+      ? `at ${clock(w.deadline)} (in ${Math.ceil(left)} s)`
+      : `at ${clock(w.deadline)} (in ${minutesLeft(w.deadline, now)} min)`;
+  const head = `${prefix}This server will be stopped ${when}: `;
   const tail = '. Your files are kept.';
   let reason = (w.reason || 'idle').trim().replace(/\.+$/, '');
   const room = MAX_MESSAGE - head.length - tail.length;
@@ -81,7 +89,11 @@ class CullWatcher {
 
   start(): void {
     void this.poll();
-    this._timer = window.setInterval(() => void this.poll(), POLL_MS);
+    this._timer = window.setInterval(() => {
+      if (document.visibilityState === 'visible') {
+        void this.poll();
+      }
+    }, POLL_MS);
     document.addEventListener('visibilitychange', () => {
       if (document.visibilityState === 'visible') {
         void this.poll();
@@ -123,14 +135,19 @@ class CullWatcher {
         return;
       }
       if (status !== 200 || !body) {
-        return; // hub briefly unreachable: keep whatever is shown
+        if (status !== 502) {
+          this.serverGone(); // our own server no longer answers: it was stopped
+        }
+        return; // 502: the hub briefly unreachable, keep whatever is shown
       }
+      this._failures = 0;
       if (typeof body.now === 'number') {
         this._offset = body.now - Date.now() / 1000;
       }
       this.show(body.warning);
     } catch (err) {
       console.debug('gpuhub: culling poll failed', err);
+      this.serverGone();
     } finally {
       this._busy = false;
     }
@@ -175,7 +192,50 @@ class CullWatcher {
     }
   }
 
+  /** The hub home page, where the culled notice and the start button are. */
+  private hubHome(): string {
+    const prefix = PageConfig.getOption('hubPrefix') || '/hub/';
+    const host = PageConfig.getOption('hubHost') || '';
+    return host + URLExt.join(prefix, 'home');
+  }
+
+  /**
+   * Our server stopped answering. Two failed polls in a row (a restart of the proxy is one)
+   * replace whatever is shown — a stale "will be stopped" — by what happened.
+   */
+  private serverGone(): void {
+    this._failures += 1;
+    if (this._failures < 2 || this._goneShown) {
+      return;
+    }
+    this._goneShown = true;
+    window.clearInterval(this._timer);
+    const w = this._last;
+    const when = w && w.deadline <= this.now() + POLL_MS / 1000 ? ` at ${clock(Math.min(w.deadline, this.now()))}` : '';
+    const why = w ? `: ${(w.reason || 'idle').trim().replace(/\.+$/, '')}` : '';
+    let message = `This server was stopped${when}${why}. Your files are kept; start it again from the hub home page.`;
+    if (message.length > MAX_MESSAGE) {
+      message = `This server was stopped${when}. Your files are kept; start it again from the hub home page.`;
+    }
+    const actions: Notification.IAction[] = [
+      {
+        label: 'Hub home',
+        caption: 'Why it stopped, and start it again',
+        displayType: 'accent',
+        callback: () => {
+          window.location.href = this.hubHome();
+        }
+      }
+    ];
+    if (this._id && Notification.manager.has(this._id)) {
+      Notification.dismiss(this._id);
+    }
+    this._id = Notification.info(message, { autoClose: false, actions });
+    this._key = null;
+  }
+
   private show(w: ICullWarning | null, prefix = ''): void {
+    this._last = w;
     if (!w) {
       if (this._id && this._key !== null) {
         this.notify(
@@ -293,6 +353,9 @@ class CullWatcher {
   }
 
   private _busy = false;
+  private _failures = 0;
+  private _goneShown = false;
+  private _last: ICullWarning | null = null;
   private _id: string | null = null;
   private _key: string | null = null;
   private _offset = 0;

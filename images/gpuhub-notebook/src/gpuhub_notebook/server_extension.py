@@ -3,8 +3,9 @@
 Handlers, under the server's ``base_url`` and authenticated like every server API:
 
 ``GET gpuhub/activity``
-    GPUs, kernels and terminals (``activity``). The culler calls it with a token that has
-    ``access:servers``.
+    GPUs, kernels and terminals (``activity``), for the user's own information. The hub's
+    culler never reads it: what a user's server says about itself can be forged, so culling
+    reads GPUs with NVML in the hub or DCGM on Kubernetes (docs/culling.md).
 
 ``GET gpuhub/culling``
     This server's entry of the hub's ``GET {JUPYTERHUB_API_URL}/gpuhub/culling/{user}``, fetched
@@ -43,6 +44,7 @@ HUB_TIMEOUT = 10.0
 
 class ActivityHandler(APIHandler):
     auth_resource = "api"
+    _track_activity = False  # reading it is observation, not use
 
     @web.authenticated
     @authorized
@@ -102,6 +104,12 @@ async def _hub_request(hub: dict, path: str, method: str = "GET", body: dict | N
 
 class CullingHandler(APIHandler):
     auth_resource = "api"
+
+    @property
+    def _track_activity(self) -> bool:
+        # JupyterLab's poll is observation (it must not keep the server "active" on its
+        # own); a click on Snooze is the user.
+        return self.request.method != "GET"
 
     @web.authenticated
     @authorized

@@ -118,6 +118,7 @@ def test_effective_config_selects_kueue_spawner_in_the_user_namespace(chart_conf
     assert c.JupyterHub.hub_connect_url == f"http://hub.{HUB_NAMESPACE}.svc.cluster.local:8081"
     assert c.JupyterHub.allow_named_servers is True  # the policy's perUser.maxServers > 1 needs them
     assert c.JupyterHub.concurrent_spawn_limit == 500
+    assert c.JupyterHub.init_spawners_timeout == 1  # queued servers' checks must not hold the hub
     assert c.PolicyStore.policy_file == "/etc/gpuhub/policy/profiles.yaml"
     assert c.DcgmPrometheusReader.prometheus_url  # GPU utilisation from DCGM, never from the pod
     names = [s["name"] for s in c.JupyterHub.services]

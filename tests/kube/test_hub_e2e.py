@@ -74,6 +74,7 @@ c.KubeSpawner.k8s_api_request_timeout = 10
 c.KubeSpawner.poll_interval = 1                 # production: 30 s; the hub notices a vanished pod sooner here
 c.KueueSpawner.status_interval = 0.2
 c.KueueSpawner.queue_poll_interval = 0.5
+c.JupyterHub.init_spawners_timeout = 1          # as helm-values/values.yaml
 
 # The double's pods share this machine's network: one port per pod, loopback only.
 c.KubeSpawner.ip = "127.0.0.1"

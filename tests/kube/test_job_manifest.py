@@ -92,3 +92,130 @@ async def test_a_cpu_job_sees_no_gpu_and_fails_on_any_exit_without_retries(make_
     assert job["metadata"]["labels"][PRIORITY_LABEL] == choice.priority_class
     assert job["spec"]["backoffLimit"] == 0 and "activeDeadlineSeconds" not in job["spec"]
     validate(workload_for(job))
+
+
+# -- through the API double: Kueue's job integration admits, suspends, preempts ------------------
+
+import json as _json  # noqa: E402
+import sys as _sys  # noqa: E402
+import time as _time  # noqa: E402
+
+import requests as _requests  # noqa: E402
+
+from double.harness import NAMESPACE  # noqa: E402
+from double.server import TOKEN  # noqa: E402
+
+TRAIN = """\
+import json, os, time
+ckpt = os.path.join(os.environ["GPUHUB_CHECKPOINT_DIR"], "state.json")
+os.makedirs(os.environ["GPUHUB_CHECKPOINT_DIR"], exist_ok=True)
+state = {"step": 0, "total": 0}
+if os.path.exists(ckpt):
+    state = json.load(open(ckpt))
+    print("resumed from step", state["step"], flush=True)
+print("attempt", os.environ["GPUHUB_ATTEMPT"], flush=True)
+for step in range(state["step"] + 1, 9):
+    time.sleep(0.3)
+    state = {"step": step, "total": state["total"] + step}
+    json.dump(state, open(ckpt + ".tmp", "w")); os.replace(ckpt + ".tmp", ckpt)
+    print("step", step, flush=True)
+print("total", state["total"], flush=True)
+"""
+
+
+def _post_job(double, job):
+    r = _requests.post(f"{double.url}/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=job,
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _until(check, timeout, what):
+    deadline = _time.time() + timeout
+    while _time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        _time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _cond(obj, ctype):
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
+
+
+def _log(double, pod):
+    path = double.workdir / f"{NAMESPACE}-{pod['metadata']['name']}" / "container.log"
+    return path.read_text() if path.exists() else ""
+
+
+async def _student_job(make_spawner, policy_store, text, job_id, user="erin"):
+    spawner = make_spawner(user=user, groups=("students",), profile="l4-1")
+    pod = await server_pod(spawner)
+    policy = policy_store.policy
+    choice = resolve_choice(policy, ["students"], {"profile": "l4-1"})
+    return job_manifest(job_id, user, parse_job(text), policy, choice, pod, namespace=spawner.namespace), pod
+
+
+async def test_the_double_admits_the_suspended_job_and_a_preemption_resumes_it_from_its_checkpoint(
+        kube, make_spawner, policy_store, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    ckpt = tmp_path / "ckpt"
+    job, server = await _student_job(make_spawner, policy_store, (
+        f"profile: l4-1\ncommand: [{_sys.executable}, {script}]\ncheckpointDir: {ckpt}\n"
+        "retries: {limit: 0, reasons: [preempted]}\n"), "job-00000000b1")
+    _post_job(kube, job)
+    _until(lambda: (ckpt / "state.json").exists() and _json.loads((ckpt / "state.json").read_text())["step"] >= 2, 30,
+           "training to reach step 2")
+    first = kube.pods_of_job(NAMESPACE, "job-00000000b1")
+    assert len(first) == 1 and QUEUE_LABEL not in first[0]["metadata"]["labels"]  # the Job is the managed object
+    assert "schedulingGates" not in first[0]["spec"]
+    # An interactive server of the same team needs the GPU; Kueue preempts the batch job for it.
+    blocker = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "erin-interactive", "namespace": NAMESPACE,
+                            "labels": {**server["metadata"]["labels"], PRIORITY_LABEL: "interactive"}},
+               "spec": {**server["spec"], "containers": [{**server["spec"]["containers"][0],
+                                                          "command": [_sys.executable, "-c", "import time; time.sleep(120)"],
+                                                          "args": []}]}}
+    status, _ = kube.create("pods", NAMESPACE, blocker)
+    assert status == 201
+    _until(lambda: _cond(kube.workload_for(NAMESPACE, "erin-interactive") or {}, "QuotaReserved").get("status") == "False",
+           10, "the server to wait for quota")
+    kube.preempt_job(NAMESPACE, "job-00000000b1")
+    _until(lambda: "schedulingGates" not in (kube.get("pods", NAMESPACE, "erin-interactive") or {"spec": {"schedulingGates": 1}})["spec"],
+           10, "the server to be admitted")
+    j = kube.get("jobs", NAMESPACE, "job-00000000b1")
+    assert j["spec"]["suspend"] is True and not j["status"].get("failed")  # suspended, nothing counted
+    [wl] = [w for w in kube.list("workloads", NAMESPACE) if w["metadata"]["name"].startswith("job-job-00000000b1")]
+    assert _cond(wl, "Evicted")["reason"] == "Preempted" and _cond(wl, "QuotaReserved")["status"] == "False"
+    # The server ends; the job is admitted again and its new pod continues from the checkpoint.
+    kube.delete("pods", NAMESPACE, "erin-interactive")
+    done = _until(lambda: (j := kube.get("jobs", NAMESPACE, "job-00000000b1")) and _cond(j, "Complete").get("status") == "True" and j,
+                  60, "the job to complete")
+    assert done["status"]["succeeded"] == 1 and not done["status"].get("failed")
+    pods = kube.pods_of_job(NAMESPACE, "job-00000000b1")
+    assert len(pods) == 1  # the preempted pod was deleted; this is the second attempt's
+    out = _log(kube, pods[0])
+    assert "resumed from step" in out and f"attempt {pods[0]['metadata']['name']}" in out
+    assert out.strip().splitlines()[-1] == "total 36"
+    [wl] = [w for w in kube.list("workloads", NAMESPACE) if w["metadata"]["name"].startswith("job-job-00000000b1")]
+    assert _cond(wl, "Finished")["status"] == "True"
+
+
+async def test_the_double_applies_the_jobs_failure_policy(kube, make_spawner, policy_store):
+    code = "import sys; sys.exit(int(sys.argv[1]))"
+    fatal, _ = await _student_job(make_spawner, policy_store, (
+        f"profile: l4-1\ncommand: [{_sys.executable}, -c, '{code}', '3']\nretries: {{limit: 2, reasons: [preempted, 75]}}\n"),
+        "job-00000000c1")
+    _post_job(kube, fatal)
+    j = _until(lambda: (j := kube.get("jobs", NAMESPACE, "job-00000000c1")) and _cond(j, "Failed").get("status") == "True" and j,
+               30, "the job to fail")
+    assert _cond(j, "Failed")["reason"] == "PodFailurePolicy" and j["status"]["failed"] == 1  # not retried
+    retried, _ = await _student_job(make_spawner, policy_store, (
+        f"profile: l4-1\ncommand: [{_sys.executable}, -c, '{code}', '75']\nretries: {{limit: 1, reasons: [75]}}\n"),
+        "job-00000000c2", user="erin2")
+    _post_job(kube, retried)
+    j = _until(lambda: (j := kube.get("jobs", NAMESPACE, "job-00000000c2")) and _cond(j, "Failed").get("status") == "True" and j,
+               30, "the retried job to give up")
+    assert _cond(j, "Failed")["reason"] == "BackoffLimitExceeded" and j["status"]["failed"] == 2  # 1 retry

@@ -39,6 +39,7 @@ from gpuhub_spawner.kube.kueue import (
 )
 from gpuhub_spawner.policy.quantities import parse_cpu_millis, parse_memory_bytes
 
+from .jobs import JobsMixin  # batch/v1 Jobs + Kueue's job integration (gpuhub batch jobs)
 from .schemas import InvalidObject, validate
 
 TOKEN = "double-token"
@@ -104,7 +105,7 @@ class Watcher:
                 and _match_labels(obj, self.labels) and _match_fields(obj, self.fields))
 
 
-class KubeDouble:
+class KubeDouble(JobsMixin):
     def __init__(self, workdir: Path, node_env: dict[str, str] | None = None, webhook_namespaces: set[str] | None = None):
         self.workdir = Path(workdir)
         self.node_env = node_env or {}
@@ -322,6 +323,8 @@ class KubeDouble:
                 if plural not in KUEUE_KINDS:
                     return _status(404, "NotFound", f"the server could not find the requested resource ({plural})")
                 return await self._resource(request, plural, ns, name)
+            if parts[:3] == ["apis", "batch", "v1"]:
+                return await self._jobs_route(request, parts[3:])  # jobs.py
             if parts[:3] == ["apis", "visibility.kueue.x-k8s.io", "v1beta2"]:
                 self.calls[("GET", "pendingworkloads")] += 1
                 rest = parts[3:]
@@ -598,9 +601,13 @@ class KubeDouble:
         argv = list(container.get("command") or []) + list(container.get("args") or [])
         env = dict(self.node_env)
         for item in container.get("env") or []:
+            if item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+                env[item["name"]] = name  # the downward API, as the kubelet resolves it
+                continue
             if "value" not in item:
                 raise InvalidObject(f"env {item['name']}: valueFrom is not supported by the double's kubelet")
-            env[item["name"]] = item["value"]
+            # $(VAR) expands from variables defined earlier in the list (the kubelet's rule).
+            env[item["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"])
         home = self.workdir / f"{ns}-{name}"
         home.mkdir(parents=True, exist_ok=True)
         env.setdefault("HOME", str(home))
@@ -655,6 +662,7 @@ class KubeDouble:
             await asyncio.sleep(0.2)
             try:
                 self._check_processes()
+                self._jobs_tick()  # jobs.py
                 self._reconcile()
             except Exception as e:  # keep the double alive; the test sees the symptom
                 print("kube double tick failed:", repr(e), file=sys.stderr)
@@ -811,6 +819,7 @@ class KubeDouble:
         pod_name = owner_pod_name(wl)
         pod = copy.deepcopy(self.objects.get(("pods", ns, pod_name)))
         if not pod:
+            self._job_admitted(wl, assignment)  # jobs.py: a Job's Workload has no pod of its own
             return
         pod["spec"]["schedulingGates"] = [g for g in pod["spec"].get("schedulingGates", []) if g["name"] != ADMISSION_GATE]
         if not pod["spec"]["schedulingGates"]:

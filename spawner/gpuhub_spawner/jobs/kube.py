@@ -17,8 +17,9 @@ Recovery maps onto the Job API:
   ``backoffLimit = retries.limit``; any other non-zero exit fails the Job at once;
 - ``timeLimit`` is ``activeDeadlineSeconds`` and Kueue's ``max-exec-time-seconds`` label.
 
-Only the manifest is tested here (kubernetes-validate, strict, and the Workload Kueue
-derives from it against the v0.19.2 CRD); Kueue's job controller was not run.
+Tested against kubernetes-validate (strict), the Kueue v0.19.2 Workload CRD, and the API
+double's model of the Job controller and Kueue's job integration (admission, suspension
+on preemption, podFailurePolicy); the real controllers were not run.
 """
 
 from __future__ import annotations

@@ -307,3 +307,15 @@ def test_a_pending_warning_and_its_snoozes_survive_a_hub_restart(hub, scene, gpu
     assert culling(carol)["culled"][""]["rule"] == "gpu-idle"
     assert "its GPUs were idle for 30s" in carol.session.get(hub.url + "/hub/home").text
     wait_for(lambda: bob.server() is None, 60, "bob's idle GPU server to be stopped at the restored deadline")
+    # the team's gauges return to zero when its last server stops (not its last value)
+    admin = hub.login("admin")
+
+    def vision_gauges():
+        lines = [ln for ln in admin.api.get(hub.url + "/hub/metrics").text.splitlines() if 'team="vision"' in ln]
+        return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines
+                if ln.startswith(("gpuhub_admitted_resources{", "gpuhub_idle_gpus{"))}
+
+    gauges = wait_for(lambda: (lambda g: g if g.get('gpuhub_idle_gpus{team="vision"}') == 0 else None)(vision_gauges()),
+                      3 * PASS, "the next pass after bob's stop")
+    gpu = [v for k, v in gauges.items() if k.startswith("gpuhub_admitted_resources{") and "gpu/" in k]
+    assert gpu and all(v == 0 for v in gpu), gauges

@@ -192,3 +192,28 @@ async def test_stop_while_kueue_is_down_returns_and_the_finalizer_is_released_la
         kube.set_kueue(True)
     await asyncio.wait_for(until(lambda: kube.get("pods", NAMESPACE, spawner.pod_name) is None), WAIT)
     assert kube.invalid == [] and kube.errors == []
+
+
+async def test_ephemeral_storage_from_a_limitrange_is_admitted(kube, make_spawner):
+    """A LimitRange's default request reaches the pod; Kueue counts it, so it must be covered."""
+    spawner = make_spawner(user="ivy", groups=("students",), profile="cpu", cmd=SLEEPER,
+                           extra_resource_guarantees={"ephemeral-storage": "1Gi"})
+    await asyncio.wait_for(spawner.start(), WAIT)
+    wl = kube.workload_for(NAMESPACE, spawner.pod_name)
+    assert wl["status"]["admission"]["podSetAssignments"][0]["flavors"]["ephemeral-storage"] == "gpuhub-default"
+    await spawner.stop(now=True)
+
+
+async def test_a_resource_no_cluster_queue_lists_is_explained(kube, make_spawner):
+    spawner = make_spawner(user="jay", groups=("students",), profile="cpu", queue_timeout=600.0,
+                           extra_resource_guarantees={"hugepages-2Mi": "64Mi"}, extra_resource_limits={"hugepages-2Mi": "64Mi"})
+    start = spawner.start()
+    try:
+        message = await asyncio.wait_for(status_until(spawner, lambda m: "never start" in m), WAIT)
+        # flavorassigner.go: "resource %s unavailable in ClusterQueue"
+        assert "resource hugepages-2Mi unavailable in ClusterQueue" in quota_reserved(kube, spawner.pod_name)["message"]
+        assert "the team's queue has no quota for hugepages-2Mi" in message and "LimitRange" in message
+    finally:
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        await spawner.stop(now=True)

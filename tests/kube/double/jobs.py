@@ -55,6 +55,16 @@ class JobsMixin:
     def pods_of_job(self, namespace: str, name: str) -> list[dict]:
         return [p for p in self.list("pods", namespace) if owner_job_name(p) == name]
 
+    # -- HTTP: a pod's log (what the container wrote), /apis/batch/v1/... -----------------------
+    def _pod_log(self, ns: str, name: str):
+        from .server import _status
+
+        self.calls[("GET", "log")] += 1
+        if ("pods", ns, name) not in self.objects:
+            return _status(404, "NotFound", f'pods "{name}" not found')
+        path = self.workdir / f"{ns}-{name}" / "container.log"
+        return web.Response(text=path.read_text(errors="replace") if path.exists() else "", content_type="text/plain")
+
     # -- HTTP: /apis/batch/v1/... --------------------------------------------------------------
     async def _jobs_route(self, request, rest: list[str]):
         if len(rest) < 2 or rest[0] != "namespaces" or len(rest) < 3 or rest[2] != "jobs":

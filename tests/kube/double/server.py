@@ -311,6 +311,8 @@ class KubeDouble(JobsMixin):
         try:
             if parts[:2] == ["api", "v1"] and len(parts) >= 4 and parts[2] == "namespaces":
                 ns, plural, name = parts[3], parts[4], (parts[5] if len(parts) > 5 else None)
+                if plural == "pods" and parts[6:] == ["log"]:
+                    return self._pod_log(ns, name)  # jobs.py
                 if plural not in CORE_KINDS:
                     return _status(404, "NotFound", f"the server could not find the requested resource ({plural})")
                 return await self._resource(request, plural, ns, name)
@@ -912,10 +914,14 @@ def _set_condition(obj, ctype, status, reason, message):
     conds.append({"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": now_iso()})
 
 
+def _bytes_like(res) -> bool:
+    return res in ("memory", "ephemeral-storage") or res.startswith("hugepages-")
+
+
 def _amount(res, qty) -> int:
     if res == "cpu":
         return parse_cpu_millis(qty)
-    if res == "memory":
+    if _bytes_like(res):
         return parse_memory_bytes(qty)
     return int(str(qty))
 
@@ -925,7 +931,7 @@ def _fmt(res, amount: int) -> str:
     DecimalSI, memory and ephemeral-storage canonical BinarySI, the rest plain integers."""
     if res == "cpu":
         return str(amount // 1000) if amount % 1000 == 0 else f"{amount}m"
-    if res in ("memory", "ephemeral-storage") and amount:
+    if _bytes_like(res) and amount:
         for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
             unit = 1024 ** ("KMGTPE".index(suffix[0]) + 1)
             if amount % unit == 0:

@@ -29,11 +29,10 @@ def _validate(args) -> int:
 
 
 def _run(args) -> int:
-    from .hub.config import demo_password
+    from .hub.config import demo_password, private_dir
 
     config = Path(args.config).resolve()
-    data = Path(args.data_dir).resolve()
-    data.mkdir(parents=True, exist_ok=True)
+    data = private_dir(args.data_dir)  # 0700 from the first byte
     env = dict(os.environ, GPUHUB_DATA_DIR=str(data), GPUHUB_PORT=str(args.port))
     if args.policy:
         env["GPUHUB_POLICY"] = str(Path(args.policy).resolve())

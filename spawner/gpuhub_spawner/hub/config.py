@@ -31,15 +31,44 @@ def _bin(name: str) -> str:
     return str(candidate) if candidate.exists() else (shutil.which(name) or name)
 
 
+def private_dir(path) -> Path:
+    """``path`` as a directory only its owner can enter, created so from the first byte.
+
+    Missing parents are made 0700 too (never the default umask), an existing directory
+    is tightened to 0700.
+    """
+    p = Path(path).resolve()
+    missing = []
+    for parent in [p, *p.parents]:
+        if parent.exists():
+            break
+        missing.append(parent)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)  # umask can only remove bits from 0700
+        except FileExistsError:
+            pass
+    if p.stat().st_mode & 0o077:
+        p.chmod(0o700)
+    return p
+
+
 def demo_password(data_dir: Path) -> str:
-    """The demo password: from GPUHUB_DEMO_PASSWORD, else generated once and kept."""
+    """The demo password: from GPUHUB_DEMO_PASSWORD, else generated once and kept (0600).
+
+    The file is created with mode 0600 in the same call that creates it (O_EXCL), so
+    it is never readable by anyone else, not even for a moment.
+    """
     env = os.environ.get("GPUHUB_DEMO_PASSWORD")
     if env:
         return env
-    path = data_dir / "demo-password"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(12))
-        path.chmod(0o600)
+    path = private_dir(data_dir) / "demo-password"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(12))
     return path.read_text().strip()
 
 
@@ -97,9 +126,8 @@ def _options_are_read_by_the_spawner(spawner, user_options):
 def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip: str = "127.0.0.1") -> None:
     from ..hub.pages import extra_handlers, policy_banner
 
-    data = Path(data_dir).resolve()
-    (data / "home").mkdir(parents=True, exist_ok=True)
-    data.chmod(0o700)
+    data = private_dir(data_dir)  # database, secrets, homes: the hub's user only
+    (data / "home").mkdir(mode=0o700, exist_ok=True)
 
     c.PolicyStore.policy_file = str(Path(policy_file).resolve())
 
@@ -135,9 +163,14 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.JupyterHub.cleanup_servers = False
     c.JupyterHub.cleanup_proxy = False
 
-    c.JupyterHub.spawner_class = "gpuhub-local-simple"
+    # Isolated (Unix account, cgroup, private /dev per server) whenever the hub is root.
+    c.JupyterHub.spawner_class = "gpuhub-local"
     c.Spawner.cmd = [_bin("jupyterhub-singleuser")]
+    c.LocalGpuSpawner.home_dir_template = str(data / "home" / "{username}")
     c.SimpleLocalGpuSpawner.home_dir_template = str(data / "home" / "{username}")
+    from ..local.isolation import announce_isolation
+
+    announce_isolation(c)
     try:
         import jupyterlab  # noqa: F401
 

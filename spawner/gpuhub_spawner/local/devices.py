@@ -25,6 +25,9 @@ class NvmlDevice:
     uuid: str  # GPU-... or MIG-...
     name: str
     memory_total: int
+    # Device nodes (relative to /dev) a process needs to use it: nvidia<minor>, and for a
+    # MIG slice also its GPU- and compute-instance capability nodes (nvidia-caps/...).
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,37 @@ class Device:
     flavor: str
     name: str
     virtual: bool
+    nodes: tuple[str, ...] = ()  # what the server's private /dev holds for it
+
+
+# Opened by every CUDA process that uses any GPU; they give access to no GPU by themselves.
+CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+
+
+def _gpu_minor(pynvml, handle, index: int) -> int:
+    try:
+        return int(pynvml.nvmlDeviceGetMinorNumber(handle))
+    except Exception:  # not in every NVML (or stand-in): the index usually is the minor
+        return index
+
+
+def _mig_cap_nodes(pynvml, mig_handle, minor: int, proc: str = "/proc/driver/nvidia/capabilities") -> tuple[str, ...]:
+    """The nvidia-caps nodes granting a MIG slice's GPU and compute instance (from the driver's table)."""
+    try:
+        gi = pynvml.nvmlDeviceGetGpuInstanceId(mig_handle)
+        ci = pynvml.nvmlDeviceGetComputeInstanceId(mig_handle)
+    except Exception:
+        return ()
+    nodes = []
+    for sub in (f"gi{gi}", f"gi{gi}/ci{ci}"):
+        try:
+            text = open(f"{proc}/gpu{minor}/mig/{sub}/access").read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("DeviceFileMinor:"):
+                nodes.append(f"nvidia-caps/nvidia-cap{int(line.split(':')[1])}")
+    return tuple(nodes)
 
 
 def _decode(value) -> str:
@@ -55,6 +89,7 @@ def discover_nvml() -> list[NvmlDevice]:
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             name = _decode(pynvml.nvmlDeviceGetName(handle))
+            minor = _gpu_minor(pynvml, handle, i)
             migs = []
             try:
                 current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
@@ -70,6 +105,7 @@ def discover_nvml() -> list[NvmlDevice]:
                                 _decode(pynvml.nvmlDeviceGetUUID(mh)),
                                 _decode(pynvml.nvmlDeviceGetName(mh)),
                                 pynvml.nvmlDeviceGetMemoryInfo(mh).total,
+                                (f"nvidia{minor}", *_mig_cap_nodes(pynvml, mh, minor)),
                             )
                         )
             except pynvml.NVMLError:
@@ -83,6 +119,7 @@ def discover_nvml() -> list[NvmlDevice]:
                         _decode(pynvml.nvmlDeviceGetUUID(handle)),
                         name,
                         pynvml.nvmlDeviceGetMemoryInfo(handle).total,
+                        (f"nvidia{minor}",),
                     )
                 )
     finally:
@@ -99,7 +136,8 @@ def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
         devices, n = [], 0
         for flavor in policy.flavors:
             for _ in range(flavor.local.virtual):
-                devices.append(Device(str(n), flavor.name, f"virtual {flavor.display_name or flavor.name}", True))
+                # A virtual GPU maps to nvidia<n>: present only as a stand-in node in tests.
+                devices.append(Device(str(n), flavor.name, f"virtual {flavor.display_name or flavor.name}", True, (f"nvidia{n}",)))
                 n += 1
         return devices
     taken: set[str] = set()
@@ -117,7 +155,7 @@ def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
                 ok = len(policy.flavors) == 1
             if ok:
                 taken.add(d.uuid)
-                devices.append(Device(d.uuid, flavor.name, d.name, False))
+                devices.append(Device(d.uuid, flavor.name, d.name, False, d.nodes or (f"nvidia{d.index}",)))
     for d in nvml:
         if d.uuid not in taken:
             log.warning("GPU %s (%s, %s) matches no flavor in the policy and will not be handed out", d.index, d.name, d.uuid)
@@ -146,6 +184,14 @@ class DeviceTable:
 
     def free_devices(self, flavor: str) -> list[Device]:
         return [d for d in self._of(flavor) if d.id not in self.owner]
+
+    def nodes_for(self, ids: list[str]) -> list[str]:
+        """Device nodes for the given device ids: theirs plus the control nodes, none for none."""
+        wanted = [d for d in self.devices if d.id in set(ids)]
+        if not wanted:
+            return []
+        nodes = [n for d in wanted for n in d.nodes]
+        return sorted(set(nodes)) + list(CONTROL_NODES)
 
     def held_by(self, key: str) -> list[str]:
         return [dev for dev, owner in self.owner.items() if owner == key]

@@ -13,7 +13,7 @@ import asyncio
 import os
 import time
 
-from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
+from jupyterhub.spawner import SimpleLocalProcessSpawner
 from tornado import web
 
 from ..admission.queue import Admission, QueueRefused, Ticket
@@ -22,19 +22,7 @@ from ..policy.access import ChoiceError, resolve_choice
 from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
 from .broker import LocalBroker
-
-
-def _process_env(pid: int) -> dict[str, str] | None:
-    try:
-        raw = open(f"/proc/{pid}/environ", "rb").read()
-    except OSError:
-        return None
-    env = {}
-    for item in raw.split(b"\0"):
-        if b"=" in item:
-            k, _, v = item.partition(b"=")
-            env[k.decode(errors="replace")] = v.decode(errors="replace")
-    return env
+from .isolation import IsolatedProcessSpawner
 
 
 class QueuedGpuMixin(PolicySpawnerMixin):
@@ -146,6 +134,28 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         env["GPUHUB_DEVICES"] = ",".join(self.devices)
         return env
 
+    # -- what isolation enforces (local/isolation.py) ----------------------------------------
+    def device_nodes(self) -> list[str]:
+        """Device nodes of exactly the admitted GPUs (plus control/UVM nodes if any)."""
+        return self.broker.devices.nodes_for(self.devices)
+
+    def resource_limits(self) -> tuple[int | None, int | None]:
+        """The profile's CPU (millis) and memory (bytes), else the policy's defaults."""
+        if self.choice is None:
+            return None, None
+        defaults = self.broker.policy.defaults
+        profile = self.choice.profile
+        return profile.cpu or defaults.cpu, profile.memory or defaults.memory
+
+    async def get_options_form(self):
+        form = await super().get_options_form()
+        reason = getattr(self, "stop_reason", None)
+        if reason:
+            import html
+
+            form = f'<div class="alert alert-warning" id="gpuhub-stop-reason">{html.escape(reason)}</div>' + form
+        return form
+
     # -- release -----------------------------------------------------------------------------
     def _watch_exit(self, pid: int) -> None:
         """Release devices the moment ``pid`` exits (pidfd: event-driven, no polling)."""
@@ -165,7 +175,13 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             if self.proc is not None:
                 self.proc.poll()  # reap our child
             self.log.info("Server %s (pid %s) exited", self.server_key, pid)
+            on_exit = getattr(self, "on_process_exit", None)
+            if on_exit is not None:
+                on_exit()  # why it stopped (memory?), and nothing of it left running
             self._release("process exited")
+            if not self._stop_pending and getattr(self, "_poll_callback", None) is not None:
+                # Tell the hub now, not at the next poll: the user sees the server stopped.
+                asyncio.ensure_future(self.poll_and_notify())
 
         loop.add_reader(fd, exited)
 
@@ -223,10 +239,9 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             os.kill(self.pid, 0)
         except OSError:
             return  # not running: nothing to restore, poll() will clear it
-        env = _process_env(self.pid)
-        devices = saved["devices"]
-        if env is not None and "GPUHUB_DEVICES" in env:
-            devices = [d for d in env["GPUHUB_DEVICES"].split(",") if d]  # what really runs
+        # The hub's own record is the truth (never the user's process environment, which
+        # its owner can change); super().load_state() already checked pid + start time.
+        devices = list(saved["devices"])
         adm = Admission(
             self.server_key, self.user.name, saved["team"], saved["profile"], saved["demand"], devices, saved.get("since", time.time())
         )
@@ -283,8 +298,10 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             yield {"progress": 50, "message": f"Admitted with {what}; starting your server."}
 
 
-class LocalGpuSpawner(QueuedGpuMixin, LocalProcessSpawner):
-    """Production one-machine spawner: servers run as the matching system user."""
+class LocalGpuSpawner(QueuedGpuMixin, IsolatedProcessSpawner):
+    """Production one-machine spawner: each server isolated (its own Unix account, cgroup
+    with the profile's CPU and memory, a /dev with only its GPUs) whenever the hub runs
+    as root; single-user mode, loudly warned, otherwise. See ``local/isolation.py``."""
 
 
 class SimpleLocalGpuSpawner(QueuedGpuMixin, SimpleLocalProcessSpawner):

@@ -1,0 +1,246 @@
+"""One cgroup per single-user server: the profile's memory and CPU, enforced by the kernel.
+
+Written straight to cgroupfs, v2 (unified) or v1 (one hierarchy per controller), under
+a ``gpuhub`` group at the top of each hierarchy — outside the hub's own (systemd)
+unit, so servers outlive a hub restart or upgrade with their limits intact. The same
+code runs with or without systemd as PID 1.
+
+- memory: ``memory.max`` (v2) / ``memory.limit_in_bytes`` (v1), swap off for the group.
+  A server that goes over is killed as a whole: ``memory.oom.group`` on v2; on v1 the
+  hub gets the kernel's OOM eventfd notification and kills the group itself. The OOM
+  counter tells the spawner why the server stopped.
+- CPU: ``cpu.max`` (v2) / CFS quota (v1), ``cpu_millis`` per 100 ms period.
+- devices (v1 only): an allow-list of the standard nodes plus the server's GPUs, a
+  second wall behind the sandbox's private ``/dev``. cgroup v2 has no device files
+  (it needs an eBPF program), so there the private ``/dev`` is the wall.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("JupyterHub.gpuhub.cgroups")
+
+PERIOD_US = 100_000
+V1_CONTROLLERS = ("memory", "cpu", "devices", "pids")
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _keyed(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+@dataclass
+class CgroupHost:
+    """What this machine offers: ``version`` 2, 1 or 0 (no usable cgroups)."""
+
+    root: Path = Path("/sys/fs/cgroup")
+    version: int = 0
+    group: str = "gpuhub"
+    v1_mounts: dict[str, Path] = field(default_factory=dict)
+
+    @classmethod
+    def detect(cls, root: str = "/sys/fs/cgroup", group: str = "gpuhub") -> "CgroupHost":
+        r = Path(root)
+        controllers = _read(r / "cgroup.controllers").split()
+        if "memory" in controllers and "cpu" in controllers:
+            return cls(r, 2, group)
+        mounts = {c: r / c for c in V1_CONTROLLERS if (r / c / "cgroup.procs").exists()}
+        if "memory" in mounts and "cpu" in mounts:
+            return cls(r, 1, group, mounts)
+        return cls(r, 0, group)
+
+    def describe(self) -> str:
+        if self.version == 2:
+            return f"cgroup v2 at {self.root}/{self.group}"
+        if self.version == 1:
+            return f"cgroup v1 ({', '.join(sorted(self.v1_mounts))}) under {self.group}/"
+        return "no usable cgroups (memory and CPU limits are NOT enforced)"
+
+    def _v2_parent(self) -> Path:
+        parent = self.root / self.group
+        if not parent.is_dir():
+            parent.mkdir(exist_ok=True)
+        want = {"memory", "cpu", "pids"} & set(_read(parent / "cgroup.controllers").split())
+        have = set(_read(parent / "cgroup.subtree_control").split())
+        for c in sorted(want - have):
+            _write(parent / "cgroup.subtree_control", f"+{c}")
+        return parent
+
+    def server(self, name: str) -> "ServerCgroup":
+        """The cgroup of one server (``name``: a safe, unique leaf name)."""
+        if self.version == 2:
+            return ServerCgroup(self, {"unified": self.root / self.group / name})
+        if self.version == 1:
+            return ServerCgroup(self, {c: m / self.group / name for c, m in self.v1_mounts.items()})
+        return ServerCgroup(self, {})
+
+
+@dataclass
+class ServerCgroup:
+    host: CgroupHost
+    paths: dict[str, Path]  # controller ("unified" on v2) -> directory
+
+    @property
+    def enforced(self) -> bool:
+        return bool(self.paths)
+
+    def to_state(self) -> dict:
+        return {k: str(v) for k, v in self.paths.items()}
+
+    @classmethod
+    def from_state(cls, host: CgroupHost, state: dict) -> "ServerCgroup":
+        return cls(host, {k: Path(v) for k, v in (state or {}).items()})
+
+    def procs_files(self) -> list[str]:
+        return [str(p / "cgroup.procs") for p in self.paths.values()]
+
+    def create(self, *, memory: int | None, cpu_millis: int | None, device_rules: list[str] | None) -> None:
+        """Make the group(s) and set the limits; an existing group (stale) is reused empty."""
+        if self.host.version == 2:
+            self.host._v2_parent()
+            d = self.paths["unified"]
+            d.mkdir(exist_ok=True)
+            if memory:
+                _write(d / "memory.max", str(memory))
+                if (d / "memory.swap.max").exists():
+                    _write(d / "memory.swap.max", "0")
+                _write(d / "memory.oom.group", "1")
+            if cpu_millis:
+                _write(d / "cpu.max", f"{cpu_millis * PERIOD_US // 1000} {PERIOD_US}")
+        elif self.host.version == 1:
+            for ctrl, d in self.paths.items():
+                d.parent.mkdir(exist_ok=True)
+                d.mkdir(exist_ok=True)
+            if memory:
+                m = self.paths["memory"]
+                _write(m / "memory.limit_in_bytes", str(memory))
+                if (m / "memory.memsw.limit_in_bytes").exists():
+                    _write(m / "memory.memsw.limit_in_bytes", str(memory))
+                if (m / "memory.swappiness").exists():
+                    try:
+                        _write(m / "memory.swappiness", "0")
+                    except OSError:
+                        pass
+            if cpu_millis:
+                c = self.paths["cpu"]
+                _write(c / "cpu.cfs_period_us", str(PERIOD_US))
+                _write(c / "cpu.cfs_quota_us", str(cpu_millis * PERIOD_US // 1000))
+            if device_rules is not None and "devices" in self.paths:
+                d = self.paths["devices"]
+                _write(d / "devices.deny", "a")
+                for rule in device_rules:
+                    _write(d / "devices.allow", rule)
+
+    # -- reading back -----------------------------------------------------------------------
+    def pids(self) -> list[int]:
+        for p in self.paths.values():
+            return [int(x) for x in _read(p / "cgroup.procs").split()]
+        return []
+
+    def contains(self, pid: int) -> bool:
+        return pid in self.pids()
+
+    def oom_kills(self) -> int:
+        if self.host.version == 2:
+            ev = _keyed(_read(self.paths["unified"] / "memory.events"))
+            return max(ev.get("oom_kill", 0), ev.get("oom_group_kill", 0))
+        if self.host.version == 1:
+            return _keyed(_read(self.paths["memory"] / "memory.oom_control")).get("oom_kill", 0)
+        return 0
+
+    def memory_limit(self) -> int | None:
+        if self.host.version == 2:
+            v = _read(self.paths["unified"] / "memory.max").strip()
+        elif self.host.version == 1:
+            v = _read(self.paths["memory"] / "memory.limit_in_bytes").strip()
+        else:
+            return None
+        return int(v) if v.isdigit() else None
+
+    def cpu_quota(self) -> tuple[int, int] | None:
+        """(quota_us, period_us), or None when unlimited or not enforced."""
+        if self.host.version == 2:
+            q, _, p = _read(self.paths["unified"] / "cpu.max").strip().partition(" ")
+        elif self.host.version == 1:
+            q = _read(self.paths["cpu"] / "cpu.cfs_quota_us").strip()
+            p = _read(self.paths["cpu"] / "cpu.cfs_period_us").strip()
+        else:
+            return None
+        return (int(q), int(p)) if q.lstrip("-").isdigit() and int(q) > 0 and p.isdigit() else None
+
+    # -- OOM notification (v1) ---------------------------------------------------------------
+    def oom_eventfd(self) -> int | None:
+        """An eventfd that becomes readable when the kernel hits this group's memory limit (v1)."""
+        if self.host.version != 1 or not hasattr(os, "eventfd"):
+            return None
+        m = self.paths["memory"]
+        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        ofd = os.open(m / "memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _write(m / "cgroup.event_control", f"{efd} {ofd}")
+        except OSError:
+            os.close(efd)
+            return None
+        finally:
+            os.close(ofd)
+        return efd
+
+    # -- the end ------------------------------------------------------------------------------
+    def kill_all(self) -> int:
+        """SIGKILL every process in the group (v2: ``cgroup.kill``); how many were signalled."""
+        if self.host.version == 2 and (self.paths["unified"] / "cgroup.kill").exists():
+            n = len(self.pids())
+            try:
+                _write(self.paths["unified"] / "cgroup.kill", "1")
+            except OSError:
+                pass
+            return n
+        n = 0
+        for _ in range(5):  # processes may fork while being killed
+            pids = self.pids()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    n += 1
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+        return n
+
+    def remove(self) -> None:
+        """Remove the (empty) group; a group with processes left is kept and logged."""
+        for d in self.paths.values():
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY: the last processes are still exiting
+                    time.sleep(0.02)
+            else:
+                log.warning("cgroup %s still busy; left in place", d)

@@ -1,0 +1,419 @@
+"""Local servers that cannot reach each other, the hub, or GPUs they were not given.
+
+``IsolatedProcessSpawner`` is ``LocalProcessSpawner`` with gpuhub's isolation:
+
+- an unprivileged Unix account per hub user (``unix_users``), private home (0700);
+- the server's own cgroup with the profile's memory and CPU (``cgroups``);
+- a private ``/dev`` holding only its GPUs, ``no_new_privs`` (``sandbox``);
+- an environment built from scratch (JupyterHub's and gpuhub's variables only);
+- identity by pid *and* start time, recorded in the hub's own state, for restarts.
+
+``isolation = "auto"`` isolates whenever the hub runs as root. Without root nothing of
+this is possible: servers run as the hub's user (single-user mode) and the hub says
+so loudly at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from subprocess import Popen
+
+from jupyterhub.spawner import LocalProcessSpawner
+from jupyterhub.utils import random_port
+from traitlets import CaselessStrEnum, Unicode, default
+
+from .cgroups import CgroupHost, ServerCgroup
+from .unix_users import Account, AccountError, ensure_account, ensure_home, system_username
+
+# Device-cgroup allow-list (v1): mknod is refused anyway (no CAP_MKNOD); these may be opened.
+STANDARD_DEVICE_RULES = [
+    "c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm",  # null zero full random urandom
+    "c 5:0 rwm", "c 5:2 rwm", "c 136:* rwm",  # tty, ptmx, pts
+]
+
+_HOSTS: dict[tuple[str, str], CgroupHost] = {}
+
+
+def cgroup_host(root: str, group: str) -> CgroupHost:
+    key = (root, group)
+    if key not in _HOSTS:
+        _HOSTS[key] = CgroupHost.detect(root, group)
+    return _HOSTS[key]
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot): with the pid, an identity."""
+    try:
+        raw = open(f"/proc/{pid}/stat", "rb").read()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(b")") + 2:].split()
+    return int(fields[19])  # field 22 of stat(5); fields[0] is field 3
+
+
+def process_uid(pid: int) -> int | None:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} bytes"
+
+
+def isolation_available() -> bool:
+    return os.geteuid() == 0 and sys.platform.startswith("linux")
+
+
+def announce_isolation(c=None, stream=None) -> bool:
+    """Say at start, loudly where it matters, whether servers will be isolated."""
+    import logging
+
+    log = logging.getLogger("JupyterHub.gpuhub.isolation")
+    mode = "auto"
+    if c is not None and "LocalGpuSpawner" in c and "isolation" in c.LocalGpuSpawner:
+        mode = c.LocalGpuSpawner.isolation
+    if mode != "off" and isolation_available():
+        host = CgroupHost.detect()
+        msg = f"gpuhub: servers run isolated (own Unix account, private /dev with only their GPUs, {host.describe()})"
+        print(msg, file=stream or sys.stderr, flush=True)
+        log.info(msg)
+        return True
+    msg = (
+        "\n" + "!" * 78 + "\n"
+        "gpuhub: SINGLE-USER MODE - the hub is not running as root, so every server runs as\n"
+        f"  the hub's own user ({os.environ.get('USER') or os.geteuid()}): users can read each other's files and the\n"
+        "  hub's data, GPUs are only assigned by CUDA_VISIBLE_DEVICES (not enforced), CPU and\n"
+        "  memory limits are not enforced. Fine for trying gpuhub alone; for a lab, run the hub\n"
+        "  as root (see docs/install-one-machine.md).\n" + "!" * 78
+    )
+    print(msg, file=stream or sys.stderr, flush=True)
+    log.warning(msg)
+    return False
+
+
+class IsolatedProcessSpawner(LocalProcessSpawner):
+    """A local process spawner whose servers run isolated (see the module docstring)."""
+
+    isolation = CaselessStrEnum(
+        ["auto", "on", "off"], "auto",
+        help="""Run each server as its own Unix account, in its own cgroup, with a private /dev.
+
+        auto: whenever the hub runs as root (the production and CI case); on: refuse to
+        start servers without it; off: single-user mode (every server runs as the hub's user).""",
+    ).tag(config=True)
+
+    account_prefix = Unicode(
+        help="""Prefix of the Unix account made for each hub user (e.g. gpuhub-alice).
+
+        Default: $GPUHUB_ACCOUNT_PREFIX, else "gpuhub-".""",
+    ).tag(config=True)
+
+    @default("account_prefix")
+    def _default_prefix(self):
+        return os.environ.get("GPUHUB_ACCOUNT_PREFIX", "gpuhub-")
+
+    home_dir_template = Unicode(
+        "/home/{account}",
+        help="""Where each user's home lives on the host; {account} and {username} are filled in.
+
+        {username} is the hub name where it is a safe file name, else the account name.""",
+    ).tag(config=True)
+
+    device_dir = Unicode(
+        "/dev",
+        help="""Where the GPU device nodes are found. Tests point this at a tree of stand-in
+        nodes (major 195); it is hidden from the servers like /dev itself.""",
+    ).tag(config=True)
+
+    cgroup_root = Unicode("/sys/fs/cgroup", help="The cgroup filesystem.").tag(config=True)
+    cgroup_group = Unicode("gpuhub", help="The group under which each server's cgroup is made.").tag(config=True)
+
+    stop_reason: str | None = None
+    _account: Account | None = None
+    _cgroup: ServerCgroup | None = None
+    _start_time: int | None = None
+    _oom_fd: int | None = None
+
+    # -- who and where ---------------------------------------------------------------------
+    @property
+    def isolated(self) -> bool:
+        if self.isolation == "off":
+            return False
+        if self.isolation == "on" and not isolation_available():
+            raise RuntimeError("isolation = 'on' but the hub is not running as root on Linux")
+        return isolation_available()
+
+    @property
+    def account_name(self) -> str:
+        return system_username(self.user.name, self.account_prefix)
+
+    @property
+    def home_dir(self) -> str:
+        name = self.user.name
+        safe = name if re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", name) else self.account_name
+        return self.home_dir_template.format(account=self.account_name, username=safe)
+
+    @property
+    def visible_home(self) -> str:
+        """The home as the server sees it: its real path unless that is unreachable (isolated)."""
+        return f"/home/{self.account_name}" if self.isolated else self.home_dir
+
+    @property
+    def cgroup_host(self) -> CgroupHost:
+        return cgroup_host(self.cgroup_root, self.cgroup_group)
+
+    def _cgroup_leaf(self) -> str:
+        leaf = self.account_name
+        if self.name:
+            safe = re.sub(r"[^A-Za-z0-9-]+", "-", self.name)[:20]
+            leaf += f".{safe}.{hashlib.sha256(self.name.encode()).hexdigest()[:6]}"
+        return leaf
+
+    # -- what the server gets: hooks for the GPU layer ---------------------------------------
+    def device_nodes(self) -> list[str]:
+        """Names (relative to ``device_dir``) of the GPU nodes this server may open."""
+        return []
+
+    def device_rules(self, nodes: dict[str, tuple[int, int]]) -> list[str]:
+        return STANDARD_DEVICE_RULES + [f"c {ma}:{mi} rwm" for ma, mi in nodes.values()]
+
+    def resource_limits(self) -> tuple[int | None, int | None]:
+        """(cpu millis, memory bytes) to enforce; Spawner.cpu_limit/mem_limit by default."""
+        cpu = int(self.cpu_limit * 1000) if self.cpu_limit else None
+        return cpu, (int(self.mem_limit) if self.mem_limit else None)
+
+    # -- environment: nothing of the hub's but what is meant ---------------------------------
+    def user_env(self, env):
+        env["HOME"] = self.visible_home
+        if self.isolated:
+            env["USER"] = env["LOGNAME"] = self.account_name
+            env["SHELL"] = "/bin/bash"
+        return env
+
+    def make_preexec_fn(self, name):
+        home = self.home_dir
+
+        def preexec():  # single-user mode only: the sandbox does this when isolated
+            os.chdir(home)
+
+        return preexec
+
+    # -- start ---------------------------------------------------------------------------------
+    async def start(self):
+        if self.port == 0:
+            self.port = random_port()
+        loop = asyncio.get_running_loop()
+        cpu, memory = self.resource_limits()
+        if cpu:
+            self.cpu_limit = cpu / 1000
+        if memory:
+            self.mem_limit = memory
+        self.stop_reason = None
+        isolated = self.isolated
+        if isolated:
+            try:
+                self._account = await loop.run_in_executor(None, ensure_account, self.user.name, self.account_prefix)
+                await loop.run_in_executor(None, ensure_home, self.home_dir, self._account)
+            except AccountError as e:
+                self.log.error("Cannot start %s: %s", self._log_name, e)
+                raise
+        else:
+            os.makedirs(self.home_dir, mode=0o700, exist_ok=True)
+        env = self.get_env()
+        cmd = [*self.cmd, *self.get_args()]
+        popen = dict(start_new_session=True, env=env)
+        if isolated:
+            from .sandbox import host_nodes
+
+            nodes = self.device_nodes()
+            found = host_nodes(self.device_dir, nodes)
+            cg = self.cgroup_host.server(self._cgroup_leaf())
+            if cg.enforced:
+                stale = cg.pids() if any(p.exists() for p in cg.paths.values()) else []
+                if stale:
+                    self.log.warning("cgroup of %s had leftover processes %s; killing them", self._log_name, stale)
+                    cg.kill_all()
+                cg.create(memory=memory, cpu_millis=cpu, device_rules=self.device_rules(found))
+            self._cgroup = cg
+            spec = {
+                "uid": self._account.uid, "gid": self._account.gid,
+                "home": self.home_dir, "visible_home": self.visible_home,
+                "dev_dir": self.device_dir, "gpu_nodes": nodes,
+                "cgroup_procs": cg.procs_files(),
+                "expose": [sys.base_prefix, sys.prefix],
+            }
+            cmd = [sys.executable, "-I", "-m", "gpuhub_spawner.local.sandbox", json.dumps(spec), "--", *cmd]
+            self.log.info(
+                "Spawning %s as %s (%s; GPU nodes: %s)", self._log_name, self._account.name,
+                self.cgroup_host.describe(), ", ".join(sorted(found)) or "none",
+            )
+        else:
+            popen["preexec_fn"] = self.make_preexec_fn(self.user.name)
+            self.log.info("Spawning %s as the hub's own user (single-user mode, no isolation)", self._log_name)
+        popen.update({k: v for k, v in self.popen_kwargs.items() if k != "env"})
+        self.proc = Popen(cmd, **popen)
+        self.pid = self.proc.pid
+        self._start_time = process_start_time(self.pid)
+        self._watch_oom()
+        return (self.ip or "127.0.0.1", self.port)
+
+    # -- memory: a server over its limit is stopped as a whole, and says why --------------------
+    def _watch_oom(self) -> None:
+        cg = self._cgroup
+        if cg is None or self._oom_fd is not None:
+            return
+        fd = cg.oom_eventfd()
+        self.log.debug("OOM watch for %s: eventfd %s", self._log_name, fd)
+        if fd is None:
+            return  # v2: memory.oom.group kills the whole group; the exit is noticed by pid
+        self._oom_fd = fd
+
+        def fired():
+            try:
+                os.read(fd, 8)
+            except BlockingIOError:
+                return
+            try:
+                if cg.oom_kills() > 0:
+                    self._record_oom(cg)
+                    self.log.warning("%s went over its memory limit; stopping the whole server", self._log_name)
+                    cg.kill_all()
+            except Exception:
+                self.log.exception("Handling the memory limit of %s failed", self._log_name)
+
+        try:
+            asyncio.get_running_loop().add_reader(fd, fired)
+        except RuntimeError:
+            os.close(fd)
+            self._oom_fd = None
+
+    def _unwatch_oom(self) -> None:
+        if self._oom_fd is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self._oom_fd)
+            except RuntimeError:
+                pass
+            os.close(self._oom_fd)
+            self._oom_fd = None
+
+    def _record_oom(self, cg: ServerCgroup) -> None:
+        if self.stop_reason:
+            return
+        limit = cg.memory_limit() or self.mem_limit
+        when = time.strftime("%H:%M UTC", time.gmtime())
+        self.stop_reason = (
+            f"Your server was stopped at {when} because it used more than its memory limit of "
+            f"{_human_bytes(int(limit)) if limit else 'its profile'}. What it held in memory was lost; "
+            "the files in your home are kept. Start it again, or choose a profile with more memory."
+        )
+        self.log.warning("%s: %s", self._log_name, self.stop_reason)
+
+    def on_process_exit(self) -> None:
+        """The server's main process exited: say why if it was memory, sweep up the group."""
+        cg = self._cgroup
+        self._unwatch_oom()
+        if cg is None:
+            return
+        if cg.oom_kills() > 0:
+            self._record_oom(cg)
+        cg.kill_all()  # nothing the user started may outlive the server (or keep a GPU open)
+        cg.remove()
+
+    async def poll(self):
+        status = await super().poll()
+        if status is not None and self._cgroup is not None:
+            self.on_process_exit()
+            self._cgroup = None
+        elif status is None:
+            self._watch_oom()  # adopted after a restart: watch again
+        return status
+
+    async def stop(self, now=False):
+        cg = self._cgroup
+        try:
+            await super().stop(now=now)
+        finally:
+            if cg is not None:
+                self._unwatch_oom()
+                cg.kill_all()
+                cg.remove()
+                self._cgroup = None
+
+    # -- restarts: the hub's own record, and the process's identity ----------------------------
+    def get_state(self):
+        state = super().get_state()
+        if self.pid:
+            state["gpuhub_process"] = {
+                "start_time": self._start_time,
+                "uid": self._account.uid if self._account else os.geteuid(),
+                "cgroup": self._cgroup.to_state() if self._cgroup else {},
+            }
+        if self.stop_reason:
+            state["gpuhub_stop_reason"] = self.stop_reason
+        return state
+
+    def load_state(self, state):
+        super().load_state(state)
+        state = state or {}
+        self.stop_reason = state.get("gpuhub_stop_reason") or self.stop_reason
+        record = state.get("gpuhub_process")
+        if not self.pid:
+            return
+        if record is None:
+            self.log.warning("%s: pid %s has no recorded start time (older gpuhub); adopting it", self._log_name, self.pid)
+            self._start_time = process_start_time(self.pid)
+            return
+        now = process_start_time(self.pid)
+        uid = process_uid(self.pid)
+        if now != record.get("start_time") or uid != record.get("uid"):
+            self.log.error(
+                "%s: pid %s is not the server the hub started (start time %s, uid %s; recorded %s, %s); "
+                "treating the server as gone", self._log_name, self.pid, now, uid,
+                record.get("start_time"), record.get("uid"),
+            )
+            self.pid = 0
+            return
+        self._start_time = now
+        if record.get("cgroup"):
+            self._cgroup = ServerCgroup.from_state(self.cgroup_host, record["cgroup"])
+        if self.isolated:
+            try:
+                from .unix_users import lookup
+
+                entry = lookup(self.account_name)
+                if entry is not None:
+                    self._account = Account(entry.pw_name, entry.pw_uid, entry.pw_gid, self.user.name)
+            except Exception:  # pragma: no cover - informational only
+                pass
+
+    def clear_state(self):
+        super().clear_state()
+        self._start_time = None
+
+
+def remove_isolation(prefix: str, cgroup_root: str = "/sys/fs/cgroup", group: str = "gpuhub") -> list[str]:
+    """Kill what runs in, and remove, the cgroups and accounts made with ``prefix`` (tests, uninstall)."""
+    from .unix_users import remove_accounts
+
+    host = CgroupHost.detect(cgroup_root, group)
+    bases = [host.root / group] if host.version == 2 else [m / group for m in host.v1_mounts.values()]
+    leaves = sorted({d.name for b in bases if b.is_dir() for d in b.iterdir() if d.is_dir() and d.name.startswith(prefix)})
+    for leaf in leaves:
+        cg = host.server(leaf)
+        cg.kill_all()
+        cg.remove()
+    return remove_accounts(prefix)

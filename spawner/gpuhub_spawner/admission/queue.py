@@ -167,7 +167,8 @@ class AdmissionQueue:
         self._restored: dict[str, Ticket] = {}  # key -> journal ticket whose spawner is not back yet
         self.admitted: dict[str, Admission] = {}
         self._usage: dict[str, dict[str, int]] = {}
-        self._device_blocked: dict[str, set[str]] = {}  # flavor key -> teams whose reason is a device shortage
+        # flavor key -> teams with a request that fits its quota, so waits on (or for) free devices
+        self._device_blocked: dict[str, set[str]] = {}
         self.on_admit: list[Callable[[Admission], None]] = []
         # While set, nothing is admitted (statuses still update): after a restart the
         # requests that waited before must be back in the queue before anything jumps it.
@@ -264,11 +265,12 @@ class AdmissionQueue:
         if adm is None:
             return None
         self._restored.pop(key, None)
+        free_before = self._free(set(self._device_blocked) | set(adm.demand))
         add_usage(self._usage, adm.team, adm.demand, -1)
         if self.allocator:
             self.allocator.free(key)
         log.info("Released %s (%s, team %s): %s", key, adm.profile, adm.team, adm.devices or "no devices")
-        self.schedule({adm.team}, freed=adm.demand)
+        self.schedule({adm.team}, freed=adm.demand, free_before=free_before)
         return adm
 
     def restore(self, adm: Admission) -> None:
@@ -301,12 +303,13 @@ class AdmissionQueue:
             out.update(m.name for m in policy.cohort_members(team)) if team else out.add(name)
         return out
 
-    def _candidates(self, policy: Policy) -> list[tuple[bool, Ticket]]:
-        """Per waiting team, its first ticket of each request shape, in Kueue's order."""
+    def _candidates(self, policy: Policy, names: Iterable[str]) -> list[tuple[bool, Ticket]]:
+        """Per waiting team in ``names``, its first ticket of each request shape, in Kueue's order."""
         out = []
-        for name, queue in self._teams.items():
+        for name in names:
+            queue = self._teams.get(name)
             team = policy.team_or_none(name)
-            if team is None:
+            if team is None or not queue:
                 continue
             if team.queueing_strategy == "StrictFIFO":
                 heads = queue[:1]
@@ -322,14 +325,32 @@ class AdmissionQueue:
         out.sort(key=lambda e: (e[0], -e[1].priority, e[1].created, e[1].seq))
         return out
 
-    def schedule(self, touched: Iterable[str] | None = None, freed: Demand | None = None) -> list[Admission]:
-        """Admit what fits; refresh the statuses of ``touched`` teams (all when None)."""
+    def _free(self, keys: Iterable[str]) -> dict[str, int]:
+        count = getattr(self.allocator, "free_devices", None)
+        return {k: len(count(k[4:])) for k in keys if k.startswith("gpu/")} if count else {}
+
+    def schedule(
+        self, touched: Iterable[str] | None = None, freed: Demand | None = None, free_before: dict | None = None
+    ) -> list[Admission]:
+        """Admit what fits; refresh the statuses of what the event can change (all when None).
+
+        ``touched``: the teams whose request arrived, left or released resources. Only they,
+        their cohorts (quota) and the teams waiting on devices that ``freed`` returned can
+        be admitted now; everybody else's answer is unchanged.
+        """
         policy = self._policy()
         admitted: list[Admission] = []
-        moved: set[str] = set(freed or ())  # resources whose availability changed
+        if touched is None:
+            names = set(self._teams)
+        else:
+            names = self._cohort(policy, touched)
+            for key in freed or ():
+                names |= self._device_blocked.get(key, set())
+        if free_before is None:
+            free_before = self._free(set(self._device_blocked) | set(freed or ()))
         while not self.held:  # each admission changes usage: re-pick the best candidate
             progress = False
-            for _borrows, ticket in self._candidates(policy):
+            for _borrows, ticket in self._candidates(policy, names):
                 team = policy.team(ticket.team)
                 if not check_fit(policy, self._usage, team, ticket.demand).fits:
                     continue
@@ -340,16 +361,18 @@ class AdmissionQueue:
                         continue
                 self._admit(ticket, devices or [])
                 admitted.append(ticket.admission)
-                moved.update(ticket.demand)
                 progress = True
                 break
             if not progress:
                 break
-        teams = None if touched is None else set(touched) | {a.team for a in admitted}
-        if teams is not None:
-            teams = self._cohort(policy, teams)
-            for key in moved:
-                teams |= self._device_blocked.get(key, set())
+        teams = None
+        if touched is not None:
+            teams = self._cohort(policy, set(touched) | {a.team for a in admitted})
+            moved = set(freed or ()) | {k for a in admitted for k in a.demand}
+            free_after = self._free(moved)
+            for key in moved:  # "only N of M free" changed for those waiting on these devices
+                if free_after.get(key) != free_before.get(key, -1):
+                    teams |= self._device_blocked.get(key, set())
         self._refresh_statuses(policy, teams)
         self._update_metrics(teams)
         return admitted
@@ -385,27 +408,35 @@ class AdmissionQueue:
     def _refresh_team(self, policy: Policy, team_name: str, queue: list[Ticket]) -> None:
         team = policy.team_or_none(team_name)
         label = team.label if team else team_name
+        fits: dict[tuple, object] = {}
+
+        def fit_of(ticket):
+            shape = tuple(sorted(ticket.demand.items()))
+            if shape not in fits:
+                fits[shape] = check_fit(policy, self._usage, team, ticket.demand)
+            return shape, fits[shape]
+
         # Kueue's order inside the team: within-nominal requests before borrowers.
         if team is not None:
-            queue = sorted(queue, key=lambda t: check_fit(policy, self._usage, team, t.demand).borrows)
+            queue = sorted(queue, key=lambda t: fit_of(t)[1].borrows)
         used = self._usage.get(team_name, {})
-        cache: dict[tuple, tuple[str, str | None]] = {}
+        cache: dict[tuple, tuple[str, list[str]]] = {}
         for pos, ticket in enumerate(queue, 1):
             shape = tuple(sorted(ticket.demand.items()))
             if shape not in cache:
-                blocked_on = None
+                watch: list[str] = []  # the answer depends on how many of these devices are free
                 if team is None:
                     reason = f"team {team_name!r} is no longer in the policy"
                 else:
-                    fit = check_fit(policy, self._usage, team, ticket.demand)
+                    fit = fit_of(ticket)[1]
                     reason = "; ".join(s.reason for s in fit.shortages) if not fit.fits else ""
-                    if fit.fits and self.allocator and (short := self.allocator.shortage(ticket.demand)):
-                        reason = short
-                        blocked_on = next((k for k in ticket.demand if k.startswith("gpu/")), None)
-                cache[shape] = (reason, blocked_on)
-            reason, blocked_on = cache[shape]
-            if blocked_on:
-                self._device_blocked.setdefault(blocked_on, set()).add(team_name)
+                    if fit.fits and self.allocator:
+                        watch = [k for k in ticket.demand if k.startswith("gpu/")]
+                        reason = self.allocator.shortage(ticket.demand) or ""
+                cache[shape] = (reason, watch)
+            reason, watch = cache[shape]
+            for key in watch:
+                self._device_blocked.setdefault(key, set()).add(team_name)
             if not reason:
                 reason = "requests ahead of yours in your team's queue go first" if pos > 1 else "waiting for the scheduler"
             in_use = {k: used.get(k, 0) for k in ticket.demand}

@@ -186,6 +186,11 @@ def _compose_and_construct(text: str) -> tuple[yaml.Node | None, Any]:
 
 def parse_policy(text: str, filename: str = "<policy>") -> Policy:
     """Parse and validate; raise ``PolicyError`` listing every problem found."""
+    return _parse(text, filename)[0]
+
+
+def _parse(text: str, filename: str) -> tuple[Policy, Any]:
+    """``parse_policy``, also returning the plain data the policy was validated from."""
     try:
         root, data = _compose_and_construct(text)
     except yaml.YAMLError as e:
@@ -229,7 +234,7 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
         add(loc, message)
     if issues:
         raise PolicyError(filename, sorted(issues, key=lambda i: (i.line or 0, i.column or 0)))
-    return policy
+    return policy, data
 
 
 def load_policy(path: str | Path) -> Policy:
@@ -344,3 +349,24 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
                 yield ("profiles", pi, "gpu", "count"), (
                     f"no team may use profile {prof.slug!r}: its {prof.gpu.count} GPU(s) exceed every allowed team's per-user cap"
                 )
+
+
+def read_in_child(path: str) -> str:
+    """The hub's reload of a large policy runs this in a child process (``PolicyStore``).
+
+    libyaml holds the GIL for the whole document, so in a thread of the hub it would stall
+    the event loop; here it runs beside it. Answers one JSON line: the validated plain
+    data (the hub validates it again to build its objects, a few ms that let go of the
+    GIL), or the located issues.
+    """
+    import json
+
+    try:
+        text = Path(path).read_text()
+        _, data = _parse(text, path)
+    except OSError as e:
+        return json.dumps({"ok": False, "filename": path, "issues": [
+            {"path": "", "line": None, "column": None, "message": f"cannot read file: {e.strerror}"}]})
+    except PolicyError as e:
+        return json.dumps({"ok": False, "filename": e.filename, "issues": [i.__dict__ for i in e.issues]})
+    return json.dumps({"ok": True, "data": data}, default=str)

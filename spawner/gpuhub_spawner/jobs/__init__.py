@@ -30,6 +30,7 @@ def configure_jobs(c, data_dir) -> None:
     from .api import handlers
 
     c.JobManager.data_dir = str(Path(data_dir).resolve())
+    c.KubeJobManager.data_dir = str(Path(data_dir).resolve())
     c.JupyterHub.extra_handlers = _merged(c.JupyterHub, "extra_handlers", []) + list(handlers)
     custom = _merged(c.JupyterHub, "custom_scopes", {})
     custom[JOBS] = {"description": "Submit batch jobs and read or cancel your own."}
@@ -79,7 +80,26 @@ async def _start_with_hub() -> None:
     start = getattr(app, "_start_future", None)
     if start is not None:
         await start
-    manager = JobManager.instance(config=app.config)
-    if not manager.hub_api_url:
+    manager = current_manager(app.config)
+    if isinstance(manager, JobManager) and not manager.hub_api_url:
         manager.hub_api_url = app.hub.api_url
     manager.recover()
+
+
+def current_manager(config):
+    """The jobs backend of this hub: Kueue when it spawns with KueueSpawner, else one machine."""
+    from jupyterhub.app import JupyterHub
+
+    from .manager import JobManager
+
+    if JupyterHub.initialized():
+        try:
+            from ..kube.spawner import KueueSpawner
+
+            if issubclass(JupyterHub.instance().spawner_class, KueueSpawner):
+                from .kube_backend import KubeJobManager
+
+                return KubeJobManager.instance(config=config)
+        except ImportError:
+            pass
+    return JobManager.instance(config=config)

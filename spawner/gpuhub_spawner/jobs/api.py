@@ -16,6 +16,7 @@ admins. Someone else's job answers 404, as JupyterHub does for users.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 from jupyterhub.apihandlers import APIHandler
@@ -38,7 +39,16 @@ MAX_LOG_CHUNK = 1 << 20
 class _JobsMixin:
     @property
     def manager(self) -> JobManager:
-        return JobManager.instance(config=self.config)
+        from . import current_manager
+
+        return current_manager(self.config)
+
+    async def fresh(self, rec):
+        """On Kubernetes, read the Job back before answering (one machine is always current)."""
+        refresh = getattr(self.manager, "refresh", None)
+        if refresh is not None and rec.state not in FINAL:
+            await refresh(rec)
+        return rec
 
     def _allowed(self, scope: str, owner: str) -> bool:
         f = self.parsed_scopes.get(scope)
@@ -98,6 +108,8 @@ class JobsHandler(_JobsMixin, APIHandler):
             return
         try:
             rec = self.manager.submit(user, [g.name for g in user.groups], spec)
+            if inspect.isawaitable(rec):
+                rec = await rec
         except ChoiceError as e:
             self.log.warning("Refusing %s's job: %s", user.name, e.message)
             raise web.HTTPError(e.status, e.message) from None
@@ -107,8 +119,9 @@ class JobsHandler(_JobsMixin, APIHandler):
 
 class JobHandler(_JobsMixin, APIHandler):
     @web.authenticated
-    def get(self, job_id):
-        self.write(json.dumps(self.manager.view(self.job_for_request(job_id))))
+    async def get(self, job_id):
+        rec = await self.fresh(self.job_for_request(job_id))
+        self.write(json.dumps(self.manager.view(rec)))
 
     @web.authenticated
     async def delete(self, job_id):
@@ -132,8 +145,8 @@ class JobCancelHandler(JobHandler):
 
 class JobLogsHandler(_JobsMixin, APIHandler):
     @web.authenticated
-    def get(self, job_id):
-        rec = self.job_for_request(job_id)
+    async def get(self, job_id):
+        rec = await self.fresh(self.job_for_request(job_id))
         try:
             offset = max(0, int(self.get_argument("offset", "0")))
         except ValueError:

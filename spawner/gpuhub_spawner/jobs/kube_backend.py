@@ -1,0 +1,277 @@
+"""Batch jobs on Kubernetes: the hub creates the suspended Job, Kueue admits it.
+
+Same API, CLI and records as one machine (``jobs.api``); what differs is who queues and
+runs: ``submit`` checks the choice and caps exactly as on one machine, builds the Job
+with ``jobs.kube.job_manifest`` from the user's server pod (``KueueSpawner``'s own code
+path), and creates it; from then on Kueue admits, preempts (suspends) and resumes it, and
+the Job controller retries per ``podFailurePolicy``. A watcher reads the Job, its pods
+and its Workload every ``poll_interval`` seconds into the record: each pod is an attempt;
+its log is copied into the hub's data directory when it ends (a preempted pod's log is
+whatever was read before Kueue deleted it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+
+from traitlets import Float, Unicode
+from traitlets.config import SingletonConfigurable
+
+from ..kube import messages as M
+from ..kube.kueue import JOB_UID_LABEL
+from ..policy import PolicyStore
+from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
+from ..policy.model import Policy
+from . import records as R
+from .kube import JOB_LABEL, job_manifest
+from .manager import TIME_LIMIT, job_priority, policy_hash
+from .spec import JobSpec
+
+log = logging.getLogger("JupyterHub.gpuhub.jobs")
+
+
+def _ts(value: str | None) -> float | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def _cond(obj: dict | None, ctype: str) -> dict:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == ctype), {})
+
+
+class KubeJobManager(SingletonConfigurable):
+    data_dir = Unicode("data", help="Where job records live (<data_dir>/jobs): the hub's persistent volume.").tag(config=True)
+    poll_interval = Float(10.0, help="Seconds between reads of unfinished Jobs, their pods and Workloads.").tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.store = R.JobStore(Path(self.data_dir) / "jobs")
+        self.jobs: dict[str, R.JobRecord] = {}
+        self._poller: asyncio.Task | None = None
+        self._workloads: dict[str, dict | None] = {}
+        self._recovered = False
+
+    @property
+    def policy(self) -> Policy:
+        return PolicyStore.instance(config=self.config).policy
+
+    def recover(self) -> None:
+        if self._recovered:
+            return
+        self._recovered = True
+        for rec in self.store.load_all():
+            self.jobs[rec.id] = rec
+        self._ensure_poller()
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.ensure_future(self._poll_loop())
+
+    # -- Kubernetes clients, through KubeSpawner's (config already loaded by it) ------------------
+    def _spawner(self, user, job_id: str):
+        from jupyterhub.app import JupyterHub
+
+        from ..kube.spawner import KueueSpawner
+
+        app = JupyterHub.instance()
+        return KueueSpawner(config=app.config, user=user, hub=app.hub, api_token="", oauth_client_id="",
+                            orm_spawner=SimpleNamespace(name=job_id, server=None))
+
+    @staticmethod
+    def _client(kind: str):
+        from kubespawner.clients import shared_client
+
+        return shared_client(kind)
+
+    # -- submission --------------------------------------------------------------------------
+    def held_profiles(self, user):
+        policy = self.policy
+        held = list(active_profiles(policy, user).values())
+        held += [policy.profile(r.profile["slug"]) for r in self.jobs.values() if r.user == user.name and r.state not in R.FINAL]
+        return held
+
+    async def submit(self, user, groups: list[str], spec: JobSpec) -> R.JobRecord:
+        policy = self.policy
+        choice = resolve_choice(policy, groups, {"profile": spec.profile, **({"team": spec.team} if spec.team else {})})
+        team = choice.team
+        uncapped = team.model_copy(update={"per_user": team.per_user.model_copy(update={"max_servers": None})})
+        check_user_caps(Choice(uncapped, choice.profile, choice.priority_class, choice.priority), self.held_profiles(user))
+        pclass, priority = job_priority(policy, choice)
+        job_id = "job-" + secrets.token_hex(5)
+        spawner = self._spawner(user, job_id)
+        spawner.user_options = {"profile": choice.profile.slug, "team": team.name}
+        from kubernetes_asyncio.client import ApiClient
+
+        try:
+            await spawner.load_user_options()
+            pod = ApiClient().sanitize_for_serialization(await spawner.get_pod_manifest())
+        except Exception as e:  # noqa: BLE001 - the same refusals as a server start
+            status = getattr(e, "status_code", 400)
+            raise ChoiceError(status, getattr(e, "log_message", None) or str(e)) from None
+        job = job_manifest(job_id, user.name, spec, policy, choice, pod, job_priority_class=pclass, namespace=spawner.namespace)
+        container = job["spec"]["template"]["spec"]["containers"][0]
+        profile = choice.profile
+        rec = R.JobRecord(
+            id=job_id, user=user.name, team=team.name,
+            profile={"slug": profile.slug, "displayName": profile.display_name,
+                     "gpu": {"count": profile.gpu_count, "flavor": choice.flavor},
+                     "cpu": profile.cpu or policy.defaults.cpu, "memory": profile.memory or policy.defaults.memory},
+            priority_class=pclass, priority=priority, policy_sha256=policy_hash(policy),
+            image=container["image"], image_digest=container["image"].rsplit("@", 1)[1] if "@" in container["image"] else "",
+            command=spec.argv, working_dir=spec.working_dir or "", checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
+            env_names=sorted(e["name"] for e in container.get("env", [])), experiment=spec.experiment, time_limit=spec.time_limit,
+            retries=spec.retries.model_dump(), spec=spec.model_dump(by_alias=True, exclude={"env"}) | {"env": sorted(spec.env)},
+            name=spec.name, backend="kubernetes",
+        )
+        try:
+            created = await self._client("BatchV1Api").create_namespaced_job(spawner.namespace, job)
+        except Exception as e:  # noqa: BLE001
+            raise ChoiceError(502, f"the cluster refused the Job: {getattr(e, 'reason', e)}") from None
+        rec.spec["uid"], rec.spec["namespace"] = created.metadata.uid, spawner.namespace
+        rec.attempts.append(R.Attempt(number=1, queued=time.time()))
+        self.jobs[job_id] = rec
+        self.store.save(rec)
+        log.info("Job %s of %s created in %s (%s, queue %s)", job_id, user.name, spawner.namespace, profile.slug, team.local_queue)
+        self._ensure_poller()
+        return rec
+
+    # -- reading the cluster back ---------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        while True:
+            for rec in [r for r in self.jobs.values() if r.state not in R.FINAL]:
+                try:
+                    await self.refresh(rec)
+                except Exception:  # noqa: BLE001
+                    log.warning("Cannot read job %s", rec.id, exc_info=True)
+            await asyncio.sleep(self.poll_interval)
+
+    async def refresh(self, rec: R.JobRecord) -> None:
+        from kubernetes_asyncio.client import ApiClient, ApiException
+
+        ns = rec.spec.get("namespace")
+        if not ns:
+            return
+        try:
+            job = ApiClient().sanitize_for_serialization(await self._client("BatchV1Api").read_namespaced_job(rec.id, ns))
+        except ApiException as e:
+            if e.status == 404 and rec.state not in R.FINAL:
+                rec.state, rec.message, rec.finished = R.CANCELLED, "its Job was deleted from the cluster", time.time()
+                self.store.save(rec)
+            return
+        pods = ApiClient().sanitize_for_serialization(
+            await self._client("CoreV1Api").list_namespaced_pod(ns, label_selector=f"{JOB_LABEL}={rec.id}")).get("items", [])
+        wls = (await self._client("CustomObjectsApi").list_namespaced_custom_object(
+            "kueue.x-k8s.io", "v1beta2", ns, "workloads", label_selector=f"{JOB_UID_LABEL}={job['metadata']['uid']}")).get("items", [])
+        wl = wls[0] if wls else None
+        self._workloads[rec.id] = wl
+        pods.sort(key=lambda p: p["metadata"].get("creationTimestamp") or "")
+        known = {a.account: a for a in rec.attempts if a.account}  # attempt per pod name
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            att = known.get(name)
+            if att is None:
+                att = rec.current if rec.current is not None and rec.current.account is None else None
+                if att is None:
+                    att = R.Attempt(number=len(rec.attempts) + 1, queued=time.time())
+                    rec.attempts.append(att)
+                att.account = name  # on Kubernetes: the pod that ran the attempt
+                att.admitted = _ts(_cond(wl, "QuotaReserved").get("lastTransitionTime")) or time.time()
+                att.devices = [pod["spec"].get("nodeName") or ""]
+            status = pod.get("status") or {}
+            att.started = att.started or _ts(status.get("startTime"))
+            term = ((status.get("containerStatuses") or [{}])[0].get("state") or {}).get("terminated")
+            if att.finished is None and status.get("phase") in ("Succeeded", "Failed") and term:
+                att.finished = _ts(term.get("finishedAt")) or time.time()
+                att.exit_code = term.get("exitCode")
+                att.reason = "succeeded" if status["phase"] == "Succeeded" else "failed"
+                att.message = f"exit code {att.exit_code}"
+            await self._copy_log(rec, att, ns, name)
+        # Attempts whose pod is gone without an end: Kueue preempted (suspended) the Job.
+        live = {p["metadata"]["name"] for p in pods}
+        for att in rec.attempts:
+            if att.account and att.account not in live and att.finished is None:
+                att.finished = time.time()
+                evicted = M.eviction_message(wl, None)
+                att.reason = "preempted" if _cond(wl, "Evicted").get("status") == "True" or job["spec"].get("suspend") else "interrupted"
+                att.message = (evicted or "").replace("server", "job")
+        complete, failed = _cond(job, "Complete"), _cond(job, "Failed")
+        if complete.get("status") == "True":
+            rec.state, rec.message, rec.finished = R.SUCCEEDED, "", _ts(job["status"].get("completionTime")) or time.time()
+        elif failed.get("status") == "True":
+            reason = failed.get("reason", "")
+            msg = {"DeadlineExceeded": f"stopped: it reached its time limit of {rec.time_limit:g}s" if rec.time_limit else "deadline exceeded",
+                   "BackoffLimitExceeded": f"No retries left ({rec.retries['limit']} allowed)."}.get(reason, failed.get("message", ""))
+            if reason == "DeadlineExceeded" and rec.current is not None:
+                rec.current.reason = TIME_LIMIT
+            last = rec.current.message if rec.current else ""
+            rec.state, rec.message, rec.finished = R.FAILED, f"{last} {msg}".strip(), time.time()
+        elif job["spec"].get("suspend"):
+            # Waiting for (or back in) Kueue's queue: the next attempt is queued.
+            rec.state = R.QUEUED
+            if rec.current is None or rec.current.finished is not None:
+                rec.attempts.append(R.Attempt(number=len(rec.attempts) + 1, queued=time.time()))
+        else:
+            # Admitted: a pod runs, or the Job controller is between a pod's end and the
+            # Job's verdict (or its next pod): still the Job's running phase.
+            rec.state = R.RUNNING
+        self.store.save(rec)
+
+    async def _copy_log(self, rec: R.JobRecord, att: R.Attempt, ns: str, pod: str) -> None:
+        try:
+            text = await self._client("CoreV1Api").read_namespaced_pod_log(pod, ns)
+        except Exception:  # noqa: BLE001 - not started yet, or gone
+            return
+        path = self.store.log_dir(rec.id) / f"attempt-{att.number}.log"
+        import os
+
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text if isinstance(text, str) else str(text))
+        att.log = str(path)
+
+    # -- the API's view -------------------------------------------------------------------------
+    def status_line(self, rec: R.JobRecord) -> str:
+        if rec.state == R.QUEUED:
+            wl = self._workloads.get(rec.id)
+            team = next((t for t in self.policy.teams if t.name == rec.team), None)
+            profile = self.policy.profile(rec.profile["slug"])
+            if team is not None and profile is not None:
+                choice = Choice(team, profile, rec.priority_class, rec.priority)
+                return "queued: " + M.waiting_message(self.policy, choice, wl, None, None).replace("server", "job")
+            return "queued"
+        if rec.state == R.RUNNING:
+            att = rec.current
+            return f"running: attempt {att.number if att else '?'} in pod {att.account if att else '?'}."
+        detail = rec.message or (rec.current.message if rec.current else "")
+        return f"{rec.state}: {detail}" if detail else rec.state
+
+    def view(self, rec: R.JobRecord) -> dict:
+        data = rec.to_dict()
+        data["status"] = self.status_line(rec)
+        return data
+
+    def log_files(self, rec: R.JobRecord) -> list[Path]:
+        return [Path(a.log) for a in rec.attempts if a.log]
+
+    async def cancel(self, job_id: str) -> R.JobRecord:
+        rec = self.jobs[job_id]
+        if rec.state in R.FINAL:
+            return rec
+        await self.refresh(rec)
+        try:
+            await self._client("BatchV1Api").delete_namespaced_job(job_id, rec.spec["namespace"], propagation_policy="Background")
+        except Exception:  # noqa: BLE001
+            log.warning("Cannot delete Job %s", job_id, exc_info=True)
+        att = rec.current
+        if att is not None and att.finished is None:
+            att.finished, att.reason, att.message = time.time(), "cancelled", "cancelled by its owner or an admin"
+        rec.state, rec.message, rec.finished = R.CANCELLED, "cancelled by its owner or an admin", time.time()
+        self.store.save(rec)
+        return rec

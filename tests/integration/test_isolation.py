@@ -63,13 +63,12 @@ def dev_tree(tmp_path_factory):
 def hub(tmp_path_factory, dev_tree):
     from gpuhub_spawner.local.isolation import remove_isolation
 
-    prefix = f"gi{uuid.uuid4().hex[:5]}-"
     h = Hub(
         tmp_path_factory.mktemp("iso"), POLICY,
         extra_config=f"c.LocalGpuSpawner.device_dir = {str(dev_tree)!r}\n",
-        env={"GPUHUB_ACCOUNT_PREFIX": prefix, "GPUHUB_TEST_HUB_SECRET": HUB_SECRET},
+        env={"GPUHUB_TEST_HUB_SECRET": HUB_SECRET},
     )
-    h.prefix = prefix
+    h.prefix = prefix = h.env["GPUHUB_ACCOUNT_PREFIX"]  # this hub's own accounts
     try:
         h.start()
         yield h

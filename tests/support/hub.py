@@ -100,6 +100,8 @@ class Hub:
             GPUHUB_DEMO_PASSWORD=PASSWORD,
             GPUHUB_MLFLOW="1" if self.mlflow else "0",
             GPUHUB_MLFLOW_PORT=str(self.mlflow_port),
+            # As root every server runs as its own Unix account; these are this hub's alone.
+            GPUHUB_ACCOUNT_PREFIX=f"t{self.run_id[:6]}-",
             **self.extra_env,
         )
 
@@ -156,6 +158,10 @@ class Hub:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        if os.geteuid() == 0:  # the Unix accounts and cgroups this hub's servers ran in
+            from gpuhub_spawner.local.isolation import remove_isolation
+
+            remove_isolation(self.env["GPUHUB_ACCOUNT_PREFIX"])
 
     def login(self, name: str, password: str = PASSWORD) -> "UserClient":
         return UserClient(self, name, password)

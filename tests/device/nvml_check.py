@@ -14,7 +14,7 @@ import sys
 import time
 
 from gpuhub_spawner.admission.quota import demand_for
-from gpuhub_spawner.culling.gpu import read_utilization
+from gpuhub_spawner.culling.gpu import read_nvml as read_utilization  # what the hub's culler reads
 from gpuhub_spawner.culling.rules import CullState, Signals, decide
 from gpuhub_spawner.local.devices import DeviceTable, build_inventory, discover_nvml
 from gpuhub_spawner.policy import parse_policy
@@ -84,8 +84,11 @@ def main() -> int:
 
     # the culling decision with real readings: busy keeps, idle past the limit warns
     rules = policy.defaults.idle
-    busy = decide(0, rules, Signals(inactive=1e6, kernels_idle=1e6, gpu_idle=0 if max(samples) >= 5 else None, age=1e3), CullState(), True)
-    idle = decide(0, rules, Signals(inactive=1e6, kernels_idle=1e6, gpu_idle=1e6 if idle_after[uuid] < 5 else 0, age=1e3), CullState(), True)
+    now = 1e5  # 27 h after start: past every idle limit, before maxAge
+    busy_seen = now if max(samples) >= 5 else None  # the pass's reading during the load
+    idle_seen = now if idle_after[uuid] >= 5 else None  # ... and after it
+    busy = decide(now, rules, Signals(started=0, last_activity=0, gpu_last_busy=busy_seen, has_gpus=True), CullState())
+    idle = decide(now, rules, Signals(started=0, last_activity=0, gpu_last_busy=idle_seen, has_gpus=True), CullState())
     results["decisions"] = {"busy": busy.action, "idle": idle.action}
     assert busy.action == "keep" and idle.action == "warn"
     text = json.dumps(results, indent=2, default=str)

@@ -149,3 +149,34 @@ def test_unknown_device_and_missing_nvml_are_errors_not_idle(tmp_path):
 
     body = _read(tmp_path, None, nvml=False)  # no driver / library
     assert body["gpus"] == [] and "NVML" in body["error"]
+
+
+def test_a_busy_silent_kernel_keeps_its_server_active(tmp_path, fake_nvml):
+    """A long cell that prints nothing is still use: the server's own activity moves on."""
+    from jupyter_client import BlockingKernelClient
+    from nbside import NotebookServer
+
+    server = NotebookServer(tmp_path / "busy", {"GPUHUB_FAKE_NVML": str(fake_nvml.path), "JUPYTERHUB_ACTIVITY_INTERVAL": "2"},
+                            base_url="/").start()
+    try:
+        kid = server.post("api/kernels", json={"name": "python3"}).json()["id"]
+        kc = BlockingKernelClient()
+        kc.load_connection_file(str(server.runtime_dir / f"kernel-{kid}.json"))
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=30)
+            kc.execute("import time; time.sleep(8)")
+            _wait(server, lambda b: b["kernels"]["busy"] == 1, timeout=15)
+
+            def last():  # what jupyterhub-singleuser reports to the hub (not itself activity)
+                return datetime.fromisoformat(server.get("api/status").json()["last_activity"].replace("Z", "+00:00"))
+
+            first = last()
+            deadline = time.time() + 6
+            while time.time() < deadline and last() <= first:
+                time.sleep(0.5)
+            assert last() > first, "a busy kernel did not count as activity"
+        finally:
+            kc.stop_channels()
+    finally:
+        server.stop()

@@ -31,11 +31,13 @@ import os
 import time
 from urllib.parse import quote
 
+from jupyter_server._tz import utcnow
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.ioloop import PeriodicCallback
 
 from . import activity
 
@@ -152,6 +154,37 @@ class CullingHandler(APIHandler):
         self.finish(json.dumps(data))
 
 
+def busy_kernels_are_activity(serverapp) -> PeriodicCallback:
+    """Count a busy kernel as activity while it runs.
+
+    A long cell that prints nothing sends no kernel message, so jupyter-server (and the
+    hub, through jupyterhub-singleuser's activity reports) would see an idle server and
+    the ``timeout`` rule would stop a running computation. Marking the server active while
+    a kernel is busy can only make this server look *busier*, which is all a server may do:
+    the hub reads GPUs itself, so this never keeps an idle GPU past ``gpuIdleTimeout``.
+    """
+    web_app = serverapp.web_app
+    interval = int(os.environ.get("JUPYTERHUB_ACTIVITY_INTERVAL") or 300)
+    period = max(1.0, min(60.0, interval / 2))
+
+    def tick():
+        km = web_app.settings.get("kernel_manager")
+        if km is None:
+            return
+        for kid in list(km.list_kernel_ids()):
+            try:
+                busy = getattr(km.get_kernel(kid), "execution_state", None) == "busy"
+            except KeyError:
+                continue
+            if busy:
+                web_app.settings.setdefault("last_activity_times", {})["gpuhub-busy-kernel"] = utcnow()
+                return
+
+    callback = PeriodicCallback(tick, period * 1000)
+    callback.start()
+    return callback
+
+
 def load(serverapp) -> None:
     web_app = serverapp.web_app
     base = web_app.settings["base_url"]
@@ -160,3 +193,4 @@ def load(serverapp) -> None:
         (url_path_join(base, "gpuhub", "culling"), CullingHandler),
     ])
     serverapp.log.info("gpuhub_notebook: serving %sgpuhub/activity and %sgpuhub/culling", base, base)
+    busy_kernels_are_activity(serverapp)

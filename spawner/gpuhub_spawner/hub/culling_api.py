@@ -90,6 +90,7 @@ class CullDecisionsHandler(_Base):
     def _views(self, keys: list[str] | None) -> list[ServerView]:
         policy = self.board.policy
         views = []
+        self._alive: set[str] = set()  # every server the hub runs, ready or not
         if keys is not None:
             pairs = []
             for key in keys:
@@ -100,6 +101,7 @@ class CullDecisionsHandler(_Base):
         else:
             q = self.db.query(orm.Spawner).filter(orm.Spawner.server_id.isnot(None))
             pairs = [(self.users[s.user], s.name) for s in q]
+            self._alive = {f"{user.name}/{name}" for user, name in pairs}
         profiles_cache: dict[str, dict] = {}
         for user, server in pairs:
             spawner = user.spawners[server]
@@ -152,7 +154,7 @@ class CullDecisionsHandler(_Base):
         now = time.time()
         views = self._views(keys)
         await self._fresh_activity(views, now)
-        decisions = await self.board.decide_all(views, now=now, complete=keys is None)
+        decisions = await self.board.decide_all(views, now=now, complete=keys is None, alive=self._alive)
         out = {
             key: {"action": d.action, "reason": d.reason, "rule": d.rule, "deadline": d.deadline}
             for key, d in decisions.items()

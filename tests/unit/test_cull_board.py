@@ -1,0 +1,88 @@
+"""The hub's culling record: survives restarts, keeps what is still running, counts truthfully."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+from traitlets.config import Config
+
+from gpuhub_spawner.culling.board import CullBoard, ServerView
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "jupyterhub_config" / "profiles.yaml"
+
+
+@pytest.fixture
+def config(tmp_path):
+    c = Config()
+    c.PolicyStore.policy_file = str(EXAMPLE)
+    c.CullBoard.state_file = str(tmp_path / "data" / "gpuhub-culling.json")
+    c.CullBoard.pass_interval = 60
+    return c
+
+
+def gpu_server(board, user="carol", started=0.0, activity=None):
+    # a virtual GPU: no trusted reading exists, so it counts as idle
+    return ServerView(user, "", board.policy.profile("a100-1"), started, activity, team="nlp", devices=["0"])
+
+
+def decide(board, views, now, **kw):
+    return asyncio.run(board.decide_all(views, now=now, **kw))
+
+
+def test_a_pending_warning_and_its_snoozes_survive_a_restart_in_a_private_file(config):
+    board = CullBoard(config=config)
+    d = decide(board, [gpu_server(board)], now=1800.0)["carol/"]
+    assert d.action == "warn" and "GPUs were idle for 30m" in d.reason
+    ok, _msg, deadline = board.snooze("carol/", board.policy.profile("a100-1"), now=1900.0)
+    assert ok
+    path = Path(config.CullBoard.state_file)
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = CullBoard(config=config)  # a restarted hub
+    w = again.warnings_for("carol", {"": again.policy.profile("a100-1")})[""]
+    assert (w["deadline"], w["snoozes_used"], w["snoozes_left"], w["warned_at"]) == (deadline, 1, 1, 1800.0)
+
+
+def test_a_damaged_state_file_is_set_aside_not_fatal(config):
+    path = Path(config.CullBoard.state_file)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    board = CullBoard(config=config)
+    assert board.records == {} and path.with_name(path.name + ".bad").exists()
+
+
+def test_servers_not_ready_yet_keep_their_record_and_gone_ones_lose_it(config):
+    board = CullBoard(config=config)
+    decide(board, [gpu_server(board, "carol"), gpu_server(board, "dave")], now=1800.0)
+    # after a restart dave's server is still being re-adopted (running, not ready)
+    decide(board, [gpu_server(board, "carol")], now=1860.0, alive={"carol/", "dave/"})
+    assert board.records["dave/"].state.deadline == 1800.0 + 900
+    decide(board, [gpu_server(board, "carol")], now=1920.0, alive={"carol/"})
+    assert "dave/" not in board.records
+
+
+def test_a_cull_is_recorded_for_the_user_and_counted(config):
+    board = CullBoard(config=config)
+    before = REGISTRY.get_sample_value("gpuhub_culls_total", {"rule": "gpu-idle"}) or 0
+    decide(board, [gpu_server(board, "erin")], now=1800.0)
+    assert decide(board, [gpu_server(board, "erin")], now=2700.0)["erin/"].action == "cull"
+    assert REGISTRY.get_sample_value("gpuhub_culls_total", {"rule": "gpu-idle"}) == before + 1
+    (entry,) = board.culled_for("erin", active=set()).values()
+    assert entry["profile"] == "a100-1" and entry["at"] == 2700.0 and "GPUs were idle" in entry["reason"]
+    assert board.culled_for("erin", active={""}) == {}  # started again: the notice goes
+    saved = json.loads(Path(config.CullBoard.state_file).read_text())
+    assert saved["history"]["erin"][0]["rule"] == "gpu-idle"
+
+
+def test_idle_gpu_time_accumulates_and_the_team_gauge_returns_to_zero(config):
+    board = CullBoard(config=config)
+    seconds = lambda: REGISTRY.get_sample_value("gpuhub_idle_gpu_seconds_total", {"team": "vision"}) or 0  # noqa: E731
+    start = seconds()
+    view = ServerView("bob", "", board.policy.profile("a100-1"), 0.0, None, team="vision", devices=["0"])
+    decide(board, [view], now=100.0)
+    decide(board, [view], now=160.0)
+    assert seconds() == start + 60
+    assert REGISTRY.get_sample_value("gpuhub_idle_gpus", {"team": "vision"}) == 1
+    decide(board, [], now=220.0)  # bob stopped
+    assert REGISTRY.get_sample_value("gpuhub_idle_gpus", {"team": "vision"}) == 0

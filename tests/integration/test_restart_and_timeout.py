@@ -27,7 +27,8 @@ def test_restart_keeps_allocations_and_queue_semantics(hub):
     carol.start("gpu-1")
     alice.wait_ready()
     carol.wait_ready()
-    before = {d["id"]: d["user"] for d in status(hub, alice)["devices"]}
+    admin = hub.login("admin")  # who holds what is shown in full to admins only
+    before = {d["id"]: d["user"] for d in status(hub, admin)["devices"]}
     env_before = alice.server_env()["CUDA_VISIBLE_DEVICES"]
     assert sorted(before.values()) == ["alice", "carol"]
 
@@ -37,7 +38,7 @@ def test_restart_keeps_allocations_and_queue_semantics(hub):
     alice, bob = hub.login("alice"), hub.login("bob")
     assert alice.server()["ready"]  # still running, not restarted
     assert alice.server_env()["CUDA_VISIBLE_DEVICES"] == env_before
-    after = {d["id"]: d["user"] for d in status(hub, alice)["devices"]}
+    after = {d["id"]: d["user"] for d in status(hub, hub.login("admin"))["devices"]}
     assert after == before  # the table was rebuilt from what really runs
     # nothing is assigned twice: vision's quota is still full, so bob waits
     assert bob.start("gpu-1").status_code == 202
@@ -62,3 +63,117 @@ def test_queue_timeout_withdraws_the_request(hub):
         assert next(t for t in status(hub, carol)["teams"] if t["name"] == "nlp")["waiting"] == 0
     finally:
         hub.policy.write_text(good)
+
+
+# -- finding 10 of issue 8: restart trusts the hub's own record, and the process's identity --
+
+def _stop_all(hub, names=("alice", "bob", "carol", "dave")):
+    for name in names:
+        u = hub.login(name)
+        if u.server() is not None:
+            u.stop()
+            u.wait_gone()
+
+
+def _holders(hub, user=None):
+    return {d["id"]: d.get("user") for d in status(hub, hub.login("admin"))["devices"]}
+
+
+def test_restart_ignores_what_a_user_writes_into_their_server_environment(hub):
+    """The old restart read GPUHUB_DEVICES from /proc/<pid>/environ: a user can rewrite that."""
+    import json as _json
+    import sys as _sys
+    from pathlib import Path as _Path
+
+    _sys.path.insert(0, str(_Path(__file__).resolve().parents[1] / "mlflow"))
+    from mlflow_kernel import KernelSession
+
+    _stop_all(hub)
+    alice, carol = hub.login("alice"), hub.login("carol")
+    alice.start("gpu-1")
+    carol.start("gpu-1")
+    s = alice.wait_ready()
+    carol.wait_ready()
+    mine, theirs = alice.server_env()["CUDA_VISIBLE_DEVICES"], carol.server_env()["CUDA_VISIBLE_DEVICES"]
+    before = _holders(hub, alice)
+    assert before[mine] == "alice" and before[theirs] == "carol"
+    # the attack, from alice's own kernel: rewrite her server's GPUHUB_DEVICES to carol's GPU
+    k = KernelSession("", hub.server_url(s["url"]), alice.token, "attack.ipynb")
+    try:
+        out = k.execute(
+            "import os\n"
+            "ppid = os.getppid()\n"
+            "st = open(f'/proc/{ppid}/stat').read()\n"
+            "fields = st[st.rindex(')') + 2:].split()\n"
+            "start, end = int(fields[47]), int(fields[48])\n"
+            "with open(f'/proc/{ppid}/mem', 'r+b', buffering=0) as m:\n"
+            "    m.seek(start); env = m.read(end - start)\n"
+            "    at = env.index(b'GPUHUB_DEVICES=') + len(b'GPUHUB_DEVICES=')\n"
+            f"    m.seek(start + at); m.write({theirs!r}.encode())\n"
+            "print('rewritten')"
+        )
+    finally:
+        k.close()
+    assert out.strip() == "rewritten"
+    assert alice.server_env()["GPUHUB_DEVICES"] == theirs  # the process now claims carol's GPU
+
+    hub.stop(kill_servers=False)
+    hub.start()
+    alice, carol = hub.login("alice"), hub.login("carol")
+    assert alice.server()["ready"] and carol.server()["ready"]
+    assert _holders(hub, alice) == before  # the hub's record, not the process's claim
+    assert alice.server_env()["CUDA_VISIBLE_DEVICES"] == mine
+    _stop_all(hub)
+
+
+def _spawn_with_pid(pid: int, attempts: int = 200):
+    """A process with exactly ``pid`` (root: /proc/sys/kernel/ns_last_pid), as a reused pid would be."""
+    import subprocess
+
+    for _ in range(attempts):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        p = subprocess.Popen(["sleep", "300"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    pytest.skip(f"could not get pid {pid} back (busy machine)")
+
+
+def test_a_reused_pid_is_not_taken_for_the_server(hub):
+    import os
+    import signal
+    import time
+
+    from support.hub import processes_with_env
+
+    _stop_all(hub)
+    alice, bob = hub.login("alice"), hub.login("bob")
+    alice.start("gpu-1")
+    alice.wait_ready()
+    gpu = alice.server_env()["CUDA_VISIBLE_DEVICES"]
+    pid = next(
+        p for p in processes_with_env(f"GPUHUB_TEST_RUN={hub.run_id}")
+        if "jupyterhub-singleuser" in open(f"/proc/{p}/cmdline").read() and
+        f"JUPYTERHUB_USER=alice\0" in open(f"/proc/{p}/environ").read()
+    )
+    hub.stop(kill_servers=False)
+    os.kill(pid, signal.SIGKILL)  # the server dies while the hub is down...
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.05)
+    impostor = _spawn_with_pid(pid)  # ...and its pid is handed to an unrelated process
+    try:
+        hub.start()
+        alice, bob = hub.login("alice"), hub.login("bob")
+        assert alice.server() is None  # treated as gone, not adopted
+        assert "is not the server the hub started" in hub.log.read_text()
+        assert impostor.poll() is None  # the unrelated process is left alone
+        assert bob.start("gpu-1").status_code in (201, 202)  # and alice's GPU is free again
+        bob.wait_ready()
+        assert bob.server_env()["CUDA_VISIBLE_DEVICES"] == gpu
+    finally:
+        impostor.kill()
+        impostor.wait()
+    _stop_all(hub)

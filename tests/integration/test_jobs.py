@@ -3,7 +3,7 @@
 One hub for the module. Jobs run through the same isolated launcher as servers (their
 user's Unix account, cgroup, private /dev); virtual GPUs stand in for NVML. The training
 script is plain Python that checkpoints like a PyTorch loop would (no torch needed).
-Accounts and cgroups get a per-run prefix and are removed at the end.
+Accounts and cgroups get a per-hub prefix and are removed at the end (tests/support/hub.py).
 """
 
 from __future__ import annotations
@@ -76,17 +76,13 @@ TRAIN = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    from gpuhub_spawner.local.isolation import remove_isolation
-
-    prefix = f"gj{uuid.uuid4().hex[:5]}-"
-    h = Hub(tmp_path_factory.mktemp("jobs"), POLICY, env={"GPUHUB_ACCOUNT_PREFIX": prefix})
-    h.prefix = prefix
+    h = Hub(tmp_path_factory.mktemp("jobs"), POLICY, extra_config="c.JobManager.max_jobs_per_user = 3\n")
+    h.prefix = h.env["GPUHUB_ACCOUNT_PREFIX"]  # accounts and cgroups are removed by the harness at stop
     try:
         h.start()
         yield h
     finally:
         h.stop()
-        remove_isolation(prefix)
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +368,17 @@ def test_another_user_cannot_read_or_cancel_a_job(hub, users, tmp_path):
     assert admin.api.post(admin.url(f"/gpuhub/jobs/{job_id}/cancel")).json()["state"] == "cancelled"
 
 
+def test_a_flood_of_jobs_is_refused_past_the_per_user_limit(hub, users, tmp_path):
+    carol = users["carol"]
+    text = f"profile: cpu\ncommand: [{sys.executable}, -c, 'import time; time.sleep(120)']\n"
+    ids = [submit(hub, carol, tmp_path, text) for _ in range(3)]
+    r = cli(hub, carol, "submit", job_file(tmp_path, text), check=False)
+    assert r.returncode == 1 and "You have 3 unfinished jobs, the most this hub allows per user" in r.stderr
+    for job_id in ids:
+        assert cli(hub, carol, "cancel", job_id).stdout.startswith("cancelled")
+    assert submit(hub, carol, tmp_path, "profile: cpu\ncommand: [true]\n").startswith("job-")
+
+
 def test_records_queue_and_running_jobs_survive_a_hub_restart(hub, users, tmp_path, train_script):
     alice, bob, carol = users["alice"], users["bob"], users["carol"]
     done = submit(hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, 'print(\"before restart\")']\n")
@@ -409,22 +416,17 @@ def test_records_queue_and_running_jobs_survive_a_hub_restart(hub, users, tmp_pa
 @pytest.fixture(scope="module")
 def mlflow_hub(tmp_path_factory):
     """A second hub with the real MLflow service (costs ~20 s, so only this test uses it)."""
-    from gpuhub_spawner.local.isolation import remove_isolation
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mlflow"))
     from mlflow_service import MlflowEndpoint, mlflow_extra_config
     from support.hub import free_port
 
-    prefix = f"gm{uuid.uuid4().hex[:5]}-"
     port = free_port()
-    h = Hub(tmp_path_factory.mktemp("jobs-mlflow"), POLICY, extra_config=mlflow_extra_config(port),
-            env={"GPUHUB_ACCOUNT_PREFIX": prefix})
+    h = Hub(tmp_path_factory.mktemp("jobs-mlflow"), POLICY, extra_config=mlflow_extra_config(port))
     try:
         h.start(timeout=90)
         yield h, MlflowEndpoint(h, port)
     finally:
         h.stop()
-        remove_isolation(prefix)
 
 
 def test_mlflow_works_in_a_job_with_no_setup_and_every_run_carries_job_and_attempt(mlflow_hub, tmp_path):

@@ -172,11 +172,14 @@ class JobLogsHandler(_JobsMixin, APIHandler):
 class JobsPageHandler(_JobsMixin, BaseHandler):
     @web.authenticated
     async def get(self, job_id=None):
+        from .manager import _ts as when
+
         if job_id:
-            html = await self.render_template("gpuhub_jobs.html", job=self.manager.view(self.job_for_request(job_id)), jobs=[])
+            rec = await self.fresh(self.job_for_request(job_id))
+            html = await self.render_template("gpuhub_jobs.html", job=self.manager.view(rec), jobs=[], when=when)
         else:
             jobs = [self.manager.view(r) for r in reversed(list(self.manager.jobs.values())) if self.can_see(r.user)]
-            html = await self.render_template("gpuhub_jobs.html", job=None, jobs=jobs)
+            html = await self.render_template("gpuhub_jobs.html", job=None, jobs=jobs, when=when)
         self.finish(html)
 
 

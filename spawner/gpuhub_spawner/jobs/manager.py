@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from traitlets import Float, Unicode
+from traitlets import Float, Integer, Unicode
 from traitlets.config import SingletonConfigurable
 
 from ..admission.queue import QueueRefused, Ticket
@@ -50,6 +50,8 @@ from ..policy.quantities import format_duration
 from . import records as R
 from .launcher import JobProcess, launcher_config
 from .spec import FAILED, INTERRUPTED, OOM, PREEMPTED, JobSpec
+
+from ..usage import recorder as usage
 
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
 
@@ -91,6 +93,9 @@ class JobManager(SingletonConfigurable):
         0.0, help="Delete finished jobs' records and logs older than this at hub start (0: keep forever)."
     ).tag(config=True)
     hub_api_url = Unicode("", help="The hub API URL given to jobs (JUPYTERHUB_API_URL).").tag(config=True)
+    max_jobs_per_user = Integer(
+        50, help="Unfinished (queued or running) jobs one user may have; more are refused (0: no limit)."
+    ).tag(config=True)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -176,6 +181,10 @@ class JobManager(SingletonConfigurable):
         team = choice.team
         uncapped = team.model_copy(update={"per_user": team.per_user.model_copy(update={"max_servers": None})})
         check_user_caps(Choice(uncapped, choice.profile, choice.priority_class, choice.priority), self.held_profiles(user))
+        unfinished = sum(1 for r in self.jobs.values() if r.user == user.name and r.state not in R.FINAL)
+        if self.max_jobs_per_user and unfinished >= self.max_jobs_per_user:
+            raise ChoiceError(429, f"You have {unfinished} unfinished jobs, the most this hub allows per user; "
+                                   "wait for some to finish or cancel some.")
         pclass, priority = job_priority(policy, choice)
         profile = choice.profile
         demand = demand_for(policy, profile)
@@ -497,6 +506,7 @@ class JobManager(SingletonConfigurable):
             try:
                 for job_id, message in self.victims():
                     log.info("Preempting job %s: %s", job_id, message)
+                    usage.note_end(KEY_PREFIX + job_id, "reclaimed")  # usage history: why it ended
                     asyncio.ensure_future(self._stop(job_id, PREEMPTED, message))
             except Exception:  # noqa: BLE001
                 log.exception("reclaim check failed")

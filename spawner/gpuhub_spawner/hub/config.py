@@ -206,3 +206,7 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
             policy_path=str(Path(policy_file).resolve()),
             port=int(os.environ.get("GPUHUB_MLFLOW_PORT", 10101)),
         )
+
+    from ..jobs import configure_jobs  # batch jobs (after MLflow: it extends the server token's scopes)
+
+    configure_jobs(c, data)

@@ -178,15 +178,15 @@ def test_forged_jobs_are_refused_before_anything_queues(hub, users, tmp_path):
     # A team the user is not in.
     r = cli(hub, bob, "submit", job_file(tmp_path, "profile: gpu-1\nteam: nlp\ncommand: [true]\n"), check=False)
     assert "not a member of team 'nlp'" in r.stderr
-    # More GPUs than the per-user cap: bob holds one in a server, the cap is one.
-    assert bob.start("gpu-1").status_code in (201, 202)
-    bob.wait_ready()
+    assert bob.api.get(bob.url("/gpuhub/jobs")).json()["jobs"] == []
+    # More GPUs than the per-user cap (1): a running GPU job counts, a second one is refused.
+    first = submit(hub, bob, tmp_path, f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'import time; time.sleep(60)']\n")
     r = cli(hub, bob, "submit", job_file(tmp_path, "profile: gpu-1\ncommand: [true]\n"), check=False)
     assert "allows 1 GPU(s) per user; you hold 1" in r.stderr
-    assert bob.api.get(bob.url("/gpuhub/jobs")).json()["jobs"] == []
+    assert [j["id"] for j in bob.api.get(bob.url("/gpuhub/jobs")).json()["jobs"]] == [first]
     snap = users["admin"].api.get(users["admin"].url("/gpuhub/status")).json()
     assert all(t["waiting"] == 0 for t in snap["teams"])
-    stop_servers(users)
+    cli(hub, bob, "cancel", first)
 
 
 def test_job_from_outside_runs_as_its_user_with_a_full_record(hub, users, tmp_path):
@@ -277,6 +277,9 @@ def test_job_waits_behind_the_teams_quota_and_cancel_frees_its_gpu_at_once(hub, 
     alice, bob = users["alice"], users["bob"]
     assert alice.start("gpu-1").status_code in (201, 202)
     alice.wait_ready()
+    # alice's server holds her one GPU: her GPU job is refused (servers and jobs share the cap).
+    r = cli(hub, alice, "submit", job_file(tmp_path, "profile: gpu-1\ncommand: [true]\n"), check=False)
+    assert "allows 1 GPU(s) per user; you hold 1" in r.stderr
     job_id = submit(hub, bob, tmp_path, f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'import time; print(\"up\", flush=True); time.sleep(300)']\n")
     status = cli(hub, bob, "status", job_id).stdout
     assert status.startswith("queued: position 1 of 1 in Vision Lab's queue"), status

@@ -110,7 +110,11 @@ class KubeJobManager(SingletonConfigurable):
         from kubernetes_asyncio.client import ApiClient
 
         try:
-            await spawner.load_user_options()
+            # The choice was checked above with the jobs' caps (GPUs, not maxServers); the
+            # spawner applies it to the pod exactly as for a server of this profile.
+            spawner._base()
+            spawner.choice = choice
+            spawner.apply_choice(choice)
             pod = ApiClient().sanitize_for_serialization(await spawner.get_pod_manifest())
         except Exception as e:  # noqa: BLE001 - the same refusals as a server start
             status = getattr(e, "status_code", 400)

@@ -184,12 +184,20 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
         # Demo servers run as the hub's user; as root (containers, CI) Jupyter needs this.
         c.Spawner.args = ["--ServerApp.allow_root=True"]
 
-    from .demo_auth import DemoAuthenticator
+    # Login: the demo users, or what the site file ($GPUHUB_SITE_CONFIG) picks (docs/authentication.md).
+    from .site import Site, configure_site, load_site
 
-    c.JupyterHub.authenticator_class = DemoAuthenticator
-    c.DemoAuthenticator.demo_users = DEMO_USERS
-    c.DemoAuthenticator.demo_password = demo_password(data)
-    c.Authenticator.admin_users = {u for u, spec in DEMO_USERS.items() if spec.get("admin")}
+    def demo(c):
+        from .demo_auth import DemoAuthenticator
+
+        c.JupyterHub.authenticator_class = DemoAuthenticator
+        c.DemoAuthenticator.demo_users = DEMO_USERS
+        c.DemoAuthenticator.demo_password = demo_password(data)
+        c.Authenticator.admin_users = {u for u, spec in DEMO_USERS.items() if spec.get("admin")}
+
+    site_file = os.environ.get("GPUHUB_SITE_CONFIG")
+    configure_site(c, load_site(site_file) if site_file else Site(), policy_file=policy_file,
+                   public_url=f"http://{ip}:{port}", demo=demo)
     from .scopes import configure_scopes
 
     configure_scopes(c)

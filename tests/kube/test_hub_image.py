@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import subprocess
@@ -75,13 +76,23 @@ def test_package_installs_and_registers_in_a_clean_python_of_the_images_version(
     python = _image_python()
     if python is None:
         pytest.skip(f"no Python {IMAGE_PYTHON} here (the hub image's version); the check needs a clean one")
-    dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist), str(REPO)], check=True)
-    [wheel] = dist.glob("gpuhub_spawner-*.whl")
-    venv = tmp_path / "venv"
-    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    # A fresh venv per source content: the same sources built and installed into the same
+    # clean Python give the same venv, so a rerun with unchanged code reuses it (~40 s).
+    digest = hashlib.sha256()
+    for path in sorted([REPO / "pyproject.toml", *(REPO / "spawner").rglob("*")]):
+        if path.is_file() and "__pycache__" not in path.parts and ".egg-info" not in str(path):
+            digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    venv = Path.home() / ".cache" / "gpuhub-tests" / f"hub-image-venv-py{IMAGE_PYTHON}-{digest.hexdigest()[:16]}"
     py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "--quiet", str(wheel)], check=True)
+    if not (venv / ".installed").exists():
+        dist = tmp_path / "dist"
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist), str(REPO)], check=True)
+        [wheel] = dist.glob("gpuhub_spawner-*.whl")
+        for old in venv.parent.glob(f"hub-image-venv-py{IMAGE_PYTHON}-*"):  # one cached venv at most
+            shutil.rmtree(old, ignore_errors=True)
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "--quiet", str(wheel)], check=True)
+        (venv / ".installed").write_text(wheel.name)
     probe = """
 import importlib.metadata as md, sys
 from jupyterhub.app import JupyterHub

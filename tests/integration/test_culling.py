@@ -271,6 +271,21 @@ def test_no_hub_token_reaches_a_user_server_during_many_passes(hub, scene):
         assert "token=" not in c["uri"] or any(t in c["uri"] for t in own)
 
 
+def test_only_the_culler_asks_for_decisions_and_only_the_owner_snoozes(hub, scene):
+    mallory = scene["users"]["mallory"]
+    server_token = mallory.server_env()["JUPYTERHUB_API_TOKEN"]  # what her own server holds
+    for token in (mallory.token, server_token):
+        r = requests.post(hub.url + "/hub/api/gpuhub/cull-decisions", headers={"Authorization": f"token {token}"}, json={})
+        assert r.status_code == 403, r.text
+    alice = scene["users"]["alice"]
+    for token in (mallory.token, server_token):
+        h = {"Authorization": f"token {token}"}
+        assert requests.get(hub.url + "/hub/api/gpuhub/culling/alice", headers=h).status_code == 404
+        r = requests.post(hub.url + "/hub/api/gpuhub/culling/alice/snooze", headers=h, json={"server": ""})
+        assert r.status_code == 404
+    assert culling(alice)["servers"] is not None  # alice herself may look
+
+
 def test_metrics_count_warnings_culls_and_idle_gpu_time(hub, scene):
     admin = hub.login("admin")  # read:metrics
     text = admin.api.get(hub.url + "/hub/metrics").text

@@ -41,15 +41,30 @@ def _run(args) -> int:
     if rc:
         print("Fix the policy before starting the hub.", file=sys.stderr)
         return rc
+    login = "demo"
+    if getattr(args, "site", None):  # login, HTTPS, accounts: checked before the hub starts
+        from .hub.site import load_site
+
+        env["GPUHUB_SITE_CONFIG"] = str(Path(args.site).resolve())
+        try:
+            login = load_site(env["GPUHUB_SITE_CONFIG"]).auth.kind
+        except PolicyError as e:
+            for issue in e.issues:
+                print("  " + issue.format(e.filename), file=sys.stderr)
+            print("Fix the site file before starting the hub.", file=sys.stderr)
+            return 1
     os.environ.update(env)
-    password = demo_password(data)
-    print(
-        f"\ngpuhub: starting on http://127.0.0.1:{args.port}\n"
-        f"  log in as alice or bob (Vision Lab), carol (NLP), dave (both), erin (Students),\n"
-        f"  mallory (no team) or admin — password: {password}\n"
-        f"  GPUs and queues: http://127.0.0.1:{args.port}/hub/gpuhub\n",
-        flush=True,
-    )
+    if login == "demo":
+        password = demo_password(data)
+        print(
+            f"\ngpuhub: starting on http://127.0.0.1:{args.port}\n"
+            f"  log in as alice or bob (Vision Lab), carol (NLP), dave (both), erin (Students),\n"
+            f"  mallory (no team) or admin — password: {password}\n"
+            f"  GPUs and queues: http://127.0.0.1:{args.port}/hub/gpuhub\n",
+            flush=True,
+        )
+    else:
+        print(f"\ngpuhub: starting on port {args.port} with {login} login\n", flush=True)
     from jupyterhub.app import main as hub_main
 
     return hub_main(["-f", str(config)]) or 0
@@ -75,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--policy", default=None, help="policy file (default: profiles.yaml beside the config)")
     r.add_argument("--data-dir", default=os.environ.get("GPUHUB_DATA_DIR", "data"))
     r.add_argument("--port", type=int, default=int(os.environ.get("GPUHUB_PORT", 8000)))
+    r.add_argument("--site", default=os.environ.get("GPUHUB_SITE_CONFIG"),
+                   help="site file: login, HTTPS, accounts (docs/authentication.md)")
     r.set_defaults(func=_run)
+    from .local.service import add_parser as add_service_parser
+
+    add_service_parser(sub)
     sub.add_parser("render", help="render cluster objects: `gpuhub render kueue FILE`")
     args = parser.parse_args(argv)
     return args.func(args)

@@ -137,8 +137,9 @@ def configure_site(c, site: Site, *, policy_file: str, public_url: str, demo) ->
                 raise PolicyError("site", [PolicyIssue("https", None, None, f"{f} does not exist")])
         c.JupyterHub.ssl_cert = site.https.certfile
         c.JupyterHub.ssl_key = site.https.keyfile
-        if "bind_url" in c.JupyterHub:
-            c.JupyterHub.bind_url = str(c.JupyterHub.bind_url).replace("http://", "https://", 1)
+        for name in ("bind_url", "subdomain_host"):
+            if name in c.JupyterHub and getattr(c.JupyterHub, name):
+                setattr(c.JupyterHub, name, str(getattr(c.JupyterHub, name)).replace("http://", "https://", 1))
     if site.accounts is not None:
         c.LocalGpuSpawner.account_prefix = site.accounts.prefix
         c.LocalGpuSpawner.home_dir_template = site.accounts.home

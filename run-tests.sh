@@ -7,6 +7,7 @@ source ./scripts-lib.sh
 ensure_venv ".[lab,mlflow,test]"
 ensure_node_proxy
 ensure_chromium
+ensure_prometheus
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

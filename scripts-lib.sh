@@ -45,6 +45,17 @@ ensure_node_proxy() {
   echo "$CHP_VERSION" > .venv/node/.version
 }
 
+ensure_prometheus() {
+  # Debian's Prometheus: the metrics test scrapes a real hub with it (skipped without it).
+  if [ -x /usr/bin/prometheus ]; then return 0; fi
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+    echo "Installing Debian's prometheus for the metrics test..." >&2
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  else
+    echo "No /usr/bin/prometheus and not root: the Prometheus scrape test will be skipped" >&2
+  fi
+}
+
 ensure_chromium() {
   if [ -x /usr/bin/chromium ]; then return 0; fi
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then

@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from .jobs.cli import main as job_main  # batch jobs: docs/jobs.md
 
         return job_main(argv[1:])
+    if argv[:1] == ["usage"]:
+        from .usage.cli import main as usage_main  # GPU-hours per team/user: docs/usage.md
+
+        return usage_main(argv[1:])
     if argv[:1] == ["render"]:
         from .kube.render import main as render_main
 

@@ -170,6 +170,13 @@ class AdmissionQueue:
         # flavor key -> teams with a request that fits its quota, so waits on (or for) free devices
         self._device_blocked: dict[str, set[str]] = {}
         self.on_admit: list[Callable[[Admission], None]] = []
+        # Usage history and audit (usage/recorder.py) listen to the other events too.
+        self.on_submit: list[Callable[[Ticket], None]] = []
+        self.on_queued: list[Callable[[Ticket], None]] = []  # submitted and not admitted at once
+        self.on_refuse: list[Callable[[Ticket, str], None]] = []
+        self.on_cancel: list[Callable[[Ticket], None]] = []
+        self.on_release: list[Callable[[Admission], None]] = []
+        self._published: dict[str, set[str]] = {}  # team -> resource keys with a gauge value
         # While set, nothing is admitted (statuses still update): after a restart the
         # requests that waited before must be back in the queue before anything jumps it.
         self.held = False
@@ -199,12 +206,24 @@ class AdmissionQueue:
         fit = check_fit(policy, {}, team, ticket.demand)
         never = fit.never or (self.allocator.never_fits(ticket.demand) if self.allocator else None)
         if never:
+            self._notify(self.on_refuse, ticket, never)
             raise QueueRefused(never)
         self._insert(ticket)
         if self.journal is not None:
             self.journal.waiting(ticket)
+        self._notify(self.on_submit, ticket)
         self.schedule({ticket.team})
+        if not ticket.done:
+            self._notify(self.on_queued, ticket)
         return ticket
+
+    @staticmethod
+    def _notify(hooks, *args) -> None:
+        for hook in hooks:
+            try:
+                hook(*args)
+            except Exception:  # a listener (history, audit) must never break admission
+                log.exception("queue listener failed")
 
     def restore_waiting(self, tickets: Iterable[Ticket]) -> list[Ticket]:
         """Re-queue requests that waited before a hub restart, in their original order.
@@ -257,6 +276,7 @@ class AdmissionQueue:
             self.journal.removed(key)
         log.info("Request %s left the queue", key)
         self.schedule({ticket.team})
+        self._notify(self.on_cancel, ticket)
         return True
 
     def release(self, key: str) -> Admission | None:
@@ -270,6 +290,7 @@ class AdmissionQueue:
         if self.allocator:
             self.allocator.free(key)
         log.info("Released %s (%s, team %s): %s", key, adm.profile, adm.team, adm.devices or "no devices")
+        self._notify(self.on_release, adm)
         self.schedule({adm.team}, freed=adm.demand, free_before=free_before)
         return adm
 
@@ -453,8 +474,11 @@ class AdmissionQueue:
         names = (set(self._teams) | set(self._usage)) if teams is None else teams
         for team in names:
             QUEUE_WAITING.labels(team=team).set(len(self._teams.get(team, ())))
-            for key, amount in self._usage.get(team, {}).items():
-                RESOURCE_IN_USE.labels(team=team, resource=key).set(amount)
+            used = self._usage.get(team, {})
+            # Keys a team no longer uses are dropped from _usage: publish them as 0, not stale.
+            for key in self._published.get(team, set()) | set(used):
+                RESOURCE_IN_USE.labels(team=team, resource=key).set(used.get(key, 0))
+            self._published.setdefault(team, set()).update(used)
 
     # -- read-only view for pages -----------------------------------------------------------
     def holdings(self) -> Iterable[Admission]:

@@ -30,6 +30,7 @@ from ..policy import PolicyStore
 from ..policy.model import IdleRules, Policy, Profile
 from ..policy.quantities import format_duration
 from . import metrics
+from ..usage import recorder as usage
 from .gpu import DcgmPrometheusReader, read_nvml
 from .rules import GPU_IDLE, CullState, Decision, Signals, decide, due_rules, snooze
 
@@ -187,6 +188,7 @@ class CullBoard(SingletonConfigurable):
         readings = await self.read_gpus(views)
         decisions: dict[str, Decision] = {}
         idle_gpus: dict[str, float] = {}
+        gpu_readings: dict[str, tuple[int, float | None, bool]] = {}  # for usage history
         for v in views:
             rules = self.rules_for(v.profile)
             rec = self._record(v.key, v.started)
@@ -197,6 +199,7 @@ class CullBoard(SingletonConfigurable):
                     rec.gpu_last_busy = now
                 else:  # idle, or no trusted reading: unknown is idle
                     idle_gpus[v.team] = idle_gpus.get(v.team, 0) + v.profile.gpu_count
+                gpu_readings[v.key] = (v.profile.gpu_count, util, util is None or util < threshold)
             before = (rec.state.deadline, rec.state.snoozes)
             d = decide(now, rules, Signals(v.started, v.last_activity, rec.gpu_last_busy, v.has_gpus), rec.state)
             decisions[v.key] = d
@@ -210,6 +213,9 @@ class CullBoard(SingletonConfigurable):
             elapsed = min(now - self._last_pass, 3 * self.pass_interval)
             for team, n in idle_gpus.items():
                 metrics.IDLE_GPU_SECONDS.labels(team=team).inc(n * max(0.0, elapsed))
+            usage.gpu_pass(gpu_readings, max(0.0, elapsed),
+                           {d: gpu_readings[v.key][1] for v in views if v.key in gpu_readings
+                            and gpu_readings[v.key][1] is not None for d in v.devices})
         self._last_pass = now
         metrics.IDLE_GPUS_BY_TEAM.publish(idle_gpus, {t.name for t in self.policy.teams})
         self.save() if self._dirty else None
@@ -237,6 +243,8 @@ class CullBoard(SingletonConfigurable):
         if d.action == "cull":
             log.warning("Culling %s (profile %s): %s; %s", v.key, slug, d.reason, idle_text)
             metrics.CULLS.labels(rule=d.rule or "?").inc()
+            usage.note_end(v.key, "culled", by="gpuhub-culler")
+            usage.audit("culled", key=v.key, user=v.user, team=v.team, profile=slug, rule=d.rule, reason=d.reason)
             entry = {
                 "server": v.server, "profile": slug,
                 "profile_name": v.profile.display_name if v.profile else None,
@@ -252,9 +260,12 @@ class CullBoard(SingletonConfigurable):
             self._dirty = True
         if before[0] is None:
             metrics.WARNINGS.labels(rule=d.rule or "?").inc()
+            usage.audit("warned", key=v.key, user=v.user, team=v.team, profile=slug, rule=d.rule, reason=d.reason,
+                        stops_at=rec.state.deadline)
             log.info("Warning %s (profile %s): stops in %s: %s; %s", v.key, slug, fmt(d.remaining), d.reason, idle_text)
         elif rec.state.snoozes > before[1] and d.rule == GPU_IDLE:
             metrics.SNOOZES.labels(how="returned").inc()
+            usage.audit("snoozed", key=v.key, user=v.user, how="returned", stops_at=rec.state.deadline)
             log.info("Snoozed %s: the user came back (snooze %d); stops in %s unless its GPUs are used",
                      v.key, rec.state.snoozes, fmt(d.remaining))
 
@@ -268,6 +279,7 @@ class CullBoard(SingletonConfigurable):
         if ok:
             log.info("Snoozed %s: %s", key, message)
             metrics.SNOOZES.labels(how="user").inc()
+            usage.audit("snoozed", key=key, user=key.partition("/")[0], how="user", stops_at=rec.state.deadline)
             self._dirty = True
             self.save()
         return ok, message, rec.state.deadline

@@ -21,6 +21,8 @@ DEMO_USERS = {
     "dave": {"groups": ["nlp-group", "vision-lab"]},
     "erin": {"groups": ["students"]},
     "mallory": {"groups": ["visitors"]},
+    "lena": {"groups": ["vision-lab", "vision-leads"]},  # leads Vision Lab (policy: teams[].leads)
+    "victor": {"groups": ["department-heads"]},  # viewer: usage and metrics only (policy: roles.viewers)
     "admin": {"groups": ["platform-admins"], "admin": True},
 }
 
@@ -201,6 +203,14 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     from .scopes import configure_scopes
 
     configure_scopes(c)
+    from ..policy import PolicyError, load_policy
+    from ..usage import configure_usage  # history, audit trail, metrics, roles from the policy
+
+    try:
+        roles_policy = load_policy(policy_file)
+    except PolicyError:
+        roles_policy = None  # the policy store refuses to start and says why
+    configure_usage(c, data, roles_policy)
 
     configure_culler(c, public_url=f"http://{ip}:{port}")
 

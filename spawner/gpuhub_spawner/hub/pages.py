@@ -1,10 +1,16 @@
 """Who holds which accelerators, how long the queues are, and whether the policy is live.
 
 ``/hub/gpuhub`` (HTML) and ``/hub/api/gpuhub/status`` (JSON). What a reader sees depends
-on the request's scopes (``hub/scopes.py``), not on who owns the token:
-``custom:gpuhub:status:all`` sees every holder and the policy's health; plain
-``custom:gpuhub:status`` sees counts, and holders' names only inside the reader's own
-teams; without either, 403.
+on the request's scopes (``hub/scopes.py``) and the live policy's roles, never on who
+owns the token alone:
+
+- ``custom:gpuhub:status:all`` (admins): every holder and waiting request with since-when,
+  CPU and memory, cohort borrowing and lending, the policy's health, and actions (stop a
+  holder, withdraw a request).
+- ``custom:gpuhub:lead`` for a team the policy says the reader leads: that team's holders
+  and waiting list, and stopping its members' idle servers.
+- plain ``custom:gpuhub:status``: counts, and only one's own name on one's own devices.
+- neither: 403.
 """
 
 from __future__ import annotations
@@ -18,18 +24,22 @@ from tornado import web
 
 from ..local.broker import LocalBroker
 from ..policy import PolicyStore
-from ..policy.access import teams_for
-from ..policy.quantities import format_duration
-from .scopes import STATUS, STATUS_ALL, allowed
+from ..policy.quantities import format_duration, format_memory
+from .scopes import LEAD, STATUS, STATUS_ALL, allowed
 
-_HIDDEN = ("user", "profile", "held_for", "idle_for", "stops_at")
+_HIDDEN = ("user", "profile", "held_for", "idle_for", "stops_at", "key")
 
 
-def status_snapshot(broker: LocalBroker, see_all: bool, own_teams: set[str] = frozenset()) -> dict:
+def status_snapshot(broker: LocalBroker, see_all: bool, own_teams: set[str] = frozenset(), me: str | None = None,
+                    member_teams: set[str] | None = None) -> dict:
     """The status as one reader may see it.
 
-    ``see_all``: every holder; otherwise names only on devices held by ``own_teams``.
+    ``see_all``: everything; ``own_teams``: teams whose holders and waiting requests the
+    reader sees (a lead's teams); ``me``: the reader, who always sees their own devices;
+    ``member_teams``: teams the reader belongs to (marked on the page).
     """
+    from ..usage.metrics import lent_and_borrowed
+
     policy = broker.policy
     queue = broker.queue
     now = time.time()
@@ -40,6 +50,7 @@ def status_snapshot(broker: LocalBroker, see_all: bool, own_teams: set[str] = fr
     from ..culling.board import CullBoard
 
     records = CullBoard.instance().records if CullBoard.initialized() else {}
+    flavor_names = {f.name: f.display_name or f.name for f in policy.flavors}
     devices = []
     for d in broker.devices.devices:
         adm = holders.get(d.id)
@@ -50,9 +61,11 @@ def status_snapshot(broker: LocalBroker, see_all: bool, own_teams: set[str] = fr
         entry = {
             "id": d.id,
             "flavor": d.flavor,
+            "flavor_name": flavor_names.get(d.flavor, d.flavor),
             "name": d.name,
             "virtual": d.virtual,
             "held": adm is not None,
+            "key": adm.key if adm else None,
             "user": adm.user if adm else None,
             "team": adm.team if adm else None,
             "profile": adm.profile if adm else None,
@@ -60,28 +73,49 @@ def status_snapshot(broker: LocalBroker, see_all: bool, own_teams: set[str] = fr
             "idle_for": gpu_idle if gpu_idle != "0s" else None,
             "stops_at": deadline,
         }
-        if adm is not None and not see_all and adm.team not in own_teams:
+        if adm is not None and not see_all and adm.team not in own_teams and adm.user != me:
             entry.update(dict.fromkeys(_HIDDEN))
         devices.append(entry)
     usage = queue.usage()
     waiting: dict[str, int] = {}
-    for t in queue.waiting:
+    waiting_list = []
+    for t in sorted(queue.waiting, key=lambda t: t.created):
         waiting[t.team] = waiting.get(t.team, 0) + 1
+        if see_all or t.team in own_teams or t.user == me:
+            waiting_list.append({
+                "key": t.key, "user": t.user, "team": t.team, "profile": t.profile,
+                "since": t.created, "waited": format_duration(now - t.created),
+                "position": t.status.position if t.status else None,
+                "reason": t.status.reason if t.status else "",
+            })
+    lending = {f.name: lent_and_borrowed(policy, usage, f.name) for f in policy.flavors}
     teams = []
     for team in policy.teams:
-        teams.append(
-            {
-                "name": team.name,
-                "label": team.label,
-                "member": team.name in own_teams,
-                "waiting": waiting.get(team.name, 0),
-                "gpus": {
-                    f: {"in_use": usage.get(team.name, {}).get(f"gpu/{f}", 0), "nominal": q.nominal}
-                    for f, q in team.quota.gpus.items()
-                },
-            }
-        )
-    out = {"devices": devices, "teams": teams, "view": "all" if see_all else ("team" if own_teams else "counts")}
+        used = usage.get(team.name, {})
+        entry = {
+            "name": team.name,
+            "label": team.label,
+            "cohort": team.cohort,
+            "member": team.name in (member_teams if member_teams is not None else own_teams),
+            "lead": team.name in own_teams,
+            "waiting": waiting.get(team.name, 0),
+            "gpus": {
+                f: {
+                    "in_use": used.get(f"gpu/{f}", 0), "nominal": q.nominal, "display_name": flavor_names.get(f, f),
+                    "lent": lending.get(f, ({}, {}))[0].get(team.name, 0),
+                    "borrowed": lending.get(f, ({}, {}))[1].get(team.name, 0),
+                }
+                for f, q in team.quota.gpus.items()
+            },
+        }
+        if see_all or team.name in own_teams:
+            q = team.quota
+            entry["cpu"] = {"in_use": used.get("cpu", 0) / 1000, "nominal": q.cpu.nominal / 1000 if q.cpu else None}
+            entry["memory"] = {"in_use": format_memory(used.get("memory", 0)),
+                               "nominal": format_memory(q.memory.nominal) if q.memory else None}
+        teams.append(entry)
+    view = "all" if see_all else ("team" if own_teams else "counts")
+    out = {"devices": devices, "teams": teams, "view": view, "waiting": waiting_list, "now": now}
     if see_all:
         out["policy"] = broker.store.status.as_dict()
     return out
@@ -91,11 +125,16 @@ class _StatusMixin:
     def snapshot_for_request(self) -> dict:
         if not allowed(self, STATUS):
             raise web.HTTPError(403, f"This needs the scope {STATUS}.")
+        from ..policy.access import teams_for
+
         broker = LocalBroker.instance(config=self.config)
         user = self.current_user
         groups = [g.name for g in getattr(user, "groups", [])] if getattr(user, "kind", "user") == "user" else []
-        own = {t.name for t in teams_for(broker.policy, groups)}
-        return status_snapshot(broker, allowed(self, STATUS_ALL), own)
+        policy = broker.policy
+        members = {t.name for t in teams_for(policy, groups)}
+        leads = {t.name for t in policy.teams if set(groups) & set(t.leads)} if allowed(self, LEAD) else set()
+        me = getattr(user, "name", None) if getattr(user, "kind", "user") == "user" else None
+        return status_snapshot(broker, allowed(self, STATUS_ALL), leads, me=me, member_teams=members)
 
 
 class StatusAPIHandler(_StatusMixin, APIHandler):

@@ -10,6 +10,14 @@ name gets nothing here, even when an admin owns it), never just who owns the tok
 - ``custom:gpuhub:culling``: read cull warnings and snooze servers; filtered by ``!user``.
   Every user has it for themselves, their servers' own tokens too (for JupyterLab's
   notification), admins for everyone.
+- ``custom:gpuhub:usage``: one's own usage history and one's teams' totals (every user).
+- ``custom:gpuhub:usage:all``: everyone's usage history (viewers, admins).
+- ``custom:gpuhub:lead``: for the teams the live policy says the reader leads, their
+  holders, queue and history, and stopping a member's idle server (``gpuhub-lead``).
+- ``custom:gpuhub:audit``: the audit trail (admins).
+
+Roles from the policy's groups (``roles.admins``, ``roles.viewers``, ``teams[].leads``)
+are granted by ``usage.roles.configure_policy_roles``.
 """
 
 from __future__ import annotations
@@ -17,6 +25,10 @@ from __future__ import annotations
 STATUS = "custom:gpuhub:status"
 STATUS_ALL = "custom:gpuhub:status:all"
 CULLING = "custom:gpuhub:culling"
+USAGE = "custom:gpuhub:usage"
+USAGE_ALL = "custom:gpuhub:usage:all"
+LEAD = "custom:gpuhub:lead"
+AUDIT = "custom:gpuhub:audit"
 
 CUSTOM_SCOPES = {
     STATUS: {
@@ -29,12 +41,26 @@ CUSTOM_SCOPES = {
     CULLING: {
         "description": "Read cull warnings and notices, and snooze pending stops.",
     },
+    USAGE: {
+        "description": "See your own GPU usage history and your teams' totals.",
+    },
+    USAGE_ALL: {
+        "description": "See every team's and user's GPU usage history.",
+        "subscopes": [USAGE],
+    },
+    LEAD: {
+        "description": "Lead your teams: see their holders, queue and history; stop a member's idle server.",
+        "subscopes": [USAGE],
+    },
+    AUDIT: {
+        "description": "Read gpuhub's audit trail of decisions and actions.",
+    },
 }
 
 # A request that may administer servers may see and act on everything gpuhub shows about
 # them: ``admin:servers`` implies gpuhub's scopes (JupyterHub forbids adding scopes to its
 # own ``admin`` role, and this also covers admins made by an authenticator's admin_groups).
-IMPLIED_BY = {STATUS_ALL: "admin:servers", CULLING: "admin:servers"}
+IMPLIED_BY = {STATUS_ALL: "admin:servers", CULLING: "admin:servers", USAGE_ALL: "admin:servers", AUDIT: "admin:servers"}
 # Added to JupyterHub's "server" role (a server's own token): its owner's cull warnings,
 # for JupyterLab's notification.
 SERVER_SCOPES = [f"{CULLING}!user"]
@@ -67,7 +93,7 @@ def configure_scopes(c, *, admin_groups=()) -> None:
     custom.update(CUSTOM_SCOPES)
     c.JupyterHub.custom_scopes = custom
     extra = _merged(c.JupyterHub, "extra_user_scopes", [])
-    for scope in (STATUS, f"{CULLING}!user"):
+    for scope in (STATUS, f"{CULLING}!user", USAGE):
         if scope not in extra:
             extra.append(scope)
     c.JupyterHub.extra_user_scopes = extra

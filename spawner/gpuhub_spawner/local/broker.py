@@ -50,6 +50,9 @@ class LocalBroker(SingletonConfigurable):
         # re-registered the servers still running (so no device is handed out twice).
         self.waiting_before_restart = self.journal.load() if self.journal else []
         self.queue = AdmissionQueue(lambda: self.store.current, self.devices, self.journal)
+        from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
+
+        UsageRecorder.instance(config=self.config).attach(self)
         if self.waiting_before_restart:
             self.queue.held = True  # until they are back: nobody jumps the queue meanwhile
             try:

@@ -21,6 +21,7 @@ from ..admission.quota import demand_for, describe
 from ..policy.access import ChoiceError, resolve_choice
 from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
+from ..usage import recorder as usage
 from .broker import LocalBroker
 from .isolation import IsolatedProcessSpawner
 
@@ -123,6 +124,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             self._admission = None
             raise
         self._watch_exit(self.pid)
+        usage.note_started(self.server_key, self.user.name)
         return url
 
     def get_env(self):
@@ -208,6 +210,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         return status
 
     async def stop(self, now=False):
+        usage.note_end(self.server_key, "stopped")  # unless the culler said why first
         self.broker.queue.cancel(self.server_key)
         try:
             await super().stop(now=now)

@@ -312,6 +312,12 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
                     f"per-user cap of {cap} GPUs is above what team {team.name!r} can ever hold ({reachable})"
                 )
 
+    # Roles: a group cannot be both all-seeing admin and read-only viewer.
+    admins = set(policy.roles.admins)
+    for i, group in enumerate(policy.roles.viewers):
+        if group in admins:
+            yield ("roles", "viewers", i), f"group {group!r} is also in roles.admins: a group is either admin or viewer"
+
     # Per team and flavor once, not per profile: a large policy has 2,000 profiles.
     team_index = {name: i for i, name in reversed(list(enumerate(teams)))}
     reach: dict[tuple[str, str], int] = {}

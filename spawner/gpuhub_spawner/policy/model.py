@@ -131,6 +131,9 @@ class Team(_Model):
     queueing_strategy: Literal["BestEffortFIFO", "StrictFIFO"] = "BestEffortFIFO"
     quota: TeamQuota = TeamQuota()
     per_user: PerUser = PerUser()
+    # Identity-provider groups whose members lead this team: they see its holders, queue
+    # and history and may stop its members' idle servers (usage/roles.py).
+    leads: list[str] = []
 
     @property
     def local_queue(self) -> str:
@@ -240,6 +243,16 @@ class Defaults(_Model):
     )
 
 
+class Roles(_Model):
+    """Who sees what beyond their own servers, by identity-provider group (usage/roles.py).
+
+    Researchers are simply team members; team leads are listed on each team (``leads``).
+    """
+
+    admins: list[str] = []  # everything: every holder, the queue, the audit trail, quotas
+    viewers: list[str] = []  # usage and metrics only: no servers, files or artifacts
+
+
 class Policy(_Model):
     api_version: Literal["gpuhub/v1"] = "gpuhub/v1"
     flavors: list[Flavor] = []
@@ -247,6 +260,7 @@ class Policy(_Model):
     teams: list[Team] = Field(min_length=1)
     profiles: list[Profile] = Field(min_length=1)
     defaults: Defaults = Defaults()
+    roles: Roles = Roles()
 
     # -- look-ups used by both backends -------------------------------------------------
     def flavor(self, name: str) -> Flavor:

@@ -1,0 +1,70 @@
+"""Usage you can see: history in the hub's database, the audit trail, per-team metrics,
+roles from the policy's groups, and the pages, API and CSV that show them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_SERVER_PATH = re.compile(r"/api/users/([^/]+)/(?:server|servers/([^/?]*))(?:/progress)?/?$")
+
+
+def _audit_request(handler) -> None:
+    """After each hub request: who started or stopped whose server (incl. admins acting on others)."""
+    from . import recorder
+
+    rec = recorder.current()
+    if rec is None:
+        return
+    req = handler.request
+    if req.method not in ("POST", "DELETE") or handler.get_status() >= 400:
+        return
+    m = _SERVER_PATH.search(req.path)
+    if not m or req.path.endswith("/progress"):
+        return
+    actor = getattr(handler, "_jupyterhub_user", None)
+    by = getattr(actor, "name", None)
+    if by is None:
+        return
+    from urllib.parse import unquote
+
+    owner, server = unquote(m.group(1)), unquote(m.group(2) or "")
+    key = f"{owner}/{server}"
+    action = "start" if req.method == "POST" else "stop"
+    kind = "service" if getattr(actor, "kind", "user") == "service" else "user"
+    rec.audit.record(f"{action}_requested", key=key, user=owner, by=by, by_kind=kind, status=handler.get_status())
+    if action == "stop":
+        rec.history.set_stopped_by(key, by)
+    if by != owner and kind == "user":
+        rec.audit.record("acted_on_server", by=by, role="hub-admin", target_user=owner, key=key, action=action)
+
+
+def configure_usage(c, data_dir, policy=None) -> None:
+    """History, audit trail, metrics, roles, pages (after ``configure_scopes``; one-machine hub)."""
+    from jupyterhub.log import log_request
+
+    from .api import handlers
+
+    data = Path(data_dir)
+    c.UsageRecorder.audit_file = str(data / "gpuhub-audit.jsonl")
+    if "db_url" in c.JupyterHub:
+        c.UsageRecorder.db_url = str(c.JupyterHub.db_url)
+    c.JupyterHub.extra_handlers = (list(c.JupyterHub.extra_handlers) if "extra_handlers" in c.JupyterHub else []) + list(handlers)
+    settings = dict(c.JupyterHub.tornado_settings) if "tornado_settings" in c.JupyterHub else {}
+    inner = settings.get("log_function", log_request)
+
+    def log_function(handler):
+        inner(handler)
+        try:
+            _audit_request(handler)
+        except Exception:  # auditing must never break a request
+            import logging
+
+            logging.getLogger("JupyterHub.gpuhub.audit").exception("audit of a request failed")
+
+    settings["log_function"] = log_function
+    c.JupyterHub.tornado_settings = settings
+    if policy is not None:
+        from .roles import configure_policy_roles
+
+        configure_policy_roles(c, policy)

@@ -1,0 +1,299 @@
+"""Usage history in the hub's own database: one row per allocation, queue-length samples.
+
+Tables are gpuhub's own (``gpuhub_allocations``, ``gpuhub_queue_samples``) in the
+database JupyterHub already uses (``JupyterHub.db_url``: SQLite on one machine,
+PostgreSQL/MySQL behind z2jh), through SQLAlchemy — so history is backed up, migrated
+and survives restarts with the rest of the hub's state, and no new service is needed.
+The tables are created if missing and never touch JupyterHub's own.
+
+An allocation is what the admission queue admitted for one server or job: who, team,
+profile, flavor, GPUs, devices, when requested, admitted and released, how it ended
+(``stopped``, ``culled``, ``reclaimed``, ``crashed``, ``ended`` for a finished job), and
+GPU-seconds held, measured (a trusted utilisation reading existed) and idle.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_engine, event, select, update
+from sqlalchemy.pool import StaticPool
+
+metadata = MetaData()
+
+allocations = Table(
+    "gpuhub_allocations",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("key", String(255), nullable=False, index=True),
+    Column("user", String(255), nullable=False, index=True),
+    Column("server", String(255), nullable=False, default=""),
+    Column("kind", String(16), nullable=False, default="server"),  # server | job
+    Column("team", String(255), nullable=False, index=True),
+    Column("profile", String(255), nullable=False),
+    Column("flavor", String(255), nullable=False, default=""),
+    Column("gpus", Integer, nullable=False, default=0),
+    Column("devices", String(1024), nullable=False, default=""),
+    Column("requested", Float, nullable=False),
+    Column("start", Float, nullable=False, index=True),
+    Column("end", Float, nullable=True, index=True),
+    Column("end_reason", String(32), nullable=True),
+    Column("stopped_by", String(255), nullable=True),
+    Column("measured_gpu_seconds", Float, nullable=False, default=0.0),
+    Column("idle_gpu_seconds", Float, nullable=False, default=0.0),
+)
+
+queue_samples = Table(
+    "gpuhub_queue_samples",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", Float, nullable=False, index=True),
+    Column("team", String(255), nullable=False),
+    Column("waiting", Integer, nullable=False),
+)
+
+END_REASONS = ("stopped", "culled", "reclaimed", "crashed", "ended")
+CSV_FIELDS = [
+    "user", "server", "kind", "team", "profile", "flavor", "gpus", "devices", "requested", "start", "end",
+    "end_reason", "stopped_by", "wait_seconds", "gpu_seconds", "measured_gpu_seconds", "idle_gpu_seconds",
+    "busy_gpu_seconds",
+]
+
+
+def engine_for(db_url: str):
+    if db_url.startswith("sqlite"):
+        if db_url in ("sqlite://", "sqlite:///:memory:"):
+            eng = create_engine(db_url, connect_args={"check_same_thread": False}, poolclass=StaticPool)
+        else:
+            eng = create_engine(db_url, connect_args={"timeout": 30})
+
+        @event.listens_for(eng, "connect")
+        def _wal(conn, _record):  # the hub writes the same file; WAL avoids writer stalls
+            conn.execute("PRAGMA busy_timeout=30000")
+
+        return eng
+    return create_engine(db_url, pool_pre_ping=True)
+
+
+@dataclass
+class Row:
+    """One allocation with its derived figures (``end`` None: still held, counted to ``now``)."""
+
+    user: str
+    server: str
+    kind: str
+    team: str
+    profile: str
+    flavor: str
+    gpus: int
+    devices: str
+    requested: float
+    start: float
+    end: float | None
+    end_reason: str | None
+    stopped_by: str | None
+    measured_gpu_seconds: float
+    idle_gpu_seconds: float
+
+    def held_until(self, now: float) -> float:
+        return self.end if self.end is not None else now
+
+    def gpu_seconds(self, now: float, lo: float = 0.0, hi: float = float("inf")) -> float:
+        """GPU-seconds held inside [lo, hi)."""
+        a, b = max(self.start, lo), min(self.held_until(now), hi)
+        return max(0.0, b - a) * self.gpus
+
+    @property
+    def wait_seconds(self) -> float:
+        return max(0.0, self.start - self.requested)
+
+    def as_dict(self, now: float) -> dict:
+        d = {k: getattr(self, k) for k in CSV_FIELDS if hasattr(self, k) and not callable(getattr(self, k))}
+        held = self.gpu_seconds(now)
+        d.update(wait_seconds=round(self.wait_seconds, 3), gpu_seconds=round(held, 3),
+                 measured_gpu_seconds=round(self.measured_gpu_seconds, 3), idle_gpu_seconds=round(self.idle_gpu_seconds, 3),
+                 busy_gpu_seconds=round(max(0.0, self.measured_gpu_seconds - self.idle_gpu_seconds), 3))
+        return d
+
+
+class History:
+    """Writes and reads gpuhub's usage tables (synchronous; each call is one small transaction)."""
+
+    def __init__(self, db_url: str):
+        self.engine = engine_for(db_url)
+        metadata.create_all(self.engine)
+        self._last_waiting: dict[str, int] = {}
+
+    # -- writes --------------------------------------------------------------------------
+    def open(self, *, key: str, user: str, team: str, profile: str, flavor: str, gpus: int, devices: list[str],
+             requested: float, start: float) -> int:
+        kind = "job" if key.startswith("job:") else "server"
+        server = "" if kind == "job" else key.partition("/")[2]
+        with self.engine.begin() as conn:
+            # A row still open for this key belongs to an allocation whose release was
+            # never seen (hub killed): it ended no later than this new start.
+            conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
+                         .values(end=start, end_reason="crashed"))
+            r = conn.execute(allocations.insert().values(
+                key=key, user=user, server=server, kind=kind, team=team, profile=profile, flavor=flavor, gpus=gpus,
+                devices=",".join(devices), requested=requested, start=start))
+            return int(r.inserted_primary_key[0])
+
+    def close(self, key: str, end: float, reason: str, stopped_by: str | None = None) -> bool:
+        with self.engine.begin() as conn:
+            r = conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
+                             .values(end=end, end_reason=reason, stopped_by=stopped_by))
+            return r.rowcount > 0
+
+    def set_stopped_by(self, key: str, by: str, within: float = 120.0) -> None:
+        """Name who stopped ``key`` (known only when the request that stopped it finishes)."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            row = conn.execute(select(allocations.c.id).where(
+                allocations.c.key == key, allocations.c.end >= now - within, allocations.c.stopped_by.is_(None))
+                .order_by(allocations.c.end.desc()).limit(1)).first()
+            if row:
+                conn.execute(update(allocations).where(allocations.c.id == row[0]).values(stopped_by=by))
+
+    def add_gpu_time(self, measured: dict[str, tuple[float, float]]) -> None:
+        """Per open key: (GPU-seconds with a trusted reading, of which idle)."""
+        if not measured:
+            return
+        with self.engine.begin() as conn:
+            for key, (known, idle) in measured.items():
+                conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None)).values(
+                    measured_gpu_seconds=allocations.c.measured_gpu_seconds + known,
+                    idle_gpu_seconds=allocations.c.idle_gpu_seconds + idle))
+
+    def sample_queue(self, waiting: dict[str, int], at: float | None = None) -> None:
+        """Record queue lengths that changed since the last sample (for the queue chart)."""
+        at = time.time() if at is None else at
+        changed = {t: n for t, n in waiting.items() if self._last_waiting.get(t, 0) != n}
+        changed.update({t: 0 for t in self._last_waiting if t not in waiting and self._last_waiting[t]})
+        if not changed:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(queue_samples.insert(), [{"at": at, "team": t, "waiting": n} for t, n in changed.items()])
+        self._last_waiting.update(changed)
+
+    def open_keys(self) -> list[str]:
+        with self.engine.connect() as conn:
+            return [r[0] for r in conn.execute(select(allocations.c.key).where(allocations.c.end.is_(None)))]
+
+    # -- reads ---------------------------------------------------------------------------
+    def rows(self, since: float, until: float | None = None, teams: set[str] | None = None,
+             user: str | None = None) -> list[Row]:
+        """Allocations overlapping [since, until), oldest first."""
+        q = select(allocations).where((allocations.c.end.is_(None)) | (allocations.c.end >= since))
+        if until is not None:
+            q = q.where(allocations.c.start < until)
+        if teams is not None:
+            q = q.where(allocations.c.team.in_(sorted(teams)))
+        if user is not None:
+            q = q.where(allocations.c.user == user)
+        with self.engine.connect() as conn:
+            out = []
+            for r in conn.execute(q.order_by(allocations.c.start, allocations.c.id)):
+                m = r._mapping
+                out.append(Row(**{k: m[k] for k in Row.__dataclass_fields__}))
+            return out
+
+    def queue_series(self, since: float, teams: set[str] | None = None) -> list[tuple[float, str, int]]:
+        q = select(queue_samples.c.at, queue_samples.c.team, queue_samples.c.waiting).where(queue_samples.c.at >= since)
+        if teams is not None:
+            q = q.where(queue_samples.c.team.in_(sorted(teams)))
+        with self.engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(q.order_by(queue_samples.c.at, queue_samples.c.id))]
+
+
+# -- summaries (pure functions of rows: the page, the API, the CSV and the CLI share them) -----
+def _percentile(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * p
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def bucket_start(t: float, period: str) -> float:
+    """Start of the UTC day or ISO week (Monday) containing ``t``."""
+    day = t - (t % 86400)
+    if period == "week":
+        weekday = time.gmtime(day).tm_wday
+        return day - weekday * 86400
+    return day
+
+
+def summarize(rows: list[Row], since: float, now: float, by: str = "team", period: str = "day") -> dict:
+    """GPU-hours allocated/busy/idle per ``by`` (team|user) per period, waits, end reasons."""
+    if by not in ("team", "user"):
+        raise ValueError("by must be 'team' or 'user'")
+    if period not in ("day", "week"):
+        raise ValueError("period must be 'day' or 'week'")
+    step = 86400 if period == "day" else 7 * 86400
+    totals: dict[str, dict] = {}
+    buckets: dict[tuple[str, float], float] = {}
+    waits: list[float] = []
+    ends: dict[str, int] = {}
+    for r in rows:
+        name = getattr(r, by)
+        held = r.gpu_seconds(now, since)
+        t = totals.setdefault(name, {"gpu_hours": 0.0, "measured_gpu_hours": 0.0, "idle_gpu_hours": 0.0,
+                                     "busy_gpu_hours": 0.0, "allocations": 0, "culls": 0})
+        t["gpu_hours"] += held / 3600
+        # Readings accrue over the whole allocation; pro-rate to the window.
+        whole = r.gpu_seconds(now)
+        share = held / whole if whole else 0.0
+        t["measured_gpu_hours"] += r.measured_gpu_seconds * share / 3600
+        t["idle_gpu_hours"] += r.idle_gpu_seconds * share / 3600
+        t["busy_gpu_hours"] += max(0.0, r.measured_gpu_seconds - r.idle_gpu_seconds) * share / 3600
+        if r.start >= since:
+            t["allocations"] += 1
+            waits.append(r.wait_seconds)
+        if r.end_reason and r.end is not None and r.end >= since:
+            ends[r.end_reason] = ends.get(r.end_reason, 0) + 1
+            if r.end_reason == "culled":
+                t["culls"] += 1
+        b = bucket_start(since, period)
+        while b < now:
+            v = r.gpu_seconds(now, max(b, since), b + step)
+            if v:
+                buckets[(name, b)] = buckets.get((name, b), 0.0) + v / 3600
+            b += step
+    for t in totals.values():
+        for k in ("gpu_hours", "measured_gpu_hours", "idle_gpu_hours", "busy_gpu_hours"):
+            t[k] = round(t[k], 4)
+    periods = sorted({b for _, b in buckets})
+    return {
+        "since": since, "until": now, "by": by, "period": period,
+        "totals": dict(sorted(totals.items())),
+        "periods": [
+            {"start": b, "date": time.strftime("%Y-%m-%d", time.gmtime(b)),
+             "gpu_hours": {n: round(v, 4) for (n, bb), v in sorted(buckets.items()) if bb == b}}
+            for b in periods
+        ],
+        "waits": {"count": len(waits), "median_seconds": _percentile(waits, 0.5), "p95_seconds": _percentile(waits, 0.95)},
+        "ended": ends,
+    }
+
+
+def iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(round(t % 1 * 1000)) % 1000:03d}Z"
+
+
+def to_csv(rows: list[Row], now: float) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        d = r.as_dict(now)
+        for k in ("requested", "start", "end"):
+            if d.get(k) is not None:
+                d[k] = iso(d[k])
+        w.writerow({k: ("" if d.get(k) is None else d[k]) for k in CSV_FIELDS})
+    return buf.getvalue()

@@ -1,0 +1,261 @@
+"""Where gpuhub's events become history, audit entries and metrics.
+
+The admission queue, the culling board, the spawner and the policy store call the
+module-level functions below (no-ops until a hub attaches a recorder, so units and
+other backends need nothing). One ``UsageRecorder`` per hub process writes:
+
+- ``History``: an allocation row opened at admission, closed at release with how it
+  ended. The end reason is *noted* by whoever causes the end before the release
+  happens (the culler's decision: ``culled``; a job preempted for an interactive
+  server: ``reclaimed``; ``Spawner.stop``: ``stopped``); a release nobody announced is
+  a ``crashed`` server (or an ``ended`` job). First note wins: a culled server is also
+  stopped, and stays ``culled``.
+- ``AuditLog``: every decision and action, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import json
+import logging
+import os
+import pwd
+import time
+
+import yaml
+from tornado.ioloop import PeriodicCallback
+from traitlets import Float, Unicode
+from traitlets.config import SingletonConfigurable
+
+from .audit import AuditLog
+from .history import History
+
+log = logging.getLogger("JupyterHub.gpuhub.usage")
+
+_current: "UsageRecorder | None" = None
+
+
+def current() -> "UsageRecorder | None":
+    return _current
+
+
+# -- hooks other modules call (cheap no-ops without a recorder) ---------------------------------
+def note_end(key: str, reason: str, by: str | None = None) -> None:
+    """``key``'s coming release ends it for ``reason`` (first note wins)."""
+    if _current is not None:
+        _current._ends.setdefault(key, (reason, by, time.time()))
+
+
+def note_started(key: str, user: str, url: str | None = None) -> None:
+    if _current is not None:
+        adm = _current.broker.queue.admitted.get(key) if _current.broker else None
+        _current.audit.record("started", key=key, user=user, team=getattr(adm, "team", None),
+                              profile=getattr(adm, "profile", None), devices=getattr(adm, "devices", None))
+
+
+def audit(event: str, **fields) -> None:
+    if _current is not None:
+        _current.audit.record(event, **fields)
+
+
+def gpu_pass(readings: dict[str, tuple[int, float | None, bool]], elapsed: float, devices: dict[str, float] | None = None) -> None:
+    """A culler pass: per server key (GPUs held, utilisation or None, idle?) over ``elapsed`` s."""
+    if _current is not None:
+        _current._gpu_pass(readings, elapsed, devices or {})
+
+
+def _policy_text(policy) -> str:
+    """The policy as YAML with profile environment values masked (they may hold secrets)."""
+    data = policy.model_dump(by_alias=True, exclude_defaults=True)
+    for prof in data.get("profiles", []):
+        if prof.get("env"):
+            prof["env"] = {k: "***" for k in prof["env"]}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def role_map(policy) -> dict[str, list[str]]:
+    """Group -> gpuhub roles it grants, from the policy (for the audit's role changes)."""
+    out: dict[str, set[str]] = {}
+    for g in policy.roles.admins:
+        out.setdefault(g, set()).add("admin")
+    for g in policy.roles.viewers:
+        out.setdefault(g, set()).add("viewer")
+    for t in policy.teams:
+        for g in t.leads:
+            out.setdefault(g, set()).add(f"lead:{t.name}")
+        for g in t.groups:
+            out.setdefault(g, set()).add(f"researcher:{t.name}")
+    return {g: sorted(r) for g, r in sorted(out.items())}
+
+
+class UsageRecorder(SingletonConfigurable):
+    db_url = Unicode("", help="Database for usage history (default: the hub's JupyterHub.db_url).").tag(config=True)
+    audit_file = Unicode("", help="Append-only JSON-lines audit trail (0600, in the hub's data dir); empty: memory.").tag(
+        config=True
+    )
+    reconcile_after = Float(
+        60.0, help="Seconds after the hub starts when history rows no running server claims are closed as crashed."
+    ).tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.history = History(self.db_url or "sqlite://")
+        self.audit = AuditLog(self.audit_file or None)
+        self.broker = None
+        self._ends: dict[str, tuple[str, str | None, float]] = {}
+        self._requested: dict[str, float] = {}
+        self._policy_text: str | None = None
+        self._roles: dict[str, list[str]] | None = None
+        self._failed_at: float | None = None
+        self._util: dict[str, float] = {}  # device -> utilisation % at the last pass
+        self._checker: PeriodicCallback | None = None
+
+    # -- wiring ---------------------------------------------------------------------------
+    def attach(self, broker) -> None:
+        """Listen to ``broker``'s queue and policy store (once per hub process)."""
+        global _current
+        if self.broker is broker:
+            return
+        self.broker = broker
+        _current = self
+        q = broker.queue
+        q.on_submit.append(self._submitted)
+        q.on_queued.append(self._queued)
+        q.on_refuse.append(self._refused)
+        q.on_cancel.append(self._cancelled)
+        q.on_admit.append(self._admitted)
+        q.on_release.append(self._released)
+        store = broker.store
+        self._policy_text = _policy_text(store.current)
+        self._roles = role_map(store.current)
+        store.on_change(self._policy_changed)
+        from . import metrics
+
+        metrics.register(broker, self)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_later(self.reconcile_after, self.reconcile)
+        self._checker = PeriodicCallback(self._check_policy_failure, 5000)
+        self._checker.start()
+
+    def reconcile(self) -> None:
+        """Close rows of allocations that ended while the hub was down (nothing holds them now)."""
+        if self.broker is None:
+            return
+        held = set(self.broker.queue.admitted)
+        for key in self.history.open_keys():
+            if key not in held:
+                self.history.close(key, time.time(), "crashed")
+                self.audit.record("released", key=key, reason="crashed", detail="found gone after a hub restart")
+
+    # -- queue events -----------------------------------------------------------------------
+    def _sample(self) -> None:
+        q = self.broker.queue
+        waiting: dict[str, int] = {}
+        for t in q.waiting:
+            waiting[t.team] = waiting.get(t.team, 0) + 1
+        self.history.sample_queue(waiting)
+
+    def _submitted(self, ticket) -> None:
+        self._ends.pop(ticket.key, None)
+        self._requested[ticket.key] = ticket.created
+        self.audit.record("requested", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
+                          demand=ticket.demand, priority=ticket.priority)
+
+    def _queued(self, ticket) -> None:
+        status = ticket.status
+        self.audit.record("queued", key=ticket.key, user=ticket.user, team=ticket.team,
+                          position=getattr(status, "position", None), reason=getattr(status, "reason", None))
+        self._sample()
+
+    def _refused(self, ticket, reason: str) -> None:
+        self.audit.record("requested", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
+                          demand=ticket.demand, priority=ticket.priority)
+        self.audit.record("refused", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
+                          reason=reason)
+
+    def _cancelled(self, ticket) -> None:
+        self._requested.pop(ticket.key, None)
+        self.audit.record("left_queue", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
+                          waited=round(time.time() - ticket.created, 3))
+        self._sample()
+
+    def _admitted(self, adm) -> None:
+        requested = self._requested.pop(adm.key, adm.since)
+        flavor, gpus = "", 0
+        for k, v in adm.demand.items():
+            if k.startswith("gpu/"):
+                flavor, gpus = k[4:], gpus + int(v)
+        self._ends.pop(adm.key, None)
+        self.history.open(key=adm.key, user=adm.user, team=adm.team, profile=adm.profile, flavor=flavor, gpus=gpus,
+                          devices=list(adm.devices), requested=requested, start=adm.since)
+        from . import metrics
+
+        metrics.TEAM_WAIT.labels(team=adm.team).observe(max(0.0, adm.since - requested))
+        self.audit.record("admitted", key=adm.key, user=adm.user, team=adm.team, profile=adm.profile,
+                          devices=list(adm.devices), waited=round(max(0.0, adm.since - requested), 3))
+        self._sample()
+
+    def _released(self, adm) -> None:
+        reason, by, _ = self._ends.pop(adm.key, (None, None, 0))
+        if reason is None:
+            reason = "ended" if adm.key.startswith("job:") else "crashed"
+        now = time.time()
+        self.history.close(adm.key, now, reason, by)
+        for d in adm.devices:
+            self._util.pop(d, None)
+        self.audit.record("released", key=adm.key, user=adm.user, team=adm.team, profile=adm.profile,
+                          devices=list(adm.devices), reason=reason, by=by,
+                          held_seconds=round(now - adm.since, 3))
+
+    # -- GPU readings from the culler's passes ------------------------------------------------
+    def _gpu_pass(self, readings, elapsed: float, devices: dict[str, float]) -> None:
+        measured = {}
+        for key, (gpus, util, idle) in readings.items():
+            if util is None or gpus <= 0:
+                continue  # utilisation unknown: counted as held, neither busy nor idle
+            measured[key] = (gpus * elapsed, gpus * elapsed if idle else 0.0)
+        if elapsed > 0:
+            self.history.add_gpu_time(measured)
+        held = {d for a in self.broker.queue.admitted.values() for d in a.devices} if self.broker else set()
+        self._util = {d: v for d, v in devices.items() if d in held}
+
+    # -- policy ------------------------------------------------------------------------------
+    def _policy_changed(self, policy) -> None:
+        text = _policy_text(policy)
+        path = self.broker.store.status.path if self.broker else ""
+        who = None
+        try:
+            who = pwd.getpwuid(os.stat(path).st_uid).pw_name
+        except (OSError, KeyError):
+            pass
+        if text != self._policy_text:
+            diff = "".join(difflib.unified_diff((self._policy_text or "").splitlines(True), text.splitlines(True),
+                                                "before", "after", n=1))
+            self.audit.record("policy_reloaded", path=path, by=f"file owner {who}" if who else None, diff=diff)
+            self._policy_text = text
+        roles = role_map(policy)
+        if roles != self._roles:
+            before = self._roles or {}
+            changes = {g: {"before": before.get(g, []), "after": roles.get(g, [])}
+                       for g in sorted(set(before) | set(roles)) if before.get(g) != roles.get(g)}
+            self.audit.record("roles_changed", path=path, changes=changes)
+            self._roles = roles
+
+    def _check_policy_failure(self) -> None:
+        if self.broker is None:
+            return
+        status = self.broker.store.status
+        if status.failed_at and status.failed_at != self._failed_at:
+            self._failed_at = status.failed_at
+            self.audit.record("policy_reload_failed", path=status.path, errors=list(status.errors))
+
+    def utilisation(self) -> dict[str, float]:
+        return dict(self._util)
+
+
+def entries_json(entries: list[dict]) -> str:
+    return json.dumps({"entries": entries})

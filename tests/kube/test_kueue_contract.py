@@ -15,6 +15,7 @@ import pytest
 from jupyterhub.spawner import SpawnException
 
 from double.harness import HUB_NAMESPACE, NAMESPACE
+from gpuhub_spawner.kube.kueue import pod_is_gated
 from gpuhub_spawner.kube.messages import eviction_message
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
@@ -92,7 +93,8 @@ async def test_kueue_started_event_means_admitted_not_running(kube, make_spawner
         started = next(e for e in spawner.events if e.get("reason") == "Started")
         # pkg/controller/jobframework/reconciler.go startJob, pod_controller.go Run
         assert started["message"] == "Admitted by clusterQueue students"
-        await asyncio.sleep(0.3)  # further status rounds: still not "started"
+        # Once the hub has seen the gate lifted too (pods and events arrive on separate watches):
+        await asyncio.wait_for(until(lambda: spawner._current_pod() and not pod_is_gated(spawner._current_pod())), WAIT)
         assert spawner.queue_status()["message"] == "Quota granted; your server is being placed on a node."
     finally:
         kube.call(lambda: delattr(kube, "_start_container"))

@@ -255,7 +255,7 @@ def test_submit_from_a_notebook_terminal_with_the_servers_own_token(hub, users, 
         out = k.execute(textwrap.dedent(f"""\
             import os, subprocess, sys
             open("job.yaml", "w").write("profile: cpu\\ncommand: [{sys.executable}, -c, 'import os; print(os.getuid(), os.environ.get(\\"JUPYTERHUB_API_TOKEN\\", \\"none\\")[:6])']\\n")
-            r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "submit", "job.yaml"], capture_output=True, text=True)
+            r = subprocess.run(["gpuhub", "job", "submit", "job.yaml"], capture_output=True, text=True)  # as typed in a terminal
             print(r.returncode, r.stderr)
             print(r.stdout.strip().splitlines()[-1])
             print(os.getuid(), os.environ["JUPYTERHUB_API_TOKEN"][:6])

@@ -199,6 +199,12 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     # -- environment: nothing of the hub's but what is meant ---------------------------------
     def user_env(self, env):
         env["HOME"] = self.visible_home
+        # The server's own environment first on PATH, as in an activated venv or an image:
+        # a notebook terminal finds its `python`, `pip` and `gpuhub` (gpuhub job submit).
+        bindir = os.path.join(sys.prefix, "bin")
+        path = env.get("PATH") or os.defpath
+        if bindir not in path.split(os.pathsep):
+            env["PATH"] = bindir + os.pathsep + path
         if self.isolated:
             env["USER"] = env["LOGNAME"] = self.account_name
             env["SHELL"] = "/bin/bash"

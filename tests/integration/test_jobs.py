@@ -392,6 +392,9 @@ def test_records_queue_and_running_jobs_survive_a_hub_restart(hub, users, tmp_pa
     alice.wait_ready()
     waiting = submit(hub, bob, tmp_path, f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'print(\"ran after restart\")']\n")
     assert record(bob, waiting)["state"] == "queued"
+    dave = hub.login("dave")  # in two teams: names Vision Lab's queue
+    second = submit(hub, dave, tmp_path, f"profile: gpu-1\nteam: vision\ncommand: [{sys.executable}, -c, 'print(2)']\n")
+    assert record(dave, second)["status"].startswith("queued: position 2 of 2 in Vision Lab's queue")
     training = submit(hub, carol, tmp_path, f"name: train\nprofile: gpu-1\ncommand: [{sys.executable}, {train_script}]\n")
     wait_for(lambda: "step 2" in logs(carol, training), 60, "training to reach step 2")
 
@@ -409,10 +412,13 @@ def test_records_queue_and_running_jobs_survive_a_hub_restart(hub, users, tmp_pa
     assert "resumed from step" in out and out.strip().splitlines()[-2] == "total 36"
     # The waiting job kept its place behind alice's server, which survived the restart.
     assert alice.server()["ready"]
-    assert record(bob, waiting)["status"].startswith("queued: position 1 of 1 in Vision Lab's queue")
+    assert record(bob, waiting)["status"].startswith("queued: position 1 of 2 in Vision Lab's queue")
+    dave = hub.login("dave")
+    assert record(dave, second)["status"].startswith("queued: position 2 of 2 in Vision Lab's queue")
     alice.stop()
     assert wait_state(bob, waiting, "succeeded")["attempts"][0]["number"] == 1
     assert "ran after restart" in logs(bob, waiting)
+    assert len(wait_state(dave, second, "succeeded")["attempts"]) == 1
     alice.wait_gone()
 
 

@@ -135,8 +135,8 @@ class JobManager(SingletonConfigurable):
                 if not self._retryable(rec, INTERRUPTED, None):
                     self._finish(rec, R.FAILED, "interrupted by a hub restart ('interrupted' is not in retries.reasons)")
                     continue
-            elif att is not None and att.admitted is None and att.finished is None:
-                rec.attempts.pop()  # it only waited: it waits again, keeping its number
+            # A job that only waited takes its attempt back: same number, same arrival time,
+            # so it keeps its place in the queue (the ticket is created at att.queued).
             self._start_task(rec)
         self._ensure_reclaimer()
 

@@ -96,7 +96,7 @@ def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, 
             "command": [
                 sys.executable, "-m", "gpuhub_spawner.culling.service",
                 f"--cull-every={every}", "--timeout=1", "--remove-named-servers=False",
-                "--api-page-size=200", "--concurrency=10",
+                "--api-page-size=200", "--concurrency=20",  # stops of a big pass in parallel
             ],
         }
     ]

@@ -151,15 +151,15 @@ async def listing(url: str, page_size: int) -> float:
     return time.perf_counter() - t0
 
 
-async def new_pass(url: str, page_size: int = 200) -> tuple[float, dict]:
+async def new_pass(url: str, page_size: int = 200, concurrency: int = 10) -> tuple[float, dict]:
     from jupyterhub_idle_culler import cull_idle
 
     from gpuhub_spawner.culling.service import GpuHubCuller
 
-    culler = GpuHubCuller(url=url, api_page_size=page_size, concurrency=10)
+    culler = GpuHubCuller(url=url, api_page_size=page_size, concurrency=concurrency)
     cull = partial(
         cull_idle, url=url, api_token=os.environ["JUPYTERHUB_API_TOKEN"], inactive_limit=1, logger=culler.log,
-        max_age=0, concurrency=10, api_page_size=page_size,
+        max_age=0, concurrency=concurrency, api_page_size=page_size,
     )
     t0 = time.perf_counter()
     decisions = await culler.fetch_decisions()
@@ -215,6 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", type=int, default=5000)
     ap.add_argument("--old-servers", type=int, default=5000, help="servers the old design probes (a sample if fewer)")
     ap.add_argument("--due", type=int, default=50, help="servers due to be stopped in the first new pass")
+    ap.add_argument("--concurrency", type=int, default=20, help="idle-culler's concurrent hub requests (the service runs with 20)")
     ap.add_argument("--page-size", type=int, default=200, help="users per page of idle-culler's listing (the hub allows up to 200 by default)")
     args = ap.parse_args(argv)
 
@@ -257,10 +258,10 @@ def main(argv=None) -> int:
 
         t_list = asyncio.run(listing(url, args.page_size))
         cpu0 = cpu_seconds(hub.pid)
-        new_first, info = asyncio.run(new_pass(url, args.page_size))
+        new_first, info = asyncio.run(new_pass(url, args.page_size, args.concurrency))
         cpu_first = cpu_seconds(hub.pid) - cpu0
         cpu0 = cpu_seconds(hub.pid)
-        new_steady, info2 = asyncio.run(new_pass(url, args.page_size))
+        new_steady, info2 = asyncio.run(new_pass(url, args.page_size, args.concurrency))
         cpu_steady = cpu_seconds(hub.pid) - cpu0
         cpu0 = cpu_seconds(hub.pid)
         old_time, old_n = asyncio.run(old_pass(url, public, args.old_servers))

@@ -196,7 +196,10 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         deletes and recreates it, so no pod is leaked either way.
         """
         try:
-            return await super()._make_create_pod_request(pod, request_timeout)
+            created = await super()._make_create_pod_request(pod, request_timeout)
+            if created:  # from now on the pod in the reflector is this one (the spawn page follows it)
+                self._pod_created = True
+            return created
         except ApiException as e:
             if WEBHOOK_FAILED_MARKER in str(getattr(e, "body", "") or ""):
                 # Kueue's pod webhook (failurePolicy: Fail) is down: retrying until the start

@@ -52,6 +52,7 @@ profiles:
   - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}
   - {slug: gpu-1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: [vision, nlp], cpu: "1", memory: 1Gi}
   - {slug: nlp-special, displayName: NLP only, teams: [nlp]}
+  - {slug: small, displayName: Small, teams: "*", cpu: 500m, memory: 300Mi}
 defaults:
   queueTimeout: 5m
 """
@@ -342,6 +343,20 @@ retries: {{limit: 2, reasons: [preempted, 75]}}
     assert len(rec["attempts"]) == 1 and rec["attempts"][0]["reason"] == "time-limit"
     assert "time limit of 3s" in rec["status"]
     assert "time-limit" in logs(carol, slow)
+
+
+def test_a_job_over_its_memory_is_stopped_says_why_and_is_retried_only_as_asked(hub, users, tmp_path):
+    carol = users["carol"]
+    hog = submit(hub, carol, tmp_path, f"""\
+profile: small
+command: [{sys.executable}, -c, "b = bytearray(600 * 2**20); print('survived')"]
+retries: {{limit: 1, reasons: [oom]}}
+""")
+    rec = wait_state(carol, hog, "failed", "succeeded", timeout=60)
+    assert [a["reason"] for a in rec["attempts"]] == ["oom", "oom"]  # one retry, as asked
+    assert rec["attempts"][0]["message"].startswith("stopped: it used more than its memory limit of 300Mi (profile 'small')")
+    assert rec["status"].endswith("No retries left (1 allowed).")
+    assert "survived" not in logs(carol, hog)
 
 
 def test_another_user_cannot_read_or_cancel_a_job(hub, users, tmp_path):

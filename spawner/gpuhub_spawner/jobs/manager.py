@@ -416,8 +416,12 @@ class JobManager(SingletonConfigurable):
             pass
         if live.stop_reason:
             reason, message = live.stop_reason, live.stop_message
-        elif launcher.stop_reason:
-            reason, message = OOM, launcher.stop_reason
+        elif launcher.stop_reason:  # the launcher saw the cgroup's OOM kill
+            from ..policy.quantities import format_memory
+
+            reason = OOM
+            message = (f"stopped: it used more than its memory limit of {format_memory(rec.profile['memory'])} "
+                       f"(profile {rec.profile['slug']!r}); choose a profile with more memory")
         elif code == 0:
             reason, message = "succeeded", "exit code 0"
         elif code < 0:

@@ -52,13 +52,16 @@ The trace (all times simulated; the replay starts on a Monday at 00:00)
   loading: one every ``--dip-every`` minutes on average, lasting ``--dip-minutes``)
   where utilisation reads below the busy threshold. A culled or stopped server kills its
   run (no checkpoint resume: the lost GPU-hours are reported, the run is not retried).
-- Culler: a pass every ``--culler-every`` simulated minutes. As in the hub, GPU
-  utilisation is sampled at each pass, and ``gpu_idle`` is the time since the last pass
-  that saw the server's GPUs busy. (b) uses ``--b-timeout``.
-- Warnings and snoozes (c): a fraction ``--snoozers`` of users click "snooze" when they
-  see a warning, and they see it only while at the desk (JupyterLab shows it; nobody
-  reads a notification in a closed laptop or during a meeting). Other users ignore it
-  (their own activity may still clear it).
+- Culler: a pass every ``--culler-every`` simulated minutes. As in the hub, the decision
+  reads only what the hub records: the server's start, its last activity (browser, an open
+  tab's polling, a notebook kernel's output through the server's own activity reports) and
+  the last pass whose trusted GPU reading (NVML/DCGM) was busy; nothing the server says
+  about its kernels or GPUs, and the pass itself is not activity. (b) uses ``--b-timeout``.
+- Warnings and snoozes (c): a rule that fires warns; the stop comes ``warning`` later.
+  Activity withdraws an activity-timeout warning; for a GPU-idle warning, activity after
+  the warning uses one snooze at the deadline (as in the hub). A fraction ``--snoozers``
+  of users click "snooze" when they see a warning, and they see it only while at the desk
+  (JupyterLab shows it; nobody reads a notification in a closed laptop or a meeting).
 
 What is measured
 ----------------

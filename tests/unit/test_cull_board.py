@@ -86,3 +86,33 @@ def test_idle_gpu_time_accumulates_and_the_team_gauge_returns_to_zero(config):
     assert REGISTRY.get_sample_value("gpuhub_idle_gpus", {"team": "vision"}) == 1
     decide(board, [], now=220.0)  # bob stopped
     assert REGISTRY.get_sample_value("gpuhub_idle_gpus", {"team": "vision"}) == 0
+
+
+def test_a_pod_is_read_through_dcgm_and_a_local_server_through_its_devices(config):
+    from datetime import datetime
+    from types import SimpleNamespace
+
+    from gpuhub_spawner.hub.culling_api import view_of
+
+    orm = SimpleNamespace(started=datetime(2026, 1, 1), last_activity=None)
+    pod = SimpleNamespace(ready=True, orm_spawner=orm, user=SimpleNamespace(name="alice"), name="",
+                          pod_name="jupyter-alice", namespace="gpuhub-users")
+    v = view_of(pod, None)
+    assert v.pod == ("gpuhub-users", "jupyter-alice") and v.devices == []
+    local = SimpleNamespace(ready=True, orm_spawner=orm, user=SimpleNamespace(name="bob"), name="gpu", devices=["GPU-1"])
+    v = view_of(local, None)
+    assert v.pod is None and v.devices == ["GPU-1"] and v.key == "bob/gpu"
+    waiting = SimpleNamespace(ready=False, orm_spawner=orm, user=SimpleNamespace(name="carol"), name="")
+    assert view_of(waiting, None) is None  # a queued server is never culled
+
+    board = CullBoard(config=config)
+    seen = {}
+
+    async def dcgm(pods, window):
+        seen["pods"], seen["window"] = pods, window
+        return {("gpuhub-users", "jupyter-alice"): 97.0}
+
+    board.dcgm.read = dcgm
+    busy = ServerView("alice", "", board.policy.profile("a100-1"), 0.0, None, pod=("gpuhub-users", "jupyter-alice"))
+    assert decide(board, [busy], now=7200.0)["alice/"].action == "keep"  # 2 h old, GPU busy per DCGM
+    assert seen == {"pods": [("gpuhub-users", "jupyter-alice")], "window": 60}

@@ -60,25 +60,42 @@ class CgroupHost:
     group: str = "gpuhub"
     v1_mounts: dict[str, Path] = field(default_factory=dict)
 
+    problem: str = ""
+
     @classmethod
     def detect(cls, root: str = "/sys/fs/cgroup", group: str = "gpuhub") -> "CgroupHost":
+        """What this machine offers, after trying to make the ``group`` (so problems show at start)."""
         r = Path(root)
         controllers = _read(r / "cgroup.controllers").split()
-        if "memory" in controllers and "cpu" in controllers:
-            return cls(r, 2, group)
         mounts = {c: r / c for c in V1_CONTROLLERS if (r / c / "cgroup.procs").exists()}
-        if "memory" in mounts and "cpu" in mounts:
-            return cls(r, 1, group, mounts)
-        return cls(r, 0, group)
+        if "memory" in controllers and "cpu" in controllers:
+            host = cls(r, 2, group)
+        elif "memory" in mounts and "cpu" in mounts:
+            host = cls(r, 1, group, mounts)
+        else:
+            return cls(r, 0, group, problem="no cgroup v2 with memory+cpu, nor v1 memory and cpu hierarchies")
+        try:
+            if host.version == 2:
+                host._v2_parent()
+            else:
+                for m in mounts.values():
+                    (m / group).mkdir(exist_ok=True)
+        except OSError as e:
+            return cls(r, 0, group, problem=f"cannot make {group} cgroups: {e}")
+        return host
 
     def describe(self) -> str:
         if self.version == 2:
             return f"cgroup v2 at {self.root}/{self.group}"
         if self.version == 1:
             return f"cgroup v1 ({', '.join(sorted(self.v1_mounts))}) under {self.group}/"
-        return "no usable cgroups (memory and CPU limits are NOT enforced)"
+        return f"no usable cgroups ({self.problem}): memory and CPU limits are NOT enforced"
 
     def _v2_parent(self) -> Path:
+        root_has = set(_read(self.root / "cgroup.subtree_control").split())
+        for c in ("memory", "cpu", "pids"):
+            if c not in root_has and c in _read(self.root / "cgroup.controllers").split():
+                _write(self.root / "cgroup.subtree_control", f"+{c}")  # systemd hosts have them on already
         parent = self.root / self.group
         if not parent.is_dir():
             parent.mkdir(exist_ok=True)

@@ -25,6 +25,7 @@ def test_install_service_writes_a_valid_unit(tmp_path, capsys):
     svc = unit["Service"]
     assert svc["User"] == "root" and svc["StandardOutput"] == "journal" and svc["UMask"] == "0077"
     assert svc["Restart"] == "on-failure" and svc["KillSignal"] == "SIGTERM"
+    assert svc["KillMode"] == "mixed"  # SIGTERM to the hub alone: it stops its services itself, promptly
     argv = shlex.split(svc["ExecStart"])
     assert argv[1] == "run" and argv[argv.index("--site") + 1] == str(site)
     assert argv[argv.index("--data-dir") + 1] == str(tmp_path / "data") and argv[argv.index("--port") + 1] == "8443"

@@ -130,6 +130,7 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
 
     data = private_dir(data_dir)  # database, secrets, homes: the hub's user only
     (data / "home").mkdir(mode=0o700, exist_ok=True)
+    os.close(os.open(data / "jupyterhub.sqlite", os.O_WRONLY | os.O_CREAT, 0o600))  # sqlite would make it 0644
 
     c.PolicyStore.policy_file = str(Path(policy_file).resolve())
 

@@ -112,6 +112,29 @@ class TeamQuota(_Model):
     gpus: dict[str, Annotated[GpuQuota, BeforeValidator(_shorthand_nominal)]] = {}
 
 
+class ReclaimRules(_Model):
+    """Taking lent quota back (admission/reclaim.py); unset keys come from ``defaults.reclaim``.
+
+    ``enabled`` and ``notice`` are the *lender's*: whether its lent quota comes back when
+    it needs it, and the most it then waits (a borrowing server's warning; jobs stop at
+    once). ``interactiveBorrowing`` is the *borrower's*: whether its servers may borrow.
+    """
+
+    enabled: bool | None = None
+    notice: Seconds | None = None
+    interactive_borrowing: bool | None = None
+
+    def over(self, base: "ReclaimRules") -> "ReclaimRules":
+        merged = base.model_dump()
+        merged.update({k: v for k, v in self.model_dump().items() if v is not None})
+        return ReclaimRules(**merged)
+
+
+# A team gets lent quota back within ``notice`` (10 min, enough to save a notebook; at most
+# half of queueTimeout when no notice is written); servers may borrow; reclaim applies.
+RECLAIM_DEFAULTS = ReclaimRules(enabled=True, notice=600.0, interactive_borrowing=True)
+
+
 class PerUser(_Model):
     max_servers: GpuCount | None = None
     max_gpus: GpuCount | None = Field(None, alias="maxGPUs")
@@ -134,6 +157,7 @@ class Team(_Model):
     # Identity-provider groups whose members lead this team: they see its holders, queue
     # and history and may stop its members' idle servers (usage/roles.py).
     leads: list[str] = []
+    reclaim: ReclaimRules = ReclaimRules()
 
     @property
     def local_queue(self) -> str:
@@ -241,6 +265,7 @@ class Defaults(_Model):
         snooze=3600.0,
         max_snoozes=2,
     )
+    reclaim: ReclaimRules = ReclaimRules()  # keys unset here: RECLAIM_DEFAULTS
 
 
 class Roles(_Model):
@@ -350,6 +375,38 @@ class Policy(_Model):
                 errors.append(InitErrorDetails(
                     type=PydanticCustomError("value_error", "{error}", {"error": f"unknown priority class {team.job_priority!r}{hint}"}),
                     loc=("teams", i, "jobPriority"), input=team.job_priority))
+        if errors:
+            raise ValidationError.from_exception_data("Policy", errors)
+        return self
+
+    def reclaim_rules(self, team: Team) -> ReclaimRules:
+        rules = team.reclaim.over(self.defaults.reclaim.over(RECLAIM_DEFAULTS))
+        if team.reclaim.notice is None and self.defaults.reclaim.notice is None:
+            # Nobody chose a notice: 10 min, but never more than half the queue timeout.
+            rules = rules.model_copy(update={"notice": min(RECLAIM_DEFAULTS.notice, self.defaults.queue_timeout / 2)})
+        return rules
+
+    @model_validator(mode="after")
+    def _reclaim_notice_fits(self) -> "Policy":
+        """A lender must not give up waiting before its lent quota comes back."""
+        from .quantities import format_duration as fmt
+
+        errors = []
+        checks = [(("defaults", "reclaim", "notice"), self.defaults.reclaim.notice)]
+        checks += [(("teams", i, "reclaim", "notice"), t.reclaim.notice) for i, t in enumerate(self.teams)]
+        for loc, notice in checks:
+            if notice is None:
+                continue
+            if notice < 0:
+                msg = "the notice cannot be negative"
+            elif notice >= self.defaults.queue_timeout:
+                msg = (f"the notice ({fmt(notice)}) must be shorter than defaults.queueTimeout "
+                       f"({fmt(self.defaults.queue_timeout)}): the lending team would give up waiting "
+                       "before its own quota came back")
+            else:
+                continue
+            errors.append(InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": msg}),
+                                           loc=loc, input=notice))
         if errors:
             raise ValidationError.from_exception_data("Policy", errors)
         return self

@@ -1,0 +1,164 @@
+"""Which borrowed resources come back, and for whom: Kueue's ``reclaimWithinCohort``.
+
+A team's nominal quota is a promise. Others may borrow what it does not use; when one of
+its requests would fit inside its own nominal quota but not in what is free, the
+capacity is on loan and comes back from the borrowers. This module only *plans* (pure,
+no clock, no I/O); ``local.reclaimer`` carries the plan out: a borrowing job stops at
+once and re-queues, a borrowing server gets a warning and stops after the lender's
+``reclaim.notice``.
+
+The order is Kueue's for preemption candidates: among the holders of teams that are
+borrowing the needed resource, **lowest priority first, then the most recently
+admitted** — except that a holder already under notice goes first, so a warning once
+given is never moved to someone else (and never given twice). Like Kueue, a team stops
+being a candidate as soon as it is no longer above its nominal quota, and holders the
+request turns out not to need after all are put back (newest pick first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from ..policy.model import Policy, Team
+from .quota import add_usage, check_fit, limits
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Something admitted that may be reclaimed (a server or a job)."""
+
+    key: str
+    team: str
+    demand: Mapping[str, int]
+    priority: int = 0
+    admitted: float = 0.0
+    job: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    """A waiting request, in queue order."""
+
+    key: str
+    team: str
+    demand: Mapping[str, int]
+
+
+@dataclass
+class Plan:
+    """Holder key -> (the team that needs it back, the waiting request it is for)."""
+
+    reclaim: dict[str, tuple[str, str]] = field(default_factory=dict)
+    covered: dict[str, list[str]] = field(default_factory=dict)  # request key -> holders it waits for
+
+
+def within_nominal(policy: Policy, usage: Mapping[str, Mapping[str, int]], team: Team, demand: Mapping[str, int]) -> bool:
+    """Would ``demand`` keep ``team`` at or below its nominal quota on every GPU it asks for?"""
+    gpu = {k: v for k, v in demand.items() if k.startswith("gpu/") and v > 0}
+    if not gpu or not team.cohort:
+        return False
+    for key, amount in gpu.items():
+        lim = limits(team, key)
+        if lim is None or usage.get(team.name, {}).get(key, 0) + amount > lim.nominal:
+            return False
+    return True
+
+
+def borrowing(policy: Policy, usage: Mapping[str, Mapping[str, int]], team_name: str, key: str) -> int:
+    """How much of ``key`` team ``team_name`` holds above its nominal quota."""
+    team = policy.team_or_none(team_name)
+    if team is None:
+        return 0
+    lim = limits(team, key)
+    if lim is None:
+        return 0
+    return max(0, usage.get(team_name, {}).get(key, 0) - lim.nominal)
+
+
+def plan(
+    policy: Policy,
+    usage: Mapping[str, Mapping[str, int]],
+    holders: Iterable[Holder],
+    waiting: Iterable[Request],
+    free_devices: Mapping[str, int] | None = None,
+    under_notice: set[str] = frozenset(),
+) -> Plan:
+    """What to take back so that every waiting within-nominal request fits.
+
+    ``usage``: admitted amounts per team and key (the queue's). ``free_devices``: free
+    devices per ``gpu/<flavor>`` key on one machine (``None`` where devices are not
+    counted, as on Kubernetes). ``waiting`` in queue order; each request is planned on
+    top of the earlier ones (what they take, what they get back). Teams whose
+    ``reclaim.enabled`` is false never take anything back.
+    """
+    trial: dict[str, dict[str, int]] = {t: dict(u) for t, u in usage.items()}
+    free = dict(free_devices) if free_devices is not None else None
+    pool = list(holders)
+    taken: set[str] = set()
+    out = Plan()
+    for req in waiting:
+        team = policy.team_or_none(req.team)
+        if team is None or not policy.reclaim_rules(team).enabled:
+            continue
+        if not within_nominal(policy, trial, team, req.demand):
+            continue
+        gpu_keys = [k for k in req.demand if k.startswith("gpu/") and req.demand[k] > 0]
+
+        def fits(t, f) -> bool:
+            if not check_fit(policy, t, team, dict(req.demand)).fits:
+                return False
+            return f is None or all(f.get(k, 0) >= req.demand[k] for k in gpu_keys)
+
+        if fits(trial, free):
+            _take(trial, free, req.team, req.demand)  # fits already (or once earlier reclaims land)
+            continue
+        members = {m.name for m in policy.cohort_members(team)} - {team.name}
+        candidates = sorted(
+            (h for h in pool if h.key not in taken and h.team in members and any(h.demand.get(k) for k in gpu_keys)),
+            key=lambda h: (h.key not in under_notice, h.priority, -h.admitted, h.key),
+        )
+        t2 = {t: dict(u) for t, u in trial.items()}
+        f2 = dict(free) if free is not None else None
+        picks: list[Holder] = []
+        for h in candidates:
+            if not any(borrowing(policy, t2, h.team, k) > 0 for k in gpu_keys if h.demand.get(k)):
+                continue  # that team is back within its quota: nothing of it is on loan
+            _give_back(t2, f2, h)
+            picks.append(h)
+            if fits(t2, f2):
+                break
+        else:
+            continue  # cannot be made to fit by reclaiming (teammates, other teams' own quota)
+        # Put back what turned out not to be needed (Kueue: newest pick first, except the last).
+        for h in reversed(picks[:-1]):
+            t3 = {t: dict(u) for t, u in t2.items()}
+            f3 = dict(f2) if f2 is not None else None
+            _take(t3, f3, h.team, h.demand)
+            if fits(t3, f3):
+                t2, f2 = t3, f3
+                picks.remove(h)
+        for h in picks:
+            taken.add(h.key)
+            out.reclaim[h.key] = (req.team, req.key)
+        out.covered[req.key] = [h.key for h in picks]
+        trial, free = t2, f2
+        _take(trial, free, req.team, req.demand)
+    return out
+
+
+def _give_back(usage: dict, free: dict | None, h: Holder) -> None:
+    add_usage(usage, h.team, dict(h.demand), -1)
+    if free is not None:
+        for k, v in h.demand.items():
+            if k.startswith("gpu/"):
+                free[k] = free.get(k, 0) + v
+
+
+def _take(usage: dict, free: dict | None, team: str, demand: Mapping[str, int]) -> None:
+    add_usage(usage, team, dict(demand))
+    if free is not None:
+        for k, v in demand.items():
+            if k.startswith("gpu/"):
+                free[k] = free.get(k, 0) - v
+

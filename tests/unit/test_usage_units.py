@@ -65,6 +65,7 @@ def test_history_adds_up_and_survives_a_new_engine(tmp_path):
     h.close("alice/", t0 + 3600, "culled", "gpuhub-culler")
     h.open(key="carol/x", user="carol", team="nlp", profile="gpu", flavor="a100", gpus=1, devices=["2"],
            requested=t0 + 100, start=t0 + 110)
+    h.flush()  # writes happen on the history's own thread, in order
     rows = History(url).rows(t0 - 10)  # a new engine: what a restarted hub reads
     assert [(r.user, r.end_reason) for r in rows] == [("alice", "culled"), ("carol", None)]
     s = summarize(rows, t0 - 10, t0 + 1910, by="team")

@@ -28,7 +28,7 @@ def _frame(chart_id: str, title: str, y_max: float, t0: float, t1: float, body: 
         v = y_max * i / 4
         y = PAD_T + plot_h - plot_h * i / 4
         parts.append(f'<line x1="{PAD_L}" x2="{PAD_L + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
-                     f'<text x="{PAD_L - 4}" y="{y + 4:.1f}" font-size="10" text-anchor="end">{v:g}</text>')
+                     f'<text x="{PAD_L - 4}" y="{y + 4:.1f}" font-size="10" text-anchor="end">{v:.3g}</text>')
     for i in range(5):
         t = t0 + (t1 - t0) * i / 4
         x = PAD_L + plot_w * i / 4
@@ -36,6 +36,9 @@ def _frame(chart_id: str, title: str, y_max: float, t0: float, t1: float, body: 
         parts.append(f'<text x="{x:.1f}" y="{H - 8}" font-size="10" text-anchor="middle">{label}</text>')
     parts.append(f'<text x="4" y="{PAD_T + 8}" font-size="10">{_e(y_label)}</text>')
     parts.extend(body)
+    if not body or all('class="gpuhub-' not in b for b in body):
+        parts.append(f'<text class="gpuhub-nodata" x="{PAD_L + plot_w / 2}" y="{PAD_T + plot_h / 2}" font-size="12" '
+                     f'text-anchor="middle" fill="#777">nothing in this period</text>')
     for i, (name, colour) in enumerate(legend):
         y = PAD_T + 12 + i * 14
         parts.append(f'<rect x="{W - PAD_R + 8}" y="{y - 8}" width="10" height="10" fill="{colour}"/>'

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import csv
 import io
-import statistics
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_engine, event, select, update
 from sqlalchemy.pool import StaticPool
+
+log = logging.getLogger("JupyterHub.gpuhub.usage")
 
 metadata = MetaData()
 
@@ -121,37 +124,62 @@ class Row:
 
 
 class History:
-    """Writes and reads gpuhub's usage tables (synchronous; each call is one small transaction)."""
+    """Writes and reads gpuhub's usage tables.
+
+    Writes go to one background thread, in order, so the hub's event loop never waits on
+    the database's disk (a storm of queue events would otherwise queue behind fsyncs);
+    reads first wait for the writes queued before them. Pending writes are finished when
+    the hub exits (the thread is joined at interpreter exit).
+    """
 
     def __init__(self, db_url: str):
         self.engine = engine_for(db_url)
         metadata.create_all(self.engine)
         self._last_waiting: dict[str, int] = {}
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="gpuhub-history")
+
+    def _write(self, fn, *args) -> None:
+        def run():
+            try:
+                fn(*args)
+            except Exception:  # history must never take the hub down; the audit trail still has it
+                log.exception("usage history write failed")
+        self._writer.submit(run)
+
+    def flush(self) -> None:
+        """Wait until every write queued so far is in the database."""
+        self._writer.submit(lambda: None).result()
 
     # -- writes --------------------------------------------------------------------------
     def open(self, *, key: str, user: str, team: str, profile: str, flavor: str, gpus: int, devices: list[str],
-             requested: float, start: float) -> int:
+             requested: float, start: float) -> None:
         kind = "job" if key.startswith("job:") else "server"
         server = "" if kind == "job" else key.partition("/")[2]
+        self._write(self._open, key, user, server, kind, team, profile, flavor, gpus, devices, requested, start)
+
+    def _open(self, key, user, server, kind, team, profile, flavor, gpus, devices, requested, start) -> None:
         with self.engine.begin() as conn:
             # A row still open for this key belongs to an allocation whose release was
             # never seen (hub killed): it ended no later than this new start.
             conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
                          .values(end=start, end_reason="crashed"))
-            r = conn.execute(allocations.insert().values(
+            conn.execute(allocations.insert().values(
                 key=key, user=user, server=server, kind=kind, team=team, profile=profile, flavor=flavor, gpus=gpus,
                 devices=",".join(devices), requested=requested, start=start))
-            return int(r.inserted_primary_key[0])
 
-    def close(self, key: str, end: float, reason: str, stopped_by: str | None = None) -> bool:
+    def close(self, key: str, end: float, reason: str, stopped_by: str | None = None) -> None:
+        self._write(self._close, key, end, reason, stopped_by)
+
+    def _close(self, key, end, reason, stopped_by) -> None:
         with self.engine.begin() as conn:
-            r = conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
-                             .values(end=end, end_reason=reason, stopped_by=stopped_by))
-            return r.rowcount > 0
+            conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
+                         .values(end=end, end_reason=reason, stopped_by=stopped_by))
 
     def set_stopped_by(self, key: str, by: str, within: float = 120.0) -> None:
         """Name who stopped ``key`` (known only when the request that stopped it finishes)."""
-        now = time.time()
+        self._write(self._set_stopped_by, key, by, within, time.time())
+
+    def _set_stopped_by(self, key, by, within, now) -> None:
         with self.engine.begin() as conn:
             row = conn.execute(select(allocations.c.id).where(
                 allocations.c.key == key, allocations.c.end >= now - within, allocations.c.stopped_by.is_(None))
@@ -161,8 +189,10 @@ class History:
 
     def add_gpu_time(self, measured: dict[str, tuple[float, float]]) -> None:
         """Per open key: (GPU-seconds with a trusted reading, of which idle)."""
-        if not measured:
-            return
+        if measured:
+            self._write(self._add_gpu_time, dict(measured))
+
+    def _add_gpu_time(self, measured) -> None:
         with self.engine.begin() as conn:
             for key, (known, idle) in measured.items():
                 conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None)).values(
@@ -176,11 +206,15 @@ class History:
         changed.update({t: 0 for t in self._last_waiting if t not in waiting and self._last_waiting[t]})
         if not changed:
             return
-        with self.engine.begin() as conn:
-            conn.execute(queue_samples.insert(), [{"at": at, "team": t, "waiting": n} for t, n in changed.items()])
         self._last_waiting.update(changed)
+        self._write(self._sample, [{"at": at, "team": t, "waiting": n} for t, n in changed.items()])
+
+    def _sample(self, rows) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(queue_samples.insert(), rows)
 
     def open_keys(self) -> list[str]:
+        self.flush()
         with self.engine.connect() as conn:
             return [r[0] for r in conn.execute(select(allocations.c.key).where(allocations.c.end.is_(None)))]
 
@@ -195,6 +229,7 @@ class History:
             q = q.where(allocations.c.team.in_(sorted(teams)))
         if user is not None:
             q = q.where(allocations.c.user == user)
+        self.flush()
         with self.engine.connect() as conn:
             out = []
             for r in conn.execute(q.order_by(allocations.c.start, allocations.c.id)):
@@ -206,6 +241,7 @@ class History:
         q = select(queue_samples.c.at, queue_samples.c.team, queue_samples.c.waiting).where(queue_samples.c.at >= since)
         if teams is not None:
             q = q.where(queue_samples.c.team.in_(sorted(teams)))
+        self.flush()
         with self.engine.connect() as conn:
             return [tuple(r) for r in conn.execute(q.order_by(queue_samples.c.at, queue_samples.c.id))]
 

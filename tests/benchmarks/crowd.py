@@ -188,36 +188,45 @@ def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window:
             for where in ("public", "hub-port"):
                 idle, _ = probe.window(where, t_idle - 5, t_idle)
                 lat, errors = probe.window(where, t0, t1)
-                out[where] = {
-                    "idle_p99": pct(idle, 99), "p50": pct(lat, 50), "p99": pct(lat, 99),
-                    "n": len(lat) + len(errors), "errors": errors,
-                }
+                out[where] = {"idle": idle, "lat": lat, "errors": errors}
             return out
         finally:
             hub.stop()
 
 
 def storm(args):
+    """Rounds alternate gpuhub and stock on the same machine; percentiles pool every round's probes."""
     env = PROXIES[args.proxy]
-    runs = [
-        storm_once(f"gpuhub ({args.proxy} proxy)", "", env, args.users, args.gpus, args.window),
-        storm_once(f"stock spawner ({args.proxy} proxy)", STOCK, env, args.users, args.gpus, args.window),
-    ]
+    variants = [(f"gpuhub ({args.proxy} proxy)", ""), (f"stock spawner ({args.proxy} proxy)", STOCK)]
+    runs: dict[str, list[dict]] = {label: [] for label, _ in variants}
+    for _ in range(args.rounds):
+        for label, extra in variants:
+            runs[label].append(storm_once(label, extra, env, args.users, args.gpus, args.window))
     print(f"\nstorm: {args.users} users ask for one GPU at once; {args.gpus} virtual GPUs; "
-          f"probes over the first {args.window:.0f}s")
-    for r in runs:
-        print(f"{r['label']}: all spawn requests answered after {r['answered_s']:.1f}s, "
-              f"the servers that may run ready after {r['ready_s']:.1f}s")
-    print(f"{'hub':34} {'POST codes':22} {'where':9} {'idle p99':>9} {'p50':>8} {'p99':>8} {'errors':>7}")
-    for r in runs:
+          f"probes over the first {args.window:.0f}s of each storm; {args.rounds} round(s), alternating")
+    summary = {}
+    for label, rs in runs.items():
+        codes: dict = {}
+        for r in rs:
+            for c, n in r["codes"].items():
+                codes[c] = codes.get(c, 0) + n
+        answered = ", ".join(f"{r['answered_s']:.1f}" for r in rs)
+        print(f"{label}: spawn requests answered after {answered}s; "
+              f"POST codes {json.dumps(codes)}")
         for where in ("public", "hub-port"):
-            w = r[where]
-            print(f"{r['label']:34} {json.dumps(r['codes']):22} {where:9} {w['idle_p99']*1000:8.0f}ms "
-                  f"{w['p50']*1000:7.0f}ms {w['p99']*1000:7.0f}ms {len(w['errors']):>4}/{w['n']}")
-    g, s = runs
-    print(f"\nAPI p99 through the public URL, gpuhub / stock spawner: {g['public']['p99'] / s['public']['p99']:.2f}x (goal <= 1.5)")
-    print(f"API p99, public URL / hub's own port (the proxy's share), gpuhub: {g['public']['p99'] / g['hub-port']['p99']:.2f}x")
-    print(f"503s through the public URL: storm requests {g['codes'].get(503, 0)}, probes {g['public']['errors'].count(503)}")
+            idle = [x for r in rs for x in r[where]["idle"]]
+            lat = [x for r in rs for x in r[where]["lat"]]
+            errors = [x for r in rs for x in r[where]["errors"]]
+            per_round = ", ".join(f"{pct(r[where]['lat'], 99) * 1000:.0f}" for r in rs)
+            summary[label, where] = pct(lat, 99)
+            print(f"  {where:9} idle p99 {pct(idle, 99)*1000:5.0f}ms | storm p50 {pct(lat, 50)*1000:5.0f}ms "
+                  f"p95 {pct(lat, 95)*1000:6.0f}ms p99 {pct(lat, 99)*1000:6.0f}ms (per round: {per_round}) | "
+                  f"errors {len(errors)}/{len(lat) + len(errors)} {sorted(set(errors))}")
+        summary[label, "503"] = codes.get(503, 0) + sum(r["public"]["errors"].count(503) for r in rs)
+    g, s_ = (label for label, _ in variants)
+    print(f"\nAPI p99 through the public URL, gpuhub / stock spawner: {summary[g, 'public'] / summary[s_, 'public']:.2f}x (goal <= 1.5)")
+    print(f"API p99, public URL / hub's own port (the proxy's share), gpuhub: {summary[g, 'public'] / summary[g, 'hub-port']:.2f}x")
+    print(f"503s through the public URL (spawn requests and probes): gpuhub {summary[g, '503']}, stock {summary[s_, '503']}")
 
 
 # -- pages --------------------------------------------------------------------------------
@@ -383,10 +392,12 @@ def main():
     ap.add_argument("what", choices=["storm", "pages", "handoff", "spawn"])
     ap.add_argument("--users", type=int)
     ap.add_argument("--gpus", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, help="default: 2 for storm, 3 otherwise")
     ap.add_argument("--window", type=float, default=40.0, help="storm: seconds of probes from the first request")
     ap.add_argument("--proxy", choices=sorted(PROXIES), default="node")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 2 if args.what == "storm" else 3
     if args.users is None:
         args.users = {"storm": 200, "pages": 500}.get(args.what, 0)
     {"storm": storm, "pages": pages, "handoff": handoff, "spawn": spawn}[args.what](args)

@@ -11,9 +11,12 @@ an idle jupyter server does (``[]``, ``[]``, ``{"gpus": []}``).
 
 Measured in the same run, against the same hub:
 
-- new: one ``POST /hub/api/gpuhub/cull-decisions`` (the hub decides all N in-process),
-  then idle-culler lists and stops only if something is due; ``--due`` servers are made
-  due so that the listing and stopping path is timed too;
+- new: ``GpuHubCuller.cull_pass`` as the service runs it: one
+  ``POST /hub/api/gpuhub/cull-decisions`` (the hub decides all N in-process), then
+  idle-culler lists and stops only if something is due. ``--due`` servers are due at the
+  first pass (stopped after the answer: listing, then stops); ``--later`` more come due
+  ``--later-in`` seconds after the database is written, announced by the pass before (so
+  idle-culler lists while the hub decides); one pass has nothing to stop;
 - old: the previous design's arbiter, per server: ``api/kernels``, ``api/terminals``,
   ``gpuhub/activity`` through the proxy and one decision request to the hub, inside
   idle-culler's pass (``--old-servers`` of them; the time per server is printed so a
@@ -101,7 +104,7 @@ c.JupyterHub.services = [dict(name="gpuhub-culler", api_token={token!r})]
 """
 
 
-def populate(db_url: str, n: int, fake_port: int, due: int) -> None:
+def populate(db_url: str, n: int, fake_port: int, due: int, later: int = 0, later_at: float = 0.0) -> None:
     """N users, each with a running default server, written with JupyterHub's ORM."""
     from jupyterhub import orm
 
@@ -118,20 +121,23 @@ def populate(db_url: str, n: int, fake_port: int, due: int) -> None:
         # `due` servers past the maximum age (7d) and its warning: stopped this pass (a rule
         # no activity changes: a fresh proxy's route timestamps all read "now")
         idle = timedelta(minutes=rng.randint(0, 60))
-        spawner.started = now - (timedelta(days=8) if i < due else timedelta(hours=10))
+        old = i < due + later
+        spawner.started = now - (timedelta(days=8) if old else timedelta(hours=10))
         spawner.last_activity = now - idle
-        spawner.user_options = {"profile": "cpu" if i < due else profiles[i % len(profiles)]}
+        spawner.user_options = {"profile": "cpu" if old else profiles[i % len(profiles)]}
         spawner.state = {}
         db.add(spawner)
     db.commit()
     db.close()
     # Their warnings ran out before this run (as restored after a restart): stopped this pass.
     started = (now - timedelta(days=8)).replace(tzinfo=timezone.utc).timestamp()
+    # ... and `later` more whose warning runs out at `later_at` (for the pass that expects them)
     records = {
         f"u{i:05d}/": {"started": started, "state": {
-            "warned_at": time.time() - 1000, "deadline": time.time() - 100, "reason": "it reached the maximum age of 7d",
+            "warned_at": time.time() - 1000, "deadline": time.time() - 100 if i < due else later_at,
+            "reason": "it reached the maximum age of 7d",
             "rule": "max-age", "idle_since": started, "snoozes": 0, "hard": True, "returned": 0}}
-        for i in range(due)
+        for i in range(due + later)
     }
     Path(db_url[len("sqlite:///"):]).with_name("gpuhub-culling.json").write_text(json.dumps({"records": records}))
 
@@ -151,23 +157,35 @@ async def listing(url: str, page_size: int) -> float:
     return time.perf_counter() - t0
 
 
-async def new_pass(url: str, page_size: int = 200, concurrency: int = 10) -> tuple[float, dict]:
+def make_culler(url: str, page_size: int, concurrency: int):
     from jupyterhub_idle_culler import cull_idle
 
     from gpuhub_spawner.culling.service import GpuHubCuller
 
-    culler = GpuHubCuller(url=url, api_page_size=page_size, concurrency=concurrency)
+    culler = GpuHubCuller(url=url, api_page_size=page_size, concurrency=concurrency, cull_every=60)
     cull = partial(
         cull_idle, url=url, api_token=os.environ["JUPYTERHUB_API_TOKEN"], inactive_limit=1, logger=culler.log,
         max_age=0, concurrency=concurrency, api_page_size=page_size,
     )
+    return culler, cull
+
+
+async def new_pass(culler, cull) -> tuple[float, dict]:
+    """One pass exactly as the service runs it (``GpuHubCuller.cull_pass``), timed."""
+    seen: dict = {}
+    fetch = type(culler).fetch_decisions
+
+    async def timed_fetch():
+        t = time.perf_counter()
+        seen["answer"] = await fetch(culler)
+        seen["decide"] = time.perf_counter() - t
+        return seen["answer"]
+
+    culler.fetch_decisions = timed_fetch
     t0 = time.perf_counter()
-    decisions = await culler.fetch_decisions()
-    t_decide = time.perf_counter() - t0
-    to_cull = sum(1 for d in decisions.decisions.values() if d["action"] == "cull")
-    if to_cull:
-        await cull(cull_arbiter=lambda *, inactive, inactive_limit, server, **kw: decisions.should_cull(server))
-    return time.perf_counter() - t0, {"decide": t_decide, "servers": decisions.servers, "culled": to_cull}
+    await culler.cull_pass(cull)
+    answer = seen["answer"]
+    return time.perf_counter() - t0, {"decide": seen["decide"], "servers": answer.servers, "culled": answer.to_cull}
 
 
 async def old_pass(url: str, public: str, limit: int) -> tuple[float, int]:
@@ -215,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", type=int, default=5000)
     ap.add_argument("--old-servers", type=int, default=5000, help="servers the old design probes (a sample if fewer)")
     ap.add_argument("--due", type=int, default=50, help="servers due to be stopped in the first new pass")
+    ap.add_argument("--later", type=int, default=50, help="servers whose announced stop comes due during the run")
+    ap.add_argument("--later-in", type=float, default=300, help="seconds after writing the database when those come due")
     ap.add_argument("--concurrency", type=int, default=20, help="idle-culler's concurrent hub requests (the service runs with 20)")
     ap.add_argument("--page-size", type=int, default=200, help="users per page of idle-culler's listing (the hub allows up to 200 by default)")
     args = ap.parse_args(argv)
@@ -233,7 +253,8 @@ def main(argv=None) -> int:
     ))
     fake = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, str(fake_port)])
     t0 = time.perf_counter()
-    populate(f"sqlite:///{data}/jupyterhub.sqlite", args.servers, fake_port, args.due)
+    later_at = time.time() + args.later_in
+    populate(f"sqlite:///{data}/jupyterhub.sqlite", args.servers, fake_port, args.due, args.later, later_at)
     print(f"wrote {args.servers} users with running servers into the hub database in {time.perf_counter() - t0:.1f} s")
     log = open(work / "hub.log", "wb")
     hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(work / "jupyterhub_config.py")],
@@ -257,12 +278,21 @@ def main(argv=None) -> int:
         print(f"hub adopted them and answers after {time.perf_counter() - t0:.1f} s (log: {hub_log})")
 
         t_list = asyncio.run(listing(url, args.page_size))
+        culler, cull = make_culler(url, args.page_size, args.concurrency)
         cpu0 = cpu_seconds(hub.pid)
-        new_first, info = asyncio.run(new_pass(url, args.page_size, args.concurrency))
+        new_first, info = asyncio.run(new_pass(culler, cull))
         cpu_first = cpu_seconds(hub.pid) - cpu0
+        warm = None
+        if later_at - time.time() > 3:
+            time.sleep(max(0.0, later_at - time.time() - 3))
         cpu0 = cpu_seconds(hub.pid)
-        new_steady, info2 = asyncio.run(new_pass(url, args.page_size, args.concurrency))
+        new_steady, info2 = asyncio.run(new_pass(culler, cull))  # also announces the stops due in 3 s
         cpu_steady = cpu_seconds(hub.pid) - cpu0
+        if info2["culled"] == 0 and culler._expect_stops:
+            time.sleep(max(0.0, later_at - time.time() + 0.5))
+            cpu0 = cpu_seconds(hub.pid)
+            warm_time, warm = asyncio.run(new_pass(culler, cull))
+            cpu_warm = cpu_seconds(hub.pid) - cpu0
         cpu0 = cpu_seconds(hub.pid)
         old_time, old_n = asyncio.run(old_pass(url, public, args.old_servers))
         cpu_old = cpu_seconds(hub.pid) - cpu0
@@ -272,6 +302,11 @@ def main(argv=None) -> int:
         print(f"culler pass over {info['servers']} running servers (same hub, same run):")
         print(f"  new, {info['culled']} to stop: {new_first:6.2f} s wall (decide {info['decide']:.2f} s), hub CPU {cpu_first:.2f} s")
         print(f"  (idle-culler's listing alone, {args.page_size} users a page: {t_list:.2f} s)")
+        if warm:
+            print(f"  new, {warm['culled']} to stop, announced by the pass before (listing while the hub decides): "
+                  f"{warm_time:6.2f} s wall (decide {warm['decide']:.2f} s), hub CPU {cpu_warm:.2f} s")
+        else:
+            print("  (the announced stops came due before the run reached them: raise --later-in)")
         print(f"  new, none to stop: {new_steady:6.2f} s wall (decide {info2['decide']:.2f} s), hub CPU {cpu_steady:.2f} s")
         print(f"  old, per server:   {old_time:6.2f} s wall for {old_n} servers = {per_server * 1000:.1f} ms/server, hub CPU {cpu_old:.2f} s"
               f"{'' if old_n >= info2['servers'] else f' (sample; {old_full:.0f} s scaled to all)'}")

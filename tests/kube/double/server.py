@@ -130,6 +130,7 @@ class KubeDouble(JobsMixin):
         self.errors: list[str] = []
         self.processes: dict[str, subprocess.Popen] = {}
         self.auto_admit = True
+        self._validated_conditions: set[tuple[str, str]] = set()
         # Reads without credentials, as an API server with anonymous auth and a read-only
         # RBAC grant serves them: kubectl sends no bearer token over plain HTTP.
         self.anonymous_reads = False
@@ -497,8 +498,10 @@ class KubeDouble(JobsMixin):
             wl["spec"]["priorityClassRef"] = {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": pclass}
         validate(wl)
         self._write("workloads", meta["namespace"], wl, "ADDED")
-        self._event(pod, K.EVENT_CREATED_WORKLOAD, K.msg_created_workload(meta["namespace"], wl["metadata"]["name"]),
-                    component=K.EVENT_REPORTING_CONTROLLER, action=K.EVENT_CREATED_WORKLOAD)
+        # Events are recorded asynchronously, as Kueue's recorder does: after the pod's answer.
+        self.loop.call_soon(lambda: self._event(
+            pod, K.EVENT_CREATED_WORKLOAD, K.msg_created_workload(meta["namespace"], wl["metadata"]["name"]),
+            component=K.EVENT_REPORTING_CONTROLLER, action=K.EVENT_CREATED_WORKLOAD))
 
     def _delete(self, plural, ns, name, grace):
         obj = self.objects[(plural, ns, name)]
@@ -803,7 +806,12 @@ class KubeDouble(JobsMixin):
             return
         wl = copy.deepcopy(wl)
         _set_condition(wl, "QuotaReserved", "False", reason, message)
-        validate(wl)
+        # The Workload was validated when created; a status change is validated once per
+        # (reason, message): with 100 waiting pods, re-validating the same condition 100
+        # times held the double's loop for seconds and starved the watches.
+        if (reason, message) not in self._validated_conditions:
+            validate(wl)
+            self._validated_conditions.add((reason, message))
         self._write("workloads", wl["metadata"]["namespace"], wl, "MODIFIED")
 
     def _admit(self, wl, cq, assignment, request):

@@ -57,6 +57,15 @@ class Journal(Protocol):
     def removed(self, key: str) -> None: ...
 
 
+def may_borrow(policy: Policy, team, ticket: "Ticket") -> bool:
+    """Jobs always may; a team's servers unless its ``reclaim.interactiveBorrowing`` is false."""
+    return ticket.key.startswith("job:") or bool(policy.reclaim_rules(team).interactive_borrowing)
+
+
+def _shape(ticket: "Ticket") -> tuple:
+    return (ticket.key.startswith("job:"), tuple(sorted(ticket.demand.items())))
+
+
 class QueueRefused(Exception):
     """The request can never be admitted (more than the team or machine can ever hold)."""
 
@@ -80,6 +89,7 @@ class Admission:
     demand: Demand
     devices: list[str]
     since: float = field(default_factory=time.time)
+    priority: int = 0  # reclaim order (admission/reclaim.py): lowest priority goes first
 
 
 _seq = itertools.count()
@@ -177,6 +187,9 @@ class AdmissionQueue:
         self.on_cancel: list[Callable[[Ticket], None]] = []
         self.on_release: list[Callable[[Admission], None]] = []
         self._published: dict[str, set[str]] = {}  # team -> resource keys with a gauge value
+        # Waiting key -> what it really waits for, when the reclaimer knows better than the
+        # quota arithmetic ("NLP Group's GPU is on loan; it is being reclaimed ...").
+        self.notes: dict[str, str] = {}
         # While set, nothing is admitted (statuses still update): after a restart the
         # requests that waited before must be back in the queue before anything jumps it.
         self.held = False
@@ -203,7 +216,7 @@ class AdmissionQueue:
             raise QueueRefused(f"server {ticket.key} already holds or waits for resources")
         policy = self._policy()
         team = policy.team(ticket.team)
-        fit = check_fit(policy, {}, team, ticket.demand)
+        fit = check_fit(policy, {}, team, ticket.demand, may_borrow(policy, team, ticket))
         never = fit.never or (self.allocator.never_fits(ticket.demand) if self.allocator else None)
         if never:
             self._notify(self.on_refuse, ticket, never)
@@ -337,12 +350,12 @@ class AdmissionQueue:
             else:
                 seen, heads = set(), []
                 for t in queue:
-                    shape = tuple(sorted(t.demand.items()))
+                    shape = _shape(t)
                     if shape not in seen:
                         seen.add(shape)
                         heads.append(t)
             for t in heads:
-                out.append((check_fit(policy, self._usage, team, t.demand).borrows, t))
+                out.append((check_fit(policy, self._usage, team, t.demand, may_borrow(policy, team, t)).borrows, t))
         out.sort(key=lambda e: (e[0], -e[1].priority, e[1].created, e[1].seq))
         return out
 
@@ -373,7 +386,7 @@ class AdmissionQueue:
             progress = False
             for _borrows, ticket in self._candidates(policy, names):
                 team = policy.team(ticket.team)
-                if not check_fit(policy, self._usage, team, ticket.demand).fits:
+                if not check_fit(policy, self._usage, team, ticket.demand, may_borrow(policy, team, ticket)).fits:
                     continue
                 devices: list[str] | None = []
                 if self.allocator:
@@ -399,7 +412,7 @@ class AdmissionQueue:
         return admitted
 
     def _admit(self, ticket: Ticket, devices: list[str]) -> None:
-        adm = Admission(ticket.key, ticket.user, ticket.team, ticket.profile, ticket.demand, devices)
+        adm = Admission(ticket.key, ticket.user, ticket.team, ticket.profile, ticket.demand, devices, priority=ticket.priority)
         queue = self._teams[ticket.team]
         del queue[self._index(queue, ticket)]
         if not queue:
@@ -432,9 +445,9 @@ class AdmissionQueue:
         fits: dict[tuple, object] = {}
 
         def fit_of(ticket):
-            shape = tuple(sorted(ticket.demand.items()))
+            shape = _shape(ticket)
             if shape not in fits:
-                fits[shape] = check_fit(policy, self._usage, team, ticket.demand)
+                fits[shape] = check_fit(policy, self._usage, team, ticket.demand, may_borrow(policy, team, ticket))
             return shape, fits[shape]
 
         # Kueue's order inside the team: within-nominal requests before borrowers.
@@ -443,7 +456,7 @@ class AdmissionQueue:
         used = self._usage.get(team_name, {})
         cache: dict[tuple, tuple[str, list[str]]] = {}
         for pos, ticket in enumerate(queue, 1):
-            shape = tuple(sorted(ticket.demand.items()))
+            shape = _shape(ticket)
             if shape not in cache:
                 watch: list[str] = []  # the answer depends on how many of these devices are free
                 if team is None:
@@ -456,6 +469,7 @@ class AdmissionQueue:
                         reason = self.allocator.shortage(ticket.demand) or ""
                 cache[shape] = (reason, watch)
             reason, watch = cache[shape]
+            reason = self.notes.get(ticket.key) or reason
             for key in watch:
                 self._device_blocked.setdefault(key, set()).add(team_name)
             if not reason:
@@ -479,6 +493,10 @@ class AdmissionQueue:
             for key in self._published.get(team, set()) | set(used):
                 RESOURCE_IN_USE.labels(team=team, resource=key).set(used.get(key, 0))
             self._published.setdefault(team, set()).update(used)
+
+    def refresh(self, teams: Iterable[str]) -> None:
+        """Recompute the waiting messages of ``teams`` (after ``notes`` changed)."""
+        self._refresh_statuses(self._policy(), set(teams))
 
     # -- read-only view for pages -----------------------------------------------------------
     def holdings(self) -> Iterable[Admission]:

@@ -88,8 +88,12 @@ class Fit:
     never: str | None = None  # the request can never fit: refuse instead of queueing
 
 
-def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand) -> Fit:
-    """Would ``demand`` fit now, given what every team has admitted (``usage``)?"""
+def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand, may_borrow: bool = True) -> Fit:
+    """Would ``demand`` fit now, given what every team has admitted (``usage``)?
+
+    ``may_borrow=False``: only the team's own nominal quota counts (an interactive server
+    of a team whose ``reclaim.interactiveBorrowing`` is false).
+    """
     result = Fit(fits=True)
     members = policy.cohort_members(team)
     for key, amount in sorted(demand.items()):
@@ -116,7 +120,7 @@ def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand) -> Fit:
             borrow_cap = pool_cap - own.lendable
             if own.borrowing_limit is not None:
                 borrow_cap = min(borrow_cap, own.borrowing_limit)
-            ceiling = own.nominal + max(0, borrow_cap)
+            ceiling = own.nominal + max(0, borrow_cap) if may_borrow else own.nominal
             need_from_pool = max(0, after - own.guaranteed) - max(0, used - own.guaranteed)
             fits_now = after <= ceiling and need_from_pool <= pool_free
         else:
@@ -133,10 +137,18 @@ def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand) -> Fit:
                 why = f"your team {team.label} is using {used} of the {ceiling} it may hold"
                 if ceiling > own.nominal:
                     why += f" (quota {own.nominal}, may borrow {ceiling - own.nominal})"
+                elif team.cohort and not may_borrow:
+                    why += " (its servers may not borrow from the cohort)"
+                why += "; it waits until one of your team's servers or jobs stops"
+            elif after <= own.nominal:
+                why = (
+                    f"{team.label}'s own quota ({own.nominal}) is on loan to other teams of the "
+                    f"{team.cohort} cohort; it comes back as they stop"
+                )
             else:
                 why = (
-                    f"your team {team.label} is using {used} (quota {own.nominal}) "
-                    f"and the {team.cohort} cohort has {max(0, pool_free)} free to lend"
+                    f"your team {team.label} uses its quota of {own.nominal} and the {team.cohort} cohort "
+                    f"has {max(0, pool_free)} free to lend (the other teams use their own quota)"
                 )
             result.shortages.append(
                 Shortage(key, amount, used, own.nominal, max(0, pool_free), f"needs {what}: {why}")

@@ -82,6 +82,8 @@ class CullBoard(SingletonConfigurable):
         super().__init__(**kwargs)
         self.records: dict[str, ServerRecord] = {}
         self.history: dict[str, list[dict]] = {}
+        # user/server -> a reclaim notice (local/reclaimer.py): shown like a warning, no snooze
+        self.reclaims: dict[str, dict] = {}
         self._dirty = False
         self._saved_at = 0.0
         self._last_pass: float | None = None
@@ -272,6 +274,10 @@ class CullBoard(SingletonConfigurable):
     # -- users ----------------------------------------------------------------------------
     def snooze(self, key: str, profile: Profile | None, now: float | None = None) -> tuple[bool, str, float | None]:
         now = time.time() if now is None else now
+        if key in self.reclaims:
+            r = self.reclaims[key]
+            return False, (f"This server cannot be snoozed: its GPU was borrowed and {r['needed_by']} "
+                           "needs it back."), r["deadline"]
         rec = self.records.get(key)
         if rec is None:
             return False, "This server has no pending stop to snooze.", None
@@ -288,6 +294,12 @@ class CullBoard(SingletonConfigurable):
         """The user's servers with a pending stop (home page, JupyterLab, API)."""
         out = {}
         for server, profile in profiles.items():
+            reclaim = self.reclaims.get(f"{user}/{server}")
+            if reclaim is not None:  # a borrowed GPU going back: hard, wins over an idle warning
+                out[server] = {"deadline": reclaim["deadline"], "reason": reclaim["reason"], "rule": "reclaim",
+                               "warned_at": reclaim["warned_at"], "snoozes_used": 0, "snoozes_left": 0,
+                               "snooze_seconds": 0, "devices": reclaim["devices"], "needed_by": reclaim["needed_by"]}
+                continue
             rec = self.records.get(f"{user}/{server}")
             if rec is None or rec.state.deadline is None:
                 continue
@@ -310,6 +322,25 @@ class CullBoard(SingletonConfigurable):
         for entry in self.history.get(user, []):
             out[entry["server"]] = entry
         return {name: e for name, e in out.items() if name not in active}
+
+    # -- reclaim (local/reclaimer.py decides; the board only shows) ------------------------
+    def set_reclaim(self, key: str, notice: dict) -> None:
+        self.reclaims[key] = notice
+
+    def clear_reclaim(self, key: str) -> None:
+        self.reclaims.pop(key, None)
+
+    def reclaimed(self, key: str, reason: str, warned_at: float) -> None:
+        """The server was stopped to give its GPU back: the home page says so, like a cull."""
+        self.reclaims.pop(key, None)
+        user, _, server = key.partition("/")
+        self.history.setdefault(user, []).append(
+            {"server": server, "profile": None, "profile_name": None, "at": time.time(), "reason": reason,
+             "rule": "reclaim", "idle_since": None, "started": None, "warned_at": warned_at})
+        del self.history[user][:-HISTORY_PER_USER]
+        self.records.pop(key, None)
+        self._dirty = True
+        self.save()
 
     def forget(self, key: str) -> None:
         if self.records.pop(key, None) is not None:

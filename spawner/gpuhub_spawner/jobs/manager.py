@@ -497,6 +497,16 @@ class JobManager(SingletonConfigurable):
                 await asyncio.wait([live.task], timeout=30)
         return rec
 
+    def preempt(self, job_id: str, message: str) -> bool:
+        """Stop a running job now and re-queue it (a cohort reclaim: local/reclaimer.py)."""
+        live = self._live.get(job_id)
+        if live is None or live.launcher is None or live.stop_reason is not None:
+            return False
+        log.info("Preempting job %s: %s", job_id, message)
+        usage.note_end(KEY_PREFIX + job_id, "reclaimed")
+        asyncio.ensure_future(self._stop(job_id, PREEMPTED, message))
+        return True
+
     # -- interactive servers reclaim their team's GPUs ------------------------------------------
     def _ensure_reclaimer(self) -> None:
         if self._reclaimer is None or self._reclaimer.done():

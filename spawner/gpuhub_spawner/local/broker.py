@@ -53,6 +53,9 @@ class LocalBroker(SingletonConfigurable):
         from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
 
         UsageRecorder.instance(config=self.config).attach(self)
+        from .reclaimer import Reclaimer  # lent GPUs come back to their team (admission/reclaim.py)
+
+        self.reclaimer = Reclaimer(self)
         if self.waiting_before_restart:
             self.queue.held = True  # until they are back: nobody jumps the queue meanwhile
             try:

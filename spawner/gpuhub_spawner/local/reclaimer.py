@@ -1,0 +1,261 @@
+"""Carries out ``admission.reclaim`` on one machine: lent GPUs come back to their team.
+
+Re-planned on every queue event (a request queued, a release, a cancel, an admission),
+coalesced into one pass per loop turn, and at each notice's deadline — no polling. For
+every holder the plan names:
+
+- a **job** is preempted at once (reason ``preempted``) and re-queues from its checkpoint;
+- a **server** is warned where cull warnings are shown (``CullBoard``: hub home page,
+  JupyterLab through the notebook extension's relay, the culling API), with its GPUs,
+  that its team borrowed them, the team that needs them back and the time it stops. It
+  cannot be snoozed. At the deadline (the *lender's* ``reclaim.notice``) it is stopped
+  like a cull (files kept), its GPUs go back to the queue and the lender is admitted in
+  the same event.
+
+If the need goes away first (the lender stopped waiting, a GPU came free) the warning is
+withdrawn. The waiting request's message says what it waits for and until when
+(``AdmissionQueue.notes``). Notices live in memory: after a hub restart the plan is made
+again and a fresh notice is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from ..admission.queue import Ticket
+from ..admission.quota import describe
+from ..admission.reclaim import Holder, Request, plan, within_nominal
+from ..policy.quantities import format_duration
+
+log = logging.getLogger("JupyterHub.gpuhub.reclaim")
+
+JOB_PREFIX = "job:"
+STOP_MARGIN = 15.0  # seconds a stopped server takes to exit and hand its GPU on
+
+
+@dataclass
+class Notice:
+    key: str  # user/server
+    team: str  # the borrower's
+    for_team: str  # the lender that needs it back
+    warned_at: float
+    deadline: float
+    reason: str
+    devices: list[str]
+
+
+def _clock(ts: float) -> str:
+    return time.strftime("%H:%M", time.localtime(ts))
+
+
+def _by(ts: float) -> str:
+    """A promise in whole minutes must not be early: round up (and allow the stop itself)."""
+    return _clock(math.ceil((ts + STOP_MARGIN) / 60) * 60)
+
+
+class Reclaimer:
+    def __init__(self, broker):
+        self.broker = broker
+        self.notices: dict[str, Notice] = {}
+        self._stopping: set[str] = set()
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._pending = False
+        q = broker.queue
+        q.on_queued.append(self._poke)
+        q.on_release.append(self._released)
+        q.on_cancel.append(self._poke)
+        q.on_admit.append(self._poke)
+
+    @property
+    def policy(self):
+        return self.broker.store.current
+
+    def _released(self, adm) -> None:
+        self._stopping.discard(adm.key)
+        if adm.key in self.notices:  # stopped by its user before the deadline
+            self._withdraw(adm.key)
+        self._poke()
+
+    def _poke(self, *_args) -> None:
+        if self._pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no hub loop (unit tests, CLI): nothing to carry out
+        self._pending = True
+        loop.call_soon(self._run)
+
+    def _run(self) -> None:
+        self._pending = False
+        try:
+            self.evaluate()
+        except Exception:  # noqa: BLE001 - reclaim must never break admission
+            log.exception("reclaim pass failed")
+
+    # -- one pass ---------------------------------------------------------------------------
+    def evaluate(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        policy = self.policy
+        queue = self.broker.queue
+        holders = [
+            Holder(a.key, a.team, a.demand, a.priority, a.since, a.key.startswith(JOB_PREFIX))
+            for a in queue.holdings() if a.key not in self._stopping
+        ]
+        waiting = sorted((t for t in queue.waiting if not t.restored), key=Ticket.sort_key)
+        requests = [Request(t.key, t.team, t.demand) for t in waiting]
+        keys = {k for t in waiting for k in t.demand if k.startswith("gpu/")}
+        table = self.broker.devices
+        free = {k: len(table.free_devices(k[4:])) for k in keys}
+        usage = queue.usage()
+        p = plan(policy, usage, holders, requests, free, under_notice=set(self.notices))
+        for key, (team, for_key) in p.reclaim.items():
+            if key.startswith(JOB_PREFIX):
+                self._preempt_job(key, team)
+            elif key not in self.notices:
+                self._warn(key, team, now)
+        for key in [k for k in self.notices if k not in p.reclaim]:
+            self._withdraw(key)
+        # What each waiting request of a lender now waits for.
+        notes: dict[str, str] = {}
+        for t in waiting:
+            team = policy.team_or_none(t.team)
+            if team is None or not within_nominal(policy, usage, team, t.demand):
+                continue
+            mine = [self.notices[k] for k in p.covered.get(t.key, []) if k in self.notices]
+            if mine:
+                by = max(n.deadline for n in mine)
+                what = ", ".join(describe(k, v, policy) for k, v in t.demand.items() if k.startswith("gpu/"))
+                notes[t.key] = (f"needs {what}: {team.label}'s GPU is on loan to another team; it is being "
+                                f"reclaimed and will be yours by {_by(by)} at the latest")
+        changed = set()
+        for k in set(queue.notes) | set(notes):
+            if queue.notes.get(k) != notes.get(k) and queue.ticket(k) is not None:
+                changed.add(queue.ticket(k).team)
+        queue.notes = notes
+        if changed:
+            queue.refresh(changed)
+
+    # -- jobs: at once -----------------------------------------------------------------------
+    def _preempt_job(self, key: str, for_team: str) -> None:
+        try:
+            from ..jobs.manager import JobManager
+        except ImportError:
+            return
+        if not JobManager.initialized():
+            return
+        label = self._label(for_team)
+        message = f"preempted: its GPUs were borrowed from {label}'s quota, and {label} needs them back"
+        if JobManager.instance().preempt(key[len(JOB_PREFIX):], message):
+            self._stopping.add(key)
+            log.warning("Reclaim: preempting job %s at once for %s (it re-queues)", key, for_team)
+        else:  # admitted, still launching: look again in a moment
+            asyncio.get_running_loop().call_later(1.0, self._poke)
+
+    # -- servers: with notice ------------------------------------------------------------------
+    def _label(self, team: str) -> str:
+        t = self.policy.team_or_none(team)
+        return t.label if t else team
+
+    def _warn(self, key: str, for_team: str, now: float) -> None:
+        policy = self.policy
+        adm = self.broker.queue.admitted.get(key)
+        if adm is None:
+            return
+        lender = policy.team_or_none(for_team)
+        notice = policy.reclaim_rules(lender).notice if lender else 0.0
+        gpus = ", ".join(describe(k, v, policy) for k, v in adm.demand.items() if k.startswith("gpu/"))
+        on = f" ({', '.join('GPU ' + d for d in adm.devices)})" if adm.devices else ""
+        reason = (f"its {gpus}{on} was borrowed by your team {self._label(adm.team)} from "
+                  f"{self._label(for_team)}'s quota, and {self._label(for_team)} needs it back")
+        n = Notice(key, adm.team, for_team, now, now + (notice or 0.0), reason, list(adm.devices))
+        self.notices[key] = n
+        self._board_set(n)
+        log.warning("Reclaim: warning %s (team %s, devices %s): %s needs it back; stops at %s (notice %s)",
+                    key, adm.team, adm.devices, for_team, _clock(n.deadline), format_duration(notice or 0))
+        self._arm(n)
+
+    def _arm(self, n: Notice) -> None:
+        loop = asyncio.get_running_loop()
+        old = self._timers.pop(n.key, None)
+        if old is not None:
+            old.cancel()
+        self._timers[n.key] = loop.call_later(max(0.0, n.deadline - time.time()), self._due, n.key)
+
+    def _withdraw(self, key: str) -> None:
+        n = self.notices.pop(key, None)
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        self._board_clear(key)
+        if n is not None:
+            log.info("Reclaim: warning for %s withdrawn (%s no longer needs it)", key, n.for_team)
+
+    def _due(self, key: str) -> None:
+        self._timers.pop(key, None)
+        self._run()  # the need may have gone meanwhile
+        n = self.notices.get(key)
+        if n is None or n.deadline > time.time() + 0.5:
+            return
+        self.notices.pop(key, None)
+        self._stopping.add(key)
+        asyncio.ensure_future(self._stop_server(n))
+
+    async def _stop_server(self, n: Notice) -> None:
+        name, _, server = n.key.partition("/")
+        log.warning("Reclaim: stopping %s after its notice: %s", n.key, n.reason)
+        try:
+            from jupyterhub.app import JupyterHub
+
+            from ..usage import recorder as usage
+
+            app = JupyterHub.instance()
+            user = app.users[name]
+            spawner = user.spawners[server]
+            if spawner.pending:  # still starting (or already stopping): look again shortly
+                self.notices[n.key] = n
+                self._timers[n.key] = asyncio.get_running_loop().call_later(2.0, self._due, n.key)
+                return
+            usage.note_end(n.key, "reclaimed", by="gpuhub-reclaim")
+            usage.audit("reclaimed", key=n.key, user=name, team=n.team, for_team=n.for_team, devices=n.devices)
+            spawner.stop_reason = (f"Your server was stopped at {_clock(time.time())}: {n.reason}. Your files are kept; "
+                                   "start it again when GPUs are free (within your own team's quota it cannot be taken back).")
+            self._board_done(n)
+            spawner._stop_pending = True
+            try:
+                await app.proxy.delete_user(user, server)
+                await user.stop(server)
+            finally:
+                spawner._stop_pending = False
+            log.info("Reclaim: %s stopped; its GPUs %s went back to %s", n.key, n.devices, n.for_team)
+        except Exception:  # noqa: BLE001
+            log.exception("Reclaim: could not stop %s", n.key)
+        finally:
+            self._stopping.discard(n.key)
+            self._poke()
+
+    # -- where users see it (the culling board) ---------------------------------------------
+    def _board(self):
+        from ..culling.board import CullBoard
+
+        return CullBoard.instance(config=self.broker.config)
+
+    def _board_set(self, n: Notice) -> None:
+        board = self._board()
+        if board is not None:
+            board.set_reclaim(n.key, {"deadline": n.deadline, "reason": n.reason, "warned_at": n.warned_at,
+                                      "devices": n.devices, "team": n.team, "needed_by": self._label(n.for_team)})
+
+    def _board_clear(self, key: str) -> None:
+        board = self._board()
+        if board is not None:
+            board.clear_reclaim(key)
+
+    def _board_done(self, n: Notice) -> None:
+        board = self._board()
+        if board is not None:
+            board.reclaimed(n.key, n.reason, n.warned_at)

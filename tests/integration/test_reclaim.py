@@ -1,0 +1,191 @@
+"""A team's nominal quota comes back (issue 14), against a real hub run with real servers.
+
+Two teams in one cohort, one GPU of nominal quota each, two (virtual) GPUs on the machine.
+Vision borrows NLP's idle GPU; when NLP asks for it: a borrowing *job* is preempted at once
+and re-queued; a borrowing *server* is warned where cull warnings are shown (API, home
+page) and stopped after NLP's ``reclaim.notice`` (20 s here, with the culler passing every
+5 s as in test_culling's production ratios), and the NLP request is admitted in the same
+event. A lender that stops asking withdraws the warning (an idle cohort keeps lending).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from support.hub import Hub, wait_for
+
+pytestmark = pytest.mark.integration
+
+NOTICE = 20
+
+POLICY = f"""\
+flavors:
+  - name: gpu
+    displayName: Tesla
+    local: {{virtual: 2}}
+priorityClasses:
+  - {{name: interactive, value: 1000}}
+  - {{name: batch, value: 100}}
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    cohort: lab
+    defaultPriority: interactive
+    jobPriority: batch
+    quota: {{gpus: {{gpu: 1}}}}
+  - name: nlp
+    displayName: NLP Group
+    groups: [nlp-group]
+    cohort: lab
+    defaultPriority: interactive
+    jobPriority: batch
+    quota: {{gpus: {{gpu: 1}}}}
+    reclaim: {{notice: {NOTICE}s}}
+profiles:
+  - {{slug: gpu-1, displayName: One GPU, gpu: {{count: 1, flavor: gpu}}, teams: "*", cpu: 500m, memory: 1Gi}}
+defaults:
+  queueTimeout: 5m
+  idle: {{timeout: 1h, gpuIdleTimeout: 1h, warning: 5m}}
+"""
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("reclaim"), POLICY, env={"GPUHUB_CULL_EVERY": "5"})
+    try:
+        h.start()
+        yield h
+    finally:
+        h.stop()
+
+
+@pytest.fixture(scope="module")
+def users(hub):
+    return {n: hub.login(n) for n in ("alice", "bob", "carol", "admin")}
+
+
+@pytest.fixture(autouse=True)
+def clean(users):
+    yield
+    for u in users.values():
+        for name in list(u.model()["servers"]):
+            u.stop(name)
+            u.wait_gone(name)
+
+
+def warnings(client) -> dict:
+    r = client.api.get(client.url(f"/gpuhub/culling/{client.name}"))
+    r.raise_for_status()
+    return r.json()
+
+
+def holder_of_devices(users) -> dict[str, str]:
+    snap = users["admin"].api.get(users["admin"].url("/gpuhub/status")).json()
+    return {d["id"]: d.get("user") for d in snap["devices"] if d.get("held")}
+
+
+def home_page(client) -> str:
+    return client.session.get(client.hub.url + "/hub/home").text
+
+
+def log_time(line: str) -> float:
+    m = re.search(r"\[\w (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)", line)
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+def borrow(users) -> None:
+    """alice holds vision's own GPU, bob borrows NLP's (admitted later: reclaimed first)."""
+    for name in ("alice", "bob"):
+        assert users[name].start("gpu-1").status_code in (201, 202)
+        users[name].wait_ready()
+
+
+def test_idle_cohort_keeps_lending_and_a_withdrawn_request_withdraws_the_warning(hub, users):
+    borrow(users)
+    assert sorted(holder_of_devices(users).values()) == ["alice", "bob"]  # vision holds both GPUs
+    assert warnings(users["bob"])["servers"] == {}
+    carol = users["carol"]
+    carol.start_background("gpu-1")
+    wait_for(lambda: warnings(users["bob"])["servers"].get(""), 30, "bob's reclaim warning")
+    carol.stop()  # she leaves the queue before the notice ends
+    carol.wait_gone()
+    wait_for(lambda: warnings(users["bob"])["servers"] == {}, 30, "the warning to be withdrawn")
+    assert users["bob"].server()["ready"]  # NLP is idle again: vision keeps the loan
+    assert "Reclaim: warning for bob/ withdrawn" in hub.log.read_text()
+
+
+def test_borrowing_server_is_warned_then_stopped_after_the_notice_and_the_lender_admitted(hub, users):
+    alice, bob, carol = users["alice"], users["bob"], users["carol"]
+    borrow(users)
+    carol.start_background("gpu-1")
+    wait_for(lambda: carol.server() is not None, 30, "carol's request to be pending")
+    # The lender's spawn page says what she waits for and until when.
+    events = carol.progress(until=lambda e: "being reclaimed" in e.get("message", ""), timeout=30)
+    msg = events[-1]["message"]
+    assert "NLP Group's GPU is on loan to another team; it is being reclaimed and will be yours by" in msg, msg
+    assert "at the latest" in msg and "bob" not in msg and "Waiting for 10s" not in events[0]["message"]
+    # The borrower is warned: which GPU, that his team borrowed it, which team (not who) needs it back.
+    w = warnings(bob)["servers"][""]
+    assert w["rule"] == "reclaim" and w["snoozes_left"] == 0 and w["needed_by"] == "NLP Group"
+    assert "borrowed by your team Vision Lab from NLP Group's quota" in w["reason"] and "carol" not in w["reason"]
+    assert w["devices"] and w["devices"][0] in w["reason"]
+    assert warnings(alice)["servers"] == {}  # the earlier admission of the same team keeps hers
+    page = home_page(bob)
+    assert "gpuhub-cull-warning" in page and "cannot be snoozed" in page and "NLP Group" in page
+    # No snooze for a reclaim.
+    r = bob.api.post(bob.url("/gpuhub/culling/bob/snooze"), json={"server": ""})
+    assert r.status_code == 409 and "cannot be snoozed" in r.json()["message"]
+    # Stopped after the notice (files kept: the server is stopped, not deleted), carol admitted.
+    bob.wait_gone(timeout=NOTICE + 30)
+    ready = carol.wait_ready(timeout=60)
+    assert ready["ready"]
+    assert sorted(holder_of_devices(users).values()) == ["alice", "carol"]
+    assert (hub.data / "home" / "bob").is_dir()
+    page = home_page(bob)
+    assert "to give back a borrowed GPU" in page
+    # The timeline, from the hub's own log: warning -> stop no earlier than the deadline -> admission.
+    lines = hub.log.read_text().splitlines()
+    warned = [l for l in lines if "Reclaim: warning bob/" in l][-1]
+    stopping = next(l for l in lines if "Reclaim: stopping bob/" in l and log_time(l) >= log_time(warned))
+    admitted = next(l for l in lines if "Admitted carol/" in l and log_time(l) >= log_time(stopping))
+    assert log_time(stopping) >= w["deadline"] - 0.5
+    timeline = "\n".join((warned, stopping, admitted))
+    (Path(os.environ.get("GPUHUB_EVIDENCE_DIR", hub.workdir)) / "reclaim-timeline.log").write_text(timeline + "\n")
+    print(timeline)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root")
+def test_borrowing_job_is_preempted_at_once_and_requeued(hub, users, tmp_path):
+    alice, bob, carol = users["alice"], users["bob"], users["carol"]
+    assert alice.start("gpu-1").status_code in (201, 202)
+    alice.wait_ready()
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'import time; time.sleep(600)']\n"
+                    "retries: {limit: 0, reasons: [preempted]}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
+    env["GPUHUB_TOKEN"] = bob.token
+    out = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip().splitlines()[-1]
+
+    def record():
+        return bob.api.get(bob.url(f"/gpuhub/jobs/{job_id}")).json()
+
+    wait_for(lambda: record()["state"] == "running", 60, "the job to run on the borrowed GPU")
+    carol.start_background("gpu-1")
+    carol.wait_ready(timeout=60)  # no notice for a job
+    rec = wait_for(lambda: (r := record())["state"] == "queued" and r, 30, "the job back in the queue")
+    first = rec["attempts"][0]
+    assert first["reason"] == "preempted" and "NLP Group" in first["message"], first
+    assert "the lab cohort has 0 free to lend" in rec["status"], rec["status"]
+    assert warnings(bob)["servers"] == {}
+    bob.api.delete(bob.url(f"/gpuhub/jobs/{job_id}"))

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from gpuhub_spawner.local.sandbox import _per_mount_proc_options
 from support.hub import Hub, processes_with_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mlflow"))
@@ -139,7 +140,11 @@ def test_each_user_has_an_account_and_cannot_read_others_or_the_hub(hub, users):
         assert res[f"/home/{hub.prefix}alice/diary.txt"] in ("EACCES", "ENOENT"), res
         assert res[str(data / "jupyterhub.sqlite")] in ("EACCES", "ENOENT"), res
         assert res[str(data / "jupyterhub_cookie_secret")] in ("EACCES", "ENOENT"), res
-        assert res[f"/proc/{a_pid}/environ"] == "EACCES", res
+        # Linux >= 5.8: bob's own /proc does not even show alice's processes; older: unreadable
+        hidden = _per_mount_proc_options()
+        assert res[f"/proc/{a_pid}/environ"] == ("ENOENT" if hidden else "EACCES"), res
+        visible = kb.execute(f"import os; print(os.path.exists('/proc/{a_pid}'), os.path.exists(f'/proc/{{os.getpid()}}'))")
+        assert visible.split() == ["False" if hidden else "True", "True"]
         listing = kb.execute(f"import os\ntry:\n    print(os.listdir({str(data)!r}))\nexcept OSError as e:\n    print('denied', e.errno)")
         assert listing.startswith("denied"), listing
         # nor can bob signal alice's server

@@ -14,7 +14,9 @@ In order:
    (for example under the hub's private data directory), and the server's Python made
    reachable (read-only) where it sits under a private directory such as ``/root``
    (pyenv, conda): that directory is replaced by an empty one holding just it;
-5. ``no_new_privs``, drop to the account (no supplementary groups), ``chdir`` home,
+5. its own ``/proc`` where the kernel allows it (Linux >= 5.8): other users' processes
+   are invisible, not merely unreadable;
+6. ``no_new_privs``, drop to the account (no supplementary groups), ``chdir`` home,
    ``exec``.
 
 The account has no ``CAP_MKNOD`` and cannot mount, so it cannot create the missing
@@ -91,6 +93,15 @@ def build_dev(gpu_nodes: dict[str, tuple[int, int]]) -> None:
         _node(f"/dev/{name}", major, minor)
 
 
+def _per_mount_proc_options() -> bool:
+    """Since Linux 5.8 each proc mount has its own options; before, hidepid would change the host's."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 8)
+
+
 def _blocked_ancestor(path: str) -> str | None:
     """The topmost directory above ``path`` that other users cannot traverse, if any."""
     cur = ""
@@ -141,6 +152,9 @@ def enter(spec: dict) -> None:
     try:
         build_dev(gpu_nodes)
         expose(spec.get("expose", []))
+        if _per_mount_proc_options():
+            # A /proc of its own: other users' processes are invisible (not just unreadable).
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
         if os.path.realpath(dev_dir) != "/dev" and os.path.isdir(dev_dir):
             _mount("tmpfs", dev_dir, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=4k")
         home, visible = spec["home"], spec["visible_home"]

@@ -26,6 +26,9 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 log = logging.getLogger("JupyterHub.gpuhub.mlflow")
 
 TEAM_ROLE_PREFIX = "team-"
+# Viewers (policy roles.viewers): READ on every experiment; the proxy keeps them off
+# artifacts and writes (mlflow/proxy.py, VIEWER_*).
+VIEWER_ROLE = "gpuhub-viewers"
 WORKSPACE = "default"
 
 
@@ -66,6 +69,7 @@ class Accounts:
         self.resync_after = resync_after
         self._synced: dict[str, _Synced] = {}
         self._role_ids: dict[str, int] = {}
+        self._viewers: set[str] = set()
         self.client = AsyncHTTPClient()
 
     def __repr__(self) -> str:
@@ -170,6 +174,30 @@ class Accounts:
         for team, role_id in have_team.items():
             if team not in teams:
                 await self.call("DELETE", "3.0/mlflow/roles/unassign", {"username": username, "role_id": role_id})
+
+    async def ensure_viewer(self, username: str) -> None:
+        """Give ``username`` the viewers' role (READ on every experiment), once."""
+        if username in self._viewers:
+            return
+        role_id = self._role_ids.get(VIEWER_ROLE)
+        if role_id is None:
+            roles = (await self.call("GET", "3.0/mlflow/roles/list", {"workspace": WORKSPACE})).get("roles", [])
+            found = next((r for r in roles if r["name"] == VIEWER_ROLE), None)
+            if found is None:
+                found = (await self.call("POST", "3.0/mlflow/roles/create", body={
+                    "name": VIEWER_ROLE, "workspace": WORKSPACE,
+                    "description": "gpuhub viewers: read every experiment's runs and metrics",
+                }))["role"]
+                await self.call("POST", "3.0/mlflow/roles/permissions/add", body={
+                    "role_id": int(found["id"]), "resource_type": "experiment", "resource_pattern": "*",
+                    "permission": "READ",
+                })
+            role_id = self._role_ids[VIEWER_ROLE] = int(found["id"])
+        have = (await self.call("GET", "3.0/mlflow/users/roles/list", {"username": username})).get("roles", [])
+        if not any(int(r["id"]) == role_id for r in have):
+            await self.call("POST", "3.0/mlflow/roles/assign", body={"username": username, "role_id": role_id})
+            log.info("MLflow account %s is a viewer (read-only, no artifacts)", username)
+        self._viewers.add(username)
 
     async def share_experiment_with_teams(self, experiment_id: str, teams: tuple[str, ...]) -> None:
         for team in teams:

@@ -62,6 +62,10 @@ EXPERIMENTS_UPDATE = re.compile(r"^" + API + r"experiments/update/?$")
 REWRITTEN = (RUNS_CREATE, RUNS_SET_TAG, RUNS_LOG_BATCH, EXPERIMENTS_CREATE, EXPERIMENTS_UPDATE)
 API_PATH = re.compile(r"^(?:ajax-)?api/|^graphql|^gateway/|^v1/")
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+# Viewers (policy roles.viewers, usage/roles.py) read runs and metrics only: no artifact
+# route of any kind, and no write; MLflow's read-only searches are POSTs.
+VIEWER_ARTIFACTS = re.compile(r"artifact", re.I)
+VIEWER_READ_POSTS = re.compile(r"^" + API + r"(?:[a-z-]+/)*search(?:-[a-z-]+)?/?$")
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
 HOP_BY_HOP = {
@@ -295,6 +299,10 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         await state.ready()
         self.teams = state.teams_for(user)
         await state.ensure_account(self.username, self.teams)
+        if state.viewer_only(user, self.teams):
+            if VIEWER_ARTIFACTS.search(self.rel) or (method not in SAFE_METHODS and not VIEWER_READ_POSTS.match(self.rel)):
+                raise web.HTTPError(403, "Viewers see runs and metrics read-only; artifacts and changes are not available.")
+            await state.ensure_viewer(self.username)
         if not self._buffered:
             self._queue = asyncio.Queue(maxsize=8)  # at most 8 chunks of 64 KiB in flight
             self._upstream = asyncio.ensure_future(self._proxy_streamed())

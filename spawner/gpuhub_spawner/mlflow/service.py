@@ -70,6 +70,11 @@ class TeamResolver:
 
         return tuple(sorted(t.name for t in teams_for(policy, groups)))
 
+    def is_viewer(self, groups: list[str]) -> bool:
+        """In the policy's ``roles.viewers`` (usage/roles.py): read-only metrics, no artifacts."""
+        policy = self._load()
+        return bool(policy is not None and set(groups) & set(policy.roles.viewers))
+
 
 class ServiceState:
     def __init__(self, *, prefix: str, upstream_url: str, accounts: Accounts, teams: TeamResolver,
@@ -117,6 +122,19 @@ class ServiceState:
 
     def teams_for(self, user: dict) -> tuple[str, ...]:
         return self.team_resolver.teams(list(user.get("groups") or []))
+
+    def viewer_only(self, user: dict, teams: tuple[str, ...]) -> bool:
+        """A viewer in no team: reads every experiment's runs and metrics, nothing else.
+
+        A viewer who is also a team member keeps a researcher's access (own and shared
+        experiments), without the viewer's read-everything grant.
+        """
+        return not teams and self.team_resolver.is_viewer(list(user.get("groups") or []))
+
+    async def ensure_viewer(self, username: str) -> None:
+        lock = self._locks.setdefault(username, asyncio.Lock())
+        async with lock:
+            await self.accounts.ensure_viewer(username)
 
     async def ensure_account(self, username: str, teams: tuple[str, ...]):
         if username == self.accounts.admin_username or ":" in username:

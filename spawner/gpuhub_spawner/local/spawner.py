@@ -26,6 +26,9 @@ from .broker import LocalBroker
 from .isolation import IsolatedProcessSpawner
 
 
+PROGRESS_REFRESH = 15  # seconds between spawn-page messages while nothing changes (the time waited moves)
+
+
 class QueuedGpuMixin(PolicySpawnerMixin):
     """Admission and device hand-out; mixed into a local process spawner."""
 
@@ -266,7 +269,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
 
     # -- progress on the spawn page -----------------------------------------------------------
     async def progress(self):
-        """Every change of the request's state, as it happens (and at least every 30 s).
+        """Every change of the request's state, as it happens (and at least every 15 s).
 
         The version is read before each message is sent: a change that lands while a
         message is on its way (an admission, a new position) is sent next, not lost.
@@ -281,9 +284,13 @@ class QueuedGpuMixin(PolicySpawnerMixin):
                 break
             if ticket.status is not None:
                 waited = time.time() - ticket.created
+                # No claim of a wait the user did not notice (the hub holds the form's POST
+                # up to slow_spawn_timeout before this page opens); from a minute on, the
+                # time waited, refreshed every PROGRESS_REFRESH seconds while the page is open.
+                so_far = f"Waiting for {format_duration(waited)}; the" if waited >= 60 else "The"
                 yield {
                     "progress": 10,
-                    "message": f"{ticket.status.message} Waiting for {format_duration(waited)}; the request is "
+                    "message": f"{ticket.status.message} {so_far} request is "
                     f"withdrawn after {format_duration(timeout)}. You will start automatically when it is your turn.",
                     "gpuhub": {
                         "position": ticket.status.position,
@@ -294,7 +301,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
                         "waited": round(waited, 1),
                     },
                 }
-            await ticket.changed(version, timeout=30)
+            await ticket.changed(version, timeout=PROGRESS_REFRESH)
         adm = ticket.admission
         if adm is not None:
             what = f"GPU(s) {', '.join(adm.devices)}" if adm.devices else "no GPU"

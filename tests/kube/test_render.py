@@ -137,6 +137,7 @@ def test_renaming_a_team_with_a_fixed_queue_name_is_detected_and_explained(capsy
 def test_single_priority_class_never_preempts_borrowed_capacity():
     text = POLICY.read_text().replace("  - name: batch\n    value: 100\n    description: Background jobs that can wait.\n", "")
     text = text.replace("defaultPriority: batch", "defaultPriority: interactive")
+    text = "\n".join(l for l in text.splitlines() if "jobPriority: batch" not in l) + "\n"
     cq = by_kind(render_objects(parse_policy(text)), "ClusterQueue")["vision"]
     validate(cq)
     assert cq["spec"]["preemption"]["borrowWithinCohort"] == {"policy": "Never"}

@@ -91,8 +91,17 @@ def _quota(nominal: str | int, borrowing, lending, cohort: bool) -> dict:
     return entry
 
 
-def preemption(policy: Policy) -> dict:
+def preemption(policy: Policy, team: Team | None = None) -> dict:
+    """Kueue's share of reclaim (docs/reclaim.md): borrowers of lower priority (jobs) go at once.
+
+    ``reclaimWithinCohort: LowerPriority``, not ``Any``: ``Any`` would also delete borrowing
+    notebook servers with no notice; those are the hub's to reclaim, after the lender's
+    ``reclaim.notice``. A team whose ``reclaim.enabled`` is false takes nothing back
+    (``Never``; Kueue's webhook then requires ``borrowWithinCohort: Never`` too).
+    """
     values = sorted({pc.value for pc in policy.priority_classes})
+    if team is not None and team.cohort and not policy.reclaim_rules(team).enabled:
+        return {"withinClusterQueue": "LowerPriority", "reclaimWithinCohort": "Never", "borrowWithinCohort": {"policy": "Never"}}
     rules: dict = {"withinClusterQueue": "LowerPriority", "reclaimWithinCohort": "LowerPriority"}
     if len(values) > 1:
         rules["borrowWithinCohort"] = {"policy": "LowerPriority", "maxPriorityThreshold": values[-2]}
@@ -136,7 +145,7 @@ def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -
     spec: dict = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
         "queueingStrategy": team.queueing_strategy,
-        "preemption": preemption(policy),
+        "preemption": preemption(policy, team),
         "resourceGroups": groups,
     }
     if team.cohort:

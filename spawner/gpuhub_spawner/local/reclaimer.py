@@ -176,7 +176,8 @@ class Reclaimer:
         self.notices[key] = n
         self._board_set(n)
         log.warning("Reclaim: warning %s (team %s, devices %s): %s needs it back; stops at %s (notice %s)",
-                    key, adm.team, adm.devices, for_team, _clock(n.deadline), format_duration(notice or 0))
+                    key, adm.team, adm.devices, for_team, time.strftime("%H:%M:%S", time.localtime(n.deadline)),
+                    format_duration(notice or 0))
         self._arm(n)
 
     def _arm(self, n: Notice) -> None:

@@ -1,0 +1,63 @@
+"""Isolation pieces that need no hub: the start-up warning, and the cgroup v2 files written.
+
+cgroup v2 cannot run on the test machine (its memory and cpu controllers are bound to v1
+hierarchies), so the v2 writer is checked against a directory laid out like cgroupfs v2
+(the kernel's cgroup-v2.rst names and formats); the v1 writer runs against the real
+kernel in tests/integration/test_isolation.py.
+"""
+
+import io
+import os
+
+from gpuhub_spawner.local.cgroups import CgroupHost
+from gpuhub_spawner.local.isolation import announce_isolation
+
+
+def test_not_root_is_single_user_mode_said_loudly(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    out = io.StringIO()
+    assert announce_isolation(None, stream=out) is False
+    text = out.getvalue()
+    assert "SINGLE-USER MODE" in text and "not enforced" in text and "run the hub\n  as root" in text
+
+
+def _fake_v2(root):
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids rdma misc\n")
+    (root / "cgroup.subtree_control").write_text("")
+
+    real_mkdir = type(root).mkdir
+
+    def mkdir(self, *a, **k):  # the kernel populates a new group's interface files
+        real_mkdir(self, *a, **k)
+        for f in ("cgroup.procs", "cgroup.controllers", "cgroup.subtree_control", "memory.max", "memory.swap.max",
+                  "memory.oom.group", "cpu.max", "memory.events", "cgroup.kill"):
+            (self / f).touch()
+        (self / "cgroup.controllers").write_text("cpu memory pids\n")
+
+    return mkdir
+
+
+def test_v2_limits_are_written_where_the_kernel_reads_them(tmp_path, monkeypatch):
+    from gpuhub_spawner.local import cgroups
+
+    monkeypatch.setattr(type(tmp_path), "mkdir", _fake_v2(tmp_path))
+    writes = []
+    real_write = cgroups._write
+    monkeypatch.setattr(cgroups, "_write", lambda path, value: (writes.append((str(path), value)), real_write(path, value)))
+    host = CgroupHost.detect(str(tmp_path), "gpuhub")
+    assert host.version == 2, host.describe()
+    control = str(tmp_path / "gpuhub" / "cgroup.subtree_control")
+    assert {v for p, v in writes if p == control} == {"+memory", "+cpu", "+pids"}  # children get the controllers
+    root_control = str(tmp_path / "cgroup.subtree_control")
+    assert {v for p, v in writes if p == root_control} == {"+memory", "+cpu", "+pids"}  # (systemd hosts: already on)
+    cg = host.server("gpuhub-alice")
+    cg.create(memory=4 * 2**30, cpu_millis=1500, device_rules=["c 195:0 rwm"])
+    d = tmp_path / "gpuhub" / "gpuhub-alice"
+    assert (d / "memory.max").read_text() == str(4 * 2**30)
+    assert (d / "memory.swap.max").read_text() == "0"
+    assert (d / "memory.oom.group").read_text() == "1"  # the whole server goes, not one kernel
+    assert (d / "cpu.max").read_text() == "150000 100000"
+    assert cg.cpu_quota() == (150000, 100000) and cg.memory_limit() == 4 * 2**30
+    assert cg.procs_files() == [str(d / "cgroup.procs")]
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\noom_group_kill 1\n")
+    assert cg.oom_kills() == 1

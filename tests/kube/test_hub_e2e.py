@@ -353,8 +353,12 @@ def test_hub_restart_keeps_waiting_servers_in_their_place(kube_hub, double, user
     kube_hub.start()
     alice, bob, dave = (kube_hub.login(u) for u in ("alice", "bob", "dave"))
 
-    # The restarted hub kept the same pods: same UIDs, so the same place in Kueue's queue.
-    time.sleep(3)  # several of the hub's own check and poll rounds
+    # The restarted hub kept the same pods: same UIDs, so the same place in Kueue's queue,
+    # and shows them as the pending spawns they are, with their place on the progress stream.
+    for user, place in ((bob, "1st of 2"), (dave, "2nd of 2")):
+        assert (user.server() or {}).get("pending") == "spawn", user.server()
+        events = user.progress(until=lambda e: place in e.get("message", ""), timeout=WAIT)
+        assert f"You are {place} in the Vision Lab queue." in events[-1]["message"], events
     assert {u: [p["metadata"]["uid"] for p in pods(double, u)] for u in before} == {u: [uid] for u, uid in before.items()}
     assert all(pod_is_gated(pods(double, u)[0]) for u in before)
     assert reach(alice).status_code == 200  # the running server was re-adopted as before
@@ -367,6 +371,10 @@ def test_hub_restart_keeps_waiting_servers_in_their_place(kube_hub, double, user
     assert pod_is_gated(pods(double, "dave")[0])
     assert bob.stop().status_code in (202, 204)
     bob.wait_gone()
+    # dave's spawn page follows him from the queue to "ready", as if the hub had never restarted.
+    events = dave.progress(until=lambda e: bool(e.get("ready") or e.get("failed")), timeout=WAIT)
+    assert events[-1].get("ready") is True, events
+    assert any(e["message"].startswith("Quota granted") or e["message"].startswith("Server") for e in events[:-1]), events
     dave.wait_ready()
     assert reach(dave).status_code == 200
     assert dave.stop().status_code in (202, 204)

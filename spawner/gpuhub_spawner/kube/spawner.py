@@ -11,7 +11,8 @@ Hub restarts: JupyterHub polls every server record on start and stops those that
 answer HTTP. A server still waiting in Kueue's queue (its pod gated) or admitted but not
 yet running would be deleted, losing its place. ``poll()`` recognises such a pod in a
 hub that did not start it and waits for it (queue timeout, then launch timeout, from the
-pod's creation) before answering, so the pod keeps its place and starts when admitted.
+pod's creation) before answering, so the pod keeps its place and starts when admitted;
+meanwhile the server is a pending spawn again, so its spawn page streams ``progress()``.
 
 Kueue outages: its pod webhook has ``failurePolicy: Fail``, so pod creation fails while
 it is down (told to the user in plain words, not retried until the start timeout), and
@@ -400,6 +401,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         self._pod_created = True
         self._admitted_at = None
         self.log.info("Server %s was waiting in Kueue's queue when the hub restarted; keeping its place", self._log_name)
+        # Show it as the pending spawn it is: the spawn page streams progress() again (queue
+        # position, then launch) and ends in "ready" or in the reason it was withdrawn.
+        resumed = asyncio.get_running_loop().create_future()
+        resumed.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+        self._spawn_future = self._start_future = resumed
+        self._spawn_pending = True
         try:
             if pod_is_gated(pod):
                 await self.wait_for_admission()
@@ -412,6 +419,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                     raise SpawnException(await self._gone_reason(), reason="evicted", status_code=503)
                 if self.is_pod_running(current):
                     break
+                if resumed.cancelled():  # the user stopped it meanwhile
+                    raise SpawnException("Stopped while waiting.", reason="stopped", status_code=400)
                 if time.monotonic() >= deadline:
                     raise SpawnException(
                         f"Your server got its quota but did not start within {format_duration(self.effective_launch_timeout)}; "
@@ -419,30 +428,42 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                         reason="launch_timeout", status_code=503)
                 await asyncio.sleep(self.status_interval)
         except SpawnException as e:
+            self._spawn_pending = False
+            if not resumed.done():
+                resumed.set_exception(e)
             self.stop_reason = e.message
             self.log.warning("Server %s withdrawn while the hub was restarting: %s", self._log_name, self.stop_reason)
             return 1
         self._started = True
         status = await super().poll()  # updates the server's URL to the running pod's
-        if status is None:
-            asyncio.ensure_future(self._route_when_checked())
+        if status is None:  # still "spawn" pending until the hub's own check has passed
+            asyncio.ensure_future(self._route_when_checked(resumed))
+        else:
+            self._spawn_pending = False
+            if not resumed.done():
+                resumed.set_exception(SpawnException("Your server stopped while starting.", reason="error", status_code=500))
         return status
 
-    async def _route_when_checked(self):
+    async def _route_when_checked(self, resumed):
         """The hub adds routes for servers it starts, and for the others only on its next
-        periodic route check (z2jh: 60 s). Add this one as soon as the hub's check passed."""
+        periodic route check (z2jh: 60 s). Add this one as soon as the hub's check passed,
+        then let the spawn page say "ready"."""
         proxy = (getattr(self.user, "settings", None) or {}).get("proxy")
-        if proxy is None:
-            return
         for _ in range(int(self.http_timeout * 10) + 100):
             if not self._check_pending:
                 break
             await asyncio.sleep(0.1)
-        if self.ready:
+        self._spawn_pending = False
+        if self.ready and proxy is not None:
             try:
                 await proxy.add_user(self.user, self.name)
             except Exception:
                 self.log.exception("Adding the route for %s after the hub restart", self._log_name)
+        if not resumed.done():
+            if self.ready:
+                resumed.set_result(None)
+            else:
+                resumed.set_exception(SpawnException("Your server did not answer after starting.", reason="error", status_code=500))
 
     # -- stop ----------------------------------------------------------------------------
     def _stopped_but_finalized(self, pod: dict | None) -> bool:

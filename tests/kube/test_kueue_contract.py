@@ -219,3 +219,44 @@ async def test_a_resource_no_cluster_queue_lists_is_explained(kube, make_spawner
         start.cancel()
         await asyncio.gather(start, return_exceptions=True)
         await spawner.stop(now=True)
+
+
+async def _orphan_a_queued_pod(kube, make_spawner, user):
+    """What a hub restart leaves behind: a gated pod whose spawner (hub process) is gone."""
+    old = make_spawner(user=user, groups=("students",), profile="l4-1", queue_timeout=600.0)
+    start = old.start()
+    await asyncio.wait_for(status_until(old, lambda m: "more needed" in m), WAIT)
+    start.cancel()  # the hub process dies: nobody deletes the pod
+    await asyncio.gather(start, return_exceptions=True)
+    pod = kube.get("pods", NAMESPACE, old.pod_name)
+    assert pod and pod_is_gated(pod)
+    return pod
+
+
+async def test_after_a_restart_a_queued_pod_is_resumed_and_admitted_in_place(kube, make_spawner):
+    blocker = make_spawner(user="kim", groups=("students",), profile="l4-1", cmd=SLEEPER)
+    await asyncio.wait_for(blocker.start(), WAIT)
+    pod = await _orphan_a_queued_pod(kube, make_spawner, "lee")
+    new = make_spawner(user="lee", groups=("students",), profile="l4-1", queue_timeout=600.0)
+    new._started = None  # as the hub loads it from its database after a restart
+    check = asyncio.ensure_future(new.poll())
+    await asyncio.wait_for(until(lambda: new._spawn_pending), WAIT)  # a pending spawn again
+    await asyncio.sleep(0.5)
+    assert not check.done() and kube.get("pods", NAMESPACE, new.pod_name)["metadata"]["uid"] == pod["metadata"]["uid"]
+    await blocker.stop(now=True)
+    assert await asyncio.wait_for(check, WAIT) is None  # running: the hub keeps it
+    assert kube.get("pods", NAMESPACE, new.pod_name)["metadata"]["uid"] == pod["metadata"]["uid"]
+    await new.stop(now=True)
+
+
+async def test_after_a_restart_the_queue_timeout_still_counts_from_the_pods_creation(kube, make_spawner):
+    blocker = make_spawner(user="max", groups=("students",), profile="l4-1", cmd=SLEEPER)
+    await asyncio.wait_for(blocker.start(), WAIT)
+    await _orphan_a_queued_pod(kube, make_spawner, "ned")
+    new = make_spawner(user="ned", groups=("students",), profile="l4-1", queue_timeout=1.0)
+    new._started = None
+    assert await asyncio.wait_for(new.poll(), WAIT) == 1  # the hub then stops it (deletes the pod)
+    assert "waited 1s in team Students's queue" in new.stop_reason and not new._spawn_pending
+    await new.stop(now=True)
+    assert kube.get("pods", NAMESPACE, new.pod_name) is None
+    await blocker.stop(now=True)

@@ -145,6 +145,10 @@ def test_each_user_has_an_account_and_cannot_read_others_or_the_hub(hub, users):
         assert res[f"/proc/{a_pid}/environ"] == ("ENOENT" if hidden else "EACCES"), res
         visible = kb.execute(f"import os; print(os.path.exists('/proc/{a_pid}'), os.path.exists(f'/proc/{{os.getpid()}}'))")
         assert visible.split() == ["False" if hidden else "True", "True"]
+        # a file alice's kernel leaves in /tmp (world-readable mode) is not bob's to read
+        ka.execute("open('/tmp/alice-notes.txt', 'w').write('alice only'); import os; os.chmod('/tmp/alice-notes.txt', 0o644)")
+        assert try_open(kb, ["/tmp/alice-notes.txt"]) == {"/tmp/alice-notes.txt": "ENOENT"}
+        assert try_open(ka, ["/tmp/alice-notes.txt"]) == {"/tmp/alice-notes.txt": "ok"}
         listing = kb.execute(f"import os\ntry:\n    print(os.listdir({str(data)!r}))\nexcept OSError as e:\n    print('denied', e.errno)")
         assert listing.startswith("denied"), listing
         # nor can bob signal alice's server

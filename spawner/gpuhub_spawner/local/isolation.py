@@ -139,6 +139,12 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         nodes (major 195); it is hidden from the servers like /dev itself.""",
     ).tag(config=True)
 
+    tmp_dir_template = Unicode(
+        "/tmp/gpuhub/{account}",
+        help="""The host directory each account sees as /tmp and /var/tmp (private per user;
+        its parent is made 0700). Empty: share the host's /tmp.""",
+    ).tag(config=True)
+
     cgroup_root = Unicode("/sys/fs/cgroup", help="The cgroup filesystem.").tag(config=True)
     cgroup_group = Unicode("gpuhub", help="The group under which each server's cgroup is made.").tag(config=True)
 
@@ -261,6 +267,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "dev_dir": self.device_dir, "gpu_nodes": nodes,
                 "cgroup_procs": cg.procs_files(),
                 "expose": [sys.base_prefix, sys.prefix],
+                "tmp": self._private_tmp(),
             }
             cmd = [sys.executable, "-I", "-m", "gpuhub_spawner.local.sandbox", json.dumps(spec), "--", *cmd]
             self.log.info(
@@ -276,6 +283,21 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         self._start_time = process_start_time(self.pid)
         self._watch_oom()
         return (self.ip or "127.0.0.1", self.port)
+
+    def _private_tmp(self) -> str | None:
+        if not self.tmp_dir_template:
+            return None
+        path = self.tmp_dir_template.format(account=self.account_name)
+        parent = os.path.dirname(path)
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        os.chmod(parent, 0o700)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        os.chown(path, self._account.uid, self._account.gid)
+        os.chmod(path, 0o1777)  # as /tmp is; only this account (and root) can reach it
+        return path
 
     # -- memory: a server over its limit is stopped as a whole, and says why --------------------
     def _watch_oom(self) -> None:

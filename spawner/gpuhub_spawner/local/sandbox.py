@@ -14,7 +14,8 @@ In order:
    (for example under the hub's private data directory), and the server's Python made
    reachable (read-only) where it sits under a private directory such as ``/root``
    (pyenv, conda): that directory is replaced by an empty one holding just it;
-5. its own ``/proc`` where the kernel allows it (Linux >= 5.8): other users' processes
+5. a private ``/tmp`` (and ``/var/tmp``): a file one user's kernel leaves there is not
+   readable by another; its own ``/proc`` where the kernel allows it (Linux >= 5.8): other users' processes
    are invisible, not merely unreadable;
 6. ``no_new_privs``, drop to the account (no supplementary groups), ``chdir`` home,
    ``exec``.
@@ -164,6 +165,12 @@ def enter(spec: dict) -> None:
             os.mkdir(visible, 0o700)
             _mount(home, visible, None, MS_BIND)
             _mount(None, visible, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+        private_tmp = spec.get("tmp")
+        if private_tmp:  # last: a home or stand-in tree under /tmp is bound or covered already
+            for target in ("/var/tmp", "/tmp"):  # /tmp last: it hides the source below it
+                if os.path.isdir(target):
+                    _mount(private_tmp, target, None, MS_BIND)
+                    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
     finally:
         os.umask(old)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")

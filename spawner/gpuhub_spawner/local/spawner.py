@@ -184,8 +184,9 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             if on_exit is not None:
                 on_exit()  # why it stopped (memory?), and nothing of it left running
             self._release("process exited")
-            if not self._stop_pending and getattr(self, "_poll_callback", None) is not None:
+            if not (self._stop_pending or self._spawn_pending) and getattr(self, "_poll_callback", None) is not None:
                 # Tell the hub now, not at the next poll: the user sees the server stopped.
+                # (Not while starting: JupyterHub's own start-up wait notices the death.)
                 asyncio.ensure_future(self.poll_and_notify())
 
         loop.add_reader(fd, exited)

@@ -47,9 +47,14 @@ def test_accounts_are_created_once_unprivileged_and_foreign_ones_refused(tmp_pat
         a = ensure_account("alice", prefix)
         assert a.uid != 0 and a.gid != 0 and ensure_account("alice", prefix) == a
         home = tmp_path / "home" / "alice"
+        (home / "project").mkdir(parents=True)  # a home from the days servers ran as root
+        (home / "project" / "notes.txt").write_text("mine")
+        os.symlink("/etc/passwd", home / "link")
         ensure_home(str(home), a)
         st = home.stat()
         assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (a.uid, 0o700)
+        assert (home / "project" / "notes.txt").stat().st_uid == a.uid and os.lstat(home / "link").st_uid == a.uid
+        assert os.stat("/etc/passwd").st_uid == 0  # links are not followed
         # an account gpuhub did not make (a person's login, a system account) is never used
         subprocess.run(["useradd", "--system", "--no-create-home", f"{prefix}bob"], check=True)
         with pytest.raises(AccountError, match="not created by gpuhub"):

@@ -102,7 +102,7 @@ def ensure_account(hub_name: str, prefix: str = "gpuhub-", shell: str = "/usr/sb
 
 
 def ensure_home(path: str, account: Account) -> None:
-    """A private (0700) home owned by the account; an existing one is re-owned and tightened."""
+    """A private (0700) home owned by the account; an existing one is re-owned (contents too) and tightened."""
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     try:
         os.mkdir(path, 0o700)
@@ -112,6 +112,11 @@ def ensure_home(path: str, account: Account) -> None:
     if not os.path.isdir(path) or os.path.islink(path):
         raise AccountError(f"home {path} is not a directory")
     if (st.st_uid, st.st_gid) != (account.uid, account.gid):
+        # A home from before isolation (the demo ran servers as root): the account takes
+        # over everything in it, links themselves not followed.
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                os.chown(os.path.join(root, name), account.uid, account.gid, follow_symlinks=False)
         os.chown(path, account.uid, account.gid)
     os.chmod(path, 0o700)
 

@@ -138,6 +138,10 @@ class PolicySpawnerMixin:
             check_user_caps(choice, self.held_profiles())
         except ChoiceError as e:
             self.log.warning("Refusing %s's server: %s", self.user.name, e.message)
+            from .usage import recorder as usage
+
+            usage.audit("refused", key=f"{self.user.name}/{self.name}", user=self.user.name,
+                        requested=dict(self.user_options or {}), reason=e.message, status=e.status)
             raise web.HTTPError(e.status, e.message, reason=e.message) from None
         self.record_choice(choice)
         return choice

@@ -411,10 +411,30 @@ def test_forged_requests_are_refused(day, hub, users):
 
 
 def test_status_page_by_role(day, hub, users):
-    admin, lena, carol = users["admin"], users["lena"], users["carol"]
+    admin, lena, carol, dave = users["admin"], users["lena"], users["carol"], users["dave"]
     users["alice"].start("gpu-1")
     users["alice"].wait_ready()
+    carol.start("gpu-1")
+    carol.wait_ready()
+    pending = dave.start_background("gpu-1", team="nlp")  # NLP's one GPU is carol's: dave waits
     try:
+        def dave_waits():
+            return [w for w in admin.api.get(admin.url("/gpuhub/status")).json()["waiting"] if w["user"] == "dave"]
+        (waiting,) = wait_for(dave_waits, 30, "dave in the admin's waiting list")
+        assert waiting["team"] == "nlp" and waiting["position"] == 1 and waiting["since"] <= time.time()
+        # Nobody but the admin sees who waits; the lead of Vision Lab does not see NLP's queue.
+        assert lena.api.get(lena.url("/gpuhub/status")).json()["waiting"] == []
+        assert carol.api.get(carol.url("/gpuhub/status")).json()["waiting"] == []
+        # The admin withdraws dave's request (audited); carol keeps her GPU.
+        r = admin.api.post(admin.url("/gpuhub/servers/dave/stop"))
+        assert r.status_code == 202, r.text
+        dave.wait_gone()
+        assert dave_waits() == [] and carol.server()["ready"]
+        acted = audit(admin, event="acted_on_server", user="dave")
+        assert acted[-1]["by"] == "admin" and acted[-1]["action"] == "withdraw"
+        pending.result(timeout=30)
+        carol.stop()
+        carol.wait_gone()
         snap = admin.api.get(admin.url("/gpuhub/status")).json()
         vision = next(t for t in snap["teams"] if t["name"] == "vision")
         assert vision["cpu"] == {"in_use": 1.0, "nominal": 16.0} and vision["gpus"]["gpu"]["display_name"] == "Tesla T1"
@@ -426,9 +446,16 @@ def test_status_page_by_role(day, hub, users):
         assert "cpu" not in next(t for t in other["teams"] if t["name"] == "vision")
         page = carol.session.get(hub.url + "/hub/gpuhub").text
         assert "alice" not in page and "gpuhub-stop" not in page.split("<script>")[0]
+        # A forged start (a profile NLP may not use) is refused, and the refusal is audited.
+        r = carol.start("cpu", team="vision")
+        assert 400 <= r.status_code < 500, r.text
+        refused = audit(admin, event="refused", user="carol")
+        assert refused and refused[-1]["requested"] == {"profile": "cpu", "team": "vision"} and refused[-1]["reason"]
     finally:
-        users["alice"].stop()
-        users["alice"].wait_gone()
+        for name in ("alice", "carol", "dave"):
+            users[name].stop()
+        for name in ("alice", "carol", "dave"):
+            users[name].wait_gone()
 
 
 # -- audit trail --------------------------------------------------------------------------------
@@ -500,8 +527,9 @@ def test_prometheus_scrapes_the_hub_and_every_dashboard_query_returns_series(day
         series = prometheus.query(q, at) or prometheus.query(q)
         assert series, f"panel {title!r}: {q} returned no series"
     # The NLP picture at the end: nothing in use, nothing waiting; Vision's lead culled once.
-    end = {s["metric"]["team"]: float(s["value"][1]) for s in prometheus.query('gpuhub_gpus_in_use{flavor="gpu"}')}
-    assert end == {"vision": 0, "nlp": 0}
+    def in_use():  # the latest scrape (1 s apart) after the last servers stopped
+        return {s["metric"]["team"]: float(s["value"][1]) for s in prometheus.query('gpuhub_gpus_in_use{flavor="gpu"}')}
+    wait_for(lambda: in_use() == {"vision": 0, "nlp": 0}, 10, f"Prometheus to see no GPU in use ({in_use()})")
     assert {s["metric"]["team"]: float(s["value"][1]) for s in prometheus.query("gpuhub_team_waiting")} == {"vision": 0, "nlp": 0}
     assert prometheus.query("gpuhub_gpu_utilization_percent") == []  # nothing held: the series are gone
     held = prometheus.query("gpuhub_gpus_in_use", at)
@@ -565,5 +593,20 @@ def test_the_usage_page_renders_its_charts_for_each_role(day, hub, tmp_path):
                 if name == "admin":
                     assert page.locator("tr.gpuhub-audit-entry[data-event=culled]").count() >= 1
                 page.context.close()
+            # The admin stops a holder from the status page (the button posts with the page's XSRF token).
+            alice = hub.login("alice")
+            alice.start("gpu-1")
+            alice.wait_ready()
+            page = browser.new_context(viewport={"width": 1000, "height": 1200}).new_page()
+            page.goto(hub.url + "/hub/login")
+            page.fill("#username_input", "admin")
+            page.fill("#password_input", PASSWORD)
+            page.click("#login_submit")
+            page.wait_for_load_state()
+            page.goto(hub.url + "/hub/gpuhub")
+            page.click('button.gpuhub-stop[data-key="alice/"]')
+            page.wait_for_function("document.getElementById('gpuhub-action-result').textContent.startsWith('202')")
+            alice.wait_gone()
+            page.context.close()
         finally:
             browser.close()

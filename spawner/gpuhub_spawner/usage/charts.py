@@ -10,7 +10,7 @@ import html
 import time
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
-W, H, PAD_L, PAD_B, PAD_T, PAD_R = 720, 220, 44, 28, 12, 130
+W, H, PAD_L, PAD_B, PAD_T, PAD_R = 720, 230, 44, 28, 24, 130
 
 
 def _e(s) -> str:
@@ -34,7 +34,7 @@ def _frame(chart_id: str, title: str, y_max: float, t0: float, t1: float, body: 
         x = PAD_L + plot_w * i / 4
         label = time.strftime("%m-%d %H:%M", time.gmtime(t))
         parts.append(f'<text x="{x:.1f}" y="{H - 8}" font-size="10" text-anchor="middle">{label}</text>')
-    parts.append(f'<text x="4" y="{PAD_T + 8}" font-size="10">{_e(y_label)}</text>')
+    parts.append(f'<text x="4" y="11" font-size="10" font-weight="bold">{_e(title)} ({_e(y_label)})</text>')
     parts.extend(body)
     if not body or all('class="gpuhub-' not in b for b in body):
         parts.append(f'<text class="gpuhub-nodata" x="{PAD_L + plot_w / 2}" y="{PAD_T + plot_h / 2}" font-size="12" '

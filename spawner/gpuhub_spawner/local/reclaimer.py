@@ -168,10 +168,12 @@ class Reclaimer:
             return
         lender = policy.team_or_none(for_team)
         notice = policy.reclaim_rules(lender).notice if lender else 0.0
-        gpus = ", ".join(describe(k, v, policy) for k, v in adm.demand.items() if k.startswith("gpu/"))
-        on = f" ({', '.join('GPU ' + d for d in adm.devices)})" if adm.devices else ""
-        reason = (f"its {gpus}{on} was borrowed by your team {self._label(adm.team)} from "
-                  f"{self._label(for_team)}'s quota, and {self._label(for_team)} needs it back")
+        # Short enough for a JupyterLab notification (140 characters with the deadline).
+        if adm.devices:
+            gpus = ("GPU " if len(adm.devices) == 1 else "GPUs ") + ", ".join(adm.devices)
+        else:
+            gpus = ", ".join(describe(k, v, policy) for k, v in adm.demand.items() if k.startswith("gpu/"))
+        reason = f"{self._label(for_team)} needs back {gpus} that your team {self._label(adm.team)} borrowed"
         n = Notice(key, adm.team, for_team, now, now + (notice or 0.0), reason, list(adm.devices))
         self.notices[key] = n
         self._board_set(n)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..admission.queue import Ticket
 from ..admission.quota import describe
-from ..admission.reclaim import Holder, Request, plan, within_nominal
+from ..admission.reclaim import Holder, Request, borrowing, plan, within_nominal
 from ..policy.quantities import format_duration
 
 log = logging.getLogger("JupyterHub.gpuhub.reclaim")
@@ -102,16 +102,29 @@ class Reclaimer:
         now = time.time() if now is None else now
         policy = self.policy
         queue = self.broker.queue
+        usage = queue.usage()
+        if not self.notices and not queue.notes and not self._anyone_borrows(policy, usage):
+            return  # nothing is on loan: O(teams), the common case in a storm
         holders = [
             Holder(a.key, a.team, a.demand, a.priority, a.since, a.key.startswith(JOB_PREFIX))
             for a in queue.holdings() if a.key not in self._stopping
         ]
-        waiting = sorted((t for t in queue.waiting if not t.restored), key=Ticket.sort_key)
+        # Only requests that fit their team's nominal quota now can reclaim (memo per team and
+        # shape: a storm has thousands of waiting requests of a few shapes).
+        memo: dict[tuple, bool] = {}
+
+        def lender(t: Ticket) -> bool:
+            shape = (t.team, tuple(sorted(t.demand.items())))
+            if shape not in memo:
+                team = policy.team_or_none(t.team)
+                memo[shape] = team is not None and within_nominal(policy, usage, team, t.demand)
+            return memo[shape]
+
+        waiting = sorted((t for t in queue.waiting if not t.restored and lender(t)), key=Ticket.sort_key)
         requests = [Request(t.key, t.team, t.demand) for t in waiting]
         keys = {k for t in waiting for k in t.demand if k.startswith("gpu/")}
         table = self.broker.devices
         free = {k: len(table.free_devices(k[4:])) for k in keys}
-        usage = queue.usage()
         p = plan(policy, usage, holders, requests, free, under_notice=set(self.notices))
         for key, (team, for_key) in p.reclaim.items():
             if key.startswith(JOB_PREFIX):
@@ -123,9 +136,7 @@ class Reclaimer:
         # What each waiting request of a lender now waits for.
         notes: dict[str, str] = {}
         for t in waiting:
-            team = policy.team_or_none(t.team)
-            if team is None or not within_nominal(policy, usage, team, t.demand):
-                continue
+            team = policy.team(t.team)
             mine = [self.notices[k] for k in p.covered.get(t.key, []) if k in self.notices]
             if mine:
                 by = max(n.deadline for n in mine)
@@ -139,6 +150,16 @@ class Reclaimer:
         queue.notes = notes
         if changed:
             queue.refresh(changed)
+
+    @staticmethod
+    def _anyone_borrows(policy, usage) -> bool:
+        for team_name, keys in usage.items():
+            team = policy.team_or_none(team_name)
+            if team is None or not team.cohort:
+                continue
+            if any(borrowing(policy, usage, team_name, k) > 0 for k in keys if k.startswith("gpu/")):
+                return True
+        return False
 
     # -- jobs: at once -----------------------------------------------------------------------
     def _preempt_job(self, key: str, for_team: str) -> None:

@@ -379,7 +379,20 @@ class Policy(_Model):
             raise ValidationError.from_exception_data("Policy", errors)
         return self
 
+    @cached_property
+    def _reclaim_cache(self) -> dict:
+        return {}
+
     def reclaim_rules(self, team: Team) -> ReclaimRules:
+        """The team's effective reclaim rules (cached: the queue asks per waiting request)."""
+        cache = self._reclaim_cache
+        rules = cache.get(team.name)
+        if rules is None or cache.get((team.name, "team")) is not team:
+            rules = cache[team.name] = self._reclaim_rules(team)
+            cache[(team.name, "team")] = team
+        return rules
+
+    def _reclaim_rules(self, team: Team) -> ReclaimRules:
         rules = team.reclaim.over(self.defaults.reclaim.over(RECLAIM_DEFAULTS))
         if team.reclaim.notice is None and self.defaults.reclaim.notice is None:
             # Nobody chose a notice: 10 min, but never more than half the queue timeout.

@@ -230,6 +230,19 @@ def test_kill_9_mid_queue_keeps_every_place_and_admits_nobody_twice(hub, crowd):
     assert positions(crowd, order[1:3]) == {order[1]: 1, order[2]: 2}
 
 
+def test_planned_restart_keeps_every_place(hub, crowd):
+    """An upgrade: SIGTERM, the hub's own shutdown (pending spawns are cancelled), start again."""
+    running = holders(hub)
+    waiting = [n for n in USERS if n not in running.values() and crowd[n].server() is not None]
+    before = positions(crowd, waiting)
+    seen = len(hub.log.read_text().split("Re-spawned "))
+    hub.stop(kill_servers=False)
+    hub.start()
+    wait_for(lambda: len(hub.log.read_text().split("Re-spawned ")) >= seen + len(waiting), 120, "the queue to come back")
+    assert holders(hub) == running
+    assert positions(crowd, waiting) == before
+
+
 def test_python_proxy_fallback_has_no_ten_stream_cap(tmp_path):
     """Where Node.js is missing the hub runs gpuhub-proxy: 12 open pages (> tornado's 10) starve nothing."""
     proxy = str(Path(sys.executable).parent / "gpuhub-proxy")
@@ -245,9 +258,11 @@ def test_python_proxy_fallback_has_no_ten_stream_cap(tmp_path):
         users[names[0]].wait_ready()
         for n in names[1:]:
             users[n].start_background("gpu-1")
-        for n in names[1:]:
+            wait_for(lambda: users[n].server(), 30, f"{n}'s request to be pending", interval=0.1)
             pages.append(Stream(users[n]))
-            pages[-1].next(until=lambda e: position(e) is not None)
+            first = pages[-1].next(until=lambda e: position(e) is not None)
+            # opened as the request is made: the page must not claim a wait that did not happen
+            assert first["gpuhub"]["waited"] < 5, first
         pid = int((h.data / "proxy.pid").read_text())
         assert b"gpuhub-proxy" in Path(f"/proc/{pid}/cmdline").read_bytes()  # really the Python proxy
         one = users[names[0]]

@@ -405,6 +405,21 @@ def test_forged_requests_are_refused(day, hub, users):
     finally:
         carol.stop()
         carol.wait_gone()
+    # Percent-encoded names reach the handler decoded (sent raw: requests would normalise them).
+    from urllib.parse import urlsplit
+    import http.client
+
+    def raw_post(path, token):
+        u = urlsplit(hub.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("POST", path, headers={"Authorization": f"token {token}"})
+        status = conn.getresponse().status
+        conn.close()
+        return status
+
+    assert raw_post("/hub/api/gpuhub/servers/car%6Fl/stop", lena.token) == 403  # carol: not her team
+    assert raw_post("/hub/api/gpuhub/servers/..%2Fadmin/stop", lena.token) == 404
+    assert raw_post("/hub/api/gpuhub/servers/alice%2F/stop", victor.token) in (403, 404)
     # Bad input is answered, not guessed.
     assert carol.api.get(carol.url("/gpuhub/usage"), params={"since": "-1d"}).status_code == 400
     assert carol.api.get(carol.url("/gpuhub/usage"), params={"by": "everyone"}).status_code == 400

@@ -34,11 +34,13 @@ class AuditLog:
         self._lock = threading.Lock()
         self._seq = 0
         self._memory: list[dict] = []
+        self._fd: int | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-            os.fchmod(fd, 0o600)
-            os.close(fd)
+            # Kept open for the hub's lifetime (an open per entry costs more than the write);
+            # O_APPEND: every write lands at the end, whatever else has the file open.
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            os.fchmod(self._fd, 0o600)
             self._seq = sum(1 for _ in self._lines())
 
     def record(self, event: str, **fields) -> dict:
@@ -48,7 +50,6 @@ class AuditLog:
             if v is None or _SECRET_FIELD.search(k):
                 continue
             entry[k] = v
-        line = json.dumps(entry, sort_keys=False, default=str)
         with self._lock:
             self._seq += 1
             entry["seq"] = self._seq
@@ -56,12 +57,8 @@ class AuditLog:
             if self.path is None:
                 self._memory.append(entry)
             else:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
-                try:
-                    os.write(fd, (line + "\n").encode())
-                finally:
-                    os.close(fd)
-        log.info("audit %s", line)
+                os.write(self._fd, (line + "\n").encode())
+        log.debug("audit %s", line)
         return entry
 
     def _lines(self):

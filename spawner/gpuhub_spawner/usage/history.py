@@ -14,11 +14,13 @@ GPU-seconds held, measured (a trusted utilisation reading existed) and idle.
 
 from __future__ import annotations
 
+import atexit
 import csv
 import io
 import logging
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_engine, event, select, update
@@ -111,6 +113,7 @@ class Row:
         return max(0.0, b - a) * self.gpus
 
     @property
+
     def wait_seconds(self) -> float:
         return max(0.0, self.start - self.requested)
 
@@ -136,82 +139,103 @@ class History:
         self.engine = engine_for(db_url)
         metadata.create_all(self.engine)
         self._last_waiting: dict[str, int] = {}
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="gpuhub-history")
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="gpuhub-history", daemon=True)
+        self._thread.start()
+        atexit.register(self.flush)  # the hub exiting finishes what it queued
 
     def _write(self, fn, *args) -> None:
-        def run():
-            try:
-                fn(*args)
-            except Exception:  # history must never take the hub down; the audit trail still has it
-                log.exception("usage history write failed")
-        self._writer.submit(run)
+        self._ops.put((fn, args))
 
-    def flush(self) -> None:
+    def _run(self) -> None:
+        """Apply queued writes in order, as many as are waiting in one transaction."""
+        while True:
+            batch = [self._ops.get()]
+            while len(batch) < 500:
+                try:
+                    batch.append(self._ops.get_nowait())
+                except queue.Empty:
+                    break
+            writes = [op for op in batch if not isinstance(op, threading.Event)]
+            try:
+                if writes:
+                    with self.engine.begin() as conn:
+                        for fn, args in writes:
+                            fn(conn, *args)
+            except Exception:  # one bad write must not lose the others: apply them one by one
+                for fn, args in writes:
+                    try:
+                        with self.engine.begin() as conn:
+                            fn(conn, *args)
+                    except Exception:  # history must never take the hub down; the audit trail has it
+                        log.exception("usage history write failed: %s", fn.__name__)
+            for op in batch:
+                if isinstance(op, threading.Event):
+                    op.set()
+
+    def flush(self, timeout: float = 60.0) -> None:
         """Wait until every write queued so far is in the database."""
-        self._writer.submit(lambda: None).result()
+        done = threading.Event()
+        self._ops.put(done)
+        done.wait(timeout)
 
     # -- writes --------------------------------------------------------------------------
+
     def open(self, *, key: str, user: str, team: str, profile: str, flavor: str, gpus: int, devices: list[str],
              requested: float, start: float) -> None:
         kind = "job" if key.startswith("job:") else "server"
         server = "" if kind == "job" else key.partition("/")[2]
         self._write(self._open, key, user, server, kind, team, profile, flavor, gpus, devices, requested, start)
 
-    def _open(self, key, user, server, kind, team, profile, flavor, gpus, devices, requested, start) -> None:
-        with self.engine.begin() as conn:
-            # A row still open for this key belongs to an allocation whose release was
-            # never seen (hub killed): it ended no later than this new start.
-            conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
-                         .values(end=start, end_reason="crashed"))
-            conn.execute(allocations.insert().values(
-                key=key, user=user, server=server, kind=kind, team=team, profile=profile, flavor=flavor, gpus=gpus,
-                devices=",".join(devices), requested=requested, start=start))
+    def _open(self, conn, key, user, server, kind, team, profile, flavor, gpus, devices, requested, start) -> None:
+        # A row still open for this key belongs to an allocation whose release was
+        # never seen (hub killed): it ended no later than this new start.
+        conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
+                     .values(end=start, end_reason="crashed"))
+        conn.execute(allocations.insert().values(
+            key=key, user=user, server=server, kind=kind, team=team, profile=profile, flavor=flavor, gpus=gpus,
+            devices=",".join(devices), requested=requested, start=start))
 
     def close(self, key: str, end: float, reason: str, stopped_by: str | None = None) -> None:
         self._write(self._close, key, end, reason, stopped_by)
 
-    def _close(self, key, end, reason, stopped_by) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
-                         .values(end=end, end_reason=reason, stopped_by=stopped_by))
+    def _close(self, conn, key, end, reason, stopped_by) -> None:
+        conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
+                     .values(end=end, end_reason=reason, stopped_by=stopped_by))
 
     def set_stopped_by(self, key: str, by: str, within: float = 120.0) -> None:
         """Name who stopped ``key`` (known only when the request that stopped it finishes)."""
         self._write(self._set_stopped_by, key, by, within, time.time())
 
-    def _set_stopped_by(self, key, by, within, now) -> None:
-        with self.engine.begin() as conn:
-            row = conn.execute(select(allocations.c.id).where(
-                allocations.c.key == key, allocations.c.end >= now - within, allocations.c.stopped_by.is_(None))
-                .order_by(allocations.c.end.desc()).limit(1)).first()
-            if row:
-                conn.execute(update(allocations).where(allocations.c.id == row[0]).values(stopped_by=by))
+    def _set_stopped_by(self, conn, key, by, within, now) -> None:
+        row = conn.execute(select(allocations.c.id).where(
+            allocations.c.key == key, allocations.c.end >= now - within, allocations.c.stopped_by.is_(None))
+            .order_by(allocations.c.end.desc()).limit(1)).first()
+        if row:
+            conn.execute(update(allocations).where(allocations.c.id == row[0]).values(stopped_by=by))
 
     def add_gpu_time(self, measured: dict[str, tuple[float, float]]) -> None:
         """Per open key: (GPU-seconds with a trusted reading, of which idle)."""
         if measured:
             self._write(self._add_gpu_time, dict(measured))
 
-    def _add_gpu_time(self, measured) -> None:
-        with self.engine.begin() as conn:
-            for key, (known, idle) in measured.items():
-                conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None)).values(
-                    measured_gpu_seconds=allocations.c.measured_gpu_seconds + known,
-                    idle_gpu_seconds=allocations.c.idle_gpu_seconds + idle))
+    def _add_gpu_time(self, conn, measured) -> None:
+        for key, (known, idle) in measured.items():
+            conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None)).values(
+                measured_gpu_seconds=allocations.c.measured_gpu_seconds + known,
+                idle_gpu_seconds=allocations.c.idle_gpu_seconds + idle))
 
     def sample_queue(self, waiting: dict[str, int], at: float | None = None) -> None:
-        """Record queue lengths that changed since the last sample (for the queue chart)."""
+        """Record the queue lengths of ``waiting``'s teams that changed since their last sample."""
         at = time.time() if at is None else at
         changed = {t: n for t, n in waiting.items() if self._last_waiting.get(t, 0) != n}
-        changed.update({t: 0 for t in self._last_waiting if t not in waiting and self._last_waiting[t]})
         if not changed:
             return
         self._last_waiting.update(changed)
         self._write(self._sample, [{"at": at, "team": t, "waiting": n} for t, n in changed.items()])
 
-    def _sample(self, rows) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(queue_samples.insert(), rows)
+    def _sample(self, conn, rows) -> None:
+        conn.execute(queue_samples.insert(), rows)
 
     def open_keys(self) -> list[str]:
         self.flush()
@@ -219,6 +243,7 @@ class History:
             return [r[0] for r in conn.execute(select(allocations.c.key).where(allocations.c.end.is_(None)))]
 
     # -- reads ---------------------------------------------------------------------------
+
     def rows(self, since: float, until: float | None = None, teams: set[str] | None = None,
              user: str | None = None) -> list[Row]:
         """Allocations overlapping [since, until), oldest first."""
@@ -295,8 +320,9 @@ def summarize(rows: list[Row], since: float, now: float, by: str = "team", perio
             ends[r.end_reason] = ends.get(r.end_reason, 0) + 1
             if r.end_reason == "culled":
                 t["culls"] += 1
-        b = bucket_start(since, period)
-        while b < now:
+        b = bucket_start(max(since, r.start), period)  # only the periods this allocation overlaps
+        last = min(now, r.held_until(now))
+        while b < last:
             v = r.gpu_seconds(now, max(b, since), b + step)
             if v:
                 buckets[(name, b)] = buckets.get((name, b), 0.0) + v / 3600

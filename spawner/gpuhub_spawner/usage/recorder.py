@@ -152,12 +152,9 @@ class UsageRecorder(SingletonConfigurable):
                 self.audit.record("released", key=key, reason="crashed", detail="found gone after a hub restart")
 
     # -- queue events -----------------------------------------------------------------------
-    def _sample(self) -> None:
-        q = self.broker.queue
-        waiting: dict[str, int] = {}
-        for t in q.waiting:
-            waiting[t.team] = waiting.get(t.team, 0) + 1
-        self.history.sample_queue(waiting)
+    def _sample(self, team: str) -> None:
+        """The team's queue length for the queue chart (O(1): only the team the event touched)."""
+        self.history.sample_queue({team: self.broker.queue.waiting_in(team)})
 
     def _submitted(self, ticket) -> None:
         self._ends.pop(ticket.key, None)
@@ -169,7 +166,7 @@ class UsageRecorder(SingletonConfigurable):
         status = ticket.status
         self.audit.record("queued", key=ticket.key, user=ticket.user, team=ticket.team,
                           position=getattr(status, "position", None), reason=getattr(status, "reason", None))
-        self._sample()
+        self._sample(ticket.team)
 
     def _refused(self, ticket, reason: str) -> None:
         self.audit.record("requested", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
@@ -181,7 +178,7 @@ class UsageRecorder(SingletonConfigurable):
         self._requested.pop(ticket.key, None)
         self.audit.record("left_queue", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
                           waited=round(time.time() - ticket.created, 3))
-        self._sample()
+        self._sample(ticket.team)
 
     def _admitted(self, adm) -> None:
         requested = self._requested.pop(adm.key, adm.since)
@@ -197,7 +194,7 @@ class UsageRecorder(SingletonConfigurable):
         metrics.TEAM_WAIT.labels(team=adm.team).observe(max(0.0, adm.since - requested))
         self.audit.record("admitted", key=adm.key, user=adm.user, team=adm.team, profile=adm.profile,
                           devices=list(adm.devices), waited=round(max(0.0, adm.since - requested), 3))
-        self._sample()
+        self._sample(adm.team)
 
     def _released(self, adm) -> None:
         reason, by, _ = self._ends.pop(adm.key, (None, None, 0))

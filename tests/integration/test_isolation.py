@@ -295,7 +295,7 @@ def test_over_memory_stops_the_server_says_why_and_the_gpu_goes_on(hub, users):
         "content": {"code": "x = bytearray(1024 * 2**20); x[::4096] = b'1' * len(x[::4096])", "silent": False,
                     "store_history": False, "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
     }))
-    alice.wait_gone(timeout=60)
+    alice.wait_gone(timeout=120)  # (reclaim before the OOM kill can take a while on a loaded machine)
     bob.wait_ready()  # the GPU went to the next in line
     form = alice.session.get(hub.url + "/hub/spawn/alice").text
     assert "gpuhub-stop-reason" in form and "memory limit of 400 MiB" in form, form[:3000]
@@ -305,3 +305,19 @@ def test_over_memory_stops_the_server_says_why_and_the_gpu_goes_on(hub, users):
     alice.stop()
     alice.wait_gone()
     assert "gpuhub-stop-reason" not in alice.session.get(hub.url + "/hub/spawn/alice").text
+
+
+def test_a_foreign_account_with_the_users_name_is_never_used(hub):
+    """An account gpuhub did not make (a person's login, a service) is refused, not taken over."""
+    import subprocess
+
+    name = f"{hub.prefix}dave"
+    subprocess.run(["useradd", "--system", "--no-create-home", name], check=True)
+    try:
+        dave = hub.login("dave")
+        r = dave.start("cpu", team="nlp")
+        assert r.status_code == 500 and "no usable Unix account" in r.json()["message"]
+        assert dave.server() is None
+        assert f"Unix account {name!r} exists but was not created by gpuhub" in hub.log.read_text()
+    finally:
+        subprocess.run(["userdel", name], check=True)

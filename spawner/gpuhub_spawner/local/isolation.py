@@ -26,6 +26,7 @@ from subprocess import Popen
 
 from jupyterhub.spawner import LocalProcessSpawner
 from jupyterhub.utils import random_port
+from tornado import web
 from traitlets import CaselessStrEnum, Unicode, default
 
 from .cgroups import CgroupHost, ServerCgroup
@@ -153,6 +154,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     _cgroup: ServerCgroup | None = None
     _start_time: int | None = None
     _oom_fd: int | None = None
+    _oom_base: int = 0  # OOM kills the group had before this server (a reused group)
 
     # -- who and where ---------------------------------------------------------------------
     @property
@@ -242,7 +244,9 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 await loop.run_in_executor(None, ensure_home, self.home_dir, self._account)
             except AccountError as e:
                 self.log.error("Cannot start %s: %s", self._log_name, e)
-                raise
+                msg = ("Your server cannot start: this machine has no usable Unix account for you. "
+                       "An administrator can find why in the hub's log.")
+                raise web.HTTPError(500, msg, reason=msg) from None
         else:
             os.makedirs(self.home_dir, mode=0o700, exist_ok=True)
         env = self.get_env()
@@ -260,6 +264,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                     self.log.warning("cgroup of %s had leftover processes %s; killing them", self._log_name, stale)
                     cg.kill_all()
                 cg.create(memory=memory, cpu_millis=cpu, device_rules=self.device_rules(found))
+                self._oom_base = cg.oom_kills()
             self._cgroup = cg
             spec = {
                 "uid": self._account.uid, "gid": self._account.gid,
@@ -305,7 +310,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if cg is None or self._oom_fd is not None:
             return
         fd = cg.oom_eventfd()
-        self.log.debug("OOM watch for %s: eventfd %s", self._log_name, fd)
+        self.log.debug("OOM watch for %s: eventfd %s (spawner %x, cgroup %s)", self._log_name, fd, id(self), cg.paths.get("memory"))
         if fd is None:
             return  # v2: memory.oom.group kills the whole group; the exit is noticed by pid
         self._oom_fd = fd
@@ -315,11 +320,9 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 os.read(fd, 8)
             except BlockingIOError:
                 return
+            self.log.debug("OOM event for %s (eventfd %s, %s kills)", self._log_name, fd, cg.oom_kills())
             try:
-                if cg.oom_kills() > 0:
-                    self._record_oom(cg)
-                    self.log.warning("%s went over its memory limit; stopping the whole server", self._log_name)
-                    cg.kill_all()
+                self._check_oom(cg)
             except Exception:
                 self.log.exception("Handling the memory limit of %s failed", self._log_name)
 
@@ -329,8 +332,20 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             os.close(fd)
             self._oom_fd = None
 
+    def _check_oom(self, cg: ServerCgroup) -> bool:
+        """If the kernel killed anything of this server for memory: stop all of it, say why."""
+        if cg.oom_kills() <= self._oom_base:
+            return False
+        first = not self.stop_reason
+        self._record_oom(cg)
+        if first:
+            self.log.warning("%s went over its memory limit; stopping the whole server", self._log_name)
+        cg.kill_all()
+        return True
+
     def _unwatch_oom(self) -> None:
         if self._oom_fd is not None:
+            self.log.debug("OOM unwatch for %s: eventfd %s (spawner %x)", self._log_name, self._oom_fd, id(self))
             try:
                 asyncio.get_running_loop().remove_reader(self._oom_fd)
             except RuntimeError:
@@ -356,7 +371,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         self._unwatch_oom()
         if cg is None:
             return
-        if cg.oom_kills() > 0:
+        if cg.oom_kills() > self._oom_base:
             self._record_oom(cg)
         cg.kill_all()  # nothing the user started may outlive the server (or keep a GPU open)
         cg.remove()
@@ -366,8 +381,10 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if status is not None and self._cgroup is not None:
             self.on_process_exit()
             self._cgroup = None
-        elif status is None:
+        elif status is None and self._cgroup is not None:
             self._watch_oom()  # adopted after a restart: watch again
+            if self._check_oom(self._cgroup):  # and a missed notification is caught here
+                status = await super().poll()
         return status
 
     async def stop(self, now=False):
@@ -389,6 +406,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "start_time": self._start_time,
                 "uid": self._account.uid if self._account else os.geteuid(),
                 "cgroup": self._cgroup.to_state() if self._cgroup else {},
+                "oom_base": self._oom_base,
             }
         if self.stop_reason:
             state["gpuhub_stop_reason"] = self.stop_reason
@@ -418,6 +436,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         self._start_time = now
         if record.get("cgroup"):
             self._cgroup = ServerCgroup.from_state(self.cgroup_host, record["cgroup"])
+            self._oom_base = int(record.get("oom_base", 0))
         if self.isolated:
             try:
                 from .unix_users import lookup

@@ -92,3 +92,17 @@ async def test_dropped_restored_request_frees_its_devices(tmp_path):
     q2.drop_restored("gone/")  # its user was deleted meanwhile: the re-spawn failed
     assert not q2.admitted and not q2.allocator.owner
     assert hub(path, policy)[1] == []
+
+
+async def test_a_request_that_arrived_while_the_queue_came_back_is_not_forgotten(tmp_path):
+    policy = parse_policy(POLICY)
+    path = tmp_path / "queue.journal"
+    q, _ = hub(path, policy)
+    q.submit(t("run/"))
+    q.submit(t("w/"))  # team a waits
+    q2, back = hub(path, policy)
+    q2.held = True  # restarted: the old queue is not back yet
+    other = q2.submit(t("b1/", team="b"))  # another team, free quota and a free device
+    assert other.admission is None
+    q2.restore_waiting(back)
+    assert other.admission is not None  # admitted once the queue is back, not left waiting

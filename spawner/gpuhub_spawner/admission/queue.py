@@ -245,7 +245,6 @@ class AdmissionQueue:
         them; until then a restored ticket holds its place (and, if admitted, its devices).
         """
         self.held = False
-        teams = set()
         back = []
         for ticket in tickets:
             if ticket.key in self.admitted or ticket.key in self._keys:
@@ -254,11 +253,10 @@ class AdmissionQueue:
             ticket.restored = True
             self._insert(ticket)
             self._restored[ticket.key] = ticket
-            teams.add(ticket.team)
             back.append(ticket)
         if back:
             log.info("Restored %d waiting request(s) from before the restart", len(back))
-        self.schedule(teams if back else None)
+        self.schedule()  # a full pass, once: whatever arrived while the queue was held goes too
         return back
 
     def adopt(self, key: str) -> Ticket | None:

@@ -61,10 +61,13 @@ _CHILD = "import sys; from gpuhub_spawner.policy.loader import read_in_child; pr
 async def _load_beside_the_loop(path: Path) -> tuple[Policy | None, PolicyError | None, float]:
     """Parse in a child process (libyaml would hold the GIL), build the objects in a thread."""
     t0 = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _CHILD, str(path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    out, err = await proc.communicate()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _CHILD, str(path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await proc.communicate()
+    except OSError:  # no child process possible (limits): read it here rather than not at all
+        return _timed_load(path)
 
     def build() -> tuple[Policy | None, PolicyError | None]:
         try:

@@ -128,7 +128,9 @@ def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand, may_borr
         if amount > ceiling:
             result.never = (
                 f"{describe(key, amount, policy)} is more than team {team.name!r} can ever hold "
-                f"({describe(key, ceiling, policy)} including what it may borrow)."
+                f"({describe(key, ceiling, policy)} "
+                + ("including what it may borrow)." if may_borrow or not team.cohort else
+                   "of its own quota: its servers may not borrow; a batch job may).")
             )
         if not fits_now:
             result.fits = False

@@ -234,6 +234,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
                 "demand": a.demand,
                 "devices": a.devices,
                 "since": a.since,
+                "priority": a.priority,  # reclaim order after a restart
             }
         return state
 
@@ -250,7 +251,8 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         # its owner can change); super().load_state() already checked pid + start time.
         devices = list(saved["devices"])
         adm = Admission(
-            self.server_key, self.user.name, saved["team"], saved["profile"], saved["demand"], devices, saved.get("since", time.time())
+            self.server_key, self.user.name, saved["team"], saved["profile"], saved["demand"], devices, saved.get("since", time.time()),
+            priority=saved.get("priority", 0),
         )
         try:
             self.broker.queue.restore(adm)

@@ -114,6 +114,18 @@ def test_a_restricted_admin_token_cannot_read_the_status(hub, users):
     assert snap["view"] != "all" and "policy" not in snap
 
 
+def test_cull_warnings_and_snoozes_need_the_culling_scope_for_that_user(hub, users):
+    admin, alice, mallory = users["admin"], users["alice"], users["mallory"]
+    r = admin.api.post(admin.url("/users/admin/tokens"), json={"note": "narrow", "scopes": ["read:users:name!user=admin"]})
+    narrow = {"Authorization": f"token {r.json()['token']}"}
+    culling = hub.url + "/hub/api/gpuhub/culling/alice"
+    for headers in (narrow, {"Authorization": f"token {mallory.token}"}):
+        assert requests.get(culling, headers=headers).status_code == 404
+        assert requests.post(culling + "/snooze", headers=headers, json={"server": ""}).status_code == 404
+    assert requests.get(culling, headers={"Authorization": f"token {alice.token}"}).status_code == 200
+    assert requests.get(culling, headers={"Authorization": f"token {admin.token}"}).status_code == 200
+
+
 # -- finding 2: a page on bob's server, opened by carol, acts as carol -------------------------
 ATTACK_PAGE = """<!doctype html><html><body><script>
 async function attack() {

@@ -113,6 +113,9 @@ def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, 
         state_dir = str(Path(str(c.JupyterHub.db_url)[len("sqlite:///"):]).parent)
     if state_dir:
         c.CullBoard.state_file = str(Path(state_dir) / "gpuhub-culling.json")
+    from .scopes import configure_scopes
+
+    configure_scopes(c)  # the culling API checks custom:gpuhub:culling (both backends)
     c.JupyterHub.extra_handlers = _merged_list(c.JupyterHub, "extra_handlers") + list(handlers)
     template_vars = dict(c.JupyterHub.template_vars) if "template_vars" in c.JupyterHub else {}
     template_vars.update(culling_template_vars(c))

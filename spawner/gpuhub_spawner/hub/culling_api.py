@@ -25,6 +25,7 @@ from tornado import web
 
 from ..culling.board import CullBoard, ServerView
 from ..policy.access import active_profiles
+from .scopes import CULLING, allowed
 
 CULLER_SERVICE = "gpuhub-culler"
 
@@ -78,7 +79,9 @@ class _Base(APIHandler):
         who = self.current_user
         if who is None:
             raise web.HTTPError(403)
-        if not (getattr(who, "name", None) == name and getattr(who, "kind", "user") == "user" or getattr(who, "admin", False)):
+        # The request's scopes decide, not who owns the token: the user's own tokens and
+        # their servers' carry custom:gpuhub:culling!user=<them>; admin:servers implies it.
+        if not allowed(self, CULLING, user=name):
             raise web.HTTPError(404)  # as the hub does: no hint that another user exists
         user = self.find_user(name)
         if user is None:

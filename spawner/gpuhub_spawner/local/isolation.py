@@ -292,15 +292,24 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     def _private_tmp(self) -> str | None:
         if not self.tmp_dir_template:
             return None
+        import stat as _stat
+
         path = self.tmp_dir_template.format(account=self.account_name)
         parent = os.path.dirname(path)
         os.makedirs(parent, mode=0o700, exist_ok=True)
+        # /tmp is everyone's: a directory someone else made (or a link) there is refused.
+        st = os.lstat(parent)
+        if not _stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+            raise RuntimeError(f"{parent} is not a directory owned by root; refusing to use it for private /tmp")
         os.chmod(parent, 0o700)
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
             pass
-        os.chown(path, self._account.uid, self._account.gid)
+        st = os.lstat(path)
+        if not _stat.S_ISDIR(st.st_mode):
+            raise RuntimeError(f"{path} is not a directory")
+        os.chown(path, self._account.uid, self._account.gid, follow_symlinks=False)
         os.chmod(path, 0o1777)  # as /tmp is; only this account (and root) can reach it
         return path
 

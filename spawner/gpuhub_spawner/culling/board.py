@@ -102,6 +102,7 @@ class CullBoard(SingletonConfigurable):
                     started=rec["started"], state=CullState(**rec.get("state", {})), gpu_last_busy=rec.get("gpu_last_busy")
                 )
             self.history = {u: list(h) for u, h in data.get("history", {}).items()}
+            self.reclaims = {k: dict(v) for k, v in data.get("reclaims", {}).items()}  # deadlines survive a restart
             log.info("Culling state restored: %d servers tracked, %d pending stops", len(self.records),
                      sum(1 for r in self.records.values() if r.state.deadline))
         except (OSError, ValueError, TypeError, KeyError) as e:
@@ -115,7 +116,8 @@ class CullBoard(SingletonConfigurable):
     def save(self, force: bool = False) -> None:
         if not self.state_file or not (self._dirty or force):
             return
-        data = {"records": {k: asdict(v) for k, v in self.records.items()}, "history": self.history}
+        data = {"records": {k: asdict(v) for k, v in self.records.items()}, "history": self.history,
+                "reclaims": self.reclaims}
         path = Path(self.state_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".culling-", suffix=".tmp")  # mode 0600
@@ -326,9 +328,13 @@ class CullBoard(SingletonConfigurable):
     # -- reclaim (local/reclaimer.py decides; the board only shows) ------------------------
     def set_reclaim(self, key: str, notice: dict) -> None:
         self.reclaims[key] = notice
+        self._dirty = True
+        self.save()
 
     def clear_reclaim(self, key: str) -> None:
-        self.reclaims.pop(key, None)
+        if self.reclaims.pop(key, None) is not None:
+            self._dirty = True
+            self.save()
 
     def reclaimed(self, key: str, reason: str, warned_at: float) -> None:
         """The server was stopped to give its GPU back: the home page says so, like a cull."""

@@ -34,6 +34,7 @@ from ..policy.quantities import format_duration
 log = logging.getLogger("JupyterHub.gpuhub.reclaim")
 
 JOB_PREFIX = "job:"
+SAFETY_PASS = 15.0  # seconds; a pass with nothing on loan is O(teams)
 STOP_MARGIN = 15.0  # seconds a stopped server takes to exit and hand its GPU on
 
 
@@ -46,6 +47,7 @@ class Notice:
     deadline: float
     reason: str
     devices: list[str]
+    since: float = 0.0  # the holder's admission (a notice belongs to one run of a server)
 
 
 def _clock(ts: float) -> str:
@@ -69,6 +71,14 @@ class Reclaimer:
         q.on_release.append(self._released)
         q.on_cancel.append(self._poke)
         q.on_admit.append(self._poke)
+        try:  # a safety net for what no queue event announces (requests back after a restart)
+            asyncio.get_running_loop().call_later(SAFETY_PASS, self._safety)
+        except RuntimeError:
+            pass
+
+    def _safety(self) -> None:
+        self._poke()
+        asyncio.get_running_loop().call_later(SAFETY_PASS, self._safety)
 
     @property
     def policy(self):
@@ -103,7 +113,8 @@ class Reclaimer:
         policy = self.policy
         queue = self.broker.queue
         usage = queue.usage()
-        if not self.notices and not queue.notes and not self._anyone_borrows(policy, usage):
+        board = self._board()
+        if not self.notices and not queue.notes and not board.reclaims and not self._anyone_borrows(policy, usage):
             return  # nothing is on loan: O(teams), the common case in a storm
         holders = [
             Holder(a.key, a.team, a.demand, a.priority, a.since, a.key.startswith(JOB_PREFIX))
@@ -133,6 +144,8 @@ class Reclaimer:
                 self._warn(key, team, now)
         for key in [k for k in self.notices if k not in p.reclaim]:
             self._withdraw(key)
+        for key in [k for k in board.reclaims if k not in p.reclaim and k not in self._stopping]:
+            board.clear_reclaim(key)  # a notice from before a restart that is no longer needed
         # What each waiting request of a lender now waits for.
         notes: dict[str, str] = {}
         for t in waiting:
@@ -195,7 +208,12 @@ class Reclaimer:
         else:
             gpus = ", ".join(describe(k, v, policy) for k, v in adm.demand.items() if k.startswith("gpu/"))
         reason = f"{self._label(for_team)} needs back {gpus} that your team {self._label(adm.team)} borrowed"
-        n = Notice(key, adm.team, for_team, now, now + (notice or 0.0), reason, list(adm.devices))
+        warned_at, deadline = now, now + (notice or 0.0)
+        before = self._board().reclaims.get(key)
+        if before and before.get("for_team") == for_team and before.get("since") == adm.since:
+            # Given before a hub restart: the same deadline, not a fresh notice.
+            warned_at, deadline = before["warned_at"], before["deadline"]
+        n = Notice(key, adm.team, for_team, warned_at, deadline, reason, list(adm.devices), adm.since)
         self.notices[key] = n
         self._board_set(n)
         log.warning("Reclaim: warning %s (team %s, devices %s): %s needs it back; stops at %s (notice %s)",
@@ -272,7 +290,8 @@ class Reclaimer:
         board = self._board()
         if board is not None:
             board.set_reclaim(n.key, {"deadline": n.deadline, "reason": n.reason, "warned_at": n.warned_at,
-                                      "devices": n.devices, "team": n.team, "needed_by": self._label(n.for_team)})
+                                      "devices": n.devices, "team": n.team, "needed_by": self._label(n.for_team),
+                                      "for_team": n.for_team, "since": n.since})
 
     def _board_clear(self, key: str) -> None:
         board = self._board()

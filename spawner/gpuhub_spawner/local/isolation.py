@@ -106,6 +106,26 @@ def announce_isolation(c=None, stream=None) -> bool:
     return False
 
 
+
+# Packages a server imports from outside the environment when installed in development mode
+# (``pip install -e``): their source folders must be visible in the sandbox too.
+SERVER_PACKAGES = ("gpuhub_notebook", "gpuhub_spawner")
+
+
+def server_software_paths() -> list[str]:
+    """What a sandboxed server must see read-only: the Pythons and any editable sources."""
+    import importlib.util
+
+    paths = [sys.base_prefix, sys.prefix]
+    for name in SERVER_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = os.path.dirname(os.path.realpath(list(spec.submodule_search_locations)[0]))
+        if not any(root == p or root.startswith(p.rstrip("/") + "/") for p in paths):
+            paths.append(root)
+    return paths
+
 class IsolatedProcessSpawner(LocalProcessSpawner):
     """A local process spawner whose servers run isolated (see the module docstring)."""
 
@@ -271,7 +291,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "home": self.home_dir, "visible_home": self.visible_home,
                 "dev_dir": self.device_dir, "gpu_nodes": nodes,
                 "cgroup_procs": cg.procs_files(),
-                "expose": [sys.base_prefix, sys.prefix],
+                "expose": server_software_paths(),
                 "tmp": self._private_tmp(),
             }
             cmd = [sys.executable, "-I", "-m", "gpuhub_spawner.local.sandbox", json.dumps(spec), "--", *cmd]

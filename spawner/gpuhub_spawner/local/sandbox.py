@@ -140,6 +140,32 @@ def expose(paths: list[str]) -> None:
         os.rmdir(stage)
 
 
+def _stage_under(target: str, paths: list[str]) -> list[tuple[str, str]]:
+    """Bind exposed software that lives under ``target`` (e.g. a venv in /tmp) aside.
+
+    The private /tmp would hide it; ``_restore_staged`` puts it back, read-only, at the
+    same path inside the private one. Both the path and, for a symlink, its target count.
+    """
+    staged = []
+    wanted = dict.fromkeys(q for p in paths for q in (os.path.abspath(p), os.path.realpath(p)))
+    for i, path in enumerate(wanted):
+        if path.startswith(target + "/") and os.path.isdir(path):
+            stage = f"/dev/.gpuhub-keep-{target.strip('/').replace('/', '-')}-{i}"
+            os.mkdir(stage, 0o700)
+            _mount(path, stage, None, MS_BIND | MS_REC)
+            staged.append((path, stage))
+    return staged
+
+
+def _restore_staged(staged: list[tuple[str, str]]) -> None:
+    for path, stage in staged:
+        os.makedirs(path, 0o755, exist_ok=True)
+        _mount(stage, path, None, MS_BIND | MS_REC)
+        _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        _check(_libc.umount2(stage.encode(), MNT_DETACH), f"umount {stage}")
+        os.rmdir(stage)
+
+
 def enter(spec: dict) -> None:
     """Everything before ``exec``: cgroups, mounts, identity. Raises on any failure."""
     for procs in spec.get("cgroup_procs", []):
@@ -169,8 +195,10 @@ def enter(spec: dict) -> None:
         if private_tmp:  # last: a home or stand-in tree under /tmp is bound or covered already
             for target in ("/var/tmp", "/tmp"):  # /tmp last: it hides the source below it
                 if os.path.isdir(target):
+                    kept = _stage_under(target, spec.get("expose", []))
                     _mount(private_tmp, target, None, MS_BIND)
                     _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+                    _restore_staged(kept)
     finally:
         os.umask(old)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")

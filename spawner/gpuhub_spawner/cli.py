@@ -55,12 +55,15 @@ def _run(args) -> int:
             return 1
     os.environ.update(env)
     if login == "demo":
+        from .hub.origins import public_url
+
         password = demo_password(data)
+        url = public_url(args.port)
         print(
-            f"\ngpuhub: starting on http://127.0.0.1:{args.port}\n"
+            f"\ngpuhub: starting on {url}\n"
             f"  log in as alice or bob (Vision Lab), carol (NLP), dave (both), erin (Students),\n"
-            f"  mallory (no team) or admin — password: {password}\n"
-            f"  GPUs and queues: http://127.0.0.1:{args.port}/hub/gpuhub\n",
+            f"  lena (Vision Lab's lead), victor (viewer), mallory (no team) or admin — password: {password}\n"
+            f"  GPUs and queues: {url}/hub/gpuhub   usage: {url}/hub/gpuhub/usage\n",
             flush=True,
         )
     else:

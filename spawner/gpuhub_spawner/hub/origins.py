@@ -49,6 +49,13 @@ def subdomain_host(port: int) -> str:
     return f"{scheme}://{netloc}"
 
 
+def public_url(port: int) -> str:
+    """Where people open the hub, as ``configure_origins`` will set it up."""
+    if os.environ.get("GPUHUB_SUBDOMAINS", "1") != "0" and node_proxy_command():
+        return subdomain_host(port)
+    return f"http://127.0.0.1:{port}"
+
+
 def configure_origins(c, *, port: int, host_routing: bool) -> bool:
     """Give every user's server its own origin; warn loudly where that cannot be done.
 

@@ -150,6 +150,8 @@ def test_borrowing_server_is_warned_then_stopped_after_the_notice_and_the_lender
     assert (hub.data / "home" / "bob").is_dir()
     page = home_page(bob)
     assert "to give back a borrowed GPU" in page
+    form = bob.session.get(hub.url + "/hub/spawn").text  # why it stopped, where he would start it again
+    assert 'id="gpuhub-stop-reason"' in form and "NLP Group needs back GPU" in form and "files are kept" in form
     # The timeline, from the hub's own log: warning -> stop no earlier than the deadline -> admission.
     lines = hub.log.read_text().splitlines()
     warned = [l for l in lines if "Reclaim: warning bob/" in l][-1]

@@ -72,6 +72,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
 
     # -- start ----------------------------------------------------------------------------
     async def start(self):
+        self.stop_reason = None  # why the last run stopped (a reclaim) is shown once, until this start
         await self.broker.store.fresh()  # an edit just saved applies to this spawn
         choice = self.resolve_request()
         policy = self.broker.policy

@@ -18,7 +18,7 @@ import requests
 
 from support.hub import PASSWORD, Hub
 from support.kernel import KernelSession
-from test_local_hub import POLICY
+from test_local_hub import POLICY, clean  # noqa: F401  (clean: every server stopped around a test)
 
 pytestmark = pytest.mark.integration
 
@@ -37,22 +37,6 @@ def hub(tmp_path_factory):
 @pytest.fixture(scope="module")
 def users(hub):
     return {name: hub.login(name) for name in ("alice", "bob", "carol", "mallory", "admin")}
-
-
-def stop_all(users):
-    for u in users.values():
-        for name in list(u.model()["servers"]):
-            u.stop(name)
-    for u in users.values():
-        for name in list(u.model()["servers"]):
-            u.wait_gone(name)
-
-
-@pytest.fixture
-def clean(users):
-    stop_all(users)
-    yield users
-    stop_all(users)
 
 
 # -- finding 5: caps cannot be skipped by leaving out the profile ------------------------------

@@ -3,8 +3,8 @@
 Every gpuhub endpoint checks the *request's* scopes (a token limited to reading its own
 name gets nothing here, even when an admin owns it), never just who owns the token.
 
-- ``custom:gpuhub:status``: device and queue counts; holders' names only inside the
-  reader's own teams. Every user has it (``extra_user_scopes``).
+- ``custom:gpuhub:status``: device and queue counts, and the reader's own devices.
+  Every user has it (``extra_user_scopes``); team leads also see their team (``lead``).
 - ``custom:gpuhub:status:all``: every holder, every waiting request, the policy's health.
   Implied by ``admin:servers`` (hub admins); ``gpuhub-admin`` grants it to groups.
 - ``custom:gpuhub:culling``: read cull warnings and snooze servers; filtered by ``!user``.
@@ -32,7 +32,7 @@ AUDIT = "custom:gpuhub:audit"
 
 CUSTOM_SCOPES = {
     STATUS: {
-        "description": "See gpuhub's GPU and queue counts, and who holds GPUs in your own teams.",
+        "description": "See gpuhub's GPU and queue counts, and your own GPUs.",
     },
     STATUS_ALL: {
         "description": "See every GPU holder, every waiting request and the policy's health.",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from functools import partial
 
@@ -138,6 +139,10 @@ class GpuHubCuller(IdleCuller):
         loop = IOLoop.current()
         loop.add_callback(one_pass)
         PeriodicCallback(one_pass, 1e3 * self.cull_every).start()
+        # The hub stops a managed service with SIGINT, then SIGTERM after 10 s. Left to
+        # the defaults this process sat out both (hub shutdown took ~30 s): stop at once.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.asyncio_loop.add_signal_handler(sig, loop.stop)
         try:
             loop.start()
         except KeyboardInterrupt:

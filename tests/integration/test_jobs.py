@@ -88,16 +88,9 @@ def hub(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def train_script(hub):
-    """The training script where every job account can read it (pytest's tmp tree is 0700)."""
-    import shutil
-    import tempfile
-
-    shared = Path(tempfile.mkdtemp(prefix="gpuhub-jobs-"))
-    shared.chmod(0o755)
-    (shared / "train.py").write_text(TRAIN)
-    (shared / "train.py").chmod(0o644)
-    yield str(shared / "train.py")
-    shutil.rmtree(shared, ignore_errors=True)
+    """The job's command: the training script inline, as a researcher could also keep it in
+    their home. (Not a file under /tmp: every account has a private /tmp.)"""
+    return f"[{sys.executable}, -c, {json.dumps(TRAIN)}]"
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +295,7 @@ def test_preempted_job_resumes_from_its_checkpoint_and_finishes_with_the_right_t
     job_id = submit(hub, bob, tmp_path, f"""\
 name: train
 profile: gpu-1
-command: [{sys.executable}, {train_script}]
+command: {train_script}
 retries: {{limit: 0, reasons: [preempted]}}
 """)
     wait_for(lambda: "step 2" in logs(bob, job_id), 60, "training to reach step 2")
@@ -410,7 +403,7 @@ def test_records_queue_and_running_jobs_survive_a_hub_restart(hub, users, tmp_pa
     dave = hub.login("dave")  # in two teams: names Vision Lab's queue
     second = submit(hub, dave, tmp_path, f"profile: gpu-1\nteam: vision\ncommand: [{sys.executable}, -c, 'print(2)']\n")
     assert record(dave, second)["status"].startswith("queued: position 2 of 2 in Vision Lab's queue")
-    training = submit(hub, carol, tmp_path, f"name: train\nprofile: gpu-1\ncommand: [{sys.executable}, {train_script}]\n")
+    training = submit(hub, carol, tmp_path, f"name: train\nprofile: gpu-1\ncommand: {train_script}\n")
     wait_for(lambda: "step 2" in logs(carol, training), 60, "training to reach step 2")
 
     hub.stop(kill_servers=False)

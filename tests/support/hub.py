@@ -54,6 +54,22 @@ def processes_with_env(marker: str) -> list[int]:
     return pids
 
 
+def browser_like_session() -> requests.Session:
+    """A session that, like a browser, retries an idempotent request once its kept-alive
+    connection turns out closed (the Node proxy closes idle ones after 5 s; a request sent
+    at that moment is reset). Never retries a POST."""
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
+
+    retry = Retry(total=2, connect=2, read=2, status=0, other=0, backoff_factor=0.1,
+                  allowed_methods=frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"}), raise_on_status=False)
+    s = requests.Session()
+    adapter = HTTPAdapter(max_retries=retry)
+    s.mount("http://", adapter)
+    s.mount("https://", adapter)
+    return s
+
+
 class Hub:
     def __init__(
         self, workdir: Path, policy_text: str, extra_config: str = "", mlflow: bool = False, env: dict | None = None
@@ -171,7 +187,7 @@ class UserClient:
     def __init__(self, hub: Hub, name: str, password: str):
         self.hub = hub
         self.name = name
-        self.session = requests.Session()
+        self.session = browser_like_session()
         self.session.get(hub.url + "/hub/login")
         xsrf = self.session.cookies.get("_xsrf")
         r = self.session.post(
@@ -189,7 +205,7 @@ class UserClient:
         )
         r.raise_for_status()
         self.token = r.json()["token"]
-        self.api = requests.Session()
+        self.api = browser_like_session()
         self.api.headers["Authorization"] = f"token {self.token}"
 
     def url(self, path: str) -> str:

@@ -155,9 +155,7 @@ def parse_job(text: str, filename: str = "job.yaml") -> JobSpec:
         line_col = positions.mark(loc, key=key) or (None, None)
         issues.append(PolicyIssue(format_loc(loc), *line_col, message))
 
-    for loc, node in positions.duplicate_keys():
-        issues.append(PolicyIssue(format_loc(loc), node.start_mark.line + 1, node.start_mark.column + 1,
-                                  f"key {loc[-1]!r} appears twice; the second would silently win"))
+    issues.extend(positions.duplicate_key_issues())
     if not isinstance(data, dict):
         add((), "a job file must be a mapping with at least 'profile' and 'command'")
         raise PolicyError(filename, issues)

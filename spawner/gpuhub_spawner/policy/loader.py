@@ -82,6 +82,16 @@ class _Positions:
             return None
         return best.start_mark.line + 1, best.start_mark.column + 1
 
+    def duplicate_key_issues(self) -> list["PolicyIssue"]:
+        """A located issue for every key that appears twice in one mapping."""
+        return [
+            PolicyIssue(
+                format_loc(loc), node.start_mark.line + 1, node.start_mark.column + 1,
+                f"key {loc[-1]!r} appears twice; the second would silently win",
+            )
+            for loc, node in self.duplicate_keys()
+        ]
+
     def duplicate_keys(self) -> Iterable[tuple[Loc, yaml.Node]]:
         def walk(node: yaml.Node, loc: Loc):
             if isinstance(node, yaml.MappingNode):
@@ -205,13 +215,7 @@ def _parse(text: str, filename: str) -> tuple[Policy, Any]:
         line_col = positions.mark(loc, key=key) or (None, None)
         issues.append(PolicyIssue(format_loc(loc), *line_col, message))
 
-    for loc, node in positions.duplicate_keys():
-        issues.append(
-            PolicyIssue(
-                format_loc(loc), node.start_mark.line + 1, node.start_mark.column + 1,
-                f"key {loc[-1]!r} appears twice; the second would silently win",
-            )
-        )
+    issues.extend(positions.duplicate_key_issues())
 
     if not isinstance(data, dict):
         add((), "the policy must be a mapping with teams, profiles, flavors, ...")

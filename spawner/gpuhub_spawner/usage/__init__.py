@@ -10,7 +10,8 @@ _SERVER_PATH = re.compile(r"/api/users/([^/]+)/(?:server|servers/([^/?]*))(?:/pr
 
 
 def _audit_request(handler) -> None:
-    """After each hub request: who started or stopped whose server (incl. admins acting on others)."""
+    """After each hub REST request: who started or stopped whose server (incl. admins acting
+    on others). Starts from the spawn page are audited by ``_audit_page_spawn``."""
     from . import recorder
 
     rec = recorder.current()
@@ -39,6 +40,36 @@ def _audit_request(handler) -> None:
         rec.audit.record("acted_on_server", by=by, role="hub-admin", target_user=owner, key=key, action=action)
 
 
+def _audit_page_spawn(spawner) -> None:
+    """At a spawn started from a page (``/hub/spawn[/<user>[/<server>]]``, its form or query):
+    who asked for whose server. REST API starts are audited by ``_audit_request``.
+
+    Runs as part of ``Spawner.pre_spawn_hook``: JupyterHub calls it once per spawn it
+    actually begins, with ``spawner.handler`` the request that began it, so a form that
+    fails validation or a request JupyterHub refuses (403/404, already running) is not
+    recorded as a start.
+    """
+    from jupyterhub.apihandlers import APIHandler
+
+    from . import recorder
+
+    rec = recorder.current()
+    handler = getattr(spawner, "handler", None)
+    if rec is None or handler is None or isinstance(handler, APIHandler):
+        return
+    actor = getattr(handler, "_jupyterhub_user", None)
+    by = getattr(actor, "name", None)
+    if by is None:
+        return
+    owner = spawner.user.name
+    key = f"{owner}/{spawner.name}"
+    kind = "service" if getattr(actor, "kind", "user") == "service" else "user"
+    rec.audit.record("start_requested", key=key, user=owner, by=by, by_kind=kind, via="spawn page")
+    if by != owner and kind == "user":
+        rec.audit.record("acted_on_server", by=by, role="hub-admin", target_user=owner, key=key, action="start",
+                         via="spawn page")
+
+
 def configure_usage(c, data_dir, policy=None) -> None:
     """History, audit trail, metrics, roles, pages (after ``configure_scopes``; one-machine hub)."""
     from jupyterhub.log import log_request
@@ -64,6 +95,18 @@ def configure_usage(c, data_dir, policy=None) -> None:
 
     settings["log_function"] = log_function
     c.JupyterHub.tornado_settings = settings
+    inner_hook = c.Spawner.pre_spawn_hook if "pre_spawn_hook" in c.Spawner else None
+
+    def pre_spawn_hook(spawner):
+        try:
+            _audit_page_spawn(spawner)
+        except Exception:  # auditing must never break a start
+            import logging
+
+            logging.getLogger("JupyterHub.gpuhub.audit").exception("audit of a spawn failed")
+        return inner_hook(spawner) if inner_hook else None
+
+    c.Spawner.pre_spawn_hook = pre_spawn_hook
     if policy is not None:
         from .roles import configure_policy_roles
 

@@ -3,48 +3,169 @@
 - admin (``roles.admins``): role ``gpuhub-admin`` — everything gpuhub shows, the audit
   trail, and stopping any server (``admin:servers``, which implies gpuhub's scopes).
 - team lead (``teams[].leads``): role ``gpuhub-lead`` (``custom:gpuhub:lead``); *which*
-  teams is read from the live policy at each request, so removing a lead group takes
-  effect at the next reload. Adding a new group to a role needs a hub restart (JupyterHub
-  assigns configured roles at start); the audit trail records the change either way.
+  teams is read from the live policy at each request.
 - viewer (``roles.viewers``): role ``gpuhub-viewer`` — every team's usage and counts,
   no servers, files or artifacts (MLflow: read-only, see ``mlflow/accounts.py``).
 - researcher: a member of a team's groups; the default ``user`` role with gpuhub's
   per-user scopes (own usage, own teams' counts).
+
+JupyterHub assigns configured roles (``load_roles``) to groups only at start.
+``PolicyRoles`` applies the policy's groups to these three roles in the hub's database at
+every policy reload, the way JupyterHub's ``init_role_assignment`` does at start (the
+role's groups become exactly the policy's, plus any the hub's configuration adds), so
+granting and revoking take effect at the next request, not the next restart. JupyterHub
+resolves a request's scopes from the database on every request (token or cookie alike).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass, field
+
+from traitlets import Dict
+from traitlets.config import SingletonConfigurable
 
 from ..hub.scopes import AUDIT, LEAD, STATUS, STATUS_ALL, USAGE, USAGE_ALL, allowed
 from ..policy.access import teams_for
+
+log = logging.getLogger("JupyterHub.gpuhub.roles")
 
 
 def _merged_roles(c) -> dict[str, dict]:
     return {r["name"]: dict(r) for r in (list(c.JupyterHub.load_roles) if "load_roles" in c.JupyterHub else [])}
 
 
+def policy_role_groups(policy) -> dict[str, set[str]]:
+    """gpuhub role -> the policy's groups that hold it."""
+    return {
+        "gpuhub-admin": set(policy.roles.admins),
+        "gpuhub-viewer": set(policy.roles.viewers),
+        "gpuhub-lead": {g for t in policy.teams for g in t.leads},
+    }
+
+
+class PolicyRoles(SingletonConfigurable):
+    """Keeps the groups of gpuhub's roles in the hub's database equal to the live policy's."""
+
+    config_groups = Dict(
+        help="""Groups the hub's configuration (not the policy) gives a gpuhub role, by role;
+        kept when the policy changes. Set by ``configure_policy_roles``.""",
+    ).tag(config=True)
+
+    def wanted(self, policy) -> dict[str, set[str]]:
+        return {role: groups | set(self.config_groups.get(role, ())) for role, groups in policy_role_groups(policy).items()}
+
+    def apply(self, db, policy) -> dict[str, list]:
+        """Grant and strip gpuhub's roles on groups so they match ``policy``; return what changed.
+
+        Mirrors JupyterHub's start-up assignment (``JupyterHub.init_role_assignment``):
+        groups are found or created with ``orm.Group``, roles granted and stripped with
+        ``jupyterhub.roles.grant_role``/``strip_role``. Only gpuhub's three roles are
+        touched (never JupyterHub's ``admin``, ``user``, ``server`` or ``token``), and only
+        their groups (users or services a configuration gives them are left alone).
+        """
+        from jupyterhub import orm
+        from jupyterhub.roles import grant_role, strip_role
+
+        changed: dict[str, list] = {"granted": [], "revoked": [], "created_groups": []}
+        try:
+            for role_name, wanted in self.wanted(policy).items():
+                role = orm.Role.find(db, role_name)
+                if role is None:  # not loaded at start (another backend's config): nothing to keep in step
+                    log.warning("Role %s is not in the hub's database; its groups follow at the next start", role_name)
+                    continue
+                have = {g.name: g for g in role.groups}
+                for name in sorted(wanted - set(have)):
+                    group = orm.Group.find(db, name)
+                    if group is None:
+                        log.info("Creating group %s found in role %s (policy)", name, role_name)
+                        group = orm.Group(name=name)
+                        db.add(group)
+                        changed["created_groups"].append(name)
+                    grant_role(db, group, role, commit=False)
+                    changed["granted"].append([role_name, name])
+                for name in sorted(set(have) - wanted):
+                    strip_role(db, have[name], role, commit=False)
+                    changed["revoked"].append([role_name, name])
+            db.commit()
+        except Exception:
+            db.rollback()
+            raise
+        return changed
+
+    def follow(self, db, store) -> None:
+        """Apply the policy now and after every reload of ``store`` (audited as ``roles_applied``)."""
+
+        def apply(policy) -> None:
+            from . import recorder
+
+            try:
+                changed = self.apply(db, policy)
+            except Exception as e:  # the last assignment stays; say so where admins look
+                log.exception("Applying the policy's roles to the hub's database failed")
+                recorder.audit("roles_apply_failed", error=f"{type(e).__name__}: {e}")
+                return
+            if changed["granted"] or changed["revoked"]:
+                log.info("Policy roles applied: granted %s, revoked %s", changed["granted"], changed["revoked"])
+                recorder.audit("roles_applied", **changed)
+
+        store.on_change(apply)
+        apply(store.current)
+
+
+_tasks: set = set()  # the event loop keeps only weak references to tasks
+
+
+async def _follow_after_start() -> None:
+    from jupyterhub.app import JupyterHub
+
+    if not JupyterHub.initialized():
+        return
+    app = JupyterHub.instance()
+    start = getattr(app, "_start_future", None)
+    if start is None:
+        return
+    try:
+        await start  # init_role_assignment has run: the database has the roles
+    except Exception:
+        return  # the hub did not start; it says why
+    from ..policy import PolicyStore
+
+    PolicyRoles.instance(config=app.config).follow(app.db, PolicyStore.instance(config=app.config))
+
+
 def configure_policy_roles(c, policy) -> None:
-    """Grant gpuhub's roles to the policy's groups (after ``hub.scopes.configure_scopes``)."""
+    """Grant gpuhub's roles to the policy's groups (after ``hub.scopes.configure_scopes``),
+    at start through ``load_roles`` and, once the hub runs, at every policy reload."""
     roles = _merged_roles(c)
+    groups = policy_role_groups(policy)
     admins = roles.get("gpuhub-admin", {"name": "gpuhub-admin", "scopes": [], "groups": []})
+    c.PolicyRoles.config_groups = {"gpuhub-admin": sorted(admins.get("groups", []))}
     admins["scopes"] = sorted(set(admins.get("scopes", [])) | {"admin:servers", "list:users", "read:users", STATUS_ALL,
                                                                USAGE_ALL, AUDIT})
-    admins["groups"] = sorted(set(admins.get("groups", [])) | set(policy.roles.admins))
+    admins["groups"] = sorted(set(admins.get("groups", [])) | groups["gpuhub-admin"])
     roles["gpuhub-admin"] = admins
     roles["gpuhub-viewer"] = {
         "name": "gpuhub-viewer",
         "description": "gpuhub viewers: every team's usage and counts; no servers, files or artifacts.",
         "scopes": [USAGE_ALL, STATUS],
-        "groups": sorted(set(policy.roles.viewers)),
+        "groups": sorted(groups["gpuhub-viewer"]),
     }
     roles["gpuhub-lead"] = {
         "name": "gpuhub-lead",
         "description": "gpuhub team leads: their teams' holders, queue and history (teams from the policy).",
         "scopes": [LEAD, STATUS],
-        "groups": sorted({g for t in policy.teams for g in t.leads}),
+        "groups": sorted(groups["gpuhub-lead"]),
     }
     c.JupyterHub.load_roles = list(roles.values())
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return  # config read outside a running hub (tools, tests of the config)
+    task = loop.create_task(_follow_after_start())
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
 
 
 @dataclass

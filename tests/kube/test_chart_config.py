@@ -123,6 +123,9 @@ def test_effective_config_selects_kueue_spawner_in_the_user_namespace(chart_conf
     assert c.DcgmPrometheusReader.prometheus_url  # GPU utilisation from DCGM, never from the pod
     names = [s["name"] for s in c.JupyterHub.services]
     assert "gpuhub-culler" in names and "mlflow" in names and "jupyterhub-idle-culler" not in names
+    # Usage history and the audit trail live on the hub's volume; the usage pages are served.
+    assert c.UsageRecorder.audit_file == "/srv/jupyterhub/gpuhub-audit.jsonl"
+    assert any(h[0] == "/api/gpuhub/usage" for h in c.JupyterHub.extra_handlers)
     culler_role = next(r for r in c.JupyterHub.load_roles if r["name"] == "gpuhub-culler")
     assert not any(s.startswith("access:servers") for s in culler_role["scopes"])  # never calls user pods
     # z2jh sets c.KubeSpawner.environment from singleuser.extraEnv; that section is the one

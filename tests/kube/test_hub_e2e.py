@@ -75,6 +75,11 @@ c.KubeSpawner.poll_interval = 1                 # production: 30 s; the hub noti
 c.KueueSpawner.status_interval = 0.2
 c.KueueSpawner.queue_poll_interval = 0.5
 c.JupyterHub.init_spawners_timeout = 1          # as helm-values/values.yaml
+c.KueueLedger.sync_interval = 0.5               # production: 2 s
+
+from gpuhub_spawner.kube.ledger import configure_ledger   # as hub.extraConfig gpuhub-usage does
+
+configure_ledger(c)
 
 # The double's pods share this machine's network: one port per pod, loopback only.
 c.KubeSpawner.ip = "127.0.0.1"

@@ -22,7 +22,7 @@ from jupyterhub.apihandlers import APIHandler
 from jupyterhub.handlers import BaseHandler
 from tornado import web
 
-from ..local.broker import LocalBroker
+from .backend import broker as admission_view
 from ..policy import PolicyStore
 from ..policy.quantities import format_duration, format_memory
 from .scopes import LEAD, STATUS, STATUS_ALL, allowed
@@ -30,7 +30,7 @@ from .scopes import LEAD, STATUS, STATUS_ALL, allowed
 _HIDDEN = ("user", "profile", "held_for", "idle_for", "stops_at", "key")
 
 
-def status_snapshot(broker: LocalBroker, see_all: bool, own_teams: set[str] = frozenset(), me: str | None = None,
+def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me: str | None = None,
                     member_teams: set[str] | None = None) -> dict:
     """The status as one reader may see it.
 
@@ -52,7 +52,9 @@ def status_snapshot(broker: LocalBroker, see_all: bool, own_teams: set[str] = fr
     records = CullBoard.instance().records if CullBoard.initialized() else {}
     flavor_names = {f.name: f.display_name or f.name for f in policy.flavors}
     devices = []
-    for d in broker.devices.devices:
+    if broker.devices is None:  # Kubernetes: no device table; one line per holder of GPUs
+        devices = _holder_lines(broker, holders_of_gpus(queue), records, flavor_names, now, see_all, own_teams, me)
+    for d in (broker.devices.devices if broker.devices is not None else ()):
         adm = holders.get(d.id)
         rec = records.get(adm.key) if adm else None
         busy = getattr(rec, "gpu_last_busy", None)
@@ -121,13 +123,41 @@ def status_snapshot(broker: LocalBroker, see_all: bool, own_teams: set[str] = fr
     return out
 
 
+def holders_of_gpus(queue) -> list:
+    return [a for a in queue.holdings() if any(k.startswith("gpu/") and v for k, v in a.demand.items())]
+
+
+def _holder_lines(broker, holders, records, flavor_names, now, see_all, own_teams, me) -> list[dict]:
+    """The devices table on Kubernetes: Kueue admits GPU counts per flavor, nodes hold the devices."""
+    out = []
+    for adm in sorted(holders, key=lambda a: a.since):
+        rec = records.get(adm.key)
+        busy = getattr(rec, "gpu_last_busy", None)
+        gpu_idle = format_duration(now - busy) if busy else None
+        for k, v in adm.demand.items():
+            if not k.startswith("gpu/") or not v:
+                continue
+            flavor = k[4:]
+            entry = {
+                "id": f"{adm.key} {flavor}", "flavor": flavor, "flavor_name": flavor_names.get(flavor, flavor),
+                "name": f"{v} × {flavor_names.get(flavor, flavor)}", "virtual": False, "held": True, "key": adm.key,
+                "user": adm.user, "team": adm.team, "profile": adm.profile,
+                "held_for": format_duration(now - adm.since), "idle_for": gpu_idle if gpu_idle != "0s" else None,
+                "stops_at": getattr(getattr(rec, "state", None), "deadline", None),
+            }
+            if not see_all and adm.team not in own_teams and adm.user != me:
+                entry.update(dict.fromkeys(_HIDDEN))
+            out.append(entry)
+    return out
+
+
 class _StatusMixin:
     def snapshot_for_request(self) -> dict:
         if not allowed(self, STATUS):
             raise web.HTTPError(403, f"This needs the scope {STATUS}.")
         from ..policy.access import teams_for
 
-        broker = LocalBroker.instance(config=self.config)
+        broker = admission_view(self.config)
         user = self.current_user
         groups = [g.name for g in getattr(user, "groups", [])] if getattr(user, "kind", "user") == "user" else []
         policy = broker.policy

@@ -41,6 +41,7 @@ from traitlets import Dict, Float, Integer, Unicode, default
 from ..policy.access import Choice
 from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
+from ..usage import recorder as usage
 from ..policy.access import ChoiceError, resolve_choice
 from .kueue import (
     POD_FINALIZER, PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL, WEBHOOK_FAILED_MARKER, pod_is_gated,
@@ -143,6 +144,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
 
     # -- start: queue wait, then launch ----------------------------------------------
     def start(self):
+        self._ledger()
         self._queued_at = time.monotonic()
         self._admitted_at = None
         self._pod_created = False
@@ -175,6 +177,10 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                     raise SpawnException(await self._gone_reason(), reason="evicted", status_code=503)
             result = task.result()
             self._started = True
+            ledger = self._ledger()
+            if ledger is not None and ledger.watching:
+                ledger.sync()  # its admission is recorded before its start (the audit's order)
+            usage.note_started(self._server_key, self.user.name)
             return result
         except TimeoutError:
             if self._admitted_at:
@@ -221,6 +227,22 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             await self.stop(now=True)
         except Exception:
             self.log.exception("Could not delete pod %s after a failed start", self.pod_name)
+
+    @property
+    def _server_key(self) -> str:
+        """The key the usage history, audit trail and reclaimer know this server by."""
+        return f"{self.user.name}/{self.name}"
+
+    def _ledger(self):
+        """The hub's mirror of Kueue (``kube.ledger``), once the hub config started it."""
+        from .ledger import KueueLedger
+
+        if not KueueLedger.initialized():
+            return None
+        ledger = KueueLedger.instance()
+        if not ledger.watching:
+            asyncio.ensure_future(ledger.watch(self))
+        return ledger
 
     @property
     def _ref_key(self) -> str:
@@ -292,6 +314,10 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             queue_length = len(snapshot.items) if snapshot.fetched_at else None
             waited = format_duration(time.monotonic() - self._queued_at)
             text = waiting_message(self.policy, self.choice, workload, pending, queue_length)
+            ledger = self._ledger()
+            note = ledger.queue.notes.get(self._server_key) if ledger else None
+            if note:  # the reclaimer's: this team's own quota is on loan and coming back
+                text = f"Your server {note}."
             if snapshot.error:
                 text += " (Queue position temporarily unavailable.)"
             return {"progress": 10, "message": f"{text} Waiting for {waited}."}
@@ -481,6 +507,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         its containers are gone and its resources freed; Kueue removes the object when back."""
         self._pod_created = False
         self._started = False
+        usage.note_end(self._server_key, "stopped")  # unless the culler or the reclaimer said why first
         await self._start_watching_pods()
         grace = 0 if now else self.delete_grace_period
         options = V1DeleteOptions(grace_period_seconds=grace)

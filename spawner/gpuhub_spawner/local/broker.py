@@ -77,6 +77,15 @@ class LocalBroker(SingletonConfigurable):
             self._launch_slots = asyncio.Semaphore(self.launch_concurrency)
         return self._launch_slots
 
+    def preempt_job(self, key: str, message: str, for_key: str | None = None) -> bool:
+        """Stop a borrowing job at once and re-queue it (the reclaimer's); False while it is
+        admitted but not yet launched (the reclaimer looks again)."""
+        from ..jobs.manager import JobManager
+
+        if not JobManager.initialized():
+            return False
+        return JobManager.instance().preempt(key.partition(":")[2], message)
+
     def _ensure_watcher(self) -> None:
         try:
             asyncio.get_running_loop()

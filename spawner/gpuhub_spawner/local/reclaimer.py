@@ -134,12 +134,12 @@ class Reclaimer:
         waiting = sorted((t for t in queue.waiting if not t.restored and lender(t)), key=Ticket.sort_key)
         requests = [Request(t.key, t.team, t.demand) for t in waiting]
         keys = {k for t in waiting for k in t.demand if k.startswith("gpu/")}
-        table = self.broker.devices
-        free = {k: len(table.free_devices(k[4:])) for k in keys}
+        table = self.broker.devices  # None on Kubernetes: Kueue counts quota, nodes place pods
+        free = {k: len(table.free_devices(k[4:])) for k in keys} if table is not None else None
         p = plan(policy, usage, holders, requests, free, under_notice=set(self.notices))
         for key, (team, for_key) in p.reclaim.items():
             if key.startswith(JOB_PREFIX):
-                self._preempt_job(key, team)
+                self._preempt_job(key, team, for_key)
             elif key not in self.notices:
                 self._warn(key, team, now)
         for key in [k for k in self.notices if k not in p.reclaim]:
@@ -175,16 +175,10 @@ class Reclaimer:
         return False
 
     # -- jobs: at once -----------------------------------------------------------------------
-    def _preempt_job(self, key: str, for_team: str) -> None:
-        try:
-            from ..jobs.manager import JobManager
-        except ImportError:
-            return
-        if not JobManager.initialized():
-            return
+    def _preempt_job(self, key: str, for_team: str, for_key: str) -> None:
         label = self._label(for_team)
         message = f"preempted: its GPUs were borrowed from {label}'s quota, and {label} needs them back"
-        if JobManager.instance().preempt(key[len(JOB_PREFIX):], message):
+        if self.broker.preempt_job(key, message, for_key):
             self._stopping.add(key)
             log.warning("Reclaim: preempting job %s at once for %s (it re-queues)", key, for_team)
         else:  # admitted, still launching: look again in a moment

@@ -65,6 +65,10 @@ async def requeue_after_start(token: str) -> None:
     if start is None:
         return
     await start  # running servers are re-registered by now
+    from ..kube.ledger import KueueLedger
+
+    if KueueLedger.initialized():
+        return  # Kubernetes: Kueue keeps the queue (a queued pod keeps its place by itself)
     broker = LocalBroker.instance(config=app.config)
     tickets, broker.waiting_before_restart = broker.waiting_before_restart, []
     restored = broker.queue.restore_waiting(tickets)

@@ -25,7 +25,7 @@ from traitlets import Float
 from traitlets.config import SingletonConfigurable
 
 from ..hub.scopes import AUDIT, allowed
-from ..local.broker import LocalBroker
+from ..hub.backend import broker as admission_view
 from ..policy.quantities import parse_duration
 from . import charts
 from .history import iso, summarize, to_csv
@@ -45,8 +45,8 @@ class LeadActions(SingletonConfigurable):
 
 class _Base:
     @property
-    def broker(self) -> LocalBroker:
-        return LocalBroker.instance(config=self.config)
+    def broker(self):
+        return admission_view(self.config)
 
     @property
     def recorder(self) -> UsageRecorder:

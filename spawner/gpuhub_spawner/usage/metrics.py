@@ -110,6 +110,9 @@ class QuotaCollector:
             oldest.add_metric([team.name], round(now - first[team.name], 3) if team.name in first else 0)
         yield from (nominal, in_use, borrowed, lent, waiting, oldest)
 
+        if broker.devices is None:  # Kubernetes: Kueue counts quota; devices are the nodes' (DCGM)
+            yield from self._policy_status(broker)
+            return
         free = GaugeMetricFamily("gpuhub_free_devices", "Devices of a flavor on this machine nobody holds", labels=["flavor"])
         total = GaugeMetricFamily("gpuhub_devices", "Devices of a flavor on this machine", labels=["flavor"])
         for flavor in flavors:
@@ -128,7 +131,10 @@ class QuotaCollector:
                 if d in readings:
                     util.add_metric([d, flavor_of.get(d, ""), adm.team], readings[d])
         yield util
+        yield from self._policy_status(broker)
 
+    @staticmethod
+    def _policy_status(broker):
         status = broker.store.status
         ok = GaugeMetricFamily("gpuhub_policy_ok", "1 when the policy file on disk is the one in force, 0 when its last edit was refused")
         ok.add_metric([], 0 if status.stale else 1)

@@ -1,0 +1,346 @@
+"""Kueue's admissions as the hub's ledger on Kubernetes: who holds what, who waits.
+
+On one machine the hub *decides* admission (``admission.queue.AdmissionQueue``); on a
+cluster Kueue does, and the hub only reads it. This module mirrors Kueue's Workloads
+into the same read interface (``admitted``, ``waiting``, ``usage()``, ``holdings()`` and
+the ``on_submit``/``on_queued``/``on_admit``/``on_release``/``on_cancel`` hooks), so the
+one policy core serves both backends unchanged: the usage history, audit trail and
+per-team metrics (``usage/``), the status pages (``hub/pages.py``) and the reclaimer
+(``local/reclaimer.py``, which warns a borrowing server and stops it after the lender's
+notice — Kueue itself gives no notice).
+
+It reads KubeSpawner's shared pod reflector and gpuhub's Workload reflector (one watch
+each per namespace, already open for the spawners) every ``sync_interval`` seconds:
+in-memory work, no API calls. A Workload is keyed like the one-machine queue:
+``user/server`` for a server's pod (from the pod's ``hub.jupyter.org/*`` annotations),
+``job:<id>`` for a batch Job. Demand is what Kueue admitted (flavors and resource usage
+of the admission), or the profile's demand while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime
+
+from tornado.ioloop import PeriodicCallback
+from traitlets import Float
+from traitlets.config import SingletonConfigurable
+
+from ..admission.queue import Admission, Ticket
+from ..admission.quota import demand_for, gpu_key
+from ..policy import PolicyStore
+from ..policy.model import Policy
+from ..policy.quantities import parse_cpu_millis, parse_memory_bytes
+from .kueue import (
+    ADMITTED, EVICTED, FINISHED, PREEMPTED, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING, PREEMPTED_IN_COHORT_RECLAMATION,
+    PROFILE_LABEL, QUOTA_RESERVED, TEAM_LABEL, owner_pod_name,
+)
+
+log = logging.getLogger("JupyterHub.gpuhub.ledger")
+
+JOB_LABEL = "gpuhub/job"  # jobs.kube.JOB_LABEL (imported lazily there; kept equal by a test)
+USER_ANNOTATION = "hub.jupyter.org/username"
+SERVER_ANNOTATION = "hub.jupyter.org/servername"
+# Kueue took it back for the lending team: the history calls that "reclaimed", as on one machine.
+_RECLAIM_REASONS = (PREEMPTED_IN_COHORT_RECLAMATION, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING)
+
+
+def _ts(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _cond(wl: dict, ctype: str) -> dict:
+    return next((c for c in (wl.get("status") or {}).get("conditions") or [] if c.get("type") == ctype), {})
+
+
+def _owner(wl: dict) -> tuple[str | None, str | None]:
+    ref = next((r for r in wl["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+    return (ref.get("kind"), ref.get("name")) if ref else (None, None)
+
+
+def admitted_demand(wl: dict) -> dict[str, int]:
+    """What Kueue admitted: ``gpu/<flavor>`` counts, CPU millis, memory bytes."""
+    out: dict[str, int] = {}
+    for psa in ((wl.get("status") or {}).get("admission") or {}).get("podSetAssignments") or []:
+        for res, qty in (psa.get("resourceUsage") or {}).items():
+            if res == "cpu":
+                out["cpu"] = out.get("cpu", 0) + parse_cpu_millis(qty)
+            elif res == "memory":
+                out["memory"] = out.get("memory", 0) + parse_memory_bytes(qty)
+            elif res != "pods":
+                flavor = (psa.get("flavors") or {}).get(res)
+                if flavor:
+                    out[gpu_key(flavor)] = out.get(gpu_key(flavor), 0) + int(float(str(qty)))
+    return out
+
+
+class WorkloadQueue:
+    """The read side of ``AdmissionQueue``, mirrored from Kueue's Workloads."""
+
+    held = False
+
+    def __init__(self):
+        self.admitted: dict[str, Admission] = {}
+        self._waiting: dict[str, Ticket] = {}
+        self.notes: dict[str, str] = {}  # key -> what a lender's request waits for (the reclaimer's)
+        self.on_submit: list = []
+        self.on_queued: list = []
+        self.on_refuse: list = []  # refusals happen in the spawner, before any Workload
+        self.on_cancel: list = []
+        self.on_admit: list = []
+        self.on_release: list = []
+
+    @property
+    def waiting(self) -> list[Ticket]:
+        return list(self._waiting.values())
+
+    def waiting_in(self, team: str) -> int:
+        return sum(1 for t in self._waiting.values() if t.team == team)
+
+    def ticket(self, key: str) -> Ticket | None:
+        return self._waiting.get(key)
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for adm in self.admitted.values():
+            team = out.setdefault(adm.team, {})
+            for k, v in adm.demand.items():
+                team[k] = team.get(k, 0) + v
+        return out
+
+    def holdings(self) -> list[Admission]:
+        return list(self.admitted.values())
+
+    def refresh(self, teams) -> None:
+        """Spawners re-read ``notes`` on every status tick; nothing to push."""
+
+    @staticmethod
+    def _fire(hooks, *args) -> None:
+        for hook in list(hooks):
+            try:
+                hook(*args)
+            except Exception:  # noqa: BLE001 - a listener must not stop the mirror
+                log.exception("ledger hook %r failed", hook)
+
+    def apply(self, admitted: dict[str, Admission], waiting: dict[str, Ticket]) -> None:
+        """Replace the mirror with Kueue's current state, announcing what changed."""
+        for key, adm in list(self.admitted.items()):
+            now = admitted.get(key)
+            if now is None or now.since != adm.since:  # gone, or evicted and admitted again
+                del self.admitted[key]
+                self._fire(self.on_release, adm)
+        for key, t in list(self._waiting.items()):
+            if key not in waiting and key not in admitted:
+                del self._waiting[key]
+                self._fire(self.on_cancel, t)
+        for key, t in waiting.items():
+            if key in self._waiting:
+                self._waiting[key].demand = t.demand
+            else:
+                self._waiting[key] = t
+                self._fire(self.on_submit, t)
+                self._fire(self.on_queued, t)
+        for key, adm in admitted.items():
+            if key in self.admitted:
+                continue
+            if self._waiting.pop(key, None) is None:  # admitted between two reads: it was requested too
+                self._fire(self.on_submit, Ticket(key, adm.user, adm.team, adm.profile, adm.demand, adm.priority,
+                                                  created=adm.since))
+            self.admitted[key] = adm
+            self._fire(self.on_admit, adm)
+
+
+class KueueLedger(SingletonConfigurable):
+    """One per hub process on Kubernetes (what ``LocalBroker`` is on one machine)."""
+
+    sync_interval = Float(
+        2.0, help="Seconds between reads of the shared pod and Workload reflectors (memory only, no API calls)."
+    ).tag(config=True)
+
+    devices = None  # Kubernetes places pods on nodes; no device table in the hub
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.store = PolicyStore.instance(config=self.config)
+        self.queue = WorkloadQueue()
+        self._pods = None
+        self._workloads = None
+        self._sync: PeriodicCallback | None = None
+        self._told: set[str] = set()
+        self._evicted: dict[str, str] = {}
+        self.synced = asyncio.Event()
+        from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
+
+        UsageRecorder.instance(config=self.config).attach(self)
+        from ..local.reclaimer import Reclaimer  # borrowed servers given back with notice
+
+        self.reclaimer = Reclaimer(self)
+
+    @property
+    def policy(self) -> Policy:
+        return self.store.policy
+
+    @property
+    def watching(self) -> bool:
+        return self._sync is not None
+
+    # -- wiring ------------------------------------------------------------------------------
+    async def watch(self, spawner) -> None:
+        """Read the reflectors ``spawner`` shares with every other spawner of its namespace."""
+        if self._sync is not None:
+            return
+        await spawner._start_watching_pods()
+        await spawner._start_watching_workloads()
+        if self._sync is not None:
+            return
+        self._pods, self._workloads = spawner.pod_reflector, spawner.workload_reflector
+        self.sync()
+        self._sync = PeriodicCallback(self.sync, self.sync_interval * 1000)
+        self._sync.start()
+        log.info("Mirroring Kueue's Workloads in %s every %.1fs", spawner.namespace, self.sync_interval)
+
+    # -- one read ------------------------------------------------------------------------------
+    def sync(self) -> None:
+        try:
+            admitted, waiting = self.read()
+        except Exception:  # noqa: BLE001 - keep the last picture, try again next tick
+            log.exception("reading Kueue's Workloads failed")
+            return
+        for key in self.queue.admitted.keys() - admitted.keys():
+            why = self._evicted.get(key)
+            if why:  # Kueue preempted it (the pod and its Workload are gone): say so in the history
+                from ..usage import recorder as usage
+
+                usage.note_end(key, why, by="kueue")
+        self.queue.apply(admitted, waiting)
+        self.synced.set()
+
+    def read(self) -> tuple[dict[str, Admission], dict[str, Ticket]]:
+        policy = self.store.current
+        pods = dict(self._pods.resources) if self._pods is not None else {}
+        gone_pods = {k: v for k, (_, v) in self._pods.gone.items()} if hasattr(self._pods, "gone") else {}
+        admitted: dict[str, Admission] = {}
+        waiting: dict[str, Ticket] = {}
+        self._evicted = {}
+        recent = time.monotonic() - 3 * self.sync_interval - 5
+        gone = [wl for when, wl in reversed(self._workloads.gone.values()) if when >= recent] if self._workloads else []
+        current = list((self._workloads.resources if self._workloads is not None else {}).values())
+        for wl in gone + current:  # Kueue's preemptions: a pod's Workload is deleted, a Job's re-queued
+            reason = _cond(wl, PREEMPTED).get("reason") if _cond(wl, EVICTED).get("status") == "True" else None
+            who = self._identify(wl, pods, gone_pods) if reason else None
+            if who:
+                self._evicted[who[0]] = "reclaimed" if reason in _RECLAIM_REASONS else "preempted"
+        for wl in current:
+            if _cond(wl, FINISHED).get("status") == "True" or wl["metadata"].get("deletionTimestamp"):
+                continue
+            who = self._identify(wl, pods, gone_pods)
+            if who is None:
+                continue
+            key, user, team, profile = who
+            priority = int(wl["spec"].get("priority") or 0)
+            reserved = _cond(wl, QUOTA_RESERVED)
+            if reserved.get("status") == "True":
+                since = _ts((_cond(wl, ADMITTED) or reserved).get("lastTransitionTime")) or time.time()
+                admitted[key] = Admission(key, user, team, profile, admitted_demand(wl), [], since=since, priority=priority)
+            else:
+                prof = policy.profile(profile)
+                demand = demand_for(policy, prof) if prof is not None else {}
+                created = _ts(wl["metadata"].get("creationTimestamp")) or time.time()
+                waiting[key] = Ticket(key, user, team, profile, demand, priority, created=created)
+        return admitted, waiting
+
+    @staticmethod
+    def _identify(wl: dict, pods: dict, gone_pods: dict) -> tuple[str, str, str, str] | None:
+        labels = (((wl["spec"].get("podSets") or [{}])[0].get("template") or {}).get("metadata") or {}).get("labels") or {}
+        kind, name = _owner(wl)
+        ns = wl["metadata"].get("namespace")
+        if kind == "Pod":
+            pod = pods.get(f"{ns}/{owner_pod_name(wl)}") or gone_pods.get(f"{ns}/{owner_pod_name(wl)}")
+            if pod is None:
+                return None  # not a pod of this hub's (or not read yet)
+            meta = pod["metadata"]
+            ann, plabels = meta.get("annotations") or {}, meta.get("labels") or {}
+            user = ann.get(USER_ANNOTATION)
+            if not user or TEAM_LABEL not in plabels:
+                return None
+            return f"{user}/{ann.get(SERVER_ANNOTATION, '')}", user, plabels[TEAM_LABEL], plabels.get(PROFILE_LABEL, "")
+        if kind == "Job" and labels.get(JOB_LABEL) == name:
+            user = ((wl["spec"]["podSets"][0]["template"]["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
+                    or labels.get(USER_ANNOTATION) or "")
+            return f"job:{name}", _job_owner(name) or user, labels.get(TEAM_LABEL, ""), labels.get(PROFILE_LABEL, "")
+        return None
+
+    # -- the reclaimer's actions ---------------------------------------------------------------
+    def preempt_job(self, key: str, message: str, for_key: str | None = None) -> bool:
+        """Kueue preempts a borrowing job of lower priority than the lender's request
+        itself, at once (``reclaimWithinCohort: LowerPriority`` in the rendered
+        ClusterQueues), so the hub leaves it to Kueue. A job of equal or higher priority
+        is not preempted on Kubernetes (docs/reclaim.md); the hub says so once."""
+        adm = self.queue.admitted.get(key)
+        req = self.queue.ticket(for_key) if for_key else None
+        if adm is not None and req is not None and adm.priority >= req.priority and key not in self._told:
+            self._told.add(key)
+            log.warning("Reclaim: job %s (priority %d) borrows what %s needs back, but Kueue preempts only lower "
+                        "priorities; it keeps its GPUs until it ends", key, adm.priority, req.team)
+        return True
+
+
+def _job_owner(job_id: str) -> str | None:
+    """The user who submitted ``job_id`` (the hub's job records), if this hub knows it."""
+    try:
+        from ..jobs.kube_backend import KubeJobManager
+    except ImportError:
+        return None
+    if not KubeJobManager.initialized():
+        return None
+    rec = KubeJobManager.instance().jobs.get(job_id)
+    return rec.user if rec else None
+
+
+def current(config=None) -> KueueLedger:
+    return KueueLedger.instance(config=config)
+
+
+def configure_ledger(c) -> None:
+    """Mirror Kueue's Workloads in the hub (Kubernetes hubs: ``hub.extraConfig`` calls this).
+
+    The ledger is created as soon as the hub's loop runs, so pages and usage read the
+    Kubernetes view from the first request; it starts reading the reflectors once the
+    hub has re-registered its servers.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return  # config read outside a running hub (tools, chart tests)
+    loop.create_task(_start_with_hub())
+
+
+async def _start_with_hub() -> None:
+    from types import SimpleNamespace
+
+    from jupyterhub.app import JupyterHub
+
+    from .spawner import KueueSpawner
+
+    if not JupyterHub.initialized():
+        return
+    app = JupyterHub.instance()
+    ledger = KueueLedger.instance(config=app.config)
+    while getattr(app, "_start_future", None) is None:
+        await asyncio.sleep(0.1)
+    await app._start_future
+    # A spawner of no user, only to reach the reflectors every spawner shares (as
+    # KubeJobManager does for jobs).
+    spawner = KueueSpawner(config=app.config, user=SimpleNamespace(name="gpuhub-ledger", id=0, url="/"), hub=app.hub,
+                           api_token="", oauth_client_id="", orm_spawner=SimpleNamespace(name="", server=None))
+    try:
+        await ledger.watch(spawner)
+    except Exception:  # noqa: BLE001 - spawners start it on their first start or poll instead
+        log.exception("Could not start mirroring Kueue's Workloads")

@@ -179,6 +179,21 @@ def test_an_admin_starting_someones_server_from_the_spawn_page_is_audited(hub, u
     assert events[:3] == [("start_requested", "admin"), ("acted_on_server", "admin"), ("requested", None)], events
     acted = next(e for e in entries if e["event"] == "acted_on_server")
     assert (acted["by"], acted["target_user"], acted["key"], acted["action"]) == ("admin", "alice", "alice/", "start")
+    # The same page also starts a server from its query (JupyterHub's GET /hub/spawn/<user>?<options>).
+    bob, since = users["bob"], time.time() - 1
+    r = admin.session.get(hub.url + "/hub/spawn/bob?profile=cpu", allow_redirects=False)
+    assert r.status_code == 302 and "/hub/spawn-pending/bob" in r.headers["Location"], r.status_code
+    try:
+        bob.wait_ready()
+        acted = [(e["by"], e["target_user"], e["action"]) for e in audit(admin, since=str(since), event="acted_on_server")]
+        assert acted == [("admin", "bob", "start")]
+    finally:
+        bob.stop()
+        bob.wait_gone()
+    # A page that only shows the form starts nothing and records nothing.
+    since = time.time() - 1
+    assert admin.session.get(hub.url + "/hub/spawn/carol").status_code == 200
+    assert not audit(admin, since=str(since), user="carol") and users["carol"].model()["servers"] == {}
 
 
 def test_an_ordinary_user_cannot_start_someone_elses_server_from_the_spawn_page(hub, users):
@@ -193,4 +208,4 @@ def test_an_ordinary_user_cannot_start_someone_elses_server_from_the_spawn_page(
         # JupyterHub's scope check refuses it (an XSRF failure would be a 403 saying so).
         assert r.status_code == 404 and "No access to resources" in r.text, (path, r.status_code)
     assert carol.model()["servers"] == {}
-    assert not [e for e in audit(admin, since=str(since)) if e.get("by") == "bob" or e.get("user") == "carol"]
+    assert not [e for e in audit(admin, since=str(since)) if e.get("user") == "carol" or e.get("target_user") == "carol"]

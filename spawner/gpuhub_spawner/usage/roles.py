@@ -112,6 +112,12 @@ class PolicyRoles(SingletonConfigurable):
 
         store.on_change(apply)
         apply(store.current)
+        # The file is re-read every check_interval whichever backend runs (on one machine the
+        # broker also does; a refresh that finds the file unchanged costs one stat).
+        from tornado.ioloop import PeriodicCallback
+
+        self._watcher = PeriodicCallback(store.refresh, store.check_interval * 1000)
+        self._watcher.start()
 
 
 _tasks: set = set()  # the event loop keeps only weak references to tasks

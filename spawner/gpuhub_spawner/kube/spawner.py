@@ -38,6 +38,7 @@ from kubernetes_asyncio.client import V1DeleteOptions
 from kubespawner import KubeSpawner
 from traitlets import Dict, Float, Integer, Unicode, default
 
+from ..admission.quota import add_usage, check_fit, demand_for
 from ..policy.access import Choice
 from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
@@ -48,6 +49,9 @@ from .kueue import (
 )
 from .messages import event_message, eviction_message, waiting_message
 from .state import GoneAwarePodReflector, PendingPollers, WorkloadReflector
+
+# Servers this hub is creating for teams whose servers may not borrow: key -> (team, demand).
+_CLAIMS: dict[str, tuple[str, dict]] = {}
 
 # Traits the policy sets per start; their configured values are the base each start builds on.
 _POLICY_TRAITS = (
@@ -166,6 +170,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
 
     async def _start(self):
         """KubeSpawner's start, stopped early (and cleaned up) if Kueue deletes the pod."""
+        try:
+            await self.load_user_options()  # the choice (KubeSpawner's _start applies it again)
+            await self._hold_within_own_quota()
+        except BaseException:
+            _CLAIMS.pop(self._server_key, None)
+            raise
         task = asyncio.ensure_future(super()._start())
         try:
             while True:
@@ -195,6 +205,56 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             if not task.done():
                 task.cancel()
             raise
+        finally:
+            _CLAIMS.pop(self._server_key, None)
+
+    # -- reclaim.interactiveBorrowing: false -------------------------------------------
+    def _own_quota_shortage(self, ledger) -> tuple[str | None, str | None]:
+        """(why this server must wait, why it never fits) with only the team's own quota.
+
+        A team's servers and jobs share its ClusterQueue, so Kueue would let a server
+        borrow; the hub holds the pod back instead until it fits the team's nominal
+        quota. Counted: what Kueue admitted to the team, the team's servers waiting in
+        Kueue, and those this hub is creating (``_CLAIMS``: one hub, so no race).
+        """
+        choice, policy = self.choice, self.policy
+        team = choice.team
+        if not team.cohort or policy.reclaim_rules(team).interactive_borrowing or not choice.gpu_count:
+            return None, None
+        me = self._server_key
+        queue = ledger.queue
+        usage = queue.usage()
+        extra: list[dict] = [d for k, (t, d) in _CLAIMS.items() if t == team.name and k != me and k not in queue.admitted]
+        extra += [t.demand for t in queue.waiting
+                  if t.team == team.name and not t.key.startswith("job:") and t.key != me and t.key not in _CLAIMS]
+        for d in extra:
+            add_usage(usage, team.name, dict(d))
+        fit = check_fit(policy, usage, team, demand_for(policy, choice.profile), may_borrow=False)
+        if fit.never:
+            return None, fit.never
+        return (None if fit.fits else "; ".join(s.reason for s in fit.shortages)), None
+
+    async def _hold_within_own_quota(self) -> None:
+        ledger = self._ledger()
+        if ledger is None or not self.choice.gpu_count:
+            return
+        await ledger.synced.wait()
+        deadline = self._queued_at + self.effective_queue_timeout
+        while True:
+            why, never = self._own_quota_shortage(ledger)
+            if never:
+                raise SpawnException(f"This server can never start: {never}", reason="never_fits", status_code=400)
+            if why is None:
+                _CLAIMS[self._server_key] = (self.choice.team.name, demand_for(self.policy, self.choice.profile))
+                self._held = None
+                return
+            self._held = why
+            if time.monotonic() >= deadline:
+                raise SpawnException(
+                    f"Your server waited {format_duration(self.effective_queue_timeout)} for team "
+                    f"{self.choice.team.label}'s own quota, so it was withdrawn. Try again later.",
+                    reason="queue_timeout", status_code=503)
+            await asyncio.sleep(self.status_interval)
 
     async def _make_create_pod_request(self, pod, request_timeout):
         """KubeSpawner's create, but a 5xx/429 answer is retried instead of failing the spawn.
@@ -303,6 +363,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
     def queue_status(self) -> dict:
         """The spawn page's current line: ``{"progress": int, "message": str}``."""
         pod = self._current_pod()
+        if self._held and not self._pod_created:
+            return {"progress": 5, "message": f"Your server {self._held}.{self._waited()}"}
         if not self._pod_created or pod is None:
             what = f" ({self.choice.profile.display_name})" if self.choice else ""
             return {"progress": 5, "message": f"Preparing your server{what}."}
@@ -312,7 +374,6 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             snapshot = self._poller().snapshot
             pending = snapshot.position(workload["metadata"]["name"]) if workload else None
             queue_length = len(snapshot.items) if snapshot.fetched_at else None
-            waited = format_duration(time.monotonic() - self._queued_at)
             text = waiting_message(self.policy, self.choice, workload, pending, queue_length)
             ledger = self._ledger()
             note = ledger.queue.notes.get(self._server_key) if ledger else None
@@ -320,13 +381,19 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 text = f"Your server {note}."
             if snapshot.error:
                 text += " (Queue position temporarily unavailable.)"
-            return {"progress": 10, "message": f"{text} Waiting for {waited}."}
+            return {"progress": 10, "message": f"{text}{self._waited()}"}
         best = (50, "Quota granted; your server is being placed on a node.")
         for event in self.events:
             words = event_message(event)
             if words:
                 best = words
         return {"progress": best[0], "message": best[1]}
+
+    def _waited(self) -> str:
+        """No claim of a wait the user did not notice (the hub holds the form's POST up to
+        ``slow_spawn_timeout`` before the page opens); from a minute on, the time waited."""
+        waited = time.monotonic() - self._queued_at
+        return f" Waiting for {format_duration(waited)}." if waited >= 60 else ""
 
     async def progress(self):
         """Plain-words status while queued and launching; one update per change."""
@@ -391,6 +458,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         return status
 
     stop_reason: str | None = None
+    _held: str | None = None  # why the pod is held back (interactiveBorrowing: false)
     # True once start() returned, False while starting, after a failed start or a stop;
     # None if this process never started it (a server adopted after a hub restart).
     _started: bool | None = None

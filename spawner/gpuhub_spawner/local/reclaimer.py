@@ -1,21 +1,22 @@
-"""Carries out ``admission.reclaim`` on one machine: lent GPUs come back to their team.
+"""Carries out ``admission.reclaim``: lent GPUs come back to their team.
 
-Re-planned on every queue event (a request queued, a release, a cancel, an admission),
-coalesced into one pass per loop turn, and at each notice's deadline — no polling. For
-every holder the plan names:
+Runs on either backend's admission view (``hub.backend``): the one-machine queue, or on
+Kubernetes the mirror of Kueue's Workloads (``kube.ledger``). Re-planned on every queue
+event (a request queued, a release, a cancel, an admission), coalesced into one pass per
+loop turn, and at each notice's deadline. For every holder the plan names:
 
-- a **job** is preempted at once (reason ``preempted``) and re-queues from its checkpoint;
+- a **job** is preempted at once and re-queues from its checkpoint (one machine: the job
+  manager stops it; Kubernetes: Kueue preempts lower-priority borrowers itself);
 - a **server** is warned where cull warnings are shown (``CullBoard``: hub home page,
   JupyterLab through the notebook extension's relay, the culling API), with its GPUs,
   that its team borrowed them, the team that needs them back and the time it stops. It
   cannot be snoozed. At the deadline (the *lender's* ``reclaim.notice``) it is stopped
-  like a cull (files kept), its GPUs go back to the queue and the lender is admitted in
-  the same event.
+  like a cull (files kept) and the lender is admitted on the freed capacity.
 
 If the need goes away first (the lender stopped waiting, a GPU came free) the warning is
 withdrawn. The waiting request's message says what it waits for and until when
-(``AdmissionQueue.notes``). Notices live in memory: after a hub restart the plan is made
-again and a fresh notice is given.
+(``queue.notes``). Notices are kept in the culling board's state file: after a hub
+restart a borrower under notice keeps its deadline.
 """
 
 from __future__ import annotations

@@ -152,3 +152,18 @@ async def test_the_reclaimer_warns_the_newest_borrower_when_the_lender_waits(led
     ledger.sync()
     ledger.reclaimer.evaluate()
     assert ledger.reclaimer.notices == {} and "bob/" not in CullBoard.instance().reclaims
+
+
+def test_a_batch_jobs_workload_is_keyed_by_its_job(ledger):
+    wl = workload("bob", "vision", "u9", "2026-11-30T10:00:06Z", priority=100)
+    wl["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": "job-0a1b2c3d4e",
+                                          "uid": "u9", "controller": True}]
+    wl["spec"]["podSets"][0]["template"]["metadata"] = {
+        "labels": {"gpuhub/team": "vision", "gpuhub/profile": "l4-1", "gpuhub/job": "job-0a1b2c3d4e"},
+        "annotations": {"hub.jupyter.org/username": "bob"}}
+    ledger._workloads.resources[f"{NS}/job-job-0a1b2c3d4e"] = wl
+    stray = workload("eve", "vision", "u8", "2026-11-30T10:00:06Z")  # a pod this hub did not make
+    ledger._workloads.resources[f"{NS}/{stray['metadata']['name']}"] = stray
+    ledger.sync()
+    [adm] = ledger.queue.holdings()
+    assert (adm.key, adm.user, adm.team, adm.priority) == ("job:job-0a1b2c3d4e", "bob", "vision", 100)

@@ -29,6 +29,7 @@ from traitlets import Float
 from traitlets.config import SingletonConfigurable
 
 from ..admission.queue import Admission, Ticket
+from ..jobs.kube import JOB_LABEL
 from ..admission.quota import demand_for, gpu_key
 from ..policy import PolicyStore
 from ..policy.model import Policy
@@ -40,7 +41,6 @@ from .kueue import (
 
 log = logging.getLogger("JupyterHub.gpuhub.ledger")
 
-JOB_LABEL = "gpuhub/job"  # jobs.kube.JOB_LABEL (imported lazily there; kept equal by a test)
 USER_ANNOTATION = "hub.jupyter.org/username"
 SERVER_ANNOTATION = "hub.jupyter.org/servername"
 # Kueue took it back for the lending team: the history calls that "reclaimed", as on one machine.
@@ -302,10 +302,6 @@ def _job_owner(job_id: str) -> str | None:
         return None
     rec = KubeJobManager.instance().jobs.get(job_id)
     return rec.user if rec else None
-
-
-def current(config=None) -> KueueLedger:
-    return KueueLedger.instance(config=config)
 
 
 def configure_ledger(c) -> None:

@@ -223,7 +223,9 @@ def test_queue_admission_and_stop_through_the_hub(kube_hub, double, users):
     stream.shutdown(wait=False)
     waiting = until(lambda: next((e["message"] for e in list(events) if "1st of 1" in e.get("message", "")), None),
                     what="the queue position in bob's progress stream", hub=kube_hub)
-    assert "Waiting for quota: team Vision Lab has no free capacity; 1 L4 24GB GPU more needed." in waiting, events
+    # In the hub's own words (kube/ledger.py's view of Kueue), as on one machine: who uses the quota.
+    assert ("Your server needs 1 L4 24GB GPU: your team Vision Lab is using 1 of the 1 it may hold; it waits "
+            "until one of your team's servers or jobs stops.") in waiting, events
     assert "You are 1st of 1 in the Vision Lab queue." in waiting, events
     [bob_pod] = pods(double, "bob")
     assert bob_pod["spec"]["schedulingGates"] == [{"name": "kueue.x-k8s.io/admission"}]

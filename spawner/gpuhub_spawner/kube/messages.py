@@ -75,8 +75,14 @@ def queue_blocked(message: str) -> bool:
     return any(p.search(message or "") for p in _BLOCKED)
 
 
-def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pending: dict | None, queue_length: int | None) -> str:
-    """One sentence (two at most) about a gated pod's place in the queue."""
+def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pending: dict | None, queue_length: int | None,
+                    why: str | None = None) -> str:
+    """One sentence (two at most) about a gated pod's place in the queue.
+
+    ``why``: what the request waits for in the hub's own words (``admission.quota``, from
+    the ledger's view of Kueue: teammates' use, quota on loan, the cohort full), used when
+    Kueue says the quota is short — Kueue's message only says how much is missing.
+    """
     team = choice.team.label
     if workload is None:
         return f"Your server request was sent to team {team}'s queue; waiting for the queue to register it."
@@ -86,7 +92,9 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
     short, never = shortages(policy, (reserved or {}).get("message", ""))
     if never:
         return "This server can never start in team " + team + "'s queue: " + "; ".join(never) + ". Pick a smaller profile."
-    if short:
+    if short and why:
+        text = f"Your server {why}."
+    elif short:
         text = f"Waiting for quota: team {team} has no free capacity; {' and '.join(short)} more needed."
     elif reserved and (queue_blocked(reserved.get("message", "")) or reserved.get("reason") in (
             K.REASON_INADMISSIBLE, K.REASON_MISCONFIGURED, K.REASON_SUSPENDED)):

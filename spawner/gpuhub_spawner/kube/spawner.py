@@ -374,8 +374,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             snapshot = self._poller().snapshot
             pending = snapshot.position(workload["metadata"]["name"]) if workload else None
             queue_length = len(snapshot.items) if snapshot.fetched_at else None
-            text = waiting_message(self.policy, self.choice, workload, pending, queue_length)
             ledger = self._ledger()
+            text = waiting_message(self.policy, self.choice, workload, pending, queue_length, self._why_waiting(ledger))
             note = ledger.queue.notes.get(self._server_key) if ledger else None
             if note:  # the reclaimer's: this team's own quota is on loan and coming back
                 text = f"Your server {note}."
@@ -388,6 +388,18 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             if words:
                 best = words
         return {"progress": best[0], "message": best[1]}
+
+    def _why_waiting(self, ledger) -> str | None:
+        """The one-machine words for a quota shortage, from the ledger's view of Kueue."""
+        if ledger is None or not ledger.watching:
+            return None
+        policy, choice = self.policy, self.choice
+        usage = ledger.queue.usage()
+        mine = ledger.queue.admitted.get(self._server_key)
+        if mine is not None:
+            return None  # admitted meanwhile: Kueue's words until the gate lifts
+        fit = check_fit(policy, usage, choice.team, demand_for(policy, choice.profile))
+        return None if fit.fits else "; ".join(s.reason for s in fit.shortages)
 
     def _waited(self) -> str:
         """No claim of a wait the user did not notice (the hub holds the form's POST up to

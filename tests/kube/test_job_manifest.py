@@ -180,9 +180,7 @@ async def test_the_double_admits_the_suspended_job_and_a_preemption_resumes_it_f
                                                           "args": []}]}}
     status, _ = kube.create("pods", NAMESPACE, blocker)
     assert status == 201
-    _until(lambda: _cond(kube.workload_for(NAMESPACE, "erin-interactive") or {}, "QuotaReserved").get("status") == "False",
-           10, "the server to wait for quota")
-    kube.preempt_job(NAMESPACE, "job-00000000b1")
+    # (the double applies the ClusterQueue's withinClusterQueue: LowerPriority, tests/kube/test_preemption.py)
     _until(lambda: "schedulingGates" not in (kube.get("pods", NAMESPACE, "erin-interactive") or {"spec": {"schedulingGates": 1}})["spec"],
            10, "the server to be admitted")
     j = kube.get("jobs", NAMESPACE, "job-00000000b1")

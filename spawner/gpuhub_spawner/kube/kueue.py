@@ -154,3 +154,39 @@ def owner_pod_name(workload: dict) -> str | None:
 
 def owner_pod_uid(workload: dict) -> str | None:
     return owner_pod(workload)[1]
+
+
+# Preemption (appended for the test double's Kueue scheduler; copied from v0.19.2 like the rest).
+# Policy values of a ClusterQueue's spec.preemption (apis/kueue/v1beta2/clusterqueue_types.go).
+PREEMPTION_NEVER = "Never"  # PreemptionPolicyNever, the CRD default of both fields
+PREEMPTION_LOWER_PRIORITY = "LowerPriority"
+PREEMPTION_LOWER_OR_NEWER_EQUAL_PRIORITY = "LowerOrNewerEqualPriority"
+PREEMPTION_ANY = "Any"
+BORROW_WITHIN_COHORT_NEVER = "Never"  # BorrowWithinCohortPolicyNever
+BORROW_WITHIN_COHORT_LOWER_PRIORITY = "LowerPriority"
+
+# The Evicted/Preempted message (pkg/scheduler/preemption/preemption.go preemptionMessage and
+# HumanReadablePreemptionReasons); a path is "/" + cohort + "/" + ClusterQueue (buildCQPath),
+# "/" + ClusterQueue without a cohort; an unknown UID or path reads "UNKNOWN".
+MSG_PREEMPTED = ("Preempted to accommodate a workload (UID: {uid}, JobUID: {job_uid}) due to {why}; "
+                 "preemptor path: {preemptor_path}; preemptee path: {preemptee_path}")
+PREEMPTION_WHY = {
+    PREEMPTED_IN_CLUSTER_QUEUE: "prioritization in the ClusterQueue",
+    PREEMPTED_IN_COHORT_RECLAMATION: "reclamation within the cohort",
+    PREEMPTED_IN_COHORT_FAIR_SHARING: "Fair Sharing within the cohort",
+    PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING: "reclamation within the cohort while borrowing",
+}
+UNKNOWN = "UNKNOWN"
+# Appended to the preemptor's QuotaReserved=False message (pkg/scheduler/scheduler.go
+# markPreemptionOutcome, markSkipped).
+MSG_PENDING_PREEMPTION = ". Pending the preemption of {count} workload(s)"
+MSG_OVERLAPPING_TARGETS = "Workload has overlapping preemption targets with another workload"
+# What the job reconciler writes once the evicted workload's job stopped
+# (pkg/controller/jobframework/reconciler.go: Requeued, QuotaReserved=False "Pending" with the
+# eviction message; pkg/workload/admissionchecks.go SyncAdmittedCondition), and what a new
+# quota reservation does to an active Evicted/Preempted condition (pkg/workload/workload.go
+# SetQuotaReservation, resetActiveCondition).
+ADMITTED_REASON_NO_RESERVATION = "NoReservation"  # WorkloadAdmittedReasonNoReservation
+MSG_NO_RESERVATION = "The workload has no reservation"
+REASON_QUOTA_RESERVED = "QuotaReserved"
+MSG_PREVIOUSLY = "Previously: {message}"

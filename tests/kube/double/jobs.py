@@ -12,7 +12,8 @@ What it models, after Kubernetes' Job controller and Kueue v0.19's ``jobframewor
 - Admission (``server._admit``) un-suspends the Job and injects the flavors' node labels;
   the Job controller then creates a pod (``<job>-<5 chars>``, no queue label, run by the
   double's kubelet).
-- Preemption (``preempt_job``): the Workload gets ``Evicted``/``Preempted``, the Job is
+- Preemption (``preempt_job``, or the double's scheduler applying the ClusterQueue's
+  ``spec.preemption``): the Workload gets ``Evicted``/``Preempted``/``Requeued``, the Job is
   suspended again and its pods are deleted — not counted as failures; the Workload waits
   for quota again.
 - A finished pod: success completes the Job (``SuccessCriteriaMet``, ``Complete``; the
@@ -48,9 +49,9 @@ def owner_job_name(obj: dict) -> str | None:
 
 class JobsMixin:
     # -- test controls ----------------------------------------------------------------------
-    def preempt_job(self, namespace: str, name: str) -> None:
+    def preempt_job(self, namespace: str, name: str, preempted_reason: str = K.PREEMPTED_IN_CLUSTER_QUEUE) -> None:
         """What Kueue does to a preempted Job: Workload evicted, Job suspended, pods deleted."""
-        self.call(self._preempt_job, namespace, name)
+        self.call(self._preempt_job, namespace, name, preempted_reason)
 
     def pods_of_job(self, namespace: str, name: str) -> list[dict]:
         return [p for p in self.list("pods", namespace) if owner_job_name(p) == name]
@@ -242,18 +243,16 @@ class JobsMixin:
     def _job_workloads(self, ns: str, name: str) -> list[dict]:
         return [w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_job_name(w) == name]
 
-    def _preempt_job(self, ns: str, name: str) -> None:
-        from .server import _set_condition
+    def _preempt_job(self, ns: str, name: str, preempted_reason: str = K.PREEMPTED_IN_CLUSTER_QUEUE,
+                     message: str | None = None) -> None:
+        """Kueue evicts the Job's Workload (requeued: a Job's Workload waits for quota again) and
+        the job integration stops the Job: suspended, its pods deleted."""
+        from .server import _evicted_by_preemption
 
-        message = ("Preempted to accommodate a workload (UID: 00000000-0000-0000-0000-000000000000, JobUID: "
-                   "00000000-0000-0000-0000-000000000000) due to prioritization in the ClusterQueue")
         for wl in self._job_workloads(ns, name):
             wl = copy.deepcopy(wl)
-            _set_condition(wl, K.EVICTED, "True", K.EVICTED_BY_PREEMPTION, message)
-            _set_condition(wl, K.PREEMPTED, "True", "InClusterQueue", message)
-            _set_condition(wl, "QuotaReserved", "False", "Pending", "Preempted")
-            _set_condition(wl, "Admitted", "False", "NoReservation", "The workload has no reservation")
-            wl["status"].pop("admission", None)
+            _evicted_by_preemption(wl, preempted_reason, message or self._default_preemption_message(wl, preempted_reason),
+                                   requeued=True)
             validate(wl)
             self._write("workloads", ns, wl, "MODIFIED")
         job = copy.deepcopy(self.objects.get(("jobs", ns, name)))

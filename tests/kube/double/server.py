@@ -4,8 +4,10 @@ Only what KubeSpawner and KueueSpawner use, behaving like the real thing where i
 matters: list/watch with resourceVersion (replay, synthetic ADDED for rv 0, 410 for
 compacted history, timeoutSeconds), 404/409, strict validation of every object
 written (``schemas.py``), Kueue's pod webhook (scheduling gate, Workload), a small
-admission loop over the rendered ClusterQueues, the visibility API, and a kubelet
-that runs an admitted pod's own container command and env as a local process.
+admission loop over the rendered ClusterQueues that applies their ``spec.preemption`` as
+Kueue's classical preemption does (docs/kubernetes-testing.md says what it leaves out),
+the visibility API, and a kubelet that runs an admitted pod's own container command and
+env as a local process.
 
 It runs in its own thread and event loop, like a separate server. Test code calls
 the public methods from any thread; they hop onto the double's loop.
@@ -39,7 +41,7 @@ from gpuhub_spawner.kube.kueue import (
 )
 from gpuhub_spawner.policy.quantities import parse_cpu_millis, parse_memory_bytes
 
-from .jobs import JobsMixin  # batch/v1 Jobs + Kueue's job integration (gpuhub batch jobs)
+from .jobs import JobsMixin, owner_job_name  # batch/v1 Jobs + Kueue's job integration (gpuhub batch jobs)
 from .schemas import InvalidObject, validate
 
 TOKEN = "double-token"
@@ -220,6 +222,15 @@ class KubeDouble(JobsMixin):
     def list(self, plural, namespace=None) -> list[dict]:
         return self.call(lambda: [copy.deepcopy(o) for (p, ns, _), o in sorted(self.objects.items(), key=lambda kv: str(kv[0]))
                                   if p == plural and (namespace is None or ns == namespace)])
+
+    def last_written(self, plural, namespace, name) -> dict | None:
+        """The object as last written, even if deleted since (a preempted pod's Workload goes with it)."""
+        def find():
+            for _, _, p, obj in reversed(self.history):
+                if p == plural and obj["metadata"].get("namespace") == namespace and obj["metadata"]["name"] == name:
+                    return copy.deepcopy(obj)
+            return None
+        return self.call(find)
 
     def workload_for(self, namespace, pod_name) -> dict | None:
         return next((w for w in self.list("workloads", namespace) if owner_pod_name(w) == pod_name), None)
@@ -701,104 +712,154 @@ class KubeDouble(JobsMixin):
         return sorted(out, key=lambda w: (-(w["spec"].get("priority") or 0), _creation_rank(w)))
 
     def _usage(self):
+        return self._snapshot()[0]
+
+    def _snapshot(self):
+        """The scheduler's view at the start of a pass: quota in use per (ClusterQueue, flavor,
+        resource), and the workloads holding it per ClusterQueue (preemption candidates)."""
         used = defaultdict(int)  # (cq, flavor, resource) -> amount
+        holders: dict[str, list[_Holder]] = defaultdict(list)
         for (p, _, _), wl in self.objects.items():
             if p == "workloads" and _cond(wl, "QuotaReserved") == "True" and _cond(wl, "Finished") != "True":
                 adm = wl["status"]["admission"]
+                usage: dict[tuple[str, str], int] = defaultdict(int)
                 for psa in adm["podSetAssignments"]:
                     for res, qty in psa["resourceUsage"].items():
-                        used[(adm["clusterQueue"], psa["flavors"][res], res)] += _amount(res, qty)
-        return used
+                        usage[(psa["flavors"][res], res)] += _amount(res, qty)
+                for (flavor, res), amount in usage.items():
+                    used[(adm["clusterQueue"], flavor, res)] += amount
+                holders[adm["clusterQueue"]].append(_Holder(wl, adm["clusterQueue"], dict(usage)))
+        return used, holders
 
-    def _quota(self, cq_name, flavor, res):
-        cq = self.objects.get(("clusterqueues", None, cq_name))
-        for rg in cq["spec"]["resourceGroups"]:
-            for fl in rg["flavors"]:
-                if fl["name"] == flavor:
-                    for r in fl["resources"]:
-                        if r["name"] == res:
-                            lim = lambda k: _amount(res, r[k]) if k in r else None
-                            return _amount(res, r["nominalQuota"]), lim("borrowingLimit"), lim("lendingLimit")
-        return 0, 0, 0
+    def _assign(self, cq, pod_spec, request, used, quotas):
+        """Kueue's flavor assigner (pkg/scheduler/flavorassigner, fitsResourceQuota) for one pod set.
 
-    def _available(self, cq, flavor, res, used):
-        """Free quota for (flavor, resource): own unused nominal plus what the cohort can lend."""
+        Per resource group the first flavor that fits; failing that, the first flavor in
+        "Preempt" mode (the request is within the maximum capacity and preemption may free
+        it: within the nominal quota, or reclaimable in the cohort, or borrowWithinCohort is
+        allowed). Returns (assignment {resource: flavor} or None for NoFit, the (flavor,
+        resource)s that need preemption, the reasons for the message)."""
         name = cq["metadata"]["name"]
-        nominal, borrow_limit, _ = self._quota(name, flavor, res)
-        mine = used[(name, flavor, res)]
-        own_free = max(0, nominal - mine)
-        cohort = cq["spec"].get("cohortName")
-        if not cohort:
-            return own_free, nominal
-        lendable_free, lendable_total = 0, 0
-        for (p, _, other_name), other in self.objects.items():
-            if p != "clusterqueues" or other_name == name or other["spec"].get("cohortName") != cohort:
+        bwc = (quotas.preemption[name].get("borrowWithinCohort") or {}).get("policy", K.BORROW_WITHIN_COHORT_NEVER)
+        can_preempt_while_borrowing = bwc != K.BORROW_WITHIN_COHORT_NEVER
+        reasons = [K.MSG_RESOURCE_UNAVAILABLE.format(resource=res) for res in request
+                   if not any(res in rg["coveredResources"] for rg in cq["spec"]["resourceGroups"])]
+        if reasons:
+            return None, set(), reasons
+        assignment, need, no_fit = {}, set(), False
+        for rg in cq["spec"]["resourceGroups"]:
+            wanted = [r for r in rg["coveredResources"] if r in request]
+            if not wanted:
                 continue
-            o_nom, _, o_lend = self._quota(other_name, flavor, res)
-            lend = o_nom if o_lend is None else min(o_lend, o_nom)
-            lendable_total += lend
-            o_used = used[(other_name, flavor, res)]
-            lendable_free += max(0, min(lend, o_nom - o_used))
-        borrowed = max(0, mine - nominal)
-        room = lendable_free if borrow_limit is None else min(lendable_free, max(0, borrow_limit - borrowed))
-        cap = nominal + (lendable_total if borrow_limit is None else min(borrow_limit, lendable_total))
-        return own_free + room, cap
+            group_reasons, fallback = [], None
+            for fl in rg["flavors"]:
+                flavor = self.objects.get(("resourceflavors", None, fl["name"]))
+                labels = (flavor or {}).get("spec", {}).get("nodeLabels") or {}
+                selector = pod_spec.get("nodeSelector") or {}
+                if any(k in selector and selector[k] != v for k, v in labels.items()):
+                    group_reasons.append(K.MSG_NODE_AFFINITY.format(flavor=fl["name"]))
+                    continue
+                mode, frs = "Fit", set()
+                for res in wanted:
+                    fr = (fl["name"], res)
+                    val, cap, free = request[res], quotas.potential(name, fr), quotas.available(name, fr, used)
+                    if val > cap:  # one pod set: nothing previously considered
+                        group_reasons.append(K.MSG_MAX_CAPACITY.format(
+                            resource=res, flavor=fl["name"], previous=_fmt(res, 0), request=_fmt(res, val), capacity=_fmt(res, cap)))
+                        mode = "NoFit"
+                    elif val > free:
+                        group_reasons.append(K.MSG_UNUSED_QUOTA.format(resource=res, flavor=fl["name"], more=_fmt(res, val - free)))
+                        nominal = quotas.nominal(name, fr)
+                        may_reclaim = bool(quotas.cohort.get(name)) and used[(name, *fr)] + val <= nominal
+                        if nominal >= val or may_reclaim or can_preempt_while_borrowing:
+                            frs.add(fr)
+                            mode = "NoFit" if mode == "NoFit" else "Preempt"
+                        else:
+                            mode = "NoFit"
+                if mode == "Fit":
+                    assignment.update({res: fl["name"] for res in wanted})
+                    break
+                if mode == "Preempt" and fallback is None:
+                    fallback = ({res: fl["name"] for res in wanted}, frs)
+            else:
+                reasons.extend(group_reasons)
+                if fallback is None:
+                    no_fit = True
+                else:
+                    assignment.update(fallback[0])
+                    need |= fallback[1]
+        return (None if no_fit else assignment), need, reasons
 
     def _reconcile(self):
+        """One scheduling pass in Kueue's order: admit what fits; for a workload whose request
+        only preemption can make room for, evict the targets (its admission follows in a later
+        pass, once their quota is released), as pkg/scheduler/scheduler.go processEntry does."""
         self._reconcile_pending = False
         if not self.auto_admit or not self.kueue_up:
             return
-        used = self._usage()
+        pending = self._pending_workloads()
+        if not pending:
+            return
+        used, holders = self._snapshot()
+        quotas = _Quotas(self.objects)
         blocked_cqs: set[str] = set()  # StrictFIFO: the head that does not fit blocks the rest
-        for wl in self._pending_workloads():
+        preempted: set[tuple[str, str]] = set()  # targets issued in this pass (preemptedWorkloads)
+        for wl in pending:
             cq, problem = self._cq_for(wl)
             if cq is not None and cq["metadata"]["name"] in blocked_cqs:
                 continue
             if cq is None:
                 self._set_pending(wl, *problem)
                 continue
+            name = cq["metadata"]["name"]
             pod_spec = wl["spec"]["podSets"][0]["template"]["spec"]
             request = _requests(pod_spec)
-            assignment, reasons = {}, []
-            for res in request:
-                if not any(res in rg["coveredResources"] for rg in cq["spec"]["resourceGroups"]):
-                    reasons.append(K.MSG_RESOURCE_UNAVAILABLE.format(resource=res))
-            for rg in cq["spec"]["resourceGroups"]:
-                wanted = [r for r in rg["coveredResources"] if r in request]
-                if not wanted or reasons:
-                    continue
-                group_reasons = []
-                for fl in rg["flavors"]:
-                    flavor = self.objects.get(("resourceflavors", None, fl["name"]))
-                    labels = (flavor or {}).get("spec", {}).get("nodeLabels") or {}
-                    selector = pod_spec.get("nodeSelector") or {}
-                    if any(k in selector and selector[k] != v for k, v in labels.items()):
-                        group_reasons.append(K.MSG_NODE_AFFINITY.format(flavor=fl["name"]))
-                        continue
-                    ok = True
-                    for res in wanted:
-                        free, cap = self._available(cq, fl["name"], res, used)
-                        if request[res] > cap:  # one pod set: nothing previously considered
-                            group_reasons.append(K.MSG_MAX_CAPACITY.format(
-                                resource=res, flavor=fl["name"], previous=_fmt(res, 0), request=_fmt(res, request[res]),
-                                capacity=_fmt(res, cap)))
-                            ok = False
-                        elif request[res] > free:
-                            group_reasons.append(K.MSG_UNUSED_QUOTA.format(resource=res, flavor=fl["name"], more=_fmt(res, request[res] - free)))
-                            ok = False
-                    if ok:
-                        assignment.update({res: fl["name"] for res in wanted})
-                        break
-                else:
-                    reasons.extend(group_reasons)
-            if reasons:
-                self._set_pending(wl, K.REASON_PENDING, K.MSG_ASSIGN_PREFIX.format(podset="main") + ", ".join(sorted(reasons)))
-                if cq["spec"].get("queueingStrategy") == "StrictFIFO":
-                    blocked_cqs.add(cq["metadata"]["name"])
+            assignment, need, reasons = self._assign(cq, pod_spec, request, used, quotas)
+            if assignment is not None and not need:
+                for res, flavor in assignment.items():
+                    used[(name, flavor, res)] += request[res]
+                self._admit(wl, cq, assignment, request)
                 continue
-            for res, flavor in assignment.items():
-                used[(cq["metadata"]["name"], flavor, res)] += request[res]
-            self._admit(wl, cq, assignment, request)
+            if cq["spec"].get("queueingStrategy") == "StrictFIFO":
+                blocked_cqs.add(name)
+            message = K.MSG_ASSIGN_PREFIX.format(podset="main") + ", ".join(sorted(reasons))
+            if assignment is None:
+                self._set_pending(wl, K.REASON_PENDING, message)
+                continue
+            usage = {(flavor, res): request[res] for res, flavor in assignment.items()}
+            targets = _preemption_targets(wl, name, usage, need, used, holders, quotas)
+            if not targets:
+                if quotas.preemption[name].get("reclaimWithinCohort", K.PREEMPTION_NEVER) != K.PREEMPTION_ANY:
+                    _reserve(name, usage, used, quotas)  # reserveCapacityForUnreclaimablePreempt
+                self._set_pending(wl, K.REASON_PENDING, message)
+                continue
+            if any(t.key in preempted for t, _ in targets):
+                self._set_pending(wl, K.REASON_PENDING, K.MSG_OVERLAPPING_TARGETS)
+                continue
+            for fr, amount in usage.items():  # cq.AddUsage: nobody else takes it in this pass
+                used[(name, *fr)] += amount
+            for target, reason in targets:
+                preempted.add(target.key)
+                self._evict_for(target, reason, wl, name, quotas)
+            self._set_pending(wl, K.REASON_PENDING, message + K.MSG_PENDING_PREEMPTION.format(count=len(targets)))
+
+    def _evict_for(self, target: "_Holder", reason: str, preemptor: dict, preemptor_cq: str, quotas: "_Quotas"):
+        """IssuePreemptions for one target: Kueue's message, then the job integration stops it."""
+        def path(cq):
+            return "/" + "/".join(filter(None, [quotas.cohort.get(cq), cq]))
+
+        meta = preemptor["metadata"]
+        message = K.MSG_PREEMPTED.format(
+            uid=meta.get("uid") or K.UNKNOWN, job_uid=(meta.get("labels") or {}).get(JOB_UID_LABEL) or K.UNKNOWN,
+            why=K.PREEMPTION_WHY.get(reason, ""), preemptor_path=path(preemptor_cq), preemptee_path=path(target.cq))
+        ns = target.wl["metadata"]["namespace"]
+        pod_name = owner_pod_name(target.wl)
+        if pod_name:
+            self._preempt(ns, pod_name, reason, message)
+            return
+        job_name = owner_job_name(target.wl)
+        if job_name and ("jobs", ns, job_name) in self.objects:
+            self._preempt_job(ns, job_name, reason, message)
 
     def _set_pending(self, wl, reason, message):
         cond = next((c for c in (wl.get("status") or {}).get("conditions") or [] if c["type"] == "QuotaReserved"), None)
@@ -822,6 +883,10 @@ class KubeDouble(JobsMixin):
                                    "resourceUsage": {r: _fmt(r, request[r]) for r in assignment}}],
         }
         _set_condition(wl, K.QUOTA_RESERVED, "True", "QuotaReserved", K.MSG_QUOTA_RESERVED.format(name=cq["metadata"]["name"]))
+        for ctype in (K.EVICTED, K.PREEMPTED):  # SetQuotaReservation: resetActiveCondition
+            old = K.condition(wl, ctype)
+            if old and old["status"] == "True":
+                _set_condition(wl, ctype, "False", K.REASON_QUOTA_RESERVED, K.MSG_PREVIOUSLY.format(message=old["message"]))
         _set_condition(wl, K.ADMITTED, "True", "Admitted", K.MSG_ADMITTED)
         validate(wl)
         ns = wl["metadata"]["namespace"]
@@ -842,16 +907,22 @@ class KubeDouble(JobsMixin):
         self._event(pod, K.EVENT_STARTED, K.msg_started(cq["metadata"]["name"]), component=K.EVENT_REPORTING_CONTROLLER)
         self.loop.call_soon(self._run_pod, ns, pod_name)
 
-    def _preempt(self, ns, pod_name, preempted_reason):
+    def _default_preemption_message(self, wl, preempted_reason):
+        """The message of a preemption a test asks for: no preemptor, so Kueue's "UNKNOWN"s."""
+        cq = ((wl or {}).get("status") or {}).get("admission", {}).get("clusterQueue")
+        cq_obj = self.objects.get(("clusterqueues", None, cq)) if cq else None
+        path = "/" + "/".join(filter(None, [(cq_obj or {}).get("spec", {}).get("cohortName"), cq])) if cq else K.UNKNOWN
+        return K.MSG_PREEMPTED.format(uid=K.UNKNOWN, job_uid=K.UNKNOWN, why=K.PREEMPTION_WHY.get(preempted_reason, ""),
+                                      preemptor_path=K.UNKNOWN, preemptee_path=path)
+
+    def _preempt(self, ns, pod_name, preempted_reason, message=None):
+        """Kueue evicts a plain pod's Workload; the pod integration stops the pod (condition, delete)."""
         wl = next((w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_pod_name(w) == pod_name), None)
-        message = "Preempted to accommodate a workload (UID: 00000000-0000-0000-0000-000000000000, JobUID: 00000000-0000-0000-0000-000000000000) due to prioritization in the ClusterQueue"
+        message = message or self._default_preemption_message(wl, preempted_reason)
         if wl:
             wl = copy.deepcopy(wl)
-            _set_condition(wl, K.EVICTED, "True", K.EVICTED_BY_PREEMPTION, message)
-            _set_condition(wl, K.PREEMPTED, "True", preempted_reason, message)
-            _set_condition(wl, "QuotaReserved", "False", "Pending", "Preempted")
-            _set_condition(wl, "Admitted", "False", "NoReservation", "The workload has no reservation")
-            wl["status"].pop("admission", None)
+            # SkipReassignmentForPodOwnedWorkloads (on in v0.19): a pod's Workload is not requeued.
+            _evicted_by_preemption(wl, preempted_reason, message, requeued=False)
             validate(wl)
             self._write("workloads", ns, wl, "MODIFIED")
         pod = copy.deepcopy(self.objects.get(("pods", ns, pod_name)))
@@ -920,6 +991,229 @@ def _set_condition(obj, ctype, status, reason, message):
             c.update(status=status, reason=reason, message=message)
             return
     conds.append({"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": now_iso()})
+
+
+def _evicted_by_preemption(wl, preempted_reason, message, requeued: bool):
+    """A Workload's conditions once Kueue preempted it and its job stopped (Evict, then the job
+    reconciler: Requeued, QuotaReserved=False "Pending" with the eviction message, no admission)."""
+    _set_condition(wl, K.EVICTED, "True", K.EVICTED_BY_PREEMPTION, message)
+    _set_condition(wl, K.PREEMPTED, "True", preempted_reason, message)
+    _set_condition(wl, K.REQUEUED, "True" if requeued else "False", K.EVICTED_BY_PREEMPTION, message)
+    _set_condition(wl, K.QUOTA_RESERVED, "False", K.REASON_PENDING, message)
+    _set_condition(wl, K.ADMITTED, "False", K.ADMITTED_REASON_NO_RESERVATION, K.MSG_NO_RESERVATION)
+    wl["status"].pop("admission", None)
+
+
+def _time(stamp: str | None) -> float:
+    """An RFC 3339 timestamp as Kueue reads it back from the API (whole seconds)."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else time.time()
+
+
+_NO_QUOTA = (0, None, None)
+
+
+@dataclass
+class _Holder:
+    """An admitted Workload as a preemption candidate: its ClusterQueue and quota in use."""
+
+    wl: dict
+    cq: str
+    usage: dict  # (flavor, resource) -> amount
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.wl["metadata"]["namespace"], self.wl["metadata"]["name"]
+
+    @property
+    def priority(self) -> int:
+        return self.wl["spec"].get("priority") or 0
+
+
+class _Quotas:
+    """Kueue's quota tree (pkg/cache/scheduler/resource_node.go) for cohorts named by
+    ``spec.cohortName`` (one level, no Cohort objects): per (ClusterQueue, flavor, resource)
+    the nominal quota, borrowing and lending limits; a cohort holds what its members lend.
+    Usage is passed in, so preemption can simulate taking workloads away."""
+
+    def __init__(self, objects):
+        self.quota: dict[tuple[str, str, str], tuple[int, int | None, int | None]] = {}
+        self.cohort: dict[str, str | None] = {}
+        self.members: dict[str, list[str]] = defaultdict(list)
+        self.preemption: dict[str, dict] = {}
+        for (p, _, name), cq in objects.items():
+            if p != "clusterqueues":
+                continue
+            spec = cq["spec"]
+            self.cohort[name] = spec.get("cohortName") or None
+            if self.cohort[name]:
+                self.members[self.cohort[name]].append(name)
+            self.preemption[name] = spec.get("preemption") or {}
+            for rg in spec.get("resourceGroups") or []:
+                for fl in rg["flavors"]:
+                    for r in fl["resources"]:
+                        res = r["name"]
+                        limit = [_amount(res, r[k]) if k in r else None for k in ("borrowingLimit", "lendingLimit")]
+                        self.quota[(name, fl["name"], res)] = (_amount(res, r["nominalQuota"]), *limit)
+
+    def nominal(self, cq, fr) -> int:
+        return self.quota.get((cq, *fr), _NO_QUOTA)[0]
+
+    def _local(self, cq, fr) -> int:
+        """localQuota: the part of the nominal quota that a lending limit keeps out of the cohort."""
+        nominal, _, lend = self.quota.get((cq, *fr), _NO_QUOTA)
+        return max(0, nominal - lend) if lend is not None else 0
+
+    def available(self, cq, fr, used) -> int:
+        """Available(): what the ClusterQueue may take now, its own and borrowed (never < 0)."""
+        nominal, borrow, _ = self.quota.get((cq, *fr), _NO_QUOTA)
+        mine = used[(cq, *fr)]
+        cohort = self.cohort.get(cq)
+        if not cohort:
+            return max(0, nominal - mine)
+        local = self._local(cq, fr)
+        parent = 0  # the cohort's lendable quota less what its members use of it
+        for m in self.members[cohort]:
+            m_local = self._local(m, fr)
+            parent += self.nominal(m, fr) - m_local - max(0, used[(m, *fr)] - m_local)
+        if borrow is not None:
+            parent = min(parent, nominal - local - max(0, mine - local) + borrow)
+        return max(0, max(0, local - mine) + parent)
+
+    def potential(self, cq, fr) -> int:
+        """PotentialAvailable(): the most the ClusterQueue could ever hold ("maximum capacity")."""
+        nominal, borrow, _ = self.quota.get((cq, *fr), _NO_QUOTA)
+        cohort = self.cohort.get(cq)
+        if not cohort:
+            return nominal
+        total = self._local(cq, fr) + sum(self.nominal(m, fr) - self._local(m, fr) for m in self.members[cohort])
+        return total if borrow is None else min(nominal + borrow, total)
+
+    def within_nominal(self, cq, frs, used) -> bool:
+        """IsWithinNominalInResources: not borrowing any of ``frs``."""
+        return all(self.nominal(cq, fr) >= used[(cq, *fr)] for fr in frs)
+
+
+def _satisfies(policy: str, preemptor: dict, candidate: _Holder) -> bool:
+    """preemption/common SatisfiesPreemptionPolicy (queue order timestamp: creation)."""
+    mine, theirs = preemptor["spec"].get("priority") or 0, candidate.priority
+    if policy == K.PREEMPTION_LOWER_PRIORITY:
+        return mine > theirs
+    if policy == K.PREEMPTION_LOWER_OR_NEWER_EQUAL_PRIORITY:
+        return mine > theirs or (mine == theirs and _time(preemptor["metadata"].get("creationTimestamp"))
+                                 < _time(candidate.wl["metadata"].get("creationTimestamp")))
+    return policy == K.PREEMPTION_ANY
+
+
+def _preemption_targets(wl, cq, requests, need, used, holders, quotas: _Quotas) -> list[tuple[_Holder, str]]:
+    """Kueue's classical preemption (pkg/scheduler/preemption: classicalPreemptions with
+    classical/hierarchical_preemption.go and candidate_generator.go), for a one-level cohort.
+
+    Candidates: workloads of the same ClusterQueue allowed by ``withinClusterQueue``, and
+    workloads of cohort members that borrow a needed (flavor, resource), allowed by
+    ``reclaimWithinCohort``: all of them when the request fits the preemptor's nominal quota
+    (hierarchical advantage, "InCohortReclamation"); otherwise, with ``borrowWithinCohort``,
+    those below the preemptor's priority and at or below ``maxPriorityThreshold`` may go even
+    while the preemptor borrows ("InCohortReclaimWhileBorrowing"), the others only if it then
+    does not borrow. Order: other ClusterQueues first, lowest priority, most recently
+    admitted (QuotaReserved time, whole seconds), UID. Taken one by one until the request
+    fits; then every target it turns out not to need is put back, newest pick first.
+    Returns [(workload, Preempted reason)], empty when no set of candidates makes room."""
+    pre = quotas.preemption[cq]
+    within = pre.get("withinClusterQueue", K.PREEMPTION_NEVER)
+    reclaim = pre.get("reclaimWithinCohort", K.PREEMPTION_NEVER)
+    bwc = pre.get("borrowWithinCohort") or {}
+    bwc_forbidden = bwc.get("policy", K.BORROW_WITHIN_COHORT_NEVER) == K.BORROW_WITHIN_COHORT_NEVER
+    threshold = None if bwc_forbidden else bwc.get("maxPriorityThreshold")
+    priority = wl["spec"].get("priority") or 0
+
+    def uses(h):
+        return any(fr in need for fr in h.usage)
+
+    same, hierarchy, by_priority = [], [], []  # (holder, reason, only without borrowing)
+    if within != K.PREEMPTION_NEVER:
+        same = [(h, K.PREEMPTED_IN_CLUSTER_QUEUE, False) for h in holders.get(cq, ()) if uses(h) and _satisfies(within, wl, h)]
+    cohort = quotas.cohort.get(cq)
+    if cohort and reclaim != K.PREEMPTION_NEVER:
+        advantage = all(quotas.nominal(cq, fr) >= used[(cq, *fr)] + v for fr, v in requests.items())  # QuantitiesFitInQuota
+        for member in quotas.members[cohort]:
+            if member == cq or quotas.within_nominal(member, need, used):
+                continue
+            for h in holders.get(member, ()):
+                if not uses(h) or not _satisfies(reclaim, wl, h):
+                    continue
+                if advantage:
+                    hierarchy.append((h, K.PREEMPTED_IN_COHORT_RECLAMATION, False))
+                elif bwc_forbidden or h.priority >= priority or (threshold is not None and h.priority > threshold):
+                    by_priority.append((h, K.PREEMPTED_IN_COHORT_RECLAMATION, True))
+                else:
+                    by_priority.append((h, K.PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING, False))
+
+    def order(c):  # common/ordering.go CandidatesOrdering (none is already evicted in the double)
+        h = c[0]
+        reserved = next((x.get("lastTransitionTime") for x in h.wl["status"].get("conditions") or [] if x["type"] == K.QUOTA_RESERVED), None)
+        return h.cq == cq, h.priority, -_time(reserved), h.wl["metadata"].get("uid", "")
+
+    candidates = sorted(hierarchy, key=order) + sorted(by_priority, key=order) + sorted(same, key=order)
+    if not candidates:
+        return []
+    under_nominal = all(quotas.nominal(cq, fr) > used[(cq, *fr)] for fr in need)
+    if not (hierarchy or by_priority) or (bwc_forbidden and not under_nominal):
+        attempts = [True]
+    elif bwc_forbidden and not hierarchy:
+        attempts = [False, True]
+    else:
+        attempts = [True, False]
+
+    sim = defaultdict(int, used)
+
+    def move(h, sign):
+        for fr, amount in h.usage.items():
+            sim[(h.cq, *fr)] += sign * amount
+
+    def fits(borrowing):
+        for fr, v in requests.items():
+            if not borrowing and quotas.nominal(cq, fr) < sim[(cq, *fr)] + v:
+                return False
+            if v > quotas.available(cq, fr, sim):
+                return False
+        return True
+
+    for borrowing in attempts:
+        targets = []
+        for h, reason, only_without_borrowing in candidates:
+            if h.cq != cq:
+                if borrowing and only_without_borrowing:
+                    continue
+                if quotas.within_nominal(h.cq, need, sim):  # no longer borrowing after earlier picks
+                    continue
+            move(h, -1)
+            targets.append((h, reason))
+            if fits(borrowing):
+                for i in range(len(targets) - 2, -1, -1):  # fillBackWorkloads
+                    move(targets[i][0], +1)
+                    if fits(borrowing):
+                        targets[i] = targets[-1]
+                        targets.pop()
+                    else:
+                        move(targets[i][0], -1)
+                return targets
+        for h, _ in targets:
+            move(h, +1)
+    return []
+
+
+def _reserve(cq, requests, used, quotas: _Quotas) -> None:
+    """reserveCapacityForUnreclaimablePreempt: a workload that needs preemption but found no
+    target keeps what it could use in this pass, so lower ones in the cohort do not take it."""
+    borrowing = bool(quotas.cohort.get(cq)) and any(quotas.nominal(cq, fr) < used[(cq, *fr)] + v for fr, v in requests.items())
+    for fr, v in requests.items():
+        nominal, borrow, _ = quotas.quota.get((cq, *fr), _NO_QUOTA)
+        mine = used[(cq, *fr)]
+        if borrowing:
+            keep = v if borrow is None else min(v, nominal + borrow - mine)
+        else:
+            keep = min(v, nominal - mine)
+        used[(cq, *fr)] += max(0, keep)
 
 
 def _bytes_like(res) -> bool:

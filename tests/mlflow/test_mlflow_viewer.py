@@ -3,6 +3,7 @@ read-only, and gets no artifact and no write — against a real hub and a real M
 
 victor is in ``department-heads`` (a viewer, in no team); carol (NLP) owns the run; mallory
 (no team, no role) is the control: without the viewer role the same reads are refused.
+Last (it edits the policy, and restores it): the viewer's MLflow grant follows the policy.
 """
 
 from __future__ import annotations
@@ -83,3 +84,95 @@ def test_a_viewer_reads_metrics_but_no_artifacts_and_changes_nothing(mlflow_hub,
     # Control: someone in no team and no role reads nothing of carol's.
     r = mlflow.api(mallory.token).get(mlflow.direct + API + "/runs/get", params={"run_id": run_id})
     assert r.status_code == 403, r.text
+
+
+# -- standing changes: the grant follows the policy --------------------------------------------
+VIEWER_ROLE = "gpuhub-viewers"  # accounts.VIEWER_ROLE, spelt out: the test names what MLflow holds
+
+
+def log_run_with_artifact(mlflow, token: str, experiment: str, content: bytes) -> tuple[str, str]:
+    s = mlflow.api(token)
+    r = s.post(mlflow.direct + API + "/experiments/create", json={"name": experiment})
+    assert r.status_code == 200, r.text
+    exp_id = r.json()["experiment_id"]
+    run_id = s.post(mlflow.direct + API + "/runs/create", json={"experiment_id": exp_id, "start_time": 0}
+                    ).json()["run"]["info"]["run_id"]
+    r = s.put(f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/weights.txt",
+              data=content, headers={"Content-Type": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    return exp_id, run_id
+
+
+def mlflow_roles(mlflow, username: str) -> set[str]:
+    """The MLflow roles ``username`` holds, as MLflow's own admin sees them."""
+    admin = mlflow.admin()
+    r = admin.get(admin.base + "/api/3.0/mlflow/users/roles/list", params={"username": username})
+    assert r.status_code == 200, r.text
+    return {role["name"] for role in r.json()["roles"]}
+
+
+def edit_policy(hub, text: str) -> None:
+    """Write the policy and wait until the hub has re-read it (its check interval, 2 s)."""
+    from support.hub import wait_for
+
+    loaded = hub.log.read_text(errors="replace").count("Loaded policy")
+    hub.policy.write_text(text)
+    wait_for(lambda: hub.log.read_text(errors="replace").count("Loaded policy") > loaded, 30,
+             "the hub to reload the policy", interval=0.3)
+
+
+def test_a_viewer_moved_into_a_team_keeps_no_read_everything_grant_and_back(mlflow_hub, carols_run):
+    """The attack: victor is a viewer (MLflow READ on every experiment, the proxy keeps him off
+    artifacts); the policy moves his group from ``roles.viewers`` into Vision Lab. Without
+    revocation the proxy stops guarding him (he is no longer viewer-only) while MLflow still
+    grants READ on everything, artifacts included: NLP's weights. With the same token, his
+    next request must see Vision's experiments only. And back: viewer-only again, he loses
+    the team role and the viewer rules return."""
+    hub, mlflow = mlflow_hub
+    carol_exp, carol_run = carols_run
+    alice_exp, alice_run = log_run_with_artifact(mlflow, hub.login("alice").token, "users/alice/revocation",
+                                                 b"alice weights")
+    victor = hub.login("victor")  # one login: the same token throughout
+    base = mlflow.direct.rsplit(PREFIX, 1)[0]
+
+    def artifact(exp_id, run_id):
+        return f"{PREFIX}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/weights.txt"
+
+    carols = (
+        artifact(carol_exp, carol_run),
+        f"{PREFIX}{API}/artifacts/list?run_id={carol_run}",
+        f"{PREFIX}/get-artifact?path=weights.txt&run_uuid={carol_run}",
+        f"{PREFIX}{API}/runs/get?run_id={carol_run}",
+    )
+    # A viewer: carol's metrics yes, her artifact no; MLflow holds the read-everything role.
+    assert raw_get(base, carols[3], victor.token)[0] == 200
+    status, body = raw_get(base, carols[0], victor.token)
+    assert status == 403 and b"secret weights" not in body
+    assert VIEWER_ROLE in mlflow_roles(mlflow, "victor")
+
+    original = hub.policy.read_text()
+    moved = (original.replace("viewers: [department-heads]", "viewers: []")
+             .replace("groups: [vision-lab]", "groups: [vision-lab, department-heads]"))
+    assert moved.count("department-heads") == 1
+    try:
+        edit_policy(hub, moved)
+        # Now a Vision researcher: Vision's artifacts (the team's READ grant) ...
+        status, body = raw_get(base, artifact(alice_exp, alice_run), victor.token)
+        assert (status, body) == (200, b"alice weights"), (status, body[:200])
+        # ... and nothing of NLP's, by any route: MLflow itself refuses now.
+        for path in carols:
+            status, body = raw_get(base, path, victor.token)
+            assert status in (403, 404) and b"secret weights" not in body, (path, status, body[:200])
+        roles = mlflow_roles(mlflow, "victor")
+        assert VIEWER_ROLE not in roles and "team-vision" in roles, roles
+
+        # Back to viewer-only: the team role goes, the viewer's rules return.
+        edit_policy(hub, original)
+        status, body = raw_get(base, artifact(alice_exp, alice_run), victor.token)
+        assert status == 403 and b"alice weights" not in body, (status, body[:200])
+        assert raw_get(base, carols[3], victor.token)[0] == 200
+        roles = mlflow_roles(mlflow, "victor")
+        assert VIEWER_ROLE in roles and "team-vision" not in roles, roles
+    finally:
+        if hub.policy.read_text() != original:
+            edit_policy(hub, original)

@@ -10,6 +10,12 @@ workspace. Members are assigned on their first request (and re-synced when their
 hub groups change); every experiment a member creates through the service gets a
 READ grant for each of the creator's teams. Everything else stays private to its
 owner (``default_permission = NO_PERMISSIONS``).
+
+Viewers (policy ``roles.viewers``, in no team) hold the role ``gpuhub-viewers``: READ on
+every experiment. MLflow's READ includes artifacts, which only the proxy keeps from
+them, and only while they are viewer-only; so the role is re-synced with the user's
+standing on every request (``ensure_user(..., viewer)``): assigned while viewer-only,
+taken away as soon as they are not.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ def basic_auth(username: str, password: str) -> str:
 @dataclass
 class _Synced:
     teams: tuple[str, ...]
+    viewer: bool
     at: float
 
 
@@ -69,7 +76,6 @@ class Accounts:
         self.resync_after = resync_after
         self._synced: dict[str, _Synced] = {}
         self._role_ids: dict[str, int] = {}
-        self._viewers: set[str] = set()
         self.client = AsyncHTTPClient()
 
     def __repr__(self) -> str:
@@ -110,10 +116,17 @@ class Accounts:
         users = (await self.call("GET", "2.0/mlflow/users/list")).get("users", [])
         return {u["username"] for u in users}
 
-    async def ensure_user(self, username: str, teams: tuple[str, ...]) -> None:
-        """Make sure ``username`` exists with its derived password and team roles."""
+    async def ensure_user(self, username: str, teams: tuple[str, ...], viewer: bool = False) -> None:
+        """Make sure ``username`` exists with its derived password, its team roles and the
+        viewers' role exactly when ``viewer`` (viewer-only now).
+
+        Cheap when nothing changed: MLflow is asked again only when the teams or the
+        viewer standing differ from the last sync (or after ``resync_after``, or once
+        after a restart of the service, which catches changes made while it was down).
+        """
         synced = self._synced.get(username)
-        if synced and synced.teams == teams and time.monotonic() - synced.at < self.resync_after:
+        if (synced and synced.teams == teams and synced.viewer == viewer
+                and time.monotonic() - synced.at < self.resync_after):
             return
         password = self.passwords.user(username)
         if await self.get_user(username) is None:
@@ -128,8 +141,8 @@ class Accounts:
             # make its password the derived one, so only this service can use it.
             await self.call("PATCH", "2.0/mlflow/users/update-password",
                             body={"username": username, "password": password})
-        await self._sync_team_roles(username, teams)
-        self._synced[username] = _Synced(teams, time.monotonic())
+        await self._sync_roles(username, teams, viewer)
+        self._synced[username] = _Synced(teams, viewer, time.monotonic())
 
     async def delete_user(self, username: str) -> bool:
         self._synced.pop(username, None)
@@ -163,7 +176,9 @@ class Accounts:
             self._role_ids[name] = int(role["id"])
         return self._role_ids[name]
 
-    async def _sync_team_roles(self, username: str, teams: tuple[str, ...]) -> None:
+    async def _sync_roles(self, username: str, teams: tuple[str, ...], viewer: bool) -> None:
+        """The user's MLflow roles become exactly: a ``team-<name>`` role per team, and
+        ``gpuhub-viewers`` iff ``viewer``. Any failure raises (the request is refused)."""
         have = (await self.call("GET", "3.0/mlflow/users/roles/list", {"username": username})).get("roles", [])
         have_team = {r["name"][len(TEAM_ROLE_PREFIX):]: int(r["id"]) for r in have
                      if r["name"].startswith(TEAM_ROLE_PREFIX)}
@@ -174,30 +189,36 @@ class Accounts:
         for team, role_id in have_team.items():
             if team not in teams:
                 await self.call("DELETE", "3.0/mlflow/roles/unassign", {"username": username, "role_id": role_id})
-
-    async def ensure_viewer(self, username: str) -> None:
-        """Give ``username`` the viewers' role (READ on every experiment), once."""
-        if username in self._viewers:
-            return
-        role_id = self._role_ids.get(VIEWER_ROLE)
-        if role_id is None:
-            roles = (await self.call("GET", "3.0/mlflow/roles/list", {"workspace": WORKSPACE})).get("roles", [])
-            found = next((r for r in roles if r["name"] == VIEWER_ROLE), None)
-            if found is None:
-                found = (await self.call("POST", "3.0/mlflow/roles/create", body={
-                    "name": VIEWER_ROLE, "workspace": WORKSPACE,
-                    "description": "gpuhub viewers: read every experiment's runs and metrics",
-                }))["role"]
-                await self.call("POST", "3.0/mlflow/roles/permissions/add", body={
-                    "role_id": int(found["id"]), "resource_type": "experiment", "resource_pattern": "*",
-                    "permission": "READ",
-                })
-            role_id = self._role_ids[VIEWER_ROLE] = int(found["id"])
-        have = (await self.call("GET", "3.0/mlflow/users/roles/list", {"username": username})).get("roles", [])
-        if not any(int(r["id"]) == role_id for r in have):
+        # MLflow's READ includes artifacts: this role must not outlive the viewer-only
+        # standing under which the proxy keeps its holder off artifacts and writes.
+        have_viewer = [int(r["id"]) for r in have if r["name"] == VIEWER_ROLE]
+        if viewer and not have_viewer:
+            role_id = await self.viewer_role_id()
             await self.call("POST", "3.0/mlflow/roles/assign", body={"username": username, "role_id": role_id})
             log.info("MLflow account %s is a viewer (read-only, no artifacts)", username)
-        self._viewers.add(username)
+        elif not viewer:
+            for role_id in have_viewer:
+                await self.call("DELETE", "3.0/mlflow/roles/unassign", {"username": username, "role_id": role_id})
+                log.info("MLflow account %s is no longer a viewer: read-everything role removed", username)
+
+    async def viewer_role_id(self) -> int:
+        """The viewers' role (READ on every experiment), created on first use."""
+        role_id = self._role_ids.get(VIEWER_ROLE)
+        if role_id is not None:
+            return role_id
+        roles = (await self.call("GET", "3.0/mlflow/roles/list", {"workspace": WORKSPACE})).get("roles", [])
+        found = next((r for r in roles if r["name"] == VIEWER_ROLE), None)
+        if found is None:
+            found = (await self.call("POST", "3.0/mlflow/roles/create", body={
+                "name": VIEWER_ROLE, "workspace": WORKSPACE,
+                "description": "gpuhub viewers: read every experiment's runs and metrics",
+            }))["role"]
+            await self.call("POST", "3.0/mlflow/roles/permissions/add", body={
+                "role_id": int(found["id"]), "resource_type": "experiment", "resource_pattern": "*",
+                "permission": "READ",
+            })
+        role_id = self._role_ids[VIEWER_ROLE] = int(found["id"])
+        return role_id
 
     async def share_experiment_with_teams(self, experiment_id: str, teams: tuple[str, ...]) -> None:
         for team in teams:

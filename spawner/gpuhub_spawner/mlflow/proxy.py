@@ -203,6 +203,7 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         self.rel = ""
         self.username = None
         self.teams: tuple[str, ...] = ()
+        self.viewer = False
         self._route = None
         self._buffered = False
         self._has_body = False
@@ -298,11 +299,13 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
 
         await state.ready()
         self.teams = state.teams_for(user)
-        await state.ensure_account(self.username, self.teams)
-        if state.viewer_only(user, self.teams):
+        self.viewer = state.viewer_only(user, self.teams)
+        # Before anything is forwarded: MLflow's roles follow the user's standing now (the
+        # viewers' read-everything role is taken away as soon as they are not viewer-only).
+        await state.ensure_account(self.username, self.teams, self.viewer)
+        if self.viewer:
             if VIEWER_ARTIFACTS.search(self.rel) or (method not in SAFE_METHODS and not VIEWER_READ_POSTS.match(self.rel)):
                 raise web.HTTPError(403, "Viewers see runs and metrics read-only; artifacts and changes are not available.")
-            await state.ensure_viewer(self.username)
         if not self._buffered:
             self._queue = asyncio.Queue(maxsize=8)  # at most 8 chunks of 64 KiB in flight
             self._upstream = asyncio.ensure_future(self._proxy_streamed())
@@ -410,7 +413,7 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             if response.code == 401 and attempt == 1:
                 # The account changed behind our back (deleted, password reset): redo it once.
                 self.state.accounts.forget(self.username)
-                await self.state.ensure_account(self.username, self.teams)
+                await self.state.ensure_account(self.username, self.teams, self.viewer)
                 continue
             return response
 
@@ -477,7 +480,7 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
                 return
             if head["redo"]:
                 self.state.accounts.forget(self.username)
-                await self.state.ensure_account(self.username, self.teams)
+                await self.state.ensure_account(self.username, self.teams, self.viewer)
                 continue
             if not head["done"] and not self._finished:
                 self._relay_head(response.code if response.code != 200 else 502, response.reason, response.headers)

@@ -131,17 +131,14 @@ class ServiceState:
         """
         return not teams and self.team_resolver.is_viewer(list(user.get("groups") or []))
 
-    async def ensure_viewer(self, username: str) -> None:
-        lock = self._locks.setdefault(username, asyncio.Lock())
-        async with lock:
-            await self.accounts.ensure_viewer(username)
-
-    async def ensure_account(self, username: str, teams: tuple[str, ...]):
+    async def ensure_account(self, username: str, teams: tuple[str, ...], viewer: bool):
+        """The account, its team roles and the viewers' role as the user stands now
+        (``viewer``: ``viewer_only``); called on every request, cheap when unchanged."""
         if username == self.accounts.admin_username or ":" in username:
             raise web.HTTPError(403, f"The hub user name {username!r} cannot be used on MLflow.")
         lock = self._locks.setdefault(username, asyncio.Lock())
         async with lock:
-            await self.accounts.ensure_user(username, teams)
+            await self.accounts.ensure_user(username, teams, viewer)
             if username not in self.provisioned:
                 self.provisioned.add(username)
                 self._save_provisioned()

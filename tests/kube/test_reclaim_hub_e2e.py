@@ -1,0 +1,219 @@
+"""Reclaim with notice on Kubernetes (issue 14), and the usage history there (issue 15).
+
+A real JupyterHub with KueueSpawner on the API double, its ClusterQueues rendered from
+the policy below: two teams in one cohort, one L4 of nominal quota each. Vision's second
+server borrows NLP's idle L4. When an NLP researcher asks for her team's own GPU, Kueue
+would not preempt a server of equal priority (``reclaimWithinCohort: LowerPriority``),
+so the hub does, with notice: the borrower is warned where cull warnings are shown, the
+lender's spawn page says when the GPU will be hers, and after NLP's ``reclaim.notice``
+the hub deletes the borrower's pod; Kueue (the double) then admits the lender. The
+hub learns all of it from Kueue's Workloads (``kube/ledger.py``), as on a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import requests
+
+from double.harness import KUBECONFIG, NAMESPACE
+from support.hub import Hub
+from test_hub_e2e import KUBE_CONFIG, pods, until
+
+pytestmark = pytest.mark.integration
+
+NOTICE = 20
+
+POLICY = f"""\
+apiVersion: gpuhub/v1
+flavors:
+  - name: l4
+    displayName: L4 24GB
+    resource: nvidia.com/gpu
+    nodeLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}
+    local: {{virtual: 1}}
+priorityClasses:
+  - {{name: interactive, value: 1000}}
+  - {{name: batch, value: 100}}
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    cohort: research
+    defaultPriority: interactive
+    jobPriority: batch
+    quota: {{cpu: 8, memory: 16Gi, gpus: {{l4: {{nominal: 1}}}}}}
+  - name: nlp
+    displayName: NLP Group
+    groups: [nlp-group]
+    cohort: research
+    defaultPriority: interactive
+    jobPriority: batch
+    quota: {{cpu: 8, memory: 16Gi, gpus: {{l4: {{nominal: 1}}}}}}
+    reclaim: {{notice: {NOTICE}s}}
+profiles:
+  - {{slug: l4-1, displayName: One L4, cpu: 1, memory: 2Gi, gpu: {{count: 1, flavor: l4}}, teams: "*", default: true}}
+defaults:
+  queueTimeout: 5m
+  launchTimeout: 2m
+  idle: {{timeout: 1h, gpuIdleTimeout: 1h, warning: 5m}}
+"""
+
+
+@pytest.fixture(scope="module")
+def hub(double, tmp_path_factory):
+    from gpuhub_spawner.kube.render import render_objects
+    from gpuhub_spawner.policy.loader import load_policy
+
+    work = tmp_path_factory.mktemp("kube-reclaim")
+    policy_path = work / "objects-policy.yaml"
+    policy_path.write_text(POLICY)
+    double.reset()
+    double.apply(render_objects(load_policy(policy_path), NAMESPACE))
+    h = Hub(work, POLICY, extra_config=KUBE_CONFIG, env={"KUBECONFIG": str(KUBECONFIG), "GPUHUB_CULL_EVERY": "5"})
+    try:
+        h.start()
+        yield h
+    finally:
+        h.stop()
+        double.reset()
+
+
+@pytest.fixture(scope="module")
+def users(hub):
+    return {n: hub.login(n) for n in ("alice", "bob", "carol", "admin")}
+
+
+def warnings(client) -> dict:
+    r = client.api.get(client.url(f"/gpuhub/culling/{client.name}"))
+    r.raise_for_status()
+    return r.json()["servers"]
+
+
+def log_time(line: str) -> float:
+    m = re.search(r"\[\w (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)", line)
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_admits_the_lender(hub, double, users):
+    alice, bob, carol, admin = users["alice"], users["bob"], users["carol"], users["admin"]
+    for client in (alice, bob):  # alice holds vision's own L4; bob, admitted later, borrows NLP's
+        assert client.start("l4-1").status_code in (201, 202)
+        client.wait_ready()
+    until(lambda: next(t for t in admin.api.get(admin.url("/gpuhub/status")).json()["teams"]
+                       if t["name"] == "vision")["gpus"]["l4"]["borrowed"] == 1, what="vision borrowing in the status",
+          hub=hub)
+    status = admin.api.get(admin.url("/gpuhub/status")).json()
+    vision = next(t for t in status["teams"] if t["name"] == "vision")
+    assert vision["gpus"]["l4"]["nominal"] == 1
+    assert sorted(d["user"] for d in status["devices"]) == ["alice", "bob"]  # an admin sees who holds what
+    seen = carol.api.get(carol.url("/gpuhub/status")).json()  # a researcher of another team: counts only
+    assert len(seen["devices"]) == 2 and {d["user"] for d in seen["devices"]} == {None}, seen["devices"]
+    assert warnings(bob) == {}
+
+    carol.start_background("l4-1")
+    # Kueue does not preempt a server of equal priority; the hub warns the newest borrower.
+    w = until(lambda: warnings(bob).get(""), what="bob's reclaim warning", hub=hub)
+    assert w["rule"] == "reclaim" and w["needed_by"] == "NLP Group" and w["snoozes_left"] == 0
+    assert w["reason"] == "NLP Group needs back 1 L4 24GB GPU that your team Vision Lab borrowed", w["reason"]
+    assert warnings(alice) == {}  # within her team's own quota: never reclaimed
+    r = bob.api.post(bob.url("/gpuhub/culling/bob/snooze"), json={"server": ""})
+    assert r.status_code == 409
+    events = carol.progress(until=lambda e: "being reclaimed" in e.get("message", ""), timeout=30)
+    msg = events[-1]["message"]
+    assert "NLP Group's GPU is on loan to another team; it is being reclaimed and will be yours by" in msg, msg
+    assert "bob" not in msg
+    assert len(pods(double, "bob")) == 1  # nothing happens before the notice ends
+
+    # After the notice the hub deletes bob's pod; Kueue admits carol on the freed quota.
+    until(lambda: bob.server() is None, timeout=NOTICE + 30, what="bob's server stopped after the notice", hub=hub)
+    assert time.time() >= w["deadline"] - 0.5
+    assert pods(double, "bob") == []
+    carol.wait_ready(timeout=60)
+    form = bob.session.get(hub.url + "/hub/spawn").text
+    assert 'id="gpuhub-stop-reason"' in form and "NLP Group needs back" in form and "files are kept" in form
+
+    lines = hub.log.read_text(errors="replace").splitlines()
+    warned = [l for l in lines if "Reclaim: warning bob/" in l][-1]
+    stopping = next(l for l in lines if "Reclaim: stopping bob/" in l)
+    admitted = next(l for l in lines if "Server carol admitted by Kueue" in l)
+    assert log_time(warned) <= log_time(stopping) <= log_time(admitted)
+    timeline = "\n".join((warned, stopping, admitted))
+    (Path(os.environ.get("GPUHUB_EVIDENCE_DIR", hub.workdir)) / "kube-reclaim-timeline.log").write_text(timeline + "\n")
+    print("\n" + timeline)
+
+    # The usage history (kube/ledger.py feeding usage/): how each allocation ended.
+    def rows():
+        r = admin.api.get(admin.url("/gpuhub/usage?since=1h"))
+        r.raise_for_status()
+        return r.json()
+
+    data = until(lambda: (d := rows()) and any(a["user"] == "carol" for a in d["rows"]) and d,
+                 what="carol's allocation in the usage history", hub=hub)
+    ended = {a["user"]: a for a in data["rows"]}
+    assert ended["bob"]["end_reason"] == "reclaimed", ended["bob"]
+    assert ended["alice"]["end"] is None and ended["carol"]["team"] == "nlp"
+    audit = admin.api.get(admin.url("/gpuhub/audit")).json()["entries"]
+    assert [e["event"] for e in audit if e.get("key") == "bob/" and e["event"] in ("admitted", "reclaimed", "released")] \
+        == ["admitted", "reclaimed", "released"]
+    for client in (alice, carol):
+        client.stop()
+        client.wait_gone()
+    until(lambda: pods(double) == [], what="no pods left")
+    assert double.invalid == [] and double.errors == []
+
+
+def test_per_team_gauges_follow_kueue_and_return_to_zero(hub, double, users):
+    carol, admin = users["carol"], users["admin"]
+
+    def metric(name: str, team: str) -> float | None:
+        text = requests.get(hub.url + "/hub/metrics", headers={"Authorization": f"token {admin.token}"}, timeout=10).text
+        m = re.search(rf'^{name}{{flavor="l4",team="{team}"}} (\S+)$', text, re.M)
+        return float(m.group(1)) if m else None
+
+    assert carol.start("l4-1").status_code in (201, 202)
+    carol.wait_ready()
+    until(lambda: metric("gpuhub_gpus_in_use", "nlp") == 1.0, what="NLP's L4 in use in /hub/metrics", hub=hub)
+    assert metric("gpuhub_quota_nominal_gpus", "nlp") == 1.0
+    carol.stop()
+    carol.wait_gone()
+    until(lambda: metric("gpuhub_gpus_in_use", "nlp") == 0.0, what="the gauge back to 0", hub=hub)
+
+
+def test_a_team_whose_servers_may_not_borrow_waits_for_its_own_quota(hub, double, users):
+    """``reclaim.interactiveBorrowing: false`` on a cluster: Kueue would let the server borrow
+    NLP's idle L4 (servers and jobs share the team's ClusterQueue); the hub holds the pod back."""
+    alice, bob = users["alice"], users["bob"]
+    original = hub.policy.read_text()
+    loads = hub.log.read_text(errors="replace").count("Loaded policy")
+    hub.policy.write_text(original.replace(
+        "    jobPriority: batch\n    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 1}}}\n  - name: nlp",
+        "    jobPriority: batch\n    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 1}}}\n"
+        "    reclaim: {interactiveBorrowing: false}\n  - name: nlp", 1))
+    assert hub.policy.read_text() != original
+    try:
+        until(lambda: hub.log.read_text(errors="replace").count("Loaded policy") > loads, what="the policy reload", hub=hub)
+        assert alice.start("l4-1").status_code in (201, 202)
+        alice.wait_ready()
+        bob.start_background("l4-1")
+        events = bob.progress(until=lambda e: "may not borrow" in e.get("message", ""), timeout=30)
+        msg = events[-1]["message"]
+        assert "your team Vision Lab is using 1 of the 1 it may hold (its servers may not borrow from the cohort)" in msg, msg
+        time.sleep(3)  # several status ticks: NLP's L4 is free, yet no pod is created for bob
+        assert pods(double, "bob") == []
+        alice.stop()
+        alice.wait_gone()
+        bob.wait_ready(timeout=60)  # his team's own L4 came free
+        assert len(pods(double, "bob")) == 1
+    finally:
+        hub.policy.write_text(original)
+        for client in (alice, bob):
+            if client.server() is not None:
+                client.stop()
+                client.wait_gone()
+    until(lambda: pods(double) == [], what="no pods left")

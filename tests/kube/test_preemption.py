@@ -362,3 +362,78 @@ async def test_a_team_within_its_quota_keeps_it_even_from_a_higher_priority_borr
     nlp = job_workload(kube, "job-0000000nlp")
     assert holds_quota(nlp) and not cond(nlp, "Evicted") and running_job_pod(kube, "job-0000000nlp")
     assert kube.invalid == [] and kube.errors == []
+
+
+async def test_reclaim_any_would_delete_a_borrowing_server_without_notice(kube, make_spawner, policy_store):
+    """Why the render says LowerPriority (docs/reclaim.md): with ``reclaimWithinCohort: Any``
+    the lender's request deletes vision's borrowing server, the newest, at once."""
+    nlp = cluster_queue(policy_store.policy, "nlp")
+    nlp["spec"]["preemption"]["reclaimWithinCohort"] = "Any"
+    kube.apply([nlp])
+    alice = await server(kube, make_spawner, "alice", "vision", "a100-1")
+    alice_wl = await admitted(kube, alice)
+    admitted_long_ago(kube, alice_wl)
+    amy = await server(kube, make_spawner, "amy", "vision", "a100-1")
+    amy_wl = await admitted(kube, amy)
+    ada = await server(kube, make_spawner, "ada", "vision", "a100-1")
+    ada_wl = await admitted(kube, ada)
+    admitted_long_ago(kube, ada_wl)  # so amy is the most recently admitted
+    bob = await server(kube, make_spawner, "bob", "nlp", "a100-1")
+    await admitted(kube, bob)
+    assert kube.get("pods", NAMESPACE, amy["metadata"]["name"]) is None
+    last = kube.last_written("workloads", NAMESPACE, amy_wl["metadata"]["name"])
+    assert cond(last, "Preempted")["reason"] == "InCohortReclamation"
+    assert cond(last, "Preempted")["message"].endswith(
+        "due to reclamation within the cohort; preemptor path: /research/nlp; preemptee path: /research/vision")
+    for pod in (alice, ada):
+        assert holds_quota(pod_workload(kube, pod))
+    assert kube.invalid == [] and kube.errors == []
+
+
+async def test_a_request_that_needs_preemption_but_finds_none_keeps_its_quota_from_lower_ones(kube, make_spawner, policy_store):
+    """Kueue's reserveCapacityForUnreclaimablePreempt: vision's 2-A100 server cannot fit (NLP
+    uses its own A100, alice a vision one) and may preempt nobody; the batch job queued after
+    it does not take the A100 it waits for, and the server gets both when NLP's stops."""
+    alice = await server(kube, make_spawner, "alice", "vision", "a100-1")
+    await admitted(kube, alice)
+    bob = await server(kube, make_spawner, "bob", "nlp", "a100-1")
+    await admitted(kube, bob)
+    amy = await server(kube, make_spawner, "amy", "vision", "a100-2")
+    await waiting(kube, amy)
+    await job(kube, make_spawner, policy_store.policy, "ann", "vision", "a100-1", "job-000000small")
+    wl = await until(lambda: (w := job_workload(kube, "job-000000small")) and cond(w, "QuotaReserved").get("status") == "False" and w,
+                     "the job to be considered")
+    assert cond(wl, "QuotaReserved")["message"].endswith("insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed")
+    kube.delete("pods", NAMESPACE, bob["metadata"]["name"])
+    amy_wl = await admitted(kube, amy)
+    assert amy_wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]["nvidia.com/gpu"] == "2"
+    assert not holds_quota(job_workload(kube, "job-000000small"))  # vision holds 3: its quota and the loan
+    assert kube.invalid == [] and kube.errors == []
+
+
+async def test_lower_or_newer_equal_priority_takes_an_equal_only_if_it_was_created_later():
+    """withinClusterQueue: LowerOrNewerEqualPriority (not rendered by gpuhub, modelled for
+    completeness): the queue-order timestamp is the creation time, in whole seconds."""
+    from collections import defaultdict
+
+    from double.server import _Holder, _preemption_targets, _Quotas
+
+    gpu = ("l4", "nvidia.com/gpu")
+    cq = {"metadata": {"name": "t"}, "spec": {
+        "preemption": {"withinClusterQueue": "LowerOrNewerEqualPriority"},
+        "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"],
+                            "flavors": [{"name": "l4", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "1"}]}]}]}}
+    quotas = _Quotas({("clusterqueues", None, "t"): cq})
+
+    def workload(name, created, priority=100):
+        return {"metadata": {"uid": name, "namespace": NAMESPACE, "name": name, "creationTimestamp": created},
+                "spec": {"priority": priority},
+                "status": {"conditions": [{"type": "QuotaReserved", "status": "True", "lastTransitionTime": created}]}}
+
+    preemptor = workload("p", "2026-11-30T10:00:10Z")
+    for created, priority, taken in (("2026-11-30T10:00:11Z", 100, True), ("2026-11-30T10:00:10Z", 100, False),
+                                     ("2026-11-30T10:00:09Z", 100, False), ("2026-11-30T10:00:09Z", 99, True)):
+        holder = _Holder(workload("h", created, priority), "t", {gpu: 1})
+        used = defaultdict(int, {("t", *gpu): 1})
+        targets = _preemption_targets(preemptor, "t", {gpu: 1}, {gpu}, used, {"t": [holder]}, quotas)
+        assert [(t.key[1], reason) for t, reason in targets] == ([("h", "InClusterQueue")] if taken else []), (created, priority)

@@ -711,9 +711,6 @@ class KubeDouble(JobsMixin):
         # Kueue orders by priority, then by creation (the order the pods were created here).
         return sorted(out, key=lambda w: (-(w["spec"].get("priority") or 0), _creation_rank(w)))
 
-    def _usage(self):
-        return self._snapshot()[0]
-
     def _snapshot(self):
         """The scheduler's view at the start of a pass: quota in use per (ClusterQueue, flavor,
         resource), and the workloads holding it per ClusterQueue (preemption candidates)."""

@@ -187,6 +187,12 @@ async def test_a_borrowing_job_is_preempted_at_once_when_the_lender_asks_within_
     # When NLP's server stops, the job gets the loan back.
     kube.delete("pods", NAMESPACE, bob["metadata"]["name"])
     await admitted(kube, job_name="job-0000000new")
+    wl = job_workload(kube, "job-0000000new")
+    assert (cond(wl, "Evicted")["status"], cond(wl, "Evicted")["reason"]) == ("False", "QuotaReserved")
+    assert cond(wl, "Evicted")["message"] == f"Previously: {message}"
+    # The count survives the reset: how the hub knows an attempt was preempted (jobs/kube_backend.py).
+    assert wl["status"]["schedulingStats"]["evictions"] == [
+        {"reason": "Preempted", "underlyingCause": "InCohortReclamation", "count": 1}]
 
 
 async def test_a_borrowing_server_of_equal_priority_is_not_preempted_and_the_lender_waits(kube, make_spawner):

@@ -117,6 +117,7 @@ def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_ad
     assert warnings(bob) == {}
 
     carol.start_background("l4-1")
+    until(lambda: carol.server() is not None, what="carol's spawn pending", hub=hub)
     # Kueue does not preempt a server of equal priority; the hub warns the newest borrower.
     w = until(lambda: warnings(bob).get(""), what="bob's reclaim warning", hub=hub)
     assert w["rule"] == "reclaim" and w["needed_by"] == "NLP Group" and w["snoozes_left"] == 0
@@ -201,6 +202,7 @@ def test_a_team_whose_servers_may_not_borrow_waits_for_its_own_quota(hub, double
         assert alice.start("l4-1").status_code in (201, 202)
         alice.wait_ready()
         bob.start_background("l4-1")
+        until(lambda: bob.server() is not None, what="bob's spawn pending", hub=hub)
         events = bob.progress(until=lambda e: "may not borrow" in e.get("message", ""), timeout=30)
         msg = events[-1]["message"]
         assert "your team Vision Lab is using 1 of the 1 it may hold (its servers may not borrow from the cohort)" in msg, msg

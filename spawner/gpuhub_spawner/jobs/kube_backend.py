@@ -46,6 +46,12 @@ def _cond(obj: dict | None, ctype: str) -> dict:
     return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == ctype), {})
 
 
+def _preemptions(wl: dict | None) -> int:
+    """How often Kueue preempted this Workload (``status.schedulingStats.evictions``)."""
+    stats = (((wl or {}).get("status") or {}).get("schedulingStats") or {}).get("evictions") or []
+    return sum(int(e.get("count", 0)) for e in stats if e.get("reason") == "Preempted")
+
+
 class KubeJobManager(SingletonConfigurable):
     data_dir = Unicode("data", help="Where job records live (<data_dir>/jobs): the hub's persistent volume.").tag(config=True)
     poll_interval = Float(10.0, help="Seconds between reads of unfinished Jobs, their pods and Workloads.").tag(config=True)
@@ -203,7 +209,13 @@ class KubeJobManager(SingletonConfigurable):
             if att.account and att.account not in live and att.finished is None:
                 att.finished = time.time()
                 evicted = M.eviction_message(wl, None)
-                att.reason = "preempted" if _cond(wl, "Evicted").get("status") == "True" or job["spec"].get("suspend") else "interrupted"
+                # Kueue turns Evicted back to False when it admits the Job again, which may
+                # happen before this poll; its eviction count does not go back.
+                counted = _preemptions(wl) > sum(1 for a in rec.attempts if a.reason == "preempted")
+                preempted = counted or _cond(wl, "Evicted").get("status") == "True" or job["spec"].get("suspend")
+                att.reason = "preempted" if preempted else "interrupted"
+                if preempted and not evicted:  # re-admitted already: Kueue's words for it are gone
+                    evicted = "Your server was stopped by the queue to make room for other work; it was queued again."
                 att.message = (evicted or "").replace("server", "job")
         complete, failed = _cond(job, "Complete"), _cond(job, "Failed")
         if complete.get("status") == "True":

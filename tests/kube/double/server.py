@@ -880,9 +880,10 @@ class KubeDouble(JobsMixin):
                                    "resourceUsage": {r: _fmt(r, request[r]) for r in assignment}}],
         }
         _set_condition(wl, K.QUOTA_RESERVED, "True", "QuotaReserved", K.MSG_QUOTA_RESERVED.format(name=cq["metadata"]["name"]))
-        # Not modelled: Kueue's SetQuotaReservation turns an active Evicted/Preempted condition
-        # False ("Previously: ..."); the job backend still reads Evicted=True to classify an
-        # attempt that ended while it was away (docs/kubernetes-testing.md).
+        for ctype in (K.EVICTED, K.PREEMPTED):  # SetQuotaReservation: resetActiveCondition
+            old = K.condition(wl, ctype)
+            if old and old["status"] == "True":
+                _set_condition(wl, ctype, "False", K.REASON_QUOTA_RESERVED, K.MSG_PREVIOUSLY.format(message=old["message"]))
         _set_condition(wl, K.ADMITTED, "True", "Admitted", K.MSG_ADMITTED)
         validate(wl)
         ns = wl["metadata"]["namespace"]
@@ -994,6 +995,13 @@ def _evicted_by_preemption(wl, preempted_reason, message, requeued: bool):
     reconciler: Requeued, QuotaReserved=False "Pending" with the eviction message, no admission)."""
     _set_condition(wl, K.EVICTED, "True", K.EVICTED_BY_PREEMPTION, message)
     _set_condition(wl, K.PREEMPTED, "True", preempted_reason, message)
+    # pkg/workload: every eviction is counted by reason and underlying cause (kept across re-admission).
+    stats = wl["status"].setdefault("schedulingStats", {}).setdefault("evictions", [])
+    entry = next((e for e in stats if e["reason"] == K.EVICTED_BY_PREEMPTION and e["underlyingCause"] == preempted_reason), None)
+    if entry is None:
+        stats.append({"reason": K.EVICTED_BY_PREEMPTION, "underlyingCause": preempted_reason, "count": 1})
+    else:
+        entry["count"] += 1
     _set_condition(wl, K.REQUEUED, "True" if requeued else "False", K.EVICTED_BY_PREEMPTION, message)
     _set_condition(wl, K.QUOTA_RESERVED, "False", K.REASON_PENDING, message)
     _set_condition(wl, K.ADMITTED, "False", K.ADMITTED_REASON_NO_RESERVATION, K.MSG_NO_RESERVATION)

@@ -38,20 +38,17 @@ from kubernetes_asyncio.client import V1DeleteOptions
 from kubespawner import KubeSpawner
 from traitlets import Dict, Float, Integer, Unicode, default
 
-from ..admission.quota import add_usage, check_fit, demand_for
 from ..policy.access import Choice
 from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
 from ..usage import recorder as usage
 from ..policy.access import ChoiceError, resolve_choice
+from . import own_quota
 from .kueue import (
     POD_FINALIZER, PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL, WEBHOOK_FAILED_MARKER, pod_is_gated,
 )
 from .messages import event_message, eviction_message, waiting_message
 from .state import GoneAwarePodReflector, PendingPollers, WorkloadReflector
-
-# Servers this hub is creating for teams whose servers may not borrow: key -> (team, demand).
-_CLAIMS: dict[str, tuple[str, dict]] = {}
 
 # Traits the policy sets per start; their configured values are the base each start builds on.
 _POLICY_TRAITS = (
@@ -174,7 +171,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             await self.load_user_options()  # the choice (KubeSpawner's _start applies it again)
             await self._hold_within_own_quota()
         except BaseException:
-            _CLAIMS.pop(self._server_key, None)
+            own_quota.release(self._server_key)
             raise
         task = asyncio.ensure_future(super()._start())
         try:
@@ -206,34 +203,9 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 task.cancel()
             raise
         finally:
-            _CLAIMS.pop(self._server_key, None)
+            own_quota.release(self._server_key)
 
-    # -- reclaim.interactiveBorrowing: false -------------------------------------------
-    def _own_quota_shortage(self, ledger) -> tuple[str | None, str | None]:
-        """(why this server must wait, why it never fits) with only the team's own quota.
-
-        A team's servers and jobs share its ClusterQueue, so Kueue would let a server
-        borrow; the hub holds the pod back instead until it fits the team's nominal
-        quota. Counted: what Kueue admitted to the team, the team's servers waiting in
-        Kueue, and those this hub is creating (``_CLAIMS``: one hub, so no race).
-        """
-        choice, policy = self.choice, self.policy
-        team = choice.team
-        if not team.cohort or policy.reclaim_rules(team).interactive_borrowing or not choice.gpu_count:
-            return None, None
-        me = self._server_key
-        queue = ledger.queue
-        usage = queue.usage()
-        extra: list[dict] = [d for k, (t, d) in _CLAIMS.items() if t == team.name and k != me and k not in queue.admitted]
-        extra += [t.demand for t in queue.waiting
-                  if t.team == team.name and not t.key.startswith("job:") and t.key != me and t.key not in _CLAIMS]
-        for d in extra:
-            add_usage(usage, team.name, dict(d))
-        fit = check_fit(policy, usage, team, demand_for(policy, choice.profile), may_borrow=False)
-        if fit.never:
-            return None, fit.never
-        return (None if fit.fits else "; ".join(s.reason for s in fit.shortages)), None
-
+    # -- reclaim.interactiveBorrowing: false (kube/own_quota.py) ---------------------
     async def _hold_within_own_quota(self) -> None:
         ledger = self._ledger()
         if ledger is None or not self.choice.gpu_count:
@@ -241,11 +213,11 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         await ledger.synced.wait()
         deadline = self._queued_at + self.effective_queue_timeout
         while True:
-            why, never = self._own_quota_shortage(ledger)
+            why, never = own_quota.shortage(self.policy, self.choice, self._server_key, ledger)
             if never:
                 raise SpawnException(f"This server can never start: {never}", reason="never_fits", status_code=400)
             if why is None:
-                _CLAIMS[self._server_key] = (self.choice.team.name, demand_for(self.policy, self.choice.profile))
+                own_quota.claim(self.policy, self.choice, self._server_key)
                 self._held = None
                 return
             self._held = why
@@ -375,7 +347,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             pending = snapshot.position(workload["metadata"]["name"]) if workload else None
             queue_length = len(snapshot.items) if snapshot.fetched_at else None
             ledger = self._ledger()
-            text = waiting_message(self.policy, self.choice, workload, pending, queue_length, self._why_waiting(ledger))
+            why = own_quota.why_waiting(self.policy, self.choice, self._server_key, ledger)
+            text = waiting_message(self.policy, self.choice, workload, pending, queue_length, why)
             note = ledger.queue.notes.get(self._server_key) if ledger else None
             if note:  # the reclaimer's: this team's own quota is on loan and coming back
                 text = f"Your server {note}."
@@ -388,18 +361,6 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             if words:
                 best = words
         return {"progress": best[0], "message": best[1]}
-
-    def _why_waiting(self, ledger) -> str | None:
-        """The one-machine words for a quota shortage, from the ledger's view of Kueue."""
-        if ledger is None or not ledger.watching:
-            return None
-        policy, choice = self.policy, self.choice
-        usage = ledger.queue.usage()
-        mine = ledger.queue.admitted.get(self._server_key)
-        if mine is not None:
-            return None  # admitted meanwhile: Kueue's words until the gate lifts
-        fit = check_fit(policy, usage, choice.team, demand_for(policy, choice.profile))
-        return None if fit.fits else "; ".join(s.reason for s in fit.shortages)
 
     def _waited(self) -> str:
         """No claim of a wait the user did not notice (the hub holds the form's POST up to

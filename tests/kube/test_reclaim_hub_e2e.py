@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -75,7 +77,8 @@ def hub(double, tmp_path_factory):
     policy_path.write_text(POLICY)
     double.reset()
     double.apply(render_objects(load_policy(policy_path), NAMESPACE))
-    h = Hub(work, POLICY, extra_config=KUBE_CONFIG, env={"KUBECONFIG": str(KUBECONFIG), "GPUHUB_CULL_EVERY": "5"})
+    h = Hub(work, POLICY, extra_config=KUBE_CONFIG + "\nc.KubeJobManager.poll_interval = 0.5   # production: 10 s\n",
+            env={"KUBECONFIG": str(KUBECONFIG), "GPUHUB_CULL_EVERY": "5"})
     try:
         h.start()
         yield h
@@ -219,3 +222,60 @@ def test_a_team_whose_servers_may_not_borrow_waits_for_its_own_quota(hub, double
                 client.stop()
                 client.wait_gone()
     until(lambda: pods(double) == [], what="no pods left")
+
+
+def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_requeues(hub, double, users, tmp_path):
+    """Kueue preempts only lower priorities (``reclaimWithinCohort: LowerPriority``). With no
+    ``jobPriority`` a team's jobs queue at its servers' priority, so the hub takes a
+    borrowing job back itself: it deactivates the Job's Workload (Kueue evicts it and
+    suspends the Job), then reactivates it so it queues again. No notice for a job."""
+    alice, bob, carol, admin = users["alice"], users["bob"], users["carol"], users["admin"]
+    original = hub.policy.read_text()
+    loads = hub.log.read_text(errors="replace").count("Loaded policy")
+    hub.policy.write_text(original.replace("    jobPriority: batch\n", "", 1))  # vision's jobs: interactive, as its servers
+    until(lambda: hub.log.read_text(errors="replace").count("Loaded policy") > loads, what="the policy reload", hub=hub)
+    job_id = None
+    try:
+        assert alice.start("l4-1").status_code in (201, 202)
+        alice.wait_ready()
+        spec = tmp_path / "job.yaml"
+        spec.write_text("profile: l4-1\ncommand: [python3, -c, 'import time; time.sleep(600)']\n"
+                        "retries: {limit: 0, reasons: [preempted]}\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
+        env["GPUHUB_TOKEN"] = bob.token
+        out = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0, out.stderr + hub.tail(40)
+        job_id = out.stdout.strip().splitlines()[-1]
+
+        def record():
+            return bob.api.get(bob.url(f"/gpuhub/jobs/{job_id}")).json()
+
+        until(lambda: record()["state"] == "running", what="the job running on NLP's lent L4", hub=hub)
+        [wl] = [w for w in double.list("workloads", NAMESPACE) if job_id in w["metadata"]["name"]]
+        assert wl["spec"]["priority"] == 1000  # the servers' priority: Kueue will not preempt it for carol
+
+        carol.start_background("l4-1")
+        carol.wait_ready(timeout=60)  # at once: a job gets no notice
+        rec = until(lambda: (r := record())["state"] == "queued" and r, what="the job back in the queue", hub=hub)
+        first = rec["attempts"][0]
+        assert first["reason"] == "preempted" and "NLP Group needs them back" in first["message"], first
+        [wl] = [w for w in double.list("workloads", NAMESPACE) if job_id in w["metadata"]["name"]]
+        assert wl["spec"].get("active", True) is True  # reactivated: it waits for quota like any other
+        assert "gpuhub/reclaimed-at" not in (wl["metadata"].get("annotations") or {})
+        reasons = {e["reason"] for e in wl["status"]["schedulingStats"]["evictions"]}
+        assert reasons == {"Deactivated"}, wl["status"]
+        assert "Reclaim: deactivating job job:" in hub.log.read_text(errors="replace")
+        audit = admin.api.get(admin.url("/gpuhub/audit")).json()["entries"]
+        released = [e for e in audit if e.get("key") == f"job:{job_id}" and e["event"] == "released"]
+        assert released and released[-1]["reason"] == "reclaimed", released
+    finally:
+        hub.policy.write_text(original)
+        if job_id:
+            bob.api.delete(bob.url(f"/gpuhub/jobs/{job_id}"))
+        for client in (alice, carol):
+            if client.server() is not None:
+                client.stop()
+                client.wait_gone()
+    until(lambda: pods(double) == [], what="no pods left", hub=hub)
+    assert double.invalid == [] and double.errors == []

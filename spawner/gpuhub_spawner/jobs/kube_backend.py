@@ -47,9 +47,10 @@ def _cond(obj: dict | None, ctype: str) -> dict:
 
 
 def _preemptions(wl: dict | None) -> int:
-    """How often Kueue preempted this Workload (``status.schedulingStats.evictions``)."""
+    """How often Kueue preempted (or, for a reclaim, the hub deactivated) this Workload
+    (``status.schedulingStats.evictions``)."""
     stats = (((wl or {}).get("status") or {}).get("schedulingStats") or {}).get("evictions") or []
-    return sum(int(e.get("count", 0)) for e in stats if e.get("reason") == "Preempted")
+    return sum(int(e.get("count", 0)) for e in stats if e.get("reason") in ("Preempted", "Deactivated"))
 
 
 class KubeJobManager(SingletonConfigurable):
@@ -62,6 +63,7 @@ class KubeJobManager(SingletonConfigurable):
         self.jobs: dict[str, R.JobRecord] = {}
         self._poller: asyncio.Task | None = None
         self._workloads: dict[str, dict | None] = {}
+        self.reclaimed: dict[str, str] = {}  # job id -> why the hub took its GPUs back (kube/ledger.py)
         self._recovered = False
 
     @property
@@ -213,6 +215,9 @@ class KubeJobManager(SingletonConfigurable):
                 # happen before this poll; its eviction count does not go back.
                 counted = _preemptions(wl) > sum(1 for a in rec.attempts if a.reason == "preempted")
                 preempted = counted or _cond(wl, "Evicted").get("status") == "True" or job["spec"].get("suspend")
+                reclaimed = self.reclaimed.pop(rec.id, None)  # the hub took its GPUs back (kube/ledger.py)
+                if reclaimed:
+                    preempted, evicted = True, reclaimed
                 att.reason = "preempted" if preempted else "interrupted"
                 if preempted and not evicted:  # re-admitted already: Kueue's words for it are gone
                     evicted = "Your server was stopped by the queue to make room for other work; it was queued again."

@@ -56,6 +56,11 @@ EVICTED_BY_PREEMPTION = "Preempted"  # WorkloadEvictedByPreemption
 EVICTED_BY_CLUSTER_QUEUE_STOPPED = "ClusterQueueStopped"
 EVICTED_BY_LOCAL_QUEUE_STOPPED = "LocalQueueStopped"
 EVICTED_DEACTIVATED = "Deactivated"  # WorkloadDeactivated (v1beta1's InactiveWorkload is gone)
+# spec.active: false / true (pkg/controller/core/workload_controller.go): the Evicted and
+# Requeued conditions a deactivation and a reactivation write.
+MSG_DEACTIVATED = "The workload is deactivated"
+REASON_REACTIVATED = "Reactivated"  # WorkloadReactivated
+MSG_REACTIVATED = "The workload was reactivated"
 EVICTED_BY_PODS_READY_TIMEOUT = "PodsReadyTimeout"
 EVICTED_DUE_TO_NODE_FAILURES = "NodeFailures"
 PREEMPTED_IN_CLUSTER_QUEUE = "InClusterQueue"

@@ -35,7 +35,7 @@ from ..policy import PolicyStore
 from ..policy.model import Policy
 from ..policy.quantities import parse_cpu_millis, parse_memory_bytes
 from .kueue import (
-    ADMITTED, EVICTED, FINISHED, PREEMPTED, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING, PREEMPTED_IN_COHORT_RECLAMATION,
+    GROUP, VERSION, ADMITTED, EVICTED, FINISHED, PREEMPTED, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING, PREEMPTED_IN_COHORT_RECLAMATION,
     PROFILE_LABEL, QUOTA_RESERVED, TEAM_LABEL, owner_pod_name,
 )
 
@@ -43,6 +43,7 @@ log = logging.getLogger("JupyterHub.gpuhub.ledger")
 
 USER_ANNOTATION = "hub.jupyter.org/username"
 SERVER_ANNOTATION = "hub.jupyter.org/servername"
+RECLAIM_ANNOTATION = "gpuhub/reclaimed-at"  # on a Job's Workload the hub deactivated for a reclaim
 # Kueue took it back for the lending team: the history calls that "reclaimed", as on one machine.
 _RECLAIM_REASONS = (PREEMPTED_IN_COHORT_RECLAMATION, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING)
 
@@ -173,7 +174,8 @@ class KueueLedger(SingletonConfigurable):
         self._pods = None
         self._workloads = None
         self._sync: PeriodicCallback | None = None
-        self._told: set[str] = set()
+        self._workload_of: dict[str, tuple[str, str]] = {}
+        self._patching: set[tuple[str, str]] = set()
         self._evicted: dict[str, str] = {}
         self.synced = asyncio.Event()
         from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
@@ -221,6 +223,7 @@ class KueueLedger(SingletonConfigurable):
                 usage.note_end(key, why, by="kueue")
         self.queue.apply(admitted, waiting)
         self.synced.set()
+        self._reactivate()
 
     def read(self) -> tuple[dict[str, Admission], dict[str, Ticket]]:
         policy = self.store.current
@@ -229,6 +232,7 @@ class KueueLedger(SingletonConfigurable):
         admitted: dict[str, Admission] = {}
         waiting: dict[str, Ticket] = {}
         self._evicted = {}
+        self._workload_of = {}
         recent = time.monotonic() - 3 * self.sync_interval - 5
         gone = [wl for when, wl in reversed(self._workloads.gone.values()) if when >= recent] if self._workloads else []
         current = list((self._workloads.resources if self._workloads is not None else {}).values())
@@ -244,6 +248,9 @@ class KueueLedger(SingletonConfigurable):
             if who is None:
                 continue
             key, user, team, profile = who
+            self._workload_of[key] = (wl["metadata"]["namespace"], wl["metadata"]["name"])
+            if wl["spec"].get("active") is False:
+                continue  # deactivated: out of Kueue's queue (the hub reactivates what it reclaimed)
             priority = int(wl["spec"].get("priority") or 0)
             reserved = _cond(wl, QUOTA_RESERVED)
             if reserved.get("status") == "True":
@@ -279,17 +286,63 @@ class KueueLedger(SingletonConfigurable):
 
     # -- the reclaimer's actions ---------------------------------------------------------------
     def preempt_job(self, key: str, message: str, for_key: str | None = None) -> bool:
-        """Kueue preempts a borrowing job of lower priority than the lender's request
-        itself, at once (``reclaimWithinCohort: LowerPriority`` in the rendered
-        ClusterQueues), so the hub leaves it to Kueue. A job of equal or higher priority
-        is not preempted on Kubernetes (docs/reclaim.md); the hub says so once."""
+        """Take a borrowing job's GPUs back at once; it re-queues.
+
+        Below the lender's priority Kueue does it itself (``reclaimWithinCohort:
+        LowerPriority`` in the rendered ClusterQueues). Otherwise the hub deactivates the
+        Job's Workload (``spec.active: false``: Kueue evicts it, its job integration
+        suspends the Job) and reactivates it once evicted, so it queues again; the
+        Workload is annotated first, so a hub restart in between still reactivates it.
+        """
         adm = self.queue.admitted.get(key)
+        if adm is None:
+            return False
         req = self.queue.ticket(for_key) if for_key else None
-        if adm is not None and req is not None and adm.priority >= req.priority and key not in self._told:
-            self._told.add(key)
-            log.warning("Reclaim: job %s (priority %d) borrows what %s needs back, but Kueue preempts only lower "
-                        "priorities; it keeps its GPUs until it ends", key, adm.priority, req.team)
+        if req is not None and adm.priority < req.priority:
+            return True
+        where = self._workload_of.get(key)
+        if where is None:
+            return False
+        from ..usage import recorder as usage
+
+        usage.note_end(key, "reclaimed", by="gpuhub-reclaim")
+        _job_reclaimed(key.partition(":")[2], message)
+        log.warning("Reclaim: deactivating job %s (priority %d, not below the lender's) so that it re-queues: %s",
+                    key, adm.priority, message)
+        asyncio.ensure_future(self._patch(where, {"metadata": {"annotations": {RECLAIM_ANNOTATION: str(int(time.time()))}},
+                                                  "spec": {"active": False}}))
         return True
+
+    def _reactivate(self) -> None:
+        """Reactivate what the hub deactivated for a reclaim, once Kueue has evicted it."""
+        for wl in list((self._workloads.resources if self._workloads is not None else {}).values()):
+            meta = wl["metadata"]
+            if (RECLAIM_ANNOTATION in (meta.get("annotations") or {}) and wl["spec"].get("active") is False
+                    and _cond(wl, QUOTA_RESERVED).get("status") != "True" and (meta["namespace"], meta["name"]) not in self._patching):
+                asyncio.ensure_future(self._patch((meta["namespace"], meta["name"]),
+                                                  {"metadata": {"annotations": {RECLAIM_ANNOTATION: None}}, "spec": {"active": True}}))
+
+    async def _patch(self, where: tuple[str, str], body: dict) -> None:
+        from kubespawner.clients import shared_client
+
+        ns, name = where
+        self._patching.add(where)
+        try:
+            await shared_client("CustomObjectsApi").patch_namespaced_custom_object(
+                GROUP, VERSION, ns, "workloads", name, body, _content_type="application/merge-patch+json")
+        except Exception as e:  # noqa: BLE001 - the next pass tries again
+            log.warning("Reclaim: could not patch Workload %s/%s: %s", ns, name, getattr(e, "reason", e))
+        finally:
+            self._patching.discard(where)
+
+
+def _job_reclaimed(job_id: str, message: str) -> None:
+    try:
+        from ..jobs.kube_backend import KubeJobManager
+    except ImportError:
+        return
+    if KubeJobManager.initialized():
+        KubeJobManager.instance().reclaimed[job_id] = message
 
 
 def _job_owner(job_id: str) -> str | None:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from ..admission.queue import Ticket
-from ..admission.quota import describe
+from ..admission.quota import add_usage, describe
 from ..admission.reclaim import Holder, Request, borrowing, plan, within_nominal
 from ..policy.quantities import format_duration
 
@@ -117,10 +117,16 @@ class Reclaimer:
         board = self._board()
         if not self.notices and not queue.notes and not board.reclaims and not self._anyone_borrows(policy, usage):
             return  # nothing is on loan: O(teams), the common case in a storm
-        holders = [
-            Holder(a.key, a.team, a.demand, a.priority, a.since, a.key.startswith(JOB_PREFIX))
-            for a in queue.holdings() if a.key not in self._stopping
-        ]
+        holders, leaving = [], []
+        for a in queue.holdings():
+            if a.key in self._stopping:
+                leaving.append(a)  # already on its way back: plan as if released, pick no one else for it
+            else:
+                holders.append(Holder(a.key, a.team, a.demand, a.priority, a.since, a.key.startswith(JOB_PREFIX)))
+        if leaving:
+            usage = {t: dict(u) for t, u in usage.items()}
+            for a in leaving:
+                add_usage(usage, a.team, dict(a.demand), -1)
         # Only requests that fit their team's nominal quota now can reclaim (memo per team and
         # shape: a storm has thousands of waiting requests of a few shapes).
         memo: dict[tuple, bool] = {}
@@ -137,6 +143,9 @@ class Reclaimer:
         keys = {k for t in waiting for k in t.demand if k.startswith("gpu/")}
         table = self.broker.devices  # None on Kubernetes: Kueue counts quota, nodes place pods
         free = {k: len(table.free_devices(k[4:])) for k in keys} if table is not None else None
+        for a in leaving if free is not None else ():
+            for k in free:
+                free[k] += a.demand.get(k, 0)
         p = plan(policy, usage, holders, requests, free, under_notice=set(self.notices))
         for key, (team, for_key) in p.reclaim.items():
             if key.startswith(JOB_PREFIX):

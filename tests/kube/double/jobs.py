@@ -255,6 +255,10 @@ class JobsMixin:
                                    requeued=True)
             validate(wl)
             self._write("workloads", ns, wl, "MODIFIED")
+        self._suspend_job(ns, name)
+
+    def _suspend_job(self, ns: str, name: str) -> None:
+        """The job integration stops an evicted Job: suspended, its pods deleted (not failures)."""
         job = copy.deepcopy(self.objects.get(("jobs", ns, name)))
         job["spec"]["suspend"] = True
         job["status"]["active"] = 0

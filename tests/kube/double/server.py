@@ -399,9 +399,17 @@ class KubeDouble(JobsMixin):
             expected = (patch.get("metadata") or {}).get("resourceVersion")
             if expected and expected != obj["metadata"]["resourceVersion"]:
                 return _status(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": the object has been modified')
+            ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
+            if ctype not in ("application/merge-patch+json", "application/strategic-merge-patch+json") or (
+                    ctype.startswith("application/strategic") and plural not in CORE_KINDS):
+                # The real API server: a JSON patch must be a list; no strategic merge for custom resources.
+                return _status(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml")
             merged = _merge(copy.deepcopy(obj), patch)
             validate(merged)
-            return web.json_response(self._write(plural, ns, merged, "MODIFIED"))
+            written = self._write(plural, ns, merged, "MODIFIED")
+            if plural == "workloads":
+                self._workload_active_changed(obj, merged)
+            return web.json_response(written)
         return _status(405, "MethodNotAllowed", "method not allowed")
 
     async def _watch(self, request, plural, ns):
@@ -702,10 +710,39 @@ class KubeDouble(JobsMixin):
             return None, (K.REASON_PENDING, K.MSG_CQ_INACTIVE.format(name=cq["metadata"]["name"]))
         return cq, None
 
+    def _workload_active_changed(self, before: dict, wl: dict) -> None:
+        """workload_controller.go: ``spec.active: false`` evicts an admitted Workload (reason
+        Deactivated; a Job is suspended) and keeps it out of the queue; ``true`` requeues it."""
+        was, now = before["spec"].get("active", True), wl["spec"].get("active", True)
+        if was == now:
+            return
+        ns = wl["metadata"]["namespace"]
+        wl = copy.deepcopy(wl)
+        if not now:
+            if _cond(wl, K.QUOTA_RESERVED) == "True":
+                _set_condition(wl, K.EVICTED, "True", K.EVICTED_DEACTIVATED, K.MSG_DEACTIVATED)
+                _set_condition(wl, K.QUOTA_RESERVED, "False", K.REASON_PENDING, K.MSG_DEACTIVATED)
+                _set_condition(wl, K.ADMITTED, "False", K.ADMITTED_REASON_NO_RESERVATION, K.MSG_NO_RESERVATION)
+                wl["status"].pop("admission", None)
+                _count_eviction(wl, K.EVICTED_DEACTIVATED, "")
+            _set_condition(wl, K.REQUEUED, "False", K.EVICTED_DEACTIVATED, K.MSG_DEACTIVATED)
+            validate(wl)
+            self._write("workloads", ns, wl, "MODIFIED")
+            job_name = owner_job_name(wl)
+            if job_name and ("jobs", ns, job_name) in self.objects:
+                self._suspend_job(ns, job_name)
+        else:
+            _set_condition(wl, K.REQUEUED, "True", K.REASON_REACTIVATED, K.MSG_REACTIVATED)
+            validate(wl)
+            self._write("workloads", ns, wl, "MODIFIED")
+        self._schedule_reconcile()
+
     def _pending_workloads(self):
         out = []
         for (p, _, _), wl in self.objects.items():
             if p != "workloads" or _cond(wl, "QuotaReserved") == "True" or _cond(wl, "Finished") == "True":
+                continue
+            if wl["spec"].get("active") is False:  # deactivated: not in the queue until reactivated
                 continue
             out.append(wl)
         # Kueue orders by priority, then by creation (the order the pods were created here).
@@ -990,18 +1027,22 @@ def _set_condition(obj, ctype, status, reason, message):
     conds.append({"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": now_iso()})
 
 
+def _count_eviction(wl, reason: str, cause: str) -> None:
+    """pkg/workload: every eviction is counted by reason and underlying cause (kept across re-admission)."""
+    stats = wl.setdefault("status", {}).setdefault("schedulingStats", {}).setdefault("evictions", [])
+    entry = next((e for e in stats if e["reason"] == reason and e["underlyingCause"] == cause), None)
+    if entry is None:
+        stats.append({"reason": reason, "underlyingCause": cause, "count": 1})
+    else:
+        entry["count"] += 1
+
+
 def _evicted_by_preemption(wl, preempted_reason, message, requeued: bool):
     """A Workload's conditions once Kueue preempted it and its job stopped (Evict, then the job
     reconciler: Requeued, QuotaReserved=False "Pending" with the eviction message, no admission)."""
     _set_condition(wl, K.EVICTED, "True", K.EVICTED_BY_PREEMPTION, message)
     _set_condition(wl, K.PREEMPTED, "True", preempted_reason, message)
-    # pkg/workload: every eviction is counted by reason and underlying cause (kept across re-admission).
-    stats = wl["status"].setdefault("schedulingStats", {}).setdefault("evictions", [])
-    entry = next((e for e in stats if e["reason"] == K.EVICTED_BY_PREEMPTION and e["underlyingCause"] == preempted_reason), None)
-    if entry is None:
-        stats.append({"reason": K.EVICTED_BY_PREEMPTION, "underlyingCause": preempted_reason, "count": 1})
-    else:
-        entry["count"] += 1
+    _count_eviction(wl, K.EVICTED_BY_PREEMPTION, preempted_reason)
     _set_condition(wl, K.REQUEUED, "True" if requeued else "False", K.EVICTED_BY_PREEMPTION, message)
     _set_condition(wl, K.QUOTA_RESERVED, "False", K.REASON_PENDING, message)
     _set_condition(wl, K.ADMITTED, "False", K.ADMITTED_REASON_NO_RESERVATION, K.MSG_NO_RESERVATION)

@@ -254,6 +254,7 @@ class Reclaimer:
     async def _stop_server(self, n: Notice) -> None:
         name, _, server = n.key.partition("/")
         log.warning("Reclaim: stopping %s after its notice: %s", n.key, n.reason)
+        stopped = False
         try:
             from jupyterhub.app import JupyterHub
 
@@ -277,11 +278,16 @@ class Reclaimer:
                 await user.stop(server)
             finally:
                 spawner._stop_pending = False
+            stopped = True
             log.info("Reclaim: %s stopped; its GPUs %s went back to %s", n.key, n.devices, n.for_team)
         except Exception:  # noqa: BLE001
             log.exception("Reclaim: could not stop %s", n.key)
         finally:
-            self._stopping.discard(n.key)
+            # Stopped but its release not seen yet (on Kubernetes the ledger reads Kueue's
+            # Workload a moment later): it stays on its way back until ``_released``, or
+            # the next pass would warn it a second time.
+            if not (stopped and n.key in self.broker.queue.admitted):
+                self._stopping.discard(n.key)
             self._poke()
 
     # -- where users see it (the culling board) ---------------------------------------------

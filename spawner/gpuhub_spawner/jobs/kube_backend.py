@@ -16,7 +16,6 @@ import asyncio
 import logging
 import secrets
 import time
-from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +23,7 @@ from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
 from ..kube import messages as M
-from ..kube.kueue import JOB_UID_LABEL
+from ..kube.kueue import JOB_UID_LABEL, condition, is_true, timestamp
 from ..policy import PolicyStore
 from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
 from ..policy.model import Policy
@@ -36,14 +35,6 @@ from .spec import JobSpec
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
 
 
-def _ts(value: str | None) -> float | None:
-    if not value:
-        return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def _cond(obj: dict | None, ctype: str) -> dict:
-    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == ctype), {})
 
 
 def _preemptions(wl: dict | None) -> int:
@@ -194,13 +185,13 @@ class KubeJobManager(SingletonConfigurable):
                     att = R.Attempt(number=len(rec.attempts) + 1, queued=time.time())
                     rec.attempts.append(att)
                 att.account = name  # on Kubernetes: the pod that ran the attempt
-                att.admitted = _ts(_cond(wl, "QuotaReserved").get("lastTransitionTime")) or time.time()
+                att.admitted = timestamp((condition(wl, "QuotaReserved") or {}).get("lastTransitionTime")) or time.time()
                 att.devices = [pod["spec"].get("nodeName") or ""]
             status = pod.get("status") or {}
-            att.started = att.started or _ts(status.get("startTime"))
+            att.started = att.started or timestamp(status.get("startTime"))
             term = ((status.get("containerStatuses") or [{}])[0].get("state") or {}).get("terminated")
             if att.finished is None and status.get("phase") in ("Succeeded", "Failed") and term:
-                att.finished = _ts(term.get("finishedAt")) or time.time()
+                att.finished = timestamp(term.get("finishedAt")) or time.time()
                 att.exit_code = term.get("exitCode")
                 att.reason = "succeeded" if status["phase"] == "Succeeded" else "failed"
                 att.message = f"exit code {att.exit_code}"
@@ -214,7 +205,7 @@ class KubeJobManager(SingletonConfigurable):
                 # Kueue turns Evicted back to False when it admits the Job again, which may
                 # happen before this poll; its eviction count does not go back.
                 counted = _preemptions(wl) > sum(1 for a in rec.attempts if a.reason == "preempted")
-                preempted = counted or _cond(wl, "Evicted").get("status") == "True" or job["spec"].get("suspend")
+                preempted = counted or is_true(wl, "Evicted") or job["spec"].get("suspend")
                 reclaimed = self.reclaimed.pop(rec.id, None)  # the hub took its GPUs back (kube/ledger.py)
                 if reclaimed:
                     preempted, evicted = True, reclaimed
@@ -222,9 +213,9 @@ class KubeJobManager(SingletonConfigurable):
                 if preempted and not evicted:  # re-admitted already: Kueue's words for it are gone
                     evicted = "Your server was stopped by the queue to make room for other work; it was queued again."
                 att.message = (evicted or "").replace("server", "job")
-        complete, failed = _cond(job, "Complete"), _cond(job, "Failed")
+        complete, failed = (condition(job, "Complete") or {}), (condition(job, "Failed") or {})
         if complete.get("status") == "True":
-            rec.state, rec.message, rec.finished = R.SUCCEEDED, "", _ts(job["status"].get("completionTime")) or time.time()
+            rec.state, rec.message, rec.finished = R.SUCCEEDED, "", timestamp(job["status"].get("completionTime")) or time.time()
         elif failed.get("status") == "True":
             reason = failed.get("reason", "")
             msg = {"DeadlineExceeded": f"stopped: it reached its time limit of {rec.time_limit:g}s" if rec.time_limit else "deadline exceeded",

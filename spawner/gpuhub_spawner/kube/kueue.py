@@ -9,6 +9,8 @@ Upgrading Kueue means re-checking this file against the new tag, nothing else.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 KUEUE_VERSION = "v0.19.2"
 
 GROUP = "kueue.x-k8s.io"
@@ -124,6 +126,16 @@ WEBHOOK_SERVICE = "kueue-webhook-service"
 WEBHOOK_NAMESPACE = "kueue-system"
 # How the API server reports a failed call (an InternalError, HTTP 500).
 WEBHOOK_FAILED_MARKER = "failed calling webhook"
+
+
+def timestamp(value: str | None) -> float | None:
+    """A Kubernetes RFC 3339 time (``creationTimestamp``, ``lastTransitionTime``) as epoch seconds."""
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def condition(obj: dict | None, ctype: str) -> dict | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import datetime
 
 from tornado.ioloop import PeriodicCallback
 from traitlets import Float
@@ -36,7 +35,7 @@ from ..policy.model import Policy
 from ..policy.quantities import parse_cpu_millis, parse_memory_bytes
 from .kueue import (
     GROUP, VERSION, ADMITTED, EVICTED, FINISHED, PREEMPTED, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING, PREEMPTED_IN_COHORT_RECLAMATION,
-    PROFILE_LABEL, QUOTA_RESERVED, TEAM_LABEL, owner_pod_name,
+    PROFILE_LABEL, QUOTA_RESERVED, TEAM_LABEL, condition, is_true, owner_pod_name, timestamp,
 )
 
 log = logging.getLogger("JupyterHub.gpuhub.ledger")
@@ -48,17 +47,6 @@ RECLAIM_ANNOTATION = "gpuhub/reclaimed-at"  # on a Job's Workload the hub deacti
 _RECLAIM_REASONS = (PREEMPTED_IN_COHORT_RECLAMATION, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING)
 
 
-def _ts(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def _cond(wl: dict, ctype: str) -> dict:
-    return next((c for c in (wl.get("status") or {}).get("conditions") or [] if c.get("type") == ctype), {})
 
 
 def _owner(wl: dict) -> tuple[str | None, str | None]:
@@ -237,12 +225,12 @@ class KueueLedger(SingletonConfigurable):
         gone = [wl for when, wl in reversed(self._workloads.gone.values()) if when >= recent] if self._workloads else []
         current = list((self._workloads.resources if self._workloads is not None else {}).values())
         for wl in gone + current:  # Kueue's preemptions: a pod's Workload is deleted, a Job's re-queued
-            reason = _cond(wl, PREEMPTED).get("reason") if _cond(wl, EVICTED).get("status") == "True" else None
+            reason = (condition(wl, PREEMPTED) or {}).get("reason") if is_true(wl, EVICTED) else None
             who = self._identify(wl, pods, gone_pods) if reason else None
             if who:
                 self._evicted[who[0]] = "reclaimed" if reason in _RECLAIM_REASONS else "preempted"
         for wl in current:
-            if _cond(wl, FINISHED).get("status") == "True" or wl["metadata"].get("deletionTimestamp"):
+            if is_true(wl, FINISHED) or wl["metadata"].get("deletionTimestamp"):
                 continue
             who = self._identify(wl, pods, gone_pods)
             if who is None:
@@ -252,14 +240,13 @@ class KueueLedger(SingletonConfigurable):
             if wl["spec"].get("active") is False:
                 continue  # deactivated: out of Kueue's queue (the hub reactivates what it reclaimed)
             priority = int(wl["spec"].get("priority") or 0)
-            reserved = _cond(wl, QUOTA_RESERVED)
-            if reserved.get("status") == "True":
-                since = _ts((_cond(wl, ADMITTED) or reserved).get("lastTransitionTime")) or time.time()
+            if is_true(wl, QUOTA_RESERVED):
+                since = timestamp((condition(wl, ADMITTED) or condition(wl, QUOTA_RESERVED)).get("lastTransitionTime")) or time.time()
                 admitted[key] = Admission(key, user, team, profile, admitted_demand(wl), [], since=since, priority=priority)
             else:
                 prof = policy.profile(profile)
                 demand = demand_for(policy, prof) if prof is not None else {}
-                created = _ts(wl["metadata"].get("creationTimestamp")) or time.time()
+                created = timestamp(wl["metadata"].get("creationTimestamp")) or time.time()
                 waiting[key] = Ticket(key, user, team, profile, demand, priority, created=created)
         return admitted, waiting
 
@@ -318,7 +305,7 @@ class KueueLedger(SingletonConfigurable):
         for wl in list((self._workloads.resources if self._workloads is not None else {}).values()):
             meta = wl["metadata"]
             if (RECLAIM_ANNOTATION in (meta.get("annotations") or {}) and wl["spec"].get("active") is False
-                    and _cond(wl, QUOTA_RESERVED).get("status") != "True" and (meta["namespace"], meta["name"]) not in self._patching):
+                    and not is_true(wl, QUOTA_RESERVED) and (meta["namespace"], meta["name"]) not in self._patching):
                 asyncio.ensure_future(self._patch((meta["namespace"], meta["name"]),
                                                   {"metadata": {"annotations": {RECLAIM_ANNOTATION: None}}, "spec": {"active": True}}))
 

@@ -45,6 +45,7 @@ from ..usage import recorder as usage
 from ..policy.access import ChoiceError, resolve_choice
 from . import own_quota
 from .kueue import (
+    timestamp,
     POD_FINALIZER, PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL, WEBHOOK_FAILED_MARKER, pod_is_gated,
 )
 from .messages import event_message, eviction_message, waiting_message
@@ -463,7 +464,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             self.log.warning("Server %s: its profile is no longer allowed (%s); not resuming its queued pod", self._log_name, e.message)
             self.stop_reason = f"Your waiting server was withdrawn after a hub restart: {e.message}"
             return 1
-        created = _parse_time(pod["metadata"].get("creationTimestamp"))
+        created = timestamp(pod["metadata"].get("creationTimestamp"))
         self._queued_at = time.monotonic() - max(0.0, time.time() - created) if created else time.monotonic()
         self._pod_created = True
         self._admitted_at = None
@@ -587,13 +588,3 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             form = f'<div class="alert alert-info" id="gpuhub-stop-reason">{html.escape(self.stop_reason)}</div>' + form
         return form
 
-
-def _parse_time(value: str | None) -> float | None:
-    from datetime import datetime
-
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None

@@ -8,7 +8,6 @@ pages), ``cli`` (the client), ``kube`` (a suspended ``batch/v1`` Job for Kueue).
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 JOBS_SCOPE = "custom:gpuhub:jobs"
@@ -58,28 +57,18 @@ def configure_jobs(c, data_dir) -> None:
         scopes = list(c.Spawner.server_token_scopes)
         if own not in scopes:
             c.Spawner.server_token_scopes = scopes + [own]
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return  # config read outside a running hub
-    loop.create_task(_start_with_hub())
+    from ..hub.startup import when_started
+
+    when_started(_start_with_hub)
 
 
 JOBS, JOBS_ALL = JOBS_SCOPE, JOBS_ALL_SCOPE
 
 
-async def _start_with_hub() -> None:
+def _start_with_hub(app) -> None:
     """Bring jobs back once the hub has re-registered running servers (their devices first)."""
-    from jupyterhub.app import JupyterHub
-
     from .manager import JobManager
 
-    if not JupyterHub.initialized():
-        return
-    app = JupyterHub.instance()
-    start = getattr(app, "_start_future", None)
-    if start is not None:
-        await start
     manager = current_manager(app.config)
     if isinstance(manager, JobManager) and not manager.hub_api_url:
         manager.hub_api_url = app.hub.api_url

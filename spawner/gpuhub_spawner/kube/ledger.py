@@ -351,27 +351,28 @@ def configure_ledger(c) -> None:
     Kubernetes view from the first request; it starts reading the reflectors once the
     hub has re-registered its servers.
     """
+    from ..hub.startup import when_started
+
     try:
-        loop = asyncio.get_running_loop()
+        asyncio.get_running_loop().call_soon(_create)  # the config file has been read by then
     except RuntimeError:
         return  # config read outside a running hub (tools, chart tests)
-    loop.create_task(_start_with_hub())
+    when_started(_watch)
 
 
-async def _start_with_hub() -> None:
-    from types import SimpleNamespace
-
+def _create() -> None:
     from jupyterhub.app import JupyterHub
+
+    if JupyterHub.initialized():
+        KueueLedger.instance(config=JupyterHub.instance().config)
+
+
+async def _watch(app) -> None:
+    from types import SimpleNamespace
 
     from .spawner import KueueSpawner
 
-    if not JupyterHub.initialized():
-        return
-    app = JupyterHub.instance()
     ledger = KueueLedger.instance(config=app.config)
-    while getattr(app, "_start_future", None) is None:
-        await asyncio.sleep(0.1)
-    await app._start_future
     # A spawner of no user, only to reach the reflectors every spawner shares (as
     # KubeJobManager does for jobs).
     spawner = KueueSpawner(config=app.config, user=SimpleNamespace(name="gpuhub-ledger", id=0, url="/"), hub=app.hub,

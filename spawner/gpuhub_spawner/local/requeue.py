@@ -46,26 +46,14 @@ def configure_requeue(c, data: Path) -> None:
     c.JupyterHub.services = services + [{"name": SERVICE, "api_token": token}]  # token only, no process
     roles = list(c.JupyterHub.load_roles) if "load_roles" in c.JupyterHub else []
     c.JupyterHub.load_roles = roles + [{"name": SERVICE, "scopes": ["servers"], "services": [SERVICE]}]
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return  # config read outside a running hub (tools, tests of the config)
-    loop.create_task(requeue_after_start(token))
+    from ..hub.startup import when_started
+
+    when_started(lambda app: requeue_after_start(app, token))  # running servers are re-registered by then
 
 
-async def requeue_after_start(token: str) -> None:
-    from jupyterhub.app import JupyterHub
-
-    from .broker import LocalBroker
-
-    if not JupyterHub.initialized():
-        return
-    app = JupyterHub.instance()
-    start = getattr(app, "_start_future", None)
-    if start is None:
-        return
-    await start  # running servers are re-registered by now
+async def requeue_after_start(app, token: str) -> None:
     from ..kube.ledger import KueueLedger
+    from .broker import LocalBroker
 
     if KueueLedger.initialized():
         return  # Kubernetes: Kueue keeps the queue (a queued pod keeps its place by itself)

@@ -19,7 +19,6 @@ resolves a request's scopes from the database on every request (token or cookie 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -120,22 +119,8 @@ class PolicyRoles(SingletonConfigurable):
         self._watcher.start()
 
 
-_tasks: set = set()  # the event loop keeps only weak references to tasks
-
-
-async def _follow_after_start() -> None:
-    from jupyterhub.app import JupyterHub
-
-    if not JupyterHub.initialized():
-        return
-    app = JupyterHub.instance()
-    start = getattr(app, "_start_future", None)
-    if start is None:
-        return
-    try:
-        await start  # init_role_assignment has run: the database has the roles
-    except Exception:
-        return  # the hub did not start; it says why
+def _follow(app) -> None:
+    """Once the hub has started (init_role_assignment has run: the database has the roles)."""
     from ..policy import PolicyStore
 
     PolicyRoles.instance(config=app.config).follow(app.db, PolicyStore.instance(config=app.config))
@@ -165,13 +150,9 @@ def configure_policy_roles(c, policy) -> None:
         "groups": sorted(groups["gpuhub-lead"]),
     }
     c.JupyterHub.load_roles = list(roles.values())
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return  # config read outside a running hub (tools, tests of the config)
-    task = loop.create_task(_follow_after_start())
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
+    from ..hub.startup import when_started
+
+    when_started(_follow)
 
 
 @dataclass

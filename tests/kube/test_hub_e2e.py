@@ -23,7 +23,7 @@ import pytest
 import requests
 import yaml
 
-from double.harness import HUB_NAMESPACE, KUBECONFIG, NAMESPACE
+from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.helm import chart_proxy_command, require_shared
 from support.hub import Hub
 
@@ -110,14 +110,8 @@ def until(predicate, timeout: float = WAIT, what: str = "condition", hub: Hub | 
 
 @pytest.fixture(scope="module")
 def kube_hub(double, tmp_path_factory):
-    from gpuhub_spawner.kube.render import render_objects
-    from gpuhub_spawner.policy.loader import load_policy
-
     work = tmp_path_factory.mktemp("kube-hub")
-    policy_path = work / "objects-policy.yaml"
-    policy_path.write_text(POLICY)
-    double.reset()
-    double.apply(render_objects(load_policy(policy_path), NAMESPACE))
+    apply_policy(double, POLICY)
     env = {"KUBECONFIG": str(KUBECONFIG)}
     # The proxy at the version z2jh 4.4.0's proxy image ships (CHP 5.2.0), when npm can fetch it.
     chart_proxy = chart_proxy_command(require_shared("charts", "jupyterhub-4.4.0"))

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from double.harness import KUBECONFIG, NAMESPACE
+from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.hub import Hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -65,11 +65,7 @@ TRAIN = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def kube_hub(double, tmp_path_factory):
-    from gpuhub_spawner.kube.render import render_objects
-    from gpuhub_spawner.policy.loader import parse_policy
-
-    double.reset()
-    double.apply(render_objects(parse_policy(POLICY), NAMESPACE))
+    apply_policy(double, POLICY)
     hub = Hub(tmp_path_factory.mktemp("kube-jobs"), POLICY, extra_config=KUBE_CONFIG, env={"KUBECONFIG": str(KUBECONFIG)})
     try:
         hub.start()

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from double.harness import KUBECONFIG, NAMESPACE
+from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.hub import Hub
 from test_hub_e2e import KUBE_CONFIG, pods, until
 
@@ -69,14 +69,8 @@ defaults:
 
 @pytest.fixture(scope="module")
 def hub(double, tmp_path_factory):
-    from gpuhub_spawner.kube.render import render_objects
-    from gpuhub_spawner.policy.loader import load_policy
-
     work = tmp_path_factory.mktemp("kube-reclaim")
-    policy_path = work / "objects-policy.yaml"
-    policy_path.write_text(POLICY)
-    double.reset()
-    double.apply(render_objects(load_policy(policy_path), NAMESPACE))
+    apply_policy(double, POLICY)
     h = Hub(work, POLICY, extra_config=KUBE_CONFIG + "\nc.KubeJobManager.poll_interval = 0.5   # production: 10 s\n",
             env={"KUBECONFIG": str(KUBECONFIG), "GPUHUB_CULL_EVERY": "5"})
     try:

@@ -53,3 +53,13 @@ class MockHub(SimpleNamespace):
 
     def __init__(self, base):
         super().__init__(public_host="", url=f"{base}/hub/", base_url="/hub/", api_url=f"{base}/hub/api")
+
+
+def apply_policy(double, text: str) -> None:
+    """A clean double holding the Kueue objects rendered from the policy ``text`` (as
+    ``gpuhub render kueue`` writes them for an admin to apply)."""
+    from gpuhub_spawner.kube.render import render_objects
+    from gpuhub_spawner.policy.loader import parse_policy
+
+    double.reset()
+    double.apply(render_objects(parse_policy(text), NAMESPACE))

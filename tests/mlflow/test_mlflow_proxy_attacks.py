@@ -344,6 +344,29 @@ def test_roles_are_not_enumerable(mlflow, users):
         assert r.status_code == 403, (path, r.status_code, r.text[:300])
 
 
+def test_a_refused_request_keeps_the_connection_for_the_next_one(mlflow, users):
+    """MLflow's Python client reuses a kept-alive connection. A refusal decided before the
+    (empty) body was read used to make tornado close the connection after answering, with
+    no ``Connection: close``: the client's next request on it was reset (seen as a flaky
+    ``ConnectionResetError`` in test_roles_are_not_enumerable)."""
+    u = urlsplit(mlflow.direct)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    headers = {"Authorization": f"Bearer {users['bob'].token}"}
+    try:
+        for path in ("/api/3.0/mlflow/roles/get?role_id=1", "/api/3.0/mlflow/roles/users/list?role_id=1"):
+            conn.request("GET", u.path + path, headers=headers)
+            r = conn.getresponse()
+            assert r.status == 403 and b"managed by the hub" in r.read()
+            assert (r.getheader("Connection") or "").lower() != "close"
+            time.sleep(0.3)  # a closing server's FIN has arrived by now
+        conn.request("GET", u.path + "/api/2.0/mlflow/experiments/search?max_results=1", headers=headers)
+        r = conn.getresponse()
+        assert r.status == 200, r.read()[:300]
+        r.read()
+    finally:
+        conn.close()
+
+
 # -- finding 9: cookie-authenticated writes prove same origin --------------------------------
 @pytest.fixture(scope="module")
 def alice_browser(mlflow, users):

@@ -235,11 +235,13 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         try:
             await self._admit()
         except web.HTTPError as e:
-            length = self.request.headers.get("Content-Length", "")
-            if e.status_code != 413 and length.isdigit() and 0 < int(length) <= DRAIN_LIMIT:
-                # Answer after reading the (small) body: closing with unread bytes makes the
-                # kernel reset the connection, and the hub's proxy would then answer 503
-                # instead of relaying this refusal.
+            headers = self.request.headers
+            length = headers.get("Content-Length", "0" if "chunked" not in headers.get("Transfer-Encoding", "").lower() else "")
+            if e.status_code != 413 and length.isdigit() and int(length) <= DRAIN_LIMIT:
+                # Answer after reading the (small or empty) body. Answered before, tornado
+                # closes the connection (it cannot know the body is read) without saying so:
+                # a kept-alive client's next request is reset, and with unread bytes the
+                # kernel resets this one, which the hub's proxy turns into a 503.
                 self._refusal = e
                 self._buffered, self._limit = False, DRAIN_LIMIT
                 return

@@ -370,10 +370,17 @@ def test_hub_restart_keeps_waiting_servers_in_their_place(kube_hub, double, user
     bob.wait_ready()
     assert reach(bob).status_code == 200
     assert pod_is_gated(pods(double, "dave")[0])
-    assert bob.stop().status_code in (202, 204)
-    bob.wait_gone()
-    # dave's spawn page follows him from the queue to "ready", as if the hub had never restarted.
-    events = dave.progress(until=lambda e: bool(e.get("ready") or e.get("failed")), timeout=WAIT)
+    # dave's spawn page follows him from the queue to "ready", as if the hub had never restarted:
+    # the page is open before bob stops, as a user's would be (opened after, it shows only "ready").
+    seen = []
+    with ThreadPoolExecutor(1) as pool:
+        follow = pool.submit(dave.progress, until=lambda e: seen.append(e) or bool(e.get("ready") or e.get("failed")), timeout=WAIT)
+        until(lambda: any("in the Vision Lab queue" in e["message"] for e in seen) or follow.done(),
+              what="dave's progress stream showing his place", hub=kube_hub)
+        assert not follow.done(), seen
+        assert bob.stop().status_code in (202, 204)
+        bob.wait_gone()
+        events = follow.result()
     assert events[-1].get("ready") is True, events
     assert any(e["message"].startswith("Quota granted") or e["message"].startswith("Server") for e in events[:-1]), events
     dave.wait_ready()

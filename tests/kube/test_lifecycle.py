@@ -179,11 +179,11 @@ async def test_api_faults_recover_without_leaking_pods(kube, make_spawner):
     pod = kube.get("pods", NAMESPACE, waiter.pod_name)
     assert pod["spec"]["containers"][0]["image"] != "stale:1"
 
+    await until(lambda: kube.count("GET", "fault") >= 1)  # a visibility poll failed while the server waited
     kube.drop_watches()  # every watch cut mid-stream while the server waits
     await asyncio.wait_for(blocker.stop(), WAIT)
     await asyncio.wait_for(start, WAIT)  # admission still seen through the re-established watches
     await asyncio.wait_for(progress.task, WAIT)
-    assert kube.count("GET", "fault") >= 1  # a failed visibility poll did not fail the spawn
     await asyncio.wait_for(waiter.stop(), WAIT)
     assert kube.list("pods", NAMESPACE) == []
     assert kube.list("workloads", NAMESPACE) == []

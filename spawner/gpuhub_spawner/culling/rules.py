@@ -29,7 +29,7 @@ longest an idle GPU can be held is therefore ``gpuIdleTimeout + warning + maxSno
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..policy.model import IdleRules
 from ..policy.quantities import format_duration

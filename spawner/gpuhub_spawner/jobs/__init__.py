@@ -1,7 +1,7 @@
 """Batch jobs in the team's GPU queue: ``gpuhub job submit job.yaml`` (docs/jobs.md).
 
 ``spec`` (the job file, located validation), ``manager`` (queue, attempts, retries,
-reclaim), ``launcher`` (the one-machine server launcher, for a job), ``entry`` (first
+reclaim), ``mlflow_runs`` (an attempt's own MLflow token, the runs it logged), ``launcher`` (the one-machine server launcher, for a job), ``entry`` (first
 code of an attempt, as the user), ``records`` (the evidence, 0600), ``api`` (hub API and
 pages), ``cli`` (the client), ``kube`` (a suspended ``batch/v1`` Job for Kueue).
 """

@@ -47,6 +47,7 @@ from ..local.broker import LocalBroker
 from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
 from ..policy.model import Policy, Profile
 from ..policy.quantities import format_duration
+from . import mlflow_runs
 from . import records as R
 from .launcher import JobProcess, launcher_config
 from .spec import FAILED, INTERRUPTED, OOM, PREEMPTED, JobSpec
@@ -321,7 +322,6 @@ class JobManager(SingletonConfigurable):
         return reason in reasons or (reason == FAILED and code is not None and code in reasons)
 
     def _launcher(self, rec: R.JobRecord, att: R.Attempt, env: dict, limits) -> JobProcess:
-        policy = self.policy
         nodes = self.broker.devices.nodes_for(att.devices) if att.devices else []
         return JobProcess(
             user_name=rec.user, job_id=rec.id, argv=rec.command, env=env, devices=att.devices,
@@ -357,8 +357,6 @@ class JobManager(SingletonConfigurable):
         return env
 
     async def _run_attempt(self, rec: R.JobRecord, att: R.Attempt, live: _Live) -> tuple[str, int | None, str]:
-        policy = self.policy
-        profile = policy.profile(rec.profile["slug"])
         limits = (rec.profile["cpu"], rec.profile["memory"])
         launcher = self._launcher(rec, att, {}, limits)
         env = self._job_env(rec, att, launcher.visible_home)
@@ -370,7 +368,7 @@ class JobManager(SingletonConfigurable):
         rfd, wfd = os.pipe()
         env["GPUHUB_EVIDENCE_FD"] = str(wfd)
         configured = {k: (v(launcher) if callable(v) else v) for k, v in launcher.environment.items()}
-        token = self._new_token(rec, env, configured)
+        token = mlflow_runs.new_token(rec, env, configured)
         launcher.job_env = env
         launcher.popen_kwargs = {"stdout": logfd, "stderr": logfd, "pass_fds": (wfd,)}
         live.launcher, live.stop_reason, live.stop_message = launcher, None, ""
@@ -380,7 +378,7 @@ class JobManager(SingletonConfigurable):
         except Exception as e:  # noqa: BLE001
             os.close(rfd)
             os.write(logfd, f"[gpuhub] could not start: {e}\n".encode())
-            self._revoke(token)
+            mlflow_runs.revoke(token)
             live.launcher = None
             return FAILED, None, f"could not start: {e}"
         finally:
@@ -428,8 +426,8 @@ class JobManager(SingletonConfigurable):
             reason, message = FAILED, f"killed by signal {-code}"
         else:
             reason, message = FAILED, f"exit code {code}"
-        await self._collect_runs(rec, att, {**configured, **env}, token)
-        self._revoke(token)
+        await mlflow_runs.collect_runs(rec, att, {**configured, **env}, token)
+        mlflow_runs.revoke(token)
         with open(att.log, "a") as f:
             f.write(f"[gpuhub] attempt {att.number} ended at {_ts(time.time())}: {reason} ({message})\n")
         live.launcher = None
@@ -574,75 +572,6 @@ class JobManager(SingletonConfigurable):
                     usage = trial
                     break
         return chosen
-
-    # -- MLflow: the attempt's own credential, and the runs it logged --------------------------
-    def _mlflow_uri(self, env: dict) -> str | None:
-        return env.get("GPUHUB_MLFLOW_TRACKING_URI") or None
-
-    def _new_token(self, rec: R.JobRecord, env: dict, configured: dict) -> str | None:
-        """A token of the job's own user, good only for the MLflow service, for this attempt."""
-        uri = self._mlflow_uri(configured)
-        if not uri:
-            return None
-        try:
-            from jupyterhub.app import JupyterHub
-
-            app = JupyterHub.instance()
-            user = app.users[rec.user]
-            service = uri.rstrip("/").rsplit("/services/", 1)[-1].split("/")[0] if "/services/" in uri else "mlflow"
-            token = user.new_api_token(
-                note=f"gpuhub {rec.id} attempt {len(rec.attempts)}", scopes=[f"access:services!service={service}"],
-                expires_in=int(rec.time_limit + 3600) if rec.time_limit else None,
-            )
-        except Exception:  # noqa: BLE001 - MLflow then needs the user's own setup
-            log.exception("Cannot make an MLflow token for %s", rec.id)
-            return None
-        env["JUPYTERHUB_API_TOKEN"] = token
-        if "MLFLOW_TRACKING_TOKEN" in configured:  # images without gpuhub-notebook (token_env)
-            env["MLFLOW_TRACKING_TOKEN"] = token
-        return token
-
-    def _revoke(self, token: str | None) -> None:
-        if not token:
-            return
-        try:
-            from jupyterhub import orm
-            from jupyterhub.app import JupyterHub
-
-            db = JupyterHub.instance().db
-            found = orm.APIToken.find(db, token)
-            if found is not None:
-                db.delete(found)
-                db.commit()
-        except Exception:  # noqa: BLE001
-            log.exception("Cannot revoke a job token")
-
-    async def _collect_runs(self, rec: R.JobRecord, att: R.Attempt, env: dict, token: str | None) -> None:
-        """The MLflow runs this attempt logged (tag gpuhub.job.attempt), asked with its own token."""
-        uri = self._mlflow_uri(env)
-        if not uri or not token:
-            return
-        from tornado.httpclient import AsyncHTTPClient
-
-        client = AsyncHTTPClient()
-        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-        experiment = env.get("MLFLOW_EXPERIMENT_NAME") or f"users/{rec.user}"
-        try:
-            from urllib.parse import quote
-
-            r = await client.fetch(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name={quote(experiment)}",
-                                   headers=headers, raise_error=False, request_timeout=10)
-            if r.code != 200:
-                return
-            exp_id = json.loads(r.body)["experiment"]["experiment_id"]
-            body = {"experiment_ids": [exp_id], "max_results": 100,
-                    "filter": f"tags.`gpuhub.job.id` = '{rec.id}' and tags.`gpuhub.job.attempt` = '{att.number}'"}
-            r = await client.fetch(f"{uri}/api/2.0/mlflow/runs/search", method="POST", body=json.dumps(body),
-                                   headers=headers, raise_error=False, request_timeout=10)
-            if r.code == 200:
-                att.mlflow_run_ids = [run["info"]["run_id"] for run in json.loads(r.body).get("runs", [])]
-        except Exception:  # noqa: BLE001 - evidence is best effort here; the tags stay on the runs
-            log.warning("Cannot list MLflow runs of %s attempt %d", rec.id, att.number, exc_info=True)
 
     # -- reading -----------------------------------------------------------------------------
     def status_line(self, rec: R.JobRecord) -> str:

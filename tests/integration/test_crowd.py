@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -257,12 +258,13 @@ def test_python_proxy_fallback_has_no_ten_stream_cap(tmp_path):
         assert users[names[0]].start("gpu-1").status_code in (201, 202)
         users[names[0]].wait_ready()
         for n in names[1:]:
+            asked = time.time()
             users[n].start_background("gpu-1")
             wait_for(lambda: users[n].server(), 30, f"{n}'s request to be pending", interval=0.1)
             pages.append(Stream(users[n]))
             first = pages[-1].next(until=lambda e: position(e) is not None)
             # opened as the request is made: the page must not claim a wait that did not happen
-            assert first["gpuhub"]["waited"] < 5, first
+            assert first["gpuhub"]["waited"] <= time.time() - asked + 1, first
         pid = int((h.data / "proxy.pid").read_text())
         assert b"gpuhub-proxy" in Path(f"/proc/{pid}/cmdline").read_bytes()  # really the Python proxy
         one = users[names[0]]

@@ -232,7 +232,11 @@ def day(hub, users, gpus, prometheus):
     watcher = threading.Thread(target=snooze_once, daemon=True)
     watcher.start()
     clock["_all_held"] = {"at": time.time()}
-    time.sleep(3)  # a few scrapes while four servers hold or wait
+    if prometheus.url:  # Prometheus has seen the three held GPUs, then a few more scrapes for rate()
+        def held():
+            return sum(float(s["value"][1]) for s in prometheus.query("gpuhub_gpus_in_use"))
+        wait_for(lambda: held() == 3, 30, "Prometheus to see the 3 held GPUs", interval=0.5)
+    time.sleep(2)
     clock["_all_held"]["scraped"] = time.time()
     stop_by("carol", "carol")
     ready("dave")
@@ -582,7 +586,8 @@ def test_the_usage_page_renders_its_charts_for_each_role(day, hub, tmp_path):
                 page.fill("#password_input", PASSWORD)
                 page.click("#login_submit")
                 page.wait_for_load_state()
-                page.goto(hub.url + "/hub/gpuhub/usage?since=10m")  # the compressed day fills the charts
+                since = int(time.time() - day["alice"]["requested"]) + 60  # the whole compressed day, however slow
+                page.goto(hub.url + f"/hub/gpuhub/usage?since={since}s")
                 assert page.locator("#gpuhub-usage").get_attribute("data-view") == view
                 for chart in ("allocation", "queue", "idle"):
                     svg = page.locator(f"svg#gpuhub-chart-{chart}")

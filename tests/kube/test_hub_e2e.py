@@ -357,7 +357,7 @@ def test_hub_restart_keeps_waiting_servers_in_their_place(kube_hub, double, user
     # The restarted hub kept the same pods: same UIDs, so the same place in Kueue's queue,
     # and shows them as the pending spawns they are, with their place on the progress stream.
     for user, place in ((bob, "1st of 2"), (dave, "2nd of 2")):
-        assert (user.server() or {}).get("pending") == "spawn", user.server()
+        until(lambda: (user.server() or {}).get("pending") == "spawn", what=f"{user.name}'s pending spawn", hub=kube_hub)
         events = user.progress(until=lambda e: place in e.get("message", ""), timeout=WAIT)
         assert f"You are {place} in the Vision Lab queue." in events[-1]["message"], events
     assert {u: [p["metadata"]["uid"] for p in pods(double, u)] for u in before} == {u: [uid] for u, uid in before.items()}

@@ -254,15 +254,23 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
         rec = until(lambda: (r := record())["state"] == "queued" and r, what="the job back in the queue", hub=hub)
         first = rec["attempts"][0]
         assert first["reason"] == "preempted" and "NLP Group needs them back" in first["message"], first
-        [wl] = [w for w in double.list("workloads", NAMESPACE) if job_id in w["metadata"]["name"]]
-        assert wl["spec"].get("active", True) is True  # reactivated: it waits for quota like any other
-        assert "gpuhub/reclaimed-at" not in (wl["metadata"].get("annotations") or {})
+        def workload():
+            [wl] = [w for w in double.list("workloads", NAMESPACE) if job_id in w["metadata"]["name"]]
+            return wl
+
+        # reactivated by the hub's next mirror pass: it waits for quota like any other
+        wl = until(lambda: (w := workload())["spec"].get("active", True) is True
+                   and "gpuhub/reclaimed-at" not in (w["metadata"].get("annotations") or {}) and w,
+                   what="the job's Workload reactivated", hub=hub)
         reasons = {e["reason"] for e in wl["status"]["schedulingStats"]["evictions"]}
         assert reasons == {"Deactivated"}, wl["status"]
         assert "Reclaim: deactivating job job:" in hub.log.read_text(errors="replace")
-        audit = admin.api.get(admin.url("/gpuhub/audit")).json()["entries"]
-        released = [e for e in audit if e.get("key") == f"job:{job_id}" and e["event"] == "released"]
-        assert released and released[-1]["reason"] == "reclaimed", released
+        def released():
+            audit = admin.api.get(admin.url("/gpuhub/audit")).json()["entries"]
+            return [e for e in audit if e.get("key") == f"job:{job_id}" and e["event"] == "released"]
+
+        entries = until(released, what="the job's release in the audit", hub=hub)
+        assert entries[-1]["reason"] == "reclaimed", entries
     finally:
         hub.policy.write_text(original)
         if job_id:

@@ -132,7 +132,10 @@ def test_gpu_server_logs_system_metrics(alice_notebook):
         "os.environ['MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL'] = '0.5'\n"
         "mlflow.end_run()\n"
         "with mlflow.start_run(run_name='sysmetrics') as run:\n"
-        "    time.sleep(3)\n"
+        "    for _ in range(120):  # until the monitor has published a sample (at least one full cycle)\n"
+        "        time.sleep(0.5)\n"
+        "        if any(k.startswith('system/') for k in mlflow.get_run(run.info.run_id).data.metrics):\n"
+        "            break\n"
         "keys = sorted(mlflow.get_run(run.info.run_id).data.metrics)\n"
         "print([k for k in keys if k.startswith('system/')])\n"
     )

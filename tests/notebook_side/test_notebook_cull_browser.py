@@ -70,8 +70,13 @@ def test_warning_notification_and_snooze(nb_server, stand_in, browser, tmp_path)
         # before the deadline).
         toast.locator(".jp-Notification-Toast-Close").first.click()
         page.locator(".Toastify__toast", has_text="This server will be stopped at").wait_for(state="detached")
-        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
-        page.wait_for_timeout(1500)
+        def poll_answered(r):  # the extension's own poll, through the server's relay
+            return r.request.method == "GET" and r.url.split("?")[0].endswith("/gpuhub/culling")
+
+        with page.expect_response(poll_answered) as answered:
+            page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        assert answered.value.json()["warning"], answered.value.json()  # the warning still stands
+        page.wait_for_timeout(500)  # the answer is rendered in the same task it is read
         assert page.locator(".Toastify__toast", has_text="This server will be stopped at").count() == 0
 
         # The hub withdraws the warning (the user got back to work): the notification follows at

@@ -254,6 +254,7 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
         rec = until(lambda: (r := record())["state"] == "queued" and r, what="the job back in the queue", hub=hub)
         first = rec["attempts"][0]
         assert first["reason"] == "preempted" and "NLP Group needs them back" in first["message"], first
+
         def workload():
             [wl] = [w for w in double.list("workloads", NAMESPACE) if job_id in w["metadata"]["name"]]
             return wl
@@ -265,6 +266,7 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
         reasons = {e["reason"] for e in wl["status"]["schedulingStats"]["evictions"]}
         assert reasons == {"Deactivated"}, wl["status"]
         assert "Reclaim: deactivating job job:" in hub.log.read_text(errors="replace")
+
         def released():
             audit = admin.api.get(admin.url("/gpuhub/audit")).json()["entries"]
             return [e for e in audit if e.get("key") == f"job:{job_id}" and e["event"] == "released"]
@@ -281,3 +283,39 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
                 client.wait_gone()
     until(lambda: pods(double) == [], what="no pods left", hub=hub)
     assert double.invalid == [] and double.errors == []
+
+
+def test_roles_follow_a_policy_edit_here_too(hub, users):
+    """Roles from the policy (issue 15) on the Kubernetes hub, with the Kueue mirror running:
+    a group added to ``roles.viewers`` sees every team's usage with the token it already had,
+    and loses it when the edit is undone. The same ``PolicyRoles`` as on one machine
+    (tests/integration/test_roles_reload.py); the chart wires it (test_chart_config.py)."""
+    admin, carol = users["admin"], users["carol"]
+    erin = hub.login("erin")  # group students: in no team, no gpuhub role
+
+    def view() -> str:
+        r = erin.api.get(erin.url("/gpuhub/usage"), params={"since": "1d"})
+        assert r.status_code == 200, r.text
+        return r.json()["view"]
+
+    def applied(kind: str, since: float):
+        entries = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "roles_applied", "since": str(since)}).json()["entries"]
+        return [e for e in entries if ["gpuhub-viewer", "students"] in e.get(kind, [])]
+
+    assert carol.start("l4-1").status_code in (201, 202)  # one allocation in NLP's history for a viewer to see
+    carol.wait_ready()
+    carol.stop()
+    carol.wait_gone()
+    assert view() == "user"
+    original = hub.policy.read_text()
+    since = time.time() - 1
+    hub.policy.write_text(original.replace("teams:\n", "roles:\n  viewers: [students]\nteams:\n", 1))
+    try:
+        until(lambda: applied("granted", since), what="the viewer role granted to students", hub=hub)
+        r = erin.api.get(erin.url("/gpuhub/usage"), params={"since": "1d"}).json()
+        assert r["view"] == "viewer" and "carol" in {row["user"] for row in r["rows"]}, r
+    finally:
+        since = time.time() - 1
+        hub.policy.write_text(original)
+    until(lambda: applied("revoked", since), what="the viewer role revoked from students", hub=hub)
+    assert view() == "user"

@@ -197,8 +197,12 @@ async def test_api_calls_stay_bounded_with_100_waiting_spawns(kube, make_spawner
     # The double validates every pod against Kubernetes' schema on one thread; give 100 creates time.
     spawners = [make_spawner(user=f"s{i:03d}", groups=("students",), profile="l4-1", status_interval=0.5,
                              k8s_api_request_timeout=60) for i in range(100)]
-    starts = [s.start() for s in spawners]
-    progresses = [Progress(s) for s in spawners]
+    starts, progresses = [], []
+    for i in range(0, len(spawners), 20):  # users arrive in waves; each new pod must show in the watch
+        wave = spawners[i:i + 20]          # within KubeSpawner's 10 s, which 100 at once miss on a loaded machine
+        starts += [s.start() for s in wave]
+        progresses += [Progress(s) for s in wave]
+        await asyncio.wait_for(until(lambda: all(s.pod_reflector.pods.get(f"{NAMESPACE}/{s.pod_name}") for s in wave)), WAIT)
     for p in progresses:
         await asyncio.wait_for(p.until(lambda m: "more needed" in m and "of 100 in the Students queue" in m), WAIT)
     poller = next(p for p in PendingPollers.all() if p.local_queue == "students")

@@ -46,6 +46,7 @@ def test_leaving_out_the_profile_does_not_skip_the_per_user_cap(clean):
     with ThreadPoolExecutor(5) as pool:
         codes = list(pool.map(lambda i: bob.api.post(bob.url(f"/users/bob/servers/s{i}"), json={}).status_code, range(5)))
     assert codes.count(403) >= 3, codes
+    assert len(bob.model()["servers"]) <= 2, codes  # never more than the cap, even while settling
 
     def settled():  # every listed server ready (a refused one may still be on its way out)
         servers = bob.model()["servers"]

@@ -70,6 +70,7 @@ def test_warning_notification_and_snooze(nb_server, stand_in, browser, tmp_path)
         # before the deadline).
         toast.locator(".jp-Notification-Toast-Close").first.click()
         page.locator(".Toastify__toast", has_text="This server will be stopped at").wait_for(state="detached")
+
         def poll_answered(r):  # the extension's own poll, through the server's relay
             return r.request.method == "GET" and r.url.split("?")[0].endswith("/gpuhub/culling")
 

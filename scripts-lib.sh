@@ -9,9 +9,10 @@ ensure_venv() {
   # Re-install only when the project definition changed since the last install.
   local stamp=".venv/.gpuhub-installed"
   local want
-  # (the notebook package's lab extension is copied at install time, so it counts too)
+  # (the notebook package's lab extension and server config are copied at install time, so they count too)
   want="$( (sha256sum pyproject.toml images/gpuhub-notebook/pyproject.toml; \
-            find images/gpuhub-notebook/src/gpuhub_notebook/labextension -type f -exec sha256sum {} + 2>/dev/null | sort) \
+            find images/gpuhub-notebook/src/gpuhub_notebook/labextension images/gpuhub-notebook/jupyter-config \
+                 -type f -exec sha256sum {} + 2>/dev/null | sort) \
           | sha256sum | cut -c1-16) $extras"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null

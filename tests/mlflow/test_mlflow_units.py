@@ -32,7 +32,7 @@ def test_configure_merges_into_existing_config(tmp_path):
     svc = c.JupyterHub.services[1]
     assert svc["url"] == "http://127.0.0.1:12345" and svc["oauth_no_confirm"] is True
     assert svc["command"][1:3] == ["-m", "gpuhub_spawner.mlflow"] and "--policy" in svc["command"]
-    assert [r["name"] for r in c.JupyterHub.load_roles] == ["culler", "gpuhub-mlflow-service"]
+    assert sorted(r["name"] for r in c.JupyterHub.load_roles) == ["culler", "gpuhub-mlflow-service", "server"]
     assert c.JupyterHub.extra_user_scopes == {"read:groups", "access:services!service=mlflow"}
     assert c.Spawner.server_token_scopes == [
         "users:activity!user", "access:servers!server", "read:users:name!user", "access:services!service=mlflow"]
@@ -56,8 +56,9 @@ def test_configure_defaults_keep_the_server_role_scopes(tmp_path):
     assert "postgresql://mlflow:pw@db/mlflow" not in " ".join(svc["command"])  # the hub logs commands
     assert svc["environment"]["GPUHUB_MLFLOW_BACKEND_STORE_URI"] == "postgresql://mlflow:pw@db/mlflow"
     assert svc["command"][-2:] == ["--bind-ip", "0.0.0.0"]
-    assert c.Spawner.server_token_scopes == [
-        "users:activity!user", "access:servers!server", "access:services!service=mlflow"]
+    assert "server_token_scopes" not in c.Spawner  # the server role carries it: nothing replaced
+    server = next(r for r in c.JupyterHub.load_roles if r["name"] == "server")
+    assert {"users:activity!user", "access:servers!server", "access:services!service=mlflow"} <= set(server["scopes"])
     assert c.Spawner.environment["MLFLOW_TRACKING_URI"] == "http://proxy-public/services/mlflow"
     assert callable(c.Spawner.environment["MLFLOW_TRACKING_TOKEN"])
     assert c.JupyterHub.template_vars["gpuhub_links"] == [{"name": "MLflow", "url": "/services/mlflow/"}]
@@ -68,6 +69,28 @@ def test_configure_wraps_callable_token_scopes(tmp_path):
     c.Spawner.server_token_scopes = lambda spawner: ["users:activity!user"]
     configure(c, data_dir=str(tmp_path))
     assert c.Spawner.server_token_scopes(None) == ["users:activity!user", "access:services!service=mlflow"]
+
+
+def test_every_feature_adds_to_the_server_token_and_none_replaces(tmp_path):
+    """Issue 20: with MLflow on, JupyterLab's cull warnings and `gpuhub usage`/`gpuhub job` in a
+    terminal need the server token's culling, usage and jobs scopes; MLflow's setup used to
+    replace them. Whatever order the features are configured in, the token has all of them."""
+    from jupyterhub.roles import get_default_roles
+
+    from gpuhub_spawner.hub.scopes import CULLING, USAGE, configure_scopes
+    from gpuhub_spawner.jobs import JOBS, configure_jobs
+
+    stock = set(next(r for r in get_default_roles() if r["name"] == "server")["scopes"])
+    for order in ("scopes-first", "mlflow-first"):
+        c = Config()
+        steps = [lambda: configure_scopes(c), lambda: configure(c, data_dir=str(tmp_path / order)),
+                 lambda: configure_jobs(c, tmp_path / order)]
+        for step in (steps if order == "scopes-first" else [steps[1], steps[0], steps[2]]):
+            step()
+        assert "server_token_scopes" not in c.Spawner
+        [server] = [r for r in c.JupyterHub.load_roles if r["name"] == "server"]
+        want = stock | {f"{CULLING}!user", USAGE, f"{JOBS}!user", "access:services!service=mlflow"}
+        assert set(server["scopes"]) == want, order
 
 
 def test_run_owner_is_forced_to_the_hub_user():

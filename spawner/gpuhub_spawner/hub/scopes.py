@@ -62,8 +62,8 @@ CUSTOM_SCOPES = {
 # own ``admin`` role, and this also covers admins made by an authenticator's admin_groups).
 IMPLIED_BY = {STATUS_ALL: "admin:servers", CULLING: "admin:servers", USAGE_ALL: "admin:servers", AUDIT: "admin:servers"}
 # Added to JupyterHub's "server" role (a server's own token): its owner's cull warnings,
-# for JupyterLab's notification.
-SERVER_SCOPES = [f"{CULLING}!user"]
+# for JupyterLab's notification, and its owner's usage (``gpuhub usage`` in a terminal).
+SERVER_SCOPES = [f"{CULLING}!user", USAGE]
 
 
 def allowed(handler, scope: str, user: str | None = None) -> bool:
@@ -77,6 +77,47 @@ def allowed(handler, scope: str, user: str | None = None) -> bool:
 
 def _merged(section, name: str, default):
     return type(default)(getattr(section, name)) if name in section else default
+
+
+def grant_server_token(c, scopes) -> None:
+    """Add ``scopes`` to every single-user server's own token, never replacing what other
+    features added: JupyterHub gives a server's token the ``server`` role unless
+    ``Spawner.server_token_scopes`` is set, so the scopes go into that role, and also into
+    ``server_token_scopes`` where an operator set it (a list or a callable). Every gpuhub
+    feature that needs a server-token scope (culling, usage, jobs, MLflow) comes through here.
+    """
+    import inspect
+
+    from jupyterhub.roles import get_default_roles
+
+    scopes = list(scopes)
+    defaults = {r["name"]: r for r in get_default_roles()}
+    roles = {r["name"]: dict(r) for r in _merged(c.JupyterHub, "load_roles", [])}
+    server = roles.get("server", {"name": "server"})
+    server["scopes"] = sorted(set(server.get("scopes", defaults["server"]["scopes"])) | set(scopes))
+    roles["server"] = server
+    c.JupyterHub.load_roles = list(roles.values())
+    if "server_token_scopes" not in c.Spawner:
+        return
+    existing = c.Spawner.server_token_scopes
+    if callable(existing):
+        def server_token_scopes(spawner, _inner=existing, _add=tuple(scopes)):
+            result = _inner(spawner)
+            if inspect.isawaitable(result):
+                async def merged():
+                    return _with(await result, _add)
+                return merged()
+            return _with(result, _add)
+
+        c.Spawner.server_token_scopes = server_token_scopes
+    elif existing:  # empty means "the server role", which has them now
+        c.Spawner.server_token_scopes = _with(existing, scopes)
+
+
+def _with(existing, additions) -> list:
+    out = list(existing or [])
+    out += [s for s in additions if s not in out]
+    return out
 
 
 def configure_scopes(c, *, admin_groups=()) -> None:
@@ -97,11 +138,8 @@ def configure_scopes(c, *, admin_groups=()) -> None:
         if scope not in extra:
             extra.append(scope)
     c.JupyterHub.extra_user_scopes = extra
-    defaults = {r["name"]: r for r in get_default_roles()}
+    grant_server_token(c, SERVER_SCOPES)
     roles = {r["name"]: dict(r) for r in _merged(c.JupyterHub, "load_roles", [])}
-    server = roles.get("server", {"name": "server"})
-    server["scopes"] = sorted(set(server.get("scopes", defaults["server"]["scopes"])) | set(SERVER_SCOPES))
-    roles["server"] = server
     admins = roles.get("gpuhub-admin", {"name": "gpuhub-admin", "scopes": [STATUS_ALL, CULLING], "groups": []})
     admins["groups"] = sorted(set(admins.get("groups", [])) | set(admin_groups))
     admins["description"] = "gpuhub administrators: every GPU holder and request, anyone's cull warnings."

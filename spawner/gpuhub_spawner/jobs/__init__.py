@@ -40,23 +40,16 @@ def configure_jobs(c, data_dir) -> None:
     if own not in extra:
         extra = list(extra) + [own]
     c.JupyterHub.extra_user_scopes = extra
-    from jupyterhub.roles import get_default_roles
+    from ..hub.scopes import grant_server_token
 
-    defaults = {r["name"]: r for r in get_default_roles()}
-    roles = {r["name"]: dict(r) for r in _merged(c.JupyterHub, "load_roles", [])}
+    # So `gpuhub job` works in a terminal of the server, whatever else its token carries.
+    grant_server_token(c, [own])
     # JupyterHub forbids extending its own admin role: hub admins get everyone's jobs by
     # admin:servers (api.py); gpuhub-admin (admins by group, hub/scopes.py) gets jobs:all.
-    server = roles.get("server", {"name": "server"})
-    server["scopes"] = sorted(set(server.get("scopes", defaults["server"]["scopes"])) | {own})
-    roles["server"] = server
+    roles = {r["name"]: dict(r) for r in _merged(c.JupyterHub, "load_roles", [])}
     if "gpuhub-admin" in roles:
         roles["gpuhub-admin"]["scopes"] = sorted(set(roles["gpuhub-admin"].get("scopes", [])) | {JOBS_ALL})
     c.JupyterHub.load_roles = list(roles.values())
-    # MLflow's configure() replaces the server role by explicit server_token_scopes.
-    if "server_token_scopes" in c.Spawner and isinstance(c.Spawner.server_token_scopes, (list, tuple, set)):
-        scopes = list(c.Spawner.server_token_scopes)
-        if own not in scopes:
-            c.Spawner.server_token_scopes = scopes + [own]
     from ..hub.startup import when_started
 
     when_started(_start_with_hub)

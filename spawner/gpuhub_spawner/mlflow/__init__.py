@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ..hub.scopes import grant_server_token
+
 __all__ = ["configure", "SERVICE_ROLE"]
 
 SERVICE_ROLE = "gpuhub-mlflow-service"
@@ -151,24 +153,8 @@ def configure(
     # Every hub user may use MLflow (browser OAuth), and so may their servers' tokens.
     hub.extra_user_scopes = set(_section_get(hub, "extra_user_scopes", set()) or set()) | {access}
 
-    spawner = c.Spawner
-    existing_scopes = _section_get(spawner, "server_token_scopes", None)
-    if callable(existing_scopes):
-        def server_token_scopes(sp, _inner=existing_scopes):
-            import inspect
-
-            result = _inner(sp)
-            if inspect.isawaitable(result):
-                async def merged():
-                    return _merge_list(await result, [access])
-                return merged()
-            return _merge_list(result, [access])
-
-        spawner.server_token_scopes = server_token_scopes
-    else:
-        # Empty means "the server role"; keep its scopes when adding ours.
-        base = list(existing_scopes or ["users:activity!user", "access:servers!server"])
-        spawner.server_token_scopes = _merge_list(base, [access])
+    # ... and their servers' own tokens, added to what the server role already grants.
+    grant_server_token(c, [access])
 
     uri = tracking_uri or f"http://{host}:{port}{prefix}".rstrip("/")
     ours = {

@@ -24,6 +24,14 @@ def _jupyter_server_extension_points():
     return [{"module": "gpuhub_notebook"}]
 
 
+def _link_jupyter_server_extension(serverapp):
+    # In the link phase, before any extension loads: the terminals extension reads
+    # terminado_settings when it loads.
+    from .server_extension import plain_terminal_shell
+
+    plain_terminal_shell(serverapp)
+
+
 def _load_jupyter_server_extension(serverapp):
     from .server_extension import load
 

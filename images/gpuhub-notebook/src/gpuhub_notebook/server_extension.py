@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import time
 from urllib.parse import quote
 
@@ -152,6 +153,25 @@ class CullingHandler(APIHandler):
         self.set_status(status)
         data.setdefault("server", hub["server"])
         self.finish(json.dumps(data))
+
+
+def plain_terminal_shell(serverapp, environ=None) -> None:
+    """JupyterLab's terminal: an interactive ``$SHELL``, not jupyter-server's login shell.
+
+    Without a configured ``shell_command`` jupyter-server appends ``-l`` when it has no tty
+    (always, under a spawner), and Debian's ``/etc/profile`` then resets ``PATH`` for
+    non-root users: ``python``, ``gpuhub`` and ``mlflow`` of the server's environment were
+    "command not found". A non-login shell inherits the server's environment (and still
+    reads ``~/.bashrc``), as Jupyter's Docker stacks configure it. A shell the operator or
+    user configured wins.
+    """
+    environ = os.environ if environ is None else environ
+    settings = dict(serverapp.terminado_settings or {})
+    if settings.get("shell_command"):
+        return
+    shell = environ.get("SHELL") or shutil.which("bash") or shutil.which("sh") or "/bin/sh"
+    settings["shell_command"] = [shell]
+    serverapp.terminado_settings = settings
 
 
 def busy_kernels_are_activity(serverapp) -> PeriodicCallback:

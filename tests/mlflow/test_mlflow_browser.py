@@ -78,13 +78,26 @@ def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
     assert run["info"]["user_id"] == "dave"
     run_name = run["info"]["run_name"]
 
-    # From the hub's home page, follow the MLflow link: hub OAuth, no password prompt.
+    # From the hub's home page, follow the MLflow button: hub OAuth, no password prompt, and
+    # MLflow's UI on screen (not JupyterHub's 404 "Jupyter has lots of moons").
+    def assert_mlflow_ui_on_screen(what: str) -> str:
+        page.get_by_text(re.compile(r"^Experiments$")).first.wait_for()
+        body = page.content()
+        assert "lots of moons" not in body and "403" not in page.title(), (what, page.url, page.title())
+        return re.match(r"(https?://[^/]+)", page.url).group(1)
+
     page.goto(hub.url + "/hub/home")
     page.click("#gpuhub-links a.gpuhub-link:has-text('MLflow')")
-    page.wait_for_url(re.compile(r".*/services/mlflow/.*"))
-    page.goto(f"{mlflow.public}/#/experiments/{run['info']['experiment_id']}/runs/{run_id}")
+    origin = assert_mlflow_ui_on_screen("home page button")
+    # ... and in that UI, the run (the same origin the button led to)
+    page.goto(f"{origin}/services/mlflow/#/experiments/{run['info']['experiment_id']}/runs/{run_id}")
     page.get_by_text(run_name).first.wait_for()
     page.screenshot(path=str(hub.workdir / "mlflow-ui.png"))
-    body = page.content()
-    assert run_name in body
+    assert run_name in page.content()
+
+    # The Services menu of every hub page opens it too (JupyterHub's own link dropped the port).
+    page.goto(hub.url + "/hub/home")
+    page.get_by_role("button", name="Services").or_(page.locator("a.dropdown-toggle", has_text="Services")).first.click()
+    page.locator(".dropdown-menu a.dropdown-item", has_text="mlflow").first.click()
+    assert_mlflow_ui_on_screen("Services menu")
     ctx.close()

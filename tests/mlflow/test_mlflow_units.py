@@ -43,7 +43,7 @@ def test_configure_merges_into_existing_config(tmp_path):
     assert callable(env["MLFLOW_EXPERIMENT_NAME"])
     assert c.JupyterHub.template_vars["other"] == 1
     assert c.JupyterHub.template_vars["gpuhub_links"] == [
-        {"name": "GPUs", "url": "/hub/gpuhub"}, {"name": "MLflow", "url": "/services/mlflow/"}]
+        {"name": "GPUs", "url": "/hub/gpuhub"}, {"name": "MLflow", "url": "/services/mlflow/", "service": "mlflow"}]
     # Nothing secret in the hub config: no password, no key.
     assert "password" not in json.dumps(c.JupyterHub.services).lower()
 
@@ -61,7 +61,7 @@ def test_configure_defaults_keep_the_server_role_scopes(tmp_path):
     assert {"users:activity!user", "access:servers!server", "access:services!service=mlflow"} <= set(server["scopes"])
     assert c.Spawner.environment["MLFLOW_TRACKING_URI"] == "http://proxy-public/services/mlflow"
     assert callable(c.Spawner.environment["MLFLOW_TRACKING_TOKEN"])
-    assert c.JupyterHub.template_vars["gpuhub_links"] == [{"name": "MLflow", "url": "/services/mlflow/"}]
+    assert c.JupyterHub.template_vars["gpuhub_links"] == [{"name": "MLflow", "url": "/services/mlflow/", "service": "mlflow"}]
 
 
 def test_configure_wraps_callable_token_scopes(tmp_path):

@@ -171,7 +171,9 @@ def configure(
 
     tv = dict(_section_get(hub, "template_vars", {}) or {})
     links = [l for l in tv.get("gpuhub_links", []) if l.get("name") != link_name]
-    links.append({"name": link_name, "url": prefix})
+    # "service": the page links to the service's own origin (its host and port) where the hub
+    # has per-user origins; "url" is the path where it has not.
+    links.append({"name": link_name, "url": prefix, "service": service_name})
     tv["gpuhub_links"] = links
     hub.template_vars = tv
     return service

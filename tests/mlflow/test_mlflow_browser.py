@@ -16,7 +16,8 @@ CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
-CELL = "import mlflow\nmlflow.log_metric('loss', 0.1)\nprint('RUN', mlflow.last_active_run().info.run_id)"
+CELL = ("import mlflow\nwith mlflow.start_run() as run:\n    mlflow.log_metric('loss', 0.1)\n"
+        "print('RUN', run.info.run_id)")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,17 @@ def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
     assert run["info"]["user_id"] == "dave"
     run_name = run["info"]["run_name"]
 
+    # The link MLflow printed in the notebook ("View run ... at: ...") opens the run too.
+    printed = page.locator(".jp-OutputArea-output a", has_text=re.compile(r"/#/experiments/.*/runs/" + run_id)).first
+    printed.wait_for()
+    href = printed.get_attribute("href")
+    assert "127.0.0.1" not in href and href.startswith(hub.url.replace("://", "://mlflow--service.")), href
+    with ctx.expect_page() as opened:
+        printed.click()
+    tab = opened.value
+    tab.get_by_text(run_name).first.wait_for()
+    assert "lots of moons" not in tab.content()
+
     # From the hub's home page, follow the MLflow button: hub OAuth, no password prompt, and
     # MLflow's UI on screen (not JupyterHub's 404 "Jupyter has lots of moons").
     def assert_mlflow_ui_on_screen(what: str) -> str:
@@ -100,4 +112,5 @@ def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
     page.get_by_role("button", name="Services").or_(page.locator("a.dropdown-toggle", has_text="Services")).first.click()
     page.locator(".dropdown-menu a.dropdown-item", has_text="mlflow").first.click()
     assert_mlflow_ui_on_screen("Services menu")
+
     ctx.close()

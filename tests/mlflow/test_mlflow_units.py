@@ -93,6 +93,23 @@ def test_every_feature_adds_to_the_server_token_and_none_replaces(tmp_path):
         assert set(server["scopes"]) == want, order
 
 
+def test_printed_run_links_use_the_public_address():
+    from gpuhub_notebook.mlflow_context import public_link
+
+    env = {"GPUHUB_MLFLOW_TRACKING_URI": "http://127.0.0.1:10101/services/mlflow",
+           "GPUHUB_MLFLOW_UI_URL": "http://mlflow--service.localhost:8000/services/mlflow/"}
+    printed = ("🏃 View run calm-owl at: http://127.0.0.1:10101/services/mlflow/#/experiments/1/runs/abc\n"
+               "🧪 View experiment at: http://127.0.0.1:10101/services/mlflow/#/experiments/1\n")
+    assert public_link(printed, env) == (
+        "🏃 View run calm-owl at: http://mlflow--service.localhost:8000/services/mlflow/#/experiments/1/runs/abc\n"
+        "🧪 View experiment at: http://mlflow--service.localhost:8000/services/mlflow/#/experiments/1\n")
+    # No public address known (no per-user origins): MLflow's own output, unchanged.
+    assert public_link(printed, {**env, "GPUHUB_MLFLOW_UI_URL": ""}) == printed
+    # A tracking URI the user chose elsewhere is not touched.
+    other = "View run x at: http://mlflow.example.org/#/experiments/1/runs/a\n"
+    assert public_link(other, env) == other
+
+
 def test_run_owner_is_forced_to_the_hub_user():
     body = json.dumps({"experiment_id": "1", "user_id": "bob",
                        "tags": [{"key": "mlflow.user", "value": "bob"}, {"key": "k", "value": "v"}]}).encode()

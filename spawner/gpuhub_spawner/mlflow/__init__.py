@@ -163,6 +163,8 @@ def configure(
         "GPUHUB_MLFLOW_TRACKING_URI": uri,
         "MLFLOW_EXPERIMENT_NAME": _personal_experiment,
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        # Where a browser opens the UI: gpuhub_notebook prints run links with it.
+        "GPUHUB_MLFLOW_UI_URL": _ui_url_for(service_name),
     }
     if token_env:
         ours["MLFLOW_TRACKING_TOKEN"] = _server_token
@@ -198,6 +200,19 @@ def _environment_sections(c) -> list:
 def _personal_experiment(spawner) -> str:
     """Each user's runs go to ``users/<name>`` unless the notebook picks another experiment."""
     return f"users/{spawner.user.name}"
+
+
+def _ui_url_for(service_name: str):
+    def ui_url(spawner) -> str:
+        """The service's public origin and prefix as the hub serves it (per-user origins:
+        ``http://mlflow--service.localhost:8000/services/mlflow/``); empty where the hub
+        has no subdomain host (the notebook then prints MLflow's own links)."""
+        services = (getattr(spawner.user, "settings", None) or {}).get("services") or {}
+        svc = services.get(service_name)
+        host = getattr(svc, "host", "") or ""
+        return f"{host}{svc.prefix}" if host else ""
+
+    return ui_url
 
 
 def _server_token(spawner) -> str:

@@ -60,12 +60,65 @@ def enable_gpu_system_metrics(ident: identity.ServerIdentity | None, environ=Non
     return env["MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"].lower() in ("true", "1")
 
 
+def public_link(text: str, environ=None) -> str:
+    """MLflow's "View run … at: <tracking URI>/#/…" with the hub's public MLflow address.
+
+    The tracking URI is the hub's internal address (the kernel talks to MLflow directly);
+    a browser opening it got 403. ``GPUHUB_MLFLOW_UI_URL`` (set by the hub) is the address
+    a browser reaches with the hub login.
+    """
+    env = os.environ if environ is None else environ
+    internal = (env.get("GPUHUB_MLFLOW_TRACKING_URI") or "").rstrip("/")
+    public = (env.get("GPUHUB_MLFLOW_UI_URL") or "").rstrip("/")
+    if not internal or not public:
+        return text
+    return text.replace(internal + "/#", public + "/#")
+
+
+_patched = False
+
+
+def print_public_run_links() -> None:
+    """Wrap MLflow's run-link printer once so the links it prints open in a browser.
+
+    MLflow (3.17) prints them from ``TrackingServiceClient._log_url`` when a run ends and
+    offers no hook; the wrapper lets it print, then rewrites the address. Any surprise in
+    MLflow's internals leaves its own output untouched."""
+    global _patched
+    if _patched:
+        return
+    try:
+        from mlflow.tracking._tracking_service.client import TrackingServiceClient
+    except ImportError:
+        return
+    original = getattr(TrackingServiceClient, "_log_url", None)
+    if original is None:
+        return
+
+    def _log_url(self, run_id, _original=original):
+        import contextlib
+        import io
+        import sys
+
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                _original(self, run_id)
+        finally:
+            sys.stdout.write(public_link(buf.getvalue()))
+
+    TrackingServiceClient._log_url = _log_url
+    _patched = True
+
+
 class GpuhubRunContext:
     """Implements mlflow.tracking.context.abstract_context.RunContextProvider."""
 
     def __init__(self):
         self._ident = identity.current()
         enable_gpu_system_metrics(self._ident)
+        if self._ident is not None:
+            print_public_run_links()
 
     def in_context(self) -> bool:
         return self._ident is not None

@@ -1,4 +1,5 @@
-"""``gpuhub``: validate the policy, render Kueue objects, run the one-machine hub."""
+"""``gpuhub``: validate the policy, render Kueue objects, run the one-machine hub, submit
+batch jobs, read GPU usage."""
 
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def _run(args) -> int:
             f"\ngpuhub: starting on {url}\n"
             f"  log in as alice or bob (Vision Lab), carol (NLP), dave (both), erin (Students),\n"
             f"  lena (Vision Lab's lead), victor (viewer), mallory (no team) or admin — password: {password}\n"
-            f"  GPUs and queues: {url}/hub/gpuhub   usage: {url}/hub/gpuhub/usage\n",
+            f"  GPUs and queues: {url}/hub/gpuhub   usage: {url}/hub/gpuhub/usage\n"
+            + (f"  MLflow (runs of everyone's notebooks, with your hub login): {_mlflow_url(url)}\n"
+               if os.environ.get("GPUHUB_MLFLOW", "1") != "0" else ""),
             flush=True,
         )
     else:
@@ -71,6 +74,14 @@ def _run(args) -> int:
     from jupyterhub.app import main as hub_main
 
     return hub_main(["-f", str(config)]) or 0
+
+
+def _mlflow_url(hub_url: str) -> str:
+    """Where a browser opens the hub's MLflow service: its own origin with per-user origins
+    (JupyterHub's service subdomain ``<name>--service.<domain>``), else under the hub."""
+    if os.environ.get("GPUHUB_SUBDOMAINS", "1") == "0" or "://127.0.0.1" in hub_url:
+        return f"{hub_url}/services/mlflow/"
+    return hub_url.replace("://", "://mlflow--service.", 1) + "/services/mlflow/"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     add_service_parser(sub)
     sub.add_parser("render", help="render cluster objects: `gpuhub render kueue FILE`")
+    sub.add_parser("job", help="batch jobs in your team's GPU queue: `gpuhub job submit job.yaml` (docs/jobs.md)")
+    sub.add_parser("usage", help="GPU-hours by team or user: `gpuhub usage --since 7d --by team` (docs/usage.md)")
     args = parser.parse_args(argv)
     return args.func(args)
 

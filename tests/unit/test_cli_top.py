@@ -1,0 +1,24 @@
+"""The top-level ``gpuhub`` command: what a newcomer's ``--help`` and the start banner say."""
+
+import pytest
+
+from gpuhub_spawner.cli import _mlflow_url, main
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("validate", "run", "install-service", "render", "job", "usage"):
+        assert f"    {command} " in out, (command, out)
+
+
+def test_banner_names_mlflow_where_a_browser_opens_it(monkeypatch):
+    monkeypatch.delenv("GPUHUB_SUBDOMAINS", raising=False)
+    assert _mlflow_url("http://localhost:8000") == "http://mlflow--service.localhost:8000/services/mlflow/"
+    assert _mlflow_url("https://hub.example.org") == "https://mlflow--service.hub.example.org/services/mlflow/"
+    # without per-user origins the service lives under the hub's own origin
+    assert _mlflow_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000/services/mlflow/"
+    monkeypatch.setenv("GPUHUB_SUBDOMAINS", "0")
+    assert _mlflow_url("http://localhost:8000") == "http://localhost:8000/services/mlflow/"

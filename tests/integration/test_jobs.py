@@ -468,3 +468,27 @@ def test_mlflow_works_in_a_job_with_no_setup_and_every_run_carries_job_and_attem
     # That token lived only for the attempt.
     notes = [t["note"] for t in bob.api.get(bob.url("/users/bob/tokens")).json()["api_tokens"]]
     assert not any(job_id in n for n in notes), notes
+
+
+def test_a_cancelled_jobs_mlflow_run_is_ended_killed_not_left_running(mlflow_hub, tmp_path):
+    """A killed process runs no atexit: MLflow would show its run RUNNING forever."""
+    hub, mlflow = mlflow_hub
+    bob = hub.login("bob")
+    mlflow.wait_ready(bob.token)
+    code = ("import mlflow, time\\n"
+            "run = mlflow.start_run(run_name='long')\\n"
+            "mlflow.log_metric('loss', 0.9)\\n"
+            "print('run', run.info.run_id, flush=True)\\n"
+            "time.sleep(600)")
+    job_id = submit(hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, \"{code}\"]\n")
+    run_id = wait_for(lambda: "run " in logs(bob, job_id) and logs(bob, job_id).split("run ")[-1].split()[0],
+                      120, "the job's MLflow run to start")
+    api = mlflow.api(bob.token)
+    status = lambda: api.get(mlflow.direct + "/api/2.0/mlflow/runs/get", params={"run_id": run_id}).json()["run"]["info"]  # noqa: E731
+    assert status()["status"] == "RUNNING"
+    cli(hub, bob, "cancel", job_id)
+    rec = wait_state(bob, job_id, "cancelled", timeout=60)
+    assert rec["attempts"][0]["mlflow_run_ids"] == [run_id]
+    info = status()
+    assert info["status"] == "KILLED", info
+    assert info["end_time"] and int(info["end_time"]) >= int(info["start_time"])

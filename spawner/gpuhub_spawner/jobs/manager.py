@@ -426,7 +426,7 @@ class JobManager(SingletonConfigurable):
             reason, message = FAILED, f"killed by signal {-code}"
         else:
             reason, message = FAILED, f"exit code {code}"
-        await mlflow_runs.collect_runs(rec, att, {**configured, **env}, token)
+        await mlflow_runs.collect_runs(rec, att, {**configured, **env}, token, outcome=reason)
         mlflow_runs.revoke(token)
         with open(att.log, "a") as f:
             f.write(f"[gpuhub] attempt {att.number} ended at {_ts(time.time())}: {reason} ({message})\n")

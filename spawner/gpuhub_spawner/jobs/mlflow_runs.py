@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from urllib.parse import quote
 
 from . import records as R
@@ -60,8 +61,24 @@ def revoke(token: str | None) -> None:
         log.exception("Cannot revoke a job token")
 
 
-async def collect_runs(rec: R.JobRecord, att: R.Attempt, env: dict, token: str | None) -> None:
-    """The MLflow runs this attempt logged (tag gpuhub.job.attempt), asked with its own token."""
+def end_status(outcome: str | None) -> str:
+    """MLflow's status for a run its attempt left RUNNING: the process was stopped (preempted,
+    cancelled, time limit, memory: KILLED) or it died without MLflow ending the run (FAILED).
+    A run of an attempt that exited 0 but never ended its run is FINISHED."""
+    if outcome == "succeeded":
+        return "FINISHED"
+    if outcome in ("failed", None):
+        return "FAILED"
+    return "KILLED"
+
+
+async def collect_runs(rec: R.JobRecord, att: R.Attempt, env: dict, token: str | None,
+                       outcome: str | None = None) -> None:
+    """The MLflow runs this attempt logged (tag gpuhub.job.attempt), asked with its own token.
+
+    A run still RUNNING once its process is gone would stay RUNNING forever in MLflow's UI
+    (a killed process runs no ``atexit``): it is ended with ``end_status(outcome)``, at the
+    attempt's end time, with the same token (so only the user's own runs)."""
     uri = tracking_uri(env)
     if not uri or not token:
         return
@@ -80,7 +97,18 @@ async def collect_runs(rec: R.JobRecord, att: R.Attempt, env: dict, token: str |
                 "filter": f"tags.`gpuhub.job.id` = '{rec.id}' and tags.`gpuhub.job.attempt` = '{att.number}'"}
         r = await client.fetch(f"{uri}/api/2.0/mlflow/runs/search", method="POST", body=json.dumps(body),
                                headers=headers, raise_error=False, request_timeout=10)
-        if r.code == 200:
-            att.mlflow_run_ids = [run["info"]["run_id"] for run in json.loads(r.body).get("runs", [])]
+        if r.code != 200:
+            return
+        runs = json.loads(r.body).get("runs", [])
+        att.mlflow_run_ids = [run["info"]["run_id"] for run in runs]
+        end_time = int((att.finished or time.time()) * 1000)
+        for run in runs:
+            if run["info"].get("status") != "RUNNING":
+                continue
+            update = {"run_id": run["info"]["run_id"], "status": end_status(outcome), "end_time": end_time}
+            done = await client.fetch(f"{uri}/api/2.0/mlflow/runs/update", method="POST", body=json.dumps(update),
+                                      headers=headers, raise_error=False, request_timeout=10)
+            if done.code != 200:
+                log.warning("Cannot end MLflow run %s of %s: %s", update["run_id"], rec.id, done.code)
     except Exception:  # noqa: BLE001 - evidence is best effort here; the tags stay on the runs
         log.warning("Cannot list MLflow runs of %s attempt %d", rec.id, att.number, exc_info=True)

@@ -26,7 +26,22 @@ def _validate(args) -> int:
             f"{path}: OK ({len(policy.teams)} teams, {len(policy.profiles)} profiles, "
             f"{len(policy.flavors)} flavors)"
         )
+        for warning in _machine_warnings(policy, args):
+            print(f"  warning: {warning}", file=sys.stderr)
     return status
+
+
+def _machine_warnings(policy, args) -> list[str]:
+    """What this machine cannot give that the policy promises (one-machine mode): its GPUs
+    by NVML, or the policy's virtual ones; and warnings shorter than the activity interval."""
+    from .policy.checks import capacity_warnings, warning_interval_warnings
+
+    out = warning_interval_warnings(policy, getattr(args, "activity_interval", 300.0))
+    if getattr(args, "machine", True):
+        from .local.devices import capacity_by_flavor, discover_nvml
+
+        out = capacity_warnings(policy, capacity_by_flavor(policy, discover_nvml())) + out
+    return out
 
 
 def _run(args) -> int:
@@ -102,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check policy files; every error with its line:column")
     v.add_argument("files", nargs="+")
+    v.add_argument("--no-machine", dest="machine", action="store_false",
+                   help="skip the checks against this machine's GPUs (a policy for a Kubernetes cluster)")
+    v.add_argument("--activity-interval", type=float, default=300.0, metavar="SECONDS",
+                   help="JupyterHub's activity report interval the idle warnings are checked against (default 300)")
     v.set_defaults(func=_validate)
     r = sub.add_parser("run", help="start the one-machine hub (demo users, virtual GPUs without NVML)")
     r.add_argument("--config", default="jupyterhub_config/jupyterhub_config.py")

@@ -17,8 +17,9 @@ from traitlets.config import SingletonConfigurable
 from ..admission.journal import QueueJournal
 from ..admission.queue import AdmissionQueue
 from ..policy import PolicyStore
+from ..policy.checks import capacity_warnings, warning_interval_warnings
 from ..policy.model import Policy
-from .devices import DeviceTable, discover_nvml
+from .devices import DeviceTable, capacity_by_flavor, discover_nvml
 
 log = logging.getLogger("JupyterHub.gpuhub.broker")
 
@@ -63,9 +64,22 @@ class LocalBroker(SingletonConfigurable):
             except RuntimeError:
                 pass
         self.store.on_change(self._policy_changed)
+        self.store.add_check(self._machine_checks)
         self._launch_slots: asyncio.Semaphore | None = None
         self._watcher: PeriodicCallback | None = None
         self._ensure_watcher()
+
+    def _machine_checks(self, policy: Policy) -> list[str]:
+        """What this machine cannot give that the policy promises (policy/checks.py)."""
+        hub = self.config.JupyterHub if "JupyterHub" in self.config else {}
+        env = self.config.Spawner.get("environment", {}) if "Spawner" in self.config else {}
+        try:
+            server_interval = float(env.get("JUPYTERHUB_ACTIVITY_INTERVAL", 300))
+        except (TypeError, ValueError, AttributeError):
+            server_interval = 300.0
+        interval = max(float(hub.get("last_activity_interval", 300)), server_interval)
+        return (capacity_warnings(policy, capacity_by_flavor(policy, self.devices.nvml))
+                + warning_interval_warnings(policy, interval))
 
     @property
     def policy(self) -> Policy:

@@ -162,6 +162,19 @@ def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
     return devices
 
 
+def capacity_by_flavor(policy: Policy, nvml: list[NvmlDevice]) -> dict[str, int]:
+    """GPUs of each flavor this machine hands out, for the flavors meant for it (a local
+    rule, or devices found); flavors only for Kubernetes are left out (policy/checks.py)."""
+    counts: dict[str, int] = {}
+    for d in build_inventory(policy, nvml):
+        counts[d.flavor] = counts.get(d.flavor, 0) + 1
+    for flavor in policy.flavors:
+        rules = flavor.local
+        if rules.virtual or rules.match is not None or rules.devices is not None:
+            counts.setdefault(flavor.name, 0)
+    return counts
+
+
 class DeviceTable:
     """Which device is held by which server; the only place devices are handed out."""
 
@@ -174,6 +187,11 @@ class DeviceTable:
             "GPU inventory: %s",
             ", ".join(f"{d.id}={d.flavor}{' (virtual)' if d.virtual else ''}" for d in self.devices) or "none",
         )
+
+    @property
+    def nvml(self) -> list[NvmlDevice]:
+        """The devices NVML found at start (empty: the policy's virtual GPUs stand in)."""
+        return list(self._nvml)
 
     def reload(self, policy: Policy) -> None:
         """Re-match devices to flavors after a policy change; holders keep their devices."""

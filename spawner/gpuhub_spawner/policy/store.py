@@ -35,6 +35,8 @@ class PolicyStatus:
     stale: bool = False
     errors: list[str] = field(default_factory=list)
     failed_at: float | None = None
+    # A valid policy that cannot keep a promise where it runs (policy/checks.py): it serves.
+    warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {
@@ -43,6 +45,7 @@ class PolicyStatus:
             "stale": self.stale,
             "errors": self.errors,
             "failed_at": self.failed_at,
+            "warnings": self.warnings,
         }
 
 
@@ -119,6 +122,7 @@ class PolicyStore(SingletonConfigurable):
         self._signature = None
         self.status = PolicyStatus(path=self.policy_file)
         self._listeners: list[Callable[[Policy], None]] = []
+        self._checks: list[Callable[[Policy], list[str]]] = []
         self._reloading: asyncio.Future | None = None
         self._load_seconds = 0.0
         self.refresh()
@@ -143,6 +147,25 @@ class PolicyStore(SingletonConfigurable):
     def on_change(self, callback: Callable[[Policy], None]) -> None:
         """Call ``callback(policy)`` after every successful reload (queue re-evaluation)."""
         self._listeners.append(callback)
+
+    def add_check(self, check: Callable[[Policy], list[str]]) -> None:
+        """Warnings about the policy in force from what only the backend knows (the machine's
+        GPUs, the hub's activity interval): run now and after every successful load, logged
+        and shown to admins on the status page. A check must be cheap (it runs on the loop)."""
+        self._checks.append(check)
+        if self._policy is not None:
+            self._run_checks(self._policy)
+
+    def _run_checks(self, policy: Policy) -> None:
+        warnings: list[str] = []
+        for check in self._checks:
+            try:
+                warnings += check(policy)
+            except Exception:  # a check must not block a reload
+                self.log.exception("policy check failed")
+        if warnings and warnings != self.status.warnings:
+            self.log.warning("Policy %s is live, but:\n  %s", self.status.path, "\n  ".join(warnings))
+        self.status.warnings = warnings
 
     def refresh(self) -> bool:
         """Reload if the file changed; return True when a new policy took effect.
@@ -208,6 +231,7 @@ class PolicyStore(SingletonConfigurable):
             path=str(path), loaded_at=time.time(), loaded_mtime=sig[0] if sig else None
         )
         self.log.info("Loaded policy %s: %d teams, %d profiles", path, len(policy.teams), len(policy.profiles))
+        self._run_checks(policy)
         for callback in self._listeners:
             try:
                 callback(policy)

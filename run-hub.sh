@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start gpuhub on one machine: http://127.0.0.1:8000 (demo users, virtual GPUs without NVML).
+# Start gpuhub on one machine: http://localhost:8000 (each user server on <user>.localhost:8000) (demo users, virtual GPUs without NVML).
 # Installs what it needs into .venv on first use. Extra arguments go to `gpuhub run`.
 set -euo pipefail
 cd "$(dirname "$0")"

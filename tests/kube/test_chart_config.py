@@ -107,6 +107,13 @@ def test_helm_refuses_values_the_chart_schema_forbids(rendered, tmp_path):
 
 def test_user_servers_get_their_own_origin(rendered, chart_config):
     assert chart_config.JupyterHub.subdomain_host == "https://hub.example.org"
+    assert chart_config.JupyterHub.cookie_host_prefix_enabled is True
+    # The chart's proxy sends unknown hosts to the hub: the hub's own host rule holds there
+    # (issue 19 item 3), its static files included.
+    from gpuhub_spawner.hub.origins import OTHER_HOST_PATH
+
+    assert any(h[0].startswith(f"/{OTHER_HOST_PATH}") for h in chart_config.JupyterHub.extra_handlers)
+    assert "static_handler_class" in chart_config.JupyterHub.tornado_settings
     ingress = obj(rendered, "Ingress", "jupyterhub")
     hosts = [r["host"] for r in ingress["spec"]["rules"]]
     assert hosts == ["hub.example.org", "*.hub.example.org"]

@@ -204,6 +204,9 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     site_file = os.environ.get("GPUHUB_SITE_CONFIG")
     configure_site(c, load_site(site_file) if site_file else Site(), policy_file=policy_file,
                    public_url=f"http://{ip}:{port}", demo=demo)
+    from .origins import serve_hub_only_on_its_host
+
+    serve_hub_only_on_its_host(c)  # after the site file, which may move the hub to HTTPS or its public_url
     from .scopes import configure_scopes
 
     configure_scopes(c)

@@ -417,3 +417,75 @@ def test_cookie_writes_without_same_origin_proof_are_refused(mlflow, users, alic
     assert status == 200, data[:300]
     status, data = raw(base, "POST", set_tag, users["alice"].token, body)
     assert status == 200, data[:300]
+
+
+# -- issue 19, item 6: a viewer is judged on what a request does, not its method -------------
+LIST_ARTIFACTS = 'query Files { mlflowListArtifacts(input: {runId: "%s"}) { files { path } } }'
+# The MLflow UI's run-page query (MLflow 3.17.2's bundle, trimmed): what a viewer may send.
+UI_GET_RUN = ('query GetRun($data: MlflowGetRunInput!) @component(name: "MLflow.ExperimentRunTracking") '
+              '{ mlflowGetRun(input: $data) { apiError { code message } run { info { runUuid artifactUri } '
+              'data { metrics { key value } } } } }')
+
+
+@pytest.fixture(scope="module")
+def carols_artifact(mlflow, users):
+    """A run of carol's (NLP) with an artifact: what the viewer victor must not list."""
+    exp_id, run_id = own_run(mlflow, users["carol"])
+    s = mlflow.api(users["carol"].token)
+    r = s.put(f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/nlp-weights.txt",
+              data=b"nlp secret", headers={"Content-Type": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    r = s.post(mlflow.direct + API + "/runs/log-metric", json={"run_id": run_id, "key": "loss", "value": 0.5,
+                                                               "timestamp": 0, "step": 1})
+    assert r.status_code == 200, r.text
+    return exp_id, run_id
+
+
+@pytest.mark.parametrize("route", ["service-port", "public"])
+def test_a_viewer_cannot_list_another_teams_artifacts_through_graphql(mlflow_hub, mlflow, users, carols_artifact, route):
+    """victor (a viewer: MLflow READ on every experiment, kept off artifacts by the proxy)
+    asks MLflow's /graphql for carol's artifact listing. The old rule let every GET through
+    as a read, and MLflow reads a GET's JSON body; nor may the listing hide in a POST."""
+    from urllib.parse import urlencode
+
+    hub = mlflow_hub[0]
+    victor, carol = hub.login("victor"), users["carol"]
+    base = routes(mlflow)[route]
+    _, run_id = carols_artifact
+    graphql = f"{PREFIX}/graphql"
+    listing = LIST_ARTIFACTS % run_id
+    allowed_run = 'mlflowGetRun(input: {runId: "%s"}) { run { info { runUuid } } }' % run_id
+    attacks = {
+        "GET with a JSON body": ("GET", graphql, {"query": listing}),
+        "GET with the query string": ("GET", graphql + "?" + urlencode({"query": listing}), None),
+        "POST": ("POST", graphql, {"query": listing}),
+        "POST with a query string": ("POST", graphql + "?" + urlencode({"query": "{ __typename }"}), {"query": listing}),
+        "POST, aliased next to an allowed field": (
+            "POST", graphql, {"query": "query { r: %s f: %s }" % (allowed_run, listing.split("{", 1)[1].rsplit("}", 1)[0])}),
+        "POST, through a fragment": (
+            "POST", graphql, {"query": "query Q { ...F } fragment F on Query { %s }" % listing.split("{", 1)[1].rsplit("}", 1)[0]}),
+        "POST, a second operation beside the named one": (
+            "POST", graphql, {"query": "query Ok { %s } %s" % (allowed_run, listing), "operationName": "Files"}),
+    }
+    seen = {}
+    for what, (method, path, payload) in attacks.items():
+        body = None if payload is None else json.dumps(payload).encode()
+        status, data = raw(base, method, path, victor.token, body)
+        seen[what] = (status, b"nlp-weights" in data, data[:200])
+    assert not [what for what, (_, leaked, _) in seen.items() if leaked], seen
+    assert all(status in (400, 403) for status, _, _ in seen.values()), seen
+    # A body on a GET is refused for everyone, not only viewers (MLflow would read it).
+    status, data = raw(base, "GET", f"{PREFIX}{API}/runs/get", carol.token, json.dumps({"run_id": run_id}).encode())
+    assert status == 400 and b"must not carry a body" in data, (status, data[:300])
+
+    # What a team member legitimately sends works: carol lists her own run's artifacts.
+    status, data = raw(base, "POST", graphql, carol.token, json.dumps({"query": listing}).encode())
+    assert status == 200, data[:300]
+    assert [f["path"] for f in json.loads(data)["data"]["mlflowListArtifacts"]["files"]] == ["nlp-weights.txt"]
+    # And the viewer may open the run the way the MLflow UI does (issue 20): metrics, no files.
+    status, data = raw(base, "POST", graphql, victor.token,
+                       json.dumps({"query": UI_GET_RUN, "operationName": "GetRun",
+                                   "variables": {"data": {"runId": run_id}}}).encode())
+    assert status == 200, data[:300]
+    run = json.loads(data)["data"]["mlflowGetRun"]["run"]
+    assert run["info"]["runUuid"] == run_id and [m["key"] for m in run["data"]["metrics"]] == ["loss"]

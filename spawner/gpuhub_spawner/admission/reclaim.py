@@ -13,12 +13,18 @@ admitted** — except that a holder already under notice goes first, so a warnin
 given is never moved to someone else (and never given twice). Like Kueue, a team stops
 being a candidate as soon as it is no longer above its nominal quota, and holders the
 request turns out not to need after all are put back (newest pick first).
+
+A hold-down keeps a lender from preempting at will (``HoldDown``): a lender who withdraws
+a request for which borrowers were reclaimed (cancelled while waiting, or stopped soon
+after admission) has nothing reclaimed for any request of theirs until one notice period
+after that reclaim. Otherwise starting and cancelling a spawn would preempt a borrowing
+job each time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 from ..policy.model import Policy, Team
 from .quota import add_usage, check_fit, limits
@@ -38,11 +44,12 @@ class Holder:
 
 @dataclass(frozen=True)
 class Request:
-    """A waiting request, in queue order."""
+    """A waiting request, in queue order. ``lender``: who asks (the hub user), for the hold-down."""
 
     key: str
     team: str
     demand: Mapping[str, int]
+    lender: str = ""
 
 
 @dataclass
@@ -51,6 +58,46 @@ class Plan:
 
     reclaim: dict[str, tuple[str, str]] = field(default_factory=dict)
     covered: dict[str, list[str]] = field(default_factory=dict)  # request key -> holders it waits for
+    held: list[str] = field(default_factory=list)  # requests that needed a reclaim but are held down
+
+
+@dataclass
+class HoldDown:
+    """One reclaim per lender per notice period, however often the lender asks and withdraws.
+
+    When borrowers are reclaimed for a request (a job preempted, a server warned), the
+    request's lender is noted with the end of the lender team's ``reclaim.notice`` from
+    then. If that request is withdrawn before then (cancelled while waiting, or released
+    after its admission), the lender is *held down* until that time: ``plan`` reclaims
+    nothing for their requests (they wait like any request that does not fit; requests
+    that fit are admitted as usual). A request kept past the notice period, or never
+    withdrawn, holds nothing down. Keyed by the hub user, not the request: server names
+    and job ids are the user's to choose. Pure: every time is passed in.
+    """
+
+    reclaims: dict[str, tuple[str, float]] = field(default_factory=dict)  # request key -> (lender, period end)
+    until: dict[str, float] = field(default_factory=dict)  # lender -> end of their hold-down
+
+    def reclaimed(self, key: str, lender: str, at: float, notice: float) -> None:
+        """Borrowers were reclaimed for request ``key`` of ``lender`` (the first time counts)."""
+        if key not in self.reclaims:
+            self.reclaims[key] = (lender, at + max(0.0, notice))
+
+    def withdrawn(self, key: str, at: float) -> float | None:
+        """Request ``key`` left (cancelled or released): the end of its lender's hold-down, if any."""
+        lender, end = self.reclaims.pop(key, ("", 0.0))
+        if not lender or at >= end:
+            return None
+        self.until[lender] = max(self.until.get(lender, 0.0), end)
+        return self.until[lender]
+
+    def held(self, now: float) -> dict[str, float]:
+        """Lender -> end of their hold-down, for those held down at ``now``."""
+        for lender in [u for u, end in self.until.items() if end <= now]:
+            del self.until[lender]
+        for key in [k for k, (_, end) in self.reclaims.items() if end <= now]:
+            del self.reclaims[key]
+        return dict(self.until)
 
 
 def within_nominal(policy: Policy, usage: Mapping[str, Mapping[str, int]], team: Team, demand: Mapping[str, int]) -> bool:
@@ -83,6 +130,7 @@ def plan(
     waiting: Iterable[Request],
     free_devices: Mapping[str, int] | None = None,
     under_notice: set[str] = frozenset(),
+    held_down: Collection[str] = frozenset(),
 ) -> Plan:
     """What to take back so that every waiting within-nominal request fits.
 
@@ -90,7 +138,8 @@ def plan(
     devices per ``gpu/<flavor>`` key on one machine (``None`` where devices are not
     counted, as on Kubernetes). ``waiting`` in queue order; each request is planned on
     top of the earlier ones (what they take, what they get back). Teams whose
-    ``reclaim.enabled`` is false never take anything back.
+    ``reclaim.enabled`` is false never take anything back, nor do requests whose
+    ``lender`` is in ``held_down`` (``HoldDown.held``): those are listed in ``Plan.held``.
     """
     trial: dict[str, dict[str, int]] = {t: dict(u) for t, u in usage.items()}
     free = dict(free_devices) if free_devices is not None else None
@@ -112,6 +161,9 @@ def plan(
 
         if fits(trial, free):
             _take(trial, free, req.team, req.demand)  # fits already (or once earlier reclaims land)
+            continue
+        if req.lender and req.lender in held_down:
+            out.held.append(req.key)  # withdrew a request that reclaimed: not again within the notice
             continue
         members = {m.name for m in policy.cohort_members(team)} - {team.name}
         candidates = sorted(

@@ -17,6 +17,11 @@ If the need goes away first (the lender stopped waiting, a GPU came free) the wa
 withdrawn. The waiting request's message says what it waits for and until when
 (``queue.notes``). Notices are kept in the culling board's state file: after a hub
 restart a borrower under notice keeps its deadline.
+
+A lender who withdraws a request that had borrowers reclaimed is held down
+(``admission.reclaim.HoldDown``): nothing more is reclaimed for them until one notice
+period after that reclaim, so starting and cancelling spawns cannot preempt a borrowing
+job each time. The hold-down lives in memory (a hub restart ends it).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 from ..admission.queue import Ticket
 from ..admission.quota import add_usage, describe
-from ..admission.reclaim import Holder, Request, borrowing, plan, within_nominal
+from ..admission.reclaim import HoldDown, Holder, Request, borrowing, plan, within_nominal
 from ..policy.quantities import format_duration
 
 log = logging.getLogger("JupyterHub.gpuhub.reclaim")
@@ -55,6 +60,10 @@ def _clock(ts: float) -> str:
     return time.strftime("%H:%M", time.localtime(ts))
 
 
+def _clock_s(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
+
+
 def _by(ts: float) -> str:
     """A promise in whole minutes must not be early: round up (and allow the stop itself)."""
     return _clock(math.ceil((ts + STOP_MARGIN) / 60) * 60)
@@ -67,10 +76,11 @@ class Reclaimer:
         self._stopping: set[str] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._pending = False
+        self.hold = HoldDown()
         q = broker.queue
         q.on_queued.append(self._poke)
         q.on_release.append(self._released)
-        q.on_cancel.append(self._poke)
+        q.on_cancel.append(self._cancelled)
         q.on_admit.append(self._poke)
         try:  # a safety net for what no queue event announces (requests back after a restart)
             asyncio.get_running_loop().call_later(SAFETY_PASS, self._safety)
@@ -89,7 +99,25 @@ class Reclaimer:
         self._stopping.discard(adm.key)
         if adm.key in self.notices:  # stopped by its user before the deadline
             self._withdraw(adm.key)
+        self._lender_left(adm.key, adm.user)
         self._poke()
+
+    def _cancelled(self, ticket) -> None:
+        self._lender_left(ticket.key, ticket.user)
+        self._poke()
+
+    def _lender_left(self, key: str, user: str) -> None:
+        """A request left: if borrowers were reclaimed for it within the notice, hold its lender down."""
+        until = self.hold.withdrawn(key, time.time())
+        if until is None:
+            return
+        log.warning("Reclaim: %s withdrew %s, for which borrowed GPUs were reclaimed; nothing more is "
+                    "reclaimed for %s before %s", user, key, user, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(until)))
+        try:  # re-plan when it ends (the safety pass would, up to 15 s later)
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_later(max(0.0, until - time.time()) + 0.05, self._poke)
 
     def _poke(self, *_args) -> None:
         if self._pending:
@@ -139,14 +167,20 @@ class Reclaimer:
             return memo[shape]
 
         waiting = sorted((t for t in queue.waiting if not t.restored and lender(t)), key=Ticket.sort_key)
-        requests = [Request(t.key, t.team, t.demand) for t in waiting]
+        requests = [Request(t.key, t.team, t.demand, t.user) for t in waiting]
+        held = self.hold.held(now)
         keys = {k for t in waiting for k in t.demand if k.startswith("gpu/")}
         table = self.broker.devices  # None on Kubernetes: Kueue counts quota, nodes place pods
         free = {k: len(table.free_devices(k[4:])) for k in keys} if table is not None else None
         for a in leaving if free is not None else ():
             for k in free:
                 free[k] += a.demand.get(k, 0)
-        p = plan(policy, usage, holders, requests, free, under_notice=set(self.notices))
+        p = plan(policy, usage, holders, requests, free, under_notice=set(self.notices), held_down=held)
+        for t in waiting:
+            if p.covered.get(t.key):  # borrowers are reclaimed for it: counts for the hold-down
+                lender_team = policy.team_or_none(t.team)
+                notice = policy.reclaim_rules(lender_team).notice if lender_team else 0.0
+                self.hold.reclaimed(t.key, t.user, now, notice or 0.0)
         for key, (team, for_key) in p.reclaim.items():
             if key.startswith(JOB_PREFIX):
                 self._preempt_job(key, team, for_key)
@@ -166,6 +200,11 @@ class Reclaimer:
                 what = ", ".join(describe(k, v, policy) for k, v in t.demand.items() if k.startswith("gpu/"))
                 notes[t.key] = (f"needs {what}: {team.label}'s GPU is on loan to another team; it is being "
                                 f"reclaimed and will be yours by {_by(by)} at the latest")
+            elif t.key in p.held:
+                what = ", ".join(describe(k, v, policy) for k, v in t.demand.items() if k.startswith("gpu/"))
+                notes[t.key] = (f"needs {what}: {team.label}'s GPU is on loan to another team, and a request of "
+                                f"yours that had it taken back was withdrawn, so nothing is taken back for you "
+                                f"before {_clock_s(held[t.user])}; it waits until then or until a GPU is free")
         changed = set()
         for k in set(queue.notes) | set(notes):
             if queue.notes.get(k) != notes.get(k) and queue.ticket(k) is not None:

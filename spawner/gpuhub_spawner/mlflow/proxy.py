@@ -20,6 +20,10 @@ permission model then decides; the proxy only adds what MLflow cannot know:
   reachable; ``users/list`` and ``roles/list`` answer with the caller's own entries
   only, so nobody enumerates other accounts or their grants;
 * cookie-authenticated writes must prove they come from the service's own origin;
+* no body on GET/HEAD/OPTIONS (MLflow reads a GET's JSON body when it has no query
+  string, so a "read" could carry anything); viewers are judged on what a request
+  does: no artifact route, no write, and GraphQL only for the root fields of the MLflow
+  UI's read-only run and experiment queries (never ``mlflowListArtifacts``);
 * bodies are streamed both ways (an upload never sits in memory), within
   ``max_upload_size``; only the small JSON bodies the rules rewrite are buffered.
 """
@@ -67,6 +71,23 @@ SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 VIEWER_ARTIFACTS = re.compile(r"artifact", re.I)
 VIEWER_READ_POSTS = re.compile(r"^" + API + r"(?:[a-z-]+/)*search(?:-[a-z-]+)?/?$")
 BODY_METHODS = ("POST", "PUT", "PATCH")
+# Methods whose requests never carry a body here. MLflow's GET handlers read a JSON body
+# when there is no query string (``_get_request_message``), and its /graphql reads the
+# body whatever the method, so a GET with a body is not a read we could judge by its
+# method. DELETE keeps its body: MLflow's registry deletes (registered-models/delete ...)
+# take their arguments there, and a viewer makes no DELETE at all.
+NO_BODY_METHODS = ("GET", "HEAD", "OPTIONS")
+GRAPHQL = re.compile(r"^graphql(?:/|$)")
+# The GraphQL root fields a viewer may ask for: those of the MLflow UI's own read-only
+# queries (MLflow 3.17.2's bundle: GetRun, SearchRuns, GetMetricHistoryBulkInterval,
+# MlflowGetExperimentQuery), so a viewer can open a run page. Not mlflowListArtifacts
+# (artifacts), mlflowSearchModelVersions or mlflowSearchDatasets, no mutation, no
+# introspection beyond __typename.
+VIEWER_GRAPHQL_FIELDS = frozenset({
+    "mlflowGetRun", "mlflowSearchRuns", "mlflowGetExperiment", "mlflowGetMetricHistoryBulkInterval", "__typename",
+})
+GRAPHQL_MAX_BODY = 2**20  # a viewer's GraphQL request (the UI's are about 3 KiB)
+GRAPHQL_MAX_TOKENS = 10_000
 
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
@@ -110,6 +131,102 @@ def account_route(rel_path: str) -> str | None:
     if ROLES_LIST.match(rel_path):
         return "roles-list"
     return "block"
+
+
+def viewer_refusal(rel_path: str, method: str, query: str = "") -> str | None:
+    """Why a viewer may not make this request (``None``: they may), judged on what it does.
+
+    GraphQL requests get ``None`` here when they are POSTs without a query string: what
+    they ask for is in their body, judged by ``viewer_graphql_refusal``.
+    """
+    if VIEWER_ARTIFACTS.search(rel_path):
+        return "artifacts are not available to viewers"
+    if GRAPHQL.match(rel_path):
+        if method != "POST" or query:
+            return "viewers may send GraphQL only as a POST with a JSON body"
+        return None
+    if method in SAFE_METHODS or (method == "POST" and VIEWER_READ_POSTS.match(rel_path)):
+        return None
+    return "changes are not available to viewers"
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise ValueError("duplicate keys")
+    return dict(pairs)
+
+
+def graphql_root_fields(selection_set, fragments: dict) -> list[str]:
+    """The root fields an operation selects, through inline fragments and fragment spreads
+    (by field name: an alias changes nothing). An unknown fragment counts as a field named
+    ``...<name>`` (refused)."""
+    from graphql.language import ast
+
+    names: list[str] = []
+    stack, seen = [selection_set], set()
+    while stack:
+        for sel in stack.pop().selections:
+            if isinstance(sel, ast.FieldNode):
+                names.append(sel.name.value)
+            elif isinstance(sel, ast.InlineFragmentNode):
+                stack.append(sel.selection_set)
+            elif isinstance(sel, ast.FragmentSpreadNode):
+                name = sel.name.value
+                if name in seen:
+                    continue
+                seen.add(name)
+                frag = fragments.get(name)
+                if frag is None:
+                    names.append(f"...{name}")
+                else:
+                    stack.append(frag.selection_set)
+            else:
+                names.append(type(sel).__name__)
+    return names
+
+
+def viewer_graphql_refusal(body: bytes) -> str | None:
+    """Why a viewer's GraphQL request is refused (``None``: it asks only for allowed root fields).
+
+    Every operation in the document is checked (not just ``operationName``'s); each must be
+    a ``query`` whose root fields are all in ``VIEWER_GRAPHQL_FIELDS``. The body is read as
+    MLflow reads it (one JSON object; duplicate keys are refused, so no two readers can
+    pick different ``query`` values).
+    """
+    try:
+        from graphql import GraphQLError, parse
+        from graphql.language import ast
+    except ImportError:  # fail closed: the check cannot be made
+        return "GraphQL cannot be checked on this service (graphql-core is not installed)"
+    try:
+        data = json.loads(body or b"null", object_pairs_hook=_unique_keys)
+    except ValueError:
+        return "the GraphQL request is not one JSON object"
+    if not isinstance(data, dict):
+        return "the GraphQL request is not one JSON object"
+    query = data.get("query")
+    if not isinstance(query, str):
+        return "the GraphQL request has no query"
+    try:
+        doc = parse(query, no_location=True, max_tokens=GRAPHQL_MAX_TOKENS)
+    except GraphQLError as e:
+        return f"the GraphQL query does not parse ({e.message})"
+    fragments = {d.name.value: d for d in doc.definitions if isinstance(d, ast.FragmentDefinitionNode)}
+    for d in doc.definitions:
+        if isinstance(d, ast.FragmentDefinitionNode):
+            continue
+        if not isinstance(d, ast.OperationDefinitionNode):
+            return "only GraphQL queries are available to viewers"
+        if d.operation is not ast.OperationType.QUERY:
+            return f"GraphQL {d.operation.value} operations are not available to viewers"
+        names = graphql_root_fields(d.selection_set, fragments)
+        if not names:  # only fragment cycles: invalid, and nothing to judge
+            return "the GraphQL operation selects no field"
+        for name in names:
+            if name not in VIEWER_GRAPHQL_FIELDS:
+                return f"the GraphQL field {name!r} is not available to viewers"
+    return None
 
 
 def is_rewritten(rel_path: str, method: str) -> bool:
@@ -206,6 +323,7 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         self.viewer = False
         self._route = None
         self._buffered = False
+        self._graphql_viewer = False
         self._has_body = False
         self._limit = 0
         self._received = 0
@@ -296,6 +414,9 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             if declared > self._limit:
                 raise web.HTTPError(413, self._too_large())
         self._has_body = chunked or bool(length and int(length) > 0)
+        if self._has_body and method in NO_BODY_METHODS:
+            log.warning("Refusing %s %s of %s with a body", method, self.rel, self.username)
+            raise web.HTTPError(400, f"A {method} request must not carry a body.")
         # Our own limit answers 413 first; tornado's (a bare 400) is only a backstop.
         self.request.connection.set_max_body_size(self._limit + 2**24)
 
@@ -306,8 +427,17 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         # viewers' read-everything role is taken away as soon as they are not viewer-only).
         await state.ensure_account(self.username, self.teams, self.viewer)
         if self.viewer:
-            if VIEWER_ARTIFACTS.search(self.rel) or (method not in SAFE_METHODS and not VIEWER_READ_POSTS.match(self.rel)):
-                raise web.HTTPError(403, "Viewers see runs and metrics read-only; artifacts and changes are not available.")
+            why = viewer_refusal(self.rel, method, self.request.query)
+            if why:
+                log.warning("Refusing %s %s of viewer %s: %s", method, self.rel, self.username, why)
+                raise web.HTTPError(403, f"Viewers see runs and metrics read-only; {why}.")
+            if GRAPHQL.match(self.rel):
+                # What a GraphQL request does is in its body: hold it (small) and judge it.
+                self._graphql_viewer = self._buffered = True
+                self._limit = min(state.max_json_body_size, GRAPHQL_MAX_BODY)
+                if length is not None and int(length) > self._limit:
+                    raise web.HTTPError(413, self._too_large())
+                self.request.connection.set_max_body_size(self._limit + 2**24)
         if not self._buffered:
             self._queue = asyncio.Queue(maxsize=8)  # at most 8 chunks of 64 KiB in flight
             self._upstream = asyncio.ensure_future(self._proxy_streamed())
@@ -374,7 +504,13 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         state = self.state
         username = self.username
         try:
-            body = rewrite_request(self.rel, self.request.method, b"".join(self._chunks), username)
+            body = b"".join(self._chunks)
+            if self._graphql_viewer:
+                why = viewer_graphql_refusal(body)
+                if why:
+                    log.warning("Refusing GraphQL of viewer %s: %s", username, why)
+                    raise Refused(403, f"Viewers see runs and metrics read-only; {why}.")
+            body = rewrite_request(self.rel, self.request.method, body, username)
         except Refused as e:
             self.set_status(e.status)
             self.set_header("Content-Type", "application/json")

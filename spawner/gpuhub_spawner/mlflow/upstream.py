@@ -130,6 +130,9 @@ class MlflowServer:
             MLFLOW_AUTH_ADMIN_PASSWORD=self._admin_password,
             MLFLOW_FLASK_SERVER_SECRET_KEY=self._flask_secret,
             MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+            # MLflow's own per-run permission checks on /graphql, whatever the operator's
+            # environment says (the proxy's viewer rule is the first wall, not the only one).
+            MLFLOW_SERVER_ENABLE_GRAPHQL_AUTH="true",
             # No telemetry (MLflow 3 sends usage events unless told not to).
             MLFLOW_DISABLE_TELEMETRY="true",
             DO_NOT_TRACK="true",

@@ -15,6 +15,7 @@ import sys
 from urllib.parse import urlencode
 
 from ..jobs.cli import HubError, api_base, call
+from .history import CSV_LINE_END, csv_cell
 
 
 def _fmt_s(v) -> str:
@@ -39,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["gpu_hours", "busy_gpu_hours", "idle_gpu_hours", "allocations", "culls"]
     if args.csv:
         buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
+        w = csv.writer(buf, lineterminator=CSV_LINE_END)
         w.writerow([args.by] + cols)
-        for name, t in s["totals"].items():
-            w.writerow([name] + [t[c] for c in cols])
+        for name, t in s["totals"].items():  # team or user names: neutralised like the hub's CSV
+            w.writerow([csv_cell(name)] + [csv_cell(t[c]) for c in cols])
         print(buf.getvalue(), end="")
         return 0
     print(f"GPU usage since {args.since} by {args.by} (as {rep['user']}, view: {rep['view']})")

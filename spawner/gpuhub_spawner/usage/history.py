@@ -348,14 +348,36 @@ def iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(round(t % 1 * 1000)) % 1000:03d}Z"
 
 
+# A spreadsheet reads a cell that begins with one of these as a formula (or, for tab and
+# CR, after stripping them): =HYPERLINK(...), +cmd|..., -2+3, @SUM(...). Full-width forms
+# count too (some spreadsheets normalise them). OWASP's advice: prefix such a text cell
+# with a single quote, which spreadsheets show as text and do not evaluate.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r", "\n", "\uff1d", "\uff0b", "\uff0d", "\uff20")
+CSV_LINE_END = "\r\n"  # RFC 4180; see to_csv
+
+
+def csv_cell(value):
+    """``value`` safe for a CSV cell opened in a spreadsheet: text that a spreadsheet
+    would take for a formula gets a leading ``'``; numbers are left as they are (a
+    negative number is a number, not text a user chose)."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
 def to_csv(rows: list[Row], now: float) -> str:
+    """One line per allocation. Every text cell (user, server, team, profile, flavor,
+    devices, end reason, who stopped it: names from users, admins and the IdP) goes
+    through ``csv_cell``. Lines end in CRLF (RFC 4180): the writer then quotes any cell
+    holding a CR or LF, which with a bare LF terminator it leaves a CR unquoted, and a
+    reader would start a new row there."""
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator=CSV_LINE_END)
     w.writeheader()
     for r in rows:
         d = r.as_dict(now)
         for k in ("requested", "start", "end"):
             if d.get(k) is not None:
                 d[k] = iso(d[k])
-        w.writerow({k: ("" if d.get(k) is None else d[k]) for k in CSV_FIELDS})
+        w.writerow({k: ("" if d.get(k) is None else csv_cell(d[k])) for k in CSV_FIELDS})
     return buf.getvalue()

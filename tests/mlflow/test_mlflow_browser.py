@@ -74,6 +74,10 @@ def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
         page.screenshot(path=str(hub.workdir / "notebook.png"))
         raise
     run_id = re.search(r"RUN ([0-9a-f]{32})", output.inner_text()).group(1)
+    # MLflow's INFO lines (a new experiment, ...) went to stderr: red in every cell. Only
+    # warnings and errors may show there.
+    red = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+    assert red.count() == 0, red.all_inner_texts()
 
     run = mlflow.api(user.token).get(mlflow.direct + "/api/2.0/mlflow/runs/get", params={"run_id": run_id}).json()["run"]
     assert run["info"]["user_id"] == "dave"

@@ -163,6 +163,9 @@ def configure(
         "GPUHUB_MLFLOW_TRACKING_URI": uri,
         "MLFLOW_EXPERIMENT_NAME": _personal_experiment,
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        # MLflow logs INFO lines ("Creating a new experiment", system metrics) to stderr,
+        # which JupyterLab shows in red in every cell: warnings and errors only.
+        "MLFLOW_LOGGING_LEVEL": "WARNING",
         # Where a browser opens the UI: gpuhub_notebook prints run links with it.
         "GPUHUB_MLFLOW_UI_URL": _ui_url_for(service_name),
     }

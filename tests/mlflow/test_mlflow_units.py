@@ -265,7 +265,8 @@ def test_tags_from_identity_and_a_real_git_repo(tmp_path):
     (tmp_path / "f.py").write_text("2\n")
     tags = tags_for(ident, gitinfo.state(str(tmp_path)), "/home/alice/nb.ipynb")
     assert tags["mlflow.user"] == tags["gpuhub.user"] == "alice"
-    assert tags["gpuhub.image.digest"] == "sha256:abc"
+    assert tags["gpuhub.image.digest"] == "sha256:abc" and tags["gpuhub.image"] == "registry/img@sha256:abc"
+    assert "gpuhub.runtime" not in tags
     assert tags["gpuhub.gpu.count"] == "1" and tags["gpuhub.gpu.flavor"] == "a100"
     assert tags["gpuhub.server"] == "exp"
     assert tags["gpuhub.git.commit"] == head and tags["gpuhub.git.dirty"] == "true"

@@ -82,3 +82,31 @@ async def test_first_message_of_a_fresh_request_does_not_claim_a_wait():
     first = await asyncio.wait_for(events.__anext__(), 1)
     assert "Waiting for" not in first["message"] and first["gpuhub"]["waited"] < 1
     assert "position 1 of 1" in first["message"]
+
+
+BORROW_POLICY = """\
+flavors: [{name: gpu, displayName: Tesla, local: {virtual: 2}}]
+teams:
+  - {name: vision, displayName: Vision Lab, groups: [v], cohort: lab, quota: {gpus: {gpu: 1}}}
+  - {name: nlp, displayName: NLP Group, groups: [n], cohort: lab, quota: {gpus: {gpu: 1}}, reclaim: {notice: 10m}}
+profiles: [{slug: g1, displayName: g1, gpu: {count: 1, flavor: gpu}, teams: "*"}]
+"""
+
+
+async def test_a_start_that_borrows_says_so_when_it_is_admitted():
+    """Issue 20 item 6: dave was admitted at once on NLP's GPU with no word that it was borrowed."""
+    policy = parse_policy(BORROW_POLICY)
+    q = AdmissionQueue(lambda: policy, DeviceTable(lambda: policy, discover=lambda: []))
+    broker = SimpleNamespace(policy=policy, queue=q)
+    own = q.submit(Ticket(key="alice/", user="alice", team="vision", profile="g1", demand={"gpu/gpu": 1}))
+    assert own.admission is not None and own.admission.borrowed == {}
+    ticket = q.submit(Ticket(key="dave/", user="dave", team="vision", profile="g1", demand={"gpu/gpu": 1}))
+    assert ticket.admission is not None and ticket.admission.borrowed == {"gpu/gpu": 1}
+    [event] = [e async for e in QueuedGpuMixin.progress(SimpleNamespace(_ticket=ticket, broker=broker))]
+    assert event["gpuhub"]["borrowed"] == {"gpu/gpu": 1}
+    assert ("Borrowed: 1 Tesla GPU of this is other teams' unused quota (NLP Group), beyond Vision Lab's own. "
+            "If a lending team needs it back, one of your team's borrowing servers is warned and stopped after "
+            "at least 10m, the most recently started first; your files are kept.") in event["message"], event["message"]
+    # a start within the team's own quota says nothing of the kind
+    [plain] = [e async for e in QueuedGpuMixin.progress(SimpleNamespace(_ticket=own, broker=broker))]
+    assert "Borrowed" not in plain["message"]

@@ -28,6 +28,7 @@ from prometheus_client import Gauge, Histogram
 
 from ..policy.model import Policy
 from .quota import Demand, add_usage, check_fit
+from .reclaim import borrowing
 
 log = logging.getLogger("JupyterHub.gpuhub.admission")
 
@@ -90,6 +91,9 @@ class Admission:
     devices: list[str]
     since: float = field(default_factory=time.time)
     priority: int = 0  # reclaim order (admission/reclaim.py): lowest priority goes first
+    # GPUs per ``gpu/<flavor>`` key its team held above its nominal quota once this was
+    # admitted: borrowed from the cohort, so it may be reclaimed (said at admission).
+    borrowed: dict[str, int] = field(default_factory=dict)
 
 
 _seq = itertools.count()
@@ -418,6 +422,12 @@ class AdmissionQueue:
         del self._keys[ticket.key]
         self.admitted[ticket.key] = adm
         add_usage(self._usage, ticket.team, ticket.demand)
+        policy = self._policy()
+        for key, amount in ticket.demand.items():
+            if key.startswith("gpu/") and amount > 0:
+                over = min(amount, borrowing(policy, self._usage, ticket.team, key))
+                if over > 0:
+                    adm.borrowed[key] = over
         if self.journal is not None:
             # Before the launch: a restart must never re-admit what may already run.
             self.journal.removed(ticket.key)

@@ -24,6 +24,7 @@ from ..policy_spawner import PolicySpawnerMixin
 from ..usage import recorder as usage
 from .broker import LocalBroker
 from .isolation import IsolatedProcessSpawner
+from .runtime import one_machine_runtime
 
 
 PROGRESS_REFRESH = 15  # seconds between spawn-page messages while nothing changes (the time waited moves)
@@ -135,6 +136,10 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         env = super().get_env()
         if self.choice is not None:
             env.update(self.choice_environment(self.choice))
+            # On one machine the server runs in the hub's Python, not the profile's image (that
+            # is Kubernetes'): MLflow runs are tagged with what really ran.
+            env["GPUHUB_IMAGE"] = ""
+            env["GPUHUB_RUNTIME"] = one_machine_runtime()
         # Always set, even empty: a CPU profile must not see the machine's GPUs.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
         env["GPUHUB_DEVICES"] = ",".join(self.devices)
@@ -177,13 +182,16 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         self._exit_fd = fd
 
         def exited():
-            self._unwatch()
-            if self.proc is not None:
-                self.proc.poll()  # reap our child
-            self.log.info("Server %s (pid %s) exited", self.server_key, pid)
+            # Act only on a proven exit: a wake-up while the server runs must neither sweep
+            # its cgroup nor give its GPUs to the next in line.
+            if self.proc is not None and self.proc.poll() is None:  # (reaps our child)
+                return
             on_exit = getattr(self, "on_process_exit", None)
-            if on_exit is not None:
-                on_exit()  # why it stopped (memory?), and nothing of it left running
+            # why it stopped (memory? processes?), and nothing of it left running; False: alive
+            if on_exit is not None and on_exit() is False:
+                return
+            self._unwatch()
+            self.log.info("Server %s (pid %s) exited", self.server_key, pid)
             self._release("process exited")
             if not (self._stop_pending or self._spawn_pending) and getattr(self, "_poll_callback", None) is not None:
                 # Tell the hub now, not at the next poll: the user sees the server stopped.
@@ -309,7 +317,30 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         adm = ticket.admission
         if adm is not None:
             what = f"GPU(s) {', '.join(adm.devices)}" if adm.devices else "no GPU"
-            yield {"progress": 50, "message": f"Admitted with {what}; starting your server."}
+            message = f"Admitted with {what}; starting your server."
+            if adm.borrowed:
+                message += " " + borrowed_words(self.broker.policy, adm)
+            yield {"progress": 50, "message": message, "gpuhub": {"borrowed": dict(adm.borrowed)}}
+
+
+def borrowed_words(policy, adm) -> str:
+    """What a borrowed start means, said when it is admitted (Kueue's order, in words)."""
+    team = policy.team_or_none(adm.team)
+    label = team.label if team else adm.team
+    parts = []
+    for key, n in adm.borrowed.items():
+        name = key.split("/", 1)[1]
+        if any(f.name == name for f in policy.flavors):
+            name = policy.flavor(name).display_name or name
+        parts.append(f"{n} {name} GPU{'s' if n != 1 else ''}")
+    lenders = [t for t in policy.cohort_members(team) if t.name != adm.team] if team else []
+    names = f" ({', '.join(sorted(t.label for t in lenders))})" if lenders else ""
+    notices = [policy.reclaim_rules(t).notice or 0 for t in lenders if policy.reclaim_rules(t).enabled]
+    when = (f"warned and stopped after at least {format_duration(min(notices))}" if notices
+            else "warned and stopped after the lending team's notice")
+    return (f"Borrowed: {' and '.join(parts)} of this {'is' if len(parts) == 1 else 'are'} other teams' unused "
+            f"quota{names}, beyond {label}'s own. If a lending team needs it back, one of your team's borrowing "
+            f"servers is {when}, the most recently started first; your files are kept.")
 
 
 class LocalGpuSpawner(QueuedGpuMixin, IsolatedProcessSpawner):

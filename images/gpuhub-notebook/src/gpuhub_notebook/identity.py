@@ -15,6 +15,7 @@ class ServerIdentity:
     gpu_count: int
     gpu_flavor: str
     server_name: str
+    runtime: str = ""  # one machine: the Python environment the server runs in
 
     @property
     def image_digest(self) -> str:
@@ -49,4 +50,5 @@ def current(environ=None) -> ServerIdentity | None:
         gpu_count=gpu_count,
         gpu_flavor=env.get("GPUHUB_GPU_FLAVOR", ""),
         server_name=env.get("GPUHUB_SERVER_NAME", env.get("JUPYTERHUB_SERVER_NAME", "")),
+        runtime=env.get("GPUHUB_RUNTIME", ""),
     )

@@ -33,11 +33,14 @@ def tags_for(ident: identity.ServerIdentity | None, git: gitinfo.GitState | None
             f"{TAG_PREFIX}user": ident.user,
             f"{TAG_PREFIX}team": ident.team,
             f"{TAG_PREFIX}profile": ident.profile,
-            f"{TAG_PREFIX}image": ident.image,
             f"{TAG_PREFIX}gpu.flavor": ident.gpu_flavor or "none",
             f"{TAG_PREFIX}gpu.count": str(ident.gpu_count),
             f"{TAG_PREFIX}server": ident.server_name or "default",
         })
+        if ident.image:  # Kubernetes: the pod's image; one machine runs in no image
+            tags[f"{TAG_PREFIX}image"] = ident.image
+        if ident.runtime:
+            tags[f"{TAG_PREFIX}runtime"] = ident.runtime
         if ident.image_digest:
             tags[f"{TAG_PREFIX}image.digest"] = ident.image_digest
     if git is not None:

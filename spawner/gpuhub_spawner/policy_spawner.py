@@ -22,6 +22,7 @@ from .policy.access import (
     resolve_choice,
     teams_for,
 )
+from .policy.bounded import InputRefused, check_options, preview
 from .policy.model import Policy, Profile
 from .policy.quantities import format_memory
 
@@ -108,6 +109,10 @@ class PolicySpawnerMixin:
             values = formdata.get(key)
             if values:
                 options[key] = values[0]
+        try:
+            check_options(options)  # small before anything keeps, logs or echoes them
+        except InputRefused as e:
+            raise web.HTTPError(e.status, e.message, reason="Bad server options") from None
         return options
 
     # -- the server-side re-check -------------------------------------------------------
@@ -134,6 +139,12 @@ class PolicySpawnerMixin:
         request that left ``profile`` out cannot slip past them.
         """
         try:
+            try:
+                # REST user_options come as any JSON object: bounded before they are read,
+                # echoed in a message or kept in the audit trail.
+                check_options(self.user_options)
+            except InputRefused as e:
+                raise ChoiceError(e.status, e.message) from None
             choice = resolve_choice(self.policy, self.user_groups, self.user_options)
             check_user_caps(choice, self.held_profiles())
         except ChoiceError as e:
@@ -141,7 +152,7 @@ class PolicySpawnerMixin:
             from .usage import recorder as usage
 
             usage.audit("refused", key=f"{self.user.name}/{self.name}", user=self.user.name,
-                        requested=dict(self.user_options or {}), reason=e.message, status=e.status)
+                        requested=preview(self.user_options or {}), reason=e.message, status=e.status)
             raise web.HTTPError(e.status, e.message, reason=e.message) from None
         self.record_choice(choice)
         return choice

@@ -68,7 +68,10 @@ def run_chart_config(docs, root: Path) -> Config:
            "GPUHUB_MLFLOW_BACKEND_STORE_URI": "postgresql://mlflow:pw@postgres/mlflow"}
     from tornado.httpclient import AsyncHTTPClient
 
+    from tornado.httpserver import HTTPServer
+
     saved_path = list(sys.path)
+    saved_server = HTTPServer._save_configuration()  # the config bounds request bodies process-wide
     sys.modules.pop("z2jh", None)
     try:
         with mock.patch.dict(os.environ, env), mock.patch.object(AsyncHTTPClient, "configure") as curl:
@@ -77,6 +80,9 @@ def run_chart_config(docs, root: Path) -> Config:
     finally:
         sys.path[:] = saved_path
         sys.modules.pop("z2jh", None)
+        bounded = HTTPServer.configured_class().__name__
+        HTTPServer._restore_configuration(saved_server)
+    c._gpuhub_http_server = bounded
     return c
 
 
@@ -114,6 +120,8 @@ def test_user_servers_get_their_own_origin(rendered, chart_config):
 
     assert any(h[0].startswith(f"/{OTHER_HOST_PATH}") for h in chart_config.JupyterHub.extra_handlers)
     assert "static_handler_class" in chart_config.JupyterHub.tornado_settings
+    # ... and what users send is bounded before a handler runs (issue 19 item 2)
+    assert chart_config._gpuhub_http_server == "LimitedHTTPServer"
     ingress = obj(rendered, "Ingress", "jupyterhub")
     hosts = [r["host"] for r in ingress["spec"]["rules"]]
     assert hosts == ["hub.example.org", "*.hub.example.org"]

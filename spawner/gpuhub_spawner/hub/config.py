@@ -128,6 +128,18 @@ def _options_are_read_by_the_spawner(spawner, user_options):
     return None
 
 
+def bound_what_users_send() -> None:
+    """Every request body bounded before a handler runs (413 over 256 KiB: JupyterHub's own
+    handlers decode JSON on the loop with no limit), and the started hub's heap frozen so a
+    request's allocations never set off a full garbage collection of it (policy/bounded.py).
+    Both backends: the chart's extraConfig calls this too."""
+    from ..policy.bounded import freeze_heap, limit_request_bodies
+    from .startup import when_started
+
+    limit_request_bodies()
+    when_started(lambda app: freeze_heap())
+
+
 def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip: str = "127.0.0.1") -> None:
     from ..hub.pages import extra_handlers, policy_banner
 
@@ -207,6 +219,7 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     from .origins import serve_hub_only_on_its_host
 
     serve_hub_only_on_its_host(c)  # after the site file, which may move the hub to HTTPS or its public_url
+    bound_what_users_send()
     from .scopes import configure_scopes
 
     configure_scopes(c)

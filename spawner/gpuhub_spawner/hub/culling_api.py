@@ -7,6 +7,9 @@
   server's), admins: pending stops (``servers``) and recent culls (``culled``).
 - ``POST /hub/api/gpuhub/culling/{user}/snooze`` ``{"server": name}`` — the user or an admin.
 
+Bodies are read with bounded work (``policy.bounded``): size first (413), then a JSON
+decode whose depth and value count are capped (400).
+
 Nothing here contacts a user's server: activity is what the hub recorded (proxy route
 timestamps, the server's own activity reports) and GPU utilisation comes from NVML in the
 hub or DCGM through Prometheus (``culling.gpu``).
@@ -25,9 +28,23 @@ from tornado import web
 
 from ..culling.board import CullBoard, ServerView
 from ..policy.access import active_profiles
+from ..policy.bounded import MAX_SMALL_BODY_BYTES, InputRefused, loads_json
 from .scopes import CULLING, allowed
 
 CULLER_SERVICE = "gpuhub-culler"
+MAX_DECISIONS_BODY_BYTES = 256 * 1024  # {"servers": ["user/name", ...]}: ~10,000 servers
+
+
+def _json_object(handler, *, max_bytes: int, max_nodes: int) -> dict:
+    """The request's JSON object, bounded before and while it is decoded."""
+    try:
+        body = loads_json(handler.request.body, max_bytes=max_bytes, max_depth=3, max_nodes=max_nodes,
+                          max_containers=16, empty={})
+    except InputRefused as e:
+        raise web.HTTPError(e.status, e.message) from None
+    if not isinstance(body, dict):
+        raise web.HTTPError(400, "body must be a JSON object")
+    return body
 
 
 def _is_service(who, name: str) -> bool:
@@ -147,10 +164,7 @@ class CullDecisionsHandler(_Base):
     async def post(self):
         if not _is_service(self.current_user, CULLER_SERVICE):
             raise web.HTTPError(403, "only the culler service asks for cull decisions")
-        try:
-            body = json.loads(self.request.body or b"{}")
-        except ValueError:
-            raise web.HTTPError(400, "body must be JSON")
+        body = _json_object(self, max_bytes=MAX_DECISIONS_BODY_BYTES, max_nodes=20_000)
         keys = body.get("servers")
         if keys is not None and not isinstance(keys, list):
             raise web.HTTPError(400, "servers must be a list of 'user/name'")
@@ -183,11 +197,10 @@ class CullWarningsHandler(_Base):
 class SnoozeHandler(_Base):
     def post(self, name):
         user = self.target_user(name)
-        try:
-            body = json.loads(self.request.body or b"{}")
-        except ValueError:
-            raise web.HTTPError(400, "body must be JSON")
+        body = _json_object(self, max_bytes=MAX_SMALL_BODY_BYTES, max_nodes=16)
         server = body.get("server", "")
+        if not isinstance(server, str):
+            raise web.HTTPError(400, "server must be a server's name")
         profiles = self.profiles_of(user)
         if server not in profiles:
             raise web.HTTPError(404, f"no running server {server!r}")

@@ -12,20 +12,29 @@
 Access is by the *request's* scopes: ``custom:gpuhub:jobs`` filtered to the owner
 (every user, their tokens and their servers' tokens), ``custom:gpuhub:jobs:all`` for
 admins. Someone else's job answers 404, as JupyterHub does for users.
+
+Submissions are read with bounded work on the hub's event loop (``policy.bounded``): the
+body's size is checked before it is decoded (413), a user in no team is refused before
+the job file is parsed, and the job file itself is scanned (size, values, depth, no
+anchors or aliases) before it is composed. What is shown holds no host paths: logs are
+named, not located, and the hub's data directory never appears in a message.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import os
+from pathlib import Path
 
 from jupyterhub.apihandlers import APIHandler
 from jupyterhub.handlers import BaseHandler
 from jupyterhub.scopes import Scope
 from tornado import web
 
-from ..policy import PolicyError
-from ..policy.access import ChoiceError
+from ..policy import PolicyError, PolicyStore
+from ..policy.access import ChoiceError, no_team_message, teams_for
+from ..policy.bounded import MAX_JOB_BODY_BYTES, MAX_JOB_FILE_BYTES, MAX_JOB_FILE_NODES, InputRefused, loads_json
 from .manager import JobManager
 from .records import JOB_ID, FINAL
 from .spec import parse_job
@@ -33,7 +42,22 @@ from .spec import parse_job
 JOBS = "custom:gpuhub:jobs"
 JOBS_ALL = "custom:gpuhub:jobs:all"
 ID = r"(job-[0-9a-f]{10})"
-MAX_LOG_CHUNK = 1 << 20
+# A log chunk is the job's own bytes: 64 KiB of invalid UTF-8 is 192 KB of UTF-8 JSON
+# (a few ms to build; 1 MiB as \uXXXX escapes was 6 MB and ~60 ms). `gpuhub job logs`
+# reads on from the returned offset.
+MAX_LOG_CHUNK = 64 * 1024
+
+
+def _scrub(value, replacements: list[tuple[str, str]]):
+    if isinstance(value, str):
+        for old, new in replacements:
+            value = value.replace(old, new)
+        return value
+    if isinstance(value, dict):
+        return {k: _scrub(v, replacements) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scrub(v, replacements) for v in value]
+    return value
 
 
 class _JobsMixin:
@@ -65,6 +89,27 @@ class _JobsMixin:
     def can_see(self, owner: str) -> bool:
         return self.see_all() or self._allowed(JOBS_ALL, owner) or self._allowed(JOBS, owner)
 
+    def shown(self, rec) -> dict:
+        """The record as users see it: no host paths (the hub's data directory, log paths).
+
+        Logs are named (``attempt-2.log``; read them with ``gpuhub job logs``); a message that
+        names a file in the user's home says ``~/...``, anything else of the data
+        directory says ``<hub data>``. The record on disk keeps the full paths for admins.
+        """
+        view = self.manager.view(rec)
+        for a in view.get("attempts", []):
+            if a.get("log"):
+                a["log"] = os.path.basename(a["log"])
+        return _scrub(view, self._host_paths(rec))
+
+    def _host_paths(self, rec) -> list[tuple[str, str]]:
+        out = []
+        data_dir = getattr(self.manager, "data_dir", None)
+        if data_dir:
+            for root in dict.fromkeys((str(Path(data_dir).resolve()), str(Path(data_dir).absolute()))):
+                out += [(f"{root}/home/{rec.user}", "~"), (root, "<hub data>")]
+        return out
+
     def job_for_request(self, job_id: str):
         rec = self.manager.jobs.get(job_id) if JOB_ID.match(job_id) else None
         if rec is None or not self.can_see(rec.user):
@@ -84,19 +129,34 @@ class JobsHandler(_JobsMixin, APIHandler):
     @web.authenticated
     def get(self):
         if self.get_argument("all", "") in ("1", "true"):
-            jobs = [self.manager.view(r) for r in self.manager.jobs.values() if self.can_see(r.user)]
+            jobs = [self.shown(r) for r in self.manager.jobs.values() if self.can_see(r.user)]
         else:
             me = getattr(self.current_user, "name", None)
-            jobs = [self.manager.view(r) for r in self.manager.jobs.values() if r.user == me and self.can_see(me)]
+            jobs = [self.shown(r) for r in self.manager.jobs.values() if r.user == me and self.can_see(me)]
         self.write(json.dumps({"jobs": jobs}))
 
     @web.authenticated
     async def post(self):
         user = self.requester()
-        body = self.get_json_body() or {}
-        text, filename = body.get("spec"), str(body.get("filename") or "job.yaml")[:200]
-        if not isinstance(text, str) or len(text) > 256 * 1024:
-            raise web.HTTPError(400, "Send the job file's text as 'spec' (at most 256 KiB).")
+        # Nothing of the body is read before its size is known (413), and a user in no team
+        # is refused before their job file is parsed: it could never run.
+        try:
+            # A job file's flow lists and mappings ([a, b], {A: 1}) count as brackets too.
+            body = loads_json(self.request.body, what="A job submission", max_bytes=MAX_JOB_BODY_BYTES,
+                              max_depth=4, max_nodes=64, max_containers=MAX_JOB_FILE_NODES + 16, empty={})
+        except InputRefused as e:
+            raise web.HTTPError(e.status, e.message) from None
+        policy = PolicyStore.instance(config=self.config).policy  # re-read if the file changed
+        if not teams_for(policy, [g.name for g in user.groups]):
+            self.log.warning("Refusing %s's job: in no team", user.name)
+            raise web.HTTPError(403, no_team_message(policy))
+        text = body.get("spec") if isinstance(body, dict) else None
+        filename = body.get("filename") if isinstance(body, dict) else None
+        filename = os.path.basename(filename)[:200] if isinstance(filename, str) and filename.strip() else "job.yaml"
+        if not isinstance(text, str):
+            raise web.HTTPError(400, "Send the job file's text as 'spec'.")
+        if len(text) > MAX_JOB_FILE_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_JOB_FILE_BYTES:
+            raise web.HTTPError(413, f"A job file may have at most {MAX_JOB_FILE_BYTES} bytes.")
         try:
             spec = parse_job(text, filename)
         except PolicyError as e:
@@ -114,14 +174,14 @@ class JobsHandler(_JobsMixin, APIHandler):
             self.log.warning("Refusing %s's job: %s", user.name, e.message)
             raise web.HTTPError(e.status, e.message) from None
         self.set_status(201)
-        self.write(json.dumps(self.manager.view(rec)))
+        self.write(json.dumps(self.shown(rec)))
 
 
 class JobHandler(_JobsMixin, APIHandler):
     @web.authenticated
     async def get(self, job_id):
         rec = await self.fresh(self.job_for_request(job_id))
-        self.write(json.dumps(self.manager.view(rec)))
+        self.write(json.dumps(self.shown(rec)))
 
     @web.authenticated
     async def delete(self, job_id):
@@ -131,10 +191,10 @@ class JobHandler(_JobsMixin, APIHandler):
         rec = self.job_for_request(job_id)
         if rec.state in FINAL:
             self.set_status(409)
-            self.write(json.dumps({"status": 409, "message": f"{job_id} already ended ({rec.state})", **self.manager.view(rec)}))
+            self.write(json.dumps({"status": 409, "message": f"{job_id} already ended ({rec.state})", **self.shown(rec)}))
             return
         await self.manager.cancel(job_id)
-        self.write(json.dumps(self.manager.view(rec)))
+        self.write(json.dumps(self.shown(rec)))
 
 
 class JobCancelHandler(JobHandler):
@@ -165,8 +225,8 @@ class JobLogsHandler(_JobsMixin, APIHandler):
         end = max(offset, min(pos, offset + len(out)))
         self.write(json.dumps({
             "text": out.decode(errors="replace"), "offset": end, "state": rec.state,
-            "done": rec.state in FINAL and end >= pos, "status": self.manager.status_line(rec),
-        }))
+            "done": rec.state in FINAL and end >= pos, "status": _scrub(self.manager.status_line(rec), self._host_paths(rec)),
+        }, ensure_ascii=False))
 
 
 class JobsPageHandler(_JobsMixin, BaseHandler):
@@ -176,9 +236,9 @@ class JobsPageHandler(_JobsMixin, BaseHandler):
 
         if job_id:
             rec = await self.fresh(self.job_for_request(job_id))
-            html = await self.render_template("gpuhub_jobs.html", job=self.manager.view(rec), jobs=[], when=when)
+            html = await self.render_template("gpuhub_jobs.html", job=self.shown(rec), jobs=[], when=when)
         else:
-            jobs = [self.manager.view(r) for r in reversed(list(self.manager.jobs.values())) if self.can_see(r.user)]
+            jobs = [self.shown(r) for r in reversed(list(self.manager.jobs.values())) if self.can_see(r.user)]
             html = await self.render_template("gpuhub_jobs.html", job=None, jobs=jobs, when=when)
         self.finish(html)
 

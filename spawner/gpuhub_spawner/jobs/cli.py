@@ -48,7 +48,8 @@ def token() -> str:
 
 
 def call(base: str, method: str, path: str, body: dict | None = None) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
+    # UTF-8 as is, not \uXXXX escapes: the hub bounds the body in bytes (policy.bounded).
+    data = json.dumps(body, ensure_ascii=False).encode() if body is not None else None
     req = urllib.request.Request(base + path, data=data, method=method, headers={
         "Authorization": f"token {token()}", "Content-Type": "application/json", "Accept": "application/json",
     })
@@ -63,6 +64,10 @@ def call(base: str, method: str, path: str, body: dict | None = None) -> dict:
         raise HubError(e.code, err.get("message") or e.reason, err.get("issues")) from None
     except urllib.error.URLError as e:
         raise HubError(0, f"cannot reach the hub at {base}: {e.reason}") from None
+
+
+def _home_relative(path: str) -> str:
+    return path if not path or path.startswith("/") else "~/" + path
 
 
 def _time(t) -> str:
@@ -109,7 +114,7 @@ def _show(args, base):
         ("image", job["image"] + (f" ({job['image_digest']})" if job["image_digest"] else "")),
         ("command", " ".join(job["command"])),
         ("working dir", "~/" + job["working_dir"]),
-        ("checkpoints", job["checkpoint_dir"]),
+        ("checkpoints", _home_relative(job["checkpoint_dir"])),
         ("env (names)", ", ".join(job["env_names"])),
         ("experiment", job.get("experiment") or "(your personal experiment)"),
         ("time limit", f"{job['time_limit']:g}s" if job.get("time_limit") else "-"),
@@ -128,7 +133,10 @@ def _show(args, base):
         print(f"{'exit code':>14}: {a['exit_code'] if a.get('exit_code') is not None else '-'}")
         print(f"{'git':>14}: {git.get('commit', '-')}{' (dirty)' if git.get('dirty') else ''}")
         print(f"{'MLflow runs':>14}: {', '.join(a.get('mlflow_run_ids') or []) or '-'}")
-        print(f"{'log':>14}: {a.get('log') or '-'}")
+        # The hub shows the log's name, never where it lies on the hub's machine.
+        log_name = os.path.basename(a.get("log") or "")
+        shown = f"{log_name} (gpuhub job logs {job['id']})" if log_name else "-"
+        print(f"{'log':>14}: {shown}")
 
 
 def _logs(args, base):
@@ -138,12 +146,14 @@ def _logs(args, base):
         sys.stdout.write(chunk["text"])
         sys.stdout.flush()
         offset = chunk["offset"]
-        if not args.follow or chunk["done"]:
-            if args.follow:
-                print(chunk["status"], file=sys.stderr)
-            return
-        if not chunk["text"]:
+        if chunk["text"]:
+            continue  # the hub answers in chunks (64 KiB): read on
+        if args.follow and not chunk["done"]:
             time.sleep(1)
+            continue
+        if args.follow:
+            print(chunk["status"], file=sys.stderr)
+        return
 
 
 def _cancel(args, base):

@@ -5,6 +5,9 @@ enter the working directory, create the checkpoint directory, report the working
 directory's git state to the hub on the pipe named by ``GPUHUB_EVIDENCE_FD``, close it,
 then ``exec`` the job's command. git runs here, as the user, never as the hub: a
 repository's own config (hooks, fsmonitor) must never run with the hub's privileges.
+Likewise ``workingDir`` and ``checkpointDir`` (paths the user chose) are entered and made
+only here, as the user; this is also the first process that has the job's environment
+(the sandbox applies it with its final ``execve``, never while it is root).
 """
 
 from __future__ import annotations

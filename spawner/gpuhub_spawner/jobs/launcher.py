@@ -9,6 +9,15 @@ same profile gets — its user's Unix account and private home, a cgroup with th
 profile's CPU and memory, a private ``/dev`` with only its GPUs, ``no_new_privs`` —
 and a change to that launcher applies to jobs at once.
 
+The job's environment (``get_env``: its ``env``, the profile's, gpuhub's) never reaches a
+privileged process: like a server's, it travels to the root sandbox launcher on a pipe
+and is applied only by the final ``execve``, after the switch to the user's account
+(``local.sandbox``). The launcher itself runs with a fixed minimal environment, so a
+job's ``LD_PRELOAD``/``LD_LIBRARY_PATH``/``LD_AUDIT``/``GCONV_PATH`` only ever reach its
+own processes. ``workingDir``, ``checkpointDir`` and ``command`` are used by
+``jobs.entry``, which already runs as the user. The caller's ``pass_fds`` (the evidence
+pipe) are kept next to the launcher's spec pipe.
+
 Seam: this depends on ``IsolatedProcessSpawner``'s hooks ``device_nodes``,
 ``resource_limits``, ``user_env``, ``_cgroup_leaf``, ``popen_kwargs``, ``cmd`` +
 ``get_args`` and on ``start``/``stop``/``on_process_exit``/``stop_reason``.

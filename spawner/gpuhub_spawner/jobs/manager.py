@@ -44,6 +44,8 @@ from traitlets.config import SingletonConfigurable
 from ..admission.queue import QueueRefused, Ticket
 from ..admission.quota import add_usage, check_fit, demand_for, describe
 from ..local.broker import LocalBroker
+from ..local.runtime import one_machine_runtime
+from ..policy.bounded import loads_json
 from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
 from ..policy.model import Policy, Profile
 from ..policy.quantities import format_duration
@@ -342,7 +344,7 @@ class JobManager(SingletonConfigurable):
             tags["gpuhub.job.name"] = rec.name
         env.update(
             GPUHUB_USER=rec.user, GPUHUB_TEAM=rec.team, GPUHUB_PROFILE=rec.profile["slug"],
-            GPUHUB_IMAGE=rec.image, GPUHUB_GPU_COUNT=str(rec.profile["gpu"]["count"]),
+            GPUHUB_IMAGE="", GPUHUB_RUNTIME=one_machine_runtime(), GPUHUB_GPU_COUNT=str(rec.profile["gpu"]["count"]),
             GPUHUB_GPU_FLAVOR=rec.profile["gpu"]["flavor"] or "", GPUHUB_SERVER_NAME="",
             GPUHUB_JOB_ID=rec.id, GPUHUB_ATTEMPT=str(att.number), GPUHUB_CHECKPOINT_DIR=ckpt,
             GPUHUB_WORKDIR=workdir, JUPYTERHUB_USER=rec.user,
@@ -405,7 +407,10 @@ class JobManager(SingletonConfigurable):
         except asyncio.TimeoutError:
             await self._stop(rec.id, TIME_LIMIT, f"stopped: it reached its time limit of {format_duration(rec.time_limit)}")
             await live.exited
-        code = proc.wait()
+        code = proc.poll()
+        while code is None:  # a wake-up is not an exit: wait again, never block the loop in wait()
+            await _exit_future(proc.pid)
+            code = proc.poll()
         launcher.on_process_exit()  # sweeps its cgroup; records an OOM kill
         try:
             ev = await asyncio.wait_for(evidence, 2)
@@ -426,6 +431,8 @@ class JobManager(SingletonConfigurable):
             reason, message = FAILED, f"killed by signal {-code}"
         else:
             reason, message = FAILED, f"exit code {code}"
+        if reason == FAILED and launcher.process_limit_note:
+            message += f"; {launcher.process_limit_note}"
         await mlflow_runs.collect_runs(rec, att, {**configured, **env}, token, outcome=reason)
         mlflow_runs.revoke(token)
         with open(att.log, "a") as f:
@@ -450,8 +457,10 @@ class JobManager(SingletonConfigurable):
             os.close(fd)
             if not fut.done():
                 try:
-                    fut.set_result(json.loads(bytes(buf).split(b"\n", 1)[0] or b"{}"))
-                except ValueError as e:
+                    # written by the job's first step, as the user: bounded like any user input
+                    fut.set_result(loads_json(bytes(buf).split(b"\n", 1)[0], what="the job's evidence",
+                                              max_bytes=65536, empty={}))
+                except ValueError as e:  # (InputRefused is one)
                     fut.set_exception(e)
 
         loop.add_reader(fd, readable)

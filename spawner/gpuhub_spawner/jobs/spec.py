@@ -4,6 +4,11 @@ Every mistake is reported with its line:column through the policy loader's locat
 machinery (``policy.loader``), so ``gpuhub job submit`` and ``gpuhub validate`` speak the
 same way. Only the *shape* is checked here; whether the user's team may run the profile
 is decided by the hub at submission (``policy.access``), never by the client.
+
+The hub parses job files on its event loop, for any user, before any team check: the text
+goes through ``policy.bounded`` (size, node count and depth checked on libyaml's event
+stream before anything is composed; anchors and aliases refused), so no job file costs
+more than a few milliseconds to refuse or accept.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
+from ..policy.bounded import MAX_JOB_FILE_BYTES, InputRefused, load_yaml, unsafe_env_reason
 from ..policy.loader import PolicyError, PolicyIssue, _clean_loc, _message, _Positions, format_loc, suggest
 from ..policy.quantities import parse_duration
 
@@ -32,6 +38,14 @@ DEFAULT_RETRY_ON = (PREEMPTED, INTERRUPTED)
 RESERVED_ENV = re.compile(r"^(GPUHUB_|JUPYTERHUB_|JPY_|MLFLOW_RUN_CONTEXT$|CUDA_VISIBLE_DEVICES$|NVIDIA_VISIBLE_DEVICES$)")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_RETRIES = 20
+MAX_ISSUES = 50  # a file with thousands of mistakes is reported by its first 50
+MAX_MESSAGE_CHARS = 300
+
+
+class _EnvNamesRefused(ValueError):
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(reason for _, reason in problems))
 
 
 class _Model(BaseModel):
@@ -45,7 +59,13 @@ def _shorthand_retries(value: Any) -> Any:
     return {"limit": value} if isinstance(value, int) and not isinstance(value, bool) else value
 
 
+MAX_DURATION_CHARS = 32  # "1h30m"; parse_duration's regex is quadratic in a long run of digits
+
+
 def _duration(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_DURATION_CHARS:
+        raise ValueError(f"{value[:20]!r}... is not a duration (at most {MAX_DURATION_CHARS} characters; "
+                         "examples: 90s, 15m, 1h30m, 2d)")
     return None if value is None else parse_duration(value)
 
 
@@ -100,16 +120,22 @@ class JobSpec(_Model):
     def _env(cls, value):
         if not isinstance(value, dict):
             return value
-        out = {}
+        out, unsafe = {}, []
         for key, v in value.items():
             key = str(key)
             if not _ENV_NAME.match(key):
-                raise ValueError(f"{key!r} is not a valid environment variable name")
+                raise ValueError(f"{key[:100]!r} is not a valid environment variable name")
             if RESERVED_ENV.match(key):
                 raise ValueError(f"{key!r} is set by gpuhub for every attempt and cannot be overridden")
+            reason = unsafe_env_reason(key)
+            if reason:
+                unsafe.append((key, reason))
+                continue
             if isinstance(v, (dict, list)) or v is None:
                 raise ValueError(f"the value of {key} must be a string, number or boolean")
             out[key] = str(v).lower() if isinstance(v, bool) else str(v)
+        if unsafe:
+            raise _EnvNamesRefused(unsafe)
         return out
 
     @field_validator("working_dir", "checkpoint_dir")
@@ -139,30 +165,39 @@ _MODELS = {(): JobSpec, ("retries",): Retries}
 
 
 def parse_job(text: str, filename: str = "job.yaml") -> JobSpec:
-    """Parse and validate a job file; raise ``PolicyError`` listing every located problem."""
+    """Parse and validate a job file; raise ``PolicyError`` listing every located problem.
+
+    Bounded: at most ``MAX_JOB_FILE_BYTES``, no anchors or aliases, a capped number of
+    values and nesting depth (``policy.bounded``), all refused before composing.
+    """
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        root, data = load_yaml(text, what="job files", max_bytes=MAX_JOB_FILE_BYTES)
+    except InputRefused as e:
+        raise PolicyError(filename, [PolicyIssue(e.path, e.line, e.column, e.message)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
         problem = getattr(e, "problem", None) or str(e)
         raise PolicyError(filename, [PolicyIssue("", line, col, f"YAML syntax error: {problem}")]) from None
-    positions = _Positions(root)
+    positions = _Positions(root)  # no aliases: every walk of it is linear
     issues: list[PolicyIssue] = []
 
     def add(loc, message, key=False):
+        if len(issues) >= MAX_ISSUES:
+            return
         line_col = positions.mark(loc, key=key) or (None, None)
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "…"
         issues.append(PolicyIssue(format_loc(loc), *line_col, message))
 
-    issues.extend(positions.duplicate_key_issues())
+    issues.extend(positions.duplicate_key_issues()[:MAX_ISSUES])
     if not isinstance(data, dict):
         add((), "a job file must be a mapping with at least 'profile' and 'command'")
         raise PolicyError(filename, issues)
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
-        for err in e.errors():
+        for err in e.errors()[:MAX_ISSUES]:
             loc = _clean_loc(err["loc"])
             if err["type"] == "extra_forbidden":
                 model = _MODELS.get(tuple(p for p in loc[:-1] if not isinstance(p, int)))
@@ -172,6 +207,9 @@ def parse_job(text: str, filename: str = "job.yaml") -> JobSpec:
                 add(("command",), "must be a list of strings or one shell command string")
             elif loc and loc[0] == "retries" and len(loc) >= 3 and loc[1] == "reasons":
                 add(loc[:3], f"must be one of {', '.join(RETRY_WORDS)} or an exit code 1-255 (got {err.get('input')!r})")
+            elif loc and loc[0] == "env" and isinstance(err.get("ctx", {}).get("error"), _EnvNamesRefused):
+                for name, reason in err["ctx"]["error"].problems:
+                    add(("env", name), reason, key=True)
             elif loc and loc[0] == "env" and err["type"] == "value_error":
                 add(("env",), _message(err))
             else:

@@ -10,6 +10,9 @@ code runs with or without systemd as PID 1.
   hub gets the kernel's OOM eventfd notification and kills the group itself. The OOM
   counter tells the spawner why the server stopped.
 - CPU: ``cpu.max`` (v2) / CFS quota (v1), ``cpu_millis`` per 100 ms period.
+- processes: ``pids.max`` (v2 and v1), the policy's ``maxProcesses``: the kernel refuses a
+  fork or a new thread beyond it, so a fork bomb stops there instead of filling the
+  machine's pid space. Its ``max`` counter in ``pids.events`` tells the hub it happened.
 - devices (v1 only): an allow-list of the standard nodes plus the server's GPUs, a
   second wall behind the sandbox's private ``/dev``. cgroup v2 has no device files
   (it needs an eBPF program), so there the private ``/dev`` is the wall.
@@ -84,12 +87,20 @@ class CgroupHost:
             return cls(r, 0, group, problem=f"cannot make {group} cgroups: {e}")
         return host
 
-    def describe(self) -> str:
+    @property
+    def has_pids(self) -> bool:
+        """Can process limits be enforced (a pids controller for the servers' groups)?"""
         if self.version == 2:
-            return f"cgroup v2 at {self.root}/{self.group}"
+            return "pids" in _read(self.root / self.group / "cgroup.subtree_control").split()
+        return self.version == 1 and "pids" in self.v1_mounts
+
+    def describe(self) -> str:
+        nopids = "" if self.has_pids else "; no pids controller: process limits are NOT enforced"
+        if self.version == 2:
+            return f"cgroup v2 at {self.root}/{self.group}{nopids}"
         if self.version == 1:
-            return f"cgroup v1 ({', '.join(sorted(self.v1_mounts))}) under {self.group}/"
-        return f"no usable cgroups ({self.problem}): memory and CPU limits are NOT enforced"
+            return f"cgroup v1 ({', '.join(sorted(self.v1_mounts))}) under {self.group}/{nopids}"
+        return f"no usable cgroups ({self.problem}): memory, CPU and process limits are NOT enforced"
 
     def _v2_parent(self) -> Path:
         root_has = set(_read(self.root / "cgroup.subtree_control").split())
@@ -133,8 +144,12 @@ class ServerCgroup:
     def procs_files(self) -> list[str]:
         return [str(p / "cgroup.procs") for p in self.paths.values()]
 
-    def create(self, *, memory: int | None, cpu_millis: int | None, device_rules: list[str] | None) -> None:
-        """Make the group(s) and set the limits; an existing group (stale) is reused empty."""
+    def create(self, *, memory: int | None, cpu_millis: int | None, device_rules: list[str] | None,
+               pids: int | None = None) -> None:
+        """Make the group(s) and set the limits; an existing group (stale) is reused empty.
+
+        ``pids``: most tasks (processes and threads) the group may hold; None leaves it unlimited.
+        """
         if self.host.version == 2:
             self.host._v2_parent()
             d = self.paths["unified"]
@@ -146,6 +161,7 @@ class ServerCgroup:
                 _write(d / "memory.oom.group", "1")
             if cpu_millis:
                 _write(d / "cpu.max", f"{cpu_millis * PERIOD_US // 1000} {PERIOD_US}")
+            self._set_pids(d, pids)
         elif self.host.version == 1:
             for ctrl, d in self.paths.items():
                 d.parent.mkdir(exist_ok=True)
@@ -169,12 +185,43 @@ class ServerCgroup:
                 _write(d / "devices.deny", "a")
                 for rule in device_rules:
                     _write(d / "devices.allow", rule)
+            if "pids" in self.paths:
+                self._set_pids(self.paths["pids"], pids)
+
+    def _set_pids(self, d: Path, pids: int | None) -> None:
+        if not (d / "pids.max").exists():
+            if pids:
+                log.warning("no pids controller for %s: its limit of %s processes is NOT enforced", d, pids)
+            return
+        _write(d / "pids.max", str(int(pids)) if pids else "max")  # a reused group gets this one's
 
     # -- reading back -----------------------------------------------------------------------
     def pids(self) -> list[int]:
+        """Every process in the group (v1: in any of its hierarchies)."""
+        found: set[int] = set()
         for p in self.paths.values():
-            return [int(x) for x in _read(p / "cgroup.procs").split()]
-        return []
+            found.update(int(x) for x in _read(p / "cgroup.procs").split())
+        return sorted(found)
+
+    def _pids_dir(self) -> Path | None:
+        d = self.paths.get("unified") or self.paths.get("pids")
+        return d if d is not None and (d / "pids.max").exists() else None
+
+    def pids_limit(self) -> int | None:
+        """The group's ``pids.max``; None when unlimited or not enforced."""
+        d = self._pids_dir()
+        v = _read(d / "pids.max").strip() if d else ""
+        return int(v) if v.isdigit() else None
+
+    def pids_current(self) -> int | None:
+        d = self._pids_dir()
+        v = _read(d / "pids.current").strip() if d else ""
+        return int(v) if v.isdigit() else None
+
+    def pids_max_events(self) -> int:
+        """How often a fork or new thread was refused for the group's ``pids.max`` (``pids.events``)."""
+        d = self._pids_dir()
+        return _keyed(_read(d / "pids.events")).get("max", 0) if d else 0
 
     def contains(self, pid: int) -> bool:
         return pid in self.pids()

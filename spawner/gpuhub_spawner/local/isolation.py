@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import re
 import sys
@@ -88,6 +87,9 @@ def announce_isolation(c=None, stream=None) -> bool:
     if c is not None and "LocalGpuSpawner" in c and "isolation" in c.LocalGpuSpawner:
         mode = c.LocalGpuSpawner.isolation
     if mode != "off" and isolation_available():
+        from .service import hold_prefix_at_hub_start
+
+        hold_prefix_at_hub_start(c, stream)  # one hub per account prefix: a second one ends here
         host = CgroupHost.detect()
         msg = f"gpuhub: servers run isolated (own Unix account, private /dev with only their GPUs, {host.describe()})"
         print(msg, file=stream or sys.stderr, flush=True)
@@ -175,6 +177,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     _start_time: int | None = None
     _oom_fd: int | None = None
     _oom_base: int = 0  # OOM kills the group had before this server (a reused group)
+    _pids_base: int = 0  # refused forks the group had counted before this server
+    _pids_note: str | None = None  # "reached its limit of N processes", once seen
 
     # -- who and where ---------------------------------------------------------------------
     @property
@@ -223,6 +227,26 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         """(cpu millis, memory bytes) to enforce; Spawner.cpu_limit/mem_limit by default."""
         cpu = int(self.cpu_limit * 1000) if self.cpu_limit else None
         return cpu, (int(self.mem_limit) if self.mem_limit else None)
+
+    def process_limit(self) -> int | None:
+        """Tasks (processes and threads) the cgroup may hold, its ``pids.max``: the policy's
+        ``maxProcesses`` of this server's profile, else ``defaults.maxProcesses``.
+
+        The profile is the server's resolved choice; for a job (no choice), the profile
+        the job manager names in ``GPUHUB_PROFILE``. Without a policy store (a spawner
+        used on its own), the policy's built-in default."""
+        from ..policy.model import DEFAULT_MAX_PROCESSES
+        from ..policy.store import PolicyStore
+
+        if not PolicyStore.initialized():
+            return DEFAULT_MAX_PROCESSES
+        policy = PolicyStore.instance().current
+        choice = getattr(self, "choice", None)
+        if choice is not None:
+            profile = choice.profile  # as cpu and memory: the profile this server was admitted with
+        else:
+            profile = policy.profile((getattr(self, "job_env", None) or {}).get("GPUHUB_PROFILE", ""))
+        return policy.process_limit(profile)
 
     # -- environment: nothing of the hub's but what is meant ---------------------------------
     def user_env(self, env):
@@ -278,13 +302,14 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             nodes = self.device_nodes()
             found = host_nodes(self.device_dir, nodes)
             cg = self.cgroup_host.server(self._cgroup_leaf())
+            self._pids_note = None
             if cg.enforced:
-                stale = cg.pids() if any(p.exists() for p in cg.paths.values()) else []
-                if stale:
-                    self.log.warning("cgroup of %s had leftover processes %s; killing them", self._log_name, stale)
-                    cg.kill_all()
-                cg.create(memory=memory, cpu_millis=cpu, device_rules=self.device_rules(found))
+                self._hold_prefix()  # no server starts while another hub holds this prefix
+                self._clear_leftovers(cg)  # only what is provably this hub's is killed
+                cg.create(memory=memory, cpu_millis=cpu, device_rules=self.device_rules(found),
+                          pids=self.process_limit())
                 self._oom_base = cg.oom_kills()
+                self._pids_base = cg.pids_max_events()
             self._cgroup = cg
             spec = {
                 "uid": self._account.uid, "gid": self._account.gid,
@@ -294,7 +319,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "expose": server_software_paths(),
                 "tmp": self._private_tmp(),
             }
-            cmd = [sys.executable, "-I", "-m", "gpuhub_spawner.local.sandbox", json.dumps(spec), "--", *cmd]
+            # cmd stays the user's command: start_launcher puts the sandbox launcher before it,
+            # and spec + env go on a pipe (never argv, never the root launcher's environment).
             self.log.info(
                 "Spawning %s as %s (%s; GPU nodes: %s)", self._log_name, self._account.name,
                 self.cgroup_host.describe(), ", ".join(sorted(found)) or "none",
@@ -303,35 +329,135 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             popen["preexec_fn"] = self.make_preexec_fn(self.user.name)
             self.log.info("Spawning %s as the hub's own user (single-user mode, no isolation)", self._log_name)
         popen.update({k: v for k, v in self.popen_kwargs.items() if k != "env"})
-        self.proc = Popen(cmd, **popen)
+        if isolated:
+            from .sandbox import hand_over, start_launcher
+
+            # Root runs the launcher with a fixed environment only; the user's (env) is
+            # applied by its final execve, after the switch to the account.
+            self.proc, spec_fd, payload = start_launcher(cmd, spec, env, popen)
+        else:
+            self.proc = Popen(cmd, **popen)
         self.pid = self.proc.pid
         self._start_time = process_start_time(self.pid)
+        if isolated:
+            await hand_over(self.proc, spec_fd, payload)
         self._watch_oom()
         return (self.ip or "127.0.0.1", self.port)
 
     def _private_tmp(self) -> str | None:
+        """The host directory this account sees as /tmp: root's, 1777 like /tmp itself.
+
+        Its parent is root's and 0700, so only this account (through its sandbox) and root
+        reach it. Root-owned, the account cannot rename or replace what root made in it
+        (sticky bit); the sandbox still never follows a link in it (``open_dir_nofollow``).
+        Everything here goes by file descriptor, never by a path that could change.
+        """
         if not self.tmp_dir_template:
             return None
         import stat as _stat
 
         path = self.tmp_dir_template.format(account=self.account_name)
-        parent = os.path.dirname(path)
+        parent, name = os.path.split(path)
         os.makedirs(parent, mode=0o700, exist_ok=True)
         # /tmp is everyone's: a directory someone else made (or a link) there is refused.
-        st = os.lstat(parent)
-        if not _stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
-            raise RuntimeError(f"{parent} is not a directory owned by root; refusing to use it for private /tmp")
-        os.chmod(parent, 0o700)
+        nofollow_dir = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        st = os.lstat(path)
-        if not _stat.S_ISDIR(st.st_mode):
-            raise RuntimeError(f"{path} is not a directory")
-        os.chown(path, self._account.uid, self._account.gid, follow_symlinks=False)
-        os.chmod(path, 0o1777)  # as /tmp is; only this account (and root) can reach it
+            pfd = os.open(parent, nofollow_dir)
+        except NotADirectoryError:
+            raise RuntimeError(f"{parent} is not a directory owned by root; refusing to use it for private /tmp") from None
+        try:
+            st = os.fstat(pfd)
+            if not _stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+                raise RuntimeError(f"{parent} is not a directory owned by root; refusing to use it for private /tmp")
+            os.fchmod(pfd, 0o700)
+            try:
+                os.mkdir(name, 0o700, dir_fd=pfd)
+            except FileExistsError:
+                pass
+            try:
+                fd = os.open(name, nofollow_dir, dir_fd=pfd)
+            except NotADirectoryError:
+                raise RuntimeError(f"{path} is not a directory") from None
+        finally:
+            os.close(pfd)
+        try:
+            os.fchown(fd, 0, 0)  # an older gpuhub made it the account's: root's now, as /tmp is
+            os.fchmod(fd, 0o1777)
+        finally:
+            os.close(fd)
         return path
+
+    # -- leftovers: killed only when provably this hub's ------------------------------------------
+    def _refuse_start(self, log_msg: str, *args) -> None:
+        self.log.error(log_msg, *args)
+        msg = ("Your server cannot start: this machine has processes in its place that this hub "
+               "did not start. An administrator can find why in the hub's log.")
+        raise web.HTTPError(500, msg, reason=msg)
+
+    def _hold_prefix(self) -> None:
+        """This hub's lock on its account prefix (taken at hub start; here if it was not)."""
+        from .service import PrefixHeld, hold_account_prefix
+
+        try:
+            hold_account_prefix(self.account_prefix)
+        except PrefixHeld as e:
+            self._refuse_start("Cannot start %s: %s", self._log_name, e)
+        except OSError as e:
+            self._refuse_start("Cannot start %s: cannot lock the account prefix %r: %s", self._log_name, self.account_prefix, e)
+
+    def _clear_leftovers(self, cg: ServerCgroup) -> None:
+        """Processes left in this server's cgroup (by a hub that died, or a crash) are killed
+        only when provably this hub's: it holds the account prefix's lock (no other live hub
+        names cgroups so) and every one of them runs as this server's account. Otherwise
+        none is killed and the start is refused, saying why in the hub's log."""
+        from .service import held_prefix
+
+        stale = cg.pids() if any(p.exists() for p in cg.paths.values()) else []
+        if not stale:
+            return
+        if held_prefix(self.account_prefix) is None:
+            self._refuse_start("cgroup of %s holds processes %s and this hub does not hold the account prefix %r; "
+                               "killing none of them", self._log_name, stale, self.account_prefix)
+        uid = self._account.uid
+        foreign = {pid: u for pid in stale if (u := process_uid(pid)) is not None and u != uid}
+        if foreign:
+            self._refuse_start(
+                "cgroup of %s holds processes that do not run as %s (uid %s): %s; killing none of them. "
+                "Find out what they are before removing them (%s)", self._log_name, self._account.name, uid,
+                ", ".join(f"pid {p} uid {u}" for p, u in sorted(foreign.items())), ", ".join(cg.procs_files()))
+        self.log.warning("cgroup of %s had leftover processes %s of %s (this account prefix's earlier hub); killing them",
+                         self._log_name, stale, self._account.name)
+        cg.kill_all()
+
+    # -- processes: a server at its limit is refused more, and told so --------------------------
+    def _check_process_limit(self, cg: ServerCgroup) -> bool:
+        """Has the server reached its process limit (``pids.events`` max)? Logged once, and
+        kept as a note that becomes the stop reason when the server stops."""
+        hits = cg.pids_max_events() - self._pids_base
+        if hits <= 0:
+            return False
+        if self._pids_note is None:
+            limit = cg.pids_limit() or self.process_limit()
+            when = time.strftime("%H:%M UTC", time.gmtime())
+            self._pids_note = (
+                f"Your server reached its limit of {limit} processes at {when} (threads count too), so the "
+                "system refused to start more: programs in it may have failed to start processes or threads. "
+                "Stop what keeps starting them, or choose a profile with a higher limit."
+            )
+            job = getattr(self, "job_id", None)  # a batch job's launcher (jobs/launcher.py)
+            what = f"Job {job} of {self.user.name}" if job else f"Server {self._log_name}"
+            self.log.warning("%s reached its limit of %s processes (pids.max; threads count too): "
+                             "%d new processes or threads refused so far", what, limit, hits)
+        return True
+
+    @property
+    def process_limit_note(self) -> str | None:
+        """Set once this server or job reached its process limit (for a job's own message)."""
+        return self._pids_note
+
+    def _note_stop_reason(self) -> None:
+        if self._pids_note and not self.stop_reason:
+            self.stop_reason = self._pids_note
 
     # -- memory: a server over its limit is stopped as a whole, and says why --------------------
     def _watch_oom(self) -> None:
@@ -394,16 +520,41 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         )
         self.log.warning("%s: %s", self._log_name, self.stop_reason)
 
-    def on_process_exit(self) -> None:
-        """The server's main process exited: say why if it was memory, sweep up the group."""
+    def main_process_ended(self) -> bool:
+        """Has the server's main process really ended? (waitpid for our child; after a hub
+        restart, the pid gone, taken by another process, or a zombie.)"""
+        if self.proc is not None:
+            return self.proc.poll() is not None  # waitpid: the kernel's word (and reaps it)
+        pid = self.pid
+        if not pid:
+            return True
+        started = process_start_time(pid)
+        if started is None or (self._start_time is not None and started != self._start_time):
+            return True
+        try:
+            stat = open(f"/proc/{pid}/stat", "rb").read()
+        except OSError:
+            return True
+        return stat[stat.rindex(b")") + 2:].split()[0] in (b"Z", b"X")  # exited, not yet reaped
+
+    def on_process_exit(self) -> bool:
+        """The server's main process exited: say why (memory, processes), sweep up the group.
+
+        Acts only when the process has really ended: a watcher's wake-up is not proof, and a
+        live server's cgroup is never killed here. False (nothing done) while it runs."""
+        if not self.main_process_ended():
+            self.log.warning("%s: exit watcher woke but pid %s is still running; leaving it alone", self._log_name, self.pid)
+            return False
         cg = self._cgroup
         self._unwatch_oom()
         if cg is None:
-            return
+            return True
         if cg.oom_kills() > self._oom_base:
             self._record_oom(cg)
+        self._check_process_limit(cg)
         cg.kill_all()  # nothing the user started may outlive the server (or keep a GPU open)
         cg.remove()
+        return True
 
     async def poll(self):
         status = await super().poll()
@@ -414,6 +565,10 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             self._watch_oom()  # adopted after a restart: watch again
             if self._check_oom(self._cgroup):  # and a missed notification is caught here
                 status = await super().poll()
+            else:
+                self._check_process_limit(self._cgroup)  # logged once; said when it stops
+        if status is not None:
+            self._note_stop_reason()
         return status
 
     async def stop(self, now=False):
@@ -423,9 +578,11 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         finally:
             if cg is not None:
                 self._unwatch_oom()
+                self._check_process_limit(cg)
                 cg.kill_all()
                 cg.remove()
                 self._cgroup = None
+            self._note_stop_reason()
 
     # -- restarts: the hub's own record, and the process's identity ----------------------------
     def get_state(self):
@@ -436,6 +593,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "uid": self._account.uid if self._account else os.geteuid(),
                 "cgroup": self._cgroup.to_state() if self._cgroup else {},
                 "oom_base": self._oom_base,
+                "pids_base": self._pids_base,
             }
         if self.stop_reason:
             state["gpuhub_stop_reason"] = self.stop_reason
@@ -466,6 +624,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if record.get("cgroup"):
             self._cgroup = ServerCgroup.from_state(self.cgroup_host, record["cgroup"])
             self._oom_base = int(record.get("oom_base", 0))
+            self._pids_base = int(record.get("pids_base", 0))
         if self.isolated:
             try:
                 from .unix_users import lookup
@@ -483,8 +642,12 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
 
 def remove_isolation(prefix: str, cgroup_root: str = "/sys/fs/cgroup", group: str = "gpuhub") -> list[str]:
     """Kill what runs in, and remove, the cgroups and accounts made with ``prefix`` (tests, uninstall)."""
+    from .service import describe_holder, prefix_holder
     from .unix_users import remove_accounts
 
+    holder = prefix_holder(prefix)
+    if holder is not None:  # never a live hub's servers: stop that hub first
+        raise RuntimeError(f"the account prefix {prefix!r} is held by a running hub ({describe_holder(holder)})")
     host = CgroupHost.detect(cgroup_root, group)
     bases = [host.root / group] if host.version == 2 else [m / group for m in host.v1_mounts.values()]
     leaves = sorted({d.name for b in bases if b.is_dir() for d in b.iterdir() if d.is_dir() and d.name.startswith(prefix)})
@@ -492,4 +655,7 @@ def remove_isolation(prefix: str, cgroup_root: str = "/sys/fs/cgroup", group: st
         cg = host.server(leaf)
         cg.kill_all()
         cg.remove()
+    from .service import forget_prefix
+
+    forget_prefix(prefix)  # its lock file, unless a live hub still holds it
     return remove_accounts(prefix)

@@ -1,8 +1,20 @@
-"""Launch one single-user server inside its sandbox: ``python -I -m gpuhub_spawner.local.sandbox SPEC -- CMD...``.
+"""Launch one single-user server (or job) inside its sandbox: ``python -I -m gpuhub_spawner.local.sandbox --spec-fd N -- CMD...``.
 
 Run by the hub as root; it ends by ``exec``-ing the server's command as the server's
 unprivileged account, so the hub's pid *is* the server (signals, pidfd, restart
 adoption work unchanged; bubblewrap would leave a monitor process in between).
+
+**Nothing of the user's reaches this process while it is root.** The hub starts it with
+a fixed environment (``LAUNCHER_ENV``: a system ``PATH`` and ``LANG``, nothing else): the
+dynamic loader honours ``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ``LD_AUDIT``, ``GCONV_PATH``...
+in any non-setuid process, root included, and ``python -I`` ignores only ``PYTHON*``. The
+spec and the server's environment (which holds its API token) come on an inherited pipe
+(``N``), never on argv (world-readable in ``/proc``) nor in this process's environment;
+the environment is applied only by the final ``execve``, after the switch to the user.
+Where root has to create or mount something in a directory the user controls (their
+private ``/tmp``), it walks it with ``O_NOFOLLOW`` and mounts onto the opened directory
+(``/proc/self/fd/N``): a link the user planted is refused, never followed.
+
 In order:
 
 1. join the server's cgroups (memory, CPU, devices), so every descendant is counted;
@@ -18,7 +30,13 @@ In order:
    readable by another; its own ``/proc`` where the kernel allows it (Linux >= 5.8): other users' processes
    are invisible, not merely unreadable;
 6. ``no_new_privs``, drop to the account (no supplementary groups), ``chdir`` home,
-   ``exec``.
+   ``execve`` with the server's environment.
+
+What stays visible: ``/proc/self/mountinfo`` names the host paths the binds come from
+(the home's, e.g. ``<data dir>/home/<user>``, the private tmp's ``/tmp/gpuhub/<account>``
+and the exposed Python's). A bind mount always shows its source's path within its
+filesystem; the paths are names only (their parents are root-only). A home configured
+at ``/home/{account}`` needs no bind and shows nothing.
 
 The account has no ``CAP_MKNOD`` and cannot mount, so it cannot create the missing
 nodes; clearing ``CUDA_VISIBLE_DEVICES`` therefore gains nothing: the driver cannot
@@ -39,6 +57,12 @@ MS_REMOUNT, MS_BIND, MS_REC = 32, 4096, 16384
 MS_PRIVATE, MS_SLAVE = 1 << 18, 1 << 19
 PR_SET_NO_NEW_PRIVS = 38
 MNT_DETACH = 2
+
+# The launcher's whole environment while it is root: nothing the hub's or the user's
+# environment holds reaches the dynamic loader or Python of a privileged process.
+LAUNCHER_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+MAX_PAYLOAD = 16 * 2**20  # spec + environment; a real one is a few KiB
+HAND_OVER_TIMEOUT = 60.0  # the launcher reads its pipe first thing
 
 # Character devices every process may use (the list container runtimes allow by default).
 STANDARD_NODES = {
@@ -140,11 +164,63 @@ def expose(paths: list[str]) -> None:
         os.rmdir(stage)
 
 
-def _stage_under(target: str, paths: list[str]) -> list[tuple[str, str]]:
-    """Bind exposed software that lives under ``target`` (e.g. a venv in /tmp) aside.
+class UnsafePath(OSError):
+    """A path root was asked to create or mount on holds a link or a non-directory."""
 
-    The private /tmp would hide it; ``_restore_staged`` puts it back, read-only, at the
-    same path inside the private one. Both the path and, for a symlink, its target count.
+
+_DIR_NOFOLLOW = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def open_dir_nofollow(base: str, rel: str, create: bool = False) -> int:
+    """An ``O_PATH`` fd of the directory ``base/rel``, reached without following any link.
+
+    ``base`` is a directory root made or trusts (a mount point it just made); below it,
+    each component of ``rel`` is opened with ``O_NOFOLLOW`` relative to the one before
+    (and, with ``create``, made with ``mkdirat`` where missing), so a link or file the user
+    put anywhere on the way (or swaps in meanwhile) is refused instead of followed.
+    Mount onto ``/proc/self/fd/<fd>`` to mount on exactly the directory checked.
+    """
+    fd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    done = base.rstrip("/")
+    try:
+        for part in rel.strip("/").split("/") if rel.strip("/") else []:
+            if part in ("", ".", ".."):
+                raise UnsafePath(f"{done}/{part}: not a plain path component")
+            done += "/" + part
+            try:
+                nfd = os.open(part, _DIR_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)  # mkdirat never follows a link
+                except FileExistsError:
+                    pass  # made meanwhile: checked by the open below like anything else
+                try:
+                    nfd = os.open(part, _DIR_NOFOLLOW, dir_fd=fd)
+                except (NotADirectoryError, FileNotFoundError) as e:
+                    raise UnsafePath(f"{done} changed while it was being made; refusing to follow it") from e
+            except NotADirectoryError:  # O_NOFOLLOW|O_DIRECTORY on a link or a file
+                raise UnsafePath(
+                    f"{done} is a symbolic link or not a directory; gpuhub does not follow it as root "
+                    "(remove it and start again)") from None
+            os.close(fd)
+            fd = nfd
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):  # pragma: no cover - O_DIRECTORY ensures it
+                raise UnsafePath(f"{done} is not a directory")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _stage_under(target: str, paths: list[str]) -> list[tuple[str, str]]:
+    """Bind exposed software that lives under ``target`` (e.g. a venv in /tmp) aside, read-only.
+
+    The private /tmp would hide it; ``_restore_staged`` puts it back at the same path
+    inside the private one. Both the path and, for a symlink, its target count. The
+    stage is made read-only here: a bind of it keeps that, so the copy put back inside
+    the user's directory never has to be found again by a path the user controls.
     """
     staged = []
     wanted = dict.fromkeys(q for p in paths for q in (os.path.abspath(p), os.path.realpath(p)))
@@ -153,15 +229,23 @@ def _stage_under(target: str, paths: list[str]) -> list[tuple[str, str]]:
             stage = f"/dev/.gpuhub-keep-{target.strip('/').replace('/', '-')}-{i}"
             os.mkdir(stage, 0o700)
             _mount(path, stage, None, MS_BIND | MS_REC)
+            _mount(None, stage, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
             staged.append((path, stage))
     return staged
 
 
-def _restore_staged(staged: list[tuple[str, str]]) -> None:
+def _restore_staged(target: str, staged: list[tuple[str, str]]) -> None:
+    """Put staged software back at its path inside ``target`` (now the user's private tmp).
+
+    The user owns what is in there: every directory on the way is opened or made without
+    following links, and the bind goes onto the opened directory itself.
+    """
     for path, stage in staged:
-        os.makedirs(path, 0o755, exist_ok=True)
-        _mount(stage, path, None, MS_BIND | MS_REC)
-        _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        fd = open_dir_nofollow(target, path[len(target):], create=True)
+        try:
+            _mount(stage, f"/proc/self/fd/{fd}", None, MS_BIND | MS_REC)
+        finally:
+            os.close(fd)
         _check(_libc.umount2(stage.encode(), MNT_DETACH), f"umount {stage}")
         os.rmdir(stage)
 
@@ -186,19 +270,29 @@ def enter(spec: dict) -> None:
             _mount("tmpfs", dev_dir, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=4k")
         home, visible = spec["home"], spec["visible_home"]
         if os.path.realpath(home) != os.path.realpath(visible):
-            parent = os.path.dirname(visible)
-            _mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-            os.mkdir(visible, 0o700)
-            _mount(home, visible, None, MS_BIND)
+            # The home itself is the user's: bound as the directory it is (a link is refused),
+            # opened before the tmpfs below can cover it.
+            home_fd = _open_own_dir(home, "home")
+            try:
+                parent = os.path.dirname(visible)
+                _mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+                os.mkdir(visible, 0o700)
+                _mount(f"/proc/self/fd/{home_fd}", visible, None, MS_BIND)
+            finally:
+                os.close(home_fd)
             _mount(None, visible, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
         private_tmp = spec.get("tmp")
         if private_tmp:  # last: a home or stand-in tree under /tmp is bound or covered already
             for target in ("/var/tmp", "/tmp"):  # /tmp last: it hides the source below it
                 if os.path.isdir(target):
                     kept = _stage_under(target, spec.get("expose", []))
-                    _mount(private_tmp, target, None, MS_BIND)
+                    tmp_fd = _open_own_dir(private_tmp, "private /tmp")
+                    try:
+                        _mount(f"/proc/self/fd/{tmp_fd}", target, None, MS_BIND)
+                    finally:
+                        os.close(tmp_fd)
                     _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
-                    _restore_staged(kept)
+                    _restore_staged(target, kept)  # inside the user's tmp: never follows a link
     finally:
         os.umask(old)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
@@ -209,20 +303,130 @@ def enter(spec: dict) -> None:
     os.umask(0o022)
 
 
+def _open_own_dir(path: str, what: str) -> int:
+    """An ``O_PATH`` fd of ``path``, a directory the hub made (its parent is root's), not a link."""
+    try:
+        return os.open(path, _DIR_NOFOLLOW)
+    except NotADirectoryError:
+        raise UnsafePath(f"the {what} {path} is a symbolic link or not a directory; refusing to use it") from None
+
+
+def read_payload(fd: int) -> tuple[dict, dict[str, str]]:
+    """The spec and the environment the hub wrote on pipe ``fd`` (read to its end, then closed)."""
+    chunks, size = [], 0
+    try:
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > MAX_PAYLOAD:
+                raise ValueError(f"spec larger than {MAX_PAYLOAD} bytes")
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    payload = json.loads(b"".join(chunks))
+    if not isinstance(payload, dict):
+        raise ValueError("the payload must be an object")
+    spec, env = payload.get("spec"), payload.get("env")
+    if not isinstance(spec, dict) or not isinstance(env, dict):
+        raise ValueError("spec and env must be objects")
+    for key, value in env.items():
+        if not isinstance(value, str) or not key or "=" in key or "\0" in key or "\0" in value:
+            raise ValueError(f"environment variable {key!r} is not a name=string pair")
+    return spec, env
+
+
+def start_launcher(cmd: list[str], spec: dict, env: dict[str, str], popen: dict):
+    """Start ``cmd`` in its sandbox (hub side): ``(Popen, write fd, payload)``.
+
+    The launcher runs as root with ``LAUNCHER_ENV`` only; ``spec`` and ``env`` travel on a
+    pipe it inherits (``pass_fds``), written by ``hand_over`` without blocking the loop.
+    Other ``popen`` arguments (stdout, stderr, pass_fds of the caller) are kept.
+    """
+    from subprocess import Popen
+
+    payload = json.dumps({"spec": spec, "env": env}).encode()
+    rfd, wfd = os.pipe()  # both close-on-exec; only rfd is passed, to this child alone
+    try:
+        kwargs = dict(popen, env=dict(LAUNCHER_ENV), pass_fds=(*popen.get("pass_fds", ()), rfd))
+        launcher = [sys.executable, "-I", "-m", "gpuhub_spawner.local.sandbox", "--spec-fd", str(rfd), "--"]
+        proc = Popen([*launcher, *cmd], **kwargs)
+    except BaseException:
+        os.close(wfd)
+        raise
+    finally:
+        os.close(rfd)
+    return proc, wfd, payload
+
+
+async def hand_over(proc, wfd: int, payload: bytes, timeout: float = HAND_OVER_TIMEOUT) -> None:
+    """Write ``payload`` to the launcher's pipe from the event loop (non-blocking), then close it.
+
+    A launcher that died first is left to the caller's exit handling (its stderr says why);
+    one that does not read within ``timeout`` is killed and the start fails.
+    """
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    view = memoryview(payload)
+
+    async def write_loop():
+        nonlocal view
+        while view.nbytes:
+            try:
+                n = os.write(wfd, view)
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_writer(wfd, lambda: ready.done() or ready.set_result(None))
+                try:
+                    await ready
+                finally:
+                    loop.remove_writer(wfd)
+                continue
+            view = view[n:]
+
+    os.set_blocking(wfd, False)
+    try:
+        await asyncio.wait_for(write_loop(), timeout)
+    except BrokenPipeError:
+        pass  # the launcher is gone before reading: its exit is seen by the caller
+    except asyncio.TimeoutError:
+        proc.kill()
+        raise RuntimeError(f"the sandbox launcher (pid {proc.pid}) did not read its spec in {timeout:.0f} s") from None
+    finally:
+        os.close(wfd)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -I -m gpuhub_spawner.local.sandbox SPEC_JSON -- COMMAND...", file=sys.stderr)
+    env = None
+    if len(argv) >= 4 and argv[0] == "--spec-fd" and argv[2] == "--" and argv[1].isdigit():
+        # The hub's way: spec and environment on an inherited pipe.
+        cmd = argv[3:]
+        try:
+            spec, env = read_payload(int(argv[1]))
+        except (OSError, ValueError) as e:
+            print(f"gpuhub sandbox: cannot read the server's spec: {e}", file=sys.stderr)
+            return 125
+    elif len(argv) >= 3 and argv[1] == "--":
+        # Tools and benchmarks (tests/device, tests/benchmarks): a spec on argv, and the
+        # command runs with this process's own environment, as the caller chose it.
+        spec, cmd = json.loads(argv[0]), argv[2:]
+    else:
+        print("usage: python -I -m gpuhub_spawner.local.sandbox --spec-fd FD -- COMMAND...\n"
+              "       python -I -m gpuhub_spawner.local.sandbox SPEC_JSON -- COMMAND...", file=sys.stderr)
         return 2
-    spec = json.loads(argv[0])
-    cmd = argv[2:]
     try:
         enter(spec)
     except OSError as e:
         print(f"gpuhub sandbox: cannot isolate the server: {e}", file=sys.stderr)
         return 126
     try:
-        os.execvp(cmd[0], cmd)
-    except OSError as e:
+        if env is None:
+            os.execvp(cmd[0], cmd)
+        else:
+            os.execvpe(cmd[0], cmd, env)  # the user's environment: only now, as the user
+    except (OSError, ValueError) as e:
         print(f"gpuhub sandbox: cannot run {cmd[0]!r} as {spec['uid']}: {e}", file=sys.stderr)
         return 127
 

@@ -15,6 +15,7 @@ import hashlib
 import os
 import pwd
 import re
+import stat
 import subprocess
 import time
 from dataclasses import dataclass
@@ -102,23 +103,54 @@ def ensure_account(hub_name: str, prefix: str = "gpuhub-", shell: str = "/usr/sb
 
 
 def ensure_home(path: str, account: Account) -> None:
-    """A private (0700) home owned by the account; an existing one is re-owned (contents too) and tightened."""
+    """A private (0700) home owned by the account; an existing one is re-owned (contents too) and tightened.
+
+    Root works here in a directory a user may control, so everything goes by file
+    descriptor: the home is opened without following a link, the walk (``os.fwalk``)
+    never enters a link or a directory swapped for one, and each entry is re-owned with
+    ``fchownat(AT_SYMLINK_NOFOLLOW)`` relative to its opened directory. Only what the
+    home's previous owner owned is taken over, and never a file with other hard links
+    (it may be another path's file, e.g. ``/etc/shadow`` linked in by a recycled uid).
+    """
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
-    st = os.lstat(path)
-    if not os.path.isdir(path) or os.path.islink(path):
-        raise AccountError(f"home {path} is not a directory")
-    if (st.st_uid, st.st_gid) != (account.uid, account.gid):
-        # A home from before isolation (the demo ran servers as root): the account takes
-        # over everything in it, links themselves not followed.
-        for root, dirs, files in os.walk(path):
-            for name in dirs + files:
-                os.chown(os.path.join(root, name), account.uid, account.gid, follow_symlinks=False)
-        os.chown(path, account.uid, account.gid)
-    os.chmod(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (NotADirectoryError, FileNotFoundError):  # a link (O_NOFOLLOW|O_DIRECTORY) or a file
+        raise AccountError(f"home {path} is not a directory") from None
+    try:
+        st = os.fstat(fd)
+        if (st.st_uid, st.st_gid) != (account.uid, account.gid):
+            # A home from before isolation (the demo ran servers as root), or an account
+            # made again with another uid: the account takes over what the old owner had.
+            _take_over(fd, st.st_uid, account, path)
+            os.fchown(fd, account.uid, account.gid)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def _take_over(home_fd: int, old_uid: int, account: Account, path: str) -> None:
+    import logging
+
+    skipped = 0
+    for _dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=home_fd, follow_symlinks=False):
+        for name in dirnames + filenames:  # links to directories are listed in dirnames, never entered
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if st.st_uid != old_uid or (st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode)):
+                    skipped += 1
+                    continue
+                os.chown(name, account.uid, account.gid, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+    if skipped:
+        logging.getLogger("JupyterHub.gpuhub.accounts").warning(
+            "home %s: %d entries not taken over for %s (another owner's, or hard-linked files)",
+            path, skipped, account.name)
 
 
 def remove_accounts(prefix: str) -> list[str]:

@@ -45,6 +45,11 @@ CpuMillis = Annotated[int, _quantity(parse_cpu_millis)]
 MemoryBytes = Annotated[int, _quantity(parse_memory_bytes)]
 Seconds = Annotated[float, _quantity(parse_duration)]
 GpuCount = Annotated[StrictInt, Field(ge=0)]
+# Tasks (processes and threads: the kernel's pids controller counts both) one server or
+# job may hold. A server with a kernel needs ~40; below 64 it could not work at all.
+MIN_MAX_PROCESSES = 64
+DEFAULT_MAX_PROCESSES = 4096  # as OpenShift's default pod pids limit
+ProcessCount = Annotated[StrictInt, Field(ge=MIN_MAX_PROCESSES)]
 
 
 class _Model(BaseModel):
@@ -226,6 +231,7 @@ class Profile(_Model):
     image: str | None = None
     cpu: CpuMillis | None = None
     memory: MemoryBytes | None = None
+    max_processes: ProcessCount | None = None  # pids.max of each server/job cgroup
     gpu: GpuRequest | None = None
     teams: Annotated[list[str], BeforeValidator(_all_teams)]
     priority: str | None = None
@@ -236,9 +242,13 @@ class Profile(_Model):
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        from .bounded import PROFILE_ENV_INSTEAD, unsafe_env_reason  # LD_*, GCONV_PATH, ...
+
         for key in env:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
+            if reason := unsafe_env_reason(key, PROFILE_ENV_INSTEAD):
+                raise ValueError(reason)
         return env
 
     @property
@@ -253,6 +263,7 @@ class Defaults(_Model):
     image: str = "quay.io/jupyter/minimal-notebook:2025-10-20"
     cpu: CpuMillis = 1000
     memory: MemoryBytes = 2 * 2**30
+    max_processes: ProcessCount = DEFAULT_MAX_PROCESSES
     priority: str | None = None
     queue_timeout: Seconds = 3600.0  # how long a server may wait in the queue
     launch_timeout: Seconds = 300.0  # start timeout once admitted
@@ -327,6 +338,12 @@ class Policy(_Model):
 
     def idle_rules(self, profile: Profile) -> IdleRules:
         return profile.idle.over(self.defaults.idle)
+
+    def process_limit(self, profile: Profile | None) -> int:
+        """Tasks one server or job of ``profile`` may hold (its cgroup's ``pids.max``)."""
+        if profile is not None and profile.max_processes is not None:
+            return profile.max_processes
+        return self.defaults.max_processes
 
     @model_validator(mode="after")
     def _idle_rules_consistent(self) -> "Policy":

@@ -12,7 +12,8 @@ from decimal import Decimal, InvalidOperation
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 _QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?\s*$")
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
+# Possessive: no backtracking into a run of digits (a long one made the match quadratic).
+_DURATION = re.compile(r"(?<![\d.])(\d++(?:\.\d++)?)\s*+(d|h|m|s)")
 _DURATION_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 
 
@@ -71,6 +72,8 @@ def parse_duration(value: str | int | float) -> float:
             raise ValueError(f"must not be negative (got {value})")
         return float(value)
     text = str(value).strip()
+    if len(text) > 64:  # a user's ?since= or timeLimit: bounded before the regex (quadratic in digits)
+        raise ValueError(f"{text[:20]!r}... is too long for a duration (examples: 90s, 15m, 1h30m, 2d)")
     parts = _DURATION.findall(text)
     if not parts or _DURATION.sub("", text).strip():
         raise ValueError(f"{value!r} is not a duration (examples: 90s, 15m, 1h30m, 2d)")

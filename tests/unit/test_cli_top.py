@@ -22,3 +22,16 @@ def test_banner_names_mlflow_where_a_browser_opens_it(monkeypatch):
     assert _mlflow_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000/services/mlflow/"
     monkeypatch.setenv("GPUHUB_SUBDOMAINS", "0")
     assert _mlflow_url("http://localhost:8000") == "http://localhost:8000/services/mlflow/"
+
+
+def test_job_hub_option_goes_before_or_after_the_command(monkeypatch, capsys):
+    """`gpuhub job submit FILE --hub URL` was refused; only `gpuhub job --hub URL submit` worked."""
+    from gpuhub_spawner.jobs import cli as job_cli
+
+    seen = []
+    monkeypatch.setattr(job_cli, "api_base", lambda hub: seen.append(hub) or "http://x/hub/api")
+    monkeypatch.setattr(job_cli, "_list", lambda args, base: None)
+    assert job_cli.main(["list", "--hub", "http://after"]) == 0
+    assert job_cli.main(["--hub", "http://before", "list"]) == 0
+    assert job_cli.main(["list"]) == 0
+    assert seen == ["http://after", "http://before", None]

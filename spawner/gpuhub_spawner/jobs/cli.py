@@ -163,22 +163,30 @@ def _cancel(args, base):
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpuhub job", description="Batch jobs in your team's GPU queue (docs/jobs.md).")
     parser.add_argument("--hub", help="the hub's URL (default: $JUPYTERHUB_API_URL)")
+    # ... also accepted after the command (`gpuhub job submit job.yaml --hub URL`), where
+    # people type it; absent there, the value before the command stands.
+    hub = argparse.ArgumentParser(add_help=False)
+    hub.add_argument("--hub", default=argparse.SUPPRESS, help="the hub's URL (default: $JUPYTERHUB_API_URL)")
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("submit", help="validate and submit a job file; prints the job id last")
+
+    def add(name: str, **kwargs):
+        return sub.add_parser(name, parents=[hub], **kwargs)
+
+    s = add("submit", help="validate and submit a job file; prints the job id last")
     s.add_argument("file")
     s.set_defaults(func=_submit)
-    lst = sub.add_parser("list", help="your jobs")
+    lst = add("list", help="your jobs")
     lst.add_argument("--all", action="store_true", help="everyone's (admins)")
     lst.set_defaults(func=_list)
     for name, func, text in (("status", _status, "the state word first, then where it stands"),
                              ("cancel", _cancel, "leave the queue or stop it; its GPUs are free at once"),
                              ("show", _show, "the full record of every attempt")):
-        p = sub.add_parser(name, help=text)
+        p = add(name, help=text)
         p.add_argument("id")
         if name == "show":
             p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)
-    lg = sub.add_parser("logs", help="the output of every attempt")
+    lg = add("logs", help="the output of every attempt")
     lg.add_argument("id")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     lg.set_defaults(func=_logs)

@@ -56,6 +56,13 @@ class PolicySpawnerMixin:
         policy = self.policy
         teams = teams_for(policy, self.user_groups)
         if not teams:
+            if set(self.user_groups) & set(policy.roles.viewers):
+                # A viewer starts nothing: what they came for is usage (and MLflow's runs).
+                base = getattr(getattr(self, "hub", None), "base_url", "/hub/")
+                return ('<div class="alert alert-info" id="gpuhub-viewer">You are a <strong>viewer</strong> on this hub: '
+                        'you see every team\'s GPU usage and counts (and, in MLflow, their runs), and you start no '
+                        f'servers. <a class="btn btn-sm btn-primary" href="{html.escape(base)}gpuhub/usage">'
+                        'Open the usage page</a></div>')
             return f'<div class="alert alert-warning" id="gpuhub-no-team">{html.escape(no_team_message(policy))}</div>'
         parts = ['<div id="gpuhub-profiles">']
         if len(teams) > 1:

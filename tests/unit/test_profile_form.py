@@ -44,3 +44,13 @@ def test_member_of_two_teams_chooses_and_no_team_gets_a_message():
     assert {(v, t) for v, t, _ in radios(html)} == {("small", "red"), ("gpu", "red"), ("small", "blue"), ("blue-only", "blue")}
     none = FormOnly(["visitors"]).render_options_form()
     assert "not a member of any team" in none and "radio" not in none
+
+
+def test_a_viewer_is_sent_to_the_usage_page_not_told_to_find_a_team():
+    """Issue 20: victor (viewer, in no team) landed on 'ask an administrator to add you to a team'."""
+    policy = parse_policy(POLICY + "roles: {viewers: [auditors]}\n")
+    form = FormOnly(["auditors"])
+    form._policy = policy
+    html = form.render_options_form()
+    assert 'id="gpuhub-viewer"' in html and "viewer" in html and "gpuhub/usage" in html
+    assert "not a member of any team" not in html and "radio" not in html

@@ -110,3 +110,18 @@ async def test_a_start_that_borrows_says_so_when_it_is_admitted():
     # a start within the team's own quota says nothing of the kind
     [plain] = [e async for e in QueuedGpuMixin.progress(SimpleNamespace(_ticket=own, broker=broker))]
     assert "Borrowed" not in plain["message"]
+
+
+def test_the_spawn_form_says_before_the_click_that_a_start_would_borrow():
+    policy = parse_policy(BORROW_POLICY)
+    devices = DeviceTable(lambda: policy, discover=lambda: [])
+    q = AdmissionQueue(lambda: policy, devices)
+    broker = SimpleNamespace(policy=policy, queue=q, devices=devices)
+    form = SimpleNamespace(broker=broker)
+    vision, gpu = policy.team("vision"), policy.profiles[0]
+    before = QueuedGpuMixin.profile_status_hook(form, vision, gpu)
+    assert "uses 0 of its quota of 1" in before and "borrows" not in before
+    q.submit(Ticket(key="alice/", user="alice", team="vision", profile="g1", demand={"gpu/gpu": 1}))
+    after = QueuedGpuMixin.profile_status_hook(form, vision, gpu)
+    assert "uses 1 of its quota of 1" in after
+    assert "Starting now borrows another team's unused GPU: if that team needs it back, your server is warned" in after

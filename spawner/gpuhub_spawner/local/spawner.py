@@ -66,10 +66,14 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         used = self.broker.queue.usage().get(team.name, {}).get(key, 0)
         quota = team.quota.gpus.get(profile.gpu.flavor)
         waiting = sum(1 for t in self.broker.queue.waiting if t.team == team.name)
-        return (
-            f"Now: {free} of {total} free on this machine; {team.label} uses {used} of its quota of "
-            f"{quota.nominal if quota else 0}; {waiting} waiting in {team.label}'s queue."
-        )
+        nominal = quota.nominal if quota else 0
+        text = (f"Now: {free} of {total} free on this machine; {team.label} uses {used} of its quota of "
+                f"{nominal}; {waiting} waiting in {team.label}'s queue.")
+        if free and used + profile.gpu_count > nominal and team.cohort:
+            # Said before the click: a start now would borrow, and what that means.
+            text += (f" Starting now borrows another team's unused GPU: if that team needs it back, your "
+                     f"server is warned and stopped after its notice (the newest borrower first).")
+        return text
 
     # -- start ----------------------------------------------------------------------------
     async def start(self):

@@ -29,6 +29,7 @@ from tornado import web
 from ..culling.board import CullBoard, ServerView
 from ..policy.access import active_profiles
 from ..policy.bounded import MAX_SMALL_BODY_BYTES, InputRefused, loads_json
+from ..policy.quantities import format_duration
 from .scopes import CULLING, allowed
 
 CULLER_SERVICE = "gpuhub-culler"
@@ -235,7 +236,39 @@ def template_vars(config) -> dict:
         active = {name for name, s in user.spawners.items() if s.active}
         return sorted(board.culled_for(user.name, active).values(), key=lambda e: -e["at"])
 
-    return {"gpuhub_cull_warnings": cull_warnings, "gpuhub_culled": culled_notices}
+    def servers(user) -> list[dict]:
+        """What each running server holds and when idleness stops it (the home page's table)."""
+        board = board_for(user)
+        if board is None:
+            return []
+        policy = board.policy
+        out = []
+        for name, profile in active_profiles(policy, user).items():
+            spawner = user.spawners[name]
+            entry = {"server": name, "profile": profile.display_name if profile else "(no profile)",
+                     "team": (spawner.user_options or {}).get("team") or "", "gpus": [], "borrowed": False,
+                     "idle": "", "ready": bool(spawner.ready)}
+            team = policy.team_or_none(entry["team"]) if entry["team"] else None
+            entry["team"] = team.label if team else entry["team"]
+            adm = getattr(spawner, "_admission", None)
+            entry["gpus"] = list(getattr(adm, "devices", []) or [])
+            entry["borrowed"] = bool(getattr(adm, "borrowed", None))
+            if profile is not None:
+                rules = policy.idle_rules(profile)
+                words = []
+                if profile.gpu_count and rules.gpu_idle_timeout:
+                    words.append(f"its GPUs idle for {format_duration(rules.gpu_idle_timeout)}")
+                if rules.timeout:
+                    words.append(f"no use for {format_duration(rules.timeout)}")
+                if words:
+                    entry["idle"] = ("stopped after " + " or ".join(words)
+                                     + (f", with {format_duration(rules.warning)} warning" if rules.warning else ""))
+                if rules.max_age:
+                    entry["idle"] += ("; " if entry["idle"] else "") + f"at most {format_duration(rules.max_age)} old"
+            out.append(entry)
+        return out
+
+    return {"gpuhub_cull_warnings": cull_warnings, "gpuhub_culled": culled_notices, "gpuhub_servers": servers}
 
 
 handlers = [

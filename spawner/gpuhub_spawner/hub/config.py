@@ -159,6 +159,9 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.ConfigurableHTTPProxy.command = node_proxy or [_bin("gpuhub-proxy")]
     configure_origins(c, port=port, host_routing=bool(node_proxy))
     c.ConfigurableHTTPProxy.pid_file = str(data / "proxy.pid")
+    # A hub restart keeps the running proxy and its routes (open Labs see no outage).
+    c.JupyterHub.proxy_class = "gpuhub_spawner.hub.kept_proxy.KeptProxy"
+    c.KeptProxy.auth_token_file = str(data / "proxy-auth-token")
     c.JupyterHub.db_url = f"sqlite:///{data / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(data / "jupyterhub_cookie_secret")
     c.JupyterHub.template_paths = [TEMPLATES]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the whole test suite. Installs what it needs (Python deps into .venv; Debian's
-# chromium for the browser tests when running as root). Extra arguments go to pytest.
+# chromium, prometheus, gcc and strace for the browser, metrics and attack tests when running as root). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./scripts-lib.sh
@@ -8,6 +8,7 @@ ensure_venv ".[lab,mlflow,test]"
 ensure_node_proxy
 ensure_chromium
 ensure_prometheus
+ensure_attack_tools
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

@@ -66,3 +66,17 @@ ensure_chromium() {
     echo "No /usr/bin/chromium and not root: browser tests will be skipped" >&2
   fi
 }
+
+ensure_attack_tools() {
+  # gcc builds the attack library of the root-launcher test; strace watches the launcher's execve.
+  local missing=()
+  command -v gcc >/dev/null || missing+=(gcc libc6-dev)
+  command -v strace >/dev/null || missing+=(strace)
+  if [ "${#missing[@]}" -eq 0 ]; then return 0; fi
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+    echo "Installing Debian's ${missing[*]} for the root-launcher attack test..." >&2
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "No ${missing[*]} and not root: parts of the root-launcher attack test will be skipped" >&2
+  fi
+}

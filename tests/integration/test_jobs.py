@@ -465,6 +465,9 @@ def test_mlflow_works_in_a_job_with_no_setup_and_every_run_carries_job_and_attem
     assert tags["gpuhub.job.id"] == job_id and tags["gpuhub.job.attempt"] == "1"
     assert (tags["gpuhub.user"], tags["gpuhub.team"], tags["gpuhub.profile"]) == ("bob", "vision", "cpu")
     assert tags["mlflow.user"] == "bob"  # the run belongs to the job's user, through its own token
+    # The job's page links the run into MLflow's UI where a browser opens it (its own origin).
+    page = bob.session.get(f"{hub.url}/hub/gpuhub/jobs/{job_id}").text
+    assert f'href="{mlflow.public.rstrip("/")}/#/runs/{run_id}"' in page, page.split('id="gpuhub-job-attempts"')[-1][:1500]
     # That token lived only for the attempt.
     notes = [t["note"] for t in bob.api.get(bob.url("/users/bob/tokens")).json()["api_tokens"]]
     assert not any(job_id in n for n in notes), notes

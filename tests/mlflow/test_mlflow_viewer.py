@@ -86,6 +86,31 @@ def test_a_viewer_reads_metrics_but_no_artifacts_and_changes_nothing(mlflow_hub,
     assert r.status_code == 403, r.text
 
 
+def test_a_viewer_gets_the_ui_trace_aggregates_but_no_trace_write(mlflow_hub, carols_run):
+    """The MLflow UI's run page and experiment overview POST ``traces/metrics`` (trace counts,
+    latency, tokens: read-only aggregates). A viewer got 403 on every one (the UI's Traces tab
+    stayed a skeleton, GenAI's overview charts empty); now they are answered, while the trace
+    routes that change something stay refused, and the aggregate is a read only as a POST."""
+    hub, mlflow = mlflow_hub
+    exp_id, run_id = carols_run
+    v = mlflow.api(hub.login("victor").token)
+    query = {"experiment_ids": [exp_id], "view_type": "TRACES", "metric_name": "trace_count",
+             "aggregations": [{"aggregation_type": "COUNT"}],
+             "filters": [f'trace.metadata.`mlflow.sourceRun` = "{run_id}"']}
+    for api in ("/api/3.0/mlflow", "/ajax-api/3.0/mlflow"):
+        r = v.post(mlflow.direct + api + "/traces/metrics", json=query)
+        assert r.status_code == 200, (api, r.status_code, r.text)
+        assert "data_points" in r.json() or r.json() == {}, r.text
+    for method, path in (("DELETE", "/traces/metrics"), ("PUT", "/traces/metrics"),
+                         ("POST", "/traces/delete-traces"), ("POST", "/traces/link-to-run")):
+        r = v.request(method, mlflow.direct + "/api/3.0/mlflow" + path,
+                      json={"experiment_id": exp_id, "max_traces": 10, "request_ids": ["x"], "run_id": run_id})
+        assert r.status_code == 403, (method, path, r.status_code, r.text)
+    # mallory (no team, no role) is refused by MLflow itself: no read-everything grant.
+    r = mlflow.api(hub.login("mallory").token).post(mlflow.direct + "/api/3.0/mlflow/traces/metrics", json=query)
+    assert r.status_code == 403, r.text
+
+
 # -- standing changes: the grant follows the policy --------------------------------------------
 VIEWER_ROLE = "gpuhub-viewers"  # accounts.VIEWER_ROLE, spelt out: the test names what MLflow holds
 
@@ -176,3 +201,4 @@ def test_a_viewer_moved_into_a_team_keeps_no_read_everything_grant_and_back(mlfl
     finally:
         if hub.policy.read_text() != original:
             edit_policy(hub, original)
+

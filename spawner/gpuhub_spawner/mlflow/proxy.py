@@ -69,7 +69,10 @@ SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 # Viewers (policy roles.viewers, usage/roles.py) read runs and metrics only: no artifact
 # route of any kind, and no write; MLflow's read-only searches are POSTs.
 VIEWER_ARTIFACTS = re.compile(r"artifact", re.I)
-VIEWER_READ_POSTS = re.compile(r"^" + API + r"(?:[a-z-]+/)*search(?:-[a-z-]+)?/?$")
+# Also read-only as a POST: traces/metrics, the aggregates (trace counts, latency, tokens)
+# the UI's run page and experiment overview ask for; MLflow answers it from the database
+# after its own READ check on each experiment, and never with a trace's content.
+VIEWER_READ_POSTS = re.compile(r"^" + API + r"(?:(?:[a-z-]+/)*search(?:-[a-z-]+)?|traces/metrics)/?$")
 BODY_METHODS = ("POST", "PUT", "PATCH")
 # Methods whose requests never carry a body here. MLflow's GET handlers read a JSON body
 # when there is no query string (``_get_request_message``), and its /graphql reads the
@@ -88,6 +91,38 @@ VIEWER_GRAPHQL_FIELDS = frozenset({
 })
 GRAPHQL_MAX_BODY = 2**20  # a viewer's GraphQL request (the UI's are about 3 KiB)
 GRAPHQL_MAX_TOKENS = 10_000
+
+# The MLflow UI's page (the empty path below the prefix) and the one file the proxy serves
+# itself: the UI's defaults. MLflow 3.17's UI keeps its choices in the browser's
+# localStorage only (no server setting): the workflow view ("mlflow.workflowType", GenAI
+# unless chosen), UI telemetry ("mlflow.settings.telemetry.enabled", on unless turned off),
+# the telemetry notice ("mlflow.telemetry.info.alert.dismissed") and the "Detect Issues"
+# guidance, a modal pop-over ("mlflow.detectIssues.guidanceShown"). The page loads this
+# same-origin script before MLflow's own (no inline script: a CSP of script-src 'self'
+# allows it), which opens the UI in the model-training view unless the user chose
+# another, and keeps telemetry off (the server drops UI telemetry anyway:
+# MLFLOW_DISABLE_TELEMETRY, upstream.py) with nothing to announce.
+UI_PAGE = ""
+UI_DEFAULTS = "gpuhub/ui-defaults.js"
+UI_DEFAULTS_TAG = b'<script src="gpuhub/ui-defaults.js"></script>'
+UI_DEFAULTS_JS = b"""// gpuhub: defaults of the MLflow UI on this hub (see gpuhub_spawner/mlflow/proxy.py).
+(function () {
+  var unlessChosen = {"mlflow.workflowType_v1": "machine_learning"};
+  var always = {
+    "mlflow.settings.telemetry.enabled_v1": false,
+    "mlflow.telemetry.info.alert.dismissed_v1": true,
+    "mlflow.detectIssues.guidanceShown_v1": true
+  };
+  try {
+    var s = window.localStorage, k;
+    for (k in unlessChosen) { if (s.getItem(k) === null) { s.setItem(k, JSON.stringify(unlessChosen[k])); } }
+    for (k in always) { s.setItem(k, JSON.stringify(always[k])); }
+  } catch (e) { /* no storage (private mode): MLflow's own defaults apply */ }
+})();
+"""
+# Not sent upstream for the UI's page, which the proxy rewrites: it needs the whole,
+# uncompressed page, never a 304 or a range of the unrewritten one.
+UI_PAGE_DROP = {"accept-encoding", "if-none-match", "if-modified-since", "if-range", "range"}
 
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
@@ -324,6 +359,8 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         self._route = None
         self._buffered = False
         self._graphql_viewer = False
+        self._local: str | None = None
+        self._ui_page = False
         self._has_body = False
         self._limit = 0
         self._received = 0
@@ -401,7 +438,9 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         self._route = account_route(self.rel)
         if self._route == "block":
             raise web.HTTPError(403, "Account administration is managed by the hub, not through MLflow.")
-        self._buffered = is_rewritten(self.rel, method) or self._route in ("users-list", "roles-list")
+        self._ui_page = self.rel == UI_PAGE and method == "GET"
+        self._buffered = (is_rewritten(self.rel, method) or self._route in ("users-list", "roles-list")
+                          or self._ui_page)
         self._limit = state.max_json_body_size if self._buffered else state.max_upload_size
         headers = self.request.headers
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
@@ -419,6 +458,9 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             raise web.HTTPError(400, f"A {method} request must not carry a body.")
         # Our own limit answers 413 first; tornado's (a bare 400) is only a backstop.
         self.request.connection.set_max_body_size(self._limit + 2**24)
+        if self.rel == UI_DEFAULTS and method in ("GET", "HEAD"):
+            self._local = UI_DEFAULTS  # answered in _respond; nothing goes upstream
+            return
 
         await state.ready()
         self.teams = state.teams_for(user)
@@ -489,7 +531,15 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             return
         if self._refusal is not None:
             raise self._refusal
-        if self._buffered:
+        if self._local == UI_DEFAULTS:
+            self.set_header("Content-Type", "text/javascript; charset=utf-8")
+            self.set_header("X-Content-Type-Options", "nosniff")
+            self.set_header("Cache-Control", "no-cache")
+            if self.request.method == "GET":
+                self.write(UI_DEFAULTS_JS)
+            else:
+                self.set_header("Content-Length", str(len(UI_DEFAULTS_JS)))
+        elif self._buffered:
             await self._respond_buffered()
         else:
             if self._has_body:
@@ -534,9 +584,24 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
                 await state.accounts.share_experiment_with_teams(experiment_id, self.teams)
             except Exception:
                 log.exception("Could not share new experiment of %s with teams %s", username, self.teams)
+        if self._ui_page:
+            return self._relay_ui_page(response)
         self._relay_head(response.code, response.reason, response.headers)
         if response.body:
             self.write(response.body)
+
+    def _relay_ui_page(self, response) -> None:
+        """MLflow's page, with the UI's defaults loaded before MLflow's own script."""
+        body = response.body or b""
+        self._relay_head(response.code, response.reason, response.headers)
+        ctype = response.headers.get("Content-Type", "")
+        if response.code == 200 and ctype.startswith("text/html") and b"<script" in body:
+            body = body.replace(b"<script", UI_DEFAULTS_TAG + b"<script", 1)
+            for name in ("ETag", "Last-Modified"):
+                self.clear_header(name)
+            self.set_header("Cache-Control", "no-cache")
+        if body:
+            self.write(body)
 
     def _relay_json(self, response, data) -> None:
         self._relay_head(response.code, response.reason, response.headers)
@@ -629,6 +694,8 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         for name, value in self.request.headers.get_all():
             lname = name.lower()
             if lname in HOP_BY_HOP or lname.startswith("sec-fetch-"):
+                continue
+            if self._ui_page and lname in UI_PAGE_DROP:
                 continue
             headers.add(name, value)
         headers["Host"] = self.state.upstream_hostport

@@ -10,7 +10,7 @@ Environment knobs (all optional):
 import os
 from pathlib import Path
 
-from gpuhub_spawner.hub.config import configure_local
+from gpuhub_spawner.wiring.config import configure_local
 
 c = get_config()  # noqa: F821
 

@@ -45,7 +45,7 @@ def _machine_warnings(policy, args) -> list[str]:
 
 
 def _run(args) -> int:
-    from .hub.config import demo_password, private_dir
+    from .wiring.config import demo_password, private_dir
 
     config = Path(args.config).resolve()
     data = private_dir(args.data_dir)  # 0700 from the first byte

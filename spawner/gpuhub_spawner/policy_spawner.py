@@ -25,6 +25,7 @@ from .policy.access import (
 from .policy.bounded import InputRefused, check_options, preview
 from .policy.model import Policy, Profile
 from .policy.quantities import format_memory
+from .usage import recorder as usage
 
 
 class PolicySpawnerMixin:
@@ -156,8 +157,6 @@ class PolicySpawnerMixin:
             check_user_caps(choice, self.held_profiles())
         except ChoiceError as e:
             self.log.warning("Refusing %s's server: %s", self.user.name, e.message)
-            from .usage import recorder as usage
-
             usage.audit("refused", key=f"{self.user.name}/{self.name}", user=self.user.name,
                         requested=preview(self.user_options or {}), reason=e.message, status=e.status)
             raise web.HTTPError(e.status, e.message, reason=e.message) from None

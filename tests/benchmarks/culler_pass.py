@@ -72,7 +72,7 @@ HUB_CONFIG = """
 import sys
 sys.path.insert(0, {tests!r})
 from jupyterhub.spawner import Spawner
-from gpuhub_spawner.hub.config import configure_culler
+from gpuhub_spawner.wiring.config import configure_culler
 
 class BenchSpawner(Spawner):
     '''A server that is always running at the fake server (the benchmark's stand-in).'''

@@ -1,4 +1,4 @@
-"""What a reclaim pass costs the hub's event loop (local/reclaimer.py), on demand.
+"""What a reclaim pass costs the hub's event loop (culling/reclaimer.py), on demand.
 
 A pass runs after each burst of queue events. Baseline in the same run: the pass when
 nothing is on loan (its O(teams) early exit); measured: 5,000 waiting requests in 100 teams
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from gpuhub_spawner.admission import AdmissionQueue, Ticket
 from gpuhub_spawner.admission import queue as Q
 from gpuhub_spawner.local.devices import DeviceTable
-from gpuhub_spawner.local.reclaimer import Reclaimer
+from gpuhub_spawner.culling.reclaimer import Reclaimer
 from gpuhub_spawner.policy import parse_policy
 
 TEAMS = "\n".join(f"  - {{name: t{i}, groups: [g{i}], cohort: c{i % 10}, quota: {{gpus: {{a100: 4}}}}}}" for i in range(100))

@@ -334,7 +334,8 @@ def test_cookie_host_prefix_follows_https_and_can_be_set_in_the_site_file(tmp_pa
     from traitlets.config import Config
 
     from gpuhub_spawner.hub.origins import serve_hub_only_on_its_host
-    from gpuhub_spawner.hub.site import configure_site, parse_site
+    from gpuhub_spawner.hub.auth import configure_site
+    from gpuhub_spawner.hub.site import parse_site
     from gpuhub_spawner.policy.loader import PolicyError
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"

@@ -77,7 +77,7 @@ c.KueueSpawner.queue_poll_interval = 0.5
 c.JupyterHub.init_spawners_timeout = 1          # as helm-values/values.yaml
 c.KueueLedger.sync_interval = 0.5               # production: 2 s
 
-from gpuhub_spawner.kube.ledger import configure_ledger   # as hub.extraConfig gpuhub-usage does
+from gpuhub_spawner.wiring.kube import configure_ledger   # as hub.extraConfig gpuhub-usage does
 
 configure_ledger(c)
 

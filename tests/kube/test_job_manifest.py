@@ -12,7 +12,7 @@ import pytest
 from kubernetes_asyncio.client import ApiClient
 
 from double.schemas import validate
-from gpuhub_spawner.jobs.kube import job_manifest, workload_for
+from gpuhub_spawner.kube.job_manifest import job_manifest, workload_for
 from gpuhub_spawner.jobs.spec import parse_job
 from gpuhub_spawner.kube.kueue import PRIORITY_LABEL, QUEUE_LABEL
 from gpuhub_spawner.policy.access import resolve_choice

@@ -21,7 +21,7 @@ from kubernetes_asyncio.client import ApiClient
 
 from double.harness import NAMESPACE, POLICY
 from double.server import TOKEN
-from gpuhub_spawner.jobs.kube import job_manifest
+from gpuhub_spawner.kube.job_manifest import job_manifest
 from gpuhub_spawner.jobs.spec import parse_job
 from gpuhub_spawner.kube.kueue import PRIORITY_LABEL, QUEUE_LABEL, pod_is_gated
 from gpuhub_spawner.kube.render import render_objects
@@ -190,7 +190,7 @@ async def test_a_borrowing_job_is_preempted_at_once_when_the_lender_asks_within_
     wl = job_workload(kube, "job-0000000new")
     assert (cond(wl, "Evicted")["status"], cond(wl, "Evicted")["reason"]) == ("False", "QuotaReserved")
     assert cond(wl, "Evicted")["message"] == f"Previously: {message}"
-    # The count survives the reset: how the hub knows an attempt was preempted (jobs/kube_backend.py).
+    # The count survives the reset: how the hub knows an attempt was preempted (kube/job_manager.py).
     assert wl["status"]["schedulingStats"]["evictions"] == [
         {"reason": "Preempted", "underlyingCause": "InCohortReclamation", "count": 1}]
 

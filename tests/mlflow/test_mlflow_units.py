@@ -77,8 +77,8 @@ def test_every_feature_adds_to_the_server_token_and_none_replaces(tmp_path):
     replace them. Whatever order the features are configured in, the token has all of them."""
     from jupyterhub.roles import get_default_roles
 
-    from gpuhub_spawner.hub.scopes import CULLING, USAGE, configure_scopes
-    from gpuhub_spawner.jobs import JOBS, configure_jobs
+    from gpuhub_spawner.policy.scopes import CULLING, USAGE, configure_scopes
+    from gpuhub_spawner.wiring.jobs import JOBS, configure_jobs
 
     stock = set(next(r for r in get_default_roles() if r["name"] == "server")["scopes"])
     for order in ("scopes-first", "mlflow-first"):

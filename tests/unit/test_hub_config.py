@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 from traitlets.config import Config
 
-from gpuhub_spawner.hub.config import TEMPLATES, configure_culler
+from gpuhub_spawner.wiring.config import TEMPLATES, configure_culler
 
 REPO = Path(__file__).resolve().parents[2]
 

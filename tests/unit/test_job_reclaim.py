@@ -12,7 +12,7 @@ from traitlets.config import Config
 from gpuhub_spawner.admission.queue import Ticket
 from gpuhub_spawner.admission.quota import demand_for
 from gpuhub_spawner.jobs import records as R
-from gpuhub_spawner.jobs.manager import KEY_PREFIX, JobManager, _Live
+from gpuhub_spawner.local.job_manager import KEY_PREFIX, JobManager, _Live
 from gpuhub_spawner.local.broker import LocalBroker
 from gpuhub_spawner.policy import PolicyStore
 

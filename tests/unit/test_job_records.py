@@ -3,7 +3,7 @@
 import stat
 
 from gpuhub_spawner.jobs import records as R
-from gpuhub_spawner.jobs.manager import _git_evidence
+from gpuhub_spawner.local.job_manager import _git_evidence
 
 
 def make(job_id="job-0123456789"):

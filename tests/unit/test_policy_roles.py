@@ -7,7 +7,7 @@ from jupyterhub.roles import create_role, get_default_roles, grant_role
 from traitlets.config import Config
 
 from gpuhub_spawner.policy import parse_policy
-from gpuhub_spawner.usage.roles import PolicyRoles, configure_policy_roles
+from gpuhub_spawner.hub.roles import PolicyRoles, configure_policy_roles
 
 POLICY = """\
 roles:

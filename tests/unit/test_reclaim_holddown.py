@@ -4,7 +4,7 @@ Starting and cancelling a spawn used to preempt a borrowing job each time (and w
 borrowing server each time). Now a lender who withdraws a request for which borrowers were
 reclaimed gets nothing reclaimed again until one ``reclaim.notice`` after that reclaim.
 The rule is the shared planner's (``admission/reclaim.py``: ``HoldDown``, ``plan(held_down=)``);
-the reclaimer both backends run (``local/reclaimer.py``) feeds it. Tested on the planner,
+the reclaimer both backends run (``culling/reclaimer.py``) feeds it. Tested on the planner,
 then on the reclaimer with the real queue and culling board (no hub), as tests/unit/test_reclaimer.py.
 """
 
@@ -20,7 +20,7 @@ from gpuhub_spawner.admission import reclaim
 from gpuhub_spawner.admission.reclaim import Holder, Request, plan
 from gpuhub_spawner.culling.board import CullBoard
 from gpuhub_spawner.local.devices import DeviceTable
-from gpuhub_spawner.local.reclaimer import Reclaimer
+from gpuhub_spawner.culling.reclaimer import Reclaimer
 from gpuhub_spawner.policy import parse_policy
 
 NOTICE = 600.0

@@ -16,7 +16,7 @@ from gpuhub_spawner.admission import AdmissionQueue, Ticket
 from gpuhub_spawner.admission.queue import Admission
 from gpuhub_spawner.culling.board import CullBoard
 from gpuhub_spawner.local.devices import DeviceTable
-from gpuhub_spawner.local.reclaimer import Reclaimer
+from gpuhub_spawner.culling.reclaimer import Reclaimer
 from gpuhub_spawner.policy import parse_policy
 
 POLICY = parse_policy("""\

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from gpuhub_spawner.hub.config import demo_password, private_dir
+from gpuhub_spawner.wiring.config import demo_password, private_dir
 from gpuhub_spawner.local.unix_users import AccountError, ensure_account, ensure_home, remove_accounts, system_username
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="creates Unix accounts (CI runs as root)")

@@ -82,7 +82,7 @@ class CullBoard(SingletonConfigurable):
         super().__init__(**kwargs)
         self.records: dict[str, ServerRecord] = {}
         self.history: dict[str, list[dict]] = {}
-        # user/server -> a reclaim notice (local/reclaimer.py): shown like a warning, no snooze
+        # user/server -> a reclaim notice (culling/reclaimer.py): shown like a warning, no snooze
         self.reclaims: dict[str, dict] = {}
         self._dirty = False
         self._saved_at = 0.0
@@ -325,7 +325,7 @@ class CullBoard(SingletonConfigurable):
             out[entry["server"]] = entry
         return {name: e for name, e in out.items() if name not in active}
 
-    # -- reclaim (local/reclaimer.py decides; the board only shows) ------------------------
+    # -- reclaim (culling/reclaimer.py decides; the board only shows) ------------------------
     def set_reclaim(self, key: str, notice: dict) -> None:
         self.reclaims[key] = notice
         self._dirty = True

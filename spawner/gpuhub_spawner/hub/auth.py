@@ -16,11 +16,13 @@ import grp
 import os
 import pwd
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from jupyterhub.auth import PAMAuthenticator
 from traitlets import default
 
-from .site import Auth
+from ..policy.loader import PolicyError, PolicyIssue
+from .site import Auth, Site, policy_groups
 
 
 def read_secret(path: str) -> str:
@@ -99,3 +101,52 @@ def configure_auth(c, auth: Auth, *, public_url: str, policy_groups: list[str], 
         s.username_claim = auth.username_claim
         s.auth_state_groups_key = f"user.{auth.groups_claim}"
     return auth.kind
+
+
+def configure_site(c, site: Site, *, policy_file: str, public_url: str, demo) -> str:
+    """Apply the site file: authenticator, HTTPS, accounts. Returns the login kind."""
+    origin = str(c.JupyterHub.subdomain_host) if "subdomain_host" in c.JupyterHub else ""
+    if origin and site.public_url:
+        # Per-user origins hang off the hub's public host: <user>.gpu.example.org. The hub
+        # answers only on its own host (origins.serve_hub_only_on_its_host), so it must be this one.
+        domain = os.environ.get("GPUHUB_DOMAIN")
+        if domain and domain.lower() != urlsplit(site.public_url).hostname:
+            raise PolicyError("site", [PolicyIssue("public_url", None, None,
+                              f"its host is not GPUHUB_DOMAIN={domain}; set one of them, or both the same")])
+        origin = c.JupyterHub.subdomain_host = site.public_url
+    if site.https is not None:
+        for f in (site.https.certfile, site.https.keyfile):
+            if not Path(f).is_file():
+                raise PolicyError("site", [PolicyIssue("https", None, None, f"{f} does not exist")])
+        c.JupyterHub.ssl_cert = site.https.certfile
+        c.JupyterHub.ssl_key = site.https.keyfile
+        for name in ("bind_url", "subdomain_host"):
+            if name in c.JupyterHub and getattr(c.JupyterHub, name):
+                setattr(c.JupyterHub, name, str(getattr(c.JupyterHub, name)).replace("http://", "https://", 1))
+        origin = origin and str(c.JupyterHub.subdomain_host)
+    public = site.public_url or origin or public_url
+    _cookie_host_prefix(c, site)
+    if site.accounts is not None:
+        c.LocalGpuSpawner.account_prefix = site.accounts.prefix
+        c.LocalGpuSpawner.home_dir_template = site.accounts.home
+        c.LocalGpuSpawner.isolation = site.accounts.isolation
+    return configure_auth(c, site.auth, public_url=public, policy_groups=policy_groups(policy_file), demo=demo)
+
+
+def _cookie_host_prefix(c, site: Site) -> None:
+    """``JupyterHub.cookie_host_prefix_enabled`` from ``cookie_host_prefix`` (default: HTTPS with subdomains).
+
+    ``__Host-`` cookies are refused by browsers over plain HTTP, and they must be set on
+    path ``/``, so every component on the hub's host receives the login cookie: safe only
+    when users' servers are on their own hosts (JupyterHub's own advice).
+    """
+    origin = str(c.JupyterHub.subdomain_host) if "subdomain_host" in c.JupyterHub else ""
+    https = origin.startswith("https://")
+    wanted = site.cookie_host_prefix
+    if wanted and not origin:
+        raise PolicyError("site", [PolicyIssue("cookie_host_prefix", None, None,
+                          "needs per-user origins: __Host- cookies are set on path /, so servers on the hub's host would receive the hub's login cookie")])
+    if wanted and not https:
+        raise PolicyError("site", [PolicyIssue("cookie_host_prefix", None, None,
+                          "needs HTTPS (https, or an https public_url): browsers refuse __Host- cookies over plain HTTP")])
+    c.JupyterHub.cookie_host_prefix_enabled = https if wanted is None else wanted

@@ -30,7 +30,7 @@ from ..culling.board import CullBoard, ServerView
 from ..policy.access import active_profiles
 from ..policy.bounded import MAX_SMALL_BODY_BYTES, InputRefused, loads_json
 from ..policy.quantities import format_duration
-from .scopes import CULLING, allowed
+from ..policy.scopes import CULLING, allowed
 
 CULLER_SERVICE = "gpuhub-culler"
 MAX_DECISIONS_BODY_BYTES = 256 * 1024  # {"servers": ["user/name", ...]}: ~10,000 servers

@@ -1,7 +1,7 @@
 """Who holds which accelerators, how long the queues are, and whether the policy is live.
 
 ``/hub/gpuhub`` (HTML) and ``/hub/api/gpuhub/status`` (JSON). What a reader sees depends
-on the request's scopes (``hub/scopes.py``) and the live policy's roles, never on who
+on the request's scopes (``policy/scopes.py``) and the live policy's roles, never on who
 owns the token alone:
 
 - ``custom:gpuhub:status:all`` (admins): every holder and waiting request with since-when,
@@ -22,10 +22,13 @@ from jupyterhub.apihandlers import APIHandler
 from jupyterhub.handlers import BaseHandler
 from tornado import web
 
-from .backend import broker as admission_view
+from ..admission.view import admission_view
+from ..culling.board import CullBoard
 from ..policy import PolicyStore
+from ..policy.access import teams_for
 from ..policy.quantities import format_duration, format_memory
-from .scopes import LEAD, STATUS, STATUS_ALL, allowed
+from ..policy.scopes import LEAD, STATUS, STATUS_ALL, allowed
+from ..usage.metrics import lent_and_borrowed
 
 _HIDDEN = ("user", "profile", "held_for", "idle_for", "stops_at", "key")
 
@@ -38,8 +41,6 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
     reader sees (a lead's teams); ``me``: the reader, who always sees their own devices;
     ``member_teams``: teams the reader belongs to (marked on the page).
     """
-    from ..usage.metrics import lent_and_borrowed
-
     policy = broker.policy
     queue = broker.queue
     now = time.time()
@@ -47,8 +48,6 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
     for adm in queue.holdings():
         for dev in adm.devices:
             holders[dev] = adm
-    from ..culling.board import CullBoard
-
     records = CullBoard.instance().records if CullBoard.initialized() else {}
     flavor_names = {f.name: f.display_name or f.name for f in policy.flavors}
     devices = []
@@ -155,8 +154,6 @@ class _StatusMixin:
     def snapshot_for_request(self) -> dict:
         if not allowed(self, STATUS):
             raise web.HTTPError(403, f"This needs the scope {STATUS}.")
-        from ..policy.access import teams_for
-
         broker = admission_view(self.config)
         user = self.current_user
         groups = [g.name for g in getattr(user, "groups", [])] if getattr(user, "kind", "user") == "user" else []

@@ -7,7 +7,7 @@ message. This entry point streams headers and body chunks as they arrive and let
 stream stay open; everything else is the upstream proxy unchanged.
 
 It is the fallback where Node.js is missing (the hub prefers the Node proxy z2jh ships,
-see ``hub.config.node_proxy_command``). Upstream forwards with tornado's shared
+see ``hub.origins.node_proxy_command``). Upstream forwards with tornado's shared
 ``AsyncHTTPClient()``, whose ``max_clients`` is 10: every open spawn page holds one
 client for as long as it waits, so ten waiting users made every other request queue and
 fail with 503. Here the client has no practical cap (``GPUHUB_PROXY_MAX_CLIENTS``,

@@ -6,7 +6,7 @@ into the same read interface (``admitted``, ``waiting``, ``usage()``, ``holdings
 the ``on_submit``/``on_queued``/``on_admit``/``on_release``/``on_cancel`` hooks), so the
 one policy core serves both backends unchanged: the usage history, audit trail and
 per-team metrics (``usage/``), the status pages (``hub/pages.py``) and the reclaimer
-(``local/reclaimer.py``, which warns a borrowing server and stops it after the lender's
+(``culling/reclaimer.py``, which warns a borrowing server and stops it after the lender's
 notice — Kueue itself gives no notice).
 
 It reads KubeSpawner's shared pod reflector and gpuhub's Workload reflector (one watch
@@ -28,11 +28,14 @@ from traitlets import Float
 from traitlets.config import SingletonConfigurable
 
 from ..admission.queue import Admission, Ticket
-from ..jobs.kube import JOB_LABEL
 from ..admission.quota import demand_for, gpu_key
 from ..policy import PolicyStore
 from ..policy.model import Policy
 from ..policy.quantities import parse_cpu_millis, parse_memory_bytes
+from ..culling.reclaimer import Reclaimer  # borrowed servers given back with notice
+from ..usage import recorder as usage
+from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
+from .job_manifest import JOB_LABEL
 from .kueue import (
     GROUP, VERSION, ADMITTED, EVICTED, FINISHED, PREEMPTED, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING, PREEMPTED_IN_COHORT_RECLAMATION,
     PROFILE_LABEL, QUOTA_RESERVED, TEAM_LABEL, condition, is_true, owner_pod_name, timestamp,
@@ -166,11 +169,7 @@ class KueueLedger(SingletonConfigurable):
         self._patching: set[tuple[str, str]] = set()
         self._evicted: dict[str, str] = {}
         self.synced = asyncio.Event()
-        from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
-
         UsageRecorder.instance(config=self.config).attach(self)
-        from ..local.reclaimer import Reclaimer  # borrowed servers given back with notice
-
         self.reclaimer = Reclaimer(self)
 
     @property
@@ -206,8 +205,6 @@ class KueueLedger(SingletonConfigurable):
         for key in self.queue.admitted.keys() - admitted.keys():
             why = self._evicted.get(key)
             if why:  # Kueue preempted it (the pod and its Workload are gone): say so in the history
-                from ..usage import recorder as usage
-
                 usage.note_end(key, why, by="kueue")
         self.queue.apply(admitted, waiting)
         self.synced.set()
@@ -290,8 +287,6 @@ class KueueLedger(SingletonConfigurable):
         where = self._workload_of.get(key)
         if where is None:
             return False
-        from ..usage import recorder as usage
-
         usage.note_end(key, "reclaimed", by="gpuhub-reclaim")
         _job_reclaimed(key.partition(":")[2], message)
         log.warning("Reclaim: deactivating job %s (priority %d, not below the lender's) so that it re-queues: %s",
@@ -310,7 +305,7 @@ class KueueLedger(SingletonConfigurable):
                                                   {"metadata": {"annotations": {RECLAIM_ANNOTATION: None}}, "spec": {"active": True}}))
 
     async def _patch(self, where: tuple[str, str], body: dict) -> None:
-        from kubespawner.clients import shared_client
+        from kubespawner.clients import shared_client  # lazy: heavy optional dependency
 
         ns, name = where
         self._patching.add(where)
@@ -323,61 +318,25 @@ class KueueLedger(SingletonConfigurable):
             self._patching.discard(where)
 
 
+# The Kubernetes job manager (kube.job_manager) registers its class here when it is
+# imported: it builds on the spawner, which builds on this ledger.
+_job_manager = None
+
+
+def register_job_manager(cls) -> None:
+    global _job_manager
+    _job_manager = cls
+
+
 def _job_reclaimed(job_id: str, message: str) -> None:
-    try:
-        from ..jobs.kube_backend import KubeJobManager
-    except ImportError:
-        return
-    if KubeJobManager.initialized():
-        KubeJobManager.instance().reclaimed[job_id] = message
+    if _job_manager is not None and _job_manager.initialized():
+        _job_manager.instance().reclaimed[job_id] = message
 
 
 def _job_owner(job_id: str) -> str | None:
     """The user who submitted ``job_id`` (the hub's job records), if this hub knows it."""
-    try:
-        from ..jobs.kube_backend import KubeJobManager
-    except ImportError:
+    if _job_manager is None or not _job_manager.initialized():
         return None
-    if not KubeJobManager.initialized():
-        return None
-    rec = KubeJobManager.instance().jobs.get(job_id)
+    rec = _job_manager.instance().jobs.get(job_id)
     return rec.user if rec else None
 
-
-def configure_ledger(c) -> None:
-    """Mirror Kueue's Workloads in the hub (Kubernetes hubs: ``hub.extraConfig`` calls this).
-
-    The ledger is created as soon as the hub's loop runs, so pages and usage read the
-    Kubernetes view from the first request; it starts reading the reflectors once the
-    hub has re-registered its servers.
-    """
-    from ..hub.startup import when_started
-
-    try:
-        asyncio.get_running_loop().call_soon(_create)  # the config file has been read by then
-    except RuntimeError:
-        return  # config read outside a running hub (tools, chart tests)
-    when_started(_watch)
-
-
-def _create() -> None:
-    from jupyterhub.app import JupyterHub
-
-    if JupyterHub.initialized():
-        KueueLedger.instance(config=JupyterHub.instance().config)
-
-
-async def _watch(app) -> None:
-    from types import SimpleNamespace
-
-    from .spawner import KueueSpawner
-
-    ledger = KueueLedger.instance(config=app.config)
-    # A spawner of no user, only to reach the reflectors every spawner shares (as
-    # KubeJobManager does for jobs).
-    spawner = KueueSpawner(config=app.config, user=SimpleNamespace(name="gpuhub-ledger", id=0, url="/"), hub=app.hub,
-                           api_token="", oauth_client_id="", orm_spawner=SimpleNamespace(name="", server=None))
-    try:
-        await ledger.watch(spawner)
-    except Exception:  # noqa: BLE001 - spawners start it on their first start or poll instead
-        log.exception("Could not start mirroring Kueue's Workloads")

@@ -44,6 +44,7 @@ from ..policy_spawner import PolicySpawnerMixin
 from ..usage import recorder as usage
 from ..policy.access import ChoiceError, resolve_choice
 from . import own_quota
+from .ledger import KueueLedger
 from .kueue import (
     timestamp,
     POD_FINALIZER, PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL, WEBHOOK_FAILED_MARKER, pod_is_gated,
@@ -268,8 +269,6 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
 
     def _ledger(self):
         """The hub's mirror of Kueue (``kube.ledger``), once the hub config started it."""
-        from .ledger import KueueLedger
-
         if not KueueLedger.initialized():
             return None
         ledger = KueueLedger.instance()

@@ -19,9 +19,22 @@ from ..admission.queue import AdmissionQueue
 from ..policy import PolicyStore
 from ..policy.checks import capacity_warnings, warning_interval_warnings
 from ..policy.model import Policy
+from ..culling.reclaimer import Reclaimer  # lent GPUs come back to their team (admission/reclaim.py)
+from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
 from .devices import DeviceTable, capacity_by_flavor, discover_nvml
 
 log = logging.getLogger("JupyterHub.gpuhub.broker")
+
+
+# The one-machine job manager (local.job_manager) registers its class here when it is
+# imported, so the broker can preempt a borrowing job without importing the job manager
+# (which builds on the broker).
+_job_manager = None
+
+
+def register_job_manager(cls) -> None:
+    global _job_manager
+    _job_manager = cls
 
 
 class LocalBroker(SingletonConfigurable):
@@ -51,11 +64,7 @@ class LocalBroker(SingletonConfigurable):
         # re-registered the servers still running (so no device is handed out twice).
         self.waiting_before_restart = self.journal.load() if self.journal else []
         self.queue = AdmissionQueue(lambda: self.store.current, self.devices, self.journal)
-        from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
-
         UsageRecorder.instance(config=self.config).attach(self)
-        from .reclaimer import Reclaimer  # lent GPUs come back to their team (admission/reclaim.py)
-
         self.reclaimer = Reclaimer(self)
         if self.waiting_before_restart:
             self.queue.held = True  # until they are back: nobody jumps the queue meanwhile
@@ -94,11 +103,10 @@ class LocalBroker(SingletonConfigurable):
     def preempt_job(self, key: str, message: str, for_key: str | None = None) -> bool:
         """Stop a borrowing job at once and re-queue it (the reclaimer's); False while it is
         admitted but not yet launched (the reclaimer looks again)."""
-        from ..jobs.manager import JobManager
-
-        if not JobManager.initialized():
+        jobs = _job_manager
+        if jobs is None or not jobs.initialized():
             return False
-        return JobManager.instance().preempt(key.partition(":")[2], message)
+        return jobs.instance().preempt(key.partition(":")[2], message)
 
     def _ensure_watcher(self) -> None:
         try:

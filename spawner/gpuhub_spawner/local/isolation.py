@@ -444,7 +444,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "system refused to start more: programs in it may have failed to start processes or threads. "
                 "Stop what keeps starting them, or choose a profile with a higher limit."
             )
-            job = getattr(self, "job_id", None)  # a batch job's launcher (jobs/launcher.py)
+            job = getattr(self, "job_id", None)  # a batch job's launcher (local/job_launcher.py)
             what = f"Job {job} of {self.user.name}" if job else f"Server {self._log_name}"
             self.log.warning("%s reached its limit of %s processes (pids.max; threads count too): "
                              "%d new processes or threads refused so far", what, limit, hits)

@@ -24,6 +24,8 @@ from urllib.parse import quote
 
 from tornado.httpclient import AsyncHTTPClient
 
+from .broker import LocalBroker
+
 log = logging.getLogger("JupyterHub.gpuhub.requeue")
 
 SERVICE = "gpuhub-requeue"
@@ -38,25 +40,20 @@ def _token(data: Path) -> str:
     return path.read_text().strip()
 
 
-def configure_requeue(c, data: Path) -> None:
-    """Keep the queue in ``data/queue.journal`` and bring it back on start."""
+def configure_requeue(c, data: Path) -> str:
+    """Keep the queue in ``data/queue.journal``; returns the service's token, for
+    ``requeue_after_start`` (``wiring.config`` schedules it once the hub has started)."""
     token = _token(data)
     c.LocalBroker.queue_journal = str(data / "queue.journal")
     services = list(c.JupyterHub.services) if "services" in c.JupyterHub else []
     c.JupyterHub.services = services + [{"name": SERVICE, "api_token": token}]  # token only, no process
     roles = list(c.JupyterHub.load_roles) if "load_roles" in c.JupyterHub else []
     c.JupyterHub.load_roles = roles + [{"name": SERVICE, "scopes": ["servers"], "services": [SERVICE]}]
-    from ..hub.startup import when_started
-
-    when_started(lambda app: requeue_after_start(app, token))  # running servers are re-registered by then
+    return token
 
 
 async def requeue_after_start(app, token: str) -> None:
-    from ..kube.ledger import KueueLedger
-    from .broker import LocalBroker
-
-    if KueueLedger.initialized():
-        return  # Kubernetes: Kueue keeps the queue (a queued pod keeps its place by itself)
+    """Run once the hub has started: running servers are re-registered by then."""
     broker = LocalBroker.instance(config=app.config)
     tickets, broker.waiting_before_restart = broker.waiting_before_restart, []
     restored = broker.queue.restore_waiting(tickets)

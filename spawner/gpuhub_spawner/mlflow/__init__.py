@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..hub.scopes import grant_server_token
+from ..policy.scopes import grant_server_token
 
 __all__ = ["configure", "SERVICE_ROLE"]
 

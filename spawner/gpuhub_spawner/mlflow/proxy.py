@@ -66,7 +66,7 @@ EXPERIMENTS_UPDATE = re.compile(r"^" + API + r"experiments/update/?$")
 REWRITTEN = (RUNS_CREATE, RUNS_SET_TAG, RUNS_LOG_BATCH, EXPERIMENTS_CREATE, EXPERIMENTS_UPDATE)
 API_PATH = re.compile(r"^(?:ajax-)?api/|^graphql|^gateway/|^v1/")
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
-# Viewers (policy roles.viewers, usage/roles.py) read runs and metrics only: no artifact
+# Viewers (policy roles.viewers, hub/roles.py) read runs and metrics only: no artifact
 # route of any kind, and no write; MLflow's read-only searches are POSTs.
 VIEWER_ARTIFACTS = re.compile(r"artifact", re.I)
 # Also read-only as a POST: traces/metrics, the aggregates (trace counts, latency, tokens)

@@ -71,7 +71,7 @@ class TeamResolver:
         return tuple(sorted(t.name for t in teams_for(policy, groups)))
 
     def is_viewer(self, groups: list[str]) -> bool:
-        """In the policy's ``roles.viewers`` (usage/roles.py): read-only metrics, no artifacts."""
+        """In the policy's ``roles.viewers`` (hub/roles.py): read-only metrics, no artifacts."""
         policy = self._load()
         return bool(policy is not None and set(groups) & set(policy.roles.viewers))
 

@@ -344,7 +344,7 @@ def freeze_heap() -> None:
     (85,000 empty lists fit in 250 KB) set off a full collection, which walks the whole
     heap of a started hub (~335,000 objects): 0.8-1.1 s on the event loop here, against
     ~0.1 s once that heap is frozen. Call once, after the hub has started
-    (``hub.startup.when_started``). The cost: cyclic garbage among those first objects
+    (``wiring.startup.when_started``). The cost: cyclic garbage among those first objects
     is never collected (they live as long as the hub anyway).
     """
     import gc

@@ -160,7 +160,7 @@ class Team(_Model):
     quota: TeamQuota = TeamQuota()
     per_user: PerUser = PerUser()
     # Identity-provider groups whose members lead this team: they see its holders, queue
-    # and history and may stop its members' idle servers (usage/roles.py).
+    # and history and may stop its members' idle servers (hub/roles.py).
     leads: list[str] = []
     reclaim: ReclaimRules = ReclaimRules()
 
@@ -280,7 +280,7 @@ class Defaults(_Model):
 
 
 class Roles(_Model):
-    """Who sees what beyond their own servers, by identity-provider group (usage/roles.py).
+    """Who sees what beyond their own servers, by identity-provider group (hub/roles.py).
 
     Researchers are simply team members; team leads are listed on each team (``leads``).
     """

@@ -29,7 +29,7 @@ import copy
 import sys
 from types import SimpleNamespace
 
-from ..local.isolation import IsolatedProcessSpawner
+from .isolation import IsolatedProcessSpawner
 
 # Config sections a job's launcher inherits, in order (later wins): the spawner the hub
 # uses for servers, so home directories, device trees, account prefixes and cgroup

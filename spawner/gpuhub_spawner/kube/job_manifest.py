@@ -27,10 +27,10 @@ from __future__ import annotations
 import copy
 import json
 
-from ..kube.kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
+from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
 from ..policy.access import Choice
 from ..policy.model import Policy
-from .spec import FAILED, INTERRUPTED, PREEMPTED, JobSpec
+from ..jobs.spec import FAILED, INTERRUPTED, PREEMPTED, JobSpec
 
 JOB_LABEL = "gpuhub/job"
 MAX_EXEC_LABEL = "kueue.x-k8s.io/max-exec-time-seconds"

@@ -1,6 +1,6 @@
 """Batch jobs on Kubernetes: the hub creates the suspended Job, Kueue admits it.
 
-Same API, CLI and records as one machine (``jobs.api``); what differs is who queues and
+Same API, CLI and records as one machine (``hub.jobs_api``); what differs is who queues and
 runs: ``submit`` checks the choice and caps exactly as on one machine, builds the Job
 with ``jobs.kube.job_manifest`` from the user's server pod (``KueueSpawner``'s own code
 path), and creates it; from then on Kueue admits, preempts (suspends) and resumes it, and
@@ -22,15 +22,17 @@ from types import SimpleNamespace
 from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
-from ..kube import messages as M
-from ..kube.kueue import JOB_UID_LABEL, condition, is_true, timestamp
+from . import messages as M
+from .kueue import JOB_UID_LABEL, condition, is_true, timestamp
 from ..policy import PolicyStore
 from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
 from ..policy.model import Policy
-from . import records as R
-from .kube import JOB_LABEL, job_manifest
-from .manager import TIME_LIMIT, job_priority, policy_hash
-from .spec import JobSpec
+from ..jobs import records as R
+from ..jobs.common import TIME_LIMIT, job_priority, policy_hash
+from ..jobs.spec import JobSpec
+from .job_manifest import JOB_LABEL, job_manifest
+from .ledger import register_job_manager
+from .spawner import KueueSpawner
 
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
 
@@ -76,8 +78,6 @@ class KubeJobManager(SingletonConfigurable):
     # -- Kubernetes clients, through KubeSpawner's (config already loaded by it) ------------------
     def _spawner(self, user, job_id: str):
         from jupyterhub.app import JupyterHub
-
-        from ..kube.spawner import KueueSpawner
 
         app = JupyterHub.instance()
         return KueueSpawner(config=app.config, user=user, hub=app.hub, api_token="", oauth_client_id="",
@@ -287,3 +287,6 @@ class KubeJobManager(SingletonConfigurable):
         rec.state, rec.message, rec.finished = R.CANCELLED, "cancelled by its owner or an admin", time.time()
         self.store.save(rec)
         return rec
+
+
+register_job_manager(KubeJobManager)  # the ledger tells it about reclaimed jobs and their owners

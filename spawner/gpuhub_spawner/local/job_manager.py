@@ -29,7 +29,6 @@ then driven by one asyncio task through its attempts:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -43,34 +42,25 @@ from traitlets.config import SingletonConfigurable
 
 from ..admission.queue import QueueRefused, Ticket
 from ..admission.quota import add_usage, check_fit, demand_for, describe
-from ..local.broker import LocalBroker
-from ..local.runtime import one_machine_runtime
+from .broker import LocalBroker, register_job_manager
+from .isolation import process_start_time
+from .runtime import one_machine_runtime
 from ..policy.bounded import loads_json
 from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
 from ..policy.model import Policy, Profile
-from ..policy.quantities import format_duration
-from . import mlflow_runs
-from . import records as R
-from .launcher import JobProcess, launcher_config
-from .spec import FAILED, INTERRUPTED, OOM, PREEMPTED, JobSpec
+from ..policy.quantities import format_duration, format_memory
+from ..jobs import mlflow_runs
+from ..jobs import records as R
+from ..jobs.common import TIME_LIMIT, _ts, job_priority, policy_hash
+from .job_launcher import JobProcess, launcher_config
+from ..jobs.spec import FAILED, INTERRUPTED, OOM, PREEMPTED, JobSpec
 
 from ..usage import recorder as usage
 
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
 
-TIME_LIMIT = "time-limit"
 CANCELLED_REASON = "cancelled"
 KEY_PREFIX = "job:"
-
-
-def policy_hash(policy: Policy) -> str:
-    """A stable hash of the policy in force (its validated content, not the file's bytes)."""
-    return hashlib.sha256(policy.model_dump_json(by_alias=True).encode()).hexdigest()
-
-
-def job_priority(policy: Policy, choice: Choice) -> tuple[str | None, int]:
-    name = choice.team.job_priority or choice.priority_class
-    return name, policy.priority_value(name)
 
 
 @dataclass
@@ -150,8 +140,6 @@ class JobManager(SingletonConfigurable):
         shutil.rmtree(self.store.root / rec.id, ignore_errors=True)
 
     def _kill_leftover(self, rec: R.JobRecord, att: R.Attempt) -> None:
-        from ..local.isolation import process_start_time
-
         launcher = self._launcher(rec, att, [], {})
         try:
             launcher.cgroup_host.server(launcher._cgroup_leaf()).kill_all()
@@ -391,8 +379,6 @@ class JobManager(SingletonConfigurable):
             await launcher.stop(now=True)
         proc = launcher.proc
         att.started, att.pid, att.account = time.time(), proc.pid, launcher.account_name if launcher.isolated else None
-        from ..local.isolation import process_start_time
-
         att.start_time = process_start_time(proc.pid)  # identity for the restart sweep
         rec.env_names = sorted(launcher.get_env())
         rec.state, rec.message = R.RUNNING, ""
@@ -420,8 +406,6 @@ class JobManager(SingletonConfigurable):
         if live.stop_reason:
             reason, message = live.stop_reason, live.stop_message
         elif launcher.stop_reason:  # the launcher saw the cgroup's OOM kill
-            from ..policy.quantities import format_memory
-
             reason = OOM
             message = (f"stopped: it used more than its memory limit of {format_memory(rec.profile['memory'])} "
                        f"(profile {rec.profile['slug']!r}); choose a profile with more memory")
@@ -505,7 +489,7 @@ class JobManager(SingletonConfigurable):
         return rec
 
     def preempt(self, job_id: str, message: str) -> bool:
-        """Stop a running job now and re-queue it (a cohort reclaim: local/reclaimer.py)."""
+        """Stop a running job now and re-queue it (a cohort reclaim: culling/reclaimer.py)."""
         live = self._live.get(job_id)
         if live is None or live.launcher is None or live.stop_reason is not None:
             return False
@@ -646,5 +630,4 @@ def _team(policy: Policy, name: str):
     return next((t for t in policy.teams if t.name == name), None)
 
 
-def _ts(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "-"
+register_job_manager(JobManager)  # the broker preempts borrowing jobs through it

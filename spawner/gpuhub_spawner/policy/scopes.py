@@ -17,7 +17,7 @@ name gets nothing here, even when an admin owns it), never just who owns the tok
 - ``custom:gpuhub:audit``: the audit trail (admins).
 
 Roles from the policy's groups (``roles.admins``, ``roles.viewers``, ``teams[].leads``)
-are granted by ``usage.roles.configure_policy_roles``.
+are granted by ``hub.roles.configure_policy_roles``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 - ``/hub/gpuhub/usage`` (page, SVG charts), ``/hub/api/gpuhub/usage`` (JSON),
   ``/hub/gpuhub/usage.csv`` (CSV, cookie or token): what a reader sees follows
-  ``usage.roles.View`` — all (viewers, admins), their teams' members (leads), their own
+  ``hub.roles.View`` — all (viewers, admins), their teams' members (leads), their own
   allocations and their teams' totals (researchers).
 - ``/hub/gpuhub/audit`` and ``/hub/api/gpuhub/audit``: the audit trail (``custom:gpuhub:audit``).
 - ``POST /hub/api/gpuhub/servers/<user>[/<server>]/stop``: an admin stops any server or
@@ -24,12 +24,13 @@ from tornado import web
 from traitlets import Float
 from traitlets.config import SingletonConfigurable
 
-from ..hub.scopes import AUDIT, allowed
-from ..hub.backend import broker as admission_view
+from ..admission.view import admission_view
+from ..culling.board import CullBoard
 from ..policy.quantities import parse_duration
-from . import charts
-from .history import iso, summarize, to_csv
-from .recorder import UsageRecorder
+from ..policy.scopes import AUDIT, allowed
+from ..usage import charts
+from ..usage.history import iso, summarize, to_csv
+from ..usage.recorder import UsageRecorder, note_end
 from .roles import View, view_for
 
 MAX_SINCE = 366 * 86400
@@ -247,8 +248,6 @@ class ServerStopHandler(_Base, APIHandler):
         name = getattr(actor, "name", "?")
         self.recorder.audit.record("acted_on_server", by=name, role=how, target_user=owner, key=key, team=team,
                                    action="withdraw" if waiting and not held else "stop")
-        from .recorder import note_end
-
         note_end(key, "stopped", by=name)
         if spawner.pending == "spawn" and spawner._spawn_future:
             spawner._spawn_future.cancel()
@@ -262,8 +261,6 @@ class ServerStopHandler(_Base, APIHandler):
         self.write(json.dumps({"stopping": key, "by": name, "as": how}))
 
     def _idle(self, key: str, spawner) -> tuple[bool, str]:
-        from ..culling.board import CullBoard
-
         rec = CullBoard.instance().records.get(key) if CullBoard.initialized() else None
         if rec is not None and rec.state.deadline:
             return True, "a cull warning is pending"

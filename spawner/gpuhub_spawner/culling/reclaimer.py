@@ -36,6 +36,8 @@ from ..admission.queue import Ticket
 from ..admission.quota import add_usage, describe
 from ..admission.reclaim import HoldDown, Holder, Request, borrowing, plan, within_nominal
 from ..policy.quantities import format_duration
+from ..usage import recorder as usage
+from .board import CullBoard
 
 log = logging.getLogger("JupyterHub.gpuhub.reclaim")
 
@@ -299,8 +301,6 @@ class Reclaimer:
         try:
             from jupyterhub.app import JupyterHub
 
-            from ..usage import recorder as usage
-
             app = JupyterHub.instance()
             user = app.users[name]
             spawner = user.spawners[server]
@@ -333,8 +333,6 @@ class Reclaimer:
 
     # -- where users see it (the culling board) ---------------------------------------------
     def _board(self):
-        from ..culling.board import CullBoard
-
         return CullBoard.instance(config=self.broker.config)
 
     def _board_set(self, n: Notice) -> None:

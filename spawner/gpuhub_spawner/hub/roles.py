@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from traitlets import Dict
 from traitlets.config import SingletonConfigurable
 
-from ..hub.scopes import AUDIT, LEAD, STATUS, STATUS_ALL, USAGE, USAGE_ALL, allowed
+from ..policy import PolicyStore
 from ..policy.access import teams_for
+from ..policy.scopes import AUDIT, LEAD, STATUS, STATUS_ALL, USAGE, USAGE_ALL, allowed
+from ..usage import recorder
 
 log = logging.getLogger("JupyterHub.gpuhub.roles")
 
@@ -97,8 +99,6 @@ class PolicyRoles(SingletonConfigurable):
         """Apply the policy now and after every reload of ``store`` (audited as ``roles_applied``)."""
 
         def apply(policy) -> None:
-            from . import recorder
-
             try:
                 changed = self.apply(db, policy)
             except Exception as e:  # the last assignment stays; say so where admins look
@@ -119,16 +119,16 @@ class PolicyRoles(SingletonConfigurable):
         self._watcher.start()
 
 
-def _follow(app) -> None:
-    """Once the hub has started (init_role_assignment has run: the database has the roles)."""
-    from ..policy import PolicyStore
-
+def follow_policy_roles(app) -> None:
+    """Once the hub has started (init_role_assignment has run: the database has the roles);
+    ``wiring.usage.configure_usage`` schedules it."""
     PolicyRoles.instance(config=app.config).follow(app.db, PolicyStore.instance(config=app.config))
 
 
 def configure_policy_roles(c, policy) -> None:
-    """Grant gpuhub's roles to the policy's groups (after ``hub.scopes.configure_scopes``),
-    at start through ``load_roles`` and, once the hub runs, at every policy reload."""
+    """Grant gpuhub's roles to the policy's groups (after ``policy.scopes.configure_scopes``),
+    at start through ``load_roles``; once the hub runs, ``follow_policy_roles`` keeps them in
+    step at every policy reload (scheduled by ``wiring.usage.configure_usage``)."""
     roles = _merged_roles(c)
     groups = policy_role_groups(policy)
     admins = roles.get("gpuhub-admin", {"name": "gpuhub-admin", "scopes": [], "groups": []})
@@ -150,9 +150,6 @@ def configure_policy_roles(c, policy) -> None:
         "groups": sorted(groups["gpuhub-lead"]),
     }
     c.JupyterHub.load_roles = list(roles.values())
-    from ..hub.startup import when_started
-
-    when_started(_follow)
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""Configure a hub for the one-machine backend; ``jupyterhub_config.py`` calls this.
+"""The composition root: configure a hub for the one-machine backend (``jupyterhub_config.py``
+calls ``configure_local``), and the pieces both backends' configs call (the Kubernetes
+chart's ``hub.extraConfig`` calls ``configure_culler`` and ``bound_what_users_send``).
 
 Everything a demo needs is derived from a data directory and a policy file, so tests
 and the README's run command share one code path.
@@ -11,6 +13,8 @@ import secrets
 import shutil
 import sys
 from pathlib import Path
+
+from .startup import when_started
 
 TEMPLATES = str(Path(__file__).resolve().parent.parent / "templates")
 
@@ -113,7 +117,7 @@ def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, 
         state_dir = str(Path(str(c.JupyterHub.db_url)[len("sqlite:///"):]).parent)
     if state_dir:
         c.CullBoard.state_file = str(Path(state_dir) / "gpuhub-culling.json")
-    from .scopes import configure_scopes
+    from ..policy.scopes import configure_scopes
 
     configure_scopes(c)  # the culling API checks custom:gpuhub:culling (both backends)
     c.JupyterHub.extra_handlers = _merged_list(c.JupyterHub, "extra_handlers") + list(handlers)
@@ -134,7 +138,6 @@ def bound_what_users_send() -> None:
     request's allocations never set off a full garbage collection of it (policy/bounded.py).
     Both backends: the chart's extraConfig calls this too."""
     from ..policy.bounded import freeze_heap, limit_request_bodies
-    from .startup import when_started
 
     limit_request_bodies()
     when_started(lambda app: freeze_heap())
@@ -142,6 +145,7 @@ def bound_what_users_send() -> None:
 
 def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip: str = "127.0.0.1") -> None:
     from ..hub.pages import extra_handlers, policy_banner
+    from . import backend  # noqa: F401 - the one-machine broker provides the admission view
 
     data = private_dir(data_dir)  # database, secrets, homes: the hub's user only
     (data / "home").mkdir(mode=0o700, exist_ok=True)
@@ -153,7 +157,7 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.JupyterHub.hub_ip = "127.0.0.1"
     c.JupyterHub.hub_port = int(os.environ.get("GPUHUB_HUB_PORT", 8081))
     c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{int(os.environ.get('GPUHUB_PROXY_API_PORT', 8001))}"
-    from .origins import configure_origins, node_proxy_command
+    from ..hub.origins import configure_origins, node_proxy_command
 
     node_proxy = node_proxy_command()  # routes by host; the Python proxy is the fallback
     c.ConfigurableHTTPProxy.command = node_proxy or [_bin("gpuhub-proxy")]
@@ -176,9 +180,12 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     # everyone out behind a full queue. LocalBroker.launch_concurrency limits launches.
     c.JupyterHub.concurrent_spawn_limit = 0
     # Waiting requests are journaled in the data dir and come back after a restart.
-    from ..local.requeue import configure_requeue
+    from ..kube.ledger import KueueLedger
+    from ..local.requeue import configure_requeue, requeue_after_start
 
-    configure_requeue(c, data)
+    token = configure_requeue(c, data)
+    # Kubernetes: Kueue keeps the queue (a queued pod keeps its place by itself).
+    when_started(lambda app: None if KueueLedger.initialized() else requeue_after_start(app, token))
     c.JupyterHub.allow_named_servers = True  # per-user caps come from the policy
     # Restarting the hub leaves servers (and their GPUs) running; they are re-adopted.
     c.JupyterHub.cleanup_servers = False
@@ -206,10 +213,11 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
         c.Spawner.args = ["--ServerApp.allow_root=True"]
 
     # Login: the demo users, or what the site file ($GPUHUB_SITE_CONFIG) picks (docs/authentication.md).
-    from .site import Site, configure_site, load_site
+    from ..hub.auth import configure_site
+    from ..hub.site import Site, load_site
 
     def demo(c):
-        from .demo_auth import DemoAuthenticator
+        from ..hub.demo_auth import DemoAuthenticator
 
         c.JupyterHub.authenticator_class = DemoAuthenticator
         c.DemoAuthenticator.demo_users = DEMO_USERS
@@ -219,15 +227,15 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     site_file = os.environ.get("GPUHUB_SITE_CONFIG")
     configure_site(c, load_site(site_file) if site_file else Site(), policy_file=policy_file,
                    public_url=f"http://{ip}:{port}", demo=demo)
-    from .origins import serve_hub_only_on_its_host
+    from ..hub.origins import serve_hub_only_on_its_host
 
     serve_hub_only_on_its_host(c)  # after the site file, which may move the hub to HTTPS or its public_url
     bound_what_users_send()
-    from .scopes import configure_scopes
+    from ..policy.scopes import configure_scopes
 
     configure_scopes(c)
     from ..policy import PolicyError, load_policy
-    from ..usage import configure_usage  # history, audit trail, metrics, roles from the policy
+    from .usage import configure_usage  # history, audit trail, metrics, roles from the policy
 
     try:
         roles_policy = load_policy(policy_file)
@@ -248,6 +256,6 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
             port=int(os.environ.get("GPUHUB_MLFLOW_PORT", 10101)),
         )
 
-    from ..jobs import configure_jobs  # batch jobs (after MLflow: it extends the server token's scopes)
+    from .jobs import configure_jobs  # batch jobs (after MLflow: it extends the server token's scopes)
 
     configure_jobs(c, data)

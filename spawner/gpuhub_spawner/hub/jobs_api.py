@@ -35,9 +35,10 @@ from tornado import web
 from ..policy import PolicyError, PolicyStore
 from ..policy.access import ChoiceError, no_team_message, teams_for
 from ..policy.bounded import MAX_JOB_BODY_BYTES, MAX_JOB_FILE_BYTES, MAX_JOB_FILE_NODES, InputRefused, loads_json
-from .manager import JobManager
-from .records import JOB_ID, FINAL
-from .spec import parse_job
+from ..jobs import current_manager
+from ..jobs.common import _ts as when
+from ..jobs.records import JOB_ID, FINAL
+from ..jobs.spec import parse_job
 
 JOBS = "custom:gpuhub:jobs"
 JOBS_ALL = "custom:gpuhub:jobs:all"
@@ -62,9 +63,8 @@ def _scrub(value, replacements: list[tuple[str, str]]):
 
 class _JobsMixin:
     @property
-    def manager(self) -> JobManager:
-        from . import current_manager
-
+    def manager(self):
+        """This hub's jobs backend (``local.job_manager`` or ``kube.job_manager``)."""
         return current_manager(self.config)
 
     async def fresh(self, rec):
@@ -83,7 +83,7 @@ class _JobsMixin:
         return owner in f.get("user", ())
 
     def see_all(self) -> bool:
-        # Hub admins: admin:servers implies everyone's jobs (as in hub/scopes.py).
+        # Hub admins: admin:servers implies everyone's jobs (as in policy/scopes.py).
         return self.parsed_scopes.get(JOBS_ALL) == Scope.ALL or self.parsed_scopes.get("admin:servers") == Scope.ALL
 
     def can_see(self, owner: str) -> bool:
@@ -232,8 +232,6 @@ class JobLogsHandler(_JobsMixin, APIHandler):
 class JobsPageHandler(_JobsMixin, BaseHandler):
     @web.authenticated
     async def get(self, job_id=None):
-        from .manager import _ts as when
-
         if job_id:
             rec = await self.fresh(self.job_for_request(job_id))
             html = await self.render_template("gpuhub_jobs.html", job=self.shown(rec), jobs=[], when=when)

@@ -1,0 +1,48 @@
+"""Wire the Kubernetes backend into a hub: mirror Kueue's Workloads as the hub's admission
+view (``hub.extraConfig`` in helm-values/values.yaml calls ``configure_ledger``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+from jupyterhub.app import JupyterHub
+
+from ..kube.ledger import KueueLedger
+from ..kube.spawner import KueueSpawner
+from . import backend  # noqa: F401 - the ledger provides the admission view once created
+from .startup import when_started
+
+log = logging.getLogger("JupyterHub.gpuhub.ledger")
+
+
+def configure_ledger(c) -> None:
+    """Mirror Kueue's Workloads in the hub (Kubernetes hubs: ``hub.extraConfig`` calls this).
+
+    The ledger is created as soon as the hub's loop runs, so pages and usage read the
+    Kubernetes view from the first request; it starts reading the reflectors once the
+    hub has re-registered its servers.
+    """
+    try:
+        asyncio.get_running_loop().call_soon(_create)  # the config file has been read by then
+    except RuntimeError:
+        return  # config read outside a running hub (tools, chart tests)
+    when_started(_watch)
+
+
+def _create() -> None:
+    if JupyterHub.initialized():
+        KueueLedger.instance(config=JupyterHub.instance().config)
+
+
+async def _watch(app) -> None:
+    ledger = KueueLedger.instance(config=app.config)
+    # A spawner of no user, only to reach the reflectors every spawner shares (as
+    # KubeJobManager does for jobs).
+    spawner = KueueSpawner(config=app.config, user=SimpleNamespace(name="gpuhub-ledger", id=0, url="/"), hub=app.hub,
+                           api_token="", oauth_client_id="", orm_spawner=SimpleNamespace(name="", server=None))
+    try:
+        await ledger.watch(spawner)
+    except Exception:  # noqa: BLE001 - spawners start it on their first start or poll instead
+        log.exception("Could not start mirroring Kueue's Workloads")

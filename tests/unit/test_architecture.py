@@ -1,0 +1,153 @@
+"""The house stays layered (docs/architecture.md): no import circle, no import from a lower
+layer to a higher one, and the two backends never import each other.
+
+The graph is read from the source (AST), every ``import`` counted wherever it is written,
+inside functions too: an import hidden in a function to dodge a circle is still an edge.
+The one exception is an optional heavy dependency imported lazily on purpose, marked on
+its line with ``# lazy: heavy optional dependency``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+PACKAGE = Path(os.environ.get("GPUHUB_ARCH_ROOT", Path(__file__).resolve().parents[2] / "spawner")) / "gpuhub_spawner"
+LAZY_MARK = "lazy: heavy optional dependency"
+
+# Bottom to top, as in docs/architecture.md. A module may import its own layer and below.
+LAYERS = {
+    "policy": 1,  # the policy core
+    "admission": 2,  # Kueue's arithmetic, the queue, the admission view both backends provide
+    "usage": 3,  # services on the view and the policy: history, audit, metrics
+    "culling": 3,  # culling decisions, the board, the reclaimer both backends run
+    "jobs": 3,  # job specs, records, what both job backends share
+    "mlflow": 3,  # the hub-managed MLflow service
+    "policy_spawner": 3,  # the spawner mixin both backends' spawners are built on
+    "local": 4,  # one-machine backend
+    "kube": 4,  # Kubernetes backend
+    "hub": 5,  # JupyterHub-facing: handlers, pages, roles, login, origins, proxy
+    "wiring": 6,  # the composition root: wires a backend into a hub
+    "cli": 6,  # the command line
+}
+# Within layer 3, services build on each other only upwards in this order (no circle between
+# packages): jobs (specs, records, the hub client) < usage (its CLI uses the jobs client) <
+# culling, mlflow and the spawner mixin (they record into usage).
+SERVICE_ORDER = {"jobs": 0, "usage": 1, "culling": 2, "mlflow": 2, "policy_spawner": 2}
+BACKENDS = ("local", "kube")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = f
+    return mods
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    edges: dict[str, set[str]] = {}
+    for name, f in mods.items():
+        text = f.read_text()
+        lines = text.splitlines()
+        is_pkg = f.name == "__init__.py"
+        out = set()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if LAZY_MARK in lines[node.lineno - 1]:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".") if is_pkg else name.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                elif node.module and node.module.split(".")[0] == "gpuhub_spawner":
+                    target = node.module
+                else:
+                    continue
+                for alias in node.names:
+                    out.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in mods else target)
+            else:
+                out |= {a.name for a in node.names if a.name.split(".")[0] == "gpuhub_spawner"}
+        edges[name] = {t for t in out if t in mods and t != name}
+    return edges
+
+
+def _area(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_package_has_a_layer():
+    areas = {_area(m) for m in _modules()} - {""}
+    assert areas <= set(LAYERS), f"give these a layer here and in docs/architecture.md: {sorted(areas - set(LAYERS))}"
+
+
+def test_no_import_circle():
+    assert _cycles(_graph()) == []
+
+
+def test_no_package_circle():
+    packages: dict[str, set[str]] = {}
+    for a, targets in _graph().items():
+        for b in targets:
+            if _area(a) and _area(b) and _area(a) != _area(b):
+                packages.setdefault(_area(a), set()).add(_area(b))
+    assert _cycles(packages) == []
+
+
+def test_no_upward_import():
+    upward = []
+    for a, targets in sorted(_graph().items()):
+        for b in sorted(targets):
+            la, lb = LAYERS.get(_area(a), 0), LAYERS.get(_area(b), 0)
+            if lb > la or (la == lb == 3 and SERVICE_ORDER[_area(b)] > SERVICE_ORDER[_area(a)]):
+                upward.append(f"{a} (layer {la}) -> {b} (layer {lb})")
+    assert upward == []
+
+
+def test_backends_import_nothing_of_each_other():
+    crossing = [f"{a} -> {b}" for a, targets in sorted(_graph().items()) for b in sorted(targets)
+                if _area(a) in BACKENDS and _area(b) in BACKENDS and _area(a) != _area(b)]
+    assert crossing == []
+
+
+def test_nothing_imports_the_composition_root():
+    into = [f"{a} -> {b}" for a, targets in sorted(_graph().items()) for b in sorted(targets)
+            if _area(b) in ("wiring", "cli") and _area(a) not in ("wiring", "cli")]
+    assert into == []

@@ -1,0 +1,289 @@
+"""The real control plane of ``tests/cluster/up.sh`` as the tests see it.
+
+* ``skip_reason()``: why the real-cluster tests cannot run here (``GPUHUB_CLUSTER`` unset,
+  binaries not in the cache, no kubectl), or None.
+* ``RealCluster``: the API server through its REST API (the admin client certificate that
+  ``up.sh`` writes), plus ``kubectl apply --server-side`` for what an operator applies.
+* ``StandInKubelet``: what stands in for a kubelet's container runtime. kwok binds pods,
+  assigns each a pod IP from its node's ``podCIDR`` (loopback ranges in ``nodes.yaml``)
+  and marks it Running/Ready, but runs nothing. This thread runs the container's own
+  ``command`` + ``args`` with its ``env`` as a local process bound to that pod IP, so the hub
+  reaches a real ``jupyterhub-singleuser`` at ``http://<podIP>:<port>`` as it would in a
+  cluster, and stops it when the pod is being deleted.
+
+Nothing here imports the API double: these helpers talk to whatever serves the kubeconfig.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CACHE = Path(os.environ.get("GPUHUB_CLUSTER_CACHE", Path.home() / ".cache" / "gpuhub-cluster"))
+DIR = Path(os.environ.get("GPUHUB_CLUSTER_DIR", "/tmp/gpuhub-cluster"))
+KUBECONFIG = DIR / "kubeconfig"
+VENV_BIN = Path(sys.executable).parent
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for line in (HERE / "versions.env").read_text().splitlines():
+        m = re.match(r"^(\w+)=(\S+)", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def binaries() -> dict[str, Path]:
+    v = versions()
+    kube = CACHE / f"kube-{v['KUBE_VERSION']}" / "bin"
+    return {
+        "etcd": CACHE / f"etcd-{v['ETCD_VERSION']}" / "bin" / "etcd",
+        "kube-apiserver": kube / "kube-apiserver",
+        "kube-controller-manager": kube / "kube-controller-manager",
+        "kube-scheduler": kube / "kube-scheduler",
+        "kwok": CACHE / f"kwok-{v['KWOK_VERSION']}" / "bin" / "kwok",
+        "kueue": CACHE / f"kueue-{v['KUEUE_VERSION']}" / "bin" / "kueue",
+    }
+
+
+def kubectl_path() -> str | None:
+    return os.environ.get("GPUHUB_KUBECTL") or shutil.which("kubectl")
+
+
+def skip_reason() -> str | None:
+    if not os.environ.get("GPUHUB_CLUSTER"):
+        return ("real control plane tests are opt-in: set GPUHUB_CLUSTER=1 (tests/cluster/up.sh starts "
+                "etcd, kube-apiserver 1.36, kwok and Kueue v0.19.2 from binaries cached by tests/cluster/build.sh)")
+    missing = [name for name, path in binaries().items() if not os.access(path, os.X_OK)]
+    if missing:
+        return (f"real control plane binaries not cached in {CACHE} ({', '.join(missing)}): run "
+                "tests/cluster/build.sh once (Go >= 1.26 and the Go module proxy; about 55 min on 2 busy cores)")
+    if not kubectl_path():
+        return "kubectl not found (set GPUHUB_KUBECTL)"
+    return None
+
+
+class RealCluster:
+    """The API server of ``up.sh``, spoken to as the admin user."""
+
+    def __init__(self, kubeconfig: Path = KUBECONFIG):
+        self.kubeconfig = Path(kubeconfig)
+        cfg = yaml.safe_load(self.kubeconfig.read_text())
+        self.url = cfg["clusters"][0]["cluster"]["server"]
+        ca = cfg["clusters"][0]["cluster"]["certificate-authority"]
+        user = cfg["users"][0]["user"]
+        self.session = requests.Session()
+        self.session.trust_env = False  # else $REQUESTS_CA_BUNDLE overrides verify= below
+        self.session.verify = ca
+        self.session.cert = (user["client-certificate"], user["client-key"])
+
+    @classmethod
+    def for_double(cls, url: str, token: str) -> "RealCluster":
+        """The same REST helpers pointed at the API double (plain HTTP, bearer token)."""
+        self = cls.__new__(cls)
+        self.kubeconfig, self.url = None, url
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {token}"
+        return self
+
+    def create(self, kind: str, ns: str | None, obj: dict) -> dict:
+        r = self.session.post(self.url + self.path(kind, ns), json=obj, timeout=15)
+        if r.status_code >= 400:
+            raise RuntimeError(f"create {kind} {obj['metadata'].get('name')}: {r.status_code} {r.text}")
+        return r.json()
+
+    # -- REST ------------------------------------------------------------------------------
+    def get(self, path: str, **params) -> dict:
+        r = self.session.get(self.url + path, params=params, timeout=15)
+        r.raise_for_status()
+        return r.json()
+
+    def ready(self) -> bool:
+        try:
+            return self.session.get(self.url + "/readyz", timeout=3).status_code == 200
+        except requests.RequestException:
+            return False
+
+    @staticmethod
+    def path(kind: str, ns: str | None = None, name: str | None = None) -> str:
+        core = {"pods", "events", "secrets", "namespaces", "nodes", "services"}
+        base = "/api/v1" if kind in core else "/apis/kueue.x-k8s.io/v1beta2"
+        out = base + (f"/namespaces/{ns}" if ns else "") + f"/{kind}"
+        return out + (f"/{name}" if name else "")
+
+    def list(self, kind: str, ns: str | None = None, **params) -> list[dict]:
+        return self.get(self.path(kind, ns), **params)["items"]
+
+    def delete(self, kind: str, ns: str | None, name: str, grace: int | None = None) -> None:
+        body = {"gracePeriodSeconds": grace} if grace is not None else None
+        r = self.session.delete(self.url + self.path(kind, ns, name), json=body, timeout=15)
+        if r.status_code not in (200, 202, 404):
+            r.raise_for_status()
+
+    def patch(self, kind: str, ns: str | None, name: str, body: dict) -> None:
+        r = self.session.patch(self.url + self.path(kind, ns, name), data=json.dumps(body),
+                               headers={"Content-Type": "application/merge-patch+json"}, timeout=15)
+        if r.status_code != 404:
+            r.raise_for_status()
+
+    def pending_workloads(self, cluster_queue: str) -> list[dict]:
+        return self.get(f"/apis/visibility.kueue.x-k8s.io/v1beta2/clusterqueues/{cluster_queue}/pendingworkloads")["items"]
+
+    # -- kubectl, as an operator --------------------------------------------------------------
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        p = subprocess.run([kubectl_path(), "--kubeconfig", str(self.kubeconfig), *args], input=input,
+                           capture_output=True, text=True, timeout=120)
+        if check and p.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        return p
+
+    def apply_policy(self, policy_text: str, namespace: str, workdir: Path) -> str:
+        """``gpuhub render kueue`` output, applied server-side (through Kueue's webhooks)."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        policy = workdir / "profiles.yaml"
+        policy.write_text(policy_text)
+        rendered = subprocess.run([str(VENV_BIN / "gpuhub"), "render", "kueue", str(policy), "--namespace", namespace],
+                                  capture_output=True, text=True, check=True).stdout
+        (workdir / "kueue.yaml").write_text(rendered)
+        return self.kubectl("apply", "--server-side", "--field-manager=gpuhub-tests", "-f", str(workdir / "kueue.yaml")).stdout
+
+    def ensure_namespace(self, name: str) -> None:
+        self.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}))
+
+    def reset(self, namespace: str) -> None:
+        """No pods, Workloads or Kueue queue objects left (finalizers removed as Kueue would)."""
+        for pod in self.list("pods", namespace):
+            self.delete("pods", namespace, pod["metadata"]["name"], grace=0)
+        deadline = time.time() + 60
+        while self.list("pods", namespace) and time.time() < deadline:
+            for pod in self.list("pods", namespace):  # Kueue removes its finalizer; help if it is slow
+                if pod["metadata"].get("deletionTimestamp") and time.time() > deadline - 45:
+                    self.patch("pods", namespace, pod["metadata"]["name"], {"metadata": {"finalizers": None}})
+            time.sleep(0.5)
+        for kind in ("workloads", "localqueues"):
+            for obj in self.list(kind, namespace):
+                self.delete(kind, namespace, obj["metadata"]["name"])
+        for kind in ("clusterqueues", "resourceflavors", "workloadpriorityclasses"):
+            for obj in self.list(kind):
+                self.delete(kind, None, obj["metadata"]["name"])
+        deadline = time.time() + 60
+        while time.time() < deadline and any(self.list(k) for k in ("clusterqueues", "resourceflavors")):
+            time.sleep(0.5)
+
+    def events_for(self, namespace: str, name: str) -> list[dict]:
+        return self.list("events", namespace, fieldSelector=f"involvedObject.name={name}")
+
+
+def ensure_up() -> tuple[RealCluster, bool]:
+    """The running control plane, started with up.sh when it is not (returns whether it was)."""
+    if KUBECONFIG.exists():
+        cluster = RealCluster()
+        if cluster.ready():
+            return cluster, False
+    t0 = time.time()
+    subprocess.run(["bash", str(HERE / "up.sh")], check=True, timeout=900)
+    print(f"\n[measure] tests/cluster/up.sh: {time.time() - t0:.1f}s")
+    return RealCluster(), True
+
+
+def down() -> None:
+    subprocess.run(["bash", str(HERE / "down.sh")], check=False, timeout=120)
+
+
+class StandInKubelet(threading.Thread):
+    """Runs what kwok only pretends to: each Running pod's container, as a local process at the
+    pod's IP. ``node_env`` is the "image" (PATH, Jupyter config)."""
+
+    def __init__(self, cluster: RealCluster, namespace: str, workdir: Path, node_env: dict[str, str]):
+        super().__init__(daemon=True, name="stand-in-kubelet")
+        self.cluster, self.namespace, self.workdir, self.node_env = cluster, namespace, Path(workdir), node_env
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.errors: list[str] = []
+        self.started_at: dict[str, float] = {}
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as e:  # surfaced through .errors
+                self.errors.append(repr(e))
+            self._stop.wait(0.3)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for key in list(self.processes):
+            self._kill(key)
+
+    def _kill(self, key: str) -> None:
+        proc = self.processes.pop(key, None)
+        if proc and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, 15)
+                proc.wait(5)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proc.pid, 9)
+                except ProcessLookupError:
+                    pass
+
+    def _sync(self) -> None:
+        pods = {p["metadata"]["uid"]: p for p in self.cluster.list("pods", self.namespace)}
+        for uid in list(self.processes):
+            pod = pods.get(uid)
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                self._kill(uid)
+        for uid, pod in pods.items():
+            status = pod.get("status") or {}
+            if (uid in self.processes or pod["metadata"].get("deletionTimestamp") or status.get("phase") != "Running"
+                    or not status.get("podIP")):
+                continue
+            self._start(pod)
+
+    def _env(self, pod: dict, container: dict) -> dict[str, str]:
+        env = dict(self.node_env)
+        for item in container.get("env") or []:
+            src = item.get("valueFrom") or {}
+            if src.get("fieldRef"):
+                path = src["fieldRef"]["fieldPath"]
+                env[item["name"]] = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
+                                     "status.podIP": pod["status"]["podIP"]}.get(path, "")
+            elif src.get("secretKeyRef"):
+                ref = src["secretKeyRef"]
+                import base64
+
+                secret = self.cluster.get(self.cluster.path("secrets", pod["metadata"]["namespace"], ref["name"]))
+                env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+            else:
+                env[item["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
+                                           item.get("value", ""))
+        return env
+
+    def _start(self, pod: dict) -> None:
+        container = pod["spec"]["containers"][0]
+        ip = pod["status"]["podIP"]
+        env = self._env(pod, container)
+        argv = list(container.get("command") or []) + list(container.get("args") or [])
+        if "JUPYTERHUB_SERVICE_URL" in env:  # bind where the hub will look: the pod's own IP
+            env["JUPYTERHUB_SERVICE_URL"] = re.sub(r"^(https?://)[^:/]+", rf"\g<1>{ip}", env["JUPYTERHUB_SERVICE_URL"])
+        home = self.workdir / pod["metadata"]["name"]
+        home.mkdir(parents=True, exist_ok=True)
+        env.setdefault("HOME", str(home))
+        with open(home / "container.log", "ab") as log:
+            proc = subprocess.Popen(argv, env=env, cwd=str(home), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes[pod["metadata"]["uid"]] = proc
+        self.started_at[pod["metadata"]["name"]] = time.time()

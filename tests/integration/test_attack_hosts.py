@@ -307,6 +307,13 @@ def test_the_hub_bobs_server_and_mlflow_still_work_each_on_its_own_host(hub, use
     # carol's server is not running: her host sends her to the hub's host (spawn page), as JupyterHub does.
     status, headers, _ = _get(origin(hub, "carol") + "/user/carol/tree?x=1")
     assert status == 302 and headers["location"] == hub.url + "/hub/user/carol/tree?x=1", headers
+    # ... but her still-open JupyterLab's API fetches get JupyterHub's "not running" (424) on her
+    # own origin: a redirect to the hub's origin is a cross-origin fetch the browser reports as
+    # "Failed to fetch" (the walk test saw that raw dialog after a cull).
+    status, headers, body = _get(origin(hub, "carol") + "/user/carol/api/kernels")
+    assert status == 424 and "not running" in body, (status, headers, body[:200])
+    status, headers, _ = _get(origin(hub, "carol") + "/user/carol/lab/workspaces/auto", headers={"Sec-Fetch-Mode": "cors"})
+    assert status == 424, (status, headers)
     # Names nobody serves pages on (the machine's address, localhost) are sent to the hub's host.
     for name in ("127.0.0.1", "localhost"):
         status, headers, _ = _get(hub.url.replace(f"://{DOMAIN}", f"://{name}") + "/hub/login")

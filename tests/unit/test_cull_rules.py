@@ -112,3 +112,18 @@ def test_kernel_activity_cannot_keep_an_idle_gpu():
     for t in range(0, 1800, 60):
         assert step(t, GPU, s, activity=t).action == "keep"
     assert step(1800, GPU, s, activity=1800).action == "warn"
+
+
+def test_the_snooze_message_says_what_keeps_the_server_for_its_rule():
+    """A GPU-idle warning is not lifted by using the server (only by a busy GPU): the snooze
+    answer the home page shows said 'unless it becomes active' for every rule."""
+    from gpuhub_spawner.culling.rules import CullState, snooze
+    from gpuhub_spawner.policy.model import IdleRules
+
+    rules = IdleRules(snooze=600, max_snoozes=2)
+    gpu = CullState(deadline=1000.0, rule="gpu-idle", reason="its GPUs were idle for 30m")
+    ok, message = snooze(900.0, rules, gpu)
+    assert ok and message.endswith("unless its GPUs are used."), message
+    idle = CullState(deadline=1000.0, rule="idle", reason="inactive for 1h")
+    ok, message = snooze(900.0, rules, idle)
+    assert ok and message.endswith("unless it is used."), message

@@ -140,7 +140,8 @@ def snooze(now: float, rules: IdleRules, state: CullState) -> tuple[bool, str]:
     state.deadline = max(now, state.deadline) + rules.snooze
     return True, (
         f"Postponed by {format_duration(rules.snooze)} (snooze {state.snoozes} of {allowed}); "
-        f"it will be stopped in {format_duration(state.deadline - now)} unless it becomes active."
+        f"it will be stopped in {format_duration(state.deadline - now)} unless "
+        + ("its GPUs are used." if state.rule == "gpu-idle" else "it is used.")
     )
 
 

@@ -15,6 +15,8 @@ a host rule ahead of every handler answers every other host of the domain the sa
 
 from __future__ import annotations
 
+import json
+
 import logging
 import os
 import shutil
@@ -137,6 +139,17 @@ def _answer_other_host(handler) -> None:
         path = path[len(marker):] or "/"
     inside_hub = (path.rstrip("/") + "/").startswith(hub_prefix)
     users_host = is_other_host(handler.request.host_name, settings.get("domain", ""))
+    navigation = handler.request.headers.get("Sec-Fetch-Mode", "navigate") == "navigate"
+    if users_host and not inside_hub and path.startswith(base_url) and (not navigation or "/api/" in path):
+        # A stopped server's own API, fetched by its still-open JupyterLab: a redirect to the
+        # hub's origin is a cross-origin fetch the browser reports as a network error ("Failed
+        # to fetch"); answer here as JupyterHub does for a server that is not running.
+        handler.clear()
+        handler.set_status(424)
+        handler.set_header("Content-Type", "application/json")
+        handler.set_header("Cache-Control", "no-store")
+        handler.finish(json.dumps({"status": 424, "message": "This server is not running. Start it again from the hub's home page."}))
+        return
     if hub_origin and handler.request.method in ("GET", "HEAD") and path.startswith(base_url) and not (users_host and inside_hub):
         from jupyterhub.utils import url_path_join
 

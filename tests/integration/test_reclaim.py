@@ -182,10 +182,12 @@ def test_borrowing_server_is_warned_then_stopped_after_the_notice_and_the_lender
     # The borrower is warned: which GPU, that his team borrowed it, which team (not who) needs it back.
     w = warnings(bob)["servers"][""]
     assert w["rule"] == "reclaim" and w["snoozes_left"] == 0 and w["needed_by"] == "NLP Group"
-    assert w["devices"] and w["reason"] == f"NLP Group needs back GPU {w['devices'][0]} that your team Vision Lab borrowed (its newest borrower goes first)"
+    assert w["devices"] and w["reason"] == f"NLP Group needs back GPU {w['devices'][0]} that your team Vision Lab borrowed"
     assert warnings(alice)["servers"] == {}  # the earlier admission of the same team keeps hers
     page = home_page(bob)
     assert "gpuhub-cull-warning" in page and "cannot be snoozed" in page and "NLP Group" in page
+    # ... and why this server was chosen (issue 20 item 6: alice, admitted earlier, keeps hers)
+    assert "most recently started borrower" in page
     # No snooze for a reclaim.
     r = bob.api.post(bob.url("/gpuhub/culling/bob/snooze"), json={"server": ""})
     assert r.status_code == 409 and "cannot be snoozed" in r.json()["message"]
@@ -287,7 +289,7 @@ def test_jupyterlab_and_the_spawn_page_in_chromium(hub, users):
             toast = page.locator(".Toastify__toast", has_text="This server will be stopped")
             toast.wait_for()
             assert re.search(r"This server will be stopped at \d\d:\d\d \(in \d+ s\): NLP Group needs back GPU \d "
-                             r"that your team Vision Lab borrowed \(its newest borrower goes first\)\. Your files are kept\.",
+                             r"that your team Vision Lab borrowed\. Your files are kept\.",
                              toast.inner_text()), toast.inner_text()
             assert toast.get_by_role("button", name="Snooze").count() == 0
             if os.environ.get("GPUHUB_SCREENSHOT_DIR"):

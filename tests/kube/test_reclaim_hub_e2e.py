@@ -118,7 +118,7 @@ def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_ad
     # Kueue does not preempt a server of equal priority; the hub warns the newest borrower.
     w = until(lambda: warnings(bob).get(""), what="bob's reclaim warning", hub=hub)
     assert w["rule"] == "reclaim" and w["needed_by"] == "NLP Group" and w["snoozes_left"] == 0
-    assert w["reason"] == "NLP Group needs back 1 L4 24GB GPU that your team Vision Lab borrowed (its newest borrower goes first)", w["reason"]
+    assert w["reason"] == "NLP Group needs back 1 L4 24GB GPU that your team Vision Lab borrowed", w["reason"]
     assert warnings(alice) == {}  # within her team's own quota: never reclaimed
     r = bob.api.post(bob.url("/gpuhub/culling/bob/snooze"), json={"server": ""})
     assert r.status_code == 409

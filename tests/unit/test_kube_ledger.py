@@ -145,7 +145,7 @@ async def test_the_reclaimer_warns_the_newest_borrower_when_the_lender_waits(led
     ledger.reclaimer.evaluate()
     assert set(ledger.reclaimer.notices) == {"bob/"}
     n = ledger.reclaimer.notices["bob/"]
-    assert n.for_team == "nlp" and n.reason == "NLP Group needs back 1 L4 24GB GPU that your team Vision Lab borrowed (its newest borrower goes first)"
+    assert n.for_team == "nlp" and n.reason == "NLP Group needs back 1 L4 24GB GPU that your team Vision Lab borrowed"
     assert "NLP Group's GPU is on loan to another team; it is being reclaimed" in ledger.queue.notes["carol/"]
     assert CullBoard.instance().reclaims["bob/"]["needed_by"] == "NLP Group"
     ledger._workloads.delete(f"{NS}/pod-jupyter-carol-u3")  # the lender stops waiting

@@ -252,9 +252,8 @@ class Reclaimer:
             gpus = ("GPU " if len(adm.devices) == 1 else "GPUs ") + ", ".join(adm.devices)
         else:
             gpus = ", ".join(describe(k, v, policy) for k, v in adm.demand.items() if k.startswith("gpu/"))
-        # ... and why this server (Kueue's order: lowest priority, then the newest admission).
-        reason = (f"{self._label(for_team)} needs back {gpus} that your team {self._label(adm.team)} borrowed "
-                  f"(its newest borrower goes first)")
+        # (Why this server: the home page says it; JupyterLab's toast has room for this only.)
+        reason = f"{self._label(for_team)} needs back {gpus} that your team {self._label(adm.team)} borrowed"
         warned_at, deadline = now, now + (notice or 0.0)
         before = self._board().reclaims.get(key)
         if before and before.get("for_team") == for_team and before.get("since") == adm.since:

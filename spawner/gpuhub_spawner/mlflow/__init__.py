@@ -11,21 +11,12 @@ token. No MLflow password is ever handed to a user environment. See docs/mlflow.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from ..policy.scopes import grant_server_token
 
 __all__ = ["configure", "SERVICE_ROLE"]
 
 SERVICE_ROLE = "gpuhub-mlflow-service"
-
-
-def _merge_list(existing: Any, additions: list) -> list:
-    out = list(existing or [])
-    for item in additions:
-        if item not in out:
-            out.append(item)
-    return out
 
 
 def _section_get(section, name: str, default=None):

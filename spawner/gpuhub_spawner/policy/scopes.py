@@ -75,7 +75,8 @@ def allowed(handler, scope: str, user: str | None = None) -> bool:
     return bool(implied and handler.has_scope(implied + suffix))
 
 
-def _merged(section, name: str, default):
+def merged_setting(section, name: str, default):
+    """A copy of a config setting already given (merged into by several features), else ``default``."""
     return type(default)(getattr(section, name)) if name in section else default
 
 
@@ -92,7 +93,7 @@ def grant_server_token(c, scopes) -> None:
 
     scopes = list(scopes)
     defaults = {r["name"]: r for r in get_default_roles()}
-    roles = {r["name"]: dict(r) for r in _merged(c.JupyterHub, "load_roles", [])}
+    roles = {r["name"]: dict(r) for r in merged_setting(c.JupyterHub, "load_roles", [])}
     server = roles.get("server", {"name": "server"})
     server["scopes"] = sorted(set(server.get("scopes", defaults["server"]["scopes"])) | set(scopes))
     roles["server"] = server
@@ -130,16 +131,16 @@ def configure_scopes(c, *, admin_groups=()) -> None:
     """
     from jupyterhub.roles import get_default_roles
 
-    custom = _merged(c.JupyterHub, "custom_scopes", {})
+    custom = merged_setting(c.JupyterHub, "custom_scopes", {})
     custom.update(CUSTOM_SCOPES)
     c.JupyterHub.custom_scopes = custom
-    extra = _merged(c.JupyterHub, "extra_user_scopes", [])
+    extra = merged_setting(c.JupyterHub, "extra_user_scopes", [])
     for scope in (STATUS, f"{CULLING}!user", USAGE):
         if scope not in extra:
             extra.append(scope)
     c.JupyterHub.extra_user_scopes = extra
     grant_server_token(c, SERVER_SCOPES)
-    roles = {r["name"]: dict(r) for r in _merged(c.JupyterHub, "load_roles", [])}
+    roles = {r["name"]: dict(r) for r in merged_setting(c.JupyterHub, "load_roles", [])}
     admins = roles.get("gpuhub-admin", {"name": "gpuhub-admin", "scopes": [STATUS_ALL, CULLING], "groups": []})
     admins["groups"] = sorted(set(admins.get("groups", [])) | set(admin_groups))
     admins["description"] = "gpuhub administrators: every GPU holder and request, anyone's cull warnings."

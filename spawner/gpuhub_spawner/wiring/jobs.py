@@ -10,7 +10,7 @@ from jupyterhub.app import JupyterHub
 from ..hub.jobs_api import handlers
 from ..jobs import JOBS, JOBS_ALL, provide_manager
 from ..local.job_manager import JobManager
-from ..policy.scopes import grant_server_token
+from ..policy.scopes import grant_server_token, merged_setting
 from .startup import when_started
 
 try:
@@ -18,10 +18,6 @@ try:
     from ..kube.spawner import KueueSpawner
 except ImportError:  # lazy: heavy optional dependency (kubespawner, only on Kubernetes hubs)
     KubeJobManager = KueueSpawner = None
-
-
-def _merged(section, name: str, default):
-    return type(default)(getattr(section, name)) if name in section else default
 
 
 def configure_jobs(c, data_dir) -> None:
@@ -34,13 +30,13 @@ def configure_jobs(c, data_dir) -> None:
     """
     c.JobManager.data_dir = str(Path(data_dir).resolve())
     c.KubeJobManager.data_dir = str(Path(data_dir).resolve())
-    c.JupyterHub.extra_handlers = _merged(c.JupyterHub, "extra_handlers", []) + list(handlers)
-    custom = _merged(c.JupyterHub, "custom_scopes", {})
+    c.JupyterHub.extra_handlers = merged_setting(c.JupyterHub, "extra_handlers", []) + list(handlers)
+    custom = merged_setting(c.JupyterHub, "custom_scopes", {})
     custom[JOBS] = {"description": "Submit batch jobs and read or cancel your own."}
     custom[JOBS_ALL] = {"description": "Read and cancel everyone's batch jobs.", "subscopes": [JOBS]}
     c.JupyterHub.custom_scopes = custom
     own = f"{JOBS}!user"
-    extra = _merged(c.JupyterHub, "extra_user_scopes", [])
+    extra = merged_setting(c.JupyterHub, "extra_user_scopes", [])
     if own not in extra:
         extra = list(extra) + [own]
     c.JupyterHub.extra_user_scopes = extra
@@ -48,7 +44,7 @@ def configure_jobs(c, data_dir) -> None:
     grant_server_token(c, [own])
     # JupyterHub forbids extending its own admin role: hub admins get everyone's jobs by
     # admin:servers (hub/jobs_api.py); gpuhub-admin (admins by group, policy/scopes.py) gets jobs:all.
-    roles = {r["name"]: dict(r) for r in _merged(c.JupyterHub, "load_roles", [])}
+    roles = {r["name"]: dict(r) for r in merged_setting(c.JupyterHub, "load_roles", [])}
     if "gpuhub-admin" in roles:
         roles["gpuhub-admin"]["scopes"] = sorted(set(roles["gpuhub-admin"].get("scopes", [])) | {JOBS_ALL})
     c.JupyterHub.load_roles = list(roles.values())

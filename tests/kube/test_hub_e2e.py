@@ -254,7 +254,8 @@ def test_preemption_marks_the_server_stopped_and_says_why(kube_hub, double, user
 
     double.preempt(NAMESPACE, pod["metadata"]["name"], "InClusterQueue")
     until(lambda: bob.server() is None, what="the hub marking bob's server stopped", hub=kube_hub)
-    assert pods(double, "bob") == [] and double.list("workloads", NAMESPACE) == []
+    assert pods(double, "bob") == []
+    until(lambda: double.list("workloads", NAMESPACE) == [], what="the preempted Workload collected after its pod")
 
     # Where the user meets it: their notebook URL now answers 424 and points at the spawn
     # page, and the spawn page carries the reason (the hub's log has Kueue's own words).
@@ -298,8 +299,9 @@ def test_queue_timeout_withdraws_the_server_and_says_so(kube_hub, double, users)
         assert r.status_code in (202, 503), r.text
         until(lambda: bob.server() is None, what="bob's withdrawn spawn cleared", hub=kube_hub)
         until(lambda: pods(double, "bob") == [], what="bob's pod withdrawn")
-        assert [w for w in double.list("workloads", NAMESPACE)
-                if w["spec"]["podSets"][0]["template"]["metadata"]["labels"].get("hub.jupyter.org/username") == "bob"] == []
+        until(lambda: [w for w in double.list("workloads", NAMESPACE)  # collected after its pod
+                       if w["spec"]["podSets"][0]["template"]["metadata"]["labels"].get("hub.jupyter.org/username") == "bob"] == [],
+              what="bob's Workload collected")
         # The timeout was told on the spawn page's progress; no stale "stopped" note follows it.
         assert 'id="gpuhub-stop-reason"' not in bob.session.get(kube_hub.url + "/hub/spawn").text
     finally:

@@ -68,7 +68,9 @@ def test_follow_the_guide_against_the_double(kube, tmp_path):
     done, read_only = [], []
     for cmd in guide_commands():
         words = shlex.split(cmd.split("|")[0].split(">")[0].split("&&")[0])
-        if words[:2] == ["gpuhub", "validate"]:
+        if words == ["gpuhub", "--help"]:
+            assert "render" in run(GPUHUB + ["--help"])
+        elif words[:2] == ["gpuhub", "validate"]:
             run(GPUHUB + words[1:])
         elif words[:3] == ["gpuhub", "render", "kueue"]:
             args = [str(tmp_path / w) if w == "live-localqueues.yaml" else w for w in words[1:]]

@@ -159,13 +159,15 @@ class RealBackend:
         for ns in (NAMESPACE, "gpuhub"):
             self.cluster.ensure_namespace(ns)
         self.cluster.reset(NAMESPACE)
-        # docs/install-kubernetes.md step 1, run as written: keep Kueue's pod webhooks away
-        # from the hub's namespace (idempotent here: only when "gpuhub" is not excluded yet).
+        # docs/install-kubernetes.md step 1, run as written: keep Kueue's webhooks away from
+        # the hub's namespace (idempotent here: only when "gpuhub" is not excluded yet), with
+        # this checkout's `gpuhub` on PATH as the guide's CLI step installs it.
         hooks = self.cluster.kubectl("get", "validatingwebhookconfiguration", "kueue-validating-webhook-configuration",
                                      "-o", "json").stdout
         if '"gpuhub"' not in hooks:
             out = subprocess.run(["bash", "-c", guide_block("for kind in mutating validating")], capture_output=True,
-                                 text=True, env=dict(os.environ, KUBECONFIG=str(self.kubeconfig)), timeout=120)
+                                 text=True, timeout=120, env=dict(os.environ, KUBECONFIG=str(self.kubeconfig),
+                                                                  PATH=f"{real.VENV_BIN}:{os.environ['PATH']}"))
             print(f"\n[real] install guide webhook exclusion:\n{out.stdout}{out.stderr}")
             assert out.returncode == 0, out.stderr
         out = self.cluster.apply_policy(POLICY, NAMESPACE, workdir / "policy")

@@ -87,7 +87,7 @@ def stop_reason_for_eviction(evicted_reason: str) -> str:
 EVENT_STARTED = "Started"  # "Admitted by clusterQueue X": admitted, NOT running
 EVENT_STOPPED = "Stopped"
 EVENT_CREATED_WORKLOAD = "CreatedWorkload"
-EVENT_REPORTING_CONTROLLER = "kueue-job-controller"  # constants.JobControllerName
+EVENT_REPORTING_CONTROLLER = "pod-kueue-controller"  # the pod integration's recorder, seen on Kueue v0.19.2
 
 
 def msg_started(cluster_queue: str) -> str:
@@ -198,6 +198,7 @@ UNKNOWN = "UNKNOWN"
 # markPreemptionOutcome, markSkipped).
 MSG_PENDING_PREEMPTION = ". Pending the preemption of {count} workload(s)"
 MSG_OVERLAPPING_TARGETS = "Workload has overlapping preemption targets with another workload"
+MSG_NO_LONGER_FITS = "Workload no longer fits after processing another workload"  # scheduler.go: another took the quota in the same cycle
 # What the job reconciler writes once the evicted workload's job stopped
 # (pkg/controller/jobframework/reconciler.go: Requeued, QuotaReserved=False "Pending" with the
 # eviction message; pkg/workload/admissionchecks.go SyncAdmittedCondition), and what a new

@@ -81,7 +81,8 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
 
     ``why``: what the request waits for in the hub's own words (``admission.quota``, from
     the ledger's view of Kueue: teammates' use, quota on loan, the cohort full), used when
-    Kueue says the quota is short — Kueue's message only says how much is missing.
+    Kueue says the quota is short — Kueue's message only says how much is missing — and
+    when Kueue has said nothing yet.
     """
     team = choice.team.label
     if workload is None:
@@ -89,13 +90,20 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
     reserved = condition(workload, QUOTA_RESERVED)
     if is_true(workload, QUOTA_RESERVED) or is_true(workload, ADMITTED):
         return "Quota granted; releasing your server to the scheduler."
-    short, never = shortages(policy, (reserved or {}).get("message", ""))
+    kueue_says = (reserved or {}).get("message", "")
+    short, never = shortages(policy, kueue_says)
+    taken = K.MSG_NO_LONGER_FITS in kueue_says  # it fitted, but another request took the quota first
     if never:
         return "This server can never start in team " + team + "'s queue: " + "; ".join(never) + ". Pick a smaller profile."
-    if short and why:
+    if why and (short or taken or not kueue_says):
+        # Kueue v0.19.2 writes its message on the first waiter of a shape in a scheduling
+        # cycle only; the second and later get no QuotaReserved condition at all (N3, seen
+        # on the real controller), so for them the hub's own words are all there is.
         text = f"Your server {why}."
     elif short:
         text = f"Waiting for quota: team {team} has no free capacity; {' and '.join(short)} more needed."
+    elif taken:
+        text = f"Waiting for quota: another request was admitted to the capacity team {team} could use."
     elif reserved and (queue_blocked(reserved.get("message", "")) or reserved.get("reason") in (
             K.REASON_INADMISSIBLE, K.REASON_MISCONFIGURED, K.REASON_SUSPENDED)):
         text = f"Waiting: team {team}'s queue is not accepting servers right now (an administrator has been told in the hub log)."

@@ -32,6 +32,7 @@ Choices (also in docs/install-kubernetes.md):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import defaultdict
 
@@ -41,6 +42,7 @@ from ..policy.loader import PolicyError, load_policy
 from ..policy.model import Policy, Team
 from ..policy.quantities import format_cpu, format_memory
 from .kueue import API_VERSION, MANAGED_BY
+from .webhooks import exclude_namespace
 
 DEFAULT_NAMESPACE = "gpuhub-users"
 DEFAULT_CPU_FLAVOR = "gpuhub-default"
@@ -211,10 +213,15 @@ def main(argv: list[str]) -> int:
     kueue.add_argument("-n", "--namespace", default=DEFAULT_NAMESPACE, help=f"namespace of the user pods and LocalQueues (default {DEFAULT_NAMESPACE})")
     kueue.add_argument("--cpu-flavor", default=DEFAULT_CPU_FLAVOR, help=f"ResourceFlavor for CPU and memory (default {DEFAULT_CPU_FLAVOR})")
     kueue.add_argument("--live", metavar="FILE", help="`kubectl get localqueues -n NS -o yaml` output: refuse changes Kueue forbids")
+    hooks = sub.add_parser("webhook-exclusion", help="Kueue's webhook configuration with the hub's namespace left out of every webhook")
+    hooks.add_argument("file", help="`kubectl get {mutating,validating}webhookconfiguration NAME -o json` output, or - for stdin")
+    hooks.add_argument("-n", "--namespace", default="gpuhub", help="the hub's namespace (default gpuhub)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed usage
         return int(e.code or 0)
+    if args.what == "webhook-exclusion":
+        return _webhook_exclusion(args.file, args.namespace)
     try:
         policy = load_policy(args.file)
         objs = render_objects(policy, args.namespace, args.cpu_flavor)
@@ -238,6 +245,25 @@ def main(argv: list[str]) -> int:
         if conflicts:
             return 1
     sys.stdout.write(to_yaml(objs))
+    return 0
+
+
+def _webhook_exclusion(path: str, namespace: str) -> int:
+    """Reads one webhook configuration (JSON or YAML), writes it back with ``namespace`` left
+    out of every webhook (for ``kubectl apply -f -``); says on stderr which webhooks changed."""
+    try:
+        text = sys.stdin.read() if path == "-" else open(path).read()
+        config = yaml.safe_load(text)
+        if not isinstance(config, dict):
+            raise ValueError("expected one webhook configuration object")
+        out, changed = exclude_namespace(config, namespace)
+    except (OSError, yaml.YAMLError, ValueError) as e:
+        print(f"{path}: {e}", file=sys.stderr)
+        return 1
+    name = config.get("metadata", {}).get("name", "?")
+    print(f"{name}: {namespace} left out of {len(changed)} webhook(s)" + (f": {', '.join(changed)}" if changed else " (already)"),
+          file=sys.stderr)
+    sys.stdout.write(json.dumps(out, indent=2) + "\n")
     return 0
 
 

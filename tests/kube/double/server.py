@@ -567,8 +567,19 @@ class KubeDouble(JobsMixin):
             return
         self._write("pods", ns, pod, "DELETED")
         for wl in [w for (p, n, _), w in list(self.objects.items()) if p == "workloads" and n == ns]:
-            if owner_pod_name(wl) == name:  # garbage collection through the owner reference
+            if owner_pod_name(wl) != name:
+                continue
+            if _cond(wl, "QuotaReserved") == "True":  # Kueue finishes it with the pod: its quota is free now
                 self._write("workloads", ns, wl, "DELETED")
+            else:  # garbage collection through the owner reference, which takes a moment on a real
+                # cluster: a preempted pod's Workload, with its Evicted/Preempted record, is still
+                # readable just after the pod has gone (seen on Kueue v0.19.2, N5)
+                self.loop.call_later(GC_DELAY, self._collect, ns, wl["metadata"]["name"], wl["metadata"]["uid"])
+
+    def _collect(self, ns, name, uid):
+        wl = self.objects.get(("workloads", ns, name))
+        if wl is not None and wl["metadata"]["uid"] == uid:
+            self._write("workloads", ns, wl, "DELETED")
 
     def _release_finalizers(self):
         for (p, ns, name), pod in list(self.objects.items()):
@@ -744,6 +755,8 @@ class KubeDouble(JobsMixin):
                 continue
             if wl["spec"].get("active") is False:  # deactivated: not in the queue until reactivated
                 continue
+            if _cond(wl, "Requeued") == "False":  # evicted and not requeued (a preempted pod's): out of the queue
+                continue
             out.append(wl)
         # Kueue orders by priority, then by creation (the order the pods were created here).
         return sorted(out, key=lambda w: (-(w["spec"].get("priority") or 0), _creation_rank(w)))
@@ -838,7 +851,8 @@ class KubeDouble(JobsMixin):
         quotas = _Quotas(self.objects)
         blocked_cqs: set[str] = set()  # StrictFIFO: the head that does not fit blocks the rest
         preempted: set[tuple[str, str]] = set()  # targets issued in this pass (preemptedWorkloads)
-        for wl in pending:
+        failed_shapes: set[tuple] = set()  # N3: one failed request of a shape stands for the rest
+        for wl in self._cycle_order(pending, used, quotas):
             cq, problem = self._cq_for(wl)
             if cq is not None and cq["metadata"]["name"] in blocked_cqs:
                 continue
@@ -848,6 +862,11 @@ class KubeDouble(JobsMixin):
             name = cq["metadata"]["name"]
             pod_spec = wl["spec"]["podSets"][0]["template"]["spec"]
             request = _requests(pod_spec)
+            shape = (name, tuple(sorted(request.items())))
+            if shape in failed_shapes:
+                # Kueue v0.19.2 does not evaluate a request of the same shape again in a cycle
+                # once one failed: the second and later waiters keep no QuotaReserved message.
+                continue
             assignment, need, reasons = self._assign(cq, pod_spec, request, used, quotas)
             if assignment is not None and not need:
                 for res, flavor in assignment.items():
@@ -856,6 +875,10 @@ class KubeDouble(JobsMixin):
                 continue
             if cq["spec"].get("queueingStrategy") == "StrictFIFO":
                 blocked_cqs.add(name)
+            failed_shapes.add(shape)
+            if wl["metadata"]["uid"] in self._fitted_at_start:  # nominated as Fit; another entry took it
+                self._set_pending(wl, K.REASON_PENDING, K.MSG_NO_LONGER_FITS)
+                continue
             message = K.MSG_ASSIGN_PREFIX.format(podset="main") + ", ".join(sorted(reasons))
             if assignment is None:
                 self._set_pending(wl, K.REASON_PENDING, message)
@@ -876,6 +899,43 @@ class KubeDouble(JobsMixin):
                 preempted.add(target.key)
                 self._evict_for(target, reason, wl, name, quotas)
             self._set_pending(wl, K.REASON_PENDING, message + K.MSG_PENDING_PREEMPTION.format(count=len(targets)))
+
+    def _cycle_order(self, pending, used, quotas):
+        """Kueue's order within a scheduling pass: each ClusterQueue's queue in priority, then
+        FIFO order; among the ClusterQueues' heads, a request within its queue's nominal quota
+        goes before one that would borrow, then priority, then FIFO (scheduler.go
+        entryOrdering). N2 on the real controller: a lender's own-quota request is admitted
+        before a higher-priority borrower that waited as long."""
+        queues: dict[str, list] = defaultdict(list)
+        order: list = []
+        self._fitted_at_start = set()
+        for wl in pending:  # already priority, then creation
+            cq, _ = self._cq_for(wl)
+            if cq is None:
+                order.append(wl)
+            else:
+                queues[cq["metadata"]["name"]].append((wl, cq))
+
+        def key(item, head_at_start=False):
+            wl, cq = item
+            name = cq["metadata"]["name"]
+            pod_spec = wl["spec"]["podSets"][0]["template"]["spec"]
+            request = _requests(pod_spec)
+            assignment, need, _ = self._assign(cq, pod_spec, request, used, quotas)
+            if head_at_start and assignment is not None and not need:  # Kueue nominates one head per queue
+                self._fitted_at_start.add(wl["metadata"]["uid"])
+            borrows = any(used[(name, flavor, res)] + request[res] > quotas.nominal(name, (flavor, res))
+                          for res, flavor in (assignment or {}).items())
+            return (borrows, -(wl["spec"].get("priority") or 0), _creation_rank(wl))
+
+        heads = {name: (key(items[0], head_at_start=True), 0) for name, items in queues.items()}
+        while heads:
+            name = min(heads, key=lambda n: heads[n][0])
+            _, i = heads.pop(name)
+            order.append(queues[name][i][0])
+            if i + 1 < len(queues[name]):
+                heads[name] = (key(queues[name][i + 1]), i + 1)
+        return order
 
     def _evict_for(self, target: "_Holder", reason: str, preemptor: dict, preemptor_cq: str, quotas: "_Quotas"):
         """IssuePreemptions for one target: Kueue's message, then the job integration stops it."""
@@ -998,6 +1058,7 @@ class KubeDouble(JobsMixin):
                                   "metadata": {"creationTimestamp": None}, "items": items})
 
 
+GC_DELAY = 1.0  # seconds from an owner's deletion to its dependents' (the garbage collector's lag)
 _CREATION = itertools.count()
 _RANKS: dict[str, int] = {}
 
@@ -1042,7 +1103,7 @@ def _evicted_by_preemption(wl, preempted_reason, message, requeued: bool):
     reconciler: Requeued, QuotaReserved=False "Pending" with the eviction message, no admission)."""
     _set_condition(wl, K.EVICTED, "True", K.EVICTED_BY_PREEMPTION, message)
     _set_condition(wl, K.PREEMPTED, "True", preempted_reason, message)
-    _count_eviction(wl, K.EVICTED_BY_PREEMPTION, preempted_reason)
+    _count_eviction(wl, K.EVICTED_BY_PREEMPTION, "")  # N5: Kueue v0.19.2 leaves the cause empty for a preemption
     _set_condition(wl, K.REQUEUED, "True" if requeued else "False", K.EVICTED_BY_PREEMPTION, message)
     _set_condition(wl, K.QUOTA_RESERVED, "False", K.REASON_PENDING, message)
     _set_condition(wl, K.ADMITTED, "False", K.ADMITTED_REASON_NO_RESERVATION, K.MSG_NO_RESERVATION)
@@ -1267,7 +1328,10 @@ def _bytes_like(res) -> bool:
 
 def _amount(res, qty) -> int:
     if res == "cpu":
-        return parse_cpu_millis(qty)
+        try:
+            return parse_cpu_millis(qty)
+        except ValueError:  # a quantity with a decimal suffix: the renderer's "100k" cores
+            return parse_memory_bytes(qty) * 1000
     if _bytes_like(res):
         return parse_memory_bytes(qty)
     return int(str(qty))

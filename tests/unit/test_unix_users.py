@@ -64,6 +64,29 @@ def test_accounts_are_created_once_unprivileged_and_foreign_ones_refused(tmp_pat
         remove_accounts(prefix)
 
 
+@root_only
+def test_a_users_first_servers_starting_together_get_one_account():
+    """Found in a loaded suite run: bob's two first servers started at once, two `useradd`s
+    raced, and one server's home was given to a uid that /etc/passwd no longer had (its
+    launcher: "Permission denied: '/home/<account>'"). Threads of one hub and another
+    process (a second hub, here a shell loop of useradds) now take turns."""
+    from concurrent.futures import ThreadPoolExecutor
+    import pwd
+
+    prefix = f"gr{uuid.uuid4().hex[:5]}-"
+    other = subprocess.Popen(["sh", "-c", f"for i in 1 2 3 4 5 6; do useradd --system --no-create-home {prefix}x$i; done"])
+    try:
+        for n in range(4):
+            with ThreadPoolExecutor(4) as pool:
+                uids = set(pool.map(lambda _: ensure_account(f"bob{n}", prefix).uid, range(4)))
+            assert uids == {pwd.getpwnam(system_username(f"bob{n}", prefix)).pw_uid}, uids
+    finally:
+        other.wait()
+        remove_accounts(prefix)
+        for i in range(1, 7):
+            subprocess.run(["userdel", f"{prefix}x{i}"], capture_output=True)
+
+
 def test_data_dir_and_demo_password_are_private_from_the_first_byte(tmp_path, monkeypatch):
     """Created with their final modes: with a permissive umask and chmod disabled they are still private."""
     monkeypatch.delenv("GPUHUB_DEMO_PASSWORD", raising=False)

@@ -10,6 +10,8 @@ an existing account without it (``root``, a person's login) is never taken over.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import grp
 import hashlib
 import os
@@ -17,6 +19,7 @@ import pwd
 import re
 import stat
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 
@@ -72,8 +75,35 @@ def _ours(entry: pwd.struct_passwd, hub_name: str) -> bool:
     return entry.pw_gecos == gecos(hub_name)
 
 
+# One account change at a time on this machine. A user's first two servers start together
+# (the spawner calls this from executor threads), and concurrent `useradd`s here lose
+# updates despite shadow-utils' own locks: two threads creating one name got uids 995 and
+# 999 (14 of 15 tries), one server's home went to the first and its launcher ran as the
+# second, whose chdir into the home failed. The lookup and the useradd are one step, under
+# a lock of this process (threads) and a lock file (other processes: a second hub, tests).
+_ACCOUNTS = threading.Lock()
+LOCK_FILE = "/run/gpuhub/accounts.lock"
+
+
+@contextlib.contextmanager
+def _accounts_locked():
+    with _ACCOUNTS:
+        os.makedirs(os.path.dirname(LOCK_FILE), mode=0o755, exist_ok=True)
+        fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
 def ensure_account(hub_name: str, prefix: str = "gpuhub-", shell: str = "/usr/sbin/nologin") -> Account:
     """The account of ``hub_name``, created (no password, no login shell) if missing."""
+    with _accounts_locked():
+        return _ensure_account(hub_name, prefix, shell)
+
+
+def _ensure_account(hub_name: str, prefix: str, shell: str) -> Account:
     name = system_username(hub_name, prefix)
     for attempt in range(20):
         entry = lookup(name)
@@ -156,13 +186,14 @@ def _take_over(home_fd: int, old_uid: int, account: Account, path: str) -> None:
 def remove_accounts(prefix: str) -> list[str]:
     """Delete every gpuhub-made account whose name starts with ``prefix`` (tests, uninstall)."""
     removed = []
-    for entry in pwd.getpwall():
-        if entry.pw_name.startswith(prefix) and entry.pw_gecos.startswith(MARKER):
-            subprocess.run(["userdel", entry.pw_name], capture_output=True)
-            try:
-                grp.getgrnam(entry.pw_name)
-                subprocess.run(["groupdel", entry.pw_name], capture_output=True)
-            except KeyError:
-                pass
-            removed.append(entry.pw_name)
+    with _accounts_locked():
+        for entry in pwd.getpwall():
+            if entry.pw_name.startswith(prefix) and entry.pw_gecos.startswith(MARKER):
+                subprocess.run(["userdel", entry.pw_name], capture_output=True)
+                try:
+                    grp.getgrnam(entry.pw_name)
+                    subprocess.run(["groupdel", entry.pw_name], capture_output=True)
+                except KeyError:
+                    pass
+                removed.append(entry.pw_name)
     return removed

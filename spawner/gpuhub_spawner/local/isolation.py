@@ -29,6 +29,8 @@ from tornado import web
 from traitlets import CaselessStrEnum, Unicode, default
 
 from .cgroups import CgroupHost, ServerCgroup
+from .listening import PortTaken
+from .listening import watcher as listen_watcher
 from .unix_users import Account, AccountError, ensure_account, ensure_home, system_username
 
 # Device-cgroup allow-list (v1): mknod is refused anyway (no CAP_MKNOD); these may be opened.
@@ -342,7 +344,24 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if isolated:
             await hand_over(self.proc, spec_fd, payload)
         self._watch_oom()
+        await self._wait_listening()
         return (self.ip or "127.0.0.1", self.port)
+
+    async def _wait_listening(self) -> None:
+        """Return as soon as the server's own process listens on its port (``listening``):
+        JupyterHub's first check of the URL then answers at once instead of after its
+        back-off. A server that exits or takes longer than ``http_timeout`` falls back to
+        JupyterHub's own polling and timeouts; a port held by another process is refused."""
+        t0 = time.monotonic()
+        try:
+            outcome = await listen_watcher().wait(self.port, self.pid, self.http_timeout)
+        except PortTaken as e:
+            self.log.error("%s: %s; not routing to it", self._log_name, e)
+            await self.stop(now=True)
+            msg = ("Your server could not start: another process took its network port. Start it again; "
+                   "an administrator can see why in the hub's log.")
+            raise web.HTTPError(500, msg, reason=msg) from None
+        self.log.info("%s: %s %.2fs after its process started", self._log_name, outcome, time.monotonic() - t0)
 
     def _private_tmp(self) -> str | None:
         """The host directory this account sees as /tmp: root's, 1777 like /tmp itself.

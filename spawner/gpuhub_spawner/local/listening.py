@@ -1,0 +1,172 @@
+"""Learn that a server listens the moment it does, and that the listener is that server.
+
+JupyterHub finds out that a single-user server is up by polling its URL with a growing,
+randomised back-off (0.2 s, 0.4 s, 0.8 s ... up to 5 s between tries), which adds on
+average half the current step to every spawn. The kernel already knows: a listening
+socket appears in ``/proc/net/tcp`` (state ``0A``) the moment the server calls
+``listen()``. One watcher per hub reads that table every ``TICK`` seconds while anyone is
+waiting (one read for all waiting servers, however many), and wakes each waiter whose
+port is listening.
+
+It also checks who listens: the socket's inode must be one of the server's own process
+tree's file descriptors. A socket on the server's port held by anything else (another
+user's process that bound the port first) is reported, so the hub never routes a user to
+it — stock JupyterHub's poll would take any answer on that port for the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+
+TICK = 0.01  # seconds between reads of the socket table while a server is starting
+LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
+
+
+def listening_inodes(proc_net: str = "/proc/net") -> dict[int, set[int]]:
+    """{local port: {socket inode}} of every listening TCP socket (IPv4 and IPv6)."""
+    out: dict[int, set[int]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(os.path.join(proc_net, name)) as f:
+                next(f, None)  # header
+                for line in f:
+                    parts = line.split()
+                    if len(parts) < 10 or parts[3] != LISTEN:
+                        continue
+                    port = int(parts[1].rsplit(":", 1)[1], 16)
+                    out.setdefault(port, set()).add(int(parts[9]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def process_tree(pid: int, proc: str = "/proc") -> list[int]:
+    """``pid`` and its descendants (through each task's ``children`` list)."""
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.append(p)
+        try:
+            for tid in os.listdir(f"{proc}/{p}/task"):
+                with open(f"{proc}/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return seen
+
+
+def socket_inodes(pids: list[int], proc: str = "/proc") -> set[int] | None:
+    """Socket inodes among the processes' open files; None if they cannot be read (then
+    who listens cannot be checked: a hub that is not root, servers of another user)."""
+    out: set[int] = set()
+    denied = False
+    for p in pids:
+        fd_dir = f"{proc}/{p}/fd"
+        try:
+            names = os.listdir(fd_dir)
+        except FileNotFoundError:  # gone: it holds nothing
+            continue
+        except PermissionError:
+            denied = True
+            continue
+        for name in names:
+            try:
+                target = os.readlink(f"{fd_dir}/{name}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                out.add(int(target[8:-1]))
+    return None if denied and not out else out
+
+
+def _gone(pid: int, proc: str = "/proc") -> bool:
+    """The process has exited (absent, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"{proc}/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+class PortTaken(Exception):
+    """Something other than the server listens on the server's port."""
+
+
+@dataclass
+class _Waiter:
+    port: int
+    pid: int
+    future: asyncio.Future
+    foreign_since: float | None = None
+
+
+@dataclass
+class ListenWatcher:
+    """One per event loop: ``await watcher.wait(port, pid, timeout)``."""
+
+    tick: float = TICK
+    proc: str = "/proc"
+    waiters: list[_Waiter] = field(default_factory=list)
+    _task: asyncio.Task | None = None
+    reads: int = 0  # reads of the socket table (the benchmark reports it)
+
+    async def wait(self, port: int, pid: int, timeout: float) -> str:
+        """"listening" when the server's own process tree listens on ``port``, "exited" when
+        the process is gone first, "timeout" after ``timeout`` seconds; raises PortTaken when
+        another process's socket holds the port."""
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(port, pid, loop.create_future())
+        self.waiters.append(waiter)
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run())
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        except asyncio.TimeoutError:
+            return "timeout"
+        finally:
+            if waiter in self.waiters:
+                self.waiters.remove(waiter)
+
+    async def _run(self) -> None:
+        while self.waiters:
+            self._check(listening_inodes(os.path.join(self.proc, "net")))
+            self.reads += 1
+            await asyncio.sleep(self.tick)
+
+    def _check(self, listening: dict[int, set[int]]) -> None:
+        for w in list(self.waiters):
+            if w.future.done():
+                self.waiters.remove(w)
+                continue
+            if _gone(w.pid, self.proc):
+                w.future.set_result("exited")
+                continue
+            inodes = listening.get(w.port)
+            if not inodes:
+                continue
+            mine = socket_inodes(process_tree(w.pid, self.proc), self.proc)
+            if mine is None or inodes & mine:
+                w.future.set_result("listening")
+            elif w.foreign_since is None:  # the server's fds are read a moment after listen():
+                w.foreign_since = time.monotonic()  # give a just-made socket one more look
+            elif time.monotonic() - w.foreign_since > 0.5:
+                w.future.set_exception(PortTaken(f"port {w.port} is held by a process outside the server"))
+
+
+_WATCHERS: dict[int, ListenWatcher] = {}
+
+
+def watcher() -> ListenWatcher:
+    """The watcher of the running event loop (tests run several loops in one process)."""
+    loop = asyncio.get_running_loop()
+    key = id(loop)
+    w = _WATCHERS.get(key)
+    if w is None:
+        w = _WATCHERS[key] = ListenWatcher()
+    return w

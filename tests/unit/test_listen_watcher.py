@@ -1,0 +1,88 @@
+"""The hub learns that a server listens from the kernel's socket table, and only believes
+the server's own process tree (local/listening.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpuhub_spawner.local.listening import PortTaken, listening_inodes, watcher
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server(port: int, delay: float) -> subprocess.Popen:
+    """A process that listens on ``port`` after ``delay`` seconds, from a child of its own."""
+    code = (f"import socket, time, os\ntime.sleep({delay})\n"
+            "if os.fork() == 0:\n"
+            f"    s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)\n"
+            "else:\n    os.wait()\n")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+async def test_the_servers_own_listen_wakes_the_wait_within_ticks():
+    port = free_port()
+    proc = server(port, 0.5)
+    try:
+        t0 = time.monotonic()
+        assert await watcher().wait(port, proc.pid, timeout=20) == "listening"
+        waited = time.monotonic() - t0
+        assert port in listening_inodes()
+        assert 0.5 <= waited < 3, waited  # the listen, not a back-off step, ends the wait
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_a_port_taken_by_another_process_is_refused_not_routed_to():
+    port = free_port()
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port))
+    squatter.listen()  # this test process: not the server's tree
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(PortTaken, match=f"port {port} is held by a process outside the server"):
+            await watcher().wait(port, proc.pid, timeout=20)
+    finally:
+        squatter.close()
+        proc.kill()
+        proc.wait()
+
+
+async def test_a_server_that_exits_or_never_listens_falls_back():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert await watcher().wait(port, proc.pid, timeout=20) in ("exited",)
+    proc.wait()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert await watcher().wait(port, sleeper.pid, timeout=0.3) == "timeout"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+async def test_many_waiters_share_one_read_per_tick():
+    ports = [free_port() for _ in range(20)]
+    procs = [server(p, 0.3) for p in ports]
+    w = watcher()
+    try:
+        before = w.reads
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(w.wait(p, pr.pid, timeout=30) for p, pr in zip(ports, procs)))
+        elapsed = time.monotonic() - t0
+        assert results == ["listening"] * 20
+        assert w.reads - before <= elapsed / w.tick + 5  # one table read per tick, not per waiter
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -344,8 +344,11 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if isolated:
             await hand_over(self.proc, spec_fd, payload)
         self._watch_oom()
-        await self._wait_listening()
+        if self.serves_http:
+            await self._wait_listening()
         return (self.ip or "127.0.0.1", self.port)
+
+    serves_http = True  # a server is ready when it listens; a batch job (JobProcess) is running once started
 
     async def _wait_listening(self) -> None:
         """Return as soon as the server's own process listens on its port (``listening``):

@@ -48,6 +48,8 @@ def launcher_config(config):
 class JobProcess(IsolatedProcessSpawner):
     """One attempt of one job, as its user; see the module docstring."""
 
+    serves_http = False  # it runs once started: no port to wait for
+
     def __init__(self, *, user_name: str, job_id: str, argv: list[str], env: dict[str, str], devices: list[str],
                  device_nodes: list[str], limits: tuple[int | None, int | None], **kwargs):
         super().__init__(user=SimpleNamespace(name=user_name, url=f"/user/{user_name}/", escaped_name=user_name),

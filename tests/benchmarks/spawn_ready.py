@@ -28,17 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-import conftest  # noqa: E402,F401  (*.localhost resolves; cookies as a browser keeps them)
+from isolation_spawn import POLICY, spawn_once  # noqa: E402  (its policy: a CPU profile of every core)
 from support.hub import Hub  # noqa: E402
 
-POLICY = """\
-flavors:
-  - {name: gpu, displayName: Tesla, local: {virtual: 2}}
-teams:
-  - {name: vision, displayName: Vision Lab, groups: [vision-lab], quota: {gpus: {gpu: 2}}}
-profiles:
-  - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: "%d", memory: 2Gi}
-""" % (os.cpu_count() or 1)  # every core: the figure is the spawn path, not a CPU quota
 STOCK = "c.JupyterHub.spawner_class = 'jupyterhub.spawner.SimpleLocalProcessSpawner'\nc.Spawner.args = ['--allow-root']\n"
 SINGLEUSER = str(Path(sys.executable).parent / "jupyterhub-singleuser")
 
@@ -73,17 +65,6 @@ def own_start(hub: Hub, token: str, home: Path) -> float:
         proc.wait(30)
 
 
-def spawn(user) -> float:
-    t0 = time.perf_counter()
-    r = user.start("cpu")
-    assert r.status_code in (201, 202), r.text
-    user.wait_ready(timeout=120)
-    took = time.perf_counter() - t0
-    user.stop()
-    user.wait_gone(timeout=60)
-    return took
-
-
 def breakdown(hub: Hub) -> tuple[list[float], list[float]]:
     """(process start -> listening, hub's total start) from a gpuhub hub's log."""
     text = hub.log.read_text(errors="replace")
@@ -106,16 +87,15 @@ def main() -> None:
     try:
         for h in hubs.values():
             h.start()
-        users = {label: h.login("alice") for label, h in hubs.items()}
         direct_hub = hubs["gpuhub, no isolation"]
-        token = users["gpuhub, no isolation"].token
+        token = direct_hub.login("alice").token
         home = work / "direct-home"
         home.mkdir()
         times: dict[str, list[float]] = {"own start-up (run directly)": [], **{k: [] for k in hubs}}
         for i in range(n):
             times["own start-up (run directly)"].append(own_start(direct_hub, token, home))
-            for label, user in users.items():
-                times[label].append(spawn(user))
+            for label, hub in hubs.items():
+                times[label].append(spawn_once(hub, "alice"))
             print(f"round {i + 1}/{n}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
         base = statistics.median(times["own start-up (run directly)"])
         print(f"\nreal jupyterhub-singleuser, {n} interleaved rounds on {os.cpu_count()} cores (request -> ready)")

@@ -188,6 +188,15 @@ class RealCluster:
         return self.list("events", namespace, fieldSelector=f"involvedObject.name={name}")
 
 
+def guide_block(starts: str) -> str:
+    """The ```sh block of docs/install-kubernetes.md that begins with ``starts`` (run as written)."""
+    guide = (REPO / "docs" / "install-kubernetes.md").read_text()
+    for block in re.findall(r"```sh\n(.*?)```", guide, re.S):
+        if block.startswith(starts):
+            return block
+    raise AssertionError(f"no sh block starting {starts!r} in install-kubernetes.md")
+
+
 def ensure_up() -> tuple[RealCluster, bool]:
     """The running control plane, started with up.sh when it is not (returns whether it was)."""
     if KUBECONFIG.exists():

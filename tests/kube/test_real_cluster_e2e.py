@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -112,15 +111,6 @@ def until(predicate, timeout: float = WAIT, what: str = "condition", hub: Hub | 
     raise TimeoutError(f"{what} not reached in {timeout}s" + (f"\n{hub.tail(80)}" if hub else ""))
 
 
-def guide_block(starts: str) -> str:
-    """The ```sh block of docs/install-kubernetes.md that begins with ``starts``."""
-    guide = (Path(__file__).resolve().parents[2] / "docs" / "install-kubernetes.md").read_text()
-    for block in re.findall(r"```sh\n(.*?)```", guide, re.S):
-        if block.startswith(starts):
-            return block
-    raise AssertionError(f"no sh block starting {starts!r} in install-kubernetes.md")
-
-
 class DoubleBackend:
     name = "double"
 
@@ -165,7 +155,7 @@ class RealBackend:
         hooks = self.cluster.kubectl("get", "validatingwebhookconfiguration", "kueue-validating-webhook-configuration",
                                      "-o", "json").stdout
         if '"gpuhub"' not in hooks:
-            out = subprocess.run(["bash", "-c", guide_block("for kind in mutating validating")], capture_output=True,
+            out = subprocess.run(["bash", "-c", real.guide_block("for kind in mutating validating")], capture_output=True,
                                  text=True, timeout=120, env=dict(os.environ, KUBECONFIG=str(self.kubeconfig),
                                                                   PATH=f"{real.VENV_BIN}:{os.environ['PATH']}"))
             print(f"\n[real] install guide webhook exclusion:\n{out.stdout}{out.stderr}")

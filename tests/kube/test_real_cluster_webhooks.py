@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -31,7 +30,6 @@ SKIP = real.skip_reason()
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(bool(SKIP), reason=SKIP or "")]
 
 HUB_NS, USERS_NS = "gpuhub", "gpuhub-users"
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "install-kubernetes.md"
 CONFIGS = {"mutating": "kueue-mutating-webhook-configuration", "validating": "kueue-validating-webhook-configuration"}
 
 
@@ -56,14 +54,17 @@ def dry_run_create(cluster: real.RealCluster, obj: dict) -> str:
     return "" if p.returncode == 0 else p.stderr.strip()
 
 
-def guide_webhook_step() -> str:
-    block = next(b for b in re.findall(r"```sh\n(.*?)```", GUIDE.read_text(), re.S) if "webhook-exclusion" in b)
-    return block
-
-
 def kueue_pid() -> int | None:
     f = real.DIR / "run" / "kueue.pid"
     return int(f.read_text()) if f.exists() and f.read_text().strip() else None
+
+
+def kueue_running() -> bool:
+    pid = kueue_pid()
+    try:
+        return pid is not None and os.kill(pid, 0) is None
+    except ProcessLookupError:
+        return False
 
 
 def stop_kueue() -> None:
@@ -71,13 +72,10 @@ def stop_kueue() -> None:
     assert pid, "up.sh recorded no Kueue pid"
     os.kill(pid, signal.SIGTERM)
     deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    while time.time() < deadline and kueue_running():
         time.sleep(0.2)
-    os.kill(pid, signal.SIGKILL)
+    if kueue_running():
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +84,7 @@ def cluster():
     for ns in (HUB_NS, USERS_NS):
         cluster.ensure_namespace(ns)
     yield cluster
-    if not cluster.ready() or kueue_pid() is None or subprocess.run(["kill", "-0", str(kueue_pid())]).returncode:
+    if not cluster.ready() or not kueue_running():  # a failed test left Kueue stopped: start it again
         subprocess.run(["bash", str(real.HERE / "up.sh")], check=False, timeout=600)
     if started and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
         real.down()
@@ -107,7 +105,7 @@ def test_a_kueue_outage_leaves_the_hub_namespace_deployable_after_the_guides_ste
 
     env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig),
                PATH=f"{Path(real.kubectl_path()).parent}:{real.VENV_BIN}:{os.environ['PATH']}")
-    step = subprocess.run(["bash", "-euo", "pipefail", "-c", guide_webhook_step()], env=env, capture_output=True,
+    step = subprocess.run(["bash", "-euo", "pipefail", "-c", real.guide_block("for kind in mutating validating")], env=env, capture_output=True,
                           text=True, timeout=120)
     print(f"the guide's step: rc={step.returncode}\n{step.stdout}{step.stderr}")
     assert step.returncode == 0

@@ -104,7 +104,7 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
         text = f"Waiting for quota: team {team} has no free capacity; {' and '.join(short)} more needed."
     elif taken:
         text = f"Waiting for quota: another request was admitted to the capacity team {team} could use."
-    elif reserved and (queue_blocked(reserved.get("message", "")) or reserved.get("reason") in (
+    elif reserved and (queue_blocked(kueue_says) or reserved.get("reason") in (
             K.REASON_INADMISSIBLE, K.REASON_MISCONFIGURED, K.REASON_SUSPENDED)):
         text = f"Waiting: team {team}'s queue is not accepting servers right now (an administrator has been told in the hub log)."
     else:

@@ -30,11 +30,9 @@ def exclude_namespace(config: dict, namespace: str) -> tuple[dict, list[str]]:
         out.get("metadata", {}).pop(meta_field, None)  # apply, not replace: no stale version to conflict on
     changed = []
     for hook in out.get("webhooks") or []:
-        selector = hook.setdefault("namespaceSelector", {})
-        exprs = selector.setdefault("matchExpressions", [])
-        if any(e.get("key") == NAME_KEY and e.get("operator") == "NotIn" and namespace in (e.get("values") or [])
-               for e in exprs):
+        if _excludes(hook, namespace):
             continue
+        exprs = hook.setdefault("namespaceSelector", {}).setdefault("matchExpressions", [])
         existing = next((e for e in exprs if e.get("key") == NAME_KEY and e.get("operator") == "NotIn"), None)
         if existing is not None:
             existing.setdefault("values", []).append(namespace)
@@ -47,10 +45,11 @@ def exclude_namespace(config: dict, namespace: str) -> tuple[dict, list[str]]:
 def webhooks_covering(config: dict, namespace: str) -> list[str]:
     """Names of the webhooks whose namespaceSelector still selects ``namespace`` (by its name
     label only: a selector on other labels is reported, since it may match)."""
-    out = []
-    for hook in config.get("webhooks") or []:
-        exprs = (hook.get("namespaceSelector") or {}).get("matchExpressions") or []
-        if not any(e.get("key") == NAME_KEY and e.get("operator") == "NotIn" and namespace in (e.get("values") or [])
-                   for e in exprs):
-            out.append(hook["name"])
-    return out
+    return [hook["name"] for hook in config.get("webhooks") or [] if not _excludes(hook, namespace)]
+
+
+def _excludes(hook: dict, namespace: str) -> bool:
+    """The webhook's namespaceSelector has ``kubernetes.io/metadata.name NotIn [.., namespace]``."""
+    exprs = (hook.get("namespaceSelector") or {}).get("matchExpressions") or []
+    return any(e.get("key") == NAME_KEY and e.get("operator") == "NotIn" and namespace in (e.get("values") or [])
+               for e in exprs)

@@ -114,7 +114,7 @@ class ListenWatcher:
     proc: str = "/proc"
     waiters: list[_Waiter] = field(default_factory=list)
     _task: asyncio.Task | None = None
-    reads: int = 0  # reads of the socket table (the benchmark reports it)
+    reads: int = 0  # reads of the socket table so far (tests check it is one per tick, not per waiter)
 
     async def wait(self, port: int, pid: int, timeout: float) -> str:
         """"listening" when the server's own process tree listens on ``port``, "exited" when

@@ -852,7 +852,8 @@ class KubeDouble(JobsMixin):
         blocked_cqs: set[str] = set()  # StrictFIFO: the head that does not fit blocks the rest
         preempted: set[tuple[str, str]] = set()  # targets issued in this pass (preemptedWorkloads)
         failed_shapes: set[tuple] = set()  # N3: one failed request of a shape stands for the rest
-        for wl in self._cycle_order(pending, used, quotas):
+        order, fitted_at_start = self._cycle_order(pending, used, quotas)
+        for wl in order:
             cq, problem = self._cq_for(wl)
             if cq is not None and cq["metadata"]["name"] in blocked_cqs:
                 continue
@@ -876,7 +877,7 @@ class KubeDouble(JobsMixin):
             if cq["spec"].get("queueingStrategy") == "StrictFIFO":
                 blocked_cqs.add(name)
             failed_shapes.add(shape)
-            if wl["metadata"]["uid"] in self._fitted_at_start:  # nominated as Fit; another entry took it
+            if wl["metadata"]["uid"] in fitted_at_start:  # nominated as Fit; another entry took it
                 self._set_pending(wl, K.REASON_PENDING, K.MSG_NO_LONGER_FITS)
                 continue
             message = K.MSG_ASSIGN_PREFIX.format(podset="main") + ", ".join(sorted(reasons))
@@ -905,10 +906,11 @@ class KubeDouble(JobsMixin):
         FIFO order; among the ClusterQueues' heads, a request within its queue's nominal quota
         goes before one that would borrow, then priority, then FIFO (scheduler.go
         entryOrdering). N2 on the real controller: a lender's own-quota request is admitted
-        before a higher-priority borrower that waited as long."""
+        before a higher-priority borrower that waited as long. Returns (the order, the uids of
+        the heads that fitted when the pass began: Kueue's "no longer fits" candidates)."""
         queues: dict[str, list] = defaultdict(list)
         order: list = []
-        self._fitted_at_start = set()
+        fitted: set[str] = set()
         for wl in pending:  # already priority, then creation
             cq, _ = self._cq_for(wl)
             if cq is None:
@@ -923,7 +925,7 @@ class KubeDouble(JobsMixin):
             request = _requests(pod_spec)
             assignment, need, _ = self._assign(cq, pod_spec, request, used, quotas)
             if head_at_start and assignment is not None and not need:  # Kueue nominates one head per queue
-                self._fitted_at_start.add(wl["metadata"]["uid"])
+                fitted.add(wl["metadata"]["uid"])
             borrows = any(used[(name, flavor, res)] + request[res] > quotas.nominal(name, (flavor, res))
                           for res, flavor in (assignment or {}).items())
             return (borrows, -(wl["spec"].get("priority") or 0), _creation_rank(wl))
@@ -935,7 +937,7 @@ class KubeDouble(JobsMixin):
             order.append(queues[name][i][0])
             if i + 1 < len(queues[name]):
                 heads[name] = (key(queues[name][i + 1]), i + 1)
-        return order
+        return order, fitted
 
     def _evict_for(self, target: "_Holder", reason: str, preemptor: dict, preemptor_cq: str, quotas: "_Quotas"):
         """IssuePreemptions for one target: Kueue's message, then the job integration stops it."""

@@ -4,6 +4,7 @@ the server's own process tree (local/listening.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -86,3 +87,29 @@ async def test_many_waiters_share_one_read_per_tick():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_the_kernels_answer_over_netlink_is_the_socket_table():
+    """The watcher asks netlink (cheap) and falls back to /proc/net/tcp (a walk of every
+    connection): both must name the same listening sockets, IPv4 and IPv6, and nothing
+    that only connects."""
+    from gpuhub_spawner.local.listening import _netlink_listening, _proc_listening
+
+    v4, v6 = socket.socket(), socket.socket(socket.AF_INET6)
+    v4.bind(("127.0.0.1", 0))
+    v6.bind(("::1", 0))
+    v4.listen()
+    v6.listen()
+    client = socket.create_connection(v4.getsockname())
+    try:
+        # other processes on the machine may listen or close between two reads: one of a
+        # few paired reads must agree exactly
+        assert any(_netlink_listening() == _proc_listening("/proc/net") for _ in range(5))
+        over_netlink = _netlink_listening()
+        for s in (v4, v6):
+            assert over_netlink[s.getsockname()[1]] == {os.fstat(s.fileno()).st_ino}
+        assert client.getsockname()[1] not in over_netlink
+    finally:
+        client.close()
+        v4.close()
+        v6.close()

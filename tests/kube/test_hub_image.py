@@ -44,13 +44,64 @@ def test_hadolint_passes():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def _instructions() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined as Docker joins them."""
+    text = re.sub(r"\\\n", "", DOCKERFILE.read_text())
+    return [l.strip() for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+
+
 def test_base_is_the_charts_hub_image_pinned_by_digest():
     values = yaml.safe_load((require_shared("charts", "jupyterhub-4.4.0") / "values.yaml").read_text())
     image = values["hub"]["image"]
-    lines = [l.strip() for l in DOCKERFILE.read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = _instructions()
     [base] = [l for l in lines if l.startswith("FROM ")]
-    assert base == f"FROM {image['name']}:{image['tag']}@${{HUB_BASE_DIGEST}}"
-    assert "ARG HUB_BASE_DIGEST" in lines  # no default: a build without a digest fails
+    # ${VAR:?message}: BuildKit (and the classic builder, which shares its lexer) stops with
+    # "HUB_BASE_DIGEST: <message>" when the argument is unset or empty.
+    m = re.fullmatch(r"FROM (\S+)@\$\{HUB_BASE_DIGEST:\?(\S+)\}", base)
+    assert m and m.group(1) == f"{image['name']}:{image['tag']}", base
+    assert "docs/install-kubernetes.md" in m.group(2)
+    assert "ARG HUB_BASE_DIGEST" in lines  # no default: the operator supplies it
+
+
+def _fake_site(tmp_path: Path, versions: dict[str, str]) -> Path:
+    site = tmp_path / "site"
+    for name, version in versions.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return site
+
+
+def test_build_refuses_a_base_that_is_not_k8s_hub_4_4_0(tmp_path):
+    """The first RUN (before anything is installed) is the check that the digest the operator
+    passed is k8s-hub 4.4.0's: run as written, with ``python`` seeing the packages of a
+    stand-in image through their installed metadata."""
+    lines = _instructions()
+    runs = [l for l in lines if l.startswith("RUN ")]
+    check = runs[0][len("RUN "):]
+    assert "HUB_BASE_DIGEST" in check and lines.index(runs[0]) < lines.index("USER 0")
+    chart_image = {"jupyterhub": "5.5.0", "jupyterhub-kubespawner": "7.0.0", "jupyterhub-idle-culler": "1.4.0",
+                   "oauthenticator": "17.4.0", "psycopg2": "2.9.12", "pycurl": "7.46.0"}  # z2jh 4.4.0 images/hub/requirements.txt
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # The stand-in image's python: this interpreter without its own site-packages (-S), so it
+    # sees exactly the packages of the stand-in image.
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+
+    def build_step(versions: dict[str, str]) -> subprocess.CompletedProcess:
+        site = _fake_site(tmp_path / str(len(list(tmp_path.iterdir()))), versions)
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(site)}
+        return subprocess.run(["/bin/sh", "-c", check], env=env, capture_output=True, text=True)
+
+    assert build_step(chart_image).returncode == 0
+    other = build_step({**chart_image, "jupyterhub": "5.4.0", "jupyterhub-kubespawner": "6.2.0"})
+    assert other.returncode != 0
+    assert "HUB_BASE_DIGEST is not the digest of quay.io/jupyterhub/k8s-hub:4.4.0" in other.stderr
+    assert "'jupyterhub': '5.4.0'" in other.stderr and "'jupyterhub-kubespawner': '6.2.0'" in other.stderr
+    missing = dict(chart_image)
+    del missing["pycurl"]
+    assert "'pycurl': 'absent'" in build_step(missing).stderr
 
 
 def test_versions_match_what_the_suite_runs():

@@ -74,6 +74,9 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
             "idle_for": gpu_idle if gpu_idle != "0s" else None,
             "stops_at": deadline,
         }
+        health = broker.devices.health.of(d.id)  # admission.health: not private, everyone sees it
+        entry.update(health=health.state, health_summary=health.summary(), drained=bool(health.drained),
+                     usable=health.usable)
         if adm is not None and not see_all and adm.team not in own_teams and adm.user != me:
             entry.update(dict.fromkeys(_HIDDEN))
         devices.append(entry)
@@ -90,6 +93,11 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
                 "reason": t.status.reason if t.status else "",
             })
     lending = {f.name: lent_and_borrowed(policy, usage, f.name) for f in policy.flavors}
+    # One machine: devices of each flavor that may be handed out (a bad or drained GPU is not).
+    usable_of: dict[str, int] = {}
+    if broker.devices is not None:
+        for d in broker.devices.devices:
+            usable_of[d.flavor] = usable_of.get(d.flavor, 0) + (1 if broker.devices.health.usable(d.id) else 0)
     teams = []
     for team in policy.teams:
         used = usage.get(team.name, {})
@@ -105,6 +113,9 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
                     "in_use": used.get(f"gpu/{f}", 0), "nominal": q.nominal, "display_name": flavor_names.get(f, f),
                     "lent": lending.get(f, ({}, {}))[0].get(team.name, 0),
                     "borrowed": lending.get(f, ({}, {}))[1].get(team.name, 0),
+                    # what the team can get now: its quota, but never more than the machine's usable devices
+                    **({"usable": min(q.nominal, usable_of.get(f, 0)),
+                        "out_of_service": broker.devices.out_of_service_words(f)} if broker.devices is not None else {}),
                 }
                 for f, q in team.quota.gpus.items()
             },

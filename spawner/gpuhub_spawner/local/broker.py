@@ -22,6 +22,7 @@ from ..policy.model import Policy
 from ..culling.reclaimer import Reclaimer  # lent GPUs come back to their team (admission/reclaim.py)
 from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
 from .devices import DeviceTable, capacity_by_flavor, discover_nvml
+from .gpu_health import GpuHealthMonitor
 
 log = logging.getLogger("JupyterHub.gpuhub.broker")
 
@@ -55,6 +56,12 @@ class LocalBroker(SingletonConfigurable):
         come back through JupyterHub after a restart.""",
     ).tag(config=True)
 
+    gpu_health_file = Unicode(
+        "",
+        help="""File that keeps GPU drains and the marks of critical XIDs across hub restarts
+        (in the hub's data dir). Empty: in memory only. See docs/gpu-health.md.""",
+    ).tag(config=True)
+
     def __init__(self, discover=discover_nvml, **kwargs):
         super().__init__(**kwargs)
         self.store = PolicyStore.instance(config=self.config)
@@ -66,6 +73,9 @@ class LocalBroker(SingletonConfigurable):
         self.queue = AdmissionQueue(lambda: self.store.current, self.devices, self.journal)
         UsageRecorder.instance(config=self.config).attach(self)
         self.reclaimer = Reclaimer(self)
+        # XID events and error counters take failing GPUs out of admission (local/gpu_health.py).
+        self.gpu_health = GpuHealthMonitor(self, self.gpu_health_file)
+        self.gpu_health.start()
         if self.waiting_before_restart:
             self.queue.held = True  # until they are back: nobody jumps the queue meanwhile
             try:

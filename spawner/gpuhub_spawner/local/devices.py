@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from ..admission.health import HealthBook
 from ..admission.quota import Demand, describe
 from ..policy.model import Policy
 
@@ -183,6 +184,8 @@ class DeviceTable:
         self._nvml = discover()
         self.devices: list[Device] = build_inventory(policy(), self._nvml)
         self.owner: dict[str, str] = {}  # device id -> server key
+        # Health of each device (local/gpu_health.py feeds it): a bad or drained one is never handed out.
+        self.health = HealthBook()
         log.info(
             "GPU inventory: %s",
             ", ".join(f"{d.id}={d.flavor}{' (virtual)' if d.virtual else ''}" for d in self.devices) or "none",
@@ -201,7 +204,22 @@ class DeviceTable:
         return [d for d in self.devices if d.flavor == flavor]
 
     def free_devices(self, flavor: str) -> list[Device]:
-        return [d for d in self._of(flavor) if d.id not in self.owner]
+        """Devices of ``flavor`` nobody holds that may be handed out (not bad, not drained)."""
+        return [d for d in self._of(flavor) if d.id not in self.owner and self.health.usable(d.id)]
+
+    def out_of_service(self, flavor: str) -> list[Device]:
+        return [d for d in self._of(flavor) if not self.health.usable(d.id)]
+
+    def out_of_service_words(self, flavor: str) -> str:
+        """'1 out of service since 10:42 (XID 79: GPU has fallen off the bus)'; '' when none."""
+        out = self.out_of_service(flavor)
+        if not out:
+            return ""
+        first = min((self.health.of(d.id) for d in out), key=lambda h: h.since or h.drained_at or 0)
+        detail = first.summary()
+        detail = detail[len("out of service "):] if detail.startswith("out of service ") else detail
+        more = f"; {len(out) - 1} more" if len(out) > 1 else ""
+        return f"{len(out)} out of service {detail}{more}"
 
     def nodes_for(self, ids: list[str]) -> list[str]:
         """Device nodes for the given device ids: theirs plus the control nodes, none for none."""
@@ -243,9 +261,19 @@ class DeviceTable:
         policy = self._policy()
         for res, count in demand.items():
             if res.startswith("gpu/") and len(self.free_devices(res[4:])) < count:
-                total = len(self._of(res[4:]))
-                free = len(self.free_devices(res[4:]))
-                return f"needs {describe(res, count, policy)}: only {free} of the {total} on this machine are free"
+                flavor = res[4:]
+                total = len(self._of(flavor))
+                free = len(self.free_devices(flavor))
+                out = self.out_of_service_words(flavor)
+                if not out:
+                    return f"needs {describe(res, count, policy)}: only {free} of the {total} on this machine are free"
+                usable = total - len(self.out_of_service(flavor))
+                try:
+                    name = policy.flavor(flavor).display_name or flavor
+                except StopIteration:
+                    name = flavor
+                return (f"needs {describe(res, count, policy)}: only {free} of the {usable} usable on this machine "
+                        f"are free ({usable} of {total} {name} usable, {out})")
         return None
 
     def never_fits(self, demand: Demand) -> str | None:

@@ -279,6 +279,62 @@ class Defaults(_Model):
     reclaim: ReclaimRules = ReclaimRules()  # keys unset here: RECLAIM_DEFAULTS
 
 
+# NVIDIA's k8s-device-plugin (internal/rm/health.go) ignores these by default: errors of the
+# application that ran, not of the GPU (graphics engine exception, GPU memory page fault,
+# GPU stopped processing, preemptive cleanup, video processor exception, context switch timeout).
+APPLICATION_XIDS = (13, 31, 43, 45, 68, 109)
+Xid = Annotated[StrictInt, Field(ge=1)]
+
+
+def _all_or_list(value: Any) -> Any:
+    """``criticalXids: all`` (the device plugin's default) is kept as None."""
+    if value == "all" or value is None:
+        return None
+    if isinstance(value, str):
+        raise ValueError(f"must be 'all' or a list of XID numbers (got {value!r})")
+    return value
+
+
+class HealthRules(_Model):
+    """GPU health (docs/gpu-health.md): which XIDs leave a GPU in, which take it out, how often
+    the error counters are read."""
+
+    application_xids: list[Xid] = list(APPLICATION_XIDS)  # the GPU stays
+    # None ("all"): every XID not in applicationXids takes the GPU out, as the device plugin
+    # does by default. A list: only these do; any other XID marks the GPU suspect.
+    critical_xids: Annotated[list[Xid] | None, BeforeValidator(_all_or_list)] = None
+    poll_interval: Seconds = 30.0  # ECC, row remapping, retired pages, recovery action
+
+    @field_validator("poll_interval")
+    @classmethod
+    def _interval(cls, value: float) -> float:
+        if not 1.0 <= value <= 3600.0:
+            raise ValueError(f"must be between 1s and 1h (got {value:g}s)")
+        return value
+
+    @model_validator(mode="after")
+    def _lists_apart(self) -> "HealthRules":
+        errors = []
+        for field, values in (("applicationXids", self.application_xids), ("criticalXids", self.critical_xids or [])):
+            seen = set()
+            for i, xid in enumerate(values):
+                if xid in seen:
+                    errors.append(((field, i), f"XID {xid} is listed twice"))
+                seen.add(xid)
+        app = set(self.application_xids)
+        for i, xid in enumerate(self.critical_xids or []):
+            if xid in app:
+                errors.append((("criticalXids", i), f"XID {xid} is also in applicationXids: an XID either leaves "
+                               "the GPU in service or takes it out"))
+        if errors:
+            raise ValidationError.from_exception_data(
+                "HealthRules",
+                [InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": m}), loc=loc, input=None)
+                 for loc, m in errors],
+            )
+        return self
+
+
 class Roles(_Model):
     """Who sees what beyond their own servers, by identity-provider group (hub/roles.py).
 
@@ -297,6 +353,7 @@ class Policy(_Model):
     profiles: list[Profile] = Field(min_length=1)
     defaults: Defaults = Defaults()
     roles: Roles = Roles()
+    health: HealthRules = HealthRules()
 
     # -- look-ups used by both backends -------------------------------------------------
     def flavor(self, name: str) -> Flavor:

@@ -175,6 +175,12 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
         "gpuhub_status_page": True,
         "gpuhub_links": [],
     }
+    # GPU health: the admin API (gpuhub gpu ...) and the holder's notice on the home page.
+    from ..hub.gpus_api import handlers as gpu_handlers, template_vars as gpu_template_vars
+
+    c.JupyterHub.extra_handlers = list(extra_handlers) + list(gpu_handlers)
+    c.JupyterHub.template_vars = dict(c.JupyterHub.template_vars, **gpu_template_vars(c))
+    c.LocalBroker.gpu_health_file = str(data / "gpu-health.json")
 
     # Queued servers are pending spawns; JupyterHub's limit would count them and lock
     # everyone out behind a full queue. LocalBroker.launch_concurrency limits launches.

@@ -1,0 +1,248 @@
+"""GPU health on one machine (issue 23) against a real hub and real servers; the faults come
+from the fake ``pynvml`` (tests/support/fake_nvml), the one double: an XID is an event in its
+file, a counter a number there, read by the unchanged product code through NVML's API.
+
+One Vision Lab (quota 3) on a machine with three fake GPUs, in order: an application XID 13
+leaves alice's GPU in; a double-bit ECC count takes the free GPU-fake-2 out; a pending row
+remap makes GPU-fake-1 suspect and bob still gets it; lena waits; an XID 79 on alice's
+GPU-fake-0 tells alice within 5 s on her home page (bob's page says nothing of it), the team's
+usable capacity drops, alice's stop does not hand the broken GPU to lena, whose wait says
+why; ``gpuhub gpu uncordon`` gives it back and lena gets it. A drain lets bob keep his GPU
+until he stops, then nobody gets it; only admins may drain or uncordon; all is audited.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support.hub import Hub, wait_for
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_NVML_DIR = REPO / "tests" / "support" / "fake_nvml"
+
+POLICY = """\
+flavors:
+  - name: a100
+    displayName: A100
+    local: {match: Fake}
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    quota: {gpus: {a100: 3}}
+roles:
+  admins: [platform-admins]
+profiles:
+  - slug: gpu-1
+    displayName: One A100
+    cpu: 1
+    memory: 1Gi
+    gpu: {count: 1, flavor: a100}
+    teams: [vision]
+health:
+  pollInterval: 1s
+"""
+
+
+class FakeGpus:
+    """The fake NVML's file: what the driver would say about each GPU."""
+
+    def __init__(self, path: Path, n: int):
+        self.path = path
+        self.devices = [{"uuid": f"GPU-fake-{i}", "name": "NVIDIA Fake A100", "memory_total": 80 * 2**30,
+                         "utilization": 50, "events": []} for i in range(n)]
+        self._event = 0
+        self.write()
+
+    def write(self):
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"devices": self.devices}))
+        tmp.replace(self.path)
+
+    def _dev(self, uuid):
+        return next(d for d in self.devices if d["uuid"] == uuid)
+
+    def xid(self, uuid, xid):
+        self._event += 1
+        self._dev(uuid)["events"].append({"id": self._event, "type": 8, "data": xid})  # nvmlEventTypeXidCriticalError
+        self.write()
+
+    def set(self, uuid, **fields):
+        self._dev(uuid).update(fields)
+        self.write()
+
+
+@pytest.fixture(scope="module")
+def gpus(tmp_path_factory):
+    return FakeGpus(tmp_path_factory.mktemp("nvml") / "nvml.json", 3)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, gpus):
+    h = Hub(tmp_path_factory.mktemp("health"), POLICY, extra_config="c.PolicyStore.check_interval = 1\n",
+            env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path)})
+    h.start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def users(hub):
+    return {name: hub.login(name) for name in ("admin", "alice", "bob", "lena")}
+
+
+def gpu_list(admin) -> dict[str, dict]:
+    r = admin.api.get(admin.url("/gpuhub/gpus"))
+    r.raise_for_status()
+    return {g["id"]: g for g in r.json()["gpus"]}
+
+
+def status(client) -> dict:
+    r = client.api.get(client.url("/gpuhub/status"))
+    r.raise_for_status()
+    return r.json()
+
+
+def vision_a100(client) -> dict:
+    return next(t for t in status(client)["teams"] if t["name"] == "vision")["gpus"]["a100"]
+
+
+def home(client) -> str:
+    r = client.session.get(client.hub.url + "/hub/home")
+    r.raise_for_status()
+    return r.text
+
+
+def held_by(admin, user) -> str:
+    return next(g["id"] for g in gpu_list(admin).values() if g["user"] == user)
+
+
+def gpuhub_cli(hub, client, *args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GPUHUB_TOKEN=client.token)
+    env.pop("JUPYTERHUB_API_TOKEN", None)
+    return subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "gpu", "--hub", hub.url, *args],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def metric(admin, name, **labels) -> float | None:
+    text = admin.api.get(admin.hub.url + "/hub/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if m and ",".join(sorted(m.group(1).split(","))) == want:
+            return float(m.group(2))
+    return None
+
+
+def test_an_application_xid_leaves_the_gpu_in(hub, users, gpus):
+    admin, alice = users["admin"], users["alice"]
+    assert alice.start("gpu-1").status_code in (201, 202)
+    alice.wait_ready()
+    mine = held_by(admin, "alice")
+    gpus.xid(mine, 13)
+    wait_for(lambda: metric(admin, "gpuhub_gpu_xid_total", device=mine, xid="13") == 1.0, 10, "XID 13 counted")
+    g = gpu_list(admin)[mine]
+    assert (g["state"], g["usable"]) == ("healthy", True)
+    assert "gpuhub-gpu-failures" not in home(alice)
+    assert vision_a100(admin)["usable"] == 3
+
+
+def test_a_double_bit_ecc_error_takes_a_free_gpu_out(hub, users, gpus):
+    admin = users["admin"]
+    gpus.set("GPU-fake-2", ecc_uncorrected_volatile=1)
+    wait_for(lambda: gpu_list(admin)["GPU-fake-2"]["state"] == "bad", 10, "the DBE count read at a poll")
+    g = gpu_list(admin)["GPU-fake-2"]
+    assert "uncorrectable ECC" in g["reason"] and not g["usable"]
+    assert vision_a100(admin)["usable"] == 2
+    assert metric(admin, "gpuhub_gpu_health", device="GPU-fake-2", flavor="a100", state="bad") == 1.0
+
+
+def test_a_pending_row_remap_is_suspect_and_still_handed_out(hub, users, gpus):
+    admin, bob = users["admin"], users["bob"]
+    gpus.set("GPU-fake-1", remapped_rows=[0, 1, 1, 0])
+    wait_for(lambda: gpu_list(admin)["GPU-fake-1"]["state"] == "suspect", 10, "the pending remap read at a poll")
+    assert bob.start("gpu-1").status_code in (201, 202)
+    bob.wait_ready()
+    assert held_by(admin, "bob") == "GPU-fake-1"  # the only usable free one: suspect is still given
+    assert "row remapping is pending" in gpu_list(admin)["GPU-fake-1"]["reason"]
+
+
+def test_xid_79_on_alices_gpu_tells_her_and_nobody_gets_it(hub, users, gpus):
+    admin, alice, bob, lena = users["admin"], users["alice"], users["bob"], users["lena"]
+    lena.start_background("gpu-1")  # waits: 0 and 1 held, 2 out of service
+    wait_for(lambda: any(w["user"] == "lena" for w in status(admin)["waiting"]), 20, "lena waiting")
+    mine = held_by(admin, "alice")
+    t0 = time.time()
+    gpus.xid(mine, 79)
+    page = wait_for(lambda: (lambda p: p if "gpuhub-gpu-failures" in p else None)(home(alice)), 5, "alice told", 0.2)
+    told_in = time.time() - t0
+    assert told_in <= 5
+    notice = re.sub(r"\s+", " ", re.search(r'id="gpuhub-gpu-failures">(.*?)</div>\s*</div>', page, re.S).group(1))
+    assert "XID 79: GPU has fallen off the bus" in notice and mine in notice
+    assert "Your files are kept" in notice and "a restart gets a healthy GPU" in notice
+    assert "gpuhub-gpu-failures" not in home(bob) and "alice" not in home(bob)  # nothing of alice on bob's page
+    assert vision_a100(admin)["usable"] == 1
+    assert "out of service" in vision_a100(admin)["out_of_service"]
+    assert metric(admin, "gpuhub_gpu_xid_total", device=mine, xid="79") == 1.0
+
+    alice.stop()
+    alice.wait_gone()
+    time.sleep(1.5)  # a scheduling pass and a poll: the released broken GPU must stay out
+    waiting = next(w for w in status(admin)["waiting"] if w["user"] == "lena")
+    assert re.search(r"only 0 of the 1 usable on this machine are free \(1 of 3 A100 usable, 2 out of service since "
+                     r"\d\d:\d\d", waiting["reason"]), waiting["reason"]
+    assert gpu_list(admin)[mine]["user"] is None
+    events = [e for e in admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_health"}).json()["entries"]]
+    assert any(e["device"] == mine and e["state"] == "bad" and e.get("user") == "alice" and e.get("xid") == 79
+               for e in events), events
+
+
+def test_only_admins_drain_or_uncordon(hub, users):
+    r = gpuhub_cli(hub, users["bob"], "uncordon", "GPU-fake-0")
+    assert r.returncode == 1 and "Only admins may drain or uncordon" in r.stderr and "403" in r.stderr
+    assert users["bob"].api.get(users["bob"].url("/gpuhub/gpus")).status_code == 403
+    assert gpu_list(users["admin"])["GPU-fake-0"]["state"] == "bad"
+
+
+def test_uncordon_gives_it_back(hub, users, gpus):
+    admin, lena = users["admin"], users["lena"]
+    listing = gpuhub_cli(hub, admin, "list")
+    assert listing.returncode == 0, listing.stderr
+    assert re.search(r"GPU-fake-0\s+a100\s+bad\s.*XID 79: GPU has fallen off the bus", listing.stdout), listing.stdout
+    r = gpuhub_cli(hub, admin, "uncordon", "GPU-fake-0")
+    assert r.returncode == 0 and "GPU-fake-0 is back in service" in r.stdout, (r.stdout, r.stderr)
+    lena.wait_ready(timeout=60)
+    assert held_by(admin, "lena") == "GPU-fake-0"
+    assert vision_a100(admin)["usable"] == 2  # GPU-fake-2's ECC count still says bad
+    r = gpuhub_cli(hub, admin, "uncordon", "GPU-fake-2")
+    assert "still out of service" in r.stdout and "uncorrectable ECC" in r.stdout
+    entries = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_uncordoned"}).json()["entries"]
+    assert [(e["device"], e["by"]) for e in entries] == [("GPU-fake-0", "admin"), ("GPU-fake-2", "admin")]
+
+
+def test_a_drained_gpu_stays_with_its_holder_then_is_out(hub, users, gpus):
+    admin, alice, bob = users["admin"], users["alice"], users["bob"]
+    r = gpuhub_cli(hub, admin, "drain", "GPU-fake-1")
+    assert r.returncode == 0 and "bob/ keeps it until it stops" in r.stdout, (r.stdout, r.stderr)
+    assert bob.server()["ready"] and held_by(admin, "bob") == "GPU-fake-1"  # his work goes on
+    bob.stop()
+    bob.wait_gone()
+    alice.start_background("gpu-1")
+    wait_for(lambda: any(w["user"] == "alice" for w in status(admin)["waiting"]), 20, "alice waiting")
+    time.sleep(1.0)
+    waiting = next(w for w in status(admin)["waiting"] if w["user"] == "alice")
+    assert "drained by admin" in waiting["reason"] or "out of service" in waiting["reason"], waiting
+    assert gpu_list(admin)["GPU-fake-1"]["user"] is None
+    assert gpuhub_cli(hub, admin, "uncordon", "GPU-fake-1").returncode == 0
+    alice.wait_ready(timeout=60)
+    assert held_by(admin, "alice") == "GPU-fake-1"
+    drained = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_drained"}).json()["entries"]
+    assert [(e["device"], e["by"], e.get("key")) for e in drained] == [("GPU-fake-1", "admin", "bob/")]

@@ -111,3 +111,25 @@ def test_cli_exit_codes_and_output(tmp_path):
     assert out.returncode == 1
     assert f"{bad}:10:5: teams[0].perUzer: unknown key 'perUzer' (did you mean 'perUser'?)" in out.stderr
     assert f"{bad}:14:18: profiles[0].gpu.count: must be at least 0 (got -1)" in out.stderr
+
+
+@pytest.mark.parametrize("text", [
+    EXAMPLE.read_text(),
+    BASE,
+    # what the direct build hands to PyYAML's constructor: anchors, merge keys, int keys, dates
+    BASE + "defaults: &d {queueTimeout: 1h}\nx: *d\n",
+    "a: &m {b: 1}\nc:\n  <<: *m\n  d: 2\n",
+    "a: {1: one, 2.5: two}\nb: 2026-01-02\nc: [~, true, 0x1F, 1e3, .inf, '1', \"x\"]\n",
+    "a: 1\nb: {c: 1, c: 2}\na: [3]\n",
+])
+def test_the_direct_build_gives_what_pyyamls_constructor_gives(text):
+    """The loader builds a policy's data straight from libyaml's nodes (docs/benchmarks.md)
+    and finds duplicate keys in the same walk; it must give what yaml.safe_load gives, and
+    name the same duplicates as a walk of the node tree."""
+    import yaml
+
+    from gpuhub_spawner.policy.loader import _compose_and_construct, _Positions
+
+    root, data, duplicates = _compose_and_construct(text)
+    assert data == yaml.safe_load(text)
+    assert [loc for loc, _ in duplicates] == [loc for loc, _ in _Positions(root).duplicate_keys()]

@@ -5,7 +5,16 @@ cohort; ``queue`` orders waiting requests (priority, then FIFO) and admits them 
 events — a server stopping, a request arriving or leaving, a policy change.
 """
 
-from .queue import AdmissionQueue, Ticket, WaitStatus
 from .quota import Demand, Fit, check_fit, demand_for
 
 __all__ = ["AdmissionQueue", "Demand", "Fit", "Ticket", "WaitStatus", "check_fit", "demand_for"]
+
+
+def __getattr__(name: str):
+    # The queue (asyncio, prometheus_client) is imported on first use: what only needs the
+    # quota arithmetic (`gpuhub validate`'s machine check through local.devices) skips it.
+    if name in ("AdmissionQueue", "Ticket", "WaitStatus"):
+        from . import queue
+
+        return getattr(queue, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

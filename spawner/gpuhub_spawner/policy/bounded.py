@@ -28,8 +28,6 @@ import re
 from typing import Any, Mapping
 
 import yaml
-from tornado import httputil
-from tornado.httpserver import HTTPServer
 
 # Job files are a few hundred bytes (a few dozen values). Scanning a full 64 KiB file
 # takes ~1-2 ms; the node cap keeps compose + validation in the same range.
@@ -282,59 +280,79 @@ def unsafe_env_reason(name: str, instead: str = JOB_ENV_INSTEAD) -> str | None:
 DRAIN_CEILING_BYTES = 64 * 2**20
 
 
-class _BodyLimit(httputil.HTTPMessageDelegate):
-    """Passes a request on unless its body is over the limit; then drains the body and says 413."""
-
-    def __init__(self, inner: httputil.HTTPMessageDelegate, connection: httputil.HTTPConnection, limit: int):
-        self.inner, self.connection, self.limit = inner, connection, limit
-        self.received = 0
-        self.refused = False
-        self.started = False
-
-    def headers_received(self, start_line, headers):
-        length = headers.get("Content-Length", "")
-        if length.strip().isdigit() and int(length) > self.limit:
-            self.refused = True  # the application never sees this request
-            return None
-        self.started = True
-        return self.inner.headers_received(start_line, headers)
-
-    def data_received(self, chunk):
-        if self.refused:
-            return None
-        self.received += len(chunk)
-        if self.received > self.limit:  # a chunked body: stop passing it on
-            self.refused = True
-            self.inner.on_connection_close()  # the application never gets the rest, nor finish()
-            return None
-        return self.inner.data_received(chunk)
-
-    def finish(self):
-        if not self.refused:
-            return self.inner.finish()
-        body = json.dumps({"status": 413, "message": f"Request body too large: this hub accepts at most {self.limit} bytes."})
-        self.connection.write_headers(
-            httputil.ResponseStartLine("HTTP/1.1", 413, "Payload Too Large"),
-            httputil.HTTPHeaders({"Content-Type": "application/json", "Content-Length": str(len(body))}),
-            body.encode(),
-        )
-        self.connection.finish()
-        return None
-
-    def on_connection_close(self):
-        if self.started and not self.refused:
-            self.inner.on_connection_close()
+_SERVER_CLASSES: tuple[type, type] | None = None
 
 
-class LimitedHTTPServer(HTTPServer):
-    """tornado's server, with every request's body bounded by ``body_limit`` (413 over it)."""
+def _server_classes() -> tuple[type, type]:
+    """``(_BodyLimit, LimitedHTTPServer)``, defined on first use: tornado takes ~0.2 s to
+    import, which what only reads a policy (`gpuhub validate`, the profile env check) skips."""
+    global _SERVER_CLASSES
+    if _SERVER_CLASSES is None:
+        from tornado import httputil
+        from tornado.httpserver import HTTPServer
 
-    def initialize(self, *args, body_limit: int = MAX_REQUEST_BODY_BYTES, **kwargs):
-        self.body_limit = body_limit
-        super().initialize(*args, **kwargs)
+        class _BodyLimit(httputil.HTTPMessageDelegate):
+            """Passes a request on unless its body is over the limit; then drains the body and says 413."""
 
-    def start_request(self, server_conn, request_conn):
-        return _BodyLimit(super().start_request(server_conn, request_conn), request_conn, self.body_limit)
+            def __init__(self, inner: httputil.HTTPMessageDelegate, connection: httputil.HTTPConnection, limit: int):
+                self.inner, self.connection, self.limit = inner, connection, limit
+                self.received = 0
+                self.refused = False
+                self.started = False
+
+            def headers_received(self, start_line, headers):
+                length = headers.get("Content-Length", "")
+                if length.strip().isdigit() and int(length) > self.limit:
+                    self.refused = True  # the application never sees this request
+                    return None
+                self.started = True
+                return self.inner.headers_received(start_line, headers)
+
+            def data_received(self, chunk):
+                if self.refused:
+                    return None
+                self.received += len(chunk)
+                if self.received > self.limit:  # a chunked body: stop passing it on
+                    self.refused = True
+                    self.inner.on_connection_close()  # the application never gets the rest, nor finish()
+                    return None
+                return self.inner.data_received(chunk)
+
+            def finish(self):
+                if not self.refused:
+                    return self.inner.finish()
+                body = json.dumps({"status": 413, "message": f"Request body too large: this hub accepts at most {self.limit} bytes."})
+                self.connection.write_headers(
+                    httputil.ResponseStartLine("HTTP/1.1", 413, "Payload Too Large"),
+                    httputil.HTTPHeaders({"Content-Type": "application/json", "Content-Length": str(len(body))}),
+                    body.encode(),
+                )
+                self.connection.finish()
+                return None
+
+            def on_connection_close(self):
+                if self.started and not self.refused:
+                    self.inner.on_connection_close()
+
+
+        class LimitedHTTPServer(HTTPServer):
+            """tornado's server, with every request's body bounded by ``body_limit`` (413 over it)."""
+
+            def initialize(self, *args, body_limit: int = MAX_REQUEST_BODY_BYTES, **kwargs):
+                self.body_limit = body_limit
+                super().initialize(*args, **kwargs)
+
+            def start_request(self, server_conn, request_conn):
+                return _BodyLimit(super().start_request(server_conn, request_conn), request_conn, self.body_limit)
+
+        _SERVER_CLASSES = (_BodyLimit, LimitedHTTPServer)
+    return _SERVER_CLASSES
+
+
+def __getattr__(name: str):
+    if name in ("_BodyLimit", "LimitedHTTPServer"):
+        return dict(zip(("_BodyLimit", "LimitedHTTPServer"), _server_classes()))[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def freeze_heap() -> None:
@@ -362,4 +380,6 @@ def limit_request_bodies(max_bytes: int = MAX_REQUEST_BODY_BYTES, drain: int = D
     body limit (tornado's default is 100 MB), and its handlers decode JSON bodies on the
     event loop with no bound of their own.
     """
-    HTTPServer.configure(LimitedHTTPServer, max_body_size=max(drain, max_bytes), body_limit=max_bytes)
+    from tornado.httpserver import HTTPServer
+
+    HTTPServer.configure(_server_classes()[1], max_body_size=max(drain, max_bytes), body_limit=max_bytes)

@@ -8,6 +8,9 @@ live here because they need the whole file.
 from __future__ import annotations
 
 import difflib
+import functools
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -82,14 +85,15 @@ class _Positions:
             return None
         return best.start_mark.line + 1, best.start_mark.column + 1
 
-    def duplicate_key_issues(self) -> list["PolicyIssue"]:
-        """A located issue for every key that appears twice in one mapping."""
+    def duplicate_key_issues(self, found: Iterable[tuple[Loc, yaml.Node]] | None = None) -> list["PolicyIssue"]:
+        """A located issue for every key that appears twice in one mapping (``found``: those
+        already found while the data was built)."""
         return [
             PolicyIssue(
                 format_loc(loc), node.start_mark.line + 1, node.start_mark.column + 1,
                 f"key {loc[-1]!r} appears twice; the second would silently win",
             )
-            for loc, node in self.duplicate_keys()
+            for loc, node in (self.duplicate_keys() if found is None else found)
         ]
 
     def duplicate_keys(self) -> Iterable[tuple[Loc, yaml.Node]]:
@@ -181,17 +185,100 @@ def _clean_loc(loc: Loc) -> Loc:
 # libyaml (C) when PyYAML was built with it: ~20x faster than the pure-Python parser on
 # a 500-team, 2,000-profile policy. Same safe tag set, same node marks (line:column).
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_SCALAR, _MAPPING, _SEQUENCE = yaml.ScalarNode, yaml.MappingNode, yaml.SequenceNode
+_STR, _MAP, _SEQ = "tag:yaml.org,2002:str", "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 
 
-def _compose_and_construct(text: str) -> tuple[yaml.Node | None, Any]:
-    """Parse once: the node tree (for line:column of every error) and the data built from it."""
-    loader = _Loader(text)
+class _PolicyLoader(_Loader):
+    """The safe loader, resolving each distinct (kind, value, implicit) once: a policy repeats
+    the same keys and values thousands of times, and the resolver's regular expressions are
+    Python. The safe loader has no path resolvers, so a tag depends on nothing else."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        # An instance attribute, which libyaml's composer looks up: a hit costs no Python frame.
+        self.resolve = functools.lru_cache(maxsize=None)(super().resolve)
+
+    def dispose(self):
+        super().dispose()
+        self.__dict__.pop("resolve", None)  # the cache refers to the loader
+
+
+class _Unusual(Exception):
+    """A node the direct build does not handle (merge keys, shared nodes, other tags)."""
+
+
+def _build(loader, root: yaml.Node) -> tuple[Any, list[tuple[Loc, yaml.Node]]]:
+    """The data of ``root`` as the safe constructor would build it, and every key that appears
+    twice in one mapping, in one walk. Covers plain mappings with string keys, sequences,
+    strings, ints, floats, booleans and nulls (a policy); anything else raises ``_Unusual``
+    and the caller uses PyYAML's constructor."""
+    scalars = {
+        "tag:yaml.org,2002:int": loader.construct_yaml_int,
+        "tag:yaml.org,2002:float": loader.construct_yaml_float,
+        "tag:yaml.org,2002:bool": loader.construct_yaml_bool,
+        "tag:yaml.org,2002:null": loader.construct_yaml_null,
+    }
+    duplicates: list[tuple[Loc, yaml.Node]] = []
+    seen: set[int] = set()
+
+    def build(node, loc: Loc):
+        tag, kind = node.tag, type(node)
+        if kind is _SCALAR:
+            if tag == _STR:
+                return node.value
+            if tag in scalars:
+                return scalars[tag](node)
+            raise _Unusual(tag)
+        if id(node) in seen:  # an alias: the constructor shares the object (and may recurse)
+            raise _Unusual("alias")
+        seen.add(id(node))
+        if kind is _MAPPING and tag == _MAP:
+            out = {}
+            for k, v in node.value:
+                if type(k) is not _SCALAR or k.tag != _STR:  # merge keys, non-string keys
+                    raise _Unusual(k.tag)
+                name = k.value
+                if name in out:
+                    duplicates.append((loc + (name,), k))
+                out[name] = build(v, loc + (name,))
+            return out
+        if kind is _SEQUENCE and tag == _SEQ:
+            return [build(item, loc + (i,)) for i, item in enumerate(node.value)]
+        raise _Unusual(tag)
+
+    return build(root, ()), duplicates
+
+
+def _compose_and_construct(text: str) -> tuple[yaml.Node | None, Any, list[tuple[Loc, yaml.Node]]]:
+    """Parse once: the node tree (for line:column of every error), the data built from it,
+    and the keys that appear twice in a mapping."""
+    loader = _PolicyLoader(text)
     try:
         root = loader.get_single_node()
-        data = loader.construct_document(root) if root is not None else None
+        if root is None:
+            return None, None, []
+        try:
+            data, duplicates = _build(loader, root)
+        except (_Unusual, RecursionError):
+            data, duplicates = loader.construct_document(root), list(_Positions(root).duplicate_keys())
     finally:
         loader.dispose()
-    return root, data
+    return root, data, duplicates
+
+
+@contextmanager
+def no_cyclic_gc():
+    """Building a large policy allocates ~100,000 objects and no cycles; Python's cyclic
+    collector would scan the growing heap again and again meanwhile (about 60 % of the
+    time of a 500-team policy). Paused for the parse, back on afterwards if it was on."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def parse_policy(text: str, filename: str = "<policy>") -> Policy:
@@ -201,8 +288,13 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
 
 def _parse(text: str, filename: str) -> tuple[Policy, Any]:
     """``parse_policy``, also returning the plain data the policy was validated from."""
+    with no_cyclic_gc():
+        return _parse_now(text, filename)
+
+
+def _parse_now(text: str, filename: str) -> tuple[Policy, Any]:
     try:
-        root, data = _compose_and_construct(text)
+        root, data, duplicates = _compose_and_construct(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
@@ -215,7 +307,7 @@ def _parse(text: str, filename: str) -> tuple[Policy, Any]:
         line_col = positions.mark(loc, key=key) or (None, None)
         issues.append(PolicyIssue(format_loc(loc), *line_col, message))
 
-    issues.extend(positions.duplicate_key_issues())
+    issues.extend(positions.duplicate_key_issues(duplicates))
 
     if not isinstance(data, dict):
         add((), "the policy must be a mapping with teams, profiles, flavors, ...")
@@ -242,12 +334,18 @@ def _parse(text: str, filename: str) -> tuple[Policy, Any]:
 
 
 def load_policy(path: str | Path) -> Policy:
+    return load_policy_data(path)[0]
+
+
+def load_policy_data(path: str | Path) -> tuple[Policy, Any]:
+    """``load_policy``, also returning the plain data as read from the file (the ``PolicyStore``
+    keeps it: the audit's diff of a reload is taken from it, without dumping the policy again)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise PolicyError(str(path), [PolicyIssue("", None, None, f"cannot read file: {e.strerror}")]) from None
-    return parse_policy(text, str(path))
+    return _parse(text, str(path))
 
 
 def _duplicates(names: list[str], section: str, field: str) -> Iterable[tuple[Loc, str]]:
@@ -348,13 +446,21 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
             if prof.gpu.flavor not in flavors:
                 yield ("profiles", pi, "gpu", "flavor"), f"unknown flavor {prof.gpu.flavor!r}" + suggest(prof.gpu.flavor, flavors)
                 continue
-            fits = [t for t in allowed if can_hold(t, prof.gpu.flavor) >= prof.gpu.count]
+            # Is there a team that can hold it (fits), and one of those whose per-user cap allows it?
+            # Stops at the first such team: a profile for "*" would otherwise ask all 500.
+            fits = capped = False
+            for t in allowed:
+                if can_hold(t, prof.gpu.flavor) >= prof.gpu.count:
+                    fits = True
+                    cap = policy.team(t).per_user.max_gpus
+                    if cap is None or cap >= prof.gpu.count:
+                        capped = True
+                        break
             if allowed and not fits:
                 yield ("profiles", pi, "gpu", "count"), (
                     f"no team may use profile {prof.slug!r}: it asks for {prof.gpu.count} "
                     f"{prof.gpu.flavor} GPU(s) but none of {', '.join(allowed)} can ever hold that many"
                 )
-            capped = [t for t in fits if (policy.team(t).per_user.max_gpus is None or policy.team(t).per_user.max_gpus >= prof.gpu.count)]
             if fits and not capped:
                 yield ("profiles", pi, "gpu", "count"), (
                     f"no team may use profile {prof.slug!r}: its {prof.gpu.count} GPU(s) exceed every allowed team's per-user cap"

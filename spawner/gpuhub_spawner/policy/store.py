@@ -16,14 +16,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
 from pydantic import ValidationError
 
-from .loader import PolicyError, PolicyIssue, load_policy
+from .loader import PolicyError, PolicyIssue, load_policy_data, no_cyclic_gc
 from .model import Policy
 
 
@@ -49,19 +49,24 @@ class PolicyStatus:
         }
 
 
-def _timed_load(path: Path) -> tuple[Policy | None, PolicyError | None, float]:
+# What a load gives: the policy and the plain data it was validated from, or the error; seconds.
+Outcome = tuple[Policy | None, Any, PolicyError | None, float]
+
+
+def _timed_load(path: Path) -> Outcome:
     """Read and validate (in whichever thread); never raises a ``PolicyError``."""
     t0 = time.perf_counter()
     try:
-        return load_policy(path), None, time.perf_counter() - t0
+        policy, data = load_policy_data(path)
+        return policy, data, None, time.perf_counter() - t0
     except PolicyError as e:
-        return None, e, time.perf_counter() - t0
+        return None, None, e, time.perf_counter() - t0
 
 
 _CHILD = "import sys; from gpuhub_spawner.policy.loader import read_in_child; print(read_in_child(sys.argv[1]))"
 
 
-async def _load_beside_the_loop(path: Path) -> tuple[Policy | None, PolicyError | None, float]:
+async def _load_beside_the_loop(path: Path) -> Outcome:
     """Parse in a child process (libyaml would hold the GIL), build the objects in a thread."""
     t0 = time.perf_counter()
     try:
@@ -72,21 +77,24 @@ async def _load_beside_the_loop(path: Path) -> tuple[Policy | None, PolicyError 
     except OSError:  # no child process possible (limits): read it here rather than not at all
         return _timed_load(path)
 
-    def build() -> tuple[Policy | None, PolicyError | None]:
+    def build() -> tuple[Policy | None, Any, PolicyError | None]:
         try:
             answer = json.loads(out)
         except ValueError:
             why = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-            return None, PolicyError(str(path), [PolicyIssue("", None, None, f"could not read the policy: {why[0]}")])
+            return None, None, PolicyError(str(path), [PolicyIssue("", None, None, f"could not read the policy: {why[0]}")])
         if not answer["ok"]:
-            return None, PolicyError(answer["filename"], [PolicyIssue(**i) for i in answer["issues"]])
+            return None, None, PolicyError(answer["filename"], [PolicyIssue(**i) for i in answer["issues"]])
         try:
-            return Policy.model_validate(answer["data"]), None
+            # No cyclic collection of the hub's heap while ~100,000 objects are built (it
+            # would hold the GIL, i.e. the loop, for as long as it scans).
+            with no_cyclic_gc():
+                return Policy.model_validate(answer["data"]), answer["data"], None
         except ValidationError:  # the child accepted it: cannot happen unless the file is exotic
-            return _timed_load(path)[:2]
+            return _timed_load(path)[:3]
 
-    policy, error = await asyncio.get_running_loop().run_in_executor(None, build)
-    return policy, error, time.perf_counter() - t0
+    policy, data, error = await asyncio.get_running_loop().run_in_executor(None, build)
+    return policy, data, error, time.perf_counter() - t0
 
 
 def _signature(path: Path) -> tuple[float, int, int] | None:
@@ -119,6 +127,7 @@ class PolicyStore(SingletonConfigurable):
         super().__init__(**kwargs)
         self.log = logging.getLogger("JupyterHub.gpuhub.policy")
         self._policy: Policy | None = None
+        self._data: Any = None
         self._signature = None
         self.status = PolicyStatus(path=self.policy_file)
         self._listeners: list[Callable[[Policy], None]] = []
@@ -144,8 +153,20 @@ class PolicyStore(SingletonConfigurable):
         assert self._policy is not None
         return self._policy
 
+    @property
+    def data(self) -> Any:
+        """The plain data (dicts, lists, scalars) the policy in force was validated from, as
+        read from the file; shared, never to be changed (the audit diffs it, off the loop)."""
+        return self._data
+
     def on_change(self, callback: Callable[[Policy], None]) -> None:
-        """Call ``callback(policy)`` after every successful reload (queue re-evaluation)."""
+        """Call ``callback(policy)`` after every successful reload (queue re-evaluation).
+
+        Listeners run on the hub's event loop, one after the other: each must only do
+        bookkeeping there (swap a reference, compare a few hundred names, schedule work)
+        and hand anything that grows with the policy's size to a thread
+        (``tests/benchmarks/reload_stall.py`` measures the loop's longest stall).
+        """
         self._listeners.append(callback)
 
     def add_check(self, check: Callable[[Policy], list[str]]) -> None:
@@ -209,8 +230,8 @@ class PolicyStore(SingletonConfigurable):
             await asyncio.sleep(0)  # let its done-callback swap the policy in
         return self.current
 
-    def _apply(self, path: Path, sig, outcome) -> bool:
-        policy, error, seconds = outcome
+    def _apply(self, path: Path, sig, outcome: Outcome) -> bool:
+        policy, data, error, seconds = outcome
         self._load_seconds = seconds
         try:
             if error is not None:
@@ -227,6 +248,7 @@ class PolicyStore(SingletonConfigurable):
             )
             return False
         self._policy = policy
+        self._data = data
         self.status = PolicyStatus(
             path=str(path), loaded_at=time.time(), loaded_mtime=sig[0] if sig else None
         )

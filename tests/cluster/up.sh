@@ -145,14 +145,23 @@ start kwok "$BIN_KWOK/kwok" --kubeconfig="$KUBECONFIG" --manage-all-nodes=true \
 python3 "$here/kueue_manifests.py" "$KUEUE_MOD" "$WEBHOOK_PORT" "$VIS_PORT" "$PKI/ca.crt" "$SCHEMAS" >"$DIR/kueue-install.yaml"
 k apply --server-side --force-conflicts -f "$DIR/kueue-install.yaml" >/dev/null
 wait_for "Kueue CRDs established" 90 k wait --for=condition=Established crd --all --timeout=20s
-# Kueue's configuration: its defaults (config/components/manager/controller_manager_config.yaml)
-# with what docs/install-kubernetes.md asks ("pod" integration, managedJobsNamespaceSelector
-# left absent) and what a process on this machine needs (ports, certificates, no leader election).
-python3 - "$KUEUE_MOD" "$DIR/kueue-config.yaml" "$WEBHOOK_PORT" "$KUEUE_HEALTH" "$VIS_PORT" "$DIR/kueue-certs/webhook" <<'PY'
+# Kueue's configuration lives where an operator finds it: the ConfigMap kueue-manager-config
+# (kueue-system), made as Kueue's release manifests make it, from the module's
+# config/components/manager/controller_manager_config.yaml, when it is absent (an edit made
+# as docs/install-kubernetes.md says survives a restart; `down.sh --purge` drops it). The
+# process gets that configuration plus what a process on this machine needs (ports,
+# certificates, no leader election): restarting Kueue here is what `kubectl rollout restart
+# deploy kueue-controller-manager` is in a cluster.
+if ! k -n kueue-system get configmap kueue-manager-config >/dev/null 2>&1; then
+  k -n kueue-system create configmap kueue-manager-config \
+    --from-file=controller_manager_config.yaml="$KUEUE_MOD/config/components/manager/controller_manager_config.yaml" >/dev/null
+fi
+k -n kueue-system get configmap kueue-manager-config -o jsonpath='{.data.controller_manager_config\.yaml}' >"$DIR/kueue-manager-config.yaml"
+python3 - "$DIR/kueue-manager-config.yaml" "$DIR/kueue-config.yaml" "$WEBHOOK_PORT" "$KUEUE_HEALTH" "$VIS_PORT" "$DIR/kueue-certs/webhook" <<'PY'
 import sys, yaml
-mod, out, wh, health, vis, certs = sys.argv[1:]
-cfg = yaml.safe_load(open(f"{mod}/config/components/manager/controller_manager_config.yaml"))
-assert "pod" in cfg["integrations"]["frameworks"]
+src, out, wh, health, vis, certs = sys.argv[1:]
+cfg = yaml.safe_load(open(src))
+print(f"[up] Kueue integrations from kueue-manager-config: {cfg['integrations']['frameworks']}")
 cfg["namespace"] = "kueue-system"
 cfg["health"] = {"healthProbeBindAddress": f"127.0.0.1:{health}"}
 cfg["metrics"] = {"bindAddress": "0"}

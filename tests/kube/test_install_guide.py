@@ -1,24 +1,40 @@
-"""docs/install-kubernetes.md followed line by line, as far as this machine allows.
+"""docs/install-kubernetes.md followed line by line, twice.
 
-Every shell command in the guide's ``sh`` blocks is taken from the guide itself and either
-run as written (``gpuhub ...``, ``kubectl create ... --dry-run=client``, ``kubectl get --raw``
-against the API double), run with the one change that keeps it off a cluster (``helm
-upgrade --install`` becomes ``helm template`` with the same values files; ``kubectl apply``
-of a file goes to the API double, which validates it against the real CRDs, or through
-Kubernetes' schema for kinds the double does not store), or listed as only read. The
-only-read list must match docs/kubernetes-testing.md, so the closing note cannot forget one.
+* On the API double (every run): each shell command of the guide's ``sh`` blocks is run as
+  written (``gpuhub ...``, ``kubectl create ... --dry-run=client``, ``kubectl get --raw``),
+  run with the one change that keeps it off a cluster (``helm upgrade --install`` becomes
+  ``helm template`` with the same values files; ``kubectl apply`` of a file goes to the
+  double, which validates it against the real CRDs, or through Kubernetes' schema), or read.
+* On the real control plane of ``tests/cluster/`` (``GPUHUB_CLUSTER=1``): every command but
+  those in ``NOT_ON_REAL`` runs as written, in order, by bash, in a copy of the repository,
+  as an operator would: the CLI installed with pip into a fresh venv, Kueue's configuration
+  edited through its ConfigMap, the webhook step, the namespaces and the RBAC file, the
+  policy and the rendered Kueue objects through Kueue's real webhooks, the chart installed
+  by ``helm upgrade --install`` against the real API server, and the checks of section 5
+  (RBAC answered by the real authorizer for the hub's service account). Two substitutions,
+  as an operator fills in a placeholder: ``<gpu-node>`` is a kwok GPU node, and the chart
+  repository's URL is a local one serving the shared z2jh 4.4.0 chart (no network here).
+
+``NOT_ON_REAL`` is the list of steps only read; docs/kubernetes-testing.md must list exactly
+those commands (checked without a cluster), so the closing note cannot forget one.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import requests
 import yaml
 
 from double.harness import KUBECONFIG, NAMESPACE
@@ -34,13 +50,16 @@ def guide_commands() -> list[str]:
     """Logical shell commands of the guide's sh blocks (continuations and for-loops joined)."""
     commands, text = [], GUIDE.read_text()
     for block in re.findall(r"```sh\n(.*?)```", text, re.S):
-        current = ""
+        current, continued = "", False
         for line in block.splitlines():
             line = re.sub(r"\s+#.*$", "", line).rstrip()
             if not line.strip():
                 continue
-            current = f"{current} {line.strip()}" if current else line.strip()
-            if current.endswith("\\"):
+            # a new line of a for-loop's body is a new command in it (bash: "; ")
+            sep = "; " if current and not continued and not current.endswith(" do") else " "
+            current = f"{current}{sep}{line.strip()}" if current else line.strip()
+            continued = current.endswith("\\")
+            if continued:
                 current = current[:-1].rstrip()
                 continue
             if current.startswith("for ") and not current.endswith("done"):
@@ -109,7 +128,8 @@ def test_follow_the_guide_against_the_double(kube, tmp_path):
     # The Kueue objects the guide applied admit a pod the way the hub will create them.
     assert {q["metadata"]["name"] for q in kube.list("localqueues", NAMESPACE)} == {"vision", "nlp", "students"}
     assert kube.invalid == []
-    assert read_only == only_read_in_testing_doc(), "update docs/kubernetes-testing.md's list of steps only read"
+    # What is only read everywhere is also only read here (the rest runs on the real control plane).
+    assert set(only_read_in_testing_doc()) <= set(read_only)
 
 
 def _pending_pod(kube):
@@ -134,3 +154,316 @@ def _pending_pod(kube):
             return
         time.sleep(0.1)
     pytest.fail("no pod waiting in the vision queue")
+
+
+# -- the real control plane ------------------------------------------------------------------------
+sys.path.insert(0, str(REPO / "tests" / "cluster"))
+import harness as real  # noqa: E402
+
+from gpuhub_spawner.kube.webhooks import webhooks_covering  # noqa: E402
+
+# The guide's steps that do not run on the real control plane, and why. Nothing else may be
+# only read: the real-cluster test fails on a command it has no way to run.
+NOT_ON_REAL = [
+    (r"kubectl apply --server-side -f https://github\.com/kubernetes-sigs/kueue/releases/",
+     "fetches Kueue's release manifests from GitHub (no network here); tests/cluster/up.sh applies the same objects, "
+     "made from the Kueue v0.19.2 module, with each webhook's Service swapped for a local URL (Kueue runs as a process)"),
+    (r"kubectl -n kueue-system rollout (status|restart) deploy kueue-controller-manager",
+     "Kueue runs as a process, not a Deployment; the test restarts that process with the edited ConfigMap instead"),
+    (r"kubectl -n gpuhub logs deploy/hub",
+     "kwok runs no container, so the hub pod has no log; the hub's own start is run for real in test_real_cluster_e2e.py"),
+    (r"HUB_DIGEST=\$\(crane digest ", "reads a registry"),
+    (r"docker (build|push) ", "an image build or push (no container runtime or registry here)"),
+]
+
+
+def not_on_real(cmd: str) -> str | None:
+    return next((why for pattern, why in NOT_ON_REAL if re.match(pattern, cmd)), None)
+
+
+def test_the_only_read_list_is_what_the_real_control_plane_cannot_run():
+    assert only_read_in_testing_doc() == [c for c in guide_commands() if not_on_real(c)], \
+        "docs/kubernetes-testing.md's list of steps only read must be the guide's commands in NOT_ON_REAL"
+    assert all(any(re.match(p, c) for c in guide_commands()) for p, _ in NOT_ON_REAL), "a NOT_ON_REAL entry matches no step"
+
+
+REAL_SKIP = real.skip_reason()
+HUB_NS, USERS_NS = "gpuhub", "gpuhub-users"
+HUB_SA = "system:serviceaccount:gpuhub:hub"
+GPU_NODE = "kwok-gpu-a100-1"
+
+
+class Operator:
+    """A shell at a checkout of the repository, with kubectl, helm and $HOME of its own."""
+
+    def __init__(self, cluster: real.RealCluster, tmp: Path):
+        from support.helm import helm_binary
+
+        self.cluster, self.tmp = cluster, tmp
+        self.checkout = tmp / "gpuhub"
+        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "pyproject.toml", "README.md",
+                                "spawner", "helm-values", "jupyterhub_config"], cwd=REPO, capture_output=True,
+                               text=True, check=True).stdout.split()
+        for name in files:
+            src, dst = REPO / name, self.checkout / name
+            if src.is_file():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
+        tools = tmp / "tools"
+        tools.mkdir()
+        (tools / "kubectl").symlink_to(real.kubectl_path())
+        (tools / "helm").symlink_to(helm_binary())
+        home = tmp / "home"
+        home.mkdir()
+        self.env = dict(os.environ, HOME=str(home), KUBECONFIG=str(cluster.kubeconfig),
+                        PATH=f"{tools}:/usr/local/bin:/usr/bin:/bin",
+                        PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip")),
+                        HELM_CONFIG_HOME=str(tmp / "helm-config"), HELM_CACHE_HOME=str(tmp / "helm-cache"),
+                        HELM_DATA_HOME=str(tmp / "helm-data"))
+        for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+            self.env.pop(key, None)
+        self.log: list[str] = []
+
+    def sh(self, cmd: str, timeout: int = 180) -> str:
+        t0 = time.time()
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=self.checkout, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+        self.log.append(f"$ {cmd}   [{time.time() - t0:.1f}s, rc={done.returncode}]\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
+        assert done.returncode == 0, f"{cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout
+
+
+def chart_repository(tmp: Path) -> tuple[str, subprocess.Popen]:
+    """A Helm chart repository on 127.0.0.1 serving the shared z2jh 4.4.0 chart (with the hub's
+    Python files when $GPUHUB_Z2JH_HUB_FILES has them, else the tests' placeholder)."""
+    from double.harness import free_port
+    from support.helm import helm_binary, renderable_chart
+
+    chart = renderable_chart(require_shared("charts", "jupyterhub-4.4.0"))
+    repo = tmp / "chart-repo"
+    repo.mkdir()
+    helm = str(helm_binary())
+    subprocess.run([helm, "package", str(chart), "-d", str(repo)], check=True, capture_output=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    subprocess.run([helm, "repo", "index", str(repo), "--url", url], check=True, capture_output=True)
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=repo,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(50):
+        try:
+            if requests.get(url + "index.yaml", timeout=1).ok:
+                break
+        except requests.RequestException:
+            time.sleep(0.1)
+    return url, server
+
+
+def kueue_pid() -> int | None:
+    f = real.DIR / "run" / "kueue.pid"
+    return int(f.read_text()) if f.exists() and f.read_text().strip() else None
+
+
+def restart_kueue() -> None:
+    """What `kubectl rollout restart deploy kueue-controller-manager` is here: stop the Kueue
+    process; up.sh starts it again with the configuration in the ConfigMap kueue-manager-config."""
+    pid = kueue_pid()
+    if pid:
+        try:
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(150):
+                os.kill(pid, 0)
+                time.sleep(0.2)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["bash", str(real.HERE / "up.sh")], check=True, timeout=600, capture_output=True)
+
+
+def kueue_frameworks(cluster: real.RealCluster) -> list[str]:
+    cm = cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")
+    return yaml.safe_load(cm["data"]["controller_manager_config.yaml"])["integrations"]["frameworks"]
+
+
+def follow_the_kueue_config_instructions(path: Path) -> None:
+    """The guide's two edits of kueue-config.yaml, as an operator makes them."""
+    cfg = yaml.safe_load(path.read_text())
+    frameworks = cfg.setdefault("integrations", {}).setdefault("frameworks", [])
+    if "pod" not in frameworks:  # 1. add "pod", keep every other entry
+        frameworks.append("pod")
+    assert "managedJobsNamespaceSelector" not in cfg  # 2. absent: Kueue manages gpuhub-users; leave it
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def empty_cluster(cluster: real.RealCluster) -> None:
+    """No gpuhub namespaces, release, Kueue queue objects or stand-in volume left from other runs."""
+    if any(n["metadata"]["name"] == USERS_NS for n in cluster.list("namespaces")):
+        cluster.reset(USERS_NS)
+    for kind in ("clusterqueues", "resourceflavors", "workloadpriorityclasses"):
+        for obj in cluster.list(kind):
+            cluster.delete(kind, None, obj["metadata"]["name"])
+    cluster.kubectl("delete", "namespace", HUB_NS, USERS_NS, "--ignore-not-found", "--wait=false")
+    cluster.kubectl("delete", "persistentvolume", "gpuhub-guide-hub-db", "--ignore-not-found", "--wait=false")
+    deadline = time.time() + 120
+    while any(n["metadata"]["name"] in (HUB_NS, USERS_NS) for n in cluster.list("namespaces")):
+        assert time.time() < deadline, "namespaces gpuhub/gpuhub-users still terminating after 120 s"
+        time.sleep(1)
+
+
+def stand_in_volume(cluster: real.RealCluster, tmp: Path) -> None:
+    """What a cluster's storage provisioner does for the chart's hub-db-dir claim (no
+    StorageClass exists here): a volume it can bind to."""
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "gpuhub-guide-hub-db"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": str(tmp / "hub-db")},
+                 "claimRef": {"namespace": HUB_NS, "name": "hub-db-dir"}}}))
+
+
+def fill_the_vision_queue(op: Operator) -> list[str]:
+    """Pods created as the hub creates them (as its service account: RBAC decides), one A100
+    each, until one waits in Kueue (vision may hold 2 + 1 borrowed)."""
+    names = []
+    for i in range(4):
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"jupyter-guide-{i}", "namespace": USERS_NS,
+                            "labels": {"kueue.x-k8s.io/queue-name": "vision", "component": "singleuser-server"}},
+               "spec": {"containers": [{"name": "notebook", "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                                        "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}}}]}}
+        out = subprocess.run(["kubectl", "create", "-f", "-", f"--as={HUB_SA}"], input=json.dumps(pod), env=op.env,
+                             capture_output=True, text=True, cwd=op.checkout)
+        assert out.returncode == 0, out.stderr
+        names.append(pod["metadata"]["name"])
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        pods = {p["metadata"]["name"]: p for p in op.cluster.list("pods", USERS_NS)}
+        gated = [n for n, p in pods.items() if p["spec"].get("schedulingGates")]
+        running = [n for n, p in pods.items() if (p.get("status") or {}).get("phase") == "Running"]
+        if len(gated) == 1 and len(running) == 3 and op.cluster.get(
+                f"/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/{USERS_NS}/localqueues/vision/pendingworkloads")["items"]:
+            return names
+        time.sleep(0.5)
+    pytest.fail(f"vision's queue did not fill as expected: gated {gated}, running {running}")
+
+
+@pytest.fixture
+def real_cluster():
+    if REAL_SKIP:
+        pytest.skip(REAL_SKIP)
+    cluster, started = real.ensure_up()
+    yield cluster
+    # The release goes (other tests create their own "hub" Deployment in gpuhub), and with it
+    # the stand-in volume.
+    from support.helm import helm_binary
+
+    subprocess.run([str(helm_binary()), "--kubeconfig", str(cluster.kubeconfig), "uninstall", HUB_NS, "-n", HUB_NS,
+                    "--ignore-not-found", "--wait"], capture_output=True, timeout=300)
+    cluster.kubectl("delete", "persistentvolume", "gpuhub-guide-hub-db", "--ignore-not-found", "--wait=false")
+    # Kueue's webhooks as installed again (the guide's step narrowed them; other tests start
+    # from Kueue's manifests), as up.sh applies them.
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(real.DIR / "kueue-install.yaml"))
+    if "pod" not in kueue_frameworks(cluster):  # a failure left Kueue without its pod integration
+        cluster.kubectl("-n", "kueue-system", "delete", "configmap", "kueue-manager-config")
+        restart_kueue()
+    if started and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
+        real.down()
+
+
+@pytest.mark.cluster
+def test_follow_the_guide_on_the_real_control_plane(real_cluster, tmp_path):
+    cluster = real_cluster
+    empty_cluster(cluster)
+    op = Operator(cluster, tmp_path)
+    (op.checkout / "your-auth-values.yaml").write_text(
+        "hub:\n  config:\n    JupyterHub:\n      authenticator_class: dummy\n")  # the operator's own file
+    url, server = chart_repository(tmp_path)
+    # "Another team's" Kueue: the default configuration without the pod integration, so that
+    # the guide's edit has something to do (Kueue still runs with the default until restarted).
+    default = cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")["data"]["controller_manager_config.yaml"]
+    narrowed = yaml.safe_load(default)
+    narrowed["integrations"]["frameworks"].remove("pod")
+    others = list(narrowed["integrations"]["frameworks"])
+    cluster.kubectl("apply", "-f", "-", input=cluster.kubectl(
+        "-n", "kueue-system", "create", "configmap", "kueue-manager-config", "--dry-run=client", "-o", "yaml",
+        f"--from-literal=controller_manager_config.yaml={yaml.safe_dump(narrowed, sort_keys=False)}").stdout)
+    assert "pod" not in kueue_frameworks(cluster)
+
+    ran, only_read = [], []
+    try:
+        for cmd in guide_commands():
+            why = not_on_real(cmd)
+            if why:
+                only_read.append(cmd)
+                if "rollout restart" in cmd:
+                    restart_kueue()
+                    running = yaml.safe_load((real.DIR / "kueue-config.yaml").read_text())["integrations"]["frameworks"]
+                    assert "pod" in running and set(others) <= set(running), running
+                continue
+            run_cmd = cmd.replace("<gpu-node>", GPU_NODE).replace("https://hub.jupyter.org/helm-chart/", url)
+            if cmd.startswith("export "):
+                op.env["PATH"] = op.sh(f'{cmd}; printf %s "$PATH"')
+            elif cmd.startswith("helm upgrade --install"):
+                stand_in_volume(cluster, tmp_path)
+                out = op.sh(run_cmd, timeout=600)
+                assert "STATUS: deployed" in out
+            elif cmd.startswith("kubectl -n gpuhub get pods -l component=hub"):
+                deadline = time.time() + 90
+                while "Running" not in (out := op.sh(run_cmd)) and time.time() < deadline:
+                    time.sleep(1)
+                assert re.search(r"hub-\S+\s+1/1\s+Running", out), out  # kwok's Running: no container runs
+            elif cmd.startswith("kubectl -n gpuhub-users get pods -L"):
+                fill_the_vision_queue(op)
+                out = op.sh(run_cmd)
+                assert out.count("SchedulingGated") == 1 and out.count(" vision") == 4, out
+            else:
+                out = op.sh(run_cmd, timeout=900 if "pip install" in cmd else 180)
+                check_step(cmd, out, op, others)
+            ran.append(cmd)
+    finally:
+        server.terminate()
+        print("\n".join(op.log))
+    assert only_read == only_read_in_testing_doc()
+    assert len(ran) == len(guide_commands()) - len(only_read)
+
+
+def check_step(cmd: str, out: str, op: Operator, others: list[str]) -> None:
+    """What the operator looks at after each step, where the guide says what to expect."""
+    cluster = op.cluster
+    if cmd.startswith("python3 -m venv"):
+        assert (Path(op.env["HOME"]) / ".gpuhub-cli" / "bin" / "gpuhub").exists()
+    elif cmd == "gpuhub --help":
+        assert "render" in out
+    elif cmd.startswith("kubectl get nodes -L"):
+        assert "NVIDIA-A100-SXM4-80GB" in out and "NVIDIA-L4" in out
+    elif cmd.startswith("kubectl describe node"):
+        assert re.search(r"nvidia.com/gpu:\s+8", out), out
+    elif cmd.startswith("kubectl get apiservice"):
+        assert re.search(r"v1beta2.visibility.kueue.x-k8s.io\s+\S+\s+True", out), out
+    elif "get configmap kueue-manager-config" in cmd:
+        follow_the_kueue_config_instructions(op.checkout / "kueue-config.yaml")
+    elif "create configmap kueue-manager-config" in cmd:
+        assert set(kueue_frameworks(cluster)) == set(others) | {"pod"}
+    elif cmd.startswith("for kind in mutating validating"):
+        for kind in ("mutating", "validating"):
+            cfg = json.loads(cluster.kubectl("get", f"{kind}webhookconfiguration", f"kueue-{kind}-webhook-configuration", "-o", "json").stdout)
+            assert webhooks_covering(cfg, HUB_NS) == [] and webhooks_covering(cfg, USERS_NS)
+    elif cmd.startswith("kubectl apply -f helm-values/user-namespace.yaml"):
+        assert "networkpolicy.networking.k8s.io/gpuhub-singleuser created" in out
+    elif cmd.startswith("gpuhub render kueue") and "&& kubectl apply" in cmd or cmd == "kubectl apply -f kueue.yaml":
+        assert {q["metadata"]["name"] for q in cluster.list("localqueues", USERS_NS)} == {"vision", "nlp", "students"}
+    elif cmd.startswith("helm repo add"):
+        assert '"jupyterhub" has been added' in out
+    elif cmd.startswith("kubectl get clusterqueues,localqueues -A"):
+        for cq in cluster.list("clusterqueues"):
+            conds = {c["type"]: c["status"] for c in (cq.get("status") or {}).get("conditions") or []}
+            assert conds.get("Active") == "True", cq["metadata"]["name"]
+        assert all(name in out for name in ("vision", "nlp", "students"))
+    elif "auth can-i" in cmd:
+        assert out.strip() == "yes", out
+        # ... and nothing cluster-wide: the same question outside gpuhub-users is refused
+        other = subprocess.run(["bash", "-c", cmd.replace("-n gpuhub-users", "-n default")], env=op.env,
+                               capture_output=True, text=True, cwd=op.checkout)
+        assert other.stdout.strip() == "no", other.stdout + other.stderr
+    elif cmd.startswith("kubectl -n gpuhub-users get workloads"):
+        assert out.count("vision") >= 4, out
+    elif cmd.startswith("kubectl get --raw"):
+        items = json.loads(out)["items"]
+        assert [i["localQueueName"] for i in items] == ["vision"] and items[0]["positionInLocalQueue"] == 0, items

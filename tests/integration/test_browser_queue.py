@@ -1,10 +1,14 @@
 """In a real Chromium: a user sees only their team's profiles and the queue in plain words."""
 
+import os
 import shutil
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from support.hub import PASSWORD, Hub
+from support.hub import PASSWORD, Hub, processes_with_env
 from test_local_hub import POLICY
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -20,7 +24,8 @@ ARGS = [
 def hub(tmp_path_factory):
     if not shutil.which(CHROMIUM):
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
-    h = Hub(tmp_path_factory.mktemp("browser"), POLICY)
+    # The product's default URL (JupyterLab), not the test hubs' lighter /tree.
+    h = Hub(tmp_path_factory.mktemp("browser"), POLICY, extra_config="c.Spawner.default_url = '/lab'\n")
     h.start()
     yield h
     h.stop()
@@ -67,3 +72,57 @@ def test_queue_message_on_the_spawn_page(hub, browser, tmp_path):
     hub.login("alice").stop()
     bob.wait_for_url("**/user/bob/**", timeout=90_000)
     hub.login("bob").stop()
+
+
+def _listening_since(run_id: str, user: str, stop: threading.Event, seen: dict) -> None:
+    """Watch, from outside the hub, for the moment carol's server process first listens:
+    its processes (found by this hub's run marker and the user in their environment) and
+    the kernel's listening sockets, every 20 ms."""
+    marker = f"GPUHUB_TEST_RUN={run_id}"
+    while not stop.is_set() and "listen" not in seen:
+        inodes = set()
+        for pid in processes_with_env(marker):
+            try:
+                if f"JUPYTERHUB_USER={user}\0".encode() not in Path(f"/proc/{pid}/environ").read_bytes():
+                    continue
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(int(target[8:-1]))
+            except OSError:
+                continue
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                next(f)
+                if any(p[3] == "0A" and int(p[9]) in inodes for p in (line.split() for line in f)):
+                    seen["listen"] = time.monotonic()
+        time.sleep(0.02)
+
+
+def test_the_spawn_page_moves_to_jupyterlab_when_the_server_listens(hub, browser):
+    """No polling delay between a server being able to answer and the user's page going
+    there: the hub learns it from the kernel (local/listening.py), the spawn page's event
+    stream says ready, the browser follows. Stock JupyterHub polls the server with a
+    growing back-off (steps of 1.6-5 s by the time a server has started)."""
+    carol = login(browser, hub, "carol")
+    navigated: dict[str, float] = {}
+    carol.on("request", lambda r: navigated.setdefault("lab", time.monotonic())
+             if r.is_navigation_request() and "/user/carol/" in r.url else None)
+    seen: dict[str, float] = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_listening_since, args=(hub.run_id, "carol", stop, seen), daemon=True)
+    watcher.start()
+    try:
+        carol.check("input[value=cpu]")
+        carol.click("form button[type=submit], form input[type=submit]")
+        carol.locator(".jp-Launcher").wait_for(timeout=90_000)  # JupyterLab's launcher, on screen
+    finally:
+        stop.set()
+        watcher.join(5)
+    try:
+        assert "listen" in seen, "carol's server was never seen listening"
+        gap = navigated["lab"] - seen["listen"]
+        print(f"server listening -> the browser asks for it: {gap * 1000:.0f} ms")
+        assert gap < 1.5, f"the page moved to the server {gap:.2f}s after it listened"  # 0.5 s measured here
+    finally:
+        hub.login("carol").stop()

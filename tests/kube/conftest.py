@@ -109,6 +109,10 @@ def make_spawner(kube):
         cfg.KueueSpawner.k8s_api_request_timeout = 5
         cfg.KueueSpawner.k8s_api_request_retry_timeout = 20
         cfg.KueueSpawner.delete_grace_period = 1
+        if traits.get("cmd", cfg.KueueSpawner.cmd) != ["jupyterhub-singleuser"]:
+            # A stand-in that only has to exist serves no API for the startup probe to find:
+            # without a probe its container is ready when started, as the kubelet does it.
+            cfg.KueueSpawner.startup_probe_period = 0
         for key, value in traits.items():
             setattr(cfg.KueueSpawner, key, value)
         owner = next((s.user for s in made if s.user.name == user), None) or MockUser(user, groups)

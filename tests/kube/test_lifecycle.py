@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -78,11 +79,23 @@ async def test_queued_then_admitted_then_running_then_stopped(kube, make_spawner
 
     await asyncio.wait_for(first.stop(), WAIT)  # frees the L4
     url = await asyncio.wait_for(start, WAIT)
+    returned = time.monotonic()
+    # Ready means answering: the kubelet's startup probe on the server's API made the pod
+    # ready, so the first request after the spawn ends is answered (JupyterHub's own check
+    # then passes at once instead of backing off) ...
+    async with aiohttp.ClientSession() as session, session.get(url.rstrip("/") + "/api") as resp:
+        assert resp.status == 200
+    # ... and the spawn ended on the pod watch's event, not at KubeSpawner's next back-off
+    # look at the reflector (up to 5 s apart by then).
+    became_ready = kube.ready_at[f"{NAMESPACE}/{second.pod_name}"]
+    assert returned - became_ready < 0.5, f"the spawn ended {returned - became_ready:.2f}s after the pod was ready"
     await asyncio.wait_for(progress.task, WAIT)
     assert any(m.startswith("Server started") for m in progress.messages)
     info = await asyncio.wait_for(answers(url), WAIT)  # the pod's own command and env serve Jupyter
     assert "version" in info
     pod = kube.get("pods", NAMESPACE, second.pod_name)
+    probe = pod["spec"]["containers"][0]["startupProbe"]
+    assert probe["httpGet"] == {"path": "/api", "port": second.port, "scheme": "HTTP"} and probe["periodSeconds"] == 1
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
     assert env["GPUHUB_TEAM"] == "students" and env["JUPYTERHUB_USER"] == "bob"
     assert pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L4"

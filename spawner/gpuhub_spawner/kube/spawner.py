@@ -19,6 +19,11 @@ it is down (told to the user in plain words, not retried until the start timeout
 its ``kueue.x-k8s.io/managed`` finalizer keeps a deleted pod's object until Kueue is back,
 so ``stop()`` treats "containers gone, only Kueue's finalizer left" as stopped.
 
+Readiness: the pod carries a startup probe on the server's API, so the kubelet marks
+the container ready exactly when the server answers, and the spawn ends on the pod
+watch's event saying so, not on KubeSpawner's back-off poll of the reflector (0.2 s
+growing to 5 s between looks). JupyterHub's own HTTP check then answers at once.
+
 Timeouts: JupyterHub wraps ``start()`` in ``wait_for(start_timeout)``, read right after
 ``start()`` is called, so ``start()`` sets ``start_timeout`` to queue + launch + slack;
 after admission ``start_timeout`` becomes the launch timeout, which KubeSpawner's own
@@ -33,8 +38,8 @@ import time
 
 from jupyterhub.spawner import SpawnException
 from kubernetes_asyncio.client import ApiException
-from jupyterhub.utils import exponential_backoff, maybe_future
-from kubernetes_asyncio.client import V1DeleteOptions
+from jupyterhub.utils import exponential_backoff, maybe_future, url_path_join
+from kubernetes_asyncio.client import V1DeleteOptions, V1HTTPGetAction, V1Probe
 from kubespawner import KubeSpawner
 from traitlets import Dict, Float, Integer, Unicode, default
 
@@ -79,6 +84,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
     )
     status_interval = Float(
         1.0, config=True, help="Seconds between re-reads of the (in-memory) shared state while waiting."
+    )
+    startup_probe_period = Integer(
+        1, config=True,
+        help="Seconds between the kubelet's probes of a starting server's API (its startup probe); the pod "
+             "is ready the moment the API answers. 0: no probe (a started container counts as ready, and "
+             "JupyterHub finds the server by polling). A probe set in extra_container_config wins.",
     )
     default_images = Dict(
         value_trait=Unicode(), per_key_traits={"cpu": Unicode(), "gpu": Unicode()}, config=True,
@@ -140,6 +151,28 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         self.extra_labels = labels
         self.environment = env
 
+    async def get_pod_manifest(self):
+        """KubeSpawner's pod, plus a startup probe on the server's API (see the module's
+        "Readiness"). A startup probe, not a readiness probe: it stops once the server has
+        answered, so a busy server is never probed, flapped to not-ready or restarted;
+        it gives up (and the kubelet restarts the container) only after the launch timeout."""
+        pod = await super().get_pod_manifest()
+        container = pod.spec.containers[0]
+        period = self.startup_probe_period
+        if period and container.startup_probe is None and container.readiness_probe is None:
+            container.startup_probe = V1Probe(
+                http_get=V1HTTPGetAction(path=url_path_join(self._prefix(), "api"), port=self.port,
+                                         scheme="HTTPS" if self.internal_ssl else "HTTP"),
+                period_seconds=period, timeout_seconds=max(1, period),
+                failure_threshold=max(1, int(self.effective_launch_timeout // period) + 1),
+            )
+        return pod
+
+    def _prefix(self) -> str:
+        """The server's URL prefix as JupyterHub tells it (``JUPYTERHUB_SERVICE_PREFIX``,
+        ``/user/NAME/[SERVER/]``); a spawner without a server record tells none, so ``/``."""
+        return self.server.base_url if self.server is not None else "/"
+
     async def load_user_options(self):
         """Re-validate ``user_options`` against the live policy (4xx on refusal), then apply it."""
         self._base()
@@ -151,6 +184,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         self._queued_at = time.monotonic()
         self._admitted_at = None
         self._pod_created = False
+        self._hooks_done = False
         self._started = False
         self.stop_reason = None
         self.start_timeout = int(self.effective_queue_timeout + self.effective_launch_timeout + self.start_timeout_slack)
@@ -162,6 +196,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 await spawner.wait_for_admission()
                 if admin_hook:
                     await maybe_future(admin_hook(spawner, pod))
+                spawner._hooks_done = True  # KubeSpawner's _start has only its wait for a running pod left
 
             wait_then_admin_hook._gpuhub_admission = True
             self.after_pod_created_hook = wait_then_admin_hook
@@ -178,13 +213,18 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         task = asyncio.ensure_future(super()._start())
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=self.status_interval)
-                if done:
+                change = asyncio.ensure_future(self._pod_changed(self.status_interval))
+                done, _ = await asyncio.wait({task, change}, return_when=asyncio.FIRST_COMPLETED)
+                change.cancel()
+                if task in done:
+                    result = task.result()
                     break
                 if self._pod_created and self._admitted_at and self._current_pod() is None:
                     task.cancel()
                     raise SpawnException(await self._gone_reason(), reason="evicted", status_code=503)
-            result = task.result()
+                result = await self._running_now(task)
+                if result is not None:
+                    break
             self._started = True
             ledger = self._ledger()
             if ledger is not None and ledger.watching:
@@ -208,6 +248,28 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             own_quota.release(self._server_key)
 
     # -- reclaim.interactiveBorrowing: false (kube/own_quota.py) ---------------------
+    async def _pod_changed(self, timeout: float) -> None:
+        """The pod watch's next change of this server's pod, or ``timeout`` seconds."""
+        reflector = self.pod_reflector
+        if hasattr(reflector, "changed"):
+            await reflector.changed(self._ref_key, timeout)
+        else:
+            await asyncio.sleep(timeout)
+
+    async def _running_now(self, task: asyncio.Future) -> str | None:
+        """The server's URL if the watch shows its pod running and ready while KubeSpawner's
+        start has only its back-off poll for that left; that poll is then cancelled."""
+        pod = self._current_pod()
+        if not (self._hooks_done and self.is_pod_running(pod)):
+            return None
+        task.cancel()
+        try:
+            return await task  # it may have finished on its own meanwhile
+        except asyncio.CancelledError:
+            pass
+        self.pod_id = pod["metadata"]["uid"]
+        return self._get_pod_url(pod)
+
     async def _hold_within_own_quota(self) -> None:
         ledger = self._ledger()
         if ledger is None or not self.choice.gpu_count:
@@ -436,6 +498,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
     # None if this process never started it (a server adopted after a hub restart).
     _started: bool | None = None
     _resumed = False
+    _hooks_done = False
 
     # -- hub restart: a queued or launching pod keeps its place -------------------------
     async def _unfinished_pod(self) -> dict | None:
@@ -493,7 +556,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                         f"Your server got its quota but did not start within {format_duration(self.effective_launch_timeout)}; "
                         "it was stopped. Try again, or ask an administrator if it keeps happening.",
                         reason="launch_timeout", status_code=503)
-                await asyncio.sleep(self.status_interval)
+                await self._pod_changed(self.status_interval)
         except SpawnException as e:
             self._spawn_pending = False
             if not resumed.done():

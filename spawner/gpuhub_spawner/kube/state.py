@@ -6,6 +6,9 @@
   that runs only while at least one spawner of that queue waits.
 * Pods and Workloads that disappear are remembered for a while: Kueue deletes a
   preempted plain pod, and the user must still be told why their server stopped.
+* A spawner can wait for the watch's next change of its pod (``changed``) instead of
+  polling the reflector with a growing back-off: the moment the kubelet reports the
+  server ready is the moment the spawn ends.
 """
 
 from __future__ import annotations
@@ -27,16 +30,22 @@ _MISSING = object()  # deleted objects remembered per reflector (a few KiB each)
 
 
 class _TrackingDict(dict):
-    """The reflector's ``resources`` dict, reporting removals to its owner."""
+    """The reflector's ``resources`` dict, reporting changes and removals to its owner."""
 
-    def __init__(self, data, on_gone):
+    def __init__(self, data, on_gone, on_change):
         super().__init__(data)
         self._on_gone = on_gone
+        self._on_change = on_change
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._on_change(key)
 
     def pop(self, key, default=_MISSING):
         if key in self:
             value = super().pop(key)
             self._on_gone(key, value)
+            self._on_change(key)
             return value
         if default is _MISSING:
             raise KeyError(key)
@@ -61,6 +70,27 @@ class _RemembersGone:
     def gone(self) -> "OrderedDict[str, tuple[float, dict]]":
         return self.__dict__.setdefault("_gone", OrderedDict())
 
+    def _notify(self, key=None):
+        """Wake whoever waits for ``key`` (everyone when the whole list was re-read)."""
+        waiting = self.__dict__.setdefault("_waiting", {})
+        for k in [key] if key is not None else list(waiting):
+            for future in waiting.pop(k, ()):
+                if not future.done():
+                    future.set_result(None)
+
+    async def changed(self, key: str, timeout: float) -> None:
+        """Return when the watch next changes or removes ``key``, or after ``timeout`` s."""
+        future = asyncio.get_running_loop().create_future()
+        waiting = self.__dict__.setdefault("_waiting", {})
+        waiting.setdefault(key, []).append(future)
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if future in waiting.get(key, ()):
+                waiting[key].remove(future)
+
     @validate("resources")
     def _track(self, proposal):
         new = proposal["value"]
@@ -70,7 +100,8 @@ class _RemembersGone:
                 self._remember(key, value)
         for key in new:
             self.gone.pop(key, None)
-        return _TrackingDict(new, self._remember)
+        self._notify()
+        return _TrackingDict(new, self._remember, self._notify)
 
 
 class GoneAwarePodReflector(_RemembersGone, PodReflector):

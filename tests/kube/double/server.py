@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 
 from gpuhub_spawner.kube import kueue as K
@@ -131,6 +132,7 @@ class KubeDouble(JobsMixin):
         self.invalid: list[str] = []
         self.errors: list[str] = []
         self.processes: dict[str, subprocess.Popen] = {}
+        self.ready_at: dict[str, float] = {}
         self.auto_admit = True
         self._validated_conditions: set[tuple[str, str]] = set()
         # Reads without credentials, as an API server with anonymous auth and a read-only
@@ -659,17 +661,48 @@ class KubeDouble(JobsMixin):
         self.processes[f"{ns}/{name}"] = proc
         self._event(pod, "Created", "Created container notebook")
         self._event(pod, "Started", "Started container notebook")
+        probe = container.get("startupProbe") or container.get("readinessProbe")
+        self._set_running(ns, name, container, ready=probe is None)
+        if probe is not None:
+            self.loop.create_task(self._probe(ns, name, container, probe))
+
+    def _set_running(self, ns, name, container, ready: bool):
+        """Running with an IP; ready (and started) as the kubelet says: at once without a
+        probe, after the first successful startup/readiness probe with one."""
         ts = now_iso()
         pod = copy.deepcopy(self.objects[("pods", ns, name)])
+        flag = "True" if ready else "False"
         pod["status"] = {
             "phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1", "startTime": ts, "qosClass": "Guaranteed",
-            "conditions": [{"type": t, "status": "True", "lastTransitionTime": ts}
-                           for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
-            "containerStatuses": [{"name": container["name"], "ready": True, "started": True, "restartCount": 0,
+            "conditions": [{"type": t, "status": "True" if t in ("PodScheduled", "Initialized") else flag,
+                            "lastTransitionTime": ts} for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
+            "containerStatuses": [{"name": container["name"], "ready": ready, "started": ready, "restartCount": 0,
                                    "image": container["image"], "imageID": "", "state": {"running": {"startedAt": ts}}}],
         }
         validate(pod)
         self._write("pods", ns, pod, "MODIFIED")
+        if ready:
+            self.ready_at[f"{ns}/{name}"] = time.monotonic()  # tests compare it with when a spawn ended
+
+    async def _probe(self, ns, name, container, probe):
+        """The kubelet's prober for an httpGet probe on the pod's IP (127.0.0.1 here): every
+        periodSeconds after initialDelaySeconds, until it answers 200-399 once."""
+        get = probe.get("httpGet") or {}
+        url = f"http://127.0.0.1:{get.get('port')}{get.get('path') or '/'}"
+        period = probe.get("periodSeconds", 10)
+        await asyncio.sleep(probe.get("initialDelaySeconds", 0))
+        async with aiohttp.ClientSession() as session:
+            while f"{ns}/{name}" in self.processes and self.processes[f"{ns}/{name}"].poll() is None:
+                try:
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=probe.get("timeoutSeconds", 1)),
+                                           allow_redirects=False) as r:
+                        if 200 <= r.status < 400:
+                            if ("pods", ns, name) in self.objects:
+                                self._set_running(ns, name, container, ready=True)
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                await asyncio.sleep(period)
 
     def _check_processes(self):
         for key, proc in list(self.processes.items()):

@@ -1,0 +1,612 @@
+"""What a policy edit would do to people, before it applies (issue 26): pure, no hub, no clock.
+
+Given the policy in force, a candidate, the hub's users with their groups, what is admitted
+(servers and jobs: who, team, profile, resources) and what waits, ``impact`` says in plain
+words:
+
+- which users gain or lose which profiles (and teams);
+- which teams' quotas, borrowing and lending limits, cohorts and per-user caps change, by how much;
+- which running servers and jobs would be over their team's new quota, over the new per-user
+  caps, on a profile or team the candidate removes, and what gpuhub then does with each;
+- which waiting requests would be admitted at once, wait longer or can never be admitted;
+- which idle (culling) rules change for running servers.
+
+What gpuhub does is read from the code, not promised: nothing that runs is stopped by a policy
+change. ``AdmissionQueue`` keeps every admission (its usage keeps counting) and re-runs
+``schedule()`` on the new quotas; per-user caps (``policy.access.check_user_caps``) are checked
+only when a server or job starts; a server whose profile is gone keeps running and is culled by
+``defaults.idle`` (``culling.board.rules_for(None)``), without the GPU-idle rule
+(``ServerView.has_gpus`` needs the profile). The one thing that can stop a holder is the
+reclaimer (``admission.reclaim.plan``): what a team holds above its nominal quota in a cohort is
+borrowed, and comes back when another team of the cohort, with ``reclaim.enabled``, waits for
+its own nominal quota — a server is warned and stopped after that team's ``reclaim.notice``, a
+job stopped at once and re-queued. A waiting request keeps the resources it asked for, also
+when its profile is removed; one that can never fit any more is not refused but waits until
+``defaults.queueTimeout`` withdraws it; one whose team is removed is never admitted.
+
+Layer 2 (admission): it needs the quota arithmetic (``quota.check_fit``, ``limits``) and the
+shapes of admissions and tickets, and reads the idle rules from the policy model; it imports
+no service or backend, so the hub handler, the CLI and unit tests call it the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from ..policy.access import profiles_for, teams_for
+from ..policy.model import IdleRules, Policy, Profile, Team
+from ..policy.quantities import format_cpu, format_duration, format_memory
+from .quota import check_fit, describe, limits
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Person:
+    name: str
+    groups: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Something admitted: a server (``user/name``) or a job (``job:<id>``)."""
+
+    key: str
+    user: str
+    team: str
+    profile: str
+    demand: Mapping[str, int]
+    since: float = 0.0
+    priority: int = 0
+    last_activity: float | None = None
+
+    @property
+    def job(self) -> bool:
+        return self.key.startswith("job:")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A waiting request, as the queue holds it."""
+
+    key: str
+    user: str
+    team: str
+    profile: str
+    demand: Mapping[str, int]
+    priority: int = 0
+    created: float = 0.0
+
+    @property
+    def job(self) -> bool:
+        return self.key.startswith("job:")
+
+
+# -- output ----------------------------------------------------------------------------------------
+SECTIONS = ("profiles", "quotas", "running", "waiting", "culling")
+TITLES = {
+    "profiles": "Who gains or loses profiles",
+    "quotas": "Quotas, borrowing and lending",
+    "running": "Running servers and jobs",
+    "waiting": "Waiting requests",
+    "culling": "Idle rules of running servers",
+}
+
+
+@dataclass
+class Line:
+    section: str
+    text: str
+    teams: frozenset[str] = frozenset()  # whose impact this is (a lead sees their teams' lines)
+    users: frozenset[str] = frozenset()
+    keys: frozenset[str] = frozenset()  # servers / jobs / requests named
+
+    def as_dict(self) -> dict:
+        return {"section": self.section, "text": self.text, "teams": sorted(self.teams),
+                "users": sorted(self.users), "keys": sorted(self.keys)}
+
+
+@dataclass
+class Impact:
+    lines: list[Line] = field(default_factory=list)
+    touched_teams: set[str] = field(default_factory=set)  # teams whose entries the edit changes
+    global_changes: list[str] = field(default_factory=list)  # what changes for every team
+
+    def add(self, section: str, text: str, teams=(), users=(), keys=()) -> None:
+        self.lines.append(Line(section, text, frozenset(teams), frozenset(users), frozenset(keys)))
+
+    def section(self, name: str) -> list[Line]:
+        return [ln for ln in self.lines if ln.section == name]
+
+    def only_teams(self, teams: set[str]) -> "Impact":
+        """What a lead of ``teams`` may see: lines about those teams only."""
+        return Impact([ln for ln in self.lines if ln.teams & teams], self.touched_teams & teams, [])
+
+    @property
+    def empty(self) -> bool:
+        return not self.lines
+
+    def summary(self) -> str:
+        """One line for the version history."""
+        counts = [f"{len(self.section(s))} {s}" for s in SECTIONS if self.section(s)]
+        return "; ".join(counts) if counts else "no change for anyone"
+
+    def as_dict(self) -> dict:
+        return {
+            "sections": [{"name": s, "title": TITLES[s], "lines": [ln.as_dict() for ln in self.section(s)]}
+                         for s in SECTIONS],
+            "touched_teams": sorted(self.touched_teams),
+            "global_changes": list(self.global_changes),
+            "summary": self.summary(),
+        }
+
+    def text(self) -> str:
+        out = []
+        for s in SECTIONS:
+            lines = self.section(s)
+            if lines:
+                out.append(f"{TITLES[s]}:")
+                out += [f"  - {ln.text}" for ln in lines]
+        return "\n".join(out) if out else "No change for anyone: no profile, quota, running server or waiting request is affected."
+
+
+# -- words -----------------------------------------------------------------------------------------
+def what(key: str) -> str:
+    """``alice/`` -> "alice's server", ``alice/big`` -> "alice's server big", ``job:7f`` -> "job 7f"."""
+    if key.startswith("job:"):
+        return f"job {key[4:]}"
+    user, _, server = key.partition("/")
+    return f"{user}'s server {server}" if server else f"{user}'s server"
+
+
+def _owner(item) -> str:
+    return f"{item.user}'s job {item.key[4:]}" if item.key.startswith("job:") else what(item.key)
+
+
+def _profile_words(policy: Policy, slug: str) -> str:
+    p = policy.profile(slug)
+    return f"{p.display_name} ({slug})" if p else slug
+
+
+def _amount(policy: Policy, key: str, amount: int | None) -> str:
+    if amount is None:
+        return "none"
+    if key == "cpu":
+        return format_cpu(amount)
+    if key == "memory":
+        return format_memory(amount)
+    return str(amount)
+
+
+def _resource(policy: Policy, key: str) -> str:
+    if key in ("cpu", "memory"):
+        return key.upper() if key == "cpu" else key
+    f = next((f for f in policy.flavors if f.name == key[4:]), None)
+    return f"{(f.display_name or f.name) if f else key[4:]} GPUs"
+
+
+def _demand_words(policy: Policy, demand: Mapping[str, int]) -> str:
+    gpus = [describe(k, v, policy) for k, v in sorted(demand.items()) if k.startswith("gpu/") and v]
+    return ", ".join(gpus) if gpus else "no GPU"
+
+
+def _clock(ts: float) -> str:
+    return time.strftime("%H:%M", time.localtime(ts)) if ts else "?"
+
+
+# -- the arithmetic the queue uses, without "now" ----------------------------------------------------
+def ceiling(policy: Policy, team: Team, key: str, may_borrow: bool = True) -> int | None:
+    """The most of ``key`` ``team`` may ever hold (nominal plus what it may borrow), as
+    ``quota.check_fit`` computes it; None where the team is not limited on ``key``."""
+    own = limits(team, key)
+    if own is None:
+        return None
+    if not team.cohort or not may_borrow:
+        return own.nominal
+    pool_cap = sum(lim.lendable for m in policy.cohort_members(team) if (lim := limits(m, key)) is not None)
+    borrow_cap = pool_cap - own.lendable
+    if own.borrowing_limit is not None:
+        borrow_cap = min(borrow_cap, own.borrowing_limit)
+    return own.nominal + max(0, borrow_cap)
+
+
+def _may_borrow(policy: Policy, team: Team, item) -> bool:
+    return item.key.startswith("job:") or bool(policy.reclaim_rules(team).interactive_borrowing)
+
+
+def _gap(policy: Policy, usage, team: Team, req: Request) -> int:
+    """How much of its team's own use must stop before ``req`` can fit its team's ceiling
+    (the GPUs, summed over the flavors it asks for)."""
+    gap = 0
+    may = _may_borrow(policy, team, req)
+    for key, amount in req.demand.items():
+        if not key.startswith("gpu/") or amount <= 0:
+            continue
+        top = ceiling(policy, team, key, may)
+        if top is None:
+            continue
+        gap += max(0, usage.get(team.name, {}).get(key, 0) + amount - top)
+    return gap
+
+
+def _usage(holdings: Iterable[Holding]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for h in holdings:
+        bucket = out.setdefault(h.team, {})
+        for k, v in h.demand.items():
+            bucket[k] = bucket.get(k, 0) + v
+    return out
+
+
+# -- what changed in the file ---------------------------------------------------------------------
+def touched_teams(old: Policy, new: Policy) -> tuple[set[str], list[str]]:
+    """Teams whose own entries or profiles the edit changes, and changes that concern every team
+    (flavors, priority classes, defaults, roles, health): a lead may preview only the first kind,
+    for their own teams."""
+    teams: set[str] = set()
+    old_t = {t.name: t for t in old.teams}
+    new_t = {t.name: t for t in new.teams}
+    for name in set(old_t) | set(new_t):
+        if old_t.get(name) != new_t.get(name):
+            teams.add(name)
+    old_p = {p.slug: p for p in old.profiles}
+    new_p = {p.slug: p for p in new.profiles}
+    for slug in set(old_p) | set(new_p):
+        a, b = old_p.get(slug), new_p.get(slug)
+        if a == b:
+            continue
+        for pol, prof in ((old, a), (new, b)):
+            if prof is None:
+                continue
+            if "*" in prof.teams:
+                teams.update(t.name for t in pol.teams)
+            else:
+                teams.update(prof.teams)
+    everyone = []
+    for name, label in (("flavors", "the GPU flavors"), ("priority_classes", "the priority classes"),
+                        ("defaults", "the defaults"), ("roles", "the roles (admins, viewers)"),
+                        ("health", "the GPU health rules")):
+        if getattr(old, name) != getattr(new, name):
+            everyone.append(f"{label} change, which apply to every team")
+    if [p.slug for p in old.profiles] != [p.slug for p in new.profiles] and not everyone:
+        pass  # order of profiles only: the spawn page's order, no team's rights
+    return teams, everyone
+
+
+# -- the impact --------------------------------------------------------------------------------------
+def impact(
+    old: Policy,
+    new: Policy,
+    people: Iterable[Person] = (),
+    holdings: Iterable[Holding] = (),
+    waiting: Iterable[Request] = (),
+    free_devices: Mapping[str, int] | None = None,
+    now: float | None = None,
+) -> Impact:
+    """What replacing ``old`` by ``new`` does to ``people``, ``holdings`` and ``waiting``.
+
+    ``free_devices``: free devices per ``gpu/<flavor>`` on one machine (None where Kueue
+    counts nodes); ``now`` for the idle rules that would be due at once.
+    """
+    now = time.time() if now is None else now
+    people, holdings, waiting = list(people), list(holdings), list(waiting)
+    out = Impact()
+    out.touched_teams, out.global_changes = touched_teams(old, new)
+    _profiles(out, old, new, people)
+    _quotas(out, old, new)
+    _running(out, old, new, holdings)
+    _waiting(out, old, new, holdings, waiting, free_devices)
+    _culling(out, old, new, holdings, now)
+    return out
+
+
+def _profiles(out: Impact, old: Policy, new: Policy, people: list[Person]) -> None:
+    for slug in [p.slug for p in old.profiles if new.profile(p.slug) is None]:
+        users = [u.name for u in people if any(slug in {p.slug for p in profiles_for(old, t)}
+                                                for t in teams_for(old, u.groups))]
+        p = old.profile(slug)
+        out.add("profiles", f"Profile {p.display_name} ({slug}) is removed"
+                + (f"; {len(users)} user(s) lose it: {', '.join(users)}." if users else "."),
+                teams=[t.name for t in old.teams if p.usable_by(t.name)], users=users)
+    for u in people:
+        old_teams = {t.name: t for t in teams_for(old, u.groups)}
+        new_teams = {t.name: t for t in teams_for(new, u.groups)}
+        def offered(pol, teams):
+            return {p.slug for t in teams.values() for p in profiles_for(pol, t)}
+        lost, gained = offered(old, old_teams) - offered(new, new_teams), offered(new, new_teams) - offered(old, old_teams)
+        left = sorted(set(old_teams) - set(new_teams))
+        joined = sorted(set(new_teams) - set(old_teams))
+        # the teams through which something changed for this user (a lead of another team of theirs sees nothing)
+        def slugs(pol, name):
+            t = pol.team_or_none(name)
+            return {p.slug for p in profiles_for(pol, t)} if t else set()
+        teams = {t for t in set(old_teams) | set(new_teams)
+                 if (t in old_teams) != (t in new_teams) or slugs(old, t) != slugs(new, t)}
+        parts = []
+        if joined:
+            parts.append("joins " + ", ".join(new.team(t).label for t in joined))
+        if left:
+            parts.append("leaves " + ", ".join(old.team(t).label for t in left))
+        if lost:
+            parts.append("loses " + ", ".join(_profile_words(old, s) for s in sorted(lost)))
+        if gained:
+            parts.append("gains " + ", ".join(_profile_words(new, s) for s in sorted(gained)))
+        if not new_teams and old_teams:
+            parts.append("and is then in no team: no profile at all")
+        if parts:
+            out.add("profiles", f"{u.name} " + "; ".join(parts) + ".", teams=teams, users=[u.name])
+
+
+def _quotas(out: Impact, old: Policy, new: Policy) -> None:
+    old_t = {t.name: t for t in old.teams}
+    for team in new.teams:
+        before = old_t.get(team.name)
+        if before is None:
+            out.add("quotas", f"Team {team.label} ({team.name}) is added.", teams=[team.name])
+            continue
+        changes = []
+        keys = sorted({f"gpu/{f}" for f in (*before.quota.gpus, *team.quota.gpus)})
+        keys += [k for k in ("cpu", "memory") if getattr(before.quota, k) or getattr(team.quota, k)]
+        for key in keys:
+            a, b = limits(before, key), limits(team, key)
+            if a == b:
+                continue
+            res = _resource(new, key)
+            for attr, label in (("nominal", "quota"), ("borrowing_limit", "borrowing limit"), ("lending_limit", "lending limit")):
+                x, y = getattr(a, attr, None) if a else None, getattr(b, attr, None) if b else None
+                if x == y:
+                    continue
+                delta = f" ({y - x:+d})" if isinstance(x, int) and isinstance(y, int) and key.startswith("gpu/") else ""
+                unset = "no limit" if attr != "nominal" else "none"
+                xs = _amount(old, key, x) if x is not None else unset
+                ys = _amount(new, key, y) if y is not None else unset
+                changes.append(f"{res} {label} {xs} → {ys}{delta}")
+        if before.cohort != team.cohort:
+            changes.append(f"cohort {before.cohort or 'none'} → {team.cohort or 'none'}")
+        for attr, label in (("max_servers", "servers per user"), ("max_gpus", "GPUs per user")):
+            x, y = getattr(before.per_user, attr), getattr(team.per_user, attr)
+            if x != y:
+                changes.append(f"{label} {x if x is not None else 'no cap'} → {y if y is not None else 'no cap'}")
+        if before.groups != team.groups:
+            changes.append(f"groups {', '.join(before.groups)} → {', '.join(team.groups)}")
+        if before.leads != team.leads:
+            changes.append(f"leads {', '.join(before.leads) or 'none'} → {', '.join(team.leads) or 'none'}")
+        if changes:
+            out.add("quotas", f"{team.label}: " + "; ".join(changes) + ".", teams=[team.name])
+    for name, t in old_t.items():
+        if new.team_or_none(name) is None:
+            out.add("quotas", f"Team {t.label} ({name}) is removed.", teams=[name])
+
+
+def _reclaim_words(new: Policy, team: Team, key: str) -> str:
+    lenders = [m for m in new.cohort_members(team) if m.name != team.name and new.reclaim_rules(m).enabled
+               and (lim := limits(m, key)) is not None and lim.lendable > 0]
+    if not lenders:
+        return (f"no other team of the {team.cohort} cohort takes quota back (reclaim disabled or nothing lent): "
+                "kept until stopped")
+    notices = sorted({format_duration(new.reclaim_rules(m).notice or 0) for m in lenders})
+    return (f"counted as borrowed from the {team.cohort} cohort: kept until {', '.join(m.label for m in lenders)} "
+            f"need their own quota back; then a server is warned and stopped after {' or '.join(notices)}, a job "
+            "is stopped at once and re-queued (lowest priority, newest first)")
+
+
+def _running(out: Impact, old: Policy, new: Policy, holdings: list[Holding]) -> None:
+    usage = _usage(holdings)
+    by_team: dict[str, list[Holding]] = {}
+    for h in holdings:
+        by_team.setdefault(h.team, []).append(h)
+    for team_name, held in sorted(by_team.items()):
+        team = new.team_or_none(team_name)
+        if team is None:
+            for h in held:
+                out.add("running", f"{_owner(h)} ({_demand_words(old, h.demand)}) belongs to team {team_name}, "
+                        "which the new policy removes: it keeps running until it is stopped (nothing is reclaimed "
+                        "from a team that is not in the policy), and it cannot be started again in that team.",
+                        teams=[team_name], users=[h.user], keys=[h.key])
+            continue
+        used = usage.get(team_name, {})
+        for key in sorted(used):
+            amount = used[key]
+            own = limits(team, key)
+            if own is None or amount <= own.nominal:
+                continue
+            before = old.team_or_none(team_name)
+            old_lim = limits(before, key) if before else None
+            if old_lim is not None and amount > old_lim.nominal and old_lim.nominal <= own.nominal:
+                continue  # already over before the edit, and not more so: nothing new
+            holders = [h for h in held if h.demand.get(key)]
+            names = ", ".join(f"{_owner(h)} ({_amount(new, key, h.demand[key])}, profile {h.profile}, since {_clock(h.since)})"
+                              for h in sorted(holders, key=lambda h: h.since))
+            over = amount - own.nominal
+            if key.startswith("gpu/") and team.cohort:
+                fate = _reclaim_words(new, team, key)
+            elif key.startswith("gpu/"):
+                fate = "nothing is stopped: it keeps running until its user stops it or it is culled"
+            else:
+                fate = "nothing is stopped: kept until its user stops it or it is culled (only GPUs are ever reclaimed)"
+            out.add("running", f"{team.label} holds {_amount(new, key, amount)} {_resource(new, key)} and its new quota is "
+                    f"{_amount(new, key, own.nominal)} ({_amount(new, key, over) if key.startswith('gpu/') else 'over'}"
+                    f"{' over' if key.startswith('gpu/') else ''}): {names}. What gpuhub does: {fate}; "
+                    f"{team.label}'s requests for {_resource(new, key)} wait until its use leaves room within the quota"
+                    + (" or the cohort lends" if team.cohort else "") + ".",
+                    teams=[team_name], users=[h.user for h in holders], keys=[h.key for h in holders])
+        # per-user caps: servers and GPUs per user, as check_user_caps counts them at a start
+        per_user: dict[str, list[Holding]] = {}
+        for h in held:
+            per_user.setdefault(h.user, []).append(h)
+        caps, old_caps = team.per_user, (old.team_or_none(team_name) or team).per_user
+        for user, hs in sorted(per_user.items()):
+            servers = sum(1 for h in hs if not h.job)
+            gpus = sum(v for h in hs for k, v in h.demand.items() if k.startswith("gpu/"))
+            over = []
+            if caps.max_servers is not None and servers > caps.max_servers and not (
+                    old_caps.max_servers is not None and servers > old_caps.max_servers):
+                over.append(f"{servers} servers, new cap {caps.max_servers}")
+            if caps.max_gpus is not None and gpus > caps.max_gpus and not (
+                    old_caps.max_gpus is not None and gpus > old_caps.max_gpus):
+                over.append(f"{gpus} GPUs, new cap {caps.max_gpus}")
+            if over:
+                out.add("running", f"{user} is over {team.label}'s new per-user caps ({'; '.join(over)}): what is "
+                        "running keeps running (caps are checked when a server or job starts); "
+                        f"{user} cannot start another {team.label} server or GPU job until back under the cap.",
+                        teams=[team_name], users=[user], keys=[h.key for h in hs])
+        for h in held:
+            if old.profile(h.profile) is not None and new.profile(h.profile) is None:
+                if h.job:
+                    fate = "it runs to its end with the GPUs it has; a re-queue after a preemption keeps its resources"
+                else:
+                    idle = new.defaults.idle
+                    fate = ("it keeps running and keeps its GPUs until it is stopped; it cannot be started again with "
+                            f"that profile; idle culling then uses the defaults' rules (no activity for "
+                            f"{format_duration(idle.timeout or 0)}, at most {format_duration(idle.max_age or 0)} old) and "
+                            "no longer the GPU-idle rule (the hub no longer knows the profile's GPUs)")
+                out.add("running", f"{_owner(h)} runs profile {_profile_words(old, h.profile)}, which the new policy "
+                        f"removes: {fate}.", teams=[team_name], users=[h.user], keys=[h.key])
+
+
+def _order(policy: Policy, usage, reqs: list[Request]) -> list[Request]:
+    def key(r: Request):
+        team = policy.team_or_none(r.team)
+        borrows = check_fit(policy, usage, team, dict(r.demand), _may_borrow(policy, team, r)).borrows if team else True
+        return (borrows, -r.priority, r.created)
+
+    return sorted(reqs, key=key)
+
+
+def _fits_devices(free: dict[str, int] | None, demand: Mapping[str, int]) -> bool:
+    return free is None or all(free.get(k, 0) >= v for k, v in demand.items() if k.startswith("gpu/") and v)
+
+
+def _waiting(out: Impact, old: Policy, new: Policy, holdings: list[Holding], waiting: list[Request],
+             free_devices: Mapping[str, int] | None) -> None:
+    base = _usage(holdings)
+    trial = {t: dict(u) for t, u in base.items()}
+    free = dict(free_devices) if free_devices is not None else None
+    timeout = format_duration(new.defaults.queue_timeout)
+    for r in _order(new, base, waiting):
+        team = new.team_or_none(r.team)
+        label = f"{_owner(r)} ({_demand_words(new, r.demand)}, waiting since {_clock(r.created)})"
+        if team is None:
+            out.add("waiting", f"{label} waits in team {r.team}, which the new policy removes: it is never admitted "
+                    f"and is withdrawn at its queue timeout ({timeout}).", teams=[r.team], users=[r.user], keys=[r.key])
+            continue
+        may = _may_borrow(new, team, r)
+        fit = check_fit(new, trial, team, dict(r.demand), may)
+        if fit.fits and _fits_devices(free, r.demand):
+            for k, v in r.demand.items():
+                trial.setdefault(team.name, {})[k] = trial.get(team.name, {}).get(k, 0) + v
+                if free is not None and k.startswith("gpu/"):
+                    free[k] = free.get(k, 0) - v
+            out.add("waiting", f"{label} would be admitted at once.", teams=[team.name], users=[r.user], keys=[r.key])
+            continue
+        never = [k for k, v in r.demand.items() if k.startswith("gpu/") and v > (ceiling(new, team, k, may) or v)]
+        if never:
+            k = never[0]
+            out.add("waiting", f"{label} can never be admitted under the new policy: {team.label} may hold at most "
+                    f"{ceiling(new, team, k, may)} {_resource(new, k)}. It is not refused: it waits until its queue "
+                    f"timeout ({timeout}) withdraws it.", teams=[team.name], users=[r.user], keys=[r.key])
+            continue
+        old_team = old.team_or_none(r.team)
+        gap_old = _gap(old, base, old_team, r) if old_team else None
+        gap_new = _gap(new, base, team, r)
+        tops = "; ".join(
+            f"{team.label} may hold {ceiling(new, team, k, may)} {_resource(new, k)}"
+            + (f" instead of {ceiling(old, old_team, k, may)}" if old_team and ceiling(old, old_team, k, may) != ceiling(new, team, k, may) else "")
+            for k in sorted(r.demand) if k.startswith("gpu/") and r.demand[k])
+        held_by = sorted({_owner(h) for h in holdings if h.team == team.name
+                          and any(h.demand.get(k) for k in r.demand if k.startswith("gpu/"))})
+        who = f" (held by {', '.join(held_by)})" if held_by else ""
+        if gap_old is not None and gap_new != gap_old:
+            out.add("waiting", f"{label} {'waits longer' if gap_new > gap_old else 'waits less'}: {tops}; "
+                    f"{gap_new} of {team.label}'s GPUs in use{who} must be freed before it fits (today {gap_old}).",
+                    teams=[team.name], users=[r.user], keys=[r.key])
+
+
+_RULES = (("timeout", "idle timeout"), ("gpu_idle_timeout", "GPU-idle timeout"), ("max_age", "maximum age"),
+          ("warning", "warning"), ("snooze", "snooze"), ("max_snoozes", "snoozes"), ("gpu_busy_threshold", "GPU busy threshold"))
+
+
+def _rules(policy: Policy, slug: str) -> tuple[IdleRules, bool]:
+    p: Profile | None = policy.profile(slug)
+    return (policy.idle_rules(p) if p else policy.defaults.idle), bool(p and p.gpu_count)
+
+
+def _fmt_rule(name: str, value, has_gpus: bool) -> str:
+    if name == "gpu_idle_timeout" and not has_gpus:
+        return "does not apply"
+    if value is None:
+        return "off"
+    if name in ("max_snoozes",):
+        return str(value)
+    if name == "gpu_busy_threshold":
+        return f"{value} %"
+    return format_duration(value)
+
+
+def _culling(out: Impact, old: Policy, new: Policy, holdings: list[Holding], now: float) -> None:
+    for h in holdings:
+        if h.job:
+            continue
+        (a, ga), (b, gb) = _rules(old, h.profile), _rules(new, h.profile)
+        changes = []
+        for name, label in _RULES:
+            x, y = _fmt_rule(name, getattr(a, name), ga), _fmt_rule(name, getattr(b, name), gb)
+            if x != y:
+                changes.append(f"{label} {x} → {y}")
+        if not changes:
+            continue
+        due = ""
+        if b.max_age and h.since and now - h.since >= b.max_age and not (a.max_age and now - h.since >= a.max_age):
+            due = (f" It is already older than the new maximum age ({format_duration(b.max_age)}): warned at the "
+                   f"culler's next pass and stopped {format_duration(b.warning or 0)} later, with no snooze.")
+        elif b.timeout and h.last_activity and now - h.last_activity >= b.timeout and not (
+                a.timeout and now - h.last_activity >= a.timeout):
+            due = (f" It has been idle longer than the new idle timeout ({format_duration(b.timeout)}): warned at the "
+                   f"culler's next pass and stopped {format_duration(b.warning or 0)} later unless used.")
+        team = h.team
+        out.add("culling", f"{_owner(h)} (profile {h.profile}): " + "; ".join(changes) + "." + due,
+                teams=[team], users=[h.user], keys=[h.key])
+
+
+# -- a candidate's text ------------------------------------------------------------------------------
+# A policy sent to the hub (preview, apply) is bounded before it is parsed, like every YAML a user
+# sends (policy/bounded.py: size first, then libyaml's events counted, anchors and aliases refused):
+# 256 KiB is the hub's request body limit; 100,000 values is ~5x the example of 500 teams.
+MAX_POLICY_BYTES = 256 * 1024
+MAX_POLICY_NODES = 100_000
+MAX_POLICY_DEPTH = 16
+
+
+def read_candidate(text: str, filename: str = "new policy") -> tuple[Policy | None, list[dict]]:
+    """The candidate policy, or its located errors (the loader's own messages) as
+    ``{"line", "column", "path", "message", "text"}``, never an exception."""
+    from ..policy.bounded import InputRefused, scan_yaml
+    from ..policy.loader import PolicyError, parse_policy
+
+    import yaml
+
+    if not isinstance(text, str):
+        return None, [{"line": None, "column": None, "path": "", "message": "the policy must be YAML text",
+                       "text": f"{filename}: the policy must be YAML text"}]
+    try:
+        scan_yaml(text, what="a policy sent to the hub", max_bytes=MAX_POLICY_BYTES, max_nodes=MAX_POLICY_NODES,
+                  max_depth=MAX_POLICY_DEPTH)
+        return parse_policy(text, filename), []
+    except InputRefused as e:
+        where = f"{filename}:{e.line}:{e.column}" if e.line else filename
+        return None, [{"line": e.line, "column": e.column, "path": e.path, "message": e.message,
+                       "text": f"{where}: {e.path or '(top level)'}: {e.message}", "status": e.status}]
+    except yaml.YAMLError:
+        try:
+            parse_policy(text, filename)  # the loader's located syntax error
+        except PolicyError as e:
+            return None, _issues(e)
+        raise
+    except PolicyError as e:
+        return None, _issues(e)
+
+
+def _issues(e) -> list[dict]:
+    return [{"line": i.line, "column": i.column, "path": i.path, "message": i.message, "text": i.format(e.filename)}
+            for i in e.issues]

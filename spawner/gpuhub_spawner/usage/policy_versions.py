@@ -1,0 +1,239 @@
+"""Every version of the policy that took effect: applied, rolled back to, or edited on disk (issue 26).
+
+Kept in the hub's data directory (``policy-versions/``, 0700): ``index.jsonl`` (append-only, one
+line per version: number, hash, who, when, how, one-line summary) and each version's text
+(``<n>-<hash>.yaml``, 0600). Versions are addressed by their number or a prefix of their hash,
+always looked up in the index: no name a user sends reaches the file system.
+
+An apply writes the policy file atomically (a temporary file beside it, fsync, rename; the
+previous text kept as ``<file>.previous``), records the version *before* the store re-reads the
+file, and the store's reload (``PolicyStore.on_change``) finds that version already there. A
+reload that finds a text no apply wrote (an admin edited the file, a ConfigMap changed) is
+recorded as ``edited on disk``. The audit trail gets ``policy_applied``, ``policy_rolled_back`` and
+``policy_edited_on_disk`` with who, the version and the diff (profile environment values masked,
+as in ``policy_reloaded``).
+
+Uses only the store's public API (``policy_file``, ``on_change``); reading and hashing the file
+after a reload runs in a thread, never on the hub's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import hashlib
+import json
+import logging
+import os
+import pwd
+import stat
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from . import recorder
+
+log = logging.getLogger("JupyterHub.gpuhub.policy")
+
+APPLIED, ROLLBACK, ON_DISK, AT_START = "applied", "rollback", "edited on disk", "loaded at start"
+
+
+def text_hash(text: str | bytes) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+def masked_text(text: str) -> str:
+    """The policy as YAML with profile environment values masked (they may hold secrets)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(data, dict) and isinstance(data.get("profiles"), list):
+        data["profiles"] = [dict(p, env={k: "***" for k in p["env"]}) if isinstance(p, dict)
+                            and isinstance(p.get("env"), dict) and p["env"] else p for p in data["profiles"]]
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
+def policy_diff(before: str, after: str) -> str:
+    a, b = masked_text(before).splitlines(True), masked_text(after).splitlines(True)
+    return "".join(difflib.unified_diff(a, b, "before", "after", n=1))
+
+
+def write_atomically(path: str | os.PathLike, text: str) -> None:
+    """Replace the file at ``path`` (its real target, if a link) in one rename: a temporary file
+    in the same directory, fsynced, then renamed over it, and the directory fsynced. The previous
+    text is kept beside it as ``<name>.previous``. Raises ``OSError`` (read-only: a ConfigMap)."""
+    target = Path(os.path.realpath(path))
+    mode = 0o644
+    try:
+        st = os.stat(target)
+        mode = stat.S_IMODE(st.st_mode)
+        previous = target.read_bytes()
+    except FileNotFoundError:
+        previous = None
+    if previous is not None:
+        _replace(target.with_name(target.name + ".previous"), previous, mode)
+    _replace(target, text.encode(), mode)
+
+
+def _replace(target: Path, data: bytes, mode: int) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class VersionNotFound(LookupError):
+    pass
+
+
+class PolicyVersions:
+    """The versions of one hub's policy file."""
+
+    def __init__(self, directory: str | os.PathLike, policy_file: str):
+        self.dir = Path(directory)
+        self.policy_file = policy_file
+        self._lock = threading.Lock()
+        self._file_lock = threading.RLock()  # an apply's write and record, or a reload's look, at a time
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        self.index = self.dir / "index.jsonl"
+        self._versions: list[dict] = self._read_index()
+
+    def _read_index(self) -> list[dict]:
+        out = []
+        try:
+            with open(self.index, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        try:
+                            out.append(json.loads(line))
+                        except ValueError:
+                            log.warning("Skipping an unreadable line of %s", self.index)
+        except FileNotFoundError:
+            pass
+        return out
+
+    # -- reading -----------------------------------------------------------------------------
+    def versions(self) -> list[dict]:
+        with self._lock:
+            return [dict(v) for v in self._versions]
+
+    def latest(self) -> dict | None:
+        with self._lock:
+            return dict(self._versions[-1]) if self._versions else None
+
+    def find(self, ref: str | int) -> dict:
+        """A version by number (``3``, ``v3``) or hash prefix (at least 4 hex digits)."""
+        ref = str(ref).strip().lower()
+        with self._lock:
+            versions = list(self._versions)
+        number = ref[1:] if ref.startswith("v") else ref
+        if number.isdigit():
+            for v in versions:
+                if v["n"] == int(number):
+                    return dict(v)
+        if len(ref) >= 4 and all(c in "0123456789abcdef" for c in ref):
+            found = [v for v in versions if v["hash"].startswith(ref)]
+            if found:
+                return dict(found[-1])
+        raise VersionNotFound(f"no policy version {ref[:40]!r}: see `gpuhub policy history`")
+
+    def text_of(self, version: dict) -> str:
+        return (self.dir / f"{int(version['n'])}-{version['hash']}.yaml").read_text()
+
+    # -- writing -----------------------------------------------------------------------------
+    def record(self, text: str, by: str, source: str, summary: str, **extra) -> dict:
+        with self._lock:
+            n = (self._versions[-1]["n"] + 1) if self._versions else 1
+            entry = {"n": n, "hash": text_hash(text), "at": round(time.time(), 3), "by": by, "source": source,
+                     "summary": summary, **extra}
+            path = self.dir / f"{n}-{entry['hash']}.yaml"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            fd = os.open(self.index, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+            self._versions.append(entry)
+        return dict(entry)
+
+    def apply(self, text: str, by: str, summary: str, rollback_to: dict | None = None) -> dict:
+        """Write ``text`` as the policy file and record it (validated by the caller); audited."""
+        source = ROLLBACK if rollback_to else APPLIED
+        extra = {"rollback_to": rollback_to["n"]} if rollback_to else {}
+        with self._file_lock:
+            before = self._file_text()
+            write_atomically(self.policy_file, text)
+            version = self.record(text, by, source, summary, **extra)
+        diff = policy_diff(before or "", text)
+        event = "policy_rolled_back" if rollback_to else "policy_applied"
+        recorder.audit(event, by=by, version=version["n"], hash=version["hash"], summary=summary,
+                       path=self.policy_file, diff=diff, **({"to_version": rollback_to["n"]} if rollback_to else {}))
+        log.info("Policy version %d (%s) %s by %s: %s", version["n"], version["hash"], source, by, summary)
+        return version
+
+    def _file_text(self) -> str | None:
+        try:
+            return Path(self.policy_file).read_text()
+        except OSError:
+            return None
+
+    # -- the store's reloads -----------------------------------------------------------------
+    def notice_file(self, summary: str = "") -> dict | None:
+        """Record the file's text if no version has it (edited on disk); in any thread."""
+        with self._file_lock:
+            return self._notice_file(summary)
+
+    def _notice_file(self, summary: str) -> dict | None:
+        text = self._file_text()
+        if text is None:
+            return None
+        latest = self.latest()
+        if latest is not None and latest["hash"] == text_hash(text):
+            return None
+        who = None
+        try:
+            who = pwd.getpwuid(os.stat(self.policy_file).st_uid).pw_name
+        except (OSError, KeyError):
+            pass
+        source = ON_DISK if latest is not None else AT_START
+        by = f"file owner {who}" if who else "unknown"
+        version = self.record(text, by, source, summary or source)
+        if latest is not None:
+            recorder.audit("policy_edited_on_disk", by=by, version=version["n"], hash=version["hash"],
+                           path=self.policy_file, diff=policy_diff(self.text_of(latest), text))
+        return version
+
+    def follow(self, store) -> None:
+        """Record the file now if new, and after every reload that finds a text no apply wrote."""
+        self.notice_file()
+
+        def reloaded(policy) -> None:  # on the loop: hand the read and hash to a thread
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.notice_file()
+                return
+            loop.run_in_executor(None, self.notice_file)
+
+        store.on_change(reloaded)

@@ -1,0 +1,178 @@
+"""The impact of a policy edit, in plain words (admission/impact.py), and the versions store
+(usage/policy_versions.py): pure code and files in a temporary directory, no hub."""
+
+import os
+import time
+
+import pytest
+
+from gpuhub_spawner.admission.impact import Holding, Person, Request, impact, read_candidate
+from gpuhub_spawner.policy import parse_policy
+from gpuhub_spawner.usage.policy_versions import PolicyVersions, VersionNotFound, policy_diff, write_atomically
+
+OLD = """\
+flavors:
+  - {name: a100, displayName: A100, local: {virtual: 3}}
+priorityClasses:
+  - {name: interactive, value: 1000}
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    leads: [vision-leads]
+    defaultPriority: interactive
+    quota: {gpus: {a100: {nominal: 2}}}
+    perUser: {maxServers: 2, maxGPUs: 2}
+  - name: nlp
+    displayName: NLP Group
+    groups: [nlp-group]
+    quota: {gpus: {a100: {nominal: 1}}}
+profiles:
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true}
+  - {slug: a100-1, displayName: 1× A100, gpu: {count: 1, flavor: a100}, teams: [vision, nlp]}
+  - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision], idle: {timeout: 1h, gpuIdleTimeout: 30m}}
+defaults:
+  queueTimeout: 5m
+"""
+NEW = (OLD.replace("a100: {nominal: 2}", "a100: {nominal: 1}").replace("maxGPUs: 2", "maxGPUs: 1")
+       .replace("  - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision], idle: {timeout: 1h, gpuIdleTimeout: 30m}}\n", ""))
+
+PEOPLE = [Person("alice", ("vision-lab",)), Person("bob", ("vision-lab",)), Person("carol", ("nlp-group",)),
+          Person("dave", ("nlp-group", "vision-lab")), Person("erin", ("students",))]
+NOW = time.time()
+DEMAND2 = {"cpu": 1000, "memory": 2 << 30, "gpu/a100": 2}
+DEMAND1 = {"cpu": 1000, "memory": 2 << 30, "gpu/a100": 1}
+
+
+def scenario():
+    held = [Holding("alice/", "alice", "vision", "a100-2", DEMAND2, since=NOW - 600)]
+    waiting = [Request("dave/", "dave", "vision", "a100-1", DEMAND1, priority=1000, created=NOW - 60)]
+    return impact(parse_policy(OLD), parse_policy(NEW), PEOPLE, held, waiting, {"gpu/a100": 1}, now=NOW)
+
+
+def texts(imp, section):
+    return [ln.text for ln in imp.section(section)]
+
+
+def test_lowering_a_quota_and_removing_a_profile_names_who_it_hits_and_what_gpuhub_does():
+    imp = scenario()
+    running = " ".join(texts(imp, "running"))
+    assert "Vision Lab holds 2 A100 GPUs and its new quota is 1 (1 over): alice's server" in running
+    assert "nothing is stopped: it keeps running until its user stops it or it is culled" in running
+    assert "alice's server runs profile 2× A100 (a100-2), which the new policy removes" in running
+    assert "alice is over Vision Lab's new per-user caps (2 GPUs, new cap 1)" in running
+    (dave,) = texts(imp, "waiting")
+    assert dave.startswith("dave's server (1 A100 GPU") and "waits longer" in dave
+    assert "Vision Lab may hold 1 A100 GPUs instead of 2" in dave and "held by alice's server" in dave
+    profiles = texts(imp, "profiles")
+    assert "Profile 2× A100 (a100-2) is removed; 4 user(s) lose it: alice, bob, dave." not in profiles
+    assert profiles[0] == "Profile 2× A100 (a100-2) is removed; 3 user(s) lose it: alice, bob, dave."
+    assert {"alice loses 2× A100 (a100-2).", "bob loses 2× A100 (a100-2).", "dave loses 2× A100 (a100-2)."} <= set(profiles)
+    assert not any(t.startswith(("carol", "erin")) for t in profiles)
+    assert texts(imp, "quotas") == ["Vision Lab: A100 GPUs quota 2 → 1 (-1); GPUs per user 2 → 1."]
+    assert texts(imp, "culling") == ["alice's server (profile a100-2): idle timeout 1h → 8h; GPU-idle timeout 30m → does not apply."]
+    assert imp.touched_teams == {"vision"} and imp.global_changes == []
+
+
+def test_raising_the_quota_admits_the_waiting_request_at_once_and_nothing_else_changes():
+    raised = OLD.replace("a100: {nominal: 2}", "a100: {nominal: 3}").replace("a100: {nominal: 1}}}\nprofiles", "a100: {nominal: 0}}}\nprofiles")
+    held = [Holding("alice/", "alice", "vision", "a100-2", DEMAND2, since=NOW - 600)]
+    waiting = [Request("dave/", "dave", "vision", "a100-1", DEMAND1, created=NOW - 60)]
+    imp = impact(parse_policy(OLD), parse_policy(raised), PEOPLE, held, waiting, {"gpu/a100": 1}, now=NOW)
+    assert texts(imp, "waiting") == [f"dave's server (1 A100 GPU, waiting since {time.strftime('%H:%M', time.localtime(NOW - 60))}) would be admitted at once."]
+    assert texts(imp, "running") == [] and texts(imp, "profiles") == []
+    # ... unless the machine has no free device: then it does not say "at once"
+    imp = impact(parse_policy(OLD), parse_policy(raised), PEOPLE, held, waiting, {"gpu/a100": 0}, now=NOW)
+    assert not any("at once" in t for t in texts(imp, "waiting"))
+
+
+def test_a_request_that_can_never_fit_is_said_to_wait_for_its_queue_timeout_not_refused():
+    held = []
+    waiting = [Request("bob/", "bob", "vision", "a100-2", DEMAND2, created=NOW)]
+    imp = impact(parse_policy(OLD), parse_policy(NEW), PEOPLE, held, waiting, None, now=NOW)
+    (line,) = texts(imp, "waiting")
+    assert "can never be admitted under the new policy: Vision Lab may hold at most 1 A100 GPUs" in line
+    assert "waits until its queue timeout (5m) withdraws it" in line
+
+
+def test_a_borrowing_holder_in_a_cohort_is_said_to_be_reclaimable_after_the_lenders_notice():
+    cohort = OLD.replace("groups: [vision-lab]\n", "groups: [vision-lab]\n    cohort: research\n").replace(
+        "groups: [nlp-group]\n", "groups: [nlp-group]\n    cohort: research\n")
+    lowered = cohort.replace("a100: {nominal: 2}", "a100: {nominal: 1}").replace("maxGPUs: 2", "maxGPUs: 1").replace(
+        "teams: [vision], idle", "teams: [nlp], idle").replace("quota: {gpus: {a100: {nominal: 1}}}\nprofiles",
+                                                               "quota: {gpus: {a100: {nominal: 2}}}\nprofiles")
+    held = [Holding("alice/", "alice", "vision", "a100-1", DEMAND1, since=NOW), Holding("bob/", "bob", "vision", "a100-1", DEMAND1, since=NOW)]
+    imp = impact(parse_policy(cohort), parse_policy(lowered), PEOPLE, held, [], None, now=NOW)
+    running = " ".join(texts(imp, "running"))
+    assert "counted as borrowed from the research cohort: kept until NLP Group need their own quota back" in running
+    assert "a server is warned and stopped after 2m30s" in running  # half of queueTimeout 5m, as Policy.reclaim_rules
+
+
+def test_a_lead_sees_only_their_teams_lines_and_global_changes_are_named():
+    imp = scenario()
+    assert imp.only_teams({"nlp"}).lines == []
+    assert len(imp.only_teams({"vision"}).lines) == len(imp.lines)
+    _, everyone = impact(parse_policy(OLD), parse_policy(OLD.replace("queueTimeout: 5m", "queueTimeout: 10m"))).touched_teams, \
+        impact(parse_policy(OLD), parse_policy(OLD.replace("queueTimeout: 5m", "queueTimeout: 10m"))).global_changes
+    assert everyone == ["the defaults change, which apply to every team"]
+
+
+def test_an_invalid_candidate_gives_the_loaders_located_errors_and_an_alias_bomb_is_refused_before_parsing():
+    policy, errors = read_candidate(NEW.replace("a100: {nominal: 1}}}\n    perUser", "a100: {nominal: 1, lendingLimit: 3}}}\n    perUser"))
+    assert policy is None
+    assert errors[0]["line"] == 11 and errors[0]["path"] == "teams[0].quota.gpus.a100.lendingLimit"
+    assert errors[0]["message"] == "lendingLimit 3 is above the nominal quota 1"
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+                                                          for p, c in zip("abcdefgh", "bcdefghi"))
+    t0 = time.perf_counter()
+    policy, errors = read_candidate(bomb)
+    assert policy is None and "anchors and aliases are not accepted" in errors[0]["message"] and errors[0]["line"] == 1
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_versions_record_apply_atomically_and_find_by_number_or_hash(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text(OLD)
+    os.chmod(path, 0o640)
+    vs = PolicyVersions(tmp_path / "versions", str(path))
+    first = vs.notice_file()
+    assert first["n"] == 1 and first["source"] == "loaded at start"
+    assert vs.notice_file() is None  # same text: nothing new
+    second = vs.apply(NEW, "admin", "Vision Lab quota 2 → 1")
+    assert path.read_text() == NEW and (tmp_path / "policy.yaml.previous").read_text() == OLD
+    assert oct(path.stat().st_mode & 0o777) == "0o640"
+    assert [v["n"] for v in vs.versions()] == [1, 2] and second["by"] == "admin" and second["source"] == "applied"
+    assert vs.find("1")["hash"] == first["hash"] and vs.find(second["hash"][:6])["n"] == 2
+    assert vs.text_of(vs.find("v1")) == OLD
+    with pytest.raises(VersionNotFound):
+        vs.find("../../etc/passwd")
+    path.write_text(OLD + "# edited\n")  # an admin edits the file on disk
+    third = vs.notice_file()
+    assert third["source"] == "edited on disk" and third["n"] == 3
+    # a fresh store reads the same history back
+    assert [v["source"] for v in PolicyVersions(tmp_path / "versions", str(path)).versions()] == [
+        "loaded at start", "applied", "edited on disk"]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_failed_write_leaves_the_policy_file_as_it_was(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    path = d / "policy.yaml"
+    path.write_text(OLD)
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    os.chmod(d, 0o500)
+    try:
+        with pytest.raises(OSError):
+            write_atomically(path, NEW)
+        assert path.read_text() == OLD
+    finally:
+        os.chmod(d, 0o700)
+
+
+def test_the_diff_masks_profile_environment_values():
+    before = OLD
+    after = OLD.replace("teams: [vision, nlp]}", "teams: [vision, nlp], env: {HF_TOKEN: hf_secret}}")
+    diff = policy_diff(before, after)
+    assert "HF_TOKEN" in diff and "hf_secret" not in diff and "***" in diff

@@ -15,6 +15,8 @@ name gets nothing here, even when an admin owns it), never just who owns the tok
 - ``custom:gpuhub:lead``: for the teams the live policy says the reader leads, their
   holders, queue and history, and stopping a member's idle server (``gpuhub-lead``).
 - ``custom:gpuhub:audit``: the audit trail (admins).
+- ``custom:gpuhub:policy``: apply and roll back the policy, preview any edit (admins; leads
+  preview edits of their own teams with ``custom:gpuhub:lead``).
 
 Roles from the policy's groups (``roles.admins``, ``roles.viewers``, ``teams[].leads``)
 are granted by ``hub.roles.configure_policy_roles``.
@@ -29,6 +31,7 @@ USAGE = "custom:gpuhub:usage"
 USAGE_ALL = "custom:gpuhub:usage:all"
 LEAD = "custom:gpuhub:lead"
 AUDIT = "custom:gpuhub:audit"
+POLICY = "custom:gpuhub:policy"
 
 CUSTOM_SCOPES = {
     STATUS: {
@@ -55,12 +58,16 @@ CUSTOM_SCOPES = {
     AUDIT: {
         "description": "Read gpuhub's audit trail of decisions and actions.",
     },
+    POLICY: {
+        "description": "Apply and roll back gpuhub's policy; preview the impact of any edit.",
+    },
 }
 
 # A request that may administer servers may see and act on everything gpuhub shows about
 # them: ``admin:servers`` implies gpuhub's scopes (JupyterHub forbids adding scopes to its
 # own ``admin`` role, and this also covers admins made by an authenticator's admin_groups).
-IMPLIED_BY = {STATUS_ALL: "admin:servers", CULLING: "admin:servers", USAGE_ALL: "admin:servers", AUDIT: "admin:servers"}
+IMPLIED_BY = {STATUS_ALL: "admin:servers", CULLING: "admin:servers", USAGE_ALL: "admin:servers", AUDIT: "admin:servers",
+              POLICY: "admin:servers"}
 # Added to JupyterHub's "server" role (a server's own token): its owner's cull warnings,
 # for JupyterLab's notification, and its owner's usage (``gpuhub usage`` in a terminal).
 SERVER_SCOPES = [f"{CULLING}!user", USAGE]
@@ -141,7 +148,8 @@ def configure_scopes(c, *, admin_groups=()) -> None:
     c.JupyterHub.extra_user_scopes = extra
     grant_server_token(c, SERVER_SCOPES)
     roles = {r["name"]: dict(r) for r in merged_setting(c.JupyterHub, "load_roles", [])}
-    admins = roles.get("gpuhub-admin", {"name": "gpuhub-admin", "scopes": [STATUS_ALL, CULLING], "groups": []})
+    admins = roles.get("gpuhub-admin", {"name": "gpuhub-admin", "scopes": [STATUS_ALL, CULLING, POLICY], "groups": []})
+    admins["scopes"] = sorted(set(admins.get("scopes", [])) | {POLICY})
     admins["groups"] = sorted(set(admins.get("groups", [])) | set(admin_groups))
     admins["description"] = "gpuhub administrators: every GPU holder and request, anyone's cull warnings."
     roles["gpuhub-admin"] = admins

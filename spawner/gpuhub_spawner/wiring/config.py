@@ -248,6 +248,9 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     except PolicyError:
         roles_policy = None  # the policy store refuses to start and says why
     configure_usage(c, data, roles_policy)
+    from .policy_changes import configure_policy_changes  # preview, apply, history, rollback
+
+    configure_policy_changes(c, data)
 
     configure_culler(c, public_url=f"http://{ip}:{port}")
 

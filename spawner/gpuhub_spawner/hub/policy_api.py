@@ -1,0 +1,261 @@
+"""Policy changes from the hub (issue 26): preview an edit's impact, apply it, history, rollback.
+
+- ``GET  /hub/api/gpuhub/policy`` — the policy in force (its version and text), the last load's
+  result and the versions (number, hash, who, when, how, summary).
+- ``POST /hub/api/gpuhub/policy/preview`` ``{"yaml": ...}`` — the located errors, or the impact in
+  plain words (``admission.impact``).
+- ``POST /hub/api/gpuhub/policy/apply`` ``{"yaml": ..., "base": HASH, "summary": ...}`` — validated,
+  written atomically, versioned, audited with the diff, in force when the answer comes.
+- ``POST /hub/api/gpuhub/policy/rollback`` ``{"version": N or HASH}`` — an old version, through
+  the same checks.
+- ``/hub/gpuhub/policy`` — the page.
+
+Who: ``custom:gpuhub:policy`` (admins: implied by ``admin:servers``) previews anything and alone
+applies and rolls back. A team lead (``custom:gpuhub:lead``, teams from the live policy) previews
+edits of their own teams only, sees only their teams' impact and the policy with profile
+environment values masked. Everyone else gets 403. Bodies are bounded before they are parsed
+(``policy.bounded``); a refused apply leaves the file and the policy in force as they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+from jupyterhub import orm
+from jupyterhub.apihandlers import APIHandler
+from jupyterhub.handlers import BaseHandler
+from tornado import web
+
+from ..admission.impact import Holding, Person, Request, impact, read_candidate
+from ..admission.view import admission_view
+from ..policy import PolicyStore
+from ..policy.bounded import InputRefused, loads_json
+from ..policy.scopes import LEAD, POLICY, allowed
+from ..usage.policy_versions import PolicyVersions, VersionNotFound, masked_text, text_hash
+
+MAX_BODY_BYTES = 256 * 1024  # the hub's limit for every request body (policy.bounded)
+
+_versions: PolicyVersions | None = None
+_apply_lock: asyncio.Lock | None = None
+
+
+def start_versions(app, directory: str) -> PolicyVersions:
+    """At hub start (``wiring``): the versions store of this hub's policy file, following its reloads."""
+    global _versions
+    store = PolicyStore.instance(config=app.config)
+    _versions = PolicyVersions(directory, store.policy_file)
+    _versions.follow(store)
+    return _versions
+
+
+def versions() -> PolicyVersions:
+    if _versions is None:
+        raise web.HTTPError(503, "policy versions are not set up on this hub")
+    return _versions
+
+
+class _PolicyMixin:
+    @property
+    def store(self) -> PolicyStore:
+        return PolicyStore.instance(config=self.config)
+
+    def reader(self) -> tuple[bool, set[str]]:
+        """(may apply, the teams the reader leads); 403 for anyone else."""
+        admin = allowed(self, POLICY)
+        user = self.current_user
+        groups = {g.name for g in getattr(user, "groups", [])} if getattr(user, "kind", "user") == "user" else set()
+        leads = {t.name for t in self.store.current.teams if groups & set(t.leads)} if allowed(self, LEAD) else set()
+        if not admin and not leads:
+            raise web.HTTPError(403, "Only admins and team leads may see and preview policy changes "
+                                     f"(scope {POLICY}, or {LEAD} for a team the policy says you lead).")
+        return admin, leads
+
+    def body(self) -> dict:
+        try:
+            # The YAML travels as one JSON string; its own brackets count towards the containers
+            # bound (an upper bound, counted before decoding: policy.bounded's default, 10,000).
+            data = loads_json(self.request.body, max_bytes=MAX_BODY_BYTES, empty={})
+        except InputRefused as e:
+            raise web.HTTPError(e.status, e.message) from None
+        if not isinstance(data, dict):
+            raise web.HTTPError(400, "the request body must be a JSON object")
+        return data
+
+    def current_text(self) -> str:
+        try:
+            return Path(self.store.policy_file).read_text()
+        except OSError as e:
+            raise web.HTTPError(500, f"cannot read the policy file: {e.strerror}") from None
+
+    def state(self) -> dict:
+        """The hub's users, what is admitted and what waits: the impact's inputs (on the loop)."""
+        people = [Person(u.name, tuple(g.name for g in u.groups)) for u in self.db.query(orm.User)]
+        view = admission_view(self.config)
+        queue = view.queue
+        held = [Holding(a.key, a.user, a.team, a.profile, dict(a.demand), a.since, a.priority,
+                        self._last_activity(a.key)) for a in queue.holdings()]
+        waiting = [Request(t.key, t.user, t.team, t.profile, dict(t.demand), t.priority, t.created) for t in queue.waiting]
+        free = None
+        table = getattr(view, "devices", None)
+        if table is not None:
+            free = {f"gpu/{f.name}": len(table.free_devices(f.name)) for f in self.store.current.flavors}
+        return {"people": people, "holdings": held, "waiting": waiting, "free_devices": free}
+
+    def _last_activity(self, key: str):
+        if key.startswith("job:"):
+            return None
+        name, _, server = key.partition("/")
+        user = self.find_user(name)
+        spawner = user.orm_spawners.get(server) if user is not None else None
+        last = getattr(spawner, "last_activity", None)
+        if last is None:
+            return None
+        from datetime import timezone
+
+        return (last if last.tzinfo else last.replace(tzinfo=timezone.utc)).timestamp()
+
+    async def evaluate(self, text: str, admin: bool, leads: set[str]) -> dict:
+        """Located errors first; else the impact (a lead's: their teams', or a refusal with the reason)."""
+        current = self.store.current
+        state = self.state()
+
+        def work():
+            policy, errors = read_candidate(text)
+            if policy is None:
+                return None, errors, None
+            if not admin:
+                policy = _unmask(policy, current)
+            return policy, [], impact(current, policy, **state)
+
+        policy, errors, found = await asyncio.get_running_loop().run_in_executor(None, work)
+        if errors:
+            status = max((e.get("status", 400) for e in errors), default=400)
+            return {"ok": False, "status": status, "errors": errors}
+        if not admin:
+            outside = sorted(found.touched_teams - leads)
+            if found.global_changes or outside:
+                why = "; ".join(found.global_changes + ([f"it changes team(s) you do not lead: {', '.join(outside)}"]
+                                                        if outside else []))
+                raise web.HTTPError(403, f"A team lead may preview changes to their own team(s) "
+                                         f"({', '.join(sorted(leads))}) only: {why}.")
+            found = found.only_teams(leads)
+        return {"ok": True, "policy": policy, "impact": found}
+
+
+def _unmask(policy, current):
+    """A lead's candidate carries masked environment values ('***'): read them as the policy in force's."""
+    profiles = []
+    changed = False
+    for p in policy.profiles:
+        old = current.profile(p.slug)
+        if old is not None and any(v == "***" and k in old.env for k, v in p.env.items()):
+            p = p.model_copy(update={"env": {k: (old.env[k] if v == "***" and k in old.env else v) for k, v in p.env.items()}})
+            changed = True
+        profiles.append(p)
+    return policy.model_copy(update={"profiles": profiles}) if changed else policy
+
+
+class PolicyAPIHandler(_PolicyMixin, APIHandler):
+    @web.authenticated
+    def get(self):
+        admin, leads = self.reader()
+        text = self.current_text()
+        vs = versions()
+        latest = vs.latest()
+        current = dict(latest) if latest and latest["hash"] == text_hash(text) else None
+        self.set_header("Content-Type", "application/json")
+        self.write(json.dumps({
+            "role": "admin" if admin else "lead", "lead_teams": sorted(leads), "may_apply": admin,
+            "version": current, "hash": text_hash(text), "path": self.store.policy_file if admin else None,
+            "text": text if admin else masked_text(text), "status": self.store.status.as_dict() if admin else
+            {k: v for k, v in self.store.status.as_dict().items() if k in ("loaded_at", "stale", "failed_at")},
+            "versions": list(reversed(vs.versions())),
+        }))
+
+
+class PolicyActionHandler(_PolicyMixin, APIHandler):
+    @web.authenticated
+    async def post(self, action: str):
+        admin, leads = self.reader()
+        body = self.body()
+        if action != "preview" and not admin:
+            raise web.HTTPError(403, f"Only admins may {action} the policy (scope {POLICY}); "
+                                     "team leads may preview changes to their own team.")
+        rollback_to = None
+        if action == "rollback":
+            ref = body.get("version")
+            if not isinstance(ref, (str, int)) or isinstance(ref, bool) or len(str(ref)) > 64:
+                raise web.HTTPError(400, "say which version: {\"version\": 3} or a hash")
+            try:
+                rollback_to = versions().find(ref)
+                text = versions().text_of(rollback_to)
+            except VersionNotFound as e:
+                raise web.HTTPError(404, str(e)) from None
+        else:
+            text = body.get("yaml")
+            if not isinstance(text, str):
+                raise web.HTTPError(400, "send the new policy as {\"yaml\": \"...\"}")
+        result = await self.evaluate(text, admin, leads)
+        self.set_header("Content-Type", "application/json")
+        if not result["ok"]:
+            self.set_status(result["status"])
+            self.write(json.dumps({"ok": False, "message": f"the new policy has {len(result['errors'])} error(s); "
+                                   "nothing was applied" if action != "preview" else
+                                   f"the new policy has {len(result['errors'])} error(s)",
+                                   "errors": result["errors"], "issues": [e["text"] for e in result["errors"]]}))
+            return
+        found = result["impact"]
+        if action == "preview":
+            self.write(json.dumps({"ok": True, "impact": found.as_dict(), "text": found.text(),
+                                   "base": text_hash(self.current_text())}))
+            return
+        global _apply_lock
+        if _apply_lock is None:
+            _apply_lock = asyncio.Lock()
+        async with _apply_lock:
+            before = self.current_text()
+            base = body.get("base")
+            if action == "apply" and isinstance(base, str) and base and base != text_hash(before):
+                raise web.HTTPError(409, f"the policy changed since your preview (it is now {text_hash(before)}, "
+                                         f"you previewed against {base[:12]}): preview again")
+            if text_hash(text) == text_hash(before):
+                raise web.HTTPError(409, "nothing to apply: this is the policy in force")
+            summary = body.get("summary")
+            if not isinstance(summary, str) or not summary.strip():
+                summary = (f"rollback to version {rollback_to['n']}: " if rollback_to else "") + _one_line(found)
+            summary = re.sub(r"\s+", " ", summary).strip()[:200]
+            by = getattr(self.current_user, "name", "?")
+            try:
+                version = versions().apply(text, by, summary, rollback_to=rollback_to)
+            except OSError as e:
+                raise web.HTTPError(409, f"cannot write the policy file {self.store.policy_file}: {e.strerror}; nothing "
+                                         "was applied (on Kubernetes the policy is the chart's ConfigMap: "
+                                         "docs/policy-changes.md)") from None
+            await self.store.fresh()
+        status = self.store.status
+        self.write(json.dumps({"ok": not status.stale, "version": version, "impact": found.as_dict(),
+                               "text": found.text(), "status": status.as_dict()}))
+
+
+def _one_line(found) -> str:
+    quotas = [ln.text.rstrip(".") for ln in found.section("quotas")]
+    removed = [ln.text.split(";")[0] for ln in found.section("profiles") if ln.text.startswith("Profile ")]
+    parts = quotas + removed
+    return "; ".join(parts) if parts else found.summary()
+
+
+class PolicyPageHandler(_PolicyMixin, BaseHandler):
+    @web.authenticated
+    async def get(self):
+        admin, leads = self.reader()
+        self.finish(await self.render_template("gpuhub_policy.html", may_apply=admin, lead_teams=sorted(leads)))
+
+
+handlers = [
+    (r"/gpuhub/policy/?", PolicyPageHandler),
+    (r"/api/gpuhub/policy/?", PolicyAPIHandler),
+    (r"/api/gpuhub/policy/(preview|apply|rollback)", PolicyActionHandler),
+]

@@ -1,0 +1,215 @@
+"""Issue 26's done-when, against one real hub with real servers: alice holds 2 A100s, dave waits;
+an admin previews lowering Vision Lab's A100 quota from 2 to 1 and removing the 2×A100 profile,
+applies it and rolls it back (API and ``gpuhub policy``), both audited with their diffs; a lead
+previews their own team only, a researcher is refused, a broken edit changes nothing, and an
+edit on disk is recorded as such."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from support.hub import Hub, wait_for
+
+pytestmark = pytest.mark.integration
+
+POLICY = """\
+flavors:
+  - {name: a100, displayName: A100, local: {virtual: 3}}
+priorityClasses:
+  - {name: interactive, value: 1000}
+roles:
+  admins: [platform-admins]
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    leads: [vision-leads]
+    defaultPriority: interactive
+    quota: {gpus: {a100: {nominal: 2}}}
+    perUser: {maxServers: 2, maxGPUs: 2}
+  - name: nlp
+    displayName: NLP Group
+    groups: [nlp-group]
+    quota: {gpus: {a100: {nominal: 1}}}
+profiles:
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true}
+  - {slug: a100-1, displayName: 1× A100, gpu: {count: 1, flavor: a100}, teams: [vision, nlp]}
+  - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision]}
+defaults:
+  queueTimeout: 10m
+"""
+EDIT = (POLICY.replace("a100: {nominal: 2}", "a100: {nominal: 1}").replace("maxGPUs: 2", "maxGPUs: 1")
+        .replace("  - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision]}\n", ""))
+assert EDIT.count("nominal: 1") == 2 and "a100-2" not in EDIT
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("policy-changes"), POLICY)
+    h.start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def users(hub):
+    return {n: hub.login(n) for n in ("admin", "alice", "dave", "lena", "carol")}
+
+
+@pytest.fixture(scope="module")
+def busy(hub, users):
+    """alice on two A100s (Vision Lab's whole quota), dave waiting in Vision Lab's queue."""
+    alice, dave = users["alice"], users["dave"]
+    assert alice.start("a100-2").status_code in (201, 202)
+    alice.wait_ready()
+    dave.start_background("a100-1", team="vision")
+    wait_for(lambda: any(w["user"] == "dave" for w in users["admin"].api.get(
+        users["admin"].url("/gpuhub/status")).json().get("waiting", [])), 30, "dave waiting")
+    yield
+    for name in ("dave", "alice"):
+        users[name].stop()
+    for name in ("dave", "alice"):
+        users[name].wait_gone()
+
+
+def post(client, action, **body):
+    return client.api.post(client.url(f"/gpuhub/policy/{action}"), json=body)
+
+
+def lines(rep, section):
+    return [ln["text"] for s in rep["impact"]["sections"] if s["name"] == section for ln in s["lines"]]
+
+
+def audit(admin, event):
+    r = admin.api.get(admin.url("/gpuhub/audit"), params={"event": event})
+    r.raise_for_status()
+    return r.json()["entries"]
+
+
+def test_the_admin_sees_who_the_edit_hits_then_applies_and_rolls_it_back(hub, users, busy):
+    admin, alice = users["admin"], users["alice"]
+    r = post(admin, "preview", yaml=EDIT)
+    assert r.status_code == 200, r.text
+    rep = r.json()
+    running = " ".join(lines(rep, "running"))
+    assert "Vision Lab holds 2 A100 GPUs and its new quota is 1 (1 over): alice's server (2, profile a100-2" in running
+    assert "nothing is stopped: it keeps running until its user stops it or it is culled" in running
+    assert "alice's server runs profile 2× A100 (a100-2), which the new policy removes: it keeps running" in running
+    (dave,) = [t for t in lines(rep, "waiting") if t.startswith("dave's server")]
+    assert "waits longer: Vision Lab may hold 1 A100 GPUs instead of 2; 2 of Vision Lab's GPUs in use (held by alice's server)" in dave
+    assert "Profile 2× A100 (a100-2) is removed; 3 user(s) lose it: alice, dave, lena" in lines(rep, "profiles")[0]
+    assert "admin" not in lines(rep, "profiles")[0] and "carol" not in lines(rep, "profiles")[0]  # not in Vision Lab
+    assert lines(rep, "quotas") == ["Vision Lab: A100 GPUs quota 2 → 1 (-1); GPUs per user 2 → 1."]
+    before = hub.policy.read_text()
+    assert before == POLICY  # a preview writes nothing
+
+    r = post(admin, "apply", yaml=EDIT, base=rep["base"])
+    assert r.status_code == 200, r.text
+    applied = r.json()["version"]
+    assert applied["by"] == "admin" and applied["source"] == "applied"
+    assert hub.policy.read_text() == EDIT and (hub.policy.parent / "policy.yaml.previous").read_text() == POLICY
+    state = admin.api.get(admin.url("/gpuhub/policy")).json()
+    assert state["version"]["n"] == applied["n"] and not state["status"]["stale"]
+    # What the preview said: alice keeps running on her removed profile; dave still waits.
+    assert alice.server()["ready"]
+    assert users["dave"].server() and not users["dave"].server()["ready"]
+    r = alice.start("a100-2", server="again")
+    assert r.status_code == 400 and "There is no profile 'a100-2'" in r.text  # the new policy is in force
+    (entry,) = [e for e in audit(admin, "policy_applied") if e["version"] == applied["n"]]
+    assert entry["by"] == "admin" and "-        nominal: 2\n+        nominal: 1" in entry["diff"]
+    assert "-  displayName: 2× A100" in entry["diff"] or "a100-2" in entry["diff"]
+
+    r = post(admin, "rollback", version=1)
+    assert r.status_code == 200, r.text
+    back = r.json()["version"]
+    assert back["source"] == "rollback" and back["rollback_to"] == 1 and hub.policy.read_text() == POLICY
+    (entry,) = [e for e in audit(admin, "policy_rolled_back") if e["version"] == back["n"]]
+    assert entry["by"] == "admin" and entry["to_version"] == 1 and "-        nominal: 1\n+        nominal: 2" in entry["diff"]
+    history = admin.api.get(admin.url("/gpuhub/policy")).json()["versions"]
+    assert [v["source"] for v in history[:3]] == ["rollback", "applied", "loaded at start"]
+
+
+def test_a_lead_previews_their_team_only_and_a_researcher_is_refused(hub, users, busy):
+    lena, carol = users["lena"], users["carol"]
+    r = post(lena, "preview", yaml=EDIT)
+    assert r.status_code == 200, r.text
+    assert any("alice's server" in t for t in lines(r.json(), "running"))
+    other = POLICY.replace("a100: {nominal: 1}}}\nprofiles", "a100: {nominal: 0}}}\nprofiles")
+    r = post(lena, "preview", yaml=other)
+    assert r.status_code == 403 and "changes team(s) you do not lead: nlp" in r.json()["message"]
+    r = post(lena, "apply", yaml=EDIT)
+    assert r.status_code == 403 and "Only admins may apply" in r.json()["message"]
+    for action in ("preview", "apply", "rollback"):
+        r = post(carol, action, yaml=EDIT, version=1)
+        assert r.status_code == 403, (action, r.text)
+    assert carol.api.get(carol.url("/gpuhub/policy")).status_code == 403
+    assert hub.policy.read_text() == POLICY
+
+
+def test_a_broken_edit_is_refused_at_its_line_and_changes_nothing(hub, users, busy):
+    admin = users["admin"]
+    state = admin.api.get(admin.url("/gpuhub/policy")).json()
+    broken = EDIT.replace("a100: {nominal: 1}}}\n    perUser", "a100: {nominal: 1, lendingLimit: 3}}}\n    perUser")
+    r = post(admin, "apply", yaml=broken)
+    assert r.status_code == 400
+    (err,) = r.json()["errors"]
+    assert (err["line"], err["path"], err["message"]) == (13, "teams[0].quota.gpus.a100.lendingLimit", "lendingLimit 3 is above the nominal quota 1")
+    r = post(admin, "apply", yaml="a: &a [1]\nb: *a\n")
+    assert r.status_code == 400 and "anchors and aliases are not accepted" in r.json()["errors"][0]["message"]
+    r = admin.api.post(admin.url("/gpuhub/policy/apply"), data=b"{" * 300_000)
+    assert r.status_code == 413
+    after = admin.api.get(admin.url("/gpuhub/policy")).json()
+    assert hub.policy.read_text() == POLICY and after["hash"] == state["hash"] and after["versions"] == state["versions"]
+
+
+def test_the_same_through_the_gpuhub_policy_commands(hub, users, busy, tmp_path):
+    admin = users["admin"]
+    new = tmp_path / "new.yaml"
+    new.write_text(EDIT)
+    env = dict(os.environ, GPUHUB_TOKEN=admin.token)
+    env.pop("JUPYTERHUB_API_URL", None)
+
+    def gpuhub(*args):
+        return subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "policy", *args, "--hub", hub.url],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    out = gpuhub("diff", str(new))
+    assert out.returncode == 0, out.stderr
+    assert "alice's server runs profile 2× A100 (a100-2), which the new policy removes" in out.stdout
+    assert "dave's server (1 A100 GPU" in out.stdout and "waits longer" in out.stdout
+    assert "3 user(s) lose it: alice, dave, lena" in out.stdout
+    assert hub.policy.read_text() == POLICY
+    out = gpuhub("apply", str(new), "--summary", "Vision Lab down to one A100")
+    assert out.returncode == 0, out.stderr
+    assert hub.policy.read_text() == EDIT and "is in force" in out.stdout
+    out = gpuhub("history")
+    assert out.returncode == 0 and "Vision Lab down to one A100 *" in out.stdout, out.stdout
+    out = gpuhub("rollback", "1")
+    assert out.returncode == 0, out.stderr
+    assert hub.policy.read_text() == POLICY
+    entries = audit(admin, "policy_applied") + audit(admin, "policy_rolled_back")
+    assert any(e.get("summary") == "Vision Lab down to one A100" and "+        nominal: 1" in e["diff"] for e in entries)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EDIT.replace("maxGPUs: 1", "maxGPUs: 5"))
+    out = gpuhub("apply", str(bad))
+    assert out.returncode == 1 and f"{bad}:14:" in out.stderr and "per-user cap of 5 GPUs" in out.stderr
+    assert hub.policy.read_text() == POLICY
+    offline = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "policy", "diff", str(new), "--against", str(hub.policy)],
+                             capture_output=True, text=True, timeout=60)
+    assert offline.returncode == 0 and "Vision Lab: A100 GPUs quota 2 → 1 (-1)" in offline.stdout
+
+
+def test_an_edit_on_disk_keeps_working_and_is_recorded_as_such(hub, users):
+    admin = users["admin"]
+    hub.policy.write_text(POLICY.replace("queueTimeout: 10m", "queueTimeout: 15m"))
+
+    def recorded():
+        vs = admin.api.get(admin.url("/gpuhub/policy")).json()["versions"]
+        return vs[0] if vs[0]["source"] == "edited on disk" else None
+
+    v = wait_for(recorded, 20, "the edit on disk in the history", interval=0.5)
+    (entry,) = [e for e in audit(admin, "policy_edited_on_disk") if e["version"] == v["n"]]
+    assert "+  queueTimeout: 15m" in entry["diff"]

@@ -196,7 +196,7 @@ class GpuHealthMonitor:
         log.warning("GPU health: %s on GPU %d (%s): %s", reason, index, ", ".join(ids), state)
         audit("gpu_event", devices=ids, reason=reason, xid=xid, verdict=state)
         for dev in ids:
-            self._apply(dev, lambda d=dev: self.book.mark(d, state, reason, xid))
+            self._apply(dev, lambda d=dev: self.book.mark(d, state, reason, xid), persist=True)
 
     def _on_lost(self, index: int, words: str) -> None:
         for dev in self.ids_of.get(index, []):
@@ -237,12 +237,13 @@ class GpuHealthMonitor:
                 self._apply(dev, lambda d=dev: self.book.poll(d, verdicts))
 
     # -- changes -----------------------------------------------------------------------------------
-    def _apply(self, dev: str, change) -> None:
+    def _apply(self, dev: str, change, persist: bool = False) -> None:
         before = self.book.of(dev)
         was = (before.state, before.usable)
         change()
-        self.save()
         h = self.book.of(dev)
+        if persist or (h.state, h.usable) != was:
+            self.save()  # an event's mark (kept across restarts), or a new state
         if (h.state, h.usable) == was:
             return
         holder = self.table.owner.get(dev)

@@ -1,0 +1,98 @@
+"""In a real Chromium, the policy page (issue 26): a lead previews an edit of their team and sees
+who it hits and the errors at their lines, an admin applies it, a researcher is refused —
+asserted on what is on screen."""
+
+import shutil
+
+import pytest
+
+from support.hub import PASSWORD, Hub
+from test_browser_queue import ARGS, CHROMIUM
+from test_policy_changes import EDIT, POLICY
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    if not shutil.which(CHROMIUM):
+        pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
+    h = Hub(tmp_path_factory.mktemp("browser-policy"), POLICY)
+    h.start()
+    alice = h.login("alice")
+    assert alice.start("a100-2").status_code in (201, 202)
+    alice.wait_ready()
+    yield h
+    alice.stop()
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def policy_page(browser, hub, name):
+    page = browser.new_context().new_page()
+    page.goto(hub.url + "/hub/login")
+    page.fill("#username_input", name)
+    page.fill("#password_input", PASSWORD)
+    page.click("#login_submit")
+    page.wait_for_load_state()
+    response = page.goto(hub.url + "/hub/gpuhub/policy")
+    return page, response
+
+
+def test_a_lead_previews_an_admin_applies_a_researcher_is_refused(hub, browser, tmp_path):
+    lena, r = policy_page(browser, hub, "lena")
+    assert r.status == 200
+    lena.locator("#gpuhub-policy-current").filter(has_text="In force: version 1").wait_for(timeout=15_000)
+    assert "You lead vision" in lena.inner_text("#gpuhub-policy-role")
+    assert lena.locator("#gpuhub-policy-apply").count() == 0  # leads have no Apply
+    assert "nominal: 2" in lena.input_value("#gpuhub-policy-text")
+
+    # a broken edit: the error at its line, with the line itself
+    lena.fill("#gpuhub-policy-text", EDIT.replace("a100: {nominal: 1}}}\n    perUser", "a100: {nominal: 1, lendingLimit: 3}}}\n    perUser"))
+    lena.click("#gpuhub-policy-preview")
+    err = lena.locator(".gpuhub-policy-error").first
+    err.wait_for(timeout=15_000)
+    text = err.inner_text()
+    assert "line 13, column" in text and "lendingLimit 3 is above the nominal quota 1" in text
+    assert "13 |     quota: {gpus: {a100: {nominal: 1, lendingLimit: 3}}}" in text
+
+    lena.fill("#gpuhub-policy-text", EDIT)
+    lena.click("#gpuhub-policy-preview")
+    impact = lena.locator("#gpuhub-policy-impact")
+    impact.locator(".gpuhub-impact-line").first.wait_for(timeout=15_000)
+    shown = impact.inner_text()
+    assert "Vision Lab holds 2 A100 GPUs and its new quota is 1 (1 over): alice's server" in shown
+    assert "alice's server runs profile 2× A100 (a100-2), which the new policy removes: it keeps running" in shown
+    assert "Vision Lab: A100 GPUs quota 2 → 1 (-1)" in shown
+    assert "An admin applies it." in lena.inner_text("#gpuhub-policy-result")
+    lena.screenshot(path=str(tmp_path / "lead-preview.png"), full_page=True)
+    assert hub.policy.read_text() == POLICY
+
+    admin, r = policy_page(browser, hub, "admin")
+    assert r.status == 200
+    admin.locator("#gpuhub-policy-current").filter(has_text="In force: version 1").wait_for(timeout=15_000)
+    assert admin.locator("#gpuhub-policy-apply").is_disabled()  # preview first
+    admin.fill("#gpuhub-policy-text", EDIT)
+    admin.click("#gpuhub-policy-preview")
+    admin.locator("#gpuhub-policy-impact .gpuhub-impact-line").first.wait_for(timeout=15_000)
+    admin.click("#gpuhub-policy-apply")
+    admin.locator("#gpuhub-policy-result").filter(has_text="Applied: version 2").wait_for(timeout=15_000)
+    admin.locator("#gpuhub-policy-current").filter(has_text="In force: version 2").wait_for(timeout=15_000)
+    row = admin.locator("#gpuhub-policy-history tr.gpuhub-policy-version").first
+    assert "applied" in row.inner_text() and "admin" in row.inner_text() and "Vision Lab" in row.inner_text()
+    assert hub.policy.read_text() == EDIT
+    admin.screenshot(path=str(tmp_path / "admin-applied.png"), full_page=True)
+
+    carol, r = policy_page(browser, hub, "carol")
+    assert r.status == 403
+    assert "Only admins and team leads may see and preview policy changes" in carol.inner_text("body")
+    assert carol.locator("#gpuhub-policy-text").count() == 0

@@ -35,7 +35,7 @@ teams:
     groups: [nlp-group]
     quota: {gpus: {a100: {nominal: 1}}}
 profiles:
-  - {slug: cpu, displayName: CPU only, teams: "*", default: true}
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true, env: {HF_TOKEN: hf-secret-123}}
   - {slug: a100-1, displayName: 1× A100, gpu: {count: 1, flavor: a100}, teams: [vision, nlp]}
   - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision]}
 defaults:
@@ -120,6 +120,7 @@ def test_the_admin_sees_who_the_edit_hits_then_applies_and_rolls_it_back(hub, us
     assert r.status_code == 400 and "There is no profile 'a100-2'" in r.text  # the new policy is in force
     (entry,) = [e for e in audit(admin, "policy_applied") if e["version"] == applied["n"]]
     assert entry["by"] == "admin" and "-        nominal: 2\n+        nominal: 1" in entry["diff"]
+    assert "hf-secret-123" not in entry["diff"]
     assert "-  displayName: 2× A100" in entry["diff"] or "a100-2" in entry["diff"]
 
     r = post(admin, "rollback", version=1)
@@ -134,6 +135,14 @@ def test_the_admin_sees_who_the_edit_hits_then_applies_and_rolls_it_back(hub, us
 
 def test_a_lead_previews_their_team_only_and_a_researcher_is_refused(hub, users, busy):
     lena, carol = users["lena"], users["carol"]
+    # the lead reads the policy with environment values masked, and previewing that text back
+    # changes nothing (the masks are read as the values in force, not as an edit of every team)
+    state = lena.api.get(lena.url("/gpuhub/policy")).json()
+    assert "hf-secret-123" not in state["text"] and "HF_TOKEN: '***'" in state["text"] and state["path"] is None
+    assert "hf-secret-123" in users["admin"].api.get(users["admin"].url("/gpuhub/policy")).json()["text"]
+    r = post(lena, "preview", yaml=state["text"])
+    assert r.status_code == 200, r.text
+    assert all(not s["lines"] for s in r.json()["impact"]["sections"])
     r = post(lena, "preview", yaml=EDIT)
     assert r.status_code == 200, r.text
     assert any("alice's server" in t for t in lines(r.json(), "running"))

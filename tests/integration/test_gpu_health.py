@@ -246,3 +246,76 @@ def test_a_drained_gpu_stays_with_its_holder_then_is_out(hub, users, gpus):
     assert held_by(admin, "alice") == "GPU-fake-1"
     drained = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_drained"}).json()["entries"]
     assert [(e["device"], e["by"], e.get("key")) for e in drained] == [("GPU-fake-1", "admin", "bob/")]
+
+
+# A training loop that checkpoints every step (atomically) and resumes from the last one
+# (the shape of tests/integration/test_jobs.py's TRAIN; plain Python, no torch).
+TRAIN = """\
+import json, os, time
+ckpt = os.path.join(os.environ["GPUHUB_CHECKPOINT_DIR"], "state.json")
+state = {"step": 0, "total": 0}
+if os.path.exists(ckpt):
+    state = json.load(open(ckpt))
+    print("resumed from step", state["step"], flush=True)
+print("attempt", os.environ["GPUHUB_ATTEMPT"], "devices", os.environ["CUDA_VISIBLE_DEVICES"], flush=True)
+for step in range(state["step"] + 1, 9):
+    time.sleep(0.5)
+    state = {"step": step, "total": state["total"] + step}
+    json.dump(state, open(ckpt + ".tmp", "w")); os.replace(ckpt + ".tmp", ckpt)
+    print("step", step, flush=True)
+print("total", state["total"], flush=True)
+"""
+
+
+def job(client, job_id) -> dict:
+    r = client.api.get(client.url(f"/gpuhub/jobs/{job_id}"))
+    r.raise_for_status()
+    return r.json()
+
+
+def job_log(client, job_id) -> str:
+    return client.api.get(client.url(f"/gpuhub/jobs/{job_id}/logs")).json()["text"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root")
+def test_a_job_whose_gpu_fails_resumes_on_a_healthy_gpu_without_using_a_retry(hub, users, gpus, tmp_path):
+    admin, alice, bob, lena = users["admin"], users["alice"], users["bob"], users["lena"]
+    for u in (alice, lena):
+        if u.server():
+            u.stop()
+            u.wait_gone()
+    gpus.set("GPU-fake-2", ecc_uncorrected_volatile=0)  # the GPU was reset: the poll brings it back
+    wait_for(lambda: vision_a100(admin)["usable"] == 3, 10, "all three GPUs usable")
+    # No retry of its own allowed, and 'failed' the only reason: were a GPU failure charged
+    # as a failure, this job would end failed ('No retries left (0 allowed)').
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: train\nprofile: gpu-1\ncommand: [{sys.executable}, -c, {json.dumps(TRAIN)}]\n"
+                    "retries: {limit: 0, reasons: [failed]}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
+    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
+                       env=dict(env, GPUHUB_TOKEN=bob.token), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().splitlines()[-1]
+    wait_for(lambda: "step 2" in job_log(bob, job_id), 90, "training to reach step 2")
+    broken = job(bob, job_id)["attempts"][0]["devices"]
+    assert len(broken) == 1 and gpu_list(admin)[broken[0]]["user"] == "bob"
+
+    gpus.xid(broken[0], 79)
+    rec = wait_for(lambda: (j := job(bob, job_id))["state"] in ("succeeded", "failed") and j, 120, "the job to end")
+    out = job_log(bob, job_id)
+    assert rec["state"] == "succeeded", (rec, out)
+    first, second = rec["attempts"]
+    assert first["reason"] == "gpu-failed", first
+    assert f"{broken[0]} (XID 79: GPU has fallen off the bus)" in first["message"]
+    assert "not counted against its retries" in first["message"]
+    assert second["reason"] == "succeeded" and second["devices"] and second["devices"] != broken
+    assert "resumed from step" in out and int(out.split("resumed from step")[1].split()[0]) >= 2
+    assert out.count("step 1\n") == 1  # nothing before the checkpoint ran twice
+    assert "total 36" in out  # 1+..+8 across both attempts
+
+    # The GPU stays out after the job let it go, until an admin uncordons it.
+    g = gpu_list(admin)[broken[0]]
+    assert (g["state"], g["usable"], g["user"]) == ("bad", False, None)
+    assert vision_a100(admin)["usable"] == 2
+    assert gpuhub_cli(hub, admin, "uncordon", broken[0]).returncode == 0
+    wait_for(lambda: vision_a100(admin)["usable"] == 3, 10, "the GPU back after uncordon")

@@ -40,7 +40,7 @@ class Attempt:
     start_time: int | None = None  # the kernel's start time of pid: with it, an identity
     account: str | None = None
     exit_code: int | None = None
-    reason: str | None = None  # succeeded, failed, preempted, interrupted, oom, time-limit, cancelled
+    reason: str | None = None  # succeeded, failed, preempted, interrupted, gpu-failed, oom, time-limit, cancelled
     message: str = ""
     log: str = ""
     git: dict | None = None  # {"commit", "dirty", "branch"} of workingDir, read as the user

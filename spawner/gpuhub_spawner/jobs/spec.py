@@ -30,6 +30,11 @@ PREEMPTED = "preempted"  # its GPUs were reclaimed (an interactive server, Kueue
 INTERRUPTED = "interrupted"  # the hub restarted while it ran
 FAILED = "failed"  # non-zero exit (any code); list exit codes to retry only those
 OOM = "oom"  # went over the profile's memory limit
+# A GPU the attempt held went bad (docs/gpu-health.md). Not a word of ``retries.reasons``: it
+# is always retried and never charged (the platform's doing, like a preemption), and it
+# cannot loop: the failed GPU stays out of admission until an admin uncordons it.
+GPU_FAILED = "gpu-failed"
+PLATFORM_REASONS = (PREEMPTED, INTERRUPTED, GPU_FAILED)  # never count against retries.limit
 RETRY_WORDS = (PREEMPTED, INTERRUPTED, FAILED, OOM)
 DEFAULT_RETRY_ON = (PREEMPTED, INTERRUPTED)
 

@@ -118,6 +118,14 @@ class LocalBroker(SingletonConfigurable):
             return False
         return jobs.instance().preempt(key.partition(":")[2], message)
 
+    def gpu_failed_job(self, key: str, gpu: str) -> bool:
+        """A GPU the job ``key`` holds went bad (gpu_health; ``gpu``: 'id (why)'): end its
+        attempt as gpu-failed."""
+        jobs = _job_manager
+        if jobs is None or not jobs.initialized():
+            return False
+        return jobs.instance().gpu_failed(key.partition(":")[2], [gpu])
+
     def _ensure_watcher(self) -> None:
         try:
             asyncio.get_running_loop()

@@ -254,6 +254,9 @@ class GpuHealthMonitor:
                 f"; held by {holder}" if holder else "")
         audit("gpu_health", device=dev, flavor=flavor, state=h.state, was=was[0], reason=h.reason or None,
                     xid=h.xid, key=holder, user=getattr(adm, "user", None), team=getattr(adm, "team", None))
+        if h.state == BAD and was[0] != BAD and holder and holder.startswith("job:"):
+            # a batch job cannot be told and wait: its attempt ends now, and it resumes elsewhere
+            self.broker.gpu_failed_job(holder, f"{dev} ({h.reason})")
         self.broker.queue.schedule()  # usable capacity changed: admit, and re-word every waiting message
 
     def drain(self, dev: str, by: str) -> bool:

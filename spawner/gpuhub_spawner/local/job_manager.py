@@ -7,8 +7,8 @@ then driven by one asyncio task through its attempts:
 
     queued ──admission──► running ──exit 0──► succeeded
        ▲                     │
-       └── preempted or interrupted (listed in ``retries.reasons``: by default), or a
-           listed failure (at most ``retries.limit`` of them)
+       └── preempted or interrupted (listed in ``retries.reasons``: by default), gpu-failed
+           (always; its GPU went bad), or a listed failure (at most ``retries.limit`` of them)
                              └──► failed (non-retryable, limit reached, time limit) / cancelled
 
 - **Same queue.** Every attempt is a ``Ticket`` in the hub's ``AdmissionQueue`` (key
@@ -21,6 +21,10 @@ then driven by one asyncio task through its attempts:
 - **Same launcher.** Each attempt starts through ``jobs.launcher.JobProcess`` — the
   one-machine spawner's isolated launcher — as the user's Unix account with exactly the
   admitted GPUs and the profile's CPU and memory.
+- **A GPU that goes bad** (``local.gpu_health``) ends the attempt holding it as
+  ``gpu-failed``: stopped like a preemption, re-queued at once and resumed from its
+  checkpoint on a healthy GPU (the bad one is out of admission), never charged to
+  ``retries.limit``. An attempt that died on its own while its GPU went bad ends the same.
 - **Recovery.** Every attempt gets ``GPUHUB_ATTEMPT`` and the same ``GPUHUB_CHECKPOINT_DIR``
   in the user's home. ``timeLimit`` bounds the job's total running time.
 - **Evidence.** ``jobs.records``: one record per job, rewritten at every stage change.
@@ -53,7 +57,8 @@ from ..jobs import mlflow_runs
 from ..jobs import records as R
 from ..jobs.common import TIME_LIMIT, _ts, job_priority, policy_hash
 from .job_launcher import JobProcess, launcher_config
-from ..jobs.spec import FAILED, INTERRUPTED, OOM, PREEMPTED, JobSpec
+from ..admission.health import BAD
+from ..jobs.spec import FAILED, GPU_FAILED, INTERRUPTED, OOM, PLATFORM_REASONS, PREEMPTED, JobSpec
 
 from ..usage import recorder as usage
 
@@ -282,11 +287,12 @@ class JobManager(SingletonConfigurable):
                 if reason == CANCELLED_REASON:
                     self._finish(rec, R.CANCELLED, message)
                     return
-                retryable = reason != TIME_LIMIT and self._retryable(rec, reason, code)
-                # The platform's doing (a reclaim, a hub restart) re-queues without using a
-                # retry, as Kueue's preemption does not count against a Job's backoffLimit.
-                platform = reason in (PREEMPTED, INTERRUPTED)
-                used = sum(1 for a in rec.attempts if a.reason not in (PREEMPTED, INTERRUPTED))
+                retryable = reason == GPU_FAILED or (reason != TIME_LIMIT and self._retryable(rec, reason, code))
+                # The platform's doing (a reclaim, a hub restart, a GPU gone bad) re-queues
+                # without using a retry, as Kueue's preemption does not count against a
+                # Job's backoffLimit.
+                platform = reason in PLATFORM_REASONS
+                used = sum(1 for a in rec.attempts if a.reason not in PLATFORM_REASONS)
                 if retryable and (platform or used <= rec.retries["limit"]):
                     log.info("Job %s attempt %d ended (%s); queued again", rec.id, att.number, reason)
                     continue
@@ -403,8 +409,11 @@ class JobManager(SingletonConfigurable):
             att.git = _git_evidence(ev.get("git") if isinstance(ev, dict) else None)
         except (asyncio.TimeoutError, ValueError):
             pass
+        failed_gpus = self._failed_gpus(att)
         if live.stop_reason:
             reason, message = live.stop_reason, live.stop_message
+        elif failed_gpus and code != 0:  # it died before the monitor's stop reached it
+            reason, message = GPU_FAILED, self.gpu_failed_message(failed_gpus)
         elif launcher.stop_reason:  # the launcher saw the cgroup's OOM kill
             reason = OOM
             message = (f"stopped: it used more than its memory limit of {format_memory(rec.profile['memory'])} "
@@ -496,6 +505,28 @@ class JobManager(SingletonConfigurable):
         log.info("Preempting job %s: %s", job_id, message)
         usage.note_end(KEY_PREFIX + job_id, "reclaimed")
         asyncio.ensure_future(self._stop(job_id, PREEMPTED, message))
+        return True
+
+    def _failed_gpus(self, att: R.Attempt) -> list[str]:
+        """The attempt's GPUs that went bad (a bad GPU is never handed out: it went bad while held)."""
+        book = self.broker.devices.health
+        return [f"{d} ({book.of(d).reason})" for d in att.devices if book.of(d).state == BAD]
+
+    @staticmethod
+    def gpu_failed_message(gpus: list[str]) -> str:
+        return (f"its GPU went out of service: {', '.join(gpus)}; queued again to resume from its checkpoint "
+                "on a healthy GPU (not counted against its retries)")
+
+    def gpu_failed(self, job_id: str, gpus: list[str]) -> bool:
+        """GPUs this running job holds went bad (local/gpu_health.py; 'id (why)' each): stop
+        the attempt as ``gpu-failed``; ``_drive`` re-queues it without charging a retry."""
+        live = self._live.get(job_id)
+        if live is None or live.launcher is None or live.stop_reason is not None:
+            return False
+        message = self.gpu_failed_message(gpus)
+        log.warning("Job %s: %s", job_id, message)
+        usage.note_end(KEY_PREFIX + job_id, "crashed")  # history's word (usage/history.py END_REASONS)
+        asyncio.ensure_future(self._stop(job_id, GPU_FAILED, message))
         return True
 
     # -- interactive servers reclaim their team's GPUs ------------------------------------------

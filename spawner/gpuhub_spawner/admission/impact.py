@@ -84,13 +84,14 @@ class Request:
 
 
 # -- output ----------------------------------------------------------------------------------------
-SECTIONS = ("profiles", "quotas", "running", "waiting", "culling")
+SECTIONS = ("profiles", "quotas", "running", "waiting", "culling", "kueue")
 TITLES = {
     "profiles": "Who gains or loses profiles",
     "quotas": "Quotas, borrowing and lending",
     "running": "Running servers and jobs",
     "waiting": "Waiting requests",
     "culling": "Idle rules of running servers",
+    "kueue": "Kueue objects (Kubernetes)",  # filled by the hub on Kubernetes (kube/kueue_diff.py)
 }
 
 

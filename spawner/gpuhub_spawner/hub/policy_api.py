@@ -121,6 +121,9 @@ class _PolicyMixin:
         """Located errors first; else the impact (a lead's: their teams', or a refusal with the reason)."""
         current = self.store.current
         state = self.state()
+        from ..kube.ledger import KueueLedger
+
+        kube = KueueLedger.initialized()
 
         def work():
             policy, errors = read_candidate(text)
@@ -128,7 +131,16 @@ class _PolicyMixin:
                 return None, errors, None
             if not admin:
                 policy = _unmask(policy, current)
-            return policy, [], impact(current, policy, **state)
+            found = impact(current, policy, **state)
+            if kube:  # the Kueue objects the edit changes, and what Kueue refuses
+                from ..kube.kueue_diff import kueue_changes
+
+                try:
+                    for words, teams in kueue_changes(current, policy):
+                        found.add("kueue", words, teams=teams)
+                except ValueError as e:  # a flavor named like the CPU flavor: render refuses it
+                    found.add("kueue", f"The Kueue objects cannot be rendered: {e}.", teams=found.touched_teams)
+            return policy, [], found
 
         policy, errors, found = await asyncio.get_running_loop().run_in_executor(None, work)
         if errors:

@@ -222,3 +222,4 @@ def test_an_edit_on_disk_keeps_working_and_is_recorded_as_such(hub, users):
     v = wait_for(recorded, 20, "the edit on disk in the history", interval=0.5)
     (entry,) = [e for e in audit(admin, "policy_edited_on_disk") if e["version"] == v["n"]]
     assert "+  queueTimeout: 15m" in entry["diff"]
+    assert v["summary"] == "edited on disk: the defaults change" and v["by"].startswith("file owner ")

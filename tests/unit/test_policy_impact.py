@@ -149,6 +149,7 @@ def test_versions_record_apply_atomically_and_find_by_number_or_hash(tmp_path):
     path.write_text(OLD + "# edited\n")  # an admin edits the file on disk
     third = vs.notice_file()
     assert third["source"] == "edited on disk" and third["n"] == 3
+    assert third["summary"].startswith("edited on disk: Vision Lab: A100 GPUs quota 1 → 2 (+1)")
     # a fresh store reads the same history back
     assert [v["source"] for v in PolicyVersions(tmp_path / "versions", str(path)).versions()] == [
         "loaded at start", "applied", "edited on disk"]

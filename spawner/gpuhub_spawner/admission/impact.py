@@ -133,6 +133,13 @@ class Impact:
         counts = [f"{len(self.section(s))} {s}" for s in SECTIONS if self.section(s)]
         return "; ".join(counts) if counts else "no change for anyone"
 
+    def one_line(self) -> str:
+        """What changed in the file, in one line (the versions' history): quotas and removed profiles."""
+        parts = [ln.text.rstrip(".") for ln in self.section("quotas")]
+        parts += [ln.text.split(";")[0].rstrip(".") for ln in self.section("profiles") if ln.text.startswith("Profile ")]
+        parts += [g.split(",")[0] for g in self.global_changes]
+        return "; ".join(parts) if parts else self.summary()
+
     def as_dict(self) -> dict:
         return {
             "sections": [{"name": s, "title": TITLES[s], "lines": [ln.as_dict() for ln in self.section(s)]}

@@ -210,6 +210,7 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             text = body.get("yaml")
             if not isinstance(text, str):
                 raise web.HTTPError(400, "send the new policy as {\"yaml\": \"...\"}")
+        checked_against = text_hash(self.current_text())
         result = await self.evaluate(text, admin, leads)
         self.set_header("Content-Type", "application/json")
         if not result["ok"]:
@@ -233,11 +234,13 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             if action == "apply" and isinstance(base, str) and base and base != text_hash(before):
                 raise web.HTTPError(409, f"the policy changed since your preview (it is now {text_hash(before)}, "
                                          f"you previewed against {base[:12]}): preview again")
+            if text_hash(before) != checked_against:
+                raise web.HTTPError(409, "the policy changed while this was checked: preview again")
             if text_hash(text) == text_hash(before):
                 raise web.HTTPError(409, "nothing to apply: this is the policy in force")
             summary = body.get("summary")
             if not isinstance(summary, str) or not summary.strip():
-                summary = (f"rollback to version {rollback_to['n']}: " if rollback_to else "") + _one_line(found)
+                summary = (f"rollback to version {rollback_to['n']}: " if rollback_to else "") + found.one_line()
             summary = re.sub(r"\s+", " ", summary).strip()[:200]
             by = getattr(self.current_user, "name", "?")
             try:
@@ -250,13 +253,6 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
         status = self.store.status
         self.write(json.dumps({"ok": not status.stale, "version": version, "impact": found.as_dict(),
                                "text": found.text(), "status": status.as_dict()}))
-
-
-def _one_line(found) -> str:
-    quotas = [ln.text.rstrip(".") for ln in found.section("quotas")]
-    removed = [ln.text.split(";")[0] for ln in found.section("profiles") if ln.text.startswith("Profile ")]
-    parts = quotas + removed
-    return "; ".join(parts) if parts else found.summary()
 
 
 class PolicyPageHandler(_PolicyMixin, BaseHandler):

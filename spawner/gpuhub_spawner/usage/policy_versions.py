@@ -102,6 +102,17 @@ def _replace(target: Path, data: bytes, mode: int) -> None:
         os.close(dfd)
 
 
+def _what_changed(before: str, after: str) -> str:
+    """One line for an edit on disk: its quota and profile changes (as a preview would say)."""
+    from ..admission.impact import impact
+    from ..policy.loader import PolicyError, parse_policy
+
+    try:
+        return f"{ON_DISK}: " + impact(parse_policy(before), parse_policy(after)).one_line()
+    except (PolicyError, ValueError):
+        return ON_DISK
+
+
 class VersionNotFound(LookupError):
     pass
 
@@ -218,6 +229,8 @@ class PolicyVersions:
             pass
         source = ON_DISK if latest is not None else AT_START
         by = f"file owner {who}" if who else "unknown"
+        if not summary and latest is not None:
+            summary = _what_changed(self.text_of(latest), text)
         version = self.record(text, by, source, summary or source)
         if latest is not None:
             recorder.audit("policy_edited_on_disk", by=by, version=version["n"], hash=version["hash"],

@@ -125,6 +125,33 @@ def holders(hub, _user=None) -> dict[str, str]:
     return {d["id"]: d["user"] for d in snap["devices"] if d["user"]}
 
 
+def empty(hub, crowd) -> None:
+    """Nobody holds or waits for a server (a storm starts from here, whatever ran before)."""
+    asked = [n for n in USERS if crowd[n].server() is not None]
+    with ThreadPoolExecutor(10) as pool:
+        codes = list(pool.map(lambda n: crowd[n].stop().status_code, asked))
+    assert set(codes) <= {202, 204}, codes
+    for n in asked:
+        crowd[n].wait_gone()
+    assert holders(hub) == {}
+
+
+def full_queue(hub, crowd) -> tuple[dict[str, str], list[str]]:
+    """Every GPU held and everyone else waiting, whatever the tests before left (each test
+    passes alone and in any order): who has no server asks for one. Returns who holds which
+    device and who waits."""
+    asking = [n for n in USERS if crowd[n].server() is None]
+    with ThreadPoolExecutor(10) as pool:
+        codes = list(pool.map(lambda n: crowd[n].start("gpu-1").status_code, asking))
+    assert set(codes) <= {201, 202}, codes
+    running = wait_for(lambda: (h := holders(hub)) and len(h) == GPUS and h, 60, "the GPUs to fill")
+    for n in running.values():
+        crowd[n].wait_ready()
+    waiting = [n for n in USERS if n not in running.values()]
+    assert all(crowd[n].server() is not None for n in waiting)
+    return running, waiting
+
+
 def positions(crowd, names) -> dict[str, int]:
     """Each waiting user's position, as their own spawn page shows it."""
     out = {}
@@ -138,6 +165,7 @@ def positions(crowd, names) -> dict[str, int]:
 
 
 def test_storm_admits_exactly_the_capacity_and_queues_the_rest(hub, crowd):
+    empty(hub, crowd)
     with ThreadPoolExecutor(len(USERS)) as pool:
         codes = list(pool.map(lambda n: crowd[n].start("gpu-1").status_code, USERS))
     assert set(codes) <= {201, 202}, codes  # nobody refused, nobody 503
@@ -153,8 +181,8 @@ def test_storm_admits_exactly_the_capacity_and_queues_the_rest(hub, crowd):
 
 def test_open_spawn_pages_do_not_starve_the_public_url(hub, crowd):
     """With 30 waiting users' pages open, everyone else's requests still go through."""
-    running = set(holders(hub).values())
-    waiting = [n for n in USERS if n not in running]
+    running, waiting = full_queue(hub, crowd)
+    running = set(running.values())
     pages = [Stream(crowd[n]) for n in waiting[:30]]
     try:
         for p in pages:
@@ -174,8 +202,7 @@ def test_open_spawn_pages_do_not_starve_the_public_url(hub, crowd):
 
 def test_release_reaches_every_open_page_fifo(hub, crowd):
     """A stop admits the head of the queue; its page says so, the others move up."""
-    running = holders(hub)
-    waiting = [n for n in USERS if n not in running.values()]
+    running, waiting = full_queue(hub, crowd)
     pos = positions(crowd, waiting)
     order = sorted(waiting, key=pos.get)
     pages = {n: Stream(crowd[n]) for n in order[:8]}
@@ -197,10 +224,10 @@ def test_release_reaches_every_open_page_fifo(hub, crowd):
 
 
 def test_kill_9_mid_queue_keeps_every_place_and_admits_nobody_twice(hub, crowd):
-    running = holders(hub)
-    waiting = [n for n in USERS if n not in running.values() and crowd[n].server() is not None]
+    running, waiting = full_queue(hub, crowd)
     before = positions(crowd, waiting)
-    assert len(before) == len(USERS) - GPUS - 1  # the one who stopped left
+    assert sorted(before.values()) == list(range(1, len(USERS) - GPUS + 1))  # everyone else waits, no ties
+    seen = len(hub.log.read_text().split("Re-spawned "))  # the log holds earlier restarts too
 
     services = children(hub.proc.pid, "gpuhub_spawner.culling.service")
     hub.proc.send_signal(signal.SIGKILL)
@@ -210,7 +237,7 @@ def test_kill_9_mid_queue_keeps_every_place_and_admits_nobody_twice(hub, crowd):
     hub.start()
 
     # the servers that ran still run, on the same devices; the queue holds nobody twice
-    wait_for(lambda: len(hub.log.read_text().split("Re-spawned ")) > len(waiting), 120, "the queue to come back")
+    wait_for(lambda: len(hub.log.read_text().split("Re-spawned ")) >= seen + len(waiting), 120, "the queue to come back")
     assert holders(hub) == running
     after = positions(crowd, waiting)
     assert after == before  # every place kept
@@ -233,9 +260,9 @@ def test_kill_9_mid_queue_keeps_every_place_and_admits_nobody_twice(hub, crowd):
 
 def test_planned_restart_keeps_every_place(hub, crowd):
     """An upgrade: SIGTERM, the hub's own shutdown (pending spawns are cancelled), start again."""
-    running = holders(hub)
-    waiting = [n for n in USERS if n not in running.values() and crowd[n].server() is not None]
+    running, waiting = full_queue(hub, crowd)
     before = positions(crowd, waiting)
+    assert sorted(before.values()) == list(range(1, len(USERS) - GPUS + 1))
     seen = len(hub.log.read_text().split("Re-spawned "))
     hub.stop(kill_servers=False)
     hub.start()

@@ -67,6 +67,9 @@ def describe(key: str, amount: int, policy: Policy | None = None) -> str:
     if policy is not None:
         f = next((f for f in policy.flavors if f.name == flavor), None)
         label = (f.display_name or f.name) if f else flavor
+        if f is not None and f.mig is not None:  # '7 A100 1g.10gb slices': a slice, never a GPU
+            label = label if f.mig.profile in label else f"{label} {f.mig.profile}"
+            return f"{amount} {label} slice{'s' if amount != 1 else ''}"
     return f"{amount} {label} GPU{'s' if amount != 1 else ''}"
 
 

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from .mig import mig_checks
 from .model import Policy
 
 Loc = tuple[str | int, ...]
@@ -465,6 +466,8 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
                 yield ("profiles", pi, "gpu", "count"), (
                     f"no team may use profile {prof.slug!r}: its {prof.gpu.count} GPU(s) exceed every allowed team's per-user cap"
                 )
+
+    yield from mig_checks(policy)  # MIG flavors, one slice per server (docs/mig.md)
 
 
 def read_in_child(path: str) -> str:

@@ -73,6 +73,32 @@ class LocalDevices(_Model):
     virtual: GpuCount = 0  # virtual GPUs to declare when NVML finds no device
 
 
+class MigSlice(_Model):
+    """A flavor of MIG slices of one shape (docs/mig.md): NVIDIA's profile name, and how the
+    cluster's device plugin advertises it (``mixed``: ``nvidia.com/mig-<profile>``;
+    ``single``: ``nvidia.com/gpu`` on nodes labelled ``nvidia.com/gpu.product=...-MIG-<profile>``)."""
+
+    profile: str  # e.g. 1g.10gb, 2g.20gb, 3g.40gb, 7g.80gb, 1g.10gb+me (nvidia-smi mig -lgip)
+    strategy: Literal["mixed", "single"] = "mixed"
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_name(cls, value: str) -> str:
+        if not re.match(r"^([1-7]c\.)?[1-7]g\.[0-9]+gb(\+me)?$", value):
+            raise ValueError(f"{value!r} is not a MIG profile name: NVIDIA writes <slices>g.<memory>gb, "
+                             "e.g. 1g.10gb, 2g.20gb, 3g.40gb, 7g.80gb (see nvidia-smi mig -lgip)")
+        return value
+
+
+def _mig_resource(value: Any) -> Any:
+    """A MIG flavor's device resource follows its strategy unless written out."""
+    if isinstance(value, dict) and isinstance(value.get("mig"), dict) and "resource" not in value:
+        mig = value["mig"]
+        single = mig.get("strategy") == "single"
+        value = {**value, "resource": "nvidia.com/gpu" if single else f"nvidia.com/mig-{mig.get('profile')}"}
+    return value
+
+
 class Flavor(_Model):
     name: Name
     resource: str = "nvidia.com/gpu"
@@ -80,6 +106,17 @@ class Flavor(_Model):
     node_labels: dict[str, str] = {}
     tolerations: list[Toleration] = []
     local: LocalDevices = LocalDevices()
+    mig: MigSlice | None = None  # a slice of a MIG-enabled GPU instead of a whole GPU
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_resource(cls, value: Any) -> Any:
+        return _mig_resource(value)
+
+    @property
+    def unit(self) -> str:
+        """What one of this flavor is called: 'GPU', or '1g.10gb slice'."""
+        return f"{self.mig.profile} slice" if self.mig else "GPU"
 
 
 class PriorityClass(_Model):
@@ -183,6 +220,9 @@ class IdleRules(_Model):
     warning: Seconds | None = None
     snooze: Seconds | None = None
     max_snoozes: GpuCount | None = None
+    # A GPU with no utilisation reading (a MIG slice NVML does not measure, a virtual GPU):
+    # ``idle`` counts it idle (gpuIdleTimeout applies); ``activity``: only the activity rules.
+    gpu_unread: Literal["idle", "activity"] | None = None
 
     def over(self, base: "IdleRules") -> "IdleRules":
         """These rules with unset keys taken from ``base``."""
@@ -275,6 +315,7 @@ class Defaults(_Model):
         warning=900.0,
         snooze=3600.0,
         max_snoozes=2,
+        gpu_unread="idle",
     )
     reclaim: ReclaimRules = ReclaimRules()  # keys unset here: RECLAIM_DEFAULTS
 

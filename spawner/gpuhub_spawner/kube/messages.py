@@ -76,13 +76,14 @@ def queue_blocked(message: str) -> bool:
 
 
 def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pending: dict | None, queue_length: int | None,
-                    why: str | None = None) -> str:
+                    why: str | None = None, out_of_service: tuple[int, int] | None = None) -> str:
     """One sentence (two at most) about a gated pod's place in the queue.
 
     ``why``: what the request waits for in the hub's own words (``admission.quota``, from
     the ledger's view of Kueue: teammates' use, quota on loan, the cohort full), used when
     Kueue says the quota is short — Kueue's message only says how much is missing — and
-    when Kueue has said nothing yet.
+    when Kueue has said nothing yet. ``out_of_service``: (GPUs out, GPUs on the cluster) of
+    the request's flavor (``kube.capacity``), said while it waits for quota.
     """
     team = choice.team.label
     if workload is None:
@@ -93,6 +94,12 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
     kueue_says = (reserved or {}).get("message", "")
     short, never = shortages(policy, kueue_says)
     taken = K.MSG_NO_LONGER_FITS in kueue_says  # it fitted, but another request took the quota first
+    gone = out_of_service[0] if out_of_service else 0
+    if never and gone:  # the quota is lowered while GPUs are out (kube/capacity.py): not for ever
+        label = amount(policy, "gpu", choice.flavor, "2").split(" ", 1)[1]
+        return (f"Waiting: {gone} of {out_of_service[1]} {label} on the cluster "
+                f"{'is' if gone == 1 else 'are'} out of service (failed or drained), so team {team}'s queue "
+                "cannot fit this server until they are back.")
     if never:
         return "This server can never start in team " + team + "'s queue: " + "; ".join(never) + ". Pick a smaller profile."
     if why and (short or taken or not kueue_says):
@@ -109,6 +116,10 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
         text = f"Waiting: team {team}'s queue is not accepting servers right now (an administrator has been told in the hub log)."
     else:
         text = f"Waiting for quota in team {team}'s queue."
+    if gone:
+        total = out_of_service[1]
+        label = amount(policy, "gpu", choice.flavor, "2").split(" ", 1)[1]  # "L4 24GB GPUs"
+        text += f" {gone} of {total} {label} on the cluster {'is' if gone == 1 else 'are'} out of service (failed or drained)."
     if pending is not None and pending.get("positionInLocalQueue") is not None:
         pos = int(pending["positionInLocalQueue"]) + 1
         of = f" of {queue_length}" if queue_length else ""

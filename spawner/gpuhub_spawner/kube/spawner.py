@@ -55,6 +55,7 @@ from .kueue import (
     POD_FINALIZER, PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL, WEBHOOK_FAILED_MARKER, pod_is_gated,
 )
 from .messages import event_message, eviction_message, waiting_message
+from . import capacity  # GPUs out of service, said in waiting messages
 from .state import GoneAwarePodReflector, PendingPollers, WorkloadReflector
 
 # Traits the policy sets per start; their configured values are the base each start builds on.
@@ -410,7 +411,10 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             queue_length = len(snapshot.items) if snapshot.fetched_at else None
             ledger = self._ledger()
             why = own_quota.why_waiting(self.policy, self.choice, self._server_key, ledger)
-            text = waiting_message(self.policy, self.choice, workload, pending, queue_length, why)
+            kept = capacity.keeper()
+            gone = kept.out.get(self.choice.flavor) if kept and self.choice.flavor else None
+            text = waiting_message(self.policy, self.choice, workload, pending, queue_length, why,
+                                   (gone.out, gone.total) if gone else None)
             note = ledger.queue.notes.get(self._server_key) if ledger else None
             if note:  # the reclaimer's: this team's own quota is on loan and coming back
                 text = f"Your server {note}."

@@ -336,6 +336,27 @@ def _all_or_list(value: Any) -> Any:
     return value
 
 
+class KubernetesHealth(_Model):
+    """Kubernetes (docs/gpu-health.md): which ClusterQueue gives up quota for GPUs out of
+    service, and which node taints take a node's GPUs out."""
+
+    # flavor -> the team whose ClusterQueue's nominalQuota for that flavor is lowered by the
+    # flavor's GPUs out of service (and restored when they are back). A flavor not named keeps
+    # its quotas (its waiting messages still count what is out).
+    capacity_queue: dict[str, str] = {}
+    # A node with one of these taint keys (NoSchedule or NoExecute) has all its GPUs out of
+    # service. List the keys your NVSentinel / node-problem-detector set (default one key).
+    taints: list[Annotated[str, Field(min_length=1, max_length=316)]] = ["nvidia.com/gpu-error"]
+    sync_interval: Seconds = 10.0
+
+    @field_validator("sync_interval")
+    @classmethod
+    def _interval(cls, value: float) -> float:
+        if not 1.0 <= value <= 3600.0:
+            raise ValueError(f"must be between 1s and 1h (got {value:g}s)")
+        return value
+
+
 class HealthRules(_Model):
     """GPU health (docs/gpu-health.md): which XIDs leave a GPU in, which take it out, how often
     the error counters are read."""
@@ -345,6 +366,7 @@ class HealthRules(_Model):
     # does by default. A list: only these do; any other XID marks the GPU suspect.
     critical_xids: Annotated[list[Xid] | None, BeforeValidator(_all_or_list)] = None
     poll_interval: Seconds = 30.0  # ECC, row remapping, retired pages, recovery action
+    kubernetes: KubernetesHealth = KubernetesHealth()
 
     @field_validator("poll_interval")
     @classmethod
@@ -490,6 +512,29 @@ class Policy(_Model):
                 errors.append(InitErrorDetails(
                     type=PydanticCustomError("value_error", "{error}", {"error": f"unknown priority class {team.job_priority!r}{hint}"}),
                     loc=("teams", i, "jobPriority"), input=team.job_priority))
+        if errors:
+            raise ValidationError.from_exception_data("Policy", errors)
+        return self
+
+    @model_validator(mode="after")
+    def _capacity_queues_known(self) -> "Policy":
+        """``health.kubernetes.capacityQueue``: a known flavor -> a team with quota for it."""
+        errors = []
+        flavors = {f.name for f in self.flavors}
+        for flavor, team_name in self.health.kubernetes.capacity_queue.items():
+            loc = ("health", "kubernetes", "capacityQueue", flavor)
+            team = next((t for t in self.teams if t.name == team_name), None)
+            if flavor not in flavors:
+                msg = f"unknown flavor {flavor!r} (flavors: {', '.join(sorted(flavors)) or 'none'})"
+            elif team is None:
+                msg = f"unknown team {team_name!r}"
+            elif flavor not in team.quota.gpus:
+                msg = (f"team {team_name!r} has no quota for {flavor!r}: its ClusterQueue cannot give up "
+                       "GPUs it does not have")
+            else:
+                continue
+            errors.append(InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": msg}),
+                                           loc=loc, input=team_name))
         if errors:
             raise ValidationError.from_exception_data("Policy", errors)
         return self

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from jupyterhub.app import JupyterHub
 
+from ..kube.capacity import start_keeper
 from ..kube.ledger import KueueLedger
 from ..kube.spawner import KueueSpawner
 from . import backend  # noqa: F401 - the ledger provides the admission view once created
@@ -46,3 +47,6 @@ async def _watch(app) -> None:
         await ledger.watch(spawner)
     except Exception:  # noqa: BLE001 - spawners start it on their first start or poll instead
         log.exception("Could not start mirroring Kueue's Workloads")
+    # GPUs out of service lower the designated ClusterQueues' quota (docs/gpu-health.md); the
+    # spawner above has loaded the cluster's credentials.
+    start_keeper(lambda: ledger.store.current)

@@ -49,7 +49,7 @@ TOKEN = "double-token"
 HISTORY_KEEP = 5000
 KUEUE_KINDS = {"workloads": "Workload", "localqueues": "LocalQueue", "clusterqueues": "ClusterQueue",
                "resourceflavors": "ResourceFlavor", "workloadpriorityclasses": "WorkloadPriorityClass"}
-CORE_KINDS = {"pods": "Pod", "events": "Event"}
+CORE_KINDS = {"pods": "Pod", "events": "Event", "nodes": "Node"}
 CLUSTER_SCOPED = {"clusterqueues", "resourceflavors", "workloadpriorityclasses"}
 
 
@@ -212,6 +212,19 @@ class KubeDouble(JobsMixin):
             self._reconcile()
         self.call(do)
 
+    def put_node(self, node: dict):
+        """Create or replace a Node (validated against Kubernetes' schema) as a kubelet or an
+        operator (cordon, taint, the device plugin's allocatable) would write it."""
+        def do():
+            obj = copy.deepcopy(node)
+            validate(obj)
+            old = self.objects.get(("nodes", None, obj["metadata"]["name"]))
+            if old:
+                for k in ("uid", "creationTimestamp"):
+                    obj["metadata"][k] = old["metadata"][k]
+            self._write("nodes", None, obj, "MODIFIED" if old else "ADDED")
+        self.call(do)
+
     def fail(self, method: str, path_regex: str, status: int = 500, times: int = 1):
         self.call(lambda: self.faults.append(Fault(method.upper(), re.compile(path_regex), status, times)))
 
@@ -327,9 +340,14 @@ class KubeDouble(JobsMixin):
                 ns, plural, name = parts[3], parts[4], (parts[5] if len(parts) > 5 else None)
                 if plural == "pods" and parts[6:] == ["log"]:
                     return self._pod_log(ns, name)  # jobs.py
-                if plural not in CORE_KINDS:
+                if plural not in CORE_KINDS or plural == "nodes":
                     return _status(404, "NotFound", f"the server could not find the requested resource ({plural})")
                 return await self._resource(request, plural, ns, name)
+            if parts[:3] == ["api", "v1", "nodes"] and (len(parts) <= 4 or parts[4:] == ["status"]):
+                # Nodes (cluster-scoped; .../status patched like the object: the double keeps one copy).
+                # The double's admission never looks at them, as Kueue does not: what reads them
+                # is the hub's capacity keeper (kube/capacity.py).
+                return await self._resource(request, "nodes", None, parts[3] if len(parts) > 3 else None)
             if parts[:3] == ["apis", "kueue.x-k8s.io", "v1beta2"]:
                 rest = parts[3:]
                 if rest and rest[0] == "namespaces":

@@ -1,0 +1,217 @@
+"""GPUs out of service lower the quota Kueue admits against, and restoring them restores it
+(issue 23 item 3; kube/capacity.py), on the API double and on the real control plane.
+
+The same steps on both backends: the hub's ``CapacityKeeper`` (its own code, through
+kubernetes_asyncio with the backend's kubeconfig) reads the L4 node, and its ClusterQueue
+patch is what Kueue then admits against: on the real side the real Kueue v0.19.2 controller
+and a kwok node (its status and taints written as the device plugin, NVSentinel or an operator
+would), on the double the double's admission loop and a Node from ``tests/cluster/nodes.yaml``.
+The real side is opt-in (``GPUHUB_CLUSTER=1``) and skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+
+import harness as real  # noqa: E402
+
+from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE  # noqa: E402
+
+SKIP = real.skip_reason()
+NODE = "kwok-gpu-l4-1"
+L4_NODE = next(n for n in yaml.safe_load_all((Path(real.HERE) / "nodes.yaml").read_text()) if n["metadata"]["name"] == NODE)
+
+POLICY = """\
+apiVersion: gpuhub/v1
+flavors:
+  - name: l4
+    displayName: L4 24GB
+    resource: nvidia.com/gpu
+    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
+    tolerations:
+      - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
+    local: {virtual: 2}
+priorityClasses:
+  - {name: interactive, value: 1000}
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    defaultPriority: interactive
+    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 4}}}
+profiles:
+  - {slug: l4-1, displayName: One L4, gpu: {count: 1, flavor: l4}, teams: "*"}
+health:
+  kubernetes:
+    capacityQueue: {l4: vision}
+"""
+
+
+def until(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not reached in {timeout}s")
+
+
+class Backend:
+    def __init__(self, name, api: real.RealCluster, kubeconfig: Path, set_node):
+        self.name, self.api, self.kubeconfig, self._set_node = name, api, kubeconfig, set_node
+
+    def node(self, allocatable: int = 4, taint: str | None = None, cordoned: bool = False) -> None:
+        """The L4 node as the device plugin (allocatable), NVSentinel (taint) or an admin (cordon) leave it."""
+        self._set_node(allocatable, taint, cordoned)
+
+    def l4_quota(self) -> tuple[str, str | None]:
+        cq = self.api.get(self.api.path("clusterqueues", None, "vision"))
+        l4 = next(f for g in cq["spec"]["resourceGroups"] for f in g["flavors"] if f["name"] == "l4")
+        return l4["resources"][0]["nominalQuota"], (cq["metadata"].get("annotations") or {}).get("gpuhub.io/gpus-out-of-service")
+
+    def pod(self, name: str) -> None:
+        self.api.create("pods", NAMESPACE, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE,
+                         "labels": {"kueue.x-k8s.io/queue-name": "vision", "kueue.x-k8s.io/priority-class": "interactive"}},
+            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                     "containers": [{"name": "notebook", "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                                     "command": ["sleep", "600"],
+                                     "resources": {"requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"},
+                                                   "limits": {"nvidia.com/gpu": "1"}}}]}})
+
+    def quota_reserved(self, pod_name: str) -> dict | None:
+        wl = next((w for w in self.api.list("workloads", NAMESPACE)
+                   if any(o["name"] == pod_name for o in w["metadata"].get("ownerReferences", []))), None)
+        return next((c for c in (wl or {}).get("status", {}).get("conditions", []) if c["type"] == "QuotaReserved"), None)
+
+    def admitted(self, pod_name: str) -> bool:
+        c = self.quota_reserved(pod_name)
+        return bool(c and c["status"] == "True")
+
+
+def node_object(allocatable: int, taint: str | None, cordoned: bool) -> dict:
+    node = copy.deepcopy(L4_NODE)
+    node["status"]["allocatable"]["nvidia.com/gpu"] = str(allocatable)
+    if taint:
+        node["spec"]["taints"].append({"key": taint, "value": "xid79", "effect": "NoSchedule"})
+    if cordoned:
+        node["spec"]["unschedulable"] = True
+    return node
+
+
+@pytest.fixture(scope="module")
+def real_cluster():
+    if SKIP:
+        pytest.skip(SKIP)
+    cluster, started = real.ensure_up()
+    cluster.ensure_namespace(NAMESPACE)
+    yield cluster
+    cluster.reset(NAMESPACE)
+    if started and not real.os.environ.get("GPUHUB_CLUSTER_KEEP"):
+        real.down()
+
+
+@pytest.fixture(params=["double", "real"])
+def backend(request, tmp_path):
+    if request.param == "real":
+        cluster = request.getfixturevalue("real_cluster")
+        cluster.reset(NAMESPACE)
+        cluster.apply_policy(POLICY, NAMESPACE, tmp_path)
+
+        def set_node(allocatable, taint, cordoned):
+            want = node_object(allocatable, taint, cordoned)
+            # What a kubelet reports (status subresource) and what kubectl taint/cordon write.
+            r = cluster.session.patch(cluster.url + f"/api/v1/nodes/{NODE}/status",
+                                      json={"status": {"allocatable": want["status"]["allocatable"]}},
+                                      headers={"Content-Type": "application/merge-patch+json"}, timeout=15)
+            r.raise_for_status()
+            cluster.patch("nodes", None, NODE, {"spec": {"taints": want["spec"]["taints"],
+                                                         "unschedulable": True if cordoned else None}})
+
+        b = Backend("real", cluster, cluster.kubeconfig, set_node)
+        yield b
+        for name in [p["metadata"]["name"] for p in cluster.list("pods", NAMESPACE)]:
+            cluster.delete("pods", NAMESPACE, name, grace=0)
+        set_node(4, None, False)
+        cluster.reset(NAMESPACE)
+    else:
+        from double.harness import apply_policy
+        from double.server import TOKEN
+
+        double = request.getfixturevalue("double")
+        apply_policy(double, POLICY)
+        b = Backend("double", real.RealCluster.for_double(double.url, TOKEN), DOUBLE_KUBECONFIG,
+                    lambda *a: double.put_node(node_object(*a)))
+        b.node()
+        yield b
+        double.reset()
+
+
+def keeper_pass(backend):
+    """One pass of the hub's keeper with its own clients on the backend's kubeconfig."""
+    from kubernetes_asyncio import client, config
+
+    from gpuhub_spawner.kube.capacity import CapacityKeeper
+    from gpuhub_spawner.policy.loader import parse_policy
+
+    policy = parse_policy(POLICY)
+
+    async def run():
+        api = await config.new_client_from_config(config_file=str(backend.kubeconfig))
+        async with api:
+            keeper = CapacityKeeper(lambda: policy, client.CoreV1Api(api), client.CustomObjectsApi(api))
+            return (await keeper.sync_once())["l4"]
+
+    return asyncio.run(run())
+
+
+def test_a_gpu_out_of_service_lowers_the_quota_kueue_admits_against_and_comes_back(backend):
+    out = keeper_pass(backend)
+    assert (out.total, out.out) == (4, 0)
+    assert backend.l4_quota() == ("4", None)
+
+    # The device plugin marks one GPU unhealthy: the kubelet reports allocatable 3 of 4.
+    backend.node(allocatable=3)
+    out = keeper_pass(backend)
+    assert (out.total, out.out) == (4, 1)
+    assert backend.l4_quota() == ("3", f"l4=1: {NODE}: 1 unhealthy (allocatable 3 of 4)")
+    for i in range(4):
+        backend.pod(f"p{i}")
+    until(lambda: all(backend.admitted(f"p{i}") for i in range(3)), 60, "three admitted")
+    c = until(lambda: (c := backend.quota_reserved("p3")) and c["status"] == "False" and c, 60, "the 4th told why")
+    assert "insufficient unused quota for nvidia.com/gpu in flavor l4, 1 more needed" in c["message"], c
+    time.sleep(2)
+    assert not backend.admitted("p3")  # Kueue admits against 3, not the 4 the policy says
+
+    # The GPU is back: the quota is restored and Kueue admits the 4th.
+    backend.node(allocatable=4)
+    keeper_pass(backend)
+    assert backend.l4_quota() == ("4", None)
+    until(lambda: backend.admitted("p3"), 60, "the 4th admitted once the GPU is back")
+
+    # NVSentinel taints the node: all four GPUs are out, the quota goes to 0; a new pod waits.
+    backend.node(taint="nvidia.com/gpu-error")
+    out = keeper_pass(backend)
+    assert backend.l4_quota() == ("0", f"l4=4: {NODE}: tainted nvidia.com/gpu-error=xid79 (4 GPUs)")
+    backend.pod("p4")
+    until(lambda: (c := backend.quota_reserved("p4")) and c["status"] == "False", 60, "p4 waiting")
+
+    # Cordoned instead: still out; uncordoned and untainted: the policy's quota again.
+    backend.node(cordoned=True)
+    keeper_pass(backend)
+    assert backend.l4_quota() == ("0", f"l4=4: {NODE}: cordoned (4 GPUs)")
+    backend.node()
+    keeper_pass(backend)
+    assert backend.l4_quota() == ("4", None)

@@ -50,7 +50,7 @@ def test_validator_rejects_what_the_api_server_would(policy):
 def test_objects_match_the_policy(policy):
     objs = render_objects(policy, "research-hub")
     flavors = by_kind(objs, "ResourceFlavor")
-    assert set(flavors) == {"gpuhub-default", "a100", "l4"}
+    assert set(flavors) == {"gpuhub-default", "a100", "l4", "a100-1g"}
     assert flavors["a100"]["spec"]["nodeLabels"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
     assert flavors["a100"]["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     classes = by_kind(objs, "WorkloadPriorityClass")
@@ -121,6 +121,7 @@ def test_renaming_a_team_with_a_fixed_queue_name_is_detected_and_explained(capsy
     live = render_objects(policy)
     renamed = POLICY.read_text().replace("  - name: students\n", "  - name: learners\n    queue: students\n", 1)
     renamed = renamed.replace("teams: [nlp, students]", "teams: [nlp, learners]")
+    renamed = renamed.replace("teams: [students]", "teams: [learners]")
     path = tmp_path / "renamed.yaml"
     path.write_text(renamed)
     [problem] = localqueue_conflicts(render_objects(parse_policy(renamed)), live)
@@ -156,7 +157,7 @@ def test_cli_output_is_deterministic_yaml(capsys, tmp_path):
     second = capsys.readouterr().out
     docs = list(yaml.safe_load_all(first))
     assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
-        ("ResourceFlavor", "a100"), ("ResourceFlavor", "gpuhub-default"), ("ResourceFlavor", "l4"),
+        ("ResourceFlavor", "a100"), ("ResourceFlavor", "a100-1g"), ("ResourceFlavor", "gpuhub-default"), ("ResourceFlavor", "l4"),
         ("WorkloadPriorityClass", "batch"), ("WorkloadPriorityClass", "interactive"),
         ("ClusterQueue", "nlp"), ("ClusterQueue", "students"), ("ClusterQueue", "vision"),
         ("LocalQueue", "nlp"), ("LocalQueue", "students"), ("LocalQueue", "vision")]

@@ -80,3 +80,156 @@ def test_mig_names_and_resources_are_checked():
     with pytest.raises(PolicyError) as e:
         parse_policy(MIG.format(strategy="", labels="", count=1).replace("1g.10gb}", "1g10gb}"), "p.yaml")
     assert "is not a MIG profile name" in e.value.issues[0].message
+
+
+# -- one machine: slices from NVML (the fake nvidia-ml-py, in-process) -------------------------------
+import asyncio  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from gpuhub_spawner.admission.health import BAD, HEALTHY  # noqa: E402
+from gpuhub_spawner.admission.queue import AdmissionQueue  # noqa: E402
+from gpuhub_spawner.local.devices import CONTROL_NODES, DeviceTable, discover_nvml  # noqa: E402
+
+FAKE = Path(__file__).resolve().parents[1] / "support" / "fake_nvml" / "pynvml.py"
+
+
+def a100(uuid, slices=None):
+    d = {"uuid": uuid, "name": "NVIDIA A100-SXM4-80GB", "memory_total": 80 * 2**30, "events": []}
+    if slices is not None:
+        d["mig"] = {"enabled": True, "devices": slices}
+    return d
+
+
+def slice_(uuid, shape="1g.10gb", gi=7, ci=0):
+    return {"uuid": uuid, "name": f"NVIDIA A100-SXM4-80GB MIG {shape}", "memory_total": 10 * 2**30, "gi": gi, "ci": ci}
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("fake_pynvml_for_mig", FAKE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    state = tmp_path / "nvml.json"
+    monkeypatch.setenv("GPUHUB_FAKE_NVML", str(state))
+
+    def write(devices):
+        state.write_text(json.dumps({"devices": devices}))
+
+    mod.write = write
+    return mod
+
+
+def caps(tmp_path, gpu, gi, minor):
+    for sub, m in ((f"gpu{gpu}/mig/gi{gi}", minor), (f"gpu{gpu}/mig/gi{gi}/ci0", minor + 1)):
+        (tmp_path / sub).mkdir(parents=True, exist_ok=True)
+        (tmp_path / sub / "access").write_text(f"DeviceFileMinor: {m}\nDeviceFileMode: 292\n")
+    return str(tmp_path)
+
+
+def test_slices_are_found_by_uuid_with_parent_and_shape_and_only_their_nodes(fake, tmp_path):
+    seven = [slice_(f"MIG-s{i}", gi=7 + i) for i in range(7)]
+    fake.write([a100("GPU-whole"), a100("GPU-split", seven)])
+    for i in range(7):
+        caps(tmp_path, 1, 7 + i, 100 + 2 * i)
+    found = discover_nvml(capabilities=str(tmp_path))
+    assert [(d.uuid, d.mig_profile, d.parent) for d in found] == [("GPU-whole", None, "")] + [
+        (f"MIG-s{i}", "1g.10gb", "GPU-split") for i in range(7)]
+    p = policy()
+    table = DeviceTable(lambda: p, discover=lambda: found)
+    # the whole-GPU flavor does not take slices even though 'A100' is in their names, and vice versa
+    assert [d.id for d in table.free_devices("a100")] == ["GPU-whole"]
+    assert [d.id for d in table.free_devices("a100-1g")] == [f"MIG-s{i}" for i in range(7)]
+    assert table.nodes_for(["MIG-s2"]) == ["nvidia-caps/nvidia-cap104", "nvidia-caps/nvidia-cap105", "nvidia1",
+                                           *CONTROL_NODES]
+    demand = demand_for(p, p.profile("mig-1g"))
+    held = [table.allocate(f"student{i}/", demand) for i in range(7)]
+    assert sorted(h[0] for h in held) == [f"MIG-s{i}" for i in range(7)]
+    assert table.allocate("student7/", demand) is None
+    assert table.shortage(demand) == "needs 1 A100 1g.10gb slice: only 0 of the 7 on this machine are free"
+
+
+def test_a_layout_change_is_read_again_without_giving_anything_twice(fake):
+    fake.write([a100("GPU-split", [slice_("MIG-a", gi=7), slice_("MIG-b", gi=8), slice_("MIG-c", gi=9)])])
+    p = policy()
+    table = DeviceTable(lambda: p, discover=discover_nvml)
+    demand = demand_for(p, p.profile("mig-1g"))
+    assert table.allocate("alice/", demand) == ["MIG-a"]
+    assert not table.apply_layout(table.discover())  # nothing changed
+    # an admin destroys the free MIG-b and MIG-c and creates four new 1g slices (alice's stays)
+    fake.write([a100("GPU-split", [slice_("MIG-a", gi=7)] + [slice_(f"MIG-n{i}", gi=10 + i) for i in range(4)])])
+    assert table.apply_layout(table.discover())
+    assert [d.id for d in table.free_devices("a100-1g")] == [f"MIG-n{i}" for i in range(4)]
+    got = [table.allocate(f"u{i}/", demand) for i in range(5)]
+    assert got[:4] == [["MIG-n0"], ["MIG-n1"], ["MIG-n2"], ["MIG-n3"]] and got[4] is None  # never MIG-a twice
+    assert table.owner["MIG-a"] == "alice/"
+    # NVML not answering for a moment is not a layout with no devices
+    assert not table.apply_layout([]) and len(table.devices) == 5
+
+
+def test_a_bad_parent_gpu_takes_all_its_slices_out(fake, tmp_path, monkeypatch):
+    from gpuhub_spawner.local import gpu_health
+
+    devices = [a100("GPU-split", [slice_(f"MIG-s{i}", gi=7 + i) for i in range(3)]), a100("GPU-other")]
+    fake.write(devices)
+    monkeypatch.setattr(gpu_health, "audit", lambda event, **f: None)
+    p = parse_policy(MIG.format(strategy="", labels="", count=1) + "health: {pollInterval: 1s}\n", "p.yaml")
+
+    class Broker:
+        class store:
+            current = p
+
+    async def run():
+        broker = Broker()
+        broker.devices = DeviceTable(lambda: p, discover=discover_nvml)
+        broker.queue = AdmissionQueue(lambda: p, broker.devices)
+        monitor = gpu_health.GpuHealthMonitor(broker, str(tmp_path / "gpu-health.json"))
+        assert monitor.ids_of == {0: ["MIG-s0", "MIG-s1", "MIG-s2"], 1: ["GPU-other"]}
+        monitor.start()
+        for _ in range(100):
+            if monitor.polls >= 1:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the event thread registered
+        devices[0]["events"].append({"id": 1, "type": 8, "data": 79})
+        fake.write(devices)
+        for _ in range(100):
+            if broker.devices.health.of("MIG-s2").state == BAD:
+                break
+            await asyncio.sleep(0.05)
+        monitor.stop()
+        await asyncio.get_running_loop().run_in_executor(None, monitor._thread.join, 3)
+        return broker.devices
+
+    table = asyncio.run(run())
+    assert [table.health.of(f"MIG-s{i}").state for i in range(3)] == [BAD, BAD, BAD]
+    assert table.health.of("GPU-other").state == HEALTHY
+    assert table.free_devices("a100-1g") == []
+    assert "3 out of service" in table.shortage({"gpu/a100-1g": 1})
+
+
+# -- culling a slice NVML does not measure ---------------------------------------------------------
+from gpuhub_spawner.culling.rules import GPU_IDLE, TIMEOUT, CullState, Signals, decide  # noqa: E402
+from gpuhub_spawner.policy.model import IdleRules  # noqa: E402
+
+
+def test_an_unread_slice_counts_idle_or_only_activity_as_the_policy_says_and_the_warning_says_which():
+    idle = IdleRules(timeout=3600, gpu_idle_timeout=1800, warning=600, gpu_unread="idle")
+    s = CullState()
+    d = decide(1800, idle, Signals(0.0, last_activity=1700, has_gpus=True, gpu_unread="idle"), s)
+    assert d.action == "warn" and d.rule == GPU_IDLE  # busy notebook, but the slice counts as idle
+    assert "which the policy counts as idle (gpuUnread: idle)" in d.reason
+
+    activity = IdleRules(timeout=3600, gpu_idle_timeout=1800, warning=600, gpu_unread="activity")
+    s = CullState()
+    assert decide(3000, activity, Signals(0.0, last_activity=1700, has_gpus=True, gpu_unread="activity"), s).action == "keep"
+    d = decide(1700 + 3600, activity, Signals(0.0, last_activity=1700, has_gpus=True, gpu_unread="activity"), s)
+    assert d.action == "warn" and d.rule == TIMEOUT
+    assert d.reason.startswith("no activity for 1h") and "judges it by activity only (gpuUnread: activity)" in d.reason
+    assert decide(1700 + 3600 + 600, activity, Signals(0.0, 1700, has_gpus=True, gpu_unread="activity"), s).action == "cull"
+    # a GPU that is read is judged as before, whatever gpuUnread says
+    s = CullState()
+    assert decide(1800, activity, Signals(0.0, last_activity=1700, has_gpus=True), s).rule == GPU_IDLE

@@ -205,7 +205,8 @@ class CullBoard(SingletonConfigurable):
                     idle_gpus[v.team] = idle_gpus.get(v.team, 0) + v.profile.gpu_count
                 gpu_readings[v.key] = (v.profile.gpu_count, util, util is None or util < threshold)
             before = (rec.state.deadline, rec.state.snoozes)
-            d = decide(now, rules, Signals(v.started, v.last_activity, rec.gpu_last_busy, v.has_gpus), rec.state)
+            unread = (rules.gpu_unread or "idle") if v.has_gpus and util is None else None
+            d = decide(now, rules, Signals(v.started, v.last_activity, rec.gpu_last_busy, v.has_gpus, unread), rec.state)
             decisions[v.key] = d
             self._account(v, rec, d, before, util, now)
         if complete:
@@ -232,7 +233,8 @@ class CullBoard(SingletonConfigurable):
         fmt = lambda s: "n/a" if s is None else format_duration(max(0.0, s))  # noqa: E731
         slug = v.profile.slug if v.profile else "?"
         gpu_text = "" if not v.has_gpus else (
-            f", GPU {util:.0f}%" if util is not None else ", GPU unread (counts as idle)"
+            f", GPU {util:.0f}%" if util is not None else
+            f", GPU unread ({'activity only' if self.rules_for(v.profile).gpu_unread == 'activity' else 'counts as idle'})"
         )
         idle_text = (
             f"inactive {fmt(now - (v.last_activity or v.started))}, "

@@ -18,6 +18,11 @@ The three rules, each measured from the start of the idle period it is about:
                  or the server's kernels report.
 ``maxAge``       this old, busy or not; no snooze moves it.
 
+No trusted reading at all (a MIG slice: NVML measures no utilisation of a slice; a virtual
+GPU) follows the policy's ``idle.gpuUnread``: ``idle`` (default) counts the GPU idle, so
+``gpuIdleTimeout`` applies; ``activity`` judges the server by the activity rules only, as a
+server without GPUs. The warning says which.
+
 A rule that fires opens a warning; the server is stopped ``warning`` later unless the
 idle period ends first. What ends it: activity for ``timeout`` (the user came back:
 the warning is simply withdrawn), a busy GPU for both GPU rules. For a ``gpuIdleTimeout``
@@ -43,6 +48,17 @@ class Signals:
     last_activity: float | None = None
     gpu_last_busy: float | None = None
     has_gpus: bool = False
+    # No trusted GPU reading this pass: the policy's gpuUnread ("idle" | "activity"); None: read.
+    gpu_unread: str | None = None
+
+    @property
+    def judged_by_gpu(self) -> bool:
+        """Whether the GPU rules apply (not for an unread GPU under gpuUnread: activity)."""
+        return self.has_gpus and self.gpu_unread != "activity"
+
+UNREAD_IDLE = "it reports no GPU utilisation (a MIG slice or virtual GPU), which the policy counts as idle (gpuUnread: idle)"
+UNREAD_ACTIVITY = ("it reports no GPU utilisation (a MIG slice or virtual GPU), so the policy judges it by activity "
+                   "only (gpuUnread: activity)")
 
 
 @dataclass
@@ -74,15 +90,20 @@ def due_rules(rules: IdleRules, s: Signals) -> list[tuple[float, str, float, str
     activity = max(s.started, s.last_activity or s.started)
     gpu_busy = max(s.started, s.gpu_last_busy or s.started)
     out = []
+    gpus = s.judged_by_gpu
+    unread = ""
+    if s.has_gpus and s.gpu_unread:
+        unread = f"; {UNREAD_ACTIVITY if s.gpu_unread == 'activity' else UNREAD_IDLE}"
     if rules.max_age:
         out.append((s.started + rules.max_age, MAX_AGE, s.started, f"it reached the maximum age of {format_duration(rules.max_age)}"))
     if rules.timeout:
-        since = max(activity, gpu_busy) if s.has_gpus else activity
-        what = "no activity and no busy GPU" if s.has_gpus else "no activity"
-        out.append((since + rules.timeout, TIMEOUT, since, f"{what} for {format_duration(rules.timeout)}"))
-    if s.has_gpus and rules.gpu_idle_timeout:
+        since = max(activity, gpu_busy) if gpus else activity
+        what = "no activity and no busy GPU" if gpus else "no activity"
+        out.append((since + rules.timeout, TIMEOUT, since, f"{what} for {format_duration(rules.timeout)}{unread}"))
+    if gpus and rules.gpu_idle_timeout:
         out.append(
-            (gpu_busy + rules.gpu_idle_timeout, GPU_IDLE, gpu_busy, f"its GPUs were idle for {format_duration(rules.gpu_idle_timeout)}")
+            (gpu_busy + rules.gpu_idle_timeout, GPU_IDLE, gpu_busy,
+             f"its GPUs were idle for {format_duration(rules.gpu_idle_timeout)}{unread}")
         )
     return sorted(out)
 
@@ -92,7 +113,7 @@ def _idle_period_ended(state: CullState, s: Signals) -> bool:
     if state.rule == MAX_AGE:
         return False
     gpu_busy = s.gpu_last_busy or 0.0
-    if s.has_gpus and gpu_busy > (state.idle_since or 0.0):
+    if s.judged_by_gpu and gpu_busy > (state.idle_since or 0.0):
         return True  # the GPU was used: both GPU-server rules restart
     if state.rule == TIMEOUT:
         return (s.last_activity or 0.0) > (state.idle_since or 0.0)  # the user came back

@@ -10,6 +10,7 @@ handed to two servers at once, and re-registers holders after a hub restart.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,10 @@ class NvmlDevice:
     # Device nodes (relative to /dev) a process needs to use it: nvidia<minor>, and for a
     # MIG slice also its GPU- and compute-instance capability nodes (nvidia-caps/...).
     nodes: tuple[str, ...] = ()
+    # A MIG slice: its shape ('1g.10gb', from NVML's name '... MIG 1g.10gb') and its parent GPU.
+    mig_profile: str | None = None
+    parent: str = ""  # the parent GPU's UUID
+    parent_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,11 @@ def _decode(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def discover_nvml() -> list[NvmlDevice]:
+CAPABILITIES = "/proc/driver/nvidia/capabilities"
+_MIG_NAME = re.compile(r"MIG\s+(\S+)\s*$")  # 'NVIDIA A100-SXM4-80GB MIG 1g.10gb' -> 1g.10gb
+
+
+def discover_nvml(capabilities: str = CAPABILITIES) -> list[NvmlDevice]:
     """Every GPU (or MIG slice, where MIG is on) that NVML reports; [] without a driver."""
     try:
         import pynvml
@@ -100,19 +109,26 @@ def discover_nvml() -> list[NvmlDevice]:
                             mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, m)
                         except pynvml.NVMLError:
                             continue
+                        slice_name = _decode(pynvml.nvmlDeviceGetName(mh))
+                        shape = _MIG_NAME.search(slice_name)
                         migs.append(
                             NvmlDevice(
                                 i,
                                 _decode(pynvml.nvmlDeviceGetUUID(mh)),
-                                _decode(pynvml.nvmlDeviceGetName(mh)),
+                                slice_name,
                                 pynvml.nvmlDeviceGetMemoryInfo(mh).total,
-                                (f"nvidia{minor}", *_mig_cap_nodes(pynvml, mh, minor)),
+                                (f"nvidia{minor}", *_mig_cap_nodes(pynvml, mh, minor, capabilities)),
+                                shape.group(1) if shape else "unknown",
+                                _decode(pynvml.nvmlDeviceGetUUID(handle)),
+                                name,
                             )
                         )
             except pynvml.NVMLError:
                 pass  # MIG not supported on this GPU
             if migs:
                 found.extend(migs)
+            elif current_mig_on(pynvml, handle):
+                log.warning("GPU %d (%s) has MIG on but no slices: nothing of it is handed out", i, name)
             else:
                 found.append(
                     NvmlDevice(
@@ -136,9 +152,10 @@ def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
     if not nvml:
         devices, n = [], 0
         for flavor in policy.flavors:
+            what = f"{flavor.mig.profile} slice" if flavor.mig else (flavor.display_name or flavor.name)
             for _ in range(flavor.local.virtual):
-                # A virtual GPU maps to nvidia<n>: present only as a stand-in node in tests.
-                devices.append(Device(str(n), flavor.name, f"virtual {flavor.display_name or flavor.name}", True, (f"nvidia{n}",)))
+                # A virtual GPU (or MIG slice) maps to nvidia<n>: present only as a stand-in node in tests.
+                devices.append(Device(str(n), flavor.name, f"virtual {what}", True, (f"nvidia{n}",)))
                 n += 1
         return devices
     taken: set[str] = set()
@@ -148,10 +165,13 @@ def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
         for d in nvml:
             if d.uuid in taken:
                 continue
+            # A MIG flavor takes only slices of its shape; any other flavor only whole GPUs.
+            if (flavor.mig.profile if flavor.mig else None) != d.mig_profile:
+                continue
             if rules.devices is not None:
-                ok = d.index in rules.devices or d.uuid in rules.devices
+                ok = d.index in rules.devices or d.uuid in rules.devices or (d.parent and d.parent in rules.devices)
             elif rules.match is not None:
-                ok = rules.match.lower() in d.name.lower()
+                ok = rules.match.lower() in (d.parent_name or d.name).lower()
             else:
                 ok = len(policy.flavors) == 1
             if ok:
@@ -159,8 +179,16 @@ def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
                 devices.append(Device(d.uuid, flavor.name, d.name, False, d.nodes or (f"nvidia{d.index}",)))
     for d in nvml:
         if d.uuid not in taken:
-            log.warning("GPU %s (%s, %s) matches no flavor in the policy and will not be handed out", d.index, d.name, d.uuid)
+            log.warning("%s %s (%s, %s) matches no flavor in the policy and will not be handed out",
+                        "MIG slice of GPU" if d.mig_profile else "GPU", d.index, d.name, d.uuid)
     return devices
+
+
+def current_mig_on(pynvml, handle) -> bool:
+    try:
+        return pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+    except Exception:
+        return False
 
 
 def capacity_by_flavor(policy: Policy, nvml: list[NvmlDevice]) -> dict[str, int]:
@@ -181,6 +209,7 @@ class DeviceTable:
 
     def __init__(self, policy: Callable[[], Policy], discover: Callable[[], list[NvmlDevice]] = discover_nvml):
         self._policy = policy
+        self.discover = discover
         self._nvml = discover()
         self.devices: list[Device] = build_inventory(policy(), self._nvml)
         self.owner: dict[str, str] = {}  # device id -> server key
@@ -199,6 +228,26 @@ class DeviceTable:
     def reload(self, policy: Policy) -> None:
         """Re-match devices to flavors after a policy change; holders keep their devices."""
         self.devices = build_inventory(policy, self._nvml)
+
+    def apply_layout(self, nvml: list[NvmlDevice]) -> bool:
+        """A fresh NVML discovery (a MIG layout changed while the hub runs): slices that appeared
+        can be handed out, slices that are gone are never handed out again. A holder keeps what it
+        holds until it releases it (``owner`` is untouched), so nothing is ever given twice.
+        True when the layout changed."""
+        if not nvml and self._nvml:
+            return False  # NVML did not answer this time: keep what we know, never fall back to virtual
+        before = {d.uuid for d in self._nvml}
+        after = {d.uuid for d in nvml}
+        if before == after:
+            return False
+        self._nvml = list(nvml)
+        self.devices = build_inventory(self._policy(), self._nvml)
+        gone = sorted(before - after)
+        held = [f"{d} (held by {self.owner[d]} until it stops)" for d in gone if d in self.owner]
+        log.warning("GPU layout changed: %d new (%s), %d gone (%s)%s", len(after - before),
+                    ", ".join(sorted(after - before)) or "none", len(gone), ", ".join(gone) or "none",
+                    f"; {', '.join(held)}" if held else "")
+        return True
 
     def _of(self, flavor: str) -> list[Device]:
         return [d for d in self.devices if d.flavor == flavor]

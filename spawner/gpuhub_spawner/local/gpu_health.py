@@ -89,10 +89,6 @@ class GpuHealthMonitor:
         self._poller: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.polls = 0
-        # NVML index of each GPU -> the device-table ids on it (the GPU, or its MIG slices)
-        self.ids_of: dict[int, list[str]] = {}
-        for d in self.table.nvml:
-            self.ids_of.setdefault(d.index, []).append(d.uuid)
         self._load()
         register_metrics(self)
 
@@ -119,6 +115,15 @@ class GpuHealthMonitor:
     @property
     def rules(self):
         return self.broker.store.current.health
+
+    @property
+    def ids_of(self) -> dict[int, list[str]]:
+        """NVML index of each GPU -> the device-table ids on it (the GPU, or its MIG slices, as
+        NVML lists them now): an event or a bad counter on a parent GPU takes all its slices out."""
+        out: dict[int, list[str]] = {}
+        for d in self.table.nvml:
+            out.setdefault(d.index, []).append(d.uuid)
+        return out
 
     # -- events (a thread) -----------------------------------------------------------------------
     def _events(self) -> None:
@@ -207,6 +212,9 @@ class GpuHealthMonitor:
         loop = asyncio.get_running_loop()
         while not self._stop.is_set():
             try:
+                # A MIG layout changed while the hub runs (nvidia-smi mig -cgi/-dgi): re-read it.
+                if self.table.apply_layout(await loop.run_in_executor(None, self.table.discover)):
+                    self.broker.queue.schedule()
                 readings = await loop.run_in_executor(None, self._read_all)
                 self.apply_readings(readings)
             except Exception:

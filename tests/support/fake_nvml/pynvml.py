@@ -14,7 +14,15 @@ faults and script events while the hub and servers run::
                   "recovery_action": 0,                    # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
                   "lost": false,                           # every call on it: GPU is lost
                   "not_supported": ["remapped_rows"],      # these calls raise NotSupported
-                  "events": [{"id": 1, "type": 8, "data": 79}]}]}   # 8: nvmlEventTypeXidCriticalError
+                  "events": [{"id": 1, "type": 8, "data": 79}],   # 8: nvmlEventTypeXidCriticalError
+                  # MIG (optional): mode on, and the slices (MIG devices) as NVML lists them
+                  "mig": {"enabled": true, "max": 7,
+                          "devices": [{"uuid": "MIG-...", "name": "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
+                                       "memory_total": 10200547328, "gi": 7, "ci": 0}]}}]}
+
+A MIG device's handle is ``("mig", gpu index, slice index)``. As real NVML, a slice reports
+no utilisation (``nvmlDeviceGetUtilizationRates`` raises NotSupported on it) and its health
+comes from its parent GPU.
 
 An event set delivers each event (by ``id``) once, and only events added after the device
 was registered with it, as the driver does. Errors are raised as nvidia-ml-py raises them:
@@ -177,11 +185,29 @@ def nvmlDeviceGetHandleByUUID(uuid):
     for i, d in enumerate(_devices()):
         if d["uuid"] == uuid:
             return ("fake", i)
+        for m, s in enumerate(_slices(d)):
+            if s["uuid"] == uuid:
+                return ("mig", i, m)
     raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+
+def _slices(d):
+    mig = d.get("mig") or {}
+    return mig.get("devices", []) if mig.get("enabled") else []
+
+
+def _slice(handle):
+    _get(("fake", handle[1]))  # a lost parent loses its slices
+    try:
+        return _slices(_devices()[handle[1]])[handle[2]]
+    except IndexError:
+        raise NVMLError(NVML_ERROR_NOT_FOUND) from None  # the layout changed under the handle
 
 
 def _get(handle, signal=None):
     _check()
+    if handle[0] == "mig":
+        return _slice(handle)
     d = _devices()[handle[1]]
     if d.get("lost"):
         raise NVMLError(NVML_ERROR_GPU_IS_LOST)
@@ -194,6 +220,8 @@ def _get(handle, signal=None):
 
 def nvmlDeviceGetUUID(handle):
     _check()
+    if handle[0] == "mig":
+        return _slice(handle)["uuid"]
     return _devices()[handle[1]]["uuid"]  # answered even for a lost GPU, as NVML does from its cache
 
 
@@ -210,12 +238,52 @@ def nvmlDeviceGetMemoryInfo(handle, version=None):
 
 def nvmlDeviceGetUtilizationRates(handle):
     d = _get(handle)
+    if handle[0] == "mig" or _slices(d):  # NVML measures neither a slice nor a GPU split into slices
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
     return SimpleNamespace(gpu=int(d.get("utilization", 0)), memory=int(d.get("memory_utilization", 0)))
 
 
+# -- MIG ---------------------------------------------------------------------------------------
 def nvmlDeviceGetMigMode(device):
-    _get(device)
-    raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    d = _get(device)
+    if "mig" not in d:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    mode = NVML_DEVICE_MIG_ENABLE if d["mig"].get("enabled") else NVML_DEVICE_MIG_DISABLE
+    return [mode, mode]
+
+
+def nvmlDeviceIsMigDeviceHandle(device):
+    _check()
+    return 1 if device[0] == "mig" else 0
+
+
+def nvmlDeviceGetMaxMigDeviceCount(device):
+    d = _get(device)
+    return int((d.get("mig") or {}).get("max", 7))
+
+
+def nvmlDeviceGetMigDeviceHandleByIndex(device, index):
+    d = _get(device)
+    if not 0 <= index < len(_slices(d)):
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+    return ("mig", device[1], index)
+
+
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migDevice):
+    _slice(migDevice)
+    return ("fake", migDevice[1])
+
+
+def nvmlDeviceGetGpuInstanceId(device):
+    if device[0] != "mig":
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return int(_slice(device).get("gi", device[2] + 1))
+
+
+def nvmlDeviceGetComputeInstanceId(device):
+    if device[0] != "mig":
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return int(_slice(device).get("ci", 0))
 
 
 # -- health signals --------------------------------------------------------------------------

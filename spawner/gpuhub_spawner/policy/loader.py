@@ -8,7 +8,6 @@ live here because they need the whole file.
 from __future__ import annotations
 
 import difflib
-import functools
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -191,18 +190,24 @@ _STR, _MAP, _SEQ = "tag:yaml.org,2002:str", "tag:yaml.org,2002:map", "tag:yaml.o
 
 
 class _PolicyLoader(_Loader):
-    """The safe loader, resolving each distinct (kind, value, implicit) once: a policy repeats
+    """The safe loader, resolving each distinct (value, implicit) scalar once: a policy repeats
     the same keys and values thousands of times, and the resolver's regular expressions are
-    Python. The safe loader has no path resolvers, so a tag depends on nothing else."""
+    Python. The safe loader has no path resolvers, so a tag depends on nothing else. (A Python
+    method on purpose: each call lets another thread have the GIL, so a parse in a thread does
+    not hold the hub's loop for the whole document, as a C-level cache would.)"""
 
     def __init__(self, stream):
         super().__init__(stream)
-        # An instance attribute, which libyaml's composer looks up: a hit costs no Python frame.
-        self.resolve = functools.lru_cache(maxsize=None)(super().resolve)
+        self._tags: dict = {}
 
-    def dispose(self):
-        super().dispose()
-        self.__dict__.pop("resolve", None)  # the cache refers to the loader
+    def resolve(self, kind, value, implicit):
+        if kind is _SCALAR:
+            key = (value, implicit)
+            tag = self._tags.get(key)
+            if tag is None:
+                tag = self._tags[key] = super().resolve(kind, value, implicit)
+            return tag
+        return super().resolve(kind, value, implicit)
 
 
 class _Unusual(Exception):

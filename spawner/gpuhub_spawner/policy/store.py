@@ -79,7 +79,8 @@ async def _load_beside_the_loop(path: Path) -> Outcome:
 
     def build() -> tuple[Policy | None, Any, PolicyError | None]:
         try:
-            answer = json.loads(out)
+            with no_cyclic_gc():  # ~70,000 objects: no collection of the hub's heap meanwhile
+                answer = json.loads(out)
         except ValueError:
             why = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
             return None, None, PolicyError(str(path), [PolicyIssue("", None, None, f"could not read the policy: {why[0]}")])

@@ -105,7 +105,7 @@ class Site(_Strict):
 
 
 def parse_site(text: str, filename: str = "<site>") -> Site:
-    root, data = _compose_and_construct(text)
+    root, data, _duplicates = _compose_and_construct(text)
     positions = _Positions(root)
     try:
         return Site.model_validate(data or {})

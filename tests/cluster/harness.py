@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -211,6 +212,37 @@ def ensure_up() -> tuple[RealCluster, bool]:
 
 def down() -> None:
     subprocess.run(["bash", str(HERE / "down.sh")], check=False, timeout=120)
+
+
+def kueue_pid() -> int | None:
+    f = DIR / "run" / "kueue.pid"
+    return int(f.read_text()) if f.exists() and f.read_text().strip() else None
+
+
+def kueue_running() -> bool:
+    pid = kueue_pid()
+    try:
+        return pid is not None and os.kill(pid, 0) is None
+    except ProcessLookupError:
+        return False
+
+
+def stop_kueue() -> None:
+    """A Kueue outage: its controller, webhooks and visibility API stop answering."""
+    pid = kueue_pid()
+    assert pid, "up.sh recorded no Kueue pid"
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + 30
+    while time.time() < deadline and kueue_running():
+        time.sleep(0.2)
+    if kueue_running():
+        os.kill(pid, signal.SIGKILL)
+
+
+def start_kueue() -> None:
+    """Kueue back (up.sh starts what is not running, from the cache)."""
+    if not kueue_running():
+        subprocess.run(["bash", str(HERE / "up.sh")], check=True, timeout=600)
 
 
 class StandInKubelet(threading.Thread):

@@ -132,6 +132,9 @@ class DoubleBackend:
     def events(self, pod_name: str) -> list[dict]:
         return [e for e in self.double.list("events", NAMESPACE) if e["involvedObject"]["name"] == pod_name]
 
+    def kueue(self, up: bool) -> None:
+        self.double.set_kueue(up)  # its controller and its failurePolicy: Fail pod webhook
+
     def teardown(self) -> None:
         self.double.reset()
 
@@ -180,7 +183,12 @@ class RealBackend:
     def events(self, pod_name: str) -> list[dict]:
         return self.cluster.events_for(NAMESPACE, pod_name)
 
+    def kueue(self, up: bool) -> None:
+        real.start_kueue() if up else real.stop_kueue()
+
     def teardown(self) -> None:
+        if not real.kueue_running():  # a failed outage test left it stopped
+            real.start_kueue()
         if self.kubelet:
             self.kubelet.stop()
         self.cluster.reset(NAMESPACE)
@@ -296,3 +304,67 @@ def test_two_servers_on_a_gpu_node_a_third_waits_a_stop_admits_it(backend, hub):
     print(f"\n[timeline, {backend.name}]")
     for t, what in timeline:
         print(f"  {t:7.2f}s  {what}")
+
+
+def gated(pod: dict) -> bool:
+    return bool(pod["spec"].get("schedulingGates"))
+
+
+def test_a_hub_restart_keeps_waiting_servers_in_their_place(backend, hub):
+    """Every ``helm upgrade`` that changes the hub's config restarts the hub: the waiting pods
+    keep their place in Kueue's queue (the same pods, still gated), the restarted hub shows
+    them as the pending spawns they are with their place, and a stop admits the first."""
+    alice, bob, dave = (hub.login(u) for u in ("alice", "bob", "dave"))
+    for user in (alice, bob):
+        assert user.start("l4-1").status_code in (201, 202)
+    for user in (alice, bob):
+        user.wait_ready(timeout=WAIT)
+    dave.start_background("l4-1", team="vision")
+    until(lambda: backend.pods("dave"), what="dave's gated pod", hub=hub)
+    latest_message(dave, "1st of 1")
+    before = backend.pods("dave")[0]["metadata"]["uid"]
+
+    hub.stop(kill_servers=False)
+    assert [p["metadata"]["uid"] for p in backend.pods("dave")] == [before]  # the hub is gone, the queue is not
+    hub.start()
+    alice, bob, dave = (hub.login(u) for u in ("alice", "bob", "dave"))
+    until(lambda: (dave.server() or {}).get("pending") == "spawn", what="dave's pending spawn", hub=hub)
+    assert "You are 1st of 1 in the Vision Lab queue." in latest_message(dave, "1st of 1")
+    assert [p["metadata"]["uid"] for p in backend.pods("dave")] == [before] and gated(backend.pods("dave")[0])
+    assert reach(alice).status_code == 200  # running servers were re-adopted
+
+    assert alice.stop().status_code in (202, 204)
+    alice.wait_gone()
+    dave.wait_ready(timeout=WAIT)  # admitted by Kueue into alice's place, on the pod kept across the restart
+    assert reach(dave).status_code == 200
+    assert backend.pods("dave")[0]["metadata"]["uid"] == before
+    for user in (bob, dave):
+        user.stop()
+    for user in (bob, dave):
+        user.wait_gone()
+    until(lambda: backend.pods() == [], what="no pods left", hub=hub)
+
+
+def test_a_kueue_outage_is_told_at_once_and_running_servers_are_untouched(backend, hub):
+    """Kueue's pod webhook fails closed: while it is down no server can be queued, the user
+    is told so at once in plain words, running servers keep working, and when Kueue is back
+    a start works again."""
+    alice, bob = hub.login("alice"), hub.login("bob")
+    assert alice.start("cpu").status_code in (201, 202)
+    alice.wait_ready(timeout=WAIT)
+    backend.kueue(False)
+    try:
+        r = bob.start("cpu")
+        assert r.status_code == 503, r.text
+        assert "The queue service (Kueue) is not answering" in r.json()["message"], r.text
+        until(lambda: bob.server() is None, what="bob's refused spawn cleared", hub=hub)
+        assert backend.pods("bob") == []
+        assert reach(alice).status_code == 200  # a running server does not need Kueue
+    finally:
+        backend.kueue(True)
+    assert until(lambda: bob.start("cpu").status_code in (201, 202), what="a start accepted with Kueue back", hub=hub)
+    bob.wait_ready(timeout=WAIT)
+    for user in (alice, bob):
+        assert user.stop().status_code in (202, 204)
+        user.wait_gone()
+    until(lambda: backend.pods() == [], what="no pods left", hub=hub)

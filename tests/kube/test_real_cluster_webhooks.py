@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -54,37 +53,13 @@ def dry_run_create(cluster: real.RealCluster, obj: dict) -> str:
     return "" if p.returncode == 0 else p.stderr.strip()
 
 
-def kueue_pid() -> int | None:
-    f = real.DIR / "run" / "kueue.pid"
-    return int(f.read_text()) if f.exists() and f.read_text().strip() else None
-
-
-def kueue_running() -> bool:
-    pid = kueue_pid()
-    try:
-        return pid is not None and os.kill(pid, 0) is None
-    except ProcessLookupError:
-        return False
-
-
-def stop_kueue() -> None:
-    pid = kueue_pid()
-    assert pid, "up.sh recorded no Kueue pid"
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.time() + 30
-    while time.time() < deadline and kueue_running():
-        time.sleep(0.2)
-    if kueue_running():
-        os.kill(pid, signal.SIGKILL)
-
-
 @pytest.fixture(scope="module")
 def cluster():
     cluster, started = real.ensure_up()
     for ns in (HUB_NS, USERS_NS):
         cluster.ensure_namespace(ns)
     yield cluster
-    if not cluster.ready() or not kueue_running():  # a failed test left Kueue stopped: start it again
+    if not cluster.ready() or not real.kueue_running():  # a failed test left Kueue stopped: start it again
         subprocess.run(["bash", str(real.HERE / "up.sh")], check=False, timeout=600)
     if started and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
         real.down()
@@ -97,7 +72,7 @@ def test_a_kueue_outage_leaves_the_hub_namespace_deployable_after_the_guides_ste
     print(f"\nKueue's webhooks covering {HUB_NS!r} as installed: {json.dumps(covering)}")
     assert covering["mutating"] and covering["validating"]
 
-    stop_kueue()
+    real.stop_kueue()
     t0 = time.time()
     before = {o["kind"]: dry_run_create(cluster, o) for o in objects(HUB_NS)}
     print(f"Kueue stopped; the hub's namespace before the step: {json.dumps(before, indent=1)}")

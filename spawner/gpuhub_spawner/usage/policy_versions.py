@@ -102,13 +102,17 @@ def _replace(target: Path, data: bytes, mode: int) -> None:
         os.close(dfd)
 
 
-def _what_changed(before: str, after: str) -> str:
-    """One line for an edit on disk: its quota and profile changes (as a preview would say)."""
+def _what_changed(before: str, after: str, policies: tuple | None = None) -> str:
+    """One line for an edit on disk: its quota and profile changes (as a preview would say).
+    ``policies``: the (before, after) models the store already built at the reload; parsing
+    the texts again would hold the interpreter lock in libyaml for the whole document (0.2-0.5 s
+    for a large policy), stalling the hub's loop even from a thread."""
     from ..admission.impact import impact
     from ..policy.loader import PolicyError, parse_policy
 
     try:
-        return f"{ON_DISK}: " + impact(parse_policy(before), parse_policy(after)).one_line()
+        old, new = policies if policies else (parse_policy(before), parse_policy(after))
+        return f"{ON_DISK}: " + impact(old, new).one_line()
     except (PolicyError, ValueError):
         return ON_DISK
 
@@ -210,12 +214,13 @@ class PolicyVersions:
             return None
 
     # -- the store's reloads -----------------------------------------------------------------
-    def notice_file(self, summary: str = "") -> dict | None:
-        """Record the file's text if no version has it (edited on disk); in any thread."""
+    def notice_file(self, summary: str = "", policies: tuple | None = None) -> dict | None:
+        """Record the file's text if no version has it (edited on disk); in any thread.
+        ``policies``: (before, after) as the store built them, for the summary."""
         with self._file_lock:
-            return self._notice_file(summary)
+            return self._notice_file(summary, policies)
 
-    def _notice_file(self, summary: str) -> dict | None:
+    def _notice_file(self, summary: str, policies: tuple | None = None) -> dict | None:
         text = self._file_text()
         if text is None:
             return None
@@ -230,7 +235,7 @@ class PolicyVersions:
         source = ON_DISK if latest is not None else AT_START
         by = f"file owner {who}" if who else "unknown"
         if not summary and latest is not None:
-            summary = _what_changed(self.text_of(latest), text)
+            summary = _what_changed(self.text_of(latest), text, policies)
         version = self.record(text, by, source, summary or source)
         if latest is not None:
             recorder.audit("policy_edited_on_disk", by=by, version=version["n"], hash=version["hash"],
@@ -240,13 +245,16 @@ class PolicyVersions:
     def follow(self, store) -> None:
         """Record the file now if new, and after every reload that finds a text no apply wrote."""
         self.notice_file()
+        last = [store.current]
 
         def reloaded(policy) -> None:  # on the loop: hand the read and hash to a thread
+            policies = (last[0], policy)
+            last[0] = policy
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
-                self.notice_file()
+                self.notice_file("", policies)
                 return
-            loop.run_in_executor(None, self.notice_file)
+            loop.run_in_executor(None, self.notice_file, "", policies)
 
         store.on_change(reloaded)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from support.hub import PASSWORD, Hub
-from test_browser_queue import ARGS, CHROMIUM
+from test_browser_queue import CHROMIUM, browser  # noqa: F401  (the module's Chromium, as a fixture)
 from test_policy_changes import EDIT, POLICY
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -25,16 +25,6 @@ def hub(tmp_path_factory):
     yield h
     alice.stop()
     h.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
 
 
 def policy_page(browser, hub, name):

@@ -151,3 +151,15 @@ def test_nothing_imports_the_composition_root():
     into = [f"{a} -> {b}" for a, targets in sorted(_graph().items()) for b in sorted(targets)
             if _area(b) in ("wiring", "cli") and _area(a) not in ("wiring", "cli")]
     assert into == []
+
+
+def test_every_unit_test_file_is_in_a_layer():
+    """``./run-tests.sh --layer NAME`` runs tests/support/layers.py's lists: a unit test file
+    in none of them would never run in a layer's quick check."""
+    from support.layers import LAYER_TESTS
+
+    listed = {f for files in LAYER_TESTS.values() for f in files}
+    tests = Path(__file__).resolve().parents[1]
+    unit = {f"unit/{p.name}" for p in (tests / "unit").glob("test_*.py")}
+    assert sorted(unit - listed) == [], "add these to a layer in tests/support/layers.py"
+    assert sorted(f for f in listed if not (tests / f).exists()) == []

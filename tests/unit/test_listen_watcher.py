@@ -107,9 +107,80 @@ def test_the_kernels_answer_over_netlink_is_the_socket_table():
         assert any(_netlink_listening() == _proc_listening("/proc/net") for _ in range(5))
         over_netlink = _netlink_listening()
         for s in (v4, v6):
-            assert over_netlink[s.getsockname()[1]] == {os.fstat(s.fileno()).st_ino}
+            assert over_netlink[s.getsockname()[1]] == {os.fstat(s.fileno()).st_ino: os.getuid()}
         assert client.getsockname()[1] not in over_netlink
     finally:
         client.close()
         v4.close()
         v6.close()
+
+
+async def test_an_isolated_server_is_known_by_its_accounts_socket():
+    """As root every server runs as its own account: the kernel's owner uid of the socket on
+    the port decides, without reading anything of the user's processes."""
+    port = free_port()
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port))
+    squatter.listen()  # this test process, outside the "server" below, as our own uid
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert await watcher().wait(port, proc.pid, timeout=20, uid=os.getuid()) == "listening"
+        with pytest.raises(PortTaken):
+            await watcher().wait(port, proc.pid, timeout=20, uid=os.getuid() + 1)
+    finally:
+        squatter.close()
+        proc.kill()
+        proc.wait()
+
+
+FD_HOARDER = """
+import os, resource, socket, sys, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 25000), hard))
+s = socket.socket()
+held = []
+try:
+    for _ in range(20000):
+        held.append(os.dup(s.fileno()))
+except OSError:
+    pass
+for _ in range(4):  # children holding as many again
+    if os.fork() == 0:
+        break
+print(len(held), flush=True)
+time.sleep(60)
+"""
+
+
+async def test_a_user_holding_many_descriptors_does_not_stall_the_hub():
+    """Without isolation the hub looks for the socket among the server's open files; a user's
+    tree of processes with 100,000 descriptors must neither block the hub's event loop nor
+    keep the scan going (it is bounded and runs in a thread)."""
+    port = free_port()
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port))
+    squatter.listen()  # not the server's: every check scans the tree and finds nothing
+    proc = subprocess.Popen([sys.executable, "-c", FD_HOARDER], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert int(proc.stdout.readline()) > 1000
+        gaps = []
+
+        async def probe():
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(probe())
+        try:
+            with pytest.raises(PortTaken):
+                await watcher().wait(port, proc.pid, timeout=60)
+        finally:
+            ticker.cancel()
+        assert max(gaps) < 0.3, f"the event loop stalled {max(gaps):.2f}s"
+    finally:
+        squatter.close()
+        os.killpg(proc.pid, 9)  # the hoarder and its children
+        proc.wait()

@@ -357,7 +357,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         JupyterHub's own polling and timeouts; a port held by another process is refused."""
         t0 = time.monotonic()
         try:
-            outcome = await listen_watcher().wait(self.port, self.pid, self.http_timeout)
+            uid = self._account.uid if self.isolated and self._account is not None else None
+            outcome = await listen_watcher().wait(self.port, self.pid, self.http_timeout, uid=uid)
         except PortTaken as e:
             self.log.error("%s: %s; not routing to it", self._log_name, e)
             await self.stop(now=True)

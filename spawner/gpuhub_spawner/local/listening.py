@@ -15,8 +15,12 @@ the kernel's whole established-connection hash every time (10 ms here with ten s
 open), which at 100 reads a second kept a core busy in the kernel, on the hub's event
 loop, while any server started.
 
-It also checks who listens: the socket's inode must be one of the server's own process
-tree's file descriptors. A socket on the server's port held by anything else (another
+It also checks who listens. An isolated server (the hub is root) runs as its own Unix
+account, and the kernel says which uid owns each socket: the server listens when a socket
+on its port belongs to its account. Without isolation every server runs as the hub's user,
+so the socket's inode must be among the open files of the server's own process tree; that
+scan runs in a thread and is bounded (``MAX_SCAN``), since a user's process can hold
+thousands of descriptors. A socket on the server's port held by anyone else (another
 user's process that bound the port first) is reported, so the hub never routes a user to
 it — stock JupyterHub's poll would take any answer on that port for the server.
 """
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 TICK = 0.01  # seconds between reads of the socket table while a server is starting
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
+MAX_SCAN = 20_000  # processes plus descriptors looked at per check of a server's process tree
 
 
 # sock_diag over netlink (linux/netlink.h, linux/sock_diag.h, linux/inet_diag.h)
@@ -49,9 +54,9 @@ _SPORT = struct.Struct("!H")
 _INODE_OFFSET = 4 + 48 + 4 * 4  # the inode follows expires, rqueue, wqueue and uid
 
 
-def _netlink_listening() -> dict[int, set[int]]:
-    """{port: {inode}} of listening TCP sockets, asked of the kernel with sock_diag."""
-    out: dict[int, set[int]] = {}
+def _netlink_listening() -> dict[int, dict[int, int]]:
+    """{port: {inode: owner uid}} of listening TCP sockets, asked of the kernel with sock_diag."""
+    out: dict[int, dict[int, int]] = {}
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as s:
         for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
             body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, _TCPF_LISTEN)
@@ -73,15 +78,15 @@ def _netlink_listening() -> dict[int, set[int]]:
                         raise OSError(-err, "sock_diag refused")
                     msg = off + _NLMSG.size
                     (port,) = _SPORT.unpack_from(data, msg + 4)
-                    (inode,) = struct.unpack_from("=I", data, msg + _INODE_OFFSET)
-                    out.setdefault(port, set()).add(inode)
+                    uid, inode = struct.unpack_from("=II", data, msg + _INODE_OFFSET - 4)
+                    out.setdefault(port, {})[inode] = uid
                     off += (length + 3) & ~3
     return out
 
 
-def listening_inodes(proc_net: str = "/proc/net") -> dict[int, set[int]]:
-    """{local port: {socket inode}} of every listening TCP socket (IPv4 and IPv6) in the
-    hub's network namespace: from netlink, or ``proc_net``'s tables where netlink is
+def listening_sockets(proc_net: str = "/proc/net") -> dict[int, dict[int, int]]:
+    """{local port: {socket inode: owner uid}} of every listening TCP socket (IPv4 and IPv6)
+    in the hub's network namespace: from netlink, or ``proc_net``'s tables where netlink is
     refused (and always when ``proc_net`` is not the real one, as tests point it)."""
     if proc_net == "/proc/net":
         try:
@@ -91,8 +96,13 @@ def listening_inodes(proc_net: str = "/proc/net") -> dict[int, set[int]]:
     return _proc_listening(proc_net)
 
 
-def _proc_listening(proc_net: str) -> dict[int, set[int]]:
-    out: dict[int, set[int]] = {}
+def listening_inodes(proc_net: str = "/proc/net") -> dict[int, set[int]]:
+    """{local port: {socket inode}} of every listening TCP socket."""
+    return {port: set(owners) for port, owners in listening_sockets(proc_net).items()}
+
+
+def _proc_listening(proc_net: str) -> dict[int, dict[int, int]]:
+    out: dict[int, dict[int, int]] = {}
     for name in ("tcp", "tcp6"):
         try:
             with open(os.path.join(proc_net, name)) as f:
@@ -102,16 +112,16 @@ def _proc_listening(proc_net: str) -> dict[int, set[int]]:
                     if len(parts) < 10 or parts[3] != LISTEN:
                         continue
                     port = int(parts[1].rsplit(":", 1)[1], 16)
-                    out.setdefault(port, set()).add(int(parts[9]))
+                    out.setdefault(port, {})[int(parts[9])] = int(parts[7])
         except (OSError, ValueError, IndexError):
             continue
     return out
 
 
-def process_tree(pid: int, proc: str = "/proc") -> list[int]:
-    """``pid`` and its descendants (through each task's ``children`` list)."""
+def process_tree(pid: int, proc: str = "/proc", limit: int = MAX_SCAN) -> list[int]:
+    """``pid`` and its descendants (through each task's ``children`` list), at most ``limit``."""
     seen, todo = [], [pid]
-    while todo:
+    while todo and len(seen) < limit:
         p = todo.pop()
         if p in seen:
             continue
@@ -125,12 +135,18 @@ def process_tree(pid: int, proc: str = "/proc") -> list[int]:
     return seen
 
 
-def socket_inodes(pids: list[int], proc: str = "/proc") -> set[int] | None:
+def socket_inodes(pids: list[int], proc: str = "/proc", wanted: set[int] | None = None,
+                  limit: int = MAX_SCAN) -> set[int] | None:
     """Socket inodes among the processes' open files; None if they cannot be read (then
-    who listens cannot be checked: a hub that is not root, servers of another user)."""
+    who listens cannot be checked: a hub that is not root, servers of another user).
+    Stops at the first of ``wanted`` found, and after ``limit`` processes and descriptors."""
     out: set[int] = set()
     denied = False
+    budget = limit
     for p in pids:
+        budget -= 1
+        if budget <= 0 or (wanted and out & wanted):
+            break
         fd_dir = f"{proc}/{p}/fd"
         try:
             names = os.listdir(fd_dir)
@@ -139,7 +155,8 @@ def socket_inodes(pids: list[int], proc: str = "/proc") -> set[int] | None:
         except PermissionError:
             denied = True
             continue
-        for name in names:
+        for name in names[:max(0, budget)]:
+            budget -= 1
             try:
                 target = os.readlink(f"{fd_dir}/{name}")
             except OSError:
@@ -168,6 +185,7 @@ class _Waiter:
     port: int
     pid: int
     future: asyncio.Future
+    uid: int | None = None  # the server's own account (isolated servers)
     foreign_since: float | None = None
 
 
@@ -181,12 +199,13 @@ class ListenWatcher:
     _task: asyncio.Task | None = None
     reads: int = 0  # reads of the socket table so far (tests check it is one per tick, not per waiter)
 
-    async def wait(self, port: int, pid: int, timeout: float) -> str:
-        """"listening" when the server's own process tree listens on ``port``, "exited" when
-        the process is gone first, "timeout" after ``timeout`` seconds; raises PortTaken when
-        another process's socket holds the port."""
+    async def wait(self, port: int, pid: int, timeout: float, uid: int | None = None) -> str:
+        """"listening" when the server listens on ``port`` (a socket of account ``uid`` when
+        given, else one of the process tree of ``pid``), "exited" when the process is gone
+        first, "timeout" after ``timeout`` seconds; raises PortTaken when someone else's
+        socket holds the port."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(port, pid, loop.create_future())
+        waiter = _Waiter(port, pid, loop.create_future(), uid)
         self.waiters.append(waiter)
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run())
@@ -200,11 +219,11 @@ class ListenWatcher:
 
     async def _run(self) -> None:
         while self.waiters:
-            self._check(listening_inodes(os.path.join(self.proc, "net")))
+            await self._check(listening_sockets(os.path.join(self.proc, "net")))
             self.reads += 1
             await asyncio.sleep(self.tick)
 
-    def _check(self, listening: dict[int, set[int]]) -> None:
+    async def _check(self, listening: dict[int, dict[int, int]]) -> None:
         for w in list(self.waiters):
             if w.future.done():
                 self.waiters.remove(w)
@@ -212,11 +231,18 @@ class ListenWatcher:
             if _gone(w.pid, self.proc):
                 w.future.set_result("exited")
                 continue
-            inodes = listening.get(w.port)
-            if not inodes:
+            owners = listening.get(w.port)
+            if not owners:
                 continue
-            mine = socket_inodes(process_tree(w.pid, self.proc), self.proc)
-            if mine is None or inodes & mine:
+            if w.uid is not None:  # the kernel says whose socket it is
+                mine = w.uid in owners.values()
+            else:  # everyone is the hub's user: look for the socket among the tree's files
+                found = await asyncio.to_thread(
+                    lambda: socket_inodes(process_tree(w.pid, self.proc), self.proc, wanted=set(owners)))
+                mine = found is None or bool(set(owners) & found)
+            if w.future.done():
+                continue
+            if mine:
                 w.future.set_result("listening")
             elif w.foreign_since is None:  # the server's fds are read a moment after listen():
                 w.foreign_since = time.monotonic()  # give a just-made socket one more look

@@ -8,7 +8,7 @@ import pytest
 
 from support.hub import PASSWORD, Hub
 from test_browser_queue import CHROMIUM, browser  # noqa: F401  (the module's Chromium, as a fixture)
-from test_policy_changes import EDIT, POLICY
+from test_policy_changes import EDIT, LEAD_EDIT, POLICY
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -55,7 +55,7 @@ def test_a_lead_previews_an_admin_applies_a_researcher_is_refused(hub, browser, 
     assert "line 13, column" in text and "lendingLimit 3 is above the nominal quota 1" in text
     assert "13 |     quota: {gpus: {a100: {nominal: 1, lendingLimit: 3}}}" in text
 
-    lena.fill("#gpuhub-policy-text", EDIT)
+    lena.fill("#gpuhub-policy-text", LEAD_EDIT)  # a lead sends environment values masked
     lena.click("#gpuhub-policy-preview")
     impact = lena.locator("#gpuhub-policy-impact")
     impact.locator(".gpuhub-impact-line").first.wait_for(timeout=15_000)

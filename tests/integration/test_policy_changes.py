@@ -44,6 +44,7 @@ defaults:
 EDIT = (POLICY.replace("a100: {nominal: 2}", "a100: {nominal: 1}").replace("maxGPUs: 2", "maxGPUs: 1")
         .replace("  - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision]}\n", ""))
 assert EDIT.count("nominal: 1") == 2 and "a100-2" not in EDIT
+LEAD_EDIT = EDIT.replace("hf-secret-123", "'***'")  # what a lead can send: the environment values masked
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def test_a_lead_previews_their_team_only_and_a_researcher_is_refused(hub, users,
     r = post(lena, "preview", yaml=state["text"])
     assert r.status_code == 200, r.text
     assert all(not s["lines"] for s in r.json()["impact"]["sections"])
-    r = post(lena, "preview", yaml=EDIT)
+    r = post(lena, "preview", yaml=LEAD_EDIT)
     assert r.status_code == 200, r.text
     assert any("alice's server" in t for t in lines(r.json(), "running"))
     other = POLICY.replace("a100: {nominal: 1}}}\nprofiles", "a100: {nominal: 0}}}\nprofiles")
@@ -172,6 +173,90 @@ def test_a_broken_edit_is_refused_at_its_line_and_changes_nothing(hub, users, bu
     assert r.status_code == 413
     after = admin.api.get(admin.url("/gpuhub/policy")).json()
     assert hub.policy.read_text() == POLICY and after["hash"] == state["hash"] and after["versions"] == state["versions"]
+
+
+def _big(teams: int, profiles: int) -> str:
+    extra = "".join(f"  - {{name: t{i}, groups: [vision-lab, nlp-group], quota: {{gpus: {{a100: {{nominal: 0}}}}}}}}\n"
+                    for i in range(teams))
+    profs = "".join(f"  - {{slug: p{i}, displayName: P{i}, teams: '*'}}\n" for i in range(profiles))
+    return LEAD_EDIT.replace("profiles:\n", extra + "profiles:\n" + profs)
+
+
+def test_a_leads_preview_of_other_teams_is_refused_before_its_impact_and_one_at_a_time(hub, users, busy):
+    """Review finding 1: teams x profiles x users of impact cost minutes of the hub's CPU before the
+    lead's refusal; now the touched teams refuse it first, and a second preview of the same lead
+    while one is checked gets 429."""
+    import concurrent.futures
+
+    lena = users["lena"]
+    big = _big(1000, 1500)
+    assert len(big) < 200_000
+    t0 = time.monotonic()
+    r = post(lena, "preview", yaml=big)
+    took = time.monotonic() - t0
+    assert r.status_code == 403 and "changes team(s) you do not lead: nlp, t0, t1, " in r.json()["message"]
+    assert took < 3, f"the refusal took {took:.1f} s"
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: post(lena, "preview", yaml=big), range(4)))
+    codes = sorted(a.status_code for a in answers)
+    assert 403 in codes and 429 in codes and set(codes) <= {403, 429}, codes
+    (busy_answer, *_) = [a for a in answers if a.status_code == 429]
+    assert "You already have a policy change being checked" in busy_answer.json()["message"]
+    assert post(lena, "preview", yaml=LEAD_EDIT).status_code == 200  # free again once answered
+    assert hub.policy.read_text() == POLICY
+
+
+def test_a_lead_never_reads_secrets_from_a_broken_file_nor_confirms_a_guess(hub, users):
+    """Review findings 2 and 3."""
+    lena, admin = users["lena"], users["admin"]
+    before = admin.api.get(admin.url("/gpuhub/policy")).json()["versions"]
+    hub.policy.write_text(POLICY + "teams: [\n")
+    try:
+        wait_for(lambda: admin.api.get(admin.url("/gpuhub/policy")).json()["status"].get("stale"), 20,
+                 "the broken file noticed", interval=0.5)
+        r = lena.api.get(lena.url("/gpuhub/policy"))
+        assert r.status_code == 200 and "hf-secret-123" not in r.text
+        state = r.json()
+        assert state["note"].startswith("The policy file on disk does not parse; shown is version ")
+        assert "HF_TOKEN: '***'" in state["text"] and "nominal: 2" in state["text"]
+    finally:
+        hub.policy.write_text(POLICY)
+        wait_for(lambda: not admin.api.get(admin.url("/gpuhub/policy")).json()["status"].get("stale"), 20,
+                 "the file good again", interval=0.5)
+    # a guess of another team's secret: refused whether right or wrong, and nothing changes
+    for guess in ("hf-secret-123", "hf-wrong-guess"):
+        r = post(lena, "preview", yaml=POLICY.replace("hf-secret-123", guess))
+        assert r.status_code == 403 and "changes team(s) you do not lead: nlp" in r.json()["message"], (guess, r.text)
+    assert post(lena, "preview", yaml=LEAD_EDIT).status_code == 200
+    assert admin.api.get(admin.url("/gpuhub/policy")).json()["versions"] == before and hub.policy.read_text() == POLICY
+
+
+def test_an_admin_applying_masked_text_keeps_the_secrets_and_leads_see_only_their_history(hub, users):
+    """Review findings 4, 5 and 7."""
+    lena, admin = users["lena"], users["admin"]
+    masked = lena.api.get(lena.url("/gpuhub/policy")).json()["text"]
+    assert "HF_TOKEN: '***'" in masked
+    # a lead adding a group: the people it brings in are counted, not named
+    r = post(lena, "preview", yaml=masked.replace("- vision-lab\n", "- vision-lab\n  - platform-admins\n", 1))
+    assert r.status_code == 200, r.text
+    words = " ".join(lines(r.json(), "profiles"))
+    assert "1 person outside your teams would join Vision Lab" in words and "admin" not in words
+    r = post(lena, "preview", yaml=masked.replace("- vision-lab\n", "- vision-lab\n  - nlp-group\n", 1))
+    assert r.status_code == 403 and "nlp" in r.json()["message"]
+    nlp_down = masked.replace("nominal: 1\n", "nominal: 0\n")
+    assert nlp_down != masked
+    r = post(admin, "apply", yaml=nlp_down, summary="NLP Group down to no A100")
+    assert r.status_code == 200, r.text
+    applied = r.json()["version"]
+    assert "HF_TOKEN: \"hf-secret-123\"" in hub.policy.read_text() and "***" not in hub.policy.read_text()
+    history = {v["n"]: v for v in lena.api.get(lena.url("/gpuhub/policy")).json()["versions"]}
+    assert set(history[applied["n"]]) == {"n", "hash", "by", "at", "source"}  # NLP's change: no summary
+    vision_only = [v for v in history.values() if v.get("summary", "").startswith("Vision Lab: A100 GPUs quota 2 → 1")]
+    assert vision_only  # the applies of test 1 changed Vision Lab alone
+    assert not any("NLP" in (v.get("summary") or "") for v in history.values())
+    r = post(admin, "rollback", version=1)
+    assert r.status_code == 200, r.text
+    assert hub.policy.read_text() == POLICY
 
 
 def test_the_same_through_the_gpuhub_policy_commands(hub, users, busy, tmp_path):

@@ -177,3 +177,97 @@ def test_the_diff_masks_profile_environment_values():
     after = OLD.replace("teams: [vision, nlp]}", "teams: [vision, nlp], env: {HF_TOKEN: hf_secret}}")
     diff = policy_diff(before, after)
     assert "HF_TOKEN" in diff and "hf_secret" not in diff and "***" in diff
+
+
+# -- the security review of issue 26 -------------------------------------------------------------------
+def _big(teams: int, profiles: int) -> str:
+    """Every team in everyone's groups, every profile for every team: the review's stall."""
+    extra = "".join(f"  - {{name: t{i}, groups: [vision-lab, nlp-group], quota: {{gpus: {{a100: {{nominal: 0}}}}}}}}\n"
+                    for i in range(teams))
+    profs = "".join(f"  - {{slug: p{i}, displayName: P{i}, teams: '*'}}\n" for i in range(profiles))
+    return OLD.replace("profiles:\n", extra + "profiles:\n" + profs)
+
+
+def test_the_impact_of_many_teams_times_many_profiles_takes_linear_time():
+    old, new = parse_policy(OLD), parse_policy(_big(1000, 1500))
+    t0 = time.perf_counter()
+    imp = impact(old, new, PEOPLE)
+    took = time.perf_counter() - t0
+    assert took < 3, f"{took:.1f} s"  # teams x profiles x users before: tens of seconds
+    (alice,) = [t for t in texts(imp, "profiles") if t.startswith("alice ")]
+    assert alice.startswith("alice joins t0, t1, t10, ") and "gains P0 (p0), P1 (p1), P10 (p10), " in alice
+    assert not any(t.startswith("erin") for t in texts(imp, "profiles"))  # in no team's groups
+
+
+def test_a_guessed_secret_or_a_cohort_or_an_added_group_touches_the_other_teams():
+    from gpuhub_spawner.admission.impact import touched_teams
+
+    secret = OLD.replace("teams: \"*\", default: true}", "teams: \"*\", default: true, env: {HF_TOKEN: right}}")
+    old = parse_policy(secret)
+    # the lead's candidate carries the right value: equal to the policy in force, yet a change of the profile
+    assert touched_teams(old, parse_policy(secret), {"cpu"})[0] == {"vision", "nlp"}
+    assert touched_teams(old, parse_policy(secret))[0] == set()
+    pooled = OLD.replace("groups: [nlp-group]\n", "groups: [nlp-group]\n    cohort: pool\n")
+    joins = pooled.replace("groups: [vision-lab]\n", "groups: [vision-lab]\n    cohort: pool\n")
+    assert touched_teams(parse_policy(pooled), parse_policy(joins))[0] == {"vision", "nlp"}
+    lends = pooled.replace("a100: {nominal: 1}}}\nprofiles", "a100: {nominal: 1, lendingLimit: 0}}}\nprofiles")
+    assert touched_teams(parse_policy(pooled), parse_policy(lends))[0] == {"nlp"}  # alone in its cohort
+    both = joins.replace("a100: {nominal: 2}", "a100: {nominal: 2, borrowingLimit: 0}")
+    assert touched_teams(parse_policy(joins), parse_policy(both))[0] == {"vision", "nlp"}
+    grab = OLD.replace("groups: [vision-lab]", "groups: [vision-lab, nlp-group]")
+    assert touched_teams(parse_policy(OLD), parse_policy(grab))[0] == {"vision", "nlp"}
+
+
+def test_a_lead_sees_people_outside_their_teams_counted_not_named():
+    grab = OLD.replace("groups: [vision-lab]", "groups: [vision-lab, nlp-group, students]")
+    imp = impact(parse_policy(OLD), parse_policy(grab), PEOPLE)
+    assert "carol joins Vision Lab; gains 2× A100 (a100-2)." in texts(imp, "profiles")  # an admin sees names
+    lead = imp.for_lead({"vision"}, {"alice", "bob", "dave"})
+    words = " ".join(ln.text for ln in lead.lines)
+    assert "carol" not in words and "erin" not in words
+    assert "1 person outside your teams would join Vision Lab; would gain 2× A100 (a100-2)." in words  # carol
+    assert "1 person outside your teams would join Vision Lab; would gain 1× A100 (a100-1), 2× A100 (a100-2), CPU only (cpu)." in words
+    assert not any(ln.users - {"alice", "bob", "dave"} for ln in lead.lines)
+
+
+def test_masked_text_never_returns_a_text_it_cannot_parse_and_masks_every_env():
+    from gpuhub_spawner.usage.policy_versions import masked_text
+
+    broken = "profiles:\n  - {slug: cpu, env: {HF_TOKEN: hf-secret}}\nteams: [\n"
+    assert masked_text(broken) is None
+    assert "hf-secret" not in policy_diff(OLD, broken)
+    odd = "profiles: {cpu: {env: {HF_TOKEN: hf-secret}}}\n"  # not a list: still masked
+    assert "hf-secret" not in masked_text(odd) and "HF_TOKEN: '***'" in masked_text(odd)
+
+
+def test_masked_values_sent_back_keep_the_values_in_force():
+    from gpuhub_spawner.hub.policy_api import unmask_text
+
+    secret = OLD.replace("teams: \"*\", default: true}", "teams: \"*\", default: true, env: {HF_TOKEN: \"ab'c\\\"d\", B: x}}")
+    current = parse_policy(secret)
+    sent = secret.replace("HF_TOKEN: \"ab'c\\\"d\"", "HF_TOKEN: '***'").replace("B: x", "B: y") + "# a comment\n"
+    written = unmask_text(sent, current)
+    assert parse_policy(written).profile("cpu").env == {"HF_TOKEN": "ab'c\"d", "B": "y"}
+    assert "'***'" not in written and written.endswith("# a comment\n")
+
+
+def test_the_masked_text_is_made_once_per_version_off_the_loop(monkeypatch):
+    import asyncio
+    import threading
+
+    from gpuhub_spawner.hub import policy_api
+
+    made = []
+
+    def counting(text):
+        made.append(threading.current_thread().name)
+        return "masked"
+
+    monkeypatch.setattr(policy_api, "masked_text", counting)
+    monkeypatch.setattr(policy_api, "_masked", {})
+
+    async def twice():
+        return [await policy_api.masked_of(OLD), await policy_api.masked_of(OLD), await policy_api.masked_of(NEW)]
+
+    assert asyncio.run(twice()) == ["masked"] * 3
+    assert len(made) == 2 and all(name.startswith("gpuhub-policy") for name in made)

@@ -31,11 +31,11 @@ no service or backend, so the hub handler, the CLI and unit tests call it the sa
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from ..policy.access import profiles_for, teams_for
 from ..policy.model import IdleRules, Policy, Profile, Team
 from ..policy.quantities import format_cpu, format_duration, format_memory
 from .quota import check_fit, describe, limits
@@ -102,6 +102,7 @@ class Line:
     teams: frozenset[str] = frozenset()  # whose impact this is (a lead sees their teams' lines)
     users: frozenset[str] = frozenset()
     keys: frozenset[str] = frozenset()  # servers / jobs / requests named
+    anon: str = ""  # the same without the user's name ("would join Vision Lab"), for a lead who may not see them
 
     def as_dict(self) -> dict:
         return {"section": self.section, "text": self.text, "teams": sorted(self.teams),
@@ -123,6 +124,36 @@ class Impact:
     def only_teams(self, teams: set[str]) -> "Impact":
         """What a lead of ``teams`` may see: lines about those teams only."""
         return Impact([ln for ln in self.lines if ln.teams & teams], self.touched_teams & teams, [])
+
+    def for_lead(self, teams: set[str], insiders: set[str]) -> "Impact":
+        """What a lead of ``teams`` may see: lines about those teams only, naming only ``insiders``
+        (the people of those teams under the policy in force); anyone else is counted, not named
+        ("3 people outside your teams would join Vision Lab")."""
+        kept: list[Line] = []
+        counted: dict[tuple[str, str], tuple[int, set[str], set[str]]] = {}
+        for ln in self.lines:
+            if not ln.teams & teams:
+                continue
+            outside = ln.users - insiders
+            if not outside:
+                kept.append(ln)
+                continue
+            if ln.anon and len(ln.users) == 1:
+                at, who, whose = counted.setdefault((ln.section, ln.anon), (len(kept), set(), set()))
+                who.update(outside)
+                whose.update(ln.teams & teams)
+                if at == len(kept):
+                    kept.append(None)  # its place, filled below
+                continue
+            text = ln.text
+            for name in sorted(outside, key=len, reverse=True):
+                text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", "someone outside your teams", text)
+            keys = frozenset(k for k in ln.keys if k.startswith("job:") or k.partition("/")[0] not in outside)
+            kept.append(Line(ln.section, text, ln.teams, ln.users & frozenset(insiders), keys))
+        for (section, anon), (at, who, whose) in counted.items():
+            n = len(who)
+            kept[at] = Line(section, f"{n} {'person' if n == 1 else 'people'} outside your teams {anon}.", frozenset(whose))
+        return Impact([ln for ln in kept if ln is not None], self.touched_teams & teams, [])
 
     @property
     def empty(self) -> bool:
@@ -248,37 +279,60 @@ def _usage(holdings: Iterable[Holding]) -> dict[str, dict[str, int]]:
 
 
 # -- what changed in the file ---------------------------------------------------------------------
-def touched_teams(old: Policy, new: Policy) -> tuple[set[str], list[str]]:
+def touched_teams(old: Policy, new: Policy, literal_env: Iterable[str] = ()) -> tuple[set[str], list[str]]:
     """Teams whose own entries or profiles the edit changes, and changes that concern every team
     (flavors, priority classes, defaults, roles, health): a lead may preview only the first kind,
-    for their own teams."""
+    for their own teams.
+
+    Also touched: every member of a team's old and new cohort when its cohort or quota (nominal,
+    borrowing, lending: what the cohort may borrow) changes; every team that uses a group a team
+    adds (its members would join). ``literal_env``: slugs of candidate profiles with an
+    environment value other than the mask ``***`` -- a change of that profile whatever the value,
+    so that a lead cannot confirm a guess of a secret by whether the preview is refused.
+    Linear in teams + profiles."""
     teams: set[str] = set()
     old_t = {t.name: t for t in old.teams}
     new_t = {t.name: t for t in new.teams}
+    by_group: dict[str, set[str]] = {}
+    for pol in (old, new):
+        for t in pol.teams:
+            for g in t.groups:
+                by_group.setdefault(g, set()).add(t.name)
     for name in set(old_t) | set(new_t):
-        if old_t.get(name) != new_t.get(name):
-            teams.add(name)
-    old_p = {p.slug: p for p in old.profiles}
-    new_p = {p.slug: p for p in new.profiles}
-    for slug in set(old_p) | set(new_p):
-        a, b = old_p.get(slug), new_p.get(slug)
+        a, b = old_t.get(name), new_t.get(name)
         if a == b:
             continue
-        for pol, prof in ((old, a), (new, b)):
+        teams.add(name)
+        if a is None or b is None or a.cohort != b.cohort or a.quota != b.quota:
+            for pol, t in ((old, a), (new, b)):
+                if t is not None and t.cohort:
+                    teams.update(m.name for m in pol.cohort_members(t))
+        for g in set(b.groups if b else ()) - set(a.groups if a else ()):
+            teams.update(by_group.get(g, ()))
+    old_p = {p.slug: p for p in old.profiles}
+    new_p = {p.slug: p for p in new.profiles}
+    literal = set(literal_env)
+    every = False
+    for slug in set(old_p) | set(new_p):
+        a, b = old_p.get(slug), new_p.get(slug)
+        if a == b and slug not in literal:
+            continue
+        for prof in (a, b):
             if prof is None:
                 continue
             if "*" in prof.teams:
-                teams.update(t.name for t in pol.teams)
+                every = True
             else:
                 teams.update(prof.teams)
+    if every:
+        teams.update(old_t)
+        teams.update(new_t)
     everyone = []
     for name, label in (("flavors", "the GPU flavors"), ("priority_classes", "the priority classes"),
                         ("defaults", "the defaults"), ("roles", "the roles (admins, viewers)"),
                         ("health", "the GPU health rules")):
         if getattr(old, name) != getattr(new, name):
             everyone.append(f"{label} change, which apply to every team")
-    if [p.slug for p in old.profiles] != [p.slug for p in new.profiles] and not everyone:
-        pass  # order of profiles only: the spawn page's order, no team's rights
     return teams, everyone
 
 
@@ -291,6 +345,7 @@ def impact(
     waiting: Iterable[Request] = (),
     free_devices: Mapping[str, int] | None = None,
     now: float | None = None,
+    literal_env: Iterable[str] = (),
 ) -> Impact:
     """What replacing ``old`` by ``new`` does to ``people``, ``holdings`` and ``waiting``.
 
@@ -300,7 +355,7 @@ def impact(
     now = time.time() if now is None else now
     people, holdings, waiting = list(people), list(holdings), list(waiting)
     out = Impact()
-    out.touched_teams, out.global_changes = touched_teams(old, new)
+    out.touched_teams, out.global_changes = touched_teams(old, new, literal_env)
     _profiles(out, old, new, people)
     _quotas(out, old, new)
     _running(out, old, new, holdings)
@@ -309,41 +364,87 @@ def impact(
     return out
 
 
+class _Offers:
+    """Which profiles a policy offers through which teams, indexed once (linear in teams + profiles):
+    a user's offer is then the union over their teams, never teams x profiles per user."""
+
+    def __init__(self, pol: Policy):
+        self.pol = pol
+        self.star = frozenset(p.slug for p in pol.profiles if "*" in p.teams)
+        self.own: dict[str, set[str]] = {}
+        for p in pol.profiles:
+            if "*" not in p.teams:
+                for t in p.teams:
+                    self.own.setdefault(t, set()).add(p.slug)
+        self.by_group: dict[str, list[Team]] = {}
+        for t in pol.teams:
+            for g in t.groups:
+                self.by_group.setdefault(g, []).append(t)
+
+    def teams(self, groups) -> dict[str, Team]:
+        found = {}
+        for g in groups:
+            for t in self.by_group.get(g, ()):
+                found[t.name] = t
+        return found
+
+    def offered(self, names) -> set[str]:
+        out = set(self.star) if names else set()
+        for n in names:
+            out |= self.own.get(n, set())
+        return out
+
+    def slugs(self, name: str) -> frozenset[str]:
+        if self.pol.team_or_none(name) is None:
+            return frozenset()
+        return self.star | frozenset(self.own.get(name, ()))
+
+
 def _profiles(out: Impact, old: Policy, new: Policy, people: list[Person]) -> None:
+    a, b = _Offers(old), _Offers(new)
+    mine = {}
+    for u in people:
+        ot, nt = a.teams(u.groups), b.teams(u.groups)
+        mine[u.name] = (ot, nt, a.offered(ot), b.offered(nt))
     for slug in [p.slug for p in old.profiles if new.profile(p.slug) is None]:
-        users = [u.name for u in people if any(slug in {p.slug for p in profiles_for(old, t)}
-                                                for t in teams_for(old, u.groups))]
+        users = [u.name for u in people if slug in mine[u.name][2]]
         p = old.profile(slug)
         out.add("profiles", f"Profile {p.display_name} ({slug}) is removed"
                 + (f"; {len(users)} user(s) lose it: {', '.join(users)}." if users else "."),
                 teams=[t.name for t in old.teams if p.usable_by(t.name)], users=users)
+    changed: dict[str, bool] = {}
+
+    def slugs_changed(t: str) -> bool:
+        if t not in changed:
+            changed[t] = a.slugs(t) != b.slugs(t)
+        return changed[t]
+
     for u in people:
-        old_teams = {t.name: t for t in teams_for(old, u.groups)}
-        new_teams = {t.name: t for t in teams_for(new, u.groups)}
-        def offered(pol, teams):
-            return {p.slug for t in teams.values() for p in profiles_for(pol, t)}
-        lost, gained = offered(old, old_teams) - offered(new, new_teams), offered(new, new_teams) - offered(old, old_teams)
+        old_teams, new_teams, had, has = mine[u.name]
+        lost, gained = had - has, has - had
         left = sorted(set(old_teams) - set(new_teams))
         joined = sorted(set(new_teams) - set(old_teams))
         # the teams through which something changed for this user (a lead of another team of theirs sees nothing)
-        def slugs(pol, name):
-            t = pol.team_or_none(name)
-            return {p.slug for p in profiles_for(pol, t)} if t else set()
-        teams = {t for t in set(old_teams) | set(new_teams)
-                 if (t in old_teams) != (t in new_teams) or slugs(old, t) != slugs(new, t)}
-        parts = []
+        teams = {t for t in set(old_teams) | set(new_teams) if (t in old_teams) != (t in new_teams) or slugs_changed(t)}
+        parts, anon = [], []
         if joined:
             parts.append("joins " + ", ".join(new.team(t).label for t in joined))
+            anon.append("would join " + ", ".join(new.team(t).label for t in joined))
         if left:
             parts.append("leaves " + ", ".join(old.team(t).label for t in left))
+            anon.append("would leave " + ", ".join(old.team(t).label for t in left))
         if lost:
             parts.append("loses " + ", ".join(_profile_words(old, s) for s in sorted(lost)))
+            anon.append("would lose " + ", ".join(_profile_words(old, s) for s in sorted(lost)))
         if gained:
             parts.append("gains " + ", ".join(_profile_words(new, s) for s in sorted(gained)))
+            anon.append("would gain " + ", ".join(_profile_words(new, s) for s in sorted(gained)))
         if not new_teams and old_teams:
             parts.append("and is then in no team: no profile at all")
+            anon.append("and then be in no team")
         if parts:
             out.add("profiles", f"{u.name} " + "; ".join(parts) + ".", teams=teams, users=[u.name])
+            out.lines[-1].anon = "; ".join(anon)
 
 
 def _quotas(out: Impact, old: Policy, new: Policy) -> None:

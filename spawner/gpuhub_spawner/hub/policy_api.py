@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from jupyterhub import orm
@@ -29,17 +30,37 @@ from jupyterhub.apihandlers import APIHandler
 from jupyterhub.handlers import BaseHandler
 from tornado import web
 
-from ..admission.impact import Holding, Person, Request, impact, read_candidate
+from ..admission.impact import Holding, Person, Request, impact, read_candidate, touched_teams
 from ..admission.view import admission_view
 from ..policy import PolicyStore
 from ..policy.bounded import InputRefused, loads_json
 from ..policy.scopes import LEAD, POLICY, allowed
-from ..usage.policy_versions import PolicyVersions, VersionNotFound, masked_text, text_hash
+from ..usage.policy_versions import MASK, PolicyVersions, VersionNotFound, masked_text, text_hash
 
 MAX_BODY_BYTES = 256 * 1024  # the hub's limit for every request body (policy.bounded)
 
 _versions: PolicyVersions | None = None
 _apply_lock: asyncio.Lock | None = None
+# Evaluations (parse, impact), masking and applies run here, one at a time: never in the default
+# pool that spawns (ensure_account), reloads and the culler share, never on the hub's loop.
+_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuhub-policy")
+_in_flight: set[str] = set()  # users with an evaluation queued or running: at most one each
+_masked: dict[str, str | None] = {}  # file hash -> masked text (None: does not parse), per version
+
+
+def off_loop(fn, *args):
+    return asyncio.get_running_loop().run_in_executor(_executor, fn, *args)
+
+
+async def masked_of(text: str) -> str | None:
+    """The masked text of ``text``, computed once per hash, in the policy executor."""
+    h = text_hash(text)
+    if h not in _masked:
+        value = await off_loop(masked_text, text)
+        if len(_masked) >= 16:
+            _masked.pop(next(iter(_masked)))
+        _masked[h] = value
+    return _masked[h]
 
 
 def start_versions(app, directory: str) -> PolicyVersions:
@@ -118,9 +139,23 @@ class _PolicyMixin:
         return (last if last.tzinfo else last.replace(tzinfo=timezone.utc)).timestamp()
 
     async def evaluate(self, text: str, admin: bool, leads: set[str]) -> dict:
-        """Located errors first; else the impact (a lead's: their teams', or a refusal with the reason)."""
+        """Located errors first; else the impact (a lead's: their teams', or a refusal with the reason).
+        One evaluation per user at a time (429), in the policy executor; a lead's edit of another
+        team is refused from the touched teams alone, before any impact is computed."""
+        who = getattr(self.current_user, "name", "?")
+        if who in _in_flight:
+            raise web.HTTPError(429, "You already have a policy change being checked: wait for its answer, then try again.")
+        _in_flight.add(who)
+        try:
+            return await self._evaluate(text, admin, leads)
+        finally:
+            _in_flight.discard(who)
+
+    async def _evaluate(self, text: str, admin: bool, leads: set[str]) -> dict:
         current = self.store.current
         state = self.state()
+        insiders = {p.name for p in state["people"]
+                    if {t.name for t in current.teams if set(p.groups) & set(t.groups)} & leads}
         from ..kube.ledger import KueueLedger
 
         kube = KueueLedger.initialized()
@@ -129,9 +164,16 @@ class _PolicyMixin:
             policy, errors = read_candidate(text)
             if policy is None:
                 return None, errors, None
-            if not admin:
-                policy = _unmask(policy, current)
-            found = impact(current, policy, **state)
+            literal = () if admin else _literal_env(policy)
+            policy = _unmask(policy, current)  # '***' keeps the value in force, for everyone
+            if not admin:  # cheap (teams + profiles): refuse before computing any impact
+                touched, everyone = touched_teams(current, policy, literal)
+                outside = sorted(touched - leads)
+                if everyone or outside:
+                    why = "; ".join(everyone + ([f"it changes team(s) you do not lead: {', '.join(outside)}"]
+                                                if outside else []))
+                    return None, None, f"A team lead may preview changes to their own team(s) ({', '.join(sorted(leads))}) only: {why}."
+            found = impact(current, policy, literal_env=literal, **state)
             if kube:  # the Kueue objects the edit changes, and what Kueue refuses
                 from ..kube.kueue_diff import kueue_changes
 
@@ -142,50 +184,112 @@ class _PolicyMixin:
                     found.add("kueue", f"The Kueue objects cannot be rendered: {e}.", teams=found.touched_teams)
             return policy, [], found
 
-        policy, errors, found = await asyncio.get_running_loop().run_in_executor(None, work)
+        policy, errors, found = await off_loop(work)
+        if errors is None:
+            raise web.HTTPError(403, found)
         if errors:
             status = max((e.get("status", 400) for e in errors), default=400)
             return {"ok": False, "status": status, "errors": errors}
         if not admin:
-            outside = sorted(found.touched_teams - leads)
-            if found.global_changes or outside:
-                why = "; ".join(found.global_changes + ([f"it changes team(s) you do not lead: {', '.join(outside)}"]
-                                                        if outside else []))
-                raise web.HTTPError(403, f"A team lead may preview changes to their own team(s) "
-                                         f"({', '.join(sorted(leads))}) only: {why}.")
-            found = found.only_teams(leads)
+            found = found.for_lead(leads, insiders)
         return {"ok": True, "policy": policy, "impact": found}
 
 
+def _literal_env(policy) -> set[str]:
+    """Slugs of profiles with an environment value other than the mask: for a lead, a change of that
+    profile whatever its value (so a preview never tells whether a guessed secret is right)."""
+    return {p.slug for p in policy.profiles if any(v != MASK for v in p.env.values())}
+
+
 def _unmask(policy, current):
-    """A lead's candidate carries masked environment values ('***'): read them as the policy in force's."""
+    """Masked environment values ('***') in a candidate mean the values in force."""
     profiles = []
     changed = False
     for p in policy.profiles:
         old = current.profile(p.slug)
-        if old is not None and any(v == "***" and k in old.env for k, v in p.env.items()):
-            p = p.model_copy(update={"env": {k: (old.env[k] if v == "***" and k in old.env else v) for k, v in p.env.items()}})
+        if old is not None and any(v == MASK and k in old.env for k, v in p.env.items()):
+            p = p.model_copy(update={"env": {k: (old.env[k] if v == MASK and k in old.env else v) for k, v in p.env.items()}})
             changed = True
         profiles.append(p)
     return policy.model_copy(update={"profiles": profiles}) if changed else policy
 
 
+def unmask_text(text: str, current) -> str:
+    """``text`` with each masked environment value ('***') of a profile in force replaced by the value
+    in force, in place (the rest of the text, comments included, as written): what an apply writes."""
+    if MASK not in text:
+        return text
+    import yaml
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)  # marks in characters (the text is bounded, parsed before)
+    spans = []
+
+    def get(node, key):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value == key:
+                    return v
+        return None
+
+    profiles = get(root, "profiles")
+    for p in (profiles.value if isinstance(profiles, yaml.SequenceNode) else []):
+        slug, env = get(p, "slug"), get(p, "env")
+        old = current.profile(slug.value) if isinstance(slug, yaml.ScalarNode) else None
+        if old is None or not isinstance(env, yaml.MappingNode):
+            continue
+        for k, v in env.value:
+            if isinstance(v, yaml.ScalarNode) and v.value == MASK and k.value in old.env:
+                spans.append((v.start_mark.index, v.end_mark.index, json.dumps(str(old.env[k.value]))))
+    for start, end, value in sorted(spans, reverse=True):
+        text = text[:start] + value + text[end:]
+    return text
+
+
 class PolicyAPIHandler(_PolicyMixin, APIHandler):
     @web.authenticated
-    def get(self):
+    async def get(self):
         admin, leads = self.reader()
         text = self.current_text()
         vs = versions()
         latest = vs.latest()
         current = dict(latest) if latest and latest["hash"] == text_hash(text) else None
+        note = None
+        if admin:
+            shown = text
+            history = list(reversed(vs.versions()))
+        else:
+            shown = await masked_of(text)
+            if shown is None:  # never the raw text: the last version that parses, masked
+                note = "The policy file on disk does not parse"
+                for v in reversed(vs.versions()):
+                    try:
+                        shown = await masked_of(vs.text_of(v))
+                    except OSError:
+                        continue
+                    if shown is not None:
+                        note += f"; shown is version {v['n']}, the last that does"
+                        break
+                note += "."
+            history = [_for_lead(v, leads) for v in reversed(vs.versions())]
         self.set_header("Content-Type", "application/json")
         self.write(json.dumps({
             "role": "admin" if admin else "lead", "lead_teams": sorted(leads), "may_apply": admin,
-            "version": current, "hash": text_hash(text), "path": self.store.policy_file if admin else None,
-            "text": text if admin else masked_text(text), "status": self.store.status.as_dict() if admin else
+            "version": current if admin or current is None else _for_lead(current, leads),
+            "hash": text_hash(text), "path": self.store.policy_file if admin else None,
+            "text": shown, "note": note, "status": self.store.status.as_dict() if admin else
             {k: v for k, v in self.store.status.as_dict().items() if k in ("loaded_at", "stale", "failed_at")},
-            "versions": list(reversed(vs.versions())),
+            "versions": history,
         }))
+
+
+def _for_lead(version: dict, leads: set[str]) -> dict:
+    """A version as a lead sees it: number, hash, who, when, how; its summary only when all it
+    changed is the lead's own teams (recorded at the apply)."""
+    out = {k: version[k] for k in ("n", "hash", "by", "at", "source") if k in version}
+    teams = version.get("teams")
+    if isinstance(teams, list) and teams and set(teams) <= leads and not version.get("every_team"):
+        out["summary"] = version.get("summary")
+    return out
 
 
 class PolicyActionHandler(_PolicyMixin, APIHandler):
@@ -210,6 +314,7 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             text = body.get("yaml")
             if not isinstance(text, str):
                 raise web.HTTPError(400, "send the new policy as {\"yaml\": \"...\"}")
+        current = self.store.current
         checked_against = text_hash(self.current_text())
         result = await self.evaluate(text, admin, leads)
         self.set_header("Content-Type", "application/json")
@@ -225,6 +330,7 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             self.write(json.dumps({"ok": True, "impact": found.as_dict(), "text": found.text(),
                                    "base": text_hash(self.current_text())}))
             return
+        text = await off_loop(unmask_text, text, current)  # masked values ('***') keep the values in force
         global _apply_lock
         if _apply_lock is None:
             _apply_lock = asyncio.Lock()
@@ -243,8 +349,10 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
                 summary = (f"rollback to version {rollback_to['n']}: " if rollback_to else "") + found.one_line()
             summary = re.sub(r"\s+", " ", summary).strip()[:200]
             by = getattr(self.current_user, "name", "?")
-            try:
-                version = versions().apply(text, by, summary, rollback_to=rollback_to)
+            try:  # the write, its fsyncs and the audited diff off the loop
+                version = await off_loop(lambda: versions().apply(
+                    text, by, summary, rollback_to=rollback_to, teams=sorted(found.touched_teams),
+                    every_team=bool(found.global_changes)))
             except OSError as e:
                 raise web.HTTPError(409, f"cannot write the policy file {self.store.policy_file}: {e.strerror}; nothing "
                                          "was applied (on Kubernetes the policy is the chart's ConfigMap: "

@@ -45,20 +45,36 @@ def text_hash(text: str | bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:12]
 
 
-def masked_text(text: str) -> str:
-    """The policy as YAML with profile environment values masked (they may hold secrets)."""
+MASK = "***"  # a masked environment value; sent back, it means "keep the value in force"
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+def _mask(node, under_env: bool = False):
+    if isinstance(node, dict):
+        return {k: (MASK if under_env else _mask(v, k == "env" and isinstance(v, dict))) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_mask(v) for v in node]
+    return node
+
+
+def masked_text(text: str) -> str | None:
+    """The policy as YAML with every environment value masked (an ``env`` mapping anywhere: they
+    may hold secrets), or None when the text does not parse -- never the text itself, which a
+    team lead must not read. libyaml (C) where available."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(data, dict) and isinstance(data.get("profiles"), list):
-        data["profiles"] = [dict(p, env={k: "***" for k in p["env"]}) if isinstance(p, dict)
-                            and isinstance(p.get("env"), dict) and p["env"] else p for p in data["profiles"]]
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+        data = yaml.load(text, Loader=_Loader)
+    except (yaml.YAMLError, ValueError, RecursionError):
+        return None
+    return yaml.dump(_mask(data), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
+
+_NOT_SHOWN = "# (this text does not parse as YAML: not shown, it may hold secrets)\n"
 
 
 def policy_diff(before: str, after: str) -> str:
-    a, b = masked_text(before).splitlines(True), masked_text(after).splitlines(True)
+    a = (masked_text(before) or _NOT_SHOWN).splitlines(True)
+    b = (masked_text(after) or _NOT_SHOWN).splitlines(True)
     return "".join(difflib.unified_diff(a, b, "before", "after", n=1))
 
 
@@ -192,10 +208,12 @@ class PolicyVersions:
             self._versions.append(entry)
         return dict(entry)
 
-    def apply(self, text: str, by: str, summary: str, rollback_to: dict | None = None) -> dict:
-        """Write ``text`` as the policy file and record it (validated by the caller); audited."""
+    def apply(self, text: str, by: str, summary: str, rollback_to: dict | None = None, **extra) -> dict:
+        """Write ``text`` as the policy file and record it (validated by the caller); audited.
+        ``extra``: more fields of the version (``teams``: the teams it touches, ``every_team``)."""
         source = ROLLBACK if rollback_to else APPLIED
-        extra = {"rollback_to": rollback_to["n"]} if rollback_to else {}
+        if rollback_to:
+            extra["rollback_to"] = rollback_to["n"]
         with self._file_lock:
             before = self._file_text()
             write_atomically(self.policy_file, text)

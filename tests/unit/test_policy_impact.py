@@ -271,3 +271,16 @@ def test_the_masked_text_is_made_once_per_version_off_the_loop(monkeypatch):
 
     assert asyncio.run(twice()) == ["masked"] * 3
     assert len(made) == 2 and all(name.startswith("gpuhub-policy") for name in made)
+
+
+def test_a_leads_history_from_the_terminal_has_every_version_and_only_the_summaries_they_may_see(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from gpuhub_spawner.usage import policy_cli
+
+    versions = [{"n": 2, "hash": "b" * 12, "by": "admin", "at": NOW, "source": "applied"},
+                {"n": 1, "hash": "a" * 12, "by": "admin", "at": NOW, "source": "applied", "summary": "Vision Lab: quota"}]
+    monkeypatch.setattr(policy_cli, "call", lambda *a, **k: {"role": "lead", "version": versions[0], "versions": versions})
+    assert policy_cli._history(SimpleNamespace(hub="http://hub.example")) == 0
+    out = capsys.readouterr().out
+    assert "applied          - *" in out and "Vision Lab: quota" in out

@@ -75,9 +75,11 @@ def _history(args) -> int:
     for v in rep["versions"]:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["at"]))
         mark = " *" if rep.get("version") and rep["version"]["n"] == v["n"] else ""
-        print(f"{v['n']:>7}  {v['hash']:<12}  {when:<19}  {v['by'][:20]:<20}  {v['source']:<15}  {v['summary']}{mark}")
+        print(f"{v['n']:>7}  {v['hash']:<12}  {when:<19}  {v['by'][:20]:<20}  {v['source']:<15}  {v.get('summary') or '-'}{mark}")
     if not rep["versions"]:
         print("(no versions recorded yet)")
+    if rep.get("role") == "lead":
+        print("(a lead sees the summaries of versions that changed only their teams: '-' for the others)")
     return 0
 
 

@@ -95,16 +95,60 @@ class PolicyRoles(SingletonConfigurable):
             raise
         return changed
 
+    def apply_change(self, db, before: dict[str, set[str]], after: dict[str, set[str]]) -> dict[str, list]:
+        """Grant and strip only what differs between two ``wanted`` assignments (the last one
+        applied and the policy's now); the same effect as ``apply`` when the database held
+        ``before``, at the cost of the change instead of every group of every role."""
+        from jupyterhub import orm
+        from jupyterhub.roles import grant_role, strip_role
+
+        changed: dict[str, list] = {"granted": [], "revoked": [], "created_groups": []}
+        try:
+            for role_name in after:
+                role = orm.Role.find(db, role_name)
+                if role is None:
+                    continue
+                for name in sorted(after[role_name] - before.get(role_name, set())):
+                    group = orm.Group.find(db, name)
+                    if group is None:
+                        log.info("Creating group %s found in role %s (policy)", name, role_name)
+                        group = orm.Group(name=name)
+                        db.add(group)
+                        changed["created_groups"].append(name)
+                    if role not in group.roles:
+                        grant_role(db, group, role, commit=False)
+                        changed["granted"].append([role_name, name])
+                for name in sorted(before.get(role_name, set()) - after[role_name]):
+                    group = orm.Group.find(db, name)
+                    if group is not None and role in group.roles:
+                        strip_role(db, group, role, commit=False)
+                        changed["revoked"].append([role_name, name])
+            db.commit()
+        except Exception:
+            db.rollback()
+            raise
+        return changed
+
     def follow(self, db, store) -> None:
         """Apply the policy now and after every reload of ``store`` (audited as ``roles_applied``)."""
 
+        applied: list[dict[str, set[str]] | None] = [None]
+
         def apply(policy) -> None:
+            # A reload runs on the hub's loop: after the first full pass only the groups whose
+            # roles the edit changed are touched (loading every group of a role from the
+            # database cost 0.15-0.3 s per reload of a 500-team policy).
+            wanted = self.wanted(policy)
+            if wanted == applied[0]:
+                return
             try:
-                changed = self.apply(db, policy)
+                changed = self.apply(db, policy) if applied[0] is None else self.apply_change(db, applied[0], wanted)
             except Exception as e:  # the last assignment stays; say so where admins look
                 log.exception("Applying the policy's roles to the hub's database failed")
                 recorder.audit("roles_apply_failed", error=f"{type(e).__name__}: {e}")
+                applied[0] = None  # the next reload makes a full pass again
                 return
+            applied[0] = wanted
             if changed["granted"] or changed["revoked"]:
                 log.info("Policy roles applied: granted %s, revoked %s", changed["granted"], changed["revoked"])
                 recorder.audit("roles_applied", **changed)

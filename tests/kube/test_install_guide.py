@@ -283,14 +283,38 @@ def kueue_frameworks(cluster: real.RealCluster) -> list[str]:
     return yaml.safe_load(cm["data"]["controller_manager_config.yaml"])["integrations"]["frameworks"]
 
 
+def guide_wait_for_pods_ready() -> dict:
+    """The ``waitForPodsReady`` block the guide has operators add to kueue-config.yaml."""
+    block = re.search(r"```yaml\n(\s*waitForPodsReady:.*?)```", GUIDE.read_text(), re.S)
+    assert block, "install-kubernetes.md has no waitForPodsReady yaml block"
+    import textwrap
+
+    return yaml.safe_load(textwrap.dedent(block.group(1)))["waitForPodsReady"]
+
+
 def follow_the_kueue_config_instructions(path: Path) -> None:
-    """The guide's two edits of kueue-config.yaml, as an operator makes them."""
+    """The guide's three edits of kueue-config.yaml, as an operator makes them."""
     cfg = yaml.safe_load(path.read_text())
     frameworks = cfg.setdefault("integrations", {}).setdefault("frameworks", [])
     if "pod" not in frameworks:  # 1. add "pod", keep every other entry
         frameworks.append("pod")
     assert "managedJobsNamespaceSelector" not in cfg  # 2. absent: Kueue manages gpuhub-users; leave it
+    assert "waitForPodsReady" not in cfg  # 3. absent from Kueue's default file: add the guide's block
+    cfg["waitForPodsReady"] = guide_wait_for_pods_ready()
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def test_the_guides_wait_for_pods_ready_fits_the_policy():
+    """The guide's timeout leaves the hub its launch timeout and more (the hub, not Kueue, gives
+    up on a slow server first), and a job that can never start stops retrying."""
+    from gpuhub_spawner.policy.model import Defaults
+    from gpuhub_spawner.policy.quantities import parse_duration
+
+    w = guide_wait_for_pods_ready()
+    assert parse_duration(w["timeout"]) >= Defaults().launch_timeout + 120
+    assert w["blockAdmission"] is False
+    r = w["requeuingStrategy"]
+    assert r["timestamp"] == "Eviction" and 0 < r["backoffLimitCount"] <= 5 and r["backoffBaseSeconds"] >= 30
 
 
 def empty_cluster(cluster: real.RealCluster) -> None:
@@ -394,8 +418,12 @@ def test_follow_the_guide_on_the_real_control_plane(real_cluster, tmp_path):
                 only_read.append(cmd)
                 if "rollout restart" in cmd:
                     restart_kueue()
-                    running = yaml.safe_load((real.DIR / "kueue-config.yaml").read_text())["integrations"]["frameworks"]
+                    running_cfg = yaml.safe_load((real.DIR / "kueue-config.yaml").read_text())
+                    running = running_cfg["integrations"]["frameworks"]
                     assert "pod" in running and set(others) <= set(running), running
+                    # Kueue validated the whole file at its start (it exits on an invalid one)
+                    assert running_cfg["waitForPodsReady"] == guide_wait_for_pods_ready()
+                    assert real.kueue_running(), "Kueue did not start with the edited configuration"
                 continue
             run_cmd = cmd.replace("<gpu-node>", GPU_NODE).replace("https://hub.jupyter.org/helm-chart/", url)
             if cmd.startswith("export "):

@@ -42,3 +42,17 @@ def test_a_request_another_took_the_quota_from_in_the_same_cycle():
     assert words(workload(K.MSG_NO_LONGER_FITS), WHY) == f"Your server {WHY}."
     assert words(workload(K.MSG_NO_LONGER_FITS)) == (
         "Waiting for quota: another request was admitted to the capacity team Vision Lab could use.")
+
+
+def test_a_server_evicted_for_not_starting_in_time_is_told_so_in_plain_words():
+    """What Kueue v0.19.2 leaves when waitForPodsReady's timeout evicts a server pod (seen on the
+    real control plane in tests/kube/test_kueue_pods_ready.py): the Workload's Evicted reason, and
+    on the pod, which Kueue then deletes, its TerminationTarget condition."""
+    from gpuhub_spawner.kube.messages import eviction_message
+
+    wl = {"status": {"conditions": [{"type": "Evicted", "status": "True", "reason": K.EVICTED_BY_PODS_READY_TIMEOUT}]}}
+    pod = {"status": {"conditions": [{"type": K.POD_TERMINATION_TARGET, "status": "True",
+                                      "reason": "WorkloadEvictedDueToPodsReadyTimeout"}]}}
+    for words in (eviction_message(wl, None), eviction_message(None, pod)):
+        assert words.startswith("Your server was stopped because it did not start in time after the queue gave it its GPUs")
+        assert "Start it again" in words and "PodsReadyTimeout" not in words

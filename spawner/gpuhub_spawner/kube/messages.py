@@ -139,6 +139,10 @@ _EVICTED_WHY = {
     K.EVICTED_BY_CLUSTER_QUEUE_STOPPED: "Your server was stopped because your team's queue was stopped by an administrator.",
     K.EVICTED_BY_LOCAL_QUEUE_STOPPED: "Your server was stopped because your team's queue was stopped by an administrator.",
     K.EVICTED_DUE_TO_NODE_FAILURES: "Your server was stopped because its node failed. Start it again to rejoin the queue.",
+    K.EVICTED_BY_PODS_READY_TIMEOUT: (
+        "Your server was stopped because it did not start in time after the queue gave it its GPUs "
+        "(no node could run it, or its image could not be downloaded), and its GPUs went back to the queue. "
+        "Start it again to rejoin the queue; if it happens again, tell an administrator."),
 }
 
 

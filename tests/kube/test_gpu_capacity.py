@@ -215,3 +215,64 @@ def test_a_gpu_out_of_service_lowers_the_quota_kueue_admits_against_and_comes_ba
     backend.node()
     keeper_pass(backend)
     assert backend.l4_quota() == ("4", None)
+
+
+@pytest.mark.cluster
+def test_the_keeper_runs_as_the_hubs_service_account_with_only_the_rendered_rbac(real_cluster, tmp_path):
+    """Real control plane only (the double does not authorize): `gpuhub render capacity-rbac`
+    applied as the guide says, the real authorizer answers `kubectl auth can-i` for the hub's
+    service account (what the keeper uses: yes; anything else: no), and the keeper itself, with
+    that account's token, lowers and restores vision's quota."""
+    import json
+    import subprocess
+
+    cluster = real_cluster
+    cluster.reset(NAMESPACE)
+    cluster.apply_policy(POLICY, NAMESPACE, tmp_path)
+    (tmp_path / "profiles.yaml").write_text(POLICY)
+    cluster.kubectl("create", "namespace", "gpuhub", check=False)
+    cluster.kubectl("-n", "gpuhub", "create", "serviceaccount", "hub", check=False)
+    rendered = subprocess.run([str(real.VENV_BIN / "gpuhub"), "render", "capacity-rbac", str(tmp_path / "profiles.yaml"),
+                               "--service-account", "gpuhub:hub"], capture_output=True, text=True, check=True).stdout
+    sa = "--as=system:serviceaccount:gpuhub:hub"
+    try:
+        cluster.kubectl("apply", "-f", "-", input=rendered)
+        answers = {}
+        for question in ["list nodes", "watch nodes", "get nodes/kwok-gpu-l4-1", "patch nodes/kwok-gpu-l4-1",
+                         "delete nodes/kwok-gpu-l4-1", "get clusterqueues.kueue.x-k8s.io/vision",
+                         "patch clusterqueues.kueue.x-k8s.io/vision", "update clusterqueues.kueue.x-k8s.io/vision",
+                         "delete clusterqueues.kueue.x-k8s.io/vision", "patch clusterqueues.kueue.x-k8s.io/nlp",
+                         "list clusterqueues.kueue.x-k8s.io", "patch resourceflavors.kueue.x-k8s.io/l4"]:
+            out = cluster.kubectl("auth", "can-i", *question.split(), sa, check=False).stdout.strip()
+            answers[question] = out
+        assert answers == {
+            "list nodes": "yes", "watch nodes": "no", "get nodes/kwok-gpu-l4-1": "no", "patch nodes/kwok-gpu-l4-1": "no",
+            "delete nodes/kwok-gpu-l4-1": "no", "get clusterqueues.kueue.x-k8s.io/vision": "yes",
+            "patch clusterqueues.kueue.x-k8s.io/vision": "yes", "update clusterqueues.kueue.x-k8s.io/vision": "no",
+            "delete clusterqueues.kueue.x-k8s.io/vision": "no", "patch clusterqueues.kueue.x-k8s.io/nlp": "no",
+            "list clusterqueues.kueue.x-k8s.io": "no", "patch resourceflavors.kueue.x-k8s.io/l4": "no"}, answers
+
+        # The keeper with the service account's own token (no admin rights behind it).
+        token = cluster.kubectl("-n", "gpuhub", "create", "token", "hub", "--duration=10m").stdout.strip()
+        kc = yaml.safe_load(cluster.kubeconfig.read_text())
+        kc["users"] = [{"name": "hub", "user": {"token": token}}]
+        for ctx in kc["contexts"]:
+            ctx["context"]["user"] = "hub"
+        sa_kubeconfig = tmp_path / "hub-sa.kubeconfig"
+        sa_kubeconfig.write_text(json.dumps(kc))
+        b = Backend("real-as-hub", cluster, sa_kubeconfig, None)
+        r = cluster.session.patch(cluster.url + f"/api/v1/nodes/{NODE}/status",
+                                  json={"status": {"allocatable": {"nvidia.com/gpu": "3"}}},
+                                  headers={"Content-Type": "application/merge-patch+json"}, timeout=15)
+        r.raise_for_status()
+        out = keeper_pass(b)
+        assert (out.total, out.out) == (4, 1)
+        assert b.l4_quota() == ("3", f"l4=1: {NODE}: 1 unhealthy (allocatable 3 of 4)")
+    finally:
+        r = cluster.session.patch(cluster.url + f"/api/v1/nodes/{NODE}/status",
+                                  json={"status": {"allocatable": {"nvidia.com/gpu": "4"}}},
+                                  headers={"Content-Type": "application/merge-patch+json"}, timeout=15)
+    out = keeper_pass(b)
+    assert out.out == 0 and b.l4_quota() == ("4", None)
+    cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=rendered)
+    cluster.reset(NAMESPACE)

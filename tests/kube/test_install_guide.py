@@ -97,6 +97,14 @@ def test_follow_the_guide_against_the_double(kube, tmp_path):
             (tmp_path / "kueue.yaml").write_text(out)
             if "kubectl apply -f kueue.yaml" in cmd:
                 kube.apply([d for d in yaml.safe_load_all(out) if d])
+        elif words[:3] == ["gpuhub", "render", "capacity-rbac"]:
+            docs = [d for d in yaml.safe_load_all(run(GPUHUB + words[1:])) if d]
+            assert [d["kind"] for d in docs] == ["ClusterRole", "ClusterRoleBinding"]
+            for doc in docs:
+                kubernetes_validate.validate(doc, "1.30", strict=True)
+            # only list nodes and, for a designated queue, get/patch it by name (unit: test_kube_capacity)
+            assert all(set(r["verbs"]) <= {"list", "get", "patch"} for r in docs[0]["rules"])
+            assert docs[1]["subjects"] == [{"kind": "ServiceAccount", "name": "hub", "namespace": HUB_NS}]
         elif cmd == "kubectl apply -f kueue.yaml":
             kube.apply([d for d in yaml.safe_load_all((tmp_path / "kueue.yaml").read_text()) if d])
         elif words[:3] == ["kubectl", "apply", "-f"] and words[3].startswith("helm-values/"):
@@ -404,6 +412,7 @@ def test_follow_the_guide_on_the_real_control_plane(real_cluster, tmp_path):
     default = cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")["data"]["controller_manager_config.yaml"]
     narrowed = yaml.safe_load(default)
     narrowed["integrations"]["frameworks"].remove("pod")
+    narrowed.pop("waitForPodsReady", None)  # none in Kueue's default file (an earlier run of this test left the guide's)
     others = list(narrowed["integrations"]["frameworks"])
     cluster.kubectl("apply", "-f", "-", input=cluster.kubectl(
         "-n", "kueue-system", "create", "configmap", "kueue-manager-config", "--dry-run=client", "-o", "yaml",
@@ -484,6 +493,16 @@ def check_step(cmd: str, out: str, op: Operator, others: list[str]) -> None:
             conds = {c["type"]: c["status"] for c in (cq.get("status") or {}).get("conditions") or []}
             assert conds.get("Active") == "True", cq["metadata"]["name"]
         assert all(name in out for name in ("vision", "nlp", "students"))
+    elif cmd.startswith("gpuhub render capacity-rbac"):
+        assert "clusterrole.rbac.authorization.k8s.io/gpuhub-gpu-capacity created" in out, out
+        assert "clusterrolebinding.rbac.authorization.k8s.io/gpuhub-gpu-capacity created" in out, out
+    elif "auth can-i" in cmd and "-n gpuhub-users" not in cmd:
+        assert out.strip() == "yes", out
+        # cluster-wide, only what the GPU capacity keeper uses: reading the node list, not changing nodes
+        for other in ("watch nodes", "patch nodes", "delete nodes", "list clusterqueues.kueue.x-k8s.io"):
+            done = subprocess.run(["kubectl", "auth", "can-i", *other.split(), f"--as={HUB_SA}"], env=op.env,
+                                  capture_output=True, text=True, cwd=op.checkout)
+            assert done.stdout.strip() == "no", (other, done.stdout + done.stderr)
     elif "auth can-i" in cmd:
         assert out.strip() == "yes", out
         # ... and nothing cluster-wide: the same question outside gpuhub-users is refused

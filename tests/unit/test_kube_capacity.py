@@ -94,3 +94,73 @@ def test_a_wrong_designation_is_refused_where_it_is(designation, error):
     line = text.splitlines().index(f"    capacityQueue: {designation}") + 1
     assert any(error in i.format("p.yaml") and i.format("p.yaml").startswith(f"p.yaml:{line}:") for i in e.value.issues), \
         [i.format("p.yaml") for i in e.value.issues]
+
+
+class _Recorder:
+    """The two kubernetes_asyncio clients the keeper uses, recording every call as the API
+    request RBAC decides on: (verb, resource, name)."""
+
+    def __init__(self, nodes, cluster_queues):
+        self.nodes, self.cqs, self.calls = nodes, cluster_queues, []
+        self.api_client = self
+
+    def sanitize_for_serialization(self, obj):
+        return obj
+
+    async def list_node(self):
+        self.calls.append(("list", "nodes", None))
+        return type("NodeList", (), {"items": self.nodes})()
+
+    async def get_cluster_custom_object(self, group, version, plural, name):
+        self.calls.append(("get", f"{plural}.{group}", name))
+        return self.cqs[name]
+
+    async def patch_cluster_custom_object(self, group, version, plural, name, body, **kw):
+        self.calls.append(("patch", f"{plural}.{group}", name))
+        return body
+
+
+def _allowed(rules, verb, resource, name):
+    res, _, group = resource.partition(".")
+    return any(verb in r["verbs"] and res in r["resources"] and group in r["apiGroups"]
+               and (not r.get("resourceNames") or name in r["resourceNames"]) for r in rules)
+
+
+def test_the_rendered_rbac_is_exactly_what_the_keeper_asks_for():
+    """`gpuhub render capacity-rbac`: every request the keeper makes (a pass that lowers the
+    designated queue and one that restores it) is allowed, and the ClusterRole grants nothing
+    else: list nodes; get/patch of the designated ClusterQueues by name; no other verb,
+    resource or queue."""
+    import asyncio
+
+    from gpuhub_spawner.kube.capacity import CapacityKeeper
+    from gpuhub_spawner.kube.render import capacity_rbac
+
+    policy = parse_policy(POLICY)
+    role, binding = capacity_rbac(policy, "gpuhub:hub")
+    assert role["kind"] == "ClusterRole" and binding["kind"] == "ClusterRoleBinding"
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hub", "namespace": "gpuhub"}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
+        {"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"], "resourceNames": ["shared"], "verbs": ["get", "patch"]},
+    ]
+    cqs = {o["metadata"]["name"]: dict(o, metadata=dict(o["metadata"], resourceVersion="1"))
+           for o in render_objects(policy) if o["kind"] == "ClusterQueue"}
+    api = _Recorder([node("l4-a", "NVIDIA-L4", 4, allocatable=3)], cqs)
+    keeper = CapacityKeeper(lambda: policy, core_api=api, custom_api=api)
+    asyncio.run(keeper.sync_once())
+    api.nodes = [node("l4-a", "NVIDIA-L4", 4)]
+    asyncio.run(keeper.sync_once())
+    assert ("patch", "clusterqueues.kueue.x-k8s.io", "shared") in api.calls  # it did lower the quota
+    assert all(_allowed(role["rules"], *c) for c in api.calls), api.calls
+    used = {(v, r.split(".")[0]) for v, r, _ in api.calls}
+    granted = {(v, res) for r in role["rules"] for v in r["verbs"] for res in r["resources"]}
+    assert granted == used  # nothing granted that the keeper does not use
+
+    two = parse_policy(POLICY.replace("capacityQueue: {l4: shared}", "capacityQueue: {l4: shared, a100: vision}"))
+    assert capacity_rbac(two)[0]["rules"][1]["resourceNames"] == ["shared", "vision"]
+    none = parse_policy(POLICY.replace("capacityQueue: {l4: shared}", "capacityQueue: {}"))
+    assert capacity_rbac(none)[0]["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
+    with pytest.raises(ValueError):
+        capacity_rbac(policy, "hub")

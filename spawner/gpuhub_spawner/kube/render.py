@@ -200,6 +200,31 @@ def localqueue_conflicts(rendered: list[dict], live: list[dict]) -> list[str]:
     return out
 
 
+CAPACITY_RBAC_NAME = "gpuhub-gpu-capacity"
+
+
+def capacity_rbac(policy: Policy, service_account: str = "gpuhub:hub") -> list[dict]:
+    """The cluster-wide rights of the hub's GPU capacity keeper (``kube/capacity.py``), and
+    nothing more: ``list`` nodes (every pass reads them, also for the waiting words when no
+    queue is designated), and ``get``/``patch`` of the ClusterQueues that
+    ``health.kubernetes.capacityQueue`` designates, by name (``resourceNames``)."""
+    namespace, _, name = service_account.partition(":")
+    if not namespace or not name:
+        raise ValueError(f"--service-account {service_account!r}: expected NAMESPACE:NAME")
+    rules = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
+    queues = sorted(set(policy.health.kubernetes.capacity_queue.values()))  # a ClusterQueue is named after its team
+    if queues:
+        rules.append({"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"], "resourceNames": queues,
+                      "verbs": ["get", "patch"]})
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": _meta(CAPACITY_RBAC_NAME),
+            "rules": rules}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": _meta(CAPACITY_RBAC_NAME),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": CAPACITY_RBAC_NAME},
+               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}
+    return [role, binding]
+
+
 def to_yaml(objs: list[dict]) -> str:
     return yaml.safe_dump_all(objs, sort_keys=True, default_flow_style=False, explicit_start=True)
 
@@ -216,6 +241,9 @@ def main(argv: list[str]) -> int:
     hooks = sub.add_parser("webhook-exclusion", help="Kueue's webhook configuration with the hub's namespace left out of every webhook")
     hooks.add_argument("file", help="`kubectl get {mutating,validating}webhookconfiguration NAME -o json` output, or - for stdin")
     hooks.add_argument("-n", "--namespace", default="gpuhub", help="the hub's namespace (default gpuhub)")
+    rbac = sub.add_parser("capacity-rbac", help="the ClusterRole and binding the hub's GPU capacity keeper needs (docs/gpu-health.md)")
+    rbac.add_argument("file", help="the policy YAML (its health.kubernetes.capacityQueue names the ClusterQueues)")
+    rbac.add_argument("--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed usage
@@ -224,6 +252,9 @@ def main(argv: list[str]) -> int:
         return _webhook_exclusion(args.file, args.namespace)
     try:
         policy = load_policy(args.file)
+        if args.what == "capacity-rbac":
+            sys.stdout.write(to_yaml(capacity_rbac(policy, args.service_account)))
+            return 0
         objs = render_objects(policy, args.namespace, args.cpu_flavor)
     except PolicyError as e:
         for issue in e.issues:

@@ -88,7 +88,7 @@ SLOW_FIRST = {
     "mlflow/test_central_mlflow.py": 61, "kube/test_job_hub_e2e.py": 55,
     "integration/test_attack_hosts.py": 53, "mlflow/test_mlflow_proxy_attacks.py": 53,
     "integration/test_attack_launcher.py": 51, "mlflow/test_mlflow_ui_browser.py": 45,
-    "kube/test_kueue_real_vs_double.py": 40, "integration/test_researcher_server.py": 40,
+    "kube/test_kueue_real_vs_double.py": 40, "kube/test_capacity_hub_e2e.py": 67, "integration/test_researcher_server.py": 40,
     "integration/test_browser_queue.py": 39, "integration/test_roles_reload.py": 35,
     "mlflow/test_mlflow_viewer.py": 34,
 }

@@ -80,6 +80,7 @@ class _Live:
     exited: asyncio.Future | None = None
     token: str | None = None
     demand: dict = field(default_factory=dict)
+    stopping: asyncio.Future | None = None  # the hub's stop of the attempt (its cgroup's removal)
 
 
 class JobManager(SingletonConfigurable):
@@ -280,6 +281,12 @@ class JobManager(SingletonConfigurable):
                     reason, code, message = await self._run_attempt(rec, att, live)
                 finally:
                     self.broker.queue.release(KEY_PREFIX + rec.id)  # its GPUs go to the next in line
+                if live.stopping is not None:
+                    # The process is gone, but the hub's stop may still be removing the attempt's
+                    # cgroup, whose name the next attempt reuses: admitted at once on a healthy GPU,
+                    # that attempt found its cgroup removed under it (exit 126).
+                    stopping, live.stopping = live.stopping, None
+                    await asyncio.wait([stopping])
                 self._end_attempt(rec, att, reason, code, message)
                 if reason == "succeeded":
                     self._finish(rec, R.SUCCEEDED, "")
@@ -504,7 +511,7 @@ class JobManager(SingletonConfigurable):
             return False
         log.info("Preempting job %s: %s", job_id, message)
         usage.note_end(KEY_PREFIX + job_id, "reclaimed")
-        asyncio.ensure_future(self._stop(job_id, PREEMPTED, message))
+        live.stopping = asyncio.ensure_future(self._stop(job_id, PREEMPTED, message))
         return True
 
     def _failed_gpus(self, att: R.Attempt) -> list[str]:
@@ -526,7 +533,7 @@ class JobManager(SingletonConfigurable):
         message = self.gpu_failed_message(gpus)
         log.warning("Job %s: %s", job_id, message)
         usage.note_end(KEY_PREFIX + job_id, "crashed")  # history's word (usage/history.py END_REASONS)
-        asyncio.ensure_future(self._stop(job_id, GPU_FAILED, message))
+        live.stopping = asyncio.ensure_future(self._stop(job_id, GPU_FAILED, message))
         return True
 
     # -- interactive servers reclaim their team's GPUs ------------------------------------------
@@ -543,7 +550,9 @@ class JobManager(SingletonConfigurable):
                 for job_id, message in self.victims():
                     log.info("Preempting job %s: %s", job_id, message)
                     usage.note_end(KEY_PREFIX + job_id, "reclaimed")  # usage history: why it ended
-                    asyncio.ensure_future(self._stop(job_id, PREEMPTED, message))
+                    stop = asyncio.ensure_future(self._stop(job_id, PREEMPTED, message))
+                    if job_id in self._live:
+                        self._live[job_id].stopping = stop
             except Exception:  # noqa: BLE001
                 log.exception("reclaim check failed")
 

@@ -75,7 +75,7 @@ _policy.domain_return_ok = _domain_return_ok
 # 2 cores (a fresh clone, `--durations=0`); files not listed follow in their usual order.
 SLOW_FIRST = {
     # added this stop; seconds as their authors measured them alone on the loaded machine
-    "integration/test_mig.py": 261, "integration/test_gpu_health.py": 200,
+    "integration/test_mig_hub.py": 261, "integration/test_gpu_health_hub.py": 200,
     "integration/test_browser_policy.py": 60, "integration/test_policy_changes.py": 40,
     "integration/test_reclaim.py": 291, "integration/test_researcher_walk.py": 248,
     "integration/test_culling.py": 211, "integration/test_usage.py": 171,

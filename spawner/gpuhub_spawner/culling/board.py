@@ -205,7 +205,9 @@ class CullBoard(SingletonConfigurable):
                     idle_gpus[v.team] = idle_gpus.get(v.team, 0) + v.profile.gpu_count
                 gpu_readings[v.key] = (v.profile.gpu_count, util, util is None or util < threshold)
             before = (rec.state.deadline, rec.state.snoozes)
-            unread = (rules.gpu_unread or "idle") if v.has_gpus and util is None else None
+            # The warning names the rule only where the policy chose one (gpuUnread): unset, an
+            # unread GPU (a virtual one, the demo's) counts as idle and reads as it always has.
+            unread = rules.gpu_unread if v.has_gpus and util is None else None
             d = decide(now, rules, Signals(v.started, v.last_activity, rec.gpu_last_busy, v.has_gpus, unread), rec.state)
             decisions[v.key] = d
             self._account(v, rec, d, before, util, now)

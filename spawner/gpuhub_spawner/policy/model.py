@@ -315,7 +315,6 @@ class Defaults(_Model):
         warning=900.0,
         snooze=3600.0,
         max_snoozes=2,
-        gpu_unread="idle",
     )
     reclaim: ReclaimRules = ReclaimRules()  # keys unset here: RECLAIM_DEFAULTS
 

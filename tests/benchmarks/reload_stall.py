@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import random
 import statistics
@@ -46,7 +45,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from bigpolicy import big_policy  # noqa: E402
-from support.hub import Hub, wait_for  # noqa: E402
+from support.hub import Hub  # noqa: E402
 
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 

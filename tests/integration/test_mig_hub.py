@@ -11,7 +11,6 @@ use is kept, and the eighth student gets a freed slice.
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest

@@ -25,7 +25,6 @@ import logging
 import os
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from prometheus_client import REGISTRY, Counter

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gpuhub_spawner.local.listening import PortTaken, listening_inodes, watcher
+from gpuhub_spawner.local.listening import PortTaken, listening_sockets, watcher
 
 
 def free_port() -> int:
@@ -37,7 +37,7 @@ async def test_the_servers_own_listen_wakes_the_wait_within_ticks():
         t0 = time.monotonic()
         assert await watcher().wait(port, proc.pid, timeout=20) == "listening"
         waited = time.monotonic() - t0
-        assert port in listening_inodes()
+        assert port in listening_sockets()
         assert 0.5 <= waited < 3, waited  # the listen, not a back-off step, ends the wait
     finally:
         proc.kill()

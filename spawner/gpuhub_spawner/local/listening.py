@@ -96,11 +96,6 @@ def listening_sockets(proc_net: str = "/proc/net") -> dict[int, dict[int, int]]:
     return _proc_listening(proc_net)
 
 
-def listening_inodes(proc_net: str = "/proc/net") -> dict[int, set[int]]:
-    """{local port: {socket inode}} of every listening TCP socket."""
-    return {port: set(owners) for port, owners in listening_sockets(proc_net).items()}
-
-
 def _proc_listening(proc_net: str) -> dict[int, dict[int, int]]:
     out: dict[int, dict[int, int]] = {}
     for name in ("tcp", "tcp6"):

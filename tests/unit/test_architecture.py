@@ -23,6 +23,7 @@ LAYERS = {
     "usage": 3,  # services on the view and the policy: history, audit, metrics
     "culling": 3,  # culling decisions, the board, the reclaimer both backends run
     "jobs": 3,  # job specs, records, what both job backends share
+    "rayclusters": 3,  # Ray cluster requests and the manager interface both backends implement
     "mlflow": 3,  # the hub-managed MLflow service
     "policy_spawner": 3,  # the spawner mixin both backends' spawners are built on
     "local": 4,  # one-machine backend
@@ -34,7 +35,7 @@ LAYERS = {
 # Within layer 3, services build on each other only upwards in this order (no circle between
 # packages): jobs (specs, records, the hub client) < usage (its CLI uses the jobs client) <
 # culling, mlflow and the spawner mixin (they record into usage).
-SERVICE_ORDER = {"jobs": 0, "usage": 1, "culling": 2, "mlflow": 2, "policy_spawner": 2}
+SERVICE_ORDER = {"jobs": 0, "usage": 1, "culling": 2, "mlflow": 2, "policy_spawner": 2, "rayclusters": 2}
 BACKENDS = ("local", "kube")
 
 

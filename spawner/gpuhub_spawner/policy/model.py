@@ -407,6 +407,33 @@ class Roles(_Model):
     viewers: list[str] = []  # usage and metrics only: no servers, files or artifacts
 
 
+# Kueue admits a workload of at most 8 pod sets; a RayCluster's head is one of them.
+MAX_RAY_WORKERS = 7
+
+
+class RayHeadResources(_Model):
+    """What a Ray cluster's head asks for on Kubernetes (its own pod); on one machine the head
+    and the workers share the cluster's cgroup, sized by the profile."""
+
+    cpu: CpuMillis = 1000
+    memory: MemoryBytes = 2 * 2**30
+
+
+class RayRules(_Model):
+    """``ray:``: may users start Ray clusters (``gpuhub ray up``), and how (docs/ray.md).
+
+    A cluster asks for a profile's GPUs through the team's queue like a server; both
+    backends read this section (``local.ray_manager``, ``kube.ray_*``).
+    """
+
+    enabled: bool = False
+    stop_with_server: bool = True  # stop a user's clusters when their default server stops
+    max_workers: Annotated[StrictInt, Field(ge=0, le=MAX_RAY_WORKERS)] = 4  # worker processes/pods besides the head
+    autoscaling: bool = False  # Kubernetes only: Kueue's elastic-job annotation on the RayCluster
+    image: str | None = None  # Kubernetes only: head and worker image (default: the profile's image)
+    head_resources: RayHeadResources = RayHeadResources()
+
+
 class Policy(_Model):
     api_version: Literal["gpuhub/v1"] = "gpuhub/v1"
     flavors: list[Flavor] = []
@@ -416,6 +443,7 @@ class Policy(_Model):
     defaults: Defaults = Defaults()
     roles: Roles = Roles()
     health: HealthRules = HealthRules()
+    ray: RayRules = RayRules()
 
     # -- look-ups used by both backends -------------------------------------------------
     def flavor(self, name: str) -> Flavor:

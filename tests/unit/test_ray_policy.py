@@ -1,0 +1,75 @@
+"""The policy's ``ray:`` section (docs/ray.md) and what a Ray cluster request may ask for."""
+
+import pytest
+
+from gpuhub_spawner.policy import PolicyError, parse_policy
+from gpuhub_spawner.policy.access import ChoiceError
+from gpuhub_spawner.rayclusters import RayRequest, choose
+
+BASE = """\
+flavors:
+  - name: a100
+    local: {virtual: 2}
+teams:
+  - name: vision
+    groups: [vision-lab]
+    quota:
+      gpus:
+        a100: {nominal: 2}
+profiles:
+  - slug: gpu
+    displayName: One GPU
+    gpu: {count: 1, flavor: a100}
+    teams: [vision]
+  - slug: gpu2
+    displayName: Two GPUs
+    gpu: {count: 2, flavor: a100}
+    teams: [vision]
+"""
+
+
+def errors(text):
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, "p.yaml")
+    return [i.format("p.yaml") for i in e.value.issues]
+
+
+def test_defaults_are_off_and_documented_values():
+    ray = parse_policy(BASE).ray
+    assert (ray.enabled, ray.stop_with_server, ray.max_workers, ray.autoscaling, ray.image) == (False, True, 4, False, None)
+    assert (ray.head_resources.cpu, ray.head_resources.memory) == (1000, 2 * 2**30)
+
+
+def test_section_reads_camel_case_and_quantities():
+    ray = parse_policy(BASE + "ray:\n  enabled: true\n  stopWithServer: false\n  maxWorkers: 7\n"
+                              "  headResources: {cpu: 500m, memory: 4Gi}\n  image: ghcr.io/lab/ray:2.52\n").ray
+    assert (ray.enabled, ray.stop_with_server, ray.max_workers) == (True, False, 7)
+    assert (ray.head_resources.cpu, ray.head_resources.memory, ray.image) == (500, 4 * 2**30, "ghcr.io/lab/ray:2.52")
+
+
+def test_mistakes_are_located():
+    assert errors(BASE + "ray: {enabled: true, maxWorkers: 8}\n") == ["p.yaml:19:34: ray.maxWorkers: must be at most 7 (got 8)"]
+    assert errors(BASE + "ray:\n  stopwithServer: false\n") == [
+        "p.yaml:20:3: ray.stopwithServer: unknown key 'stopwithServer' (did you mean 'stopWithServer'?)"]
+    (msg,) = errors(BASE + "ray:\n  headResources: {cpu: lots}\n")
+    assert msg.startswith("p.yaml:20:24: ray.headResources.cpu: 'lots' is not a quantity")
+
+
+def test_request_picks_the_profile_by_gpu_count_and_checks_the_section():
+    on = parse_policy(BASE + "ray: {enabled: true, maxWorkers: 2}\n")
+    assert choose(on, ["vision-lab"], RayRequest(user="ada", gpus=2)).profile.slug == "gpu2"
+    assert choose(on, ["vision-lab"], RayRequest(user="ada", profile="gpu")).gpus == 1
+    refused = {
+        "off": (parse_policy(BASE), RayRequest(user="ada", gpus=1), "Ray clusters are not enabled on this hub"),
+        "workers": (on, RayRequest(user="ada", gpus=1, workers=3), "at most 2 workers"),
+        "count": (on, RayRequest(user="ada", gpus=3), "No profile of your team(s) has 3 GPU(s); the counts you may ask for are 1, 2"),
+        "mismatch": (on, RayRequest(user="ada", gpus=2, profile="gpu"), "Profile 'gpu' has 1 GPU(s), not 2"),
+        "name": (on, RayRequest(user="ada", gpus=1, name="Bad Name"), "is not a cluster name"),
+    }
+    for what, (policy, request, words) in refused.items():
+        with pytest.raises(ChoiceError) as e:
+            choose(policy, ["vision-lab"], request)
+        assert words in e.value.message, what
+    with pytest.raises(ChoiceError) as e:
+        choose(on, ["nobody"], RayRequest(user="eve", gpus=1))
+    assert e.value.status == 403

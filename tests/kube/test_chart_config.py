@@ -147,6 +147,13 @@ def test_effective_config_selects_kueue_spawner_in_the_user_namespace(chart_conf
     # Usage history and the audit trail live on the hub's volume; the usage pages are served.
     assert c.UsageRecorder.audit_file == "/srv/jupyterhub/gpuhub-audit.jsonl"
     assert any(h[0] == "/api/gpuhub/usage" for h in c.JupyterHub.extra_handlers)
+    # The policy page and API (preview, apply, history, rollback; issue 26) are served, and only
+    # gpuhub admins hold the scope that applies (the custom scopes are defined on Kubernetes too).
+    assert any(h[0] == r"/gpuhub/policy/?" for h in c.JupyterHub.extra_handlers)
+    assert "custom:gpuhub:policy" in c.JupyterHub.custom_scopes
+    admin_role = next(r for r in c.JupyterHub.load_roles if r["name"] == "gpuhub-admin")
+    assert "custom:gpuhub:policy" in admin_role["scopes"]
+    assert "custom:gpuhub:policy" not in c.JupyterHub.extra_user_scopes
     culler_role = next(r for r in c.JupyterHub.load_roles if r["name"] == "gpuhub-culler")
     assert not any(s.startswith("access:servers") for s in culler_role["scopes"])  # never calls user pods
     # z2jh sets c.KubeSpawner.environment from singleuser.extraEnv; that section is the one

@@ -8,7 +8,7 @@ import pytest
 
 from gpuhub_spawner.admission.impact import Holding, Person, Request, impact, read_candidate
 from gpuhub_spawner.policy import parse_policy
-from gpuhub_spawner.usage.policy_versions import PolicyVersions, VersionNotFound, policy_diff, write_atomically
+from gpuhub_spawner.usage.policy_versions import PolicyVersions, VersionNotFound, policy_diff, text_hash, write_atomically
 
 OLD = """\
 flavors:
@@ -154,6 +154,33 @@ def test_versions_record_apply_atomically_and_find_by_number_or_hash(tmp_path):
     assert [v["source"] for v in PolicyVersions(tmp_path / "versions", str(path)).versions()] == [
         "loaded at start", "applied", "edited on disk"]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_on_kubernetes_an_apply_goes_to_the_writer_and_a_refused_write_records_nothing(tmp_path):
+    """The ConfigMap writer (kube/policy_configmap.py; tested on the real API server in
+    tests/kube/test_policy_configmap.py) takes the place of the file: the version is recorded
+    only when it wrote, the diff starts from what it says was there."""
+    path = tmp_path / "live.yaml"  # the hub's copy of the ConfigMap; the writer keeps it current
+    path.write_text(OLD)
+    calls = []
+
+    def writer(text, expected_hash):
+        calls.append(expected_hash)
+        if expected_hash != text_hash(OLD):
+            raise RuntimeError("ConfigMap gpuhub/gpuhub-policy changed: nothing was written")
+        path.write_text(text)
+        return OLD
+
+    writer.where = "ConfigMap gpuhub/gpuhub-policy (key profiles.yaml)"
+    vs = PolicyVersions(tmp_path / "versions", str(path), writer)
+    vs.notice_file()
+    with pytest.raises(RuntimeError, match="nothing was written"):
+        vs.apply(NEW, "admin", "stale preview", expected_hash="0123456789ab")
+    assert [v["n"] for v in vs.versions()] == [1] and path.read_text() == OLD
+    version = vs.apply(NEW, "admin", "Vision Lab quota 2 → 1", expected_hash=text_hash(OLD))
+    assert version["n"] == 2 and path.read_text() == NEW and vs.where.startswith("ConfigMap")
+    assert not (tmp_path / "live.yaml.previous").exists()  # the file is not written by the versions store
+    assert vs.notice_file() is None  # the watch's copy of the same text is not "edited on disk"
 
 
 def test_a_failed_write_leaves_the_policy_file_as_it_was(tmp_path):

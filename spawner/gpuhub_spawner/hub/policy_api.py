@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +40,7 @@ from ..usage.policy_versions import MASK, PolicyVersions, VersionNotFound, maske
 
 MAX_BODY_BYTES = 256 * 1024  # the hub's limit for every request body (policy.bounded)
 
+log = logging.getLogger("JupyterHub.gpuhub.policy")
 _versions: PolicyVersions | None = None
 _apply_lock: asyncio.Lock | None = None
 # Evaluations (parse, impact), masking and applies run here, one at a time: never in the default
@@ -63,11 +65,12 @@ async def masked_of(text: str) -> str | None:
     return _masked[h]
 
 
-def start_versions(app, directory: str) -> PolicyVersions:
-    """At hub start (``wiring``): the versions store of this hub's policy file, following its reloads."""
+def start_versions(app, directory: str, writer=None) -> PolicyVersions:
+    """At hub start (``wiring``): the versions store of this hub's policy file, following its
+    reloads. ``writer``: where applies write when not that file (Kubernetes: the ConfigMap)."""
     global _versions
     store = PolicyStore.instance(config=app.config)
-    _versions = PolicyVersions(directory, store.policy_file)
+    _versions = PolicyVersions(directory, store.policy_file, writer)
     _versions.follow(store)
     return _versions
 
@@ -351,12 +354,18 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             by = getattr(self.current_user, "name", "?")
             try:  # the write, its fsyncs and the audited diff off the loop
                 version = await off_loop(lambda: versions().apply(
-                    text, by, summary, rollback_to=rollback_to, teams=sorted(found.touched_teams),
-                    every_team=bool(found.global_changes)))
+                    text, by, summary, rollback_to=rollback_to, expected_hash=text_hash(before),
+                    teams=sorted(found.touched_teams), every_team=bool(found.global_changes)))
             except OSError as e:
                 raise web.HTTPError(409, f"cannot write the policy file {self.store.policy_file}: {e.strerror}; nothing "
-                                         "was applied (on Kubernetes the policy is the chart's ConfigMap: "
-                                         "docs/policy-changes.md)") from None
+                                         "was applied (on Kubernetes the hub writes the policy's ConfigMap once "
+                                         "wired for it: docs/policy-changes.md)") from None
+            except RuntimeError as e:  # the writer's place changed under it (the ConfigMap): nothing written
+                raise web.HTTPError(409, str(e)) from None
+            except Exception as e:  # noqa: BLE001 - the API server refused (RBAC, unreachable): nothing written
+                log.warning("Policy apply by %s failed at %s: %s", by, versions().where, e)
+                raise web.HTTPError(502, f"could not write the policy to {versions().where}: "
+                                         f"{getattr(e, 'reason', None) or type(e).__name__}; nothing was applied") from None
             await self.store.fresh()
         status = self.store.status
         self.write(json.dumps({"ok": not status.stale, "version": version, "impact": found.as_dict(),

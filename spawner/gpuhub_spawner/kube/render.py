@@ -225,6 +225,27 @@ def capacity_rbac(policy: Policy, service_account: str = "gpuhub:hub") -> list[d
     return [role, binding]
 
 
+POLICY_RBAC_NAME = "gpuhub-policy-writer"
+
+
+def policy_rbac(service_account: str = "gpuhub:hub", configmap: str = "gpuhub-policy") -> list[dict]:
+    """The rights the hub needs to apply and roll back the policy (``kube/policy_configmap.py``):
+    ``get``, ``list``, ``watch`` and ``patch`` of the policy's one ConfigMap, by name, in the
+    hub's own namespace (a Role, not a ClusterRole). ``list``/``watch`` by name need the
+    field selector ``metadata.name``, which the hub's watch sends."""
+    namespace, _, name = service_account.partition(":")
+    if not namespace or not name:
+        raise ValueError(f"--service-account {service_account!r}: expected NAMESPACE:NAME")
+    meta = _meta(POLICY_RBAC_NAME, namespace)
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [configmap],
+                       "verbs": ["get", "list", "watch", "patch"]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": dict(meta),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": POLICY_RBAC_NAME},
+               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}
+    return [role, binding]
+
+
 def to_yaml(objs: list[dict]) -> str:
     return yaml.safe_dump_all(objs, sort_keys=True, default_flow_style=False, explicit_start=True)
 
@@ -244,12 +265,22 @@ def main(argv: list[str]) -> int:
     rbac = sub.add_parser("capacity-rbac", help="the ClusterRole and binding the hub's GPU capacity keeper needs (docs/gpu-health.md)")
     rbac.add_argument("file", help="the policy YAML (its health.kubernetes.capacityQueue names the ClusterQueues)")
     rbac.add_argument("--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)")
+    prbac = sub.add_parser("policy-rbac", help="the Role and binding the hub needs to apply the policy to its ConfigMap (docs/policy-changes.md)")
+    prbac.add_argument("--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)")
+    prbac.add_argument("--configmap", default="gpuhub-policy", help="the policy's ConfigMap in the hub's namespace (default gpuhub-policy)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed usage
         return int(e.code or 0)
     if args.what == "webhook-exclusion":
         return _webhook_exclusion(args.file, args.namespace)
+    if args.what == "policy-rbac":
+        try:
+            sys.stdout.write(to_yaml(policy_rbac(args.service_account, args.configmap)))
+        except ValueError as e:
+            print(f"gpuhub render policy-rbac: {e}", file=sys.stderr)
+            return 1
+        return 0
     try:
         policy = load_policy(args.file)
         if args.what == "capacity-rbac":

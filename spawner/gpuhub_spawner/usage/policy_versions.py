@@ -140,9 +140,15 @@ class VersionNotFound(LookupError):
 class PolicyVersions:
     """The versions of one hub's policy file."""
 
-    def __init__(self, directory: str | os.PathLike, policy_file: str):
+    def __init__(self, directory: str | os.PathLike, policy_file: str, writer=None):
+        """``writer``: where an apply writes, when not the policy file itself (Kubernetes: the
+        ConfigMap, ``kube.policy_configmap``): ``writer(text, expected_hash) -> previous text``,
+        called in a worker thread, raising ``OSError`` or ``RuntimeError`` when nothing was
+        written; its ``where`` names it in messages and the audit trail."""
         self.dir = Path(directory)
         self.policy_file = policy_file
+        self.writer = writer
+        self.where = getattr(writer, "where", None) or policy_file
         self._lock = threading.Lock()
         self._file_lock = threading.RLock()  # an apply's write and record, or a reload's look, at a time
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -208,20 +214,26 @@ class PolicyVersions:
             self._versions.append(entry)
         return dict(entry)
 
-    def apply(self, text: str, by: str, summary: str, rollback_to: dict | None = None, **extra) -> dict:
-        """Write ``text`` as the policy file and record it (validated by the caller); audited.
-        ``extra``: more fields of the version (``teams``: the teams it touches, ``every_team``)."""
+    def apply(self, text: str, by: str, summary: str, rollback_to: dict | None = None,
+              expected_hash: str | None = None, **extra) -> dict:
+        """Write ``text`` as the policy (the file, or the writer's place) and record it (validated
+        by the caller); audited. ``expected_hash``: the hash of the policy the caller checked
+        against (a writer refuses when its place holds another). ``extra``: more fields of the
+        version (``teams``: the teams it touches, ``every_team``)."""
         source = ROLLBACK if rollback_to else APPLIED
         if rollback_to:
             extra["rollback_to"] = rollback_to["n"]
         with self._file_lock:
-            before = self._file_text()
-            write_atomically(self.policy_file, text)
+            if self.writer is None:
+                before = self._file_text()
+                write_atomically(self.policy_file, text)
+            else:
+                before = self.writer(text, expected_hash)
             version = self.record(text, by, source, summary, **extra)
         diff = policy_diff(before or "", text)
         event = "policy_rolled_back" if rollback_to else "policy_applied"
         recorder.audit(event, by=by, version=version["n"], hash=version["hash"], summary=summary,
-                       path=self.policy_file, diff=diff, **({"to_version": rollback_to["n"]} if rollback_to else {}))
+                       path=self.where, diff=diff, **({"to_version": rollback_to["n"]} if rollback_to else {}))
         log.info("Policy version %d (%s) %s by %s: %s", version["n"], version["hash"], source, by, summary)
         return version
 

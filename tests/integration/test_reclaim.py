@@ -3,9 +3,9 @@
 Two teams in one cohort, one GPU of nominal quota each, two (virtual) GPUs on the machine.
 Vision borrows NLP's idle GPU; when NLP asks for it: a borrowing *job* is preempted at once
 and re-queued; a borrowing *server* is warned where cull warnings are shown (API, home
-page) and stopped after NLP's ``reclaim.notice`` (20 s here, with the culler passing every
-5 s as in test_culling's production ratios), and the NLP request is admitted in the same
-event. A lender that stops asking withdraws the warning (an idle cohort keeps lending).
+page) and stopped after NLP's ``reclaim.notice`` (10 s here, the culler passing every 2 s:
+production's 10 min notice and 60 s pass, one unit smaller and then some), and the NLP request
+is admitted in the same event. A lender that stops asking withdraws the warning (an idle cohort keeps lending).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from support.hub import Hub, wait_for
 
 pytestmark = pytest.mark.integration
 
-NOTICE = 20
+NOTICE = 10
+PASS = 2
 
 POLICY = f"""\
 flavors:
@@ -60,7 +61,7 @@ defaults:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("reclaim"), POLICY, env={"GPUHUB_CULL_EVERY": "5"})
+    h = Hub(tmp_path_factory.mktemp("reclaim"), POLICY, env={"GPUHUB_CULL_EVERY": str(PASS)})
     try:
         h.start()
         yield h
@@ -88,10 +89,11 @@ def hold_down_ends(hub) -> float:
 @pytest.fixture(autouse=True)
 def clean(hub, users):
     yield
-    for u in users.values():
-        for name in list(u.model()["servers"]):
-            u.stop(name)
-            u.wait_gone(name)
+    running = [(u, name) for u in users.values() for name in list(u.model()["servers"])]
+    for u, name in running:  # all stops sent at once, then waited for
+        u.stop(name)
+    for u, name in running:
+        u.wait_gone(name)
     # The next test's lender starts unheld: wait out the hold-down the hub announced, if any.
     end = hold_down_ends(hub)
     wait_for(lambda: time.time() >= end, max(0.0, end - time.time()) + 5, "the lender's hold-down to end")
@@ -118,9 +120,13 @@ def log_time(line: str) -> float:
 
 
 def borrow(users) -> None:
-    """alice holds vision's own GPU, bob borrows NLP's (admitted later: reclaimed first)."""
-    for name in ("alice", "bob"):
-        assert users[name].start("gpu-1").status_code in (201, 202)
+    """alice holds vision's own GPU, bob borrows NLP's (admitted later: reclaimed first). Both
+    servers start together, bob's request sent once alice holds her GPU."""
+    alice = users["alice"].start_background("gpu-1")
+    wait_for(lambda: "alice" in holder_of_devices(users).values(), 60, "alice to be admitted")
+    bob = users["bob"].start_background("gpu-1")
+    for name, request in (("alice", alice), ("bob", bob)):
+        assert request.result().status_code in (201, 202)
         users[name].wait_ready()
 
 

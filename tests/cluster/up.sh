@@ -3,7 +3,8 @@
 #   etcd, kube-apiserver, kube-controller-manager, kube-scheduler (Kubernetes 1.36),
 #   kwok (fake nodes: GPU nodes labelled and tainted as the NVIDIA GPU Operator does, CPU
 #   nodes; it fakes pod status), and the real Kueue controller v0.19.2 with its CRDs,
-#   webhooks (serving certs made here) and visibility API.
+#   webhooks (serving certs made here) and visibility API; KubeRay's operator v1.5.0 with its
+#   CRDs when build.sh kuberay has built it (issue 24).
 # Builds missing binaries first (tests/cluster/build.sh; ~once per machine), then starts from
 # the cache. Idempotent: a second `up.sh` with everything running only re-checks health.
 # Writes $GPUHUB_CLUSTER_DIR/kubeconfig (default /tmp/gpuhub-cluster/kubeconfig).
@@ -21,6 +22,12 @@ KUEUE_HEALTH=$((BASE + 81))
 BIN_ETCD="$CACHE/etcd-$ETCD_VERSION/bin" BIN_KUBE="$CACHE/kube-$KUBE_VERSION/bin"
 BIN_KWOK="$CACHE/kwok-$KWOK_VERSION/bin" BIN_KUEUE="$CACHE/kueue-$KUEUE_VERSION/bin"
 KUEUE_MOD="$CACHE/gopath/pkg/mod/sigs.k8s.io/kueue@$KUEUE_VERSION"
+# KubeRay (issue 24): optional. Started when its operator is in the cache (build.sh kuberay);
+# its CRDs come from the same module, installed before Kueue starts (Kueue sets up its
+# ray.io integrations only for CRDs that exist when it starts).
+BIN_KUBERAY="$CACHE/kuberay-$KUBERAY_VERSION/bin"
+KUBERAY_MOD="$CACHE/gopath/pkg/mod/github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION"
+KUBERAY_HEALTH=$((BASE + 83)) KUBERAY_METRICS=$((BASE + 84))
 SCHEMAS="${GPUHUB_SHARED_DIR:-$repo/../shared}/schemas/kueue-$KUEUE_VERSION"
 KUBECTL="${GPUHUB_KUBECTL:-$(command -v kubectl || true)}"
 PKI="$DIR/pki" LOGS="$DIR/logs" RUN="$DIR/run"
@@ -42,6 +49,10 @@ fi
 if [ ! -d "$KUEUE_MOD/config" ] || [ ! -d "$CACHE/gopath/pkg/mod/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize" ]; then
   (cd /tmp && GOPATH="$CACHE/gopath" GOMODCACHE="$CACHE/gopath/pkg/mod" GOFLAGS=-mod=mod "${GPUHUB_GO:-/usr/local/go/bin/go}" \
     mod download "sigs.k8s.io/kueue@$KUEUE_VERSION" "sigs.k8s.io/kwok@$KWOK_VERSION")
+fi
+if [ -x "$BIN_KUBERAY/ray-operator" ] && [ ! -d "$KUBERAY_MOD/config/crd/bases" ]; then
+  (cd /tmp && GOPATH="$CACHE/gopath" GOMODCACHE="$CACHE/gopath/pkg/mod" GOFLAGS=-mod=mod "${GPUHUB_GO:-/usr/local/go/bin/go}" \
+    mod download "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION")
 fi
 [ -n "$KUBECTL" ] || { echo "up.sh: kubectl not found (set GPUHUB_KUBECTL)" >&2; exit 2; }
 [ -d "$SCHEMAS" ] || { echo "up.sh: Kueue CRDs not found at $SCHEMAS (set GPUHUB_SHARED_DIR)" >&2; exit 2; }
@@ -144,6 +155,11 @@ start kwok "$BIN_KWOK/kwok" --kubeconfig="$KUBECONFIG" --manage-all-nodes=true \
 # -- Kueue: CRDs, namespace, webhooks, visibility API, then the controller -------------------
 python3 "$here/kueue_manifests.py" "$KUEUE_MOD" "$WEBHOOK_PORT" "$VIS_PORT" "$PKI/ca.crt" "$SCHEMAS" >"$DIR/kueue-install.yaml"
 k apply --server-side --force-conflicts -f "$DIR/kueue-install.yaml" >/dev/null
+if [ -x "$BIN_KUBERAY/ray-operator" ]; then
+  # RayCluster, RayJob, RayService: KubeRay's operator sets up a controller for each.
+  k apply --server-side --force-conflicts -f "$KUBERAY_MOD/config/crd/bases/" >/dev/null
+  log "KubeRay $KUBERAY_VERSION CRDs applied"
+fi
 wait_for "Kueue CRDs established" 90 k wait --for=condition=Established crd --all --timeout=20s
 # Kueue's configuration lives where an operator finds it: the ConfigMap kueue-manager-config
 # (kueue-system), made as Kueue's release manifests make it, from the module's
@@ -180,6 +196,13 @@ start kueue unshare --mount --propagation private sh -c "
   mount --bind '$DIR/kueue-certs/metrics' /etc/kueue/metrics/certs &&
   exec '$BIN_KUEUE/kueue' --config='$DIR/kueue-config.yaml' --kubeconfig='$KUBECONFIG' --zap-log-level=2"
 
+# KubeRay's operator as its Deployment runs it (no webhooks: ENABLE_WEBHOOKS unset), watching
+# every namespace; no leader election on one machine.
+if [ -x "$BIN_KUBERAY/ray-operator" ]; then
+  start kuberay "$BIN_KUBERAY/ray-operator" --kubeconfig="$KUBECONFIG" --enable-leader-election=false \
+    --health-probe-bind-address="127.0.0.1:$KUBERAY_HEALTH" --metrics-addr="127.0.0.1:$KUBERAY_METRICS" --log-stdout-encoder=console
+fi
+
 # -- nodes ---------------------------------------------------------------------------------
 k apply --server-side --force-conflicts -f "$here/nodes.yaml" >/dev/null
 wait_for "kwok nodes Ready" 90 k wait --for=condition=Ready node --all --timeout=20s
@@ -191,6 +214,9 @@ kind: ResourceFlavor
 metadata: {name: gpuhub-cluster-probe}
 RF
 wait_for "Kueue visibility API" 60 sh -c "'$KUBECTL' --kubeconfig '$KUBECONFIG' get apiservice v1beta2.visibility.kueue.x-k8s.io -o jsonpath='{.status.conditions[?(@.type==\"Available\")].status}' | grep -qx True"
+if [ -x "$BIN_KUBERAY/ray-operator" ]; then
+  wait_for "KubeRay operator health" 60 curl -sf "http://127.0.0.1:$KUBERAY_HEALTH/readyz"
+fi
 elapsed=$(echo "$(date +%s.%N) - $t_start" | bc)
 printf '%s\n' "$elapsed" >"$DIR/last-start-seconds"
 log "control plane up in ${elapsed}s: export KUBECONFIG=$KUBECONFIG"

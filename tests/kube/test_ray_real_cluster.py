@@ -1,0 +1,201 @@
+"""Ray clusters on the real control plane (``GPUHUB_CLUSTER=1``, issue 24): the RayCluster
+gpuhub builds (``kube/ray_manifest.py``, from the user's server pod as KueueSpawner makes it)
+handed to the real KubeRay operator v1.5.0 and the real Kueue v0.19.2 (its ``ray.io/raycluster``
+integration, in Kueue's default configuration), with the shipped policy's Kueue objects.
+
+* A RayCluster within the team's quota is admitted: Kueue un-suspends it, the operator creates
+  the head pod (CPU only, on a CPU node) and the worker pods (one A100 each, on the A100 node:
+  kwok binds them and marks them Running; nothing runs in them).
+* A second one over the team's quota stays suspended, with no pods, and its Workload carries
+  Kueue's message; gpuhub's waiting words are made from it. Deleting the first admits it.
+* Kueue's webhook refuses a queued RayCluster that autoscales without the elastic-job
+  annotation, and accepts it with the annotation (adding its scheduling gate to the templates).
+
+Needs tests/cluster/build.sh kuberay (the operator; skipped with the reason otherwise).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes_asyncio.client import ApiClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+
+import harness as real  # noqa: E402
+
+from gpuhub_spawner.kube import kueue as K  # noqa: E402
+from gpuhub_spawner.kube.messages import waiting_message  # noqa: E402
+from gpuhub_spawner.kube.ray_manifest import ELASTIC_ANNOTATION, ELASTIC_GATE, WorkerGroup, ray_cluster_manifest  # noqa: E402
+from gpuhub_spawner.policy.access import resolve_choice  # noqa: E402
+
+NS = "gpuhub-users"
+POLICY = real.REPO / "jupyterhub_config" / "profiles.yaml"
+
+
+def _skip() -> str | None:
+    reason = real.skip_reason()
+    if reason:
+        return reason
+    v = real.versions()
+    op = real.CACHE / f"kuberay-{v['KUBERAY_VERSION']}" / "bin" / "ray-operator"
+    if not op.exists():
+        return f"the KubeRay operator is not built ({op}): run tests/cluster/build.sh kuberay (Go module proxy; ~10 min)"
+    return None
+
+
+SKIP = _skip()
+pytestmark = [pytest.mark.cluster, pytest.mark.asyncio(loop_scope="function")]
+
+
+def until(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not reached in {timeout}s")
+
+
+def rc_url(cluster, name: str = "") -> str:
+    return f"{cluster.url}/apis/ray.io/v1/namespaces/{NS}/rayclusters" + (f"/{name}" if name else "")
+
+
+def get_rc(cluster, name: str) -> dict | None:
+    r = cluster.session.get(rc_url(cluster, name), timeout=15)
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    return r.json()
+
+
+def workload_of(cluster, name: str) -> dict | None:
+    return next((w for w in cluster.list("workloads", NS)
+                 if any(o["kind"] == "RayCluster" and o["name"] == name for o in w["metadata"].get("ownerReferences", []))), None)
+
+
+def cond(obj: dict | None, ctype: str) -> dict | None:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
+
+
+def pods_of(cluster, name: str) -> list[dict]:
+    return cluster.list("pods", NS, labelSelector=f"ray.io/cluster={name}")
+
+
+def running_on_nodes(cluster, name: str, count: int):
+    pods = pods_of(cluster, name)
+    ok = [p for p in pods if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") == "Running"]
+    return pods if len(ok) == count == len(pods) else None
+
+
+@pytest.fixture(scope="module")
+def ray_cluster_plane(tmp_path_factory):
+    if SKIP:
+        pytest.skip(SKIP)
+    t0 = time.time()
+    cluster, started = real.ensure_up()
+    up_s = time.time() - t0
+    running = yaml.safe_load((real.DIR / "kueue-config.yaml").read_text())
+    assert "ray.io/raycluster" in running["integrations"]["frameworks"], running["integrations"]
+    cluster.ensure_namespace(NS)
+    cluster.reset(NS)
+    cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=true", check=False)
+    cluster.apply_policy(POLICY.read_text(), NS, tmp_path_factory.mktemp("policy"))
+    yield cluster, up_s
+    cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=false", check=False)
+    cluster.reset(NS)
+    if started and not real.os.environ.get("GPUHUB_CLUSTER_KEEP"):
+        real.down()
+
+
+async def _manifest(make_spawner, policy_store, name, workers, autoscaling=False):
+    spawner = make_spawner(user="alice", groups=("vision-lab",), profile="a100-1")
+    await spawner.load_user_options()
+    pod = ApiClient().sanitize_for_serialization(await spawner.get_pod_manifest())
+    policy = policy_store.policy
+    policy = policy.model_copy(update={"ray": policy.ray.model_copy(update={"enabled": True, "autoscaling": autoscaling})})
+    choice = resolve_choice(policy, ["vision-lab"], {"profile": "a100-1"})
+    return policy, choice, ray_cluster_manifest(name, "alice", policy, choice, pod, workers, namespace=NS)
+
+
+async def test_over_quota_waits_suspended_with_kueues_message_and_is_admitted_when_the_holder_goes(
+        ray_cluster_plane, make_spawner, policy_store):
+    cluster, up_s = ray_cluster_plane
+    timeline: dict[str, float] = {}
+    policy, choice, first = await _manifest(make_spawner, policy_store, "ray-first", [WorkerGroup("gpu", 2, 1)])
+    _, _, second = await _manifest(make_spawner, policy_store, "ray-second", [WorkerGroup("gpu", 2, 1)])
+
+    t0 = time.time()
+    r = cluster.session.post(rc_url(cluster), json=first, timeout=15)
+    assert r.status_code == 201, r.text
+    until(lambda: (c := cond(workload_of(cluster, "ray-first"), "Admitted")) and c["status"] == "True", 60, "ray-first admitted")
+    timeline["first admitted"] = time.time() - t0
+    until(lambda: get_rc(cluster, "ray-first")["spec"].get("suspend") is False, 30, "ray-first unsuspended")
+    pods = until(lambda: running_on_nodes(cluster, "ray-first", 3), 90, "ray-first's head and 2 workers running on kwok nodes")
+    timeline["first's 3 pods running"] = time.time() - t0
+    by_type = {}
+    for p in pods:
+        by_type.setdefault(p["metadata"]["labels"]["ray.io/node-type"], []).append(p)
+    (head,) = by_type["head"]
+    assert len(by_type["worker"]) == 2
+    assert head["spec"]["nodeName"].startswith("kwok-cpu-"), head["spec"]["nodeName"]  # CPU only: not on a GPU node
+    assert "nvidia.com/gpu" not in (head["spec"]["containers"][0]["resources"].get("limits") or {})
+    for w in by_type["worker"]:
+        assert w["spec"]["nodeName"] == "kwok-gpu-a100-1"
+        assert w["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        env = {e["name"]: e.get("value") for e in w["spec"]["containers"][0]["env"]}
+        assert env["GPUHUB_USER"] == "alice" and env["GPUHUB_TEAM"] == "vision"
+    wl = workload_of(cluster, "ray-first")
+    assert [p["name"] for p in wl["spec"]["podSets"]] == ["head", "gpu"] and wl["spec"]["queueName"] == "vision"
+
+    # Over the quota (vision: 2 A100 nominal + 1 borrowed at most): suspended, no pods, Kueue's words.
+    t1 = time.time()
+    r = cluster.session.post(rc_url(cluster), json=second, timeout=15)
+    assert r.status_code == 201, r.text
+    wl2 = until(lambda: (x := workload_of(cluster, "ray-second")) and (cond(x, "QuotaReserved") or {}).get("message") and x,
+                60, "ray-second's Workload with Kueue's pending message")
+    msg = cond(wl2, "QuotaReserved")["message"]
+    print("\n[kueue] ray-second:", msg)
+    assert "couldn't assign flavors to pod set gpu" in msg and "nvidia.com/gpu" in msg, msg
+    time.sleep(3)
+    assert get_rc(cluster, "ray-second")["spec"]["suspend"] is True and not pods_of(cluster, "ray-second")
+    words = waiting_message(policy, choice, wl2, None, None)
+    print("[gpuhub]", words)
+    assert "team Vision Lab" in words, words
+
+    # The holder deleted: its quota comes back and the waiting one is admitted and runs.
+    t2 = time.time()
+    r = cluster.session.delete(rc_url(cluster, "ray-first"), timeout=15)
+    assert r.status_code in (200, 202), r.text
+    until(lambda: (c := cond(workload_of(cluster, "ray-second"), "Admitted")) and c["status"] == "True", 90, "ray-second admitted")
+    timeline["second admitted after the delete"] = time.time() - t2
+    until(lambda: running_on_nodes(cluster, "ray-second", 3), 90, "ray-second's pods running")
+    timeline["second's 3 pods running after the delete"] = time.time() - t2
+    until(lambda: not pods_of(cluster, "ray-first") and workload_of(cluster, "ray-first") is None, 60, "ray-first gone")
+    timeline["second waited in all"] = time.time() - t1
+    print(f"[measure] up.sh {up_s:.1f}s; " + "; ".join(f"{k} {v:.1f}s" for k, v in timeline.items()))
+
+
+async def test_autoscaling_needs_kueues_elastic_job_annotation(ray_cluster_plane, make_spawner, policy_store):
+    cluster, _ = ray_cluster_plane
+    _, _, rc = await _manifest(make_spawner, policy_store, "ray-elastic", [WorkerGroup("gpu", 1, 1)], autoscaling=True)
+    assert rc["metadata"]["annotations"][ELASTIC_ANNOTATION] == "true"
+    bare = yaml.safe_load(yaml.safe_dump(rc))
+    bare["metadata"]["name"] = "ray-autoscale-bare"
+    del bare["metadata"]["annotations"][ELASTIC_ANNOTATION]
+    r = cluster.session.post(rc_url(cluster), json=bare, timeout=15)
+    assert r.status_code in (400, 403, 422), r.text
+    assert "can use autoscaling only as an elastic job" in r.text, r.text
+    r = cluster.session.post(rc_url(cluster), json=rc, timeout=15)
+    assert r.status_code == 201, r.text
+    created = r.json()
+    gates = [g["name"] for g in created["spec"]["headGroupSpec"]["template"]["spec"].get("schedulingGates") or []]
+    assert ELASTIC_GATE in gates, created["spec"]["headGroupSpec"]["template"]["spec"]
+    until(lambda: workload_of(cluster, "ray-elastic"), 60, "the elastic RayCluster's Workload")
+    cluster.session.delete(rc_url(cluster, "ray-elastic"), timeout=15)
+    assert K.QUEUE_LABEL in created["metadata"]["labels"]

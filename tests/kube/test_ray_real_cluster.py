@@ -16,6 +16,7 @@ Needs tests/cluster/build.sh kuberay (the operator; skipped with the reason othe
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -199,3 +200,71 @@ async def test_autoscaling_needs_kueues_elastic_job_annotation(ray_cluster_plane
     until(lambda: workload_of(cluster, "ray-elastic"), 60, "the elastic RayCluster's Workload")
     cluster.session.delete(rc_url(cluster, "ray-elastic"), timeout=15)
     assert K.QUEUE_LABEL in created["metadata"]["labels"]
+
+
+@pytest.fixture
+def ray_policy(policy_file):
+    policy_file.write_text(policy_file.read_text() + "\nray: {enabled: true, maxWorkers: 4}\n")
+    return policy_file
+
+
+async def test_the_kube_ray_manager_against_real_kuberay_and_kueue(ray_cluster_plane, ray_policy, make_spawner):
+    """KubeRayManager (kube/ray_manager.py) with a client of the real API server: what the hub
+    does for `gpuhub ray up/list/down` and the idle culler, on real Kueue and KubeRay."""
+    from kubernetes_asyncio import client, config
+
+    from gpuhub_spawner.kube.ray_manager import WARNING_ANNOTATION, KubeRayManager
+    from gpuhub_spawner.rayclusters import IDLE, QUEUED, RUNNING, STOPPED, RayRequest
+
+    cluster, _ = ray_cluster_plane
+    cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=true", check=False)
+    api_client = await config.new_client_from_config(config_file=str(real.KUBECONFIG))
+    api = client.CustomObjectsApi(api_client)
+
+    def spawner_for(user, name):
+        return make_spawner(user=user.name, groups=[g.name for g in user.groups], profile=None, server_name=name)
+
+    m = KubeRayManager(namespace=NS, poll_interval=0.5, spawner_for=spawner_for, api=lambda: api,
+                       users_with_servers=lambda: None)
+    alice = make_spawner(user="alice", groups=("vision-lab",), profile="cpu").user
+    bob = make_spawner(user="bob", groups=("vision-lab",), profile="cpu").user
+
+    async def until_async(check, timeout, what):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            await m.refresh()
+            value = check()
+            if value:
+                return value
+            await asyncio.sleep(0.3)
+        raise TimeoutError(f"{what} not reached in {timeout}s")
+
+    try:
+        t0 = time.time()
+        a = await m.start(alice, ["vision-lab"], RayRequest(user="alice", gpus=2, workers=2, name="train"))
+        await until_async(lambda: m.status("train", "alice").state == RUNNING, 90, "alice's cluster running (KubeRay: ready)")
+        running_s = time.time() - t0
+        b = await m.start(bob, ["vision-lab"], RayRequest(user="bob", gpus=2, workers=1, name="eval"))
+        words = await until_async(lambda: (v := m.status("eval", "bob")).state == QUEUED and "A100" in v.status and v.status,
+                                  60, "bob's cluster queued with Kueue's reason")
+        print("\n[gpuhub ray list, bob]", words)
+        t1 = time.time()
+        assert (await m.stop("train", user_name="alice")).state == STOPPED
+        await until_async(lambda: m.status("eval", "bob").state == RUNNING, 90, "bob's cluster running once alice's is gone")
+        handover_s = time.time() - t1
+        # idle: the profile's rules decide; warned, then deleted (its quota given back)
+        v = m.status("eval", "bob")
+        ds = dict(await m.cull_pass(now=v.started + 10 * 24 * 3600))
+        assert ds[b.id].action in ("warn", "cull"), ds[b.id]
+        if ds[b.id].action == "warn":
+            rc = get_rc(cluster, b.id)
+            assert "will be deleted at" in rc["metadata"]["annotations"][WARNING_ANNOTATION]
+            ds = dict(await m.cull_pass(now=ds[b.id].deadline + 1))
+        assert m.status("eval", "bob").reason == IDLE
+        until(lambda: get_rc(cluster, b.id) is None and not pods_of(cluster, b.id), 60, "bob's RayCluster and pods deleted")
+        print(f"[measure] manager: alice's cluster running {running_s:.1f}s after start; bob's running "
+              f"{handover_s:.1f}s after alice's stop")
+        assert a.id != b.id
+    finally:
+        cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=false", check=False)
+        await api_client.close()

@@ -77,8 +77,10 @@ class KubeRayManager(RayClusterManager):
 
     def __init__(self, config=None, namespace: str | None = None, poll_interval: float = 10.0,
                  spawner_for: Callable | None = None, gpu_busy: Callable[[dict], float | None] | None = None,
-                 users_with_servers: Callable[[], set[str] | None] | None = None):
+                 users_with_servers: Callable[[], set[str] | None] | None = None, api: Callable | None = None):
         self.config = config
+        if api is not None:
+            self._api = api  # a CustomObjectsApi factory (tests: a client of another cluster)
         self.users_with_servers = users_with_servers or _users_with_servers
         self._had_server: set[str] = set()
         self.namespace = namespace

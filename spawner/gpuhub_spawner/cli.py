@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         from .usage.policy_cli import main as policy_main  # preview, apply, history, rollback: docs/policy-changes.md
 
         return policy_main(argv[1:])
+    if argv[:1] == ["loadtest"]:
+        from .ops.loadtest import main as loadtest_main  # operators: peak load against a live hub (docs/loadtest.md)
+
+        return loadtest_main(argv[1:])
     if argv[:1] == ["render"]:
         from .kube.render import main as render_main
 
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("job", help="batch jobs in your team's GPU queue: `gpuhub job submit job.yaml` (docs/jobs.md)")
     sub.add_parser("usage", help="GPU-hours by team or user: `gpuhub usage --since 7d --by team` (docs/usage.md)")
     sub.add_parser("policy", help="admins: `gpuhub policy diff | apply NEW.yaml`, `history`, `rollback N` (docs/policy-changes.md)")
+    sub.add_parser("loadtest", help="operators: N simulated researchers against a live hub, `gpuhub loadtest --hub-url URL --yes URL` (docs/loadtest.md)")
     sub.add_parser("gpu", help="admins: GPU health, `gpuhub gpu list | drain ID | uncordon ID` (docs/gpu-health.md)")
     args = parser.parse_args(argv)
     return args.func(args)

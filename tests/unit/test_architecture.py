@@ -31,6 +31,7 @@ LAYERS = {
     "hub": 5,  # JupyterHub-facing: handlers, pages, roles, login, origins, proxy
     "wiring": 6,  # the composition root: wires a backend into a hub
     "cli": 6,  # the command line
+    "ops": 6,  # operators' tools against a live hub's API (gpuhub loadtest)
 }
 # Within layer 3, services build on each other only upwards in this order (no circle between
 # packages): jobs (specs, records, the hub client) < usage (its CLI uses the jobs client) <

@@ -1,0 +1,115 @@
+"""``gpuhub loadtest`` against a real hub (issue 28 item 1), at small scale.
+
+A real JupyterHub started as root with gpuhub's config, real ``jupyterhub-singleuser`` servers
+and kernels, the real proxy. Four simulated researchers storm a team with two GPUs: two wait
+for the first two to stop, which the report's queue wait (the hub's own histogram) shows; each
+runs a cell in a kernel, idles, stops; the run's users, tokens and the group it had to make
+are gone afterwards. A second run compares itself with the first's JSON. Without ``--yes``
+naming the hub, nothing happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from support.hub import Hub
+
+pytestmark = pytest.mark.integration
+
+GPUHUB = str(Path(sys.executable).parent / "gpuhub")
+
+POLICY = """\
+flavors:
+  - name: gpu
+    local: {virtual: 2}
+teams:
+  - name: load
+    displayName: Load team
+    groups: [load-team]
+    quota: {gpus: {gpu: {nominal: 2}}}
+profiles:
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true}
+  - {slug: gpu-1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: [load]}
+defaults:
+  queueTimeout: 10m
+"""
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("loadtest"), POLICY).start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def admin_token(hub, tmp_path_factory):
+    token = hub.login("admin").token
+    f = tmp_path_factory.mktemp("token") / "admin.token"
+    f.write_text(token)
+    os.chmod(f, 0o600)
+    return str(f)
+
+
+def loadtest(hub, token_file, *extra, timeout=400):
+    return subprocess.run([GPUHUB, "loadtest", "--hub-url", hub.url, "--token-file", token_file, *extra],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def hub_users(hub, token_file) -> list[str]:
+    r = requests.get(hub.url + "/hub/api/users", headers={"Authorization": f"token {Path(token_file).read_text()}"})
+    r.raise_for_status()
+    return [u["name"] for u in r.json()]
+
+
+def test_without_yes_naming_the_hub_nothing_happens(hub, admin_token):
+    p = loadtest(hub, admin_token, "--users", "3")
+    assert p.returncode == 2
+    assert f"refusing to load {hub.url}" in p.stderr and f"--yes {hub.url}" in p.stderr
+    p = loadtest(hub, admin_token, "--users", "3", "--yes", "http://localhost:1")  # another hub named
+    assert p.returncode == 2
+    assert not [n for n in hub_users(hub, admin_token) if n.startswith("loadtest-")]
+
+
+def test_a_storm_over_the_teams_quota_reports_spawns_cells_queue_wait_and_cleans_up(hub, admin_token, tmp_path):
+    first = tmp_path / "first.json"
+    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "4", "--mix", "load-team:gpu-1", "--idle", "1",
+                 "--json", str(first))
+    print(p.stdout, p.stderr)
+    assert p.returncode == 0, p.stdout + p.stderr + hub.tail()
+    report = json.loads(first.read_text())
+    assert report["completed"] == 4 and report["errors"]["users_failed"] == 0
+    assert report["spawn_to_ready_seconds"]["n"] == 4 and report["cell_seconds"]["n"] == 4
+    # Two GPUs, four users asking for one each: two waited for the first two to stop (idle 1 s),
+    # as the hub's own admission histogram says.
+    wait = report["queue_wait_by_team"]["load"]
+    assert wait["admitted"] == 4 and wait["mean_seconds"] > 0.5
+    assert report["hub_process"]["rss_max_mib"] > 50 and report["hub_process"]["cpu_cores_mean"] > 0
+    assert report["proxy_process"] and report["proxy_process"]["rss_max_mib"] > 0  # the proxy, found by its port
+    assert "spawn_to_ready_seconds median" in p.stdout and "queue wait load" in p.stdout
+    # Clean: no user of the run, and the group it made (nobody of load-team had logged in) is gone.
+    assert not [n for n in hub_users(hub, admin_token) if n.startswith("loadtest-")]
+    token = Path(admin_token).read_text()
+    assert requests.get(hub.url + "/hub/api/groups/load-team", headers={"Authorization": f"token {token}"}).status_code == 404
+
+    # A second run compares itself with the first.
+    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "2", "--mix", "load-team:gpu-1", "--idle", "0",
+                 "--baseline", str(first))
+    assert p.returncode == 0, p.stdout + p.stderr
+    row = next(line for line in p.stdout.splitlines() if "spawn_to_ready_seconds median" in line)
+    assert row.rstrip().endswith("x") and "before" in p.stdout
+
+
+def test_a_profile_the_team_may_not_use_is_counted_as_failed_and_still_cleaned_up(hub, admin_token):
+    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "1", "--mix", "nobody-group:gpu-1", "--idle", "0",
+                 "--code", "")
+    assert p.returncode == 1
+    assert "1 failed" in p.stdout and "loadtest-" in p.stdout  # the failure is named with its user
+    assert not [n for n in hub_users(hub, admin_token) if n.startswith("loadtest-")]

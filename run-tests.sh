@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./scripts-lib.sh
-ensure_venv ".[lab,mlflow,test]"
+ensure_venv ".[lab,mlflow,ray,test]"
 ensure_node_proxy
 ensure_chromium
 ensure_prometheus

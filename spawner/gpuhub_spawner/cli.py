@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         from .jobs.cli import main as job_main  # batch jobs: docs/jobs.md
 
         return job_main(argv[1:])
+    if argv[:1] == ["ray"]:
+        from .rayclusters.cli import main as ray_main  # Ray clusters: docs/ray.md
+
+        return ray_main(argv[1:])
     if argv[:1] == ["usage"]:
         from .usage.cli import main as usage_main  # GPU-hours per team/user: docs/usage.md
 
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     add_service_parser(sub)
     sub.add_parser("render", help="render cluster objects: `gpuhub render kueue FILE`")
     sub.add_parser("job", help="batch jobs in your team's GPU queue: `gpuhub job submit job.yaml` (docs/jobs.md)")
+    sub.add_parser("ray", help="Ray clusters in your team's GPU queue: `gpuhub ray up --gpus 2` (docs/ray.md)")
     sub.add_parser("usage", help="GPU-hours by team or user: `gpuhub usage --since 7d --by team` (docs/usage.md)")
     sub.add_parser("policy", help="admins: `gpuhub policy diff | apply NEW.yaml`, `history`, `rollback N` (docs/policy-changes.md)")
     sub.add_parser("loadtest", help="operators: N simulated researchers against a live hub, `gpuhub loadtest --hub-url URL --yes URL` (docs/loadtest.md)")

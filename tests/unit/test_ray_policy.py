@@ -73,3 +73,11 @@ def test_request_picks_the_profile_by_gpu_count_and_checks_the_section():
     with pytest.raises(ChoiceError) as e:
         choose(on, ["nobody"], RayRequest(user="eve", gpus=1))
     assert e.value.status == 403
+
+
+def test_gpus_are_split_among_workers_or_held_by_the_head():
+    from gpuhub_spawner.rayclusters.node import shares
+
+    assert shares(["GPU-a", "GPU-b"], 2, 0) == [["GPU-a", "GPU-b"]]
+    assert shares(["GPU-a", "GPU-b", "GPU-c"], 3, 2) == [["GPU-a", "GPU-c"], ["GPU-b"]]
+    assert shares([], 0, 1) == [[]]

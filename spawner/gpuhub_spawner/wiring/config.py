@@ -268,3 +268,6 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     from .jobs import configure_jobs  # batch jobs (after MLflow: it extends the server token's scopes)
 
     configure_jobs(c, data)
+    from .ray import configure_ray  # Ray clusters are jobs of a kind (docs/ray.md)
+
+    configure_ray(c)

@@ -11,6 +11,7 @@ Modules:
   activity          GPUs (nvidia-ml-py), kernels and terminals of this server, for the culler
   server_extension  Jupyter server extension: ``gpuhub/activity`` for the hub's culler and
                     ``gpuhub/culling`` (cull warning + snooze relay) for the lab extension
+  raycluster        ``ray_cluster(gpus=2)``: a Ray cluster from the team's queue (docs/ray.md)
   labextension/     the prebuilt JupyterLab extension (cull-warning notification with Snooze);
                     source in ``images/gpuhub-notebook/labextension``
 
@@ -18,6 +19,13 @@ Nothing here imports MLflow or Jupyter at package import time.
 """
 
 __version__ = "0.1.0"
+
+
+def ray_cluster(*args, **kwargs):
+    """``with gpuhub_notebook.ray_cluster(gpus=2) as address: ray.init(address)`` (docs/ray.md)."""
+    from .raycluster import ray_cluster as _ray_cluster
+
+    return _ray_cluster(*args, **kwargs)
 
 
 def _jupyter_server_extension_points():

@@ -1,0 +1,126 @@
+"""A Ray cluster's processes on one machine: ``python -I -m gpuhub_spawner.rayclusters.node``.
+
+Started by the hub as a job's command (``local.ray_manager``), so it already runs as the
+user's Unix account, in the cluster's cgroup, with exactly the admitted GPUs
+(``CUDA_VISIBLE_DEVICES`` holds their ids) and the user's private ``/tmp``. It starts the
+head (``ray start --head --block``) and, if asked, workers (``ray start --address ...
+--block``), each worker with its share of the GPUs; with no worker the head holds them
+all. Token authentication is on (``RAY_AUTH_MODE=token``, the user's token from the hub
+in ``RAY_AUTH_TOKEN``): the cluster's ports are reachable by anyone on the machine, but
+every Ray RPC and the dashboard refuse a caller without the token. The token is also
+written to ``~/.ray/auth_token`` (0600, the private home) where the user's kernels find it.
+
+When the head is up it prints one line the hub reads from the attempt's log::
+
+    [gpuhub-ray] ready {"address": "127.0.0.1:PORT", "dashboard_port": PORT, "gpus": [...]}
+
+It ends when any of its Ray processes ends (``--block``) or on ``SIGTERM`` (the hub's stop:
+the whole cgroup goes after 5 s anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+READY = "[gpuhub-ray] ready "
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def shares(devices: list[str], gpus: int, workers: int) -> list[list[str]]:
+    """GPU ids per worker (round robin); the head's share when there is no worker."""
+    if workers == 0:
+        return [devices[:gpus] if devices else []]
+    out: list[list[str]] = [[] for _ in range(workers)]
+    for i, d in enumerate(devices[:gpus]):
+        out[i % workers].append(d)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpuhub-ray-node")
+    p.add_argument("--gpus", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--cpus", type=int, default=1, help="logical CPUs Ray schedules on (the profile's)")
+    p.add_argument("--name", default="ray")
+    p.add_argument("--virtual", action="store_true", help="the GPUs are the hub's virtual stand-ins (no CUDA)")
+    args = p.parse_args(argv)
+    devices = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    token = os.environ.get("RAY_AUTH_TOKEN", "")
+    if token:
+        ray_dir = os.path.expanduser("~/.ray")
+        os.makedirs(ray_dir, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(ray_dir, "auth_token"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+    env = dict(os.environ, RAY_AUTH_MODE="token" if token else os.environ.get("RAY_AUTH_MODE", "disabled"),
+               RAY_USAGE_STATS_ENABLED="0",
+               # Ray gives its dashboard 60 s to register; on a loaded machine the imports alone
+               # take longer, and the head then exits. The hub bounds the start instead.
+               RAY_DASHBOARD_STARTUP_TIMEOUT_S=os.environ.get("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600"),
+               RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT=os.environ.get(
+                   "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "600"))
+    ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
+    gcs, dash, client = free_port(), free_port(), free_port()  # Ray's client server defaults to 10001 for all
+    per = shares(devices, args.gpus, args.workers)
+    head_gpus = per[0] if args.workers == 0 else []
+    procs: list[subprocess.Popen] = []
+
+    def stop(*_):
+        for pr in procs:
+            if pr.poll() is None:
+                pr.terminate()
+
+    signal.signal(signal.SIGTERM, lambda *a: (stop(), sys.exit(143)))
+    head_env = dict(env, CUDA_VISIBLE_DEVICES=",".join(head_gpus))
+    procs.append(subprocess.Popen(
+        ray + ["--head", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
+               "--dashboard-port", str(dash), "--ray-client-server-port", str(client), "--num-gpus", str(len(head_gpus)), "--num-cpus", str(args.cpus if args.workers == 0 else 0),
+               "--include-dashboard", "true"],
+        env=head_env))
+    deadline = time.time() + 600
+    while not (listening(gcs) and listening(dash)):
+        if procs[0].poll() is not None:
+            print(f"[gpuhub-ray] the head exited with {procs[0].returncode} before it was ready", flush=True)
+            return procs[0].returncode or 1
+        if time.time() > deadline:
+            print("[gpuhub-ray] the head was not ready within 10 minutes", flush=True)
+            stop()
+            return 1
+        time.sleep(0.2)
+    for share in (per if args.workers else []):
+        procs.append(subprocess.Popen(
+            ray + ["--address", f"127.0.0.1:{gcs}", "--num-gpus", str(len(share)),
+                   "--num-cpus", str(max(1, args.cpus // max(1, args.workers)))],
+            env=dict(env, CUDA_VISIBLE_DEVICES=",".join(share))))
+    print(READY + json.dumps({"address": f"127.0.0.1:{gcs}", "dashboard_port": dash, "gpus": devices[:args.gpus],
+                              "workers": args.workers, "virtual": args.virtual}),
+          flush=True)
+    while True:
+        for pr in procs:
+            if pr.poll() is not None:
+                print(f"[gpuhub-ray] a Ray process ended (exit {pr.returncode}); stopping the cluster", flush=True)
+                stop()
+                return 0 if pr.returncode == 0 else pr.returncode
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

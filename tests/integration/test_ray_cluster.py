@@ -1,0 +1,210 @@
+"""Ray clusters on one machine against a real hub run as root, with real Ray (docs/ray.md).
+
+The researcher's walk of issue 24, as a user would notice it: bob's cluster holds Vision
+Lab's 2 GPUs; alice, in a kernel of her server, runs ``gpuhub ray up --gpus 2`` and reads
+the hub's waiting message; bob's ``gpuhub ray down`` hands her the GPUs; her kernel runs a
+Ray task that sees 2 GPUs (virtual here: Ray schedules on them, CUDA has none); another
+Unix account can neither join her cluster nor read its dashboard, and bob gets 404 for it
+through the hub; then her idle cluster is warned and stopped by the profile's idle rule
+(time compressed with the policy's own ``gpuIdleTimeout``/``warning``, not sleeps).
+The timeline (from the hub's log) is written to ``ray-timeline.txt`` in the hub's folder
+and printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import requests
+
+from support.hub import Hub, wait_for
+from support.kernel import KernelSession
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="clusters run as their user's account: needs a hub running as root"),
+]
+ray = pytest.importorskip("ray", reason="the ray extra (pip install -e '.[ray]')")
+
+IDLE, WARNING = 100, 20  # seconds: the cluster's idle rule, compressed
+
+POLICY = f"""\
+flavors:
+  - name: gpu
+    displayName: Tesla
+    local: {{virtual: 2}}
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    quota: {{gpus: {{gpu: 2}}}}
+    perUser: {{maxGPUs: 2}}
+profiles:
+  - {{slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}}
+  - slug: gpu-2
+    displayName: Two GPUs
+    gpu: {{count: 2, flavor: gpu}}
+    teams: [vision]
+    cpu: "1"
+    memory: 4Gi
+    idle: {{gpuIdleTimeout: {IDLE}s, warning: {WARNING}s, maxSnoozes: 0}}
+ray:
+  enabled: true
+  maxWorkers: 1
+"""
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("ray"), POLICY, extra_config="c.LocalRayManager.check_interval = 1.0\n")
+    try:
+        h.start()
+        yield h
+    finally:
+        h.stop()
+
+
+@pytest.fixture(scope="module")
+def users(hub):
+    return {n: hub.login(n) for n in ("alice", "bob", "carol")}
+
+
+def cli(hub, user, *args, check=True, timeout=900):
+    """``gpuhub ray ...`` from a laptop, with a token from the token page."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
+    e.update(GPUHUB_TOKEN=user.token)
+    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "ray", "--hub", hub.url, *args],
+                       capture_output=True, text=True, env=e, timeout=timeout)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr + hub.tail(40)
+    return r
+
+
+def view(user, name) -> requests.Response:
+    return user.api.get(user.url(f"/gpuhub/ray/{name}"))
+
+
+def test_requests_the_policy_refuses_say_why(hub, users):
+    alice, carol = users["alice"], users["carol"]
+    r = cli(hub, alice, "up", "--gpus", "2", "--workers", "3", check=False)
+    assert r.returncode == 1 and "at most 1 workers on this hub (the policy's ray.maxWorkers); you asked for 3" in r.stderr
+    r = cli(hub, alice, "up", "--gpus", "3", check=False)
+    assert "No profile of your team(s) has 3 GPU(s); the counts you may ask for are 0, 2" in r.stderr
+    r = cli(hub, carol, "up", "--gpus", "2", check=False)
+    assert r.returncode == 1 and "HTTP 403" in r.stderr, r.stderr
+    assert cli(hub, alice, "list").stdout.strip() == "no Ray clusters"
+
+
+def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(hub, users):
+    alice, bob = users["alice"], users["bob"]
+    t0 = time.time()
+    # bob's cluster takes Vision Lab's whole quota (2 GPUs); `up` waits until it runs.
+    r = cli(hub, bob, "up", "--gpus", "2", "--name", "teammate")
+    assert "Ray cluster teammate: running: since" in r.stdout and "virtual GPUs" in r.stdout, r.stdout
+    assert r.stdout.strip().splitlines()[-1].startswith("export RAY_ADDRESS=127.0.0.1:")
+
+    # alice, in a notebook of her (CPU) server, asks for 2 GPUs the way a terminal would.
+    assert alice.start("cpu").status_code in (201, 202)
+    s = alice.wait_ready()
+    k = KernelSession("", hub.server_url(s["url"]), alice.token, f"ray-{uuid.uuid4().hex[:6]}.ipynb")
+    out = k.execute(textwrap.dedent("""\
+        import subprocess
+        up = subprocess.Popen(["gpuhub", "ray", "up", "--gpus", "2", "--name", "mine"],
+                              stdout=open("ray-up.log", "w"), stderr=subprocess.STDOUT)
+        import time
+        for _ in range(60):
+            time.sleep(0.5)
+            text = open("ray-up.log").read()
+            if "queued" in text:
+                break
+        print(text)
+    """))
+    assert "Ray cluster mine: queued: position 1 of 1 in Vision Lab's queue; this Ray cluster" in out, out
+    assert "2 Tesla GPU" in out, out  # the hub's own words for what it waits for
+    # bob stops his: the GPUs go back to the queue, and alice's `up` (still running) gets them.
+    assert "stopped: stopped by its owner" in cli(hub, bob, "down", "teammate").stdout
+    out = k.execute(textwrap.dedent("""\
+        for _ in range(400):
+            if up.poll() is not None:
+                break
+            time.sleep(0.5)
+        print(up.returncode)
+        print(open("ray-up.log").read())
+    """), timeout=260)
+    assert out.startswith("0\n"), out
+    assert "Ray cluster mine: running: since" in out and "export RAY_ADDRESS=127.0.0.1:" in out, out
+    address = re.search(r"export RAY_ADDRESS=(\S+)", out).group(1)
+
+    # Her kernel joins the cluster and runs a task that asks for both GPUs.
+    out = k.execute(textwrap.dedent(f"""\
+        import os, ray
+        os.environ["RAY_AUTH_MODE"] = "token"   # what gpuhub_notebook.ray_cluster sets
+        ray.init("{address}", log_to_driver=False)
+        @ray.remote(num_gpus=2)
+        def where():
+            return ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.getuid()
+        print("task", ray.get(where.remote(), timeout=120), os.getuid())
+        ray.shutdown()
+    """), timeout=240)
+    m = re.search(r"task \((\[.*?\]), '([^']*)', (\d+)\) (\d+)", out)
+    assert m, out
+    assert len(eval(m.group(1))) == 2 and len(m.group(2).split(",")) == 2, out  # sees 2 (virtual) GPUs
+    assert m.group(3) == m.group(4) != "0", out  # the task ran as alice's account, not root
+
+    # bob cannot see it through the hub, nor reach its dashboard; alice can.
+    assert view(bob, "mine").status_code == 404
+    dash = "/hub/gpuhub/ray/mine/dashboard/api/version"
+    assert bob.session.get(hub.url + dash).status_code == 404
+    r = alice.session.get(hub.url + dash)
+    assert r.status_code == 200 and r.json().get("ray_version") == ray.__version__, r.text[:300]
+    # Another Unix account on the machine reaches the ports, but Ray refuses it (no token).
+    port = int(address.rsplit(":", 1)[1])
+    dash_port = int(re.search(r'"dashboard_port": (\d+)', (hub.data / "jobs").joinpath(
+        view(alice, "mine").json()["id"], "attempt-1.log").read_text()).group(1))
+    probe = textwrap.dedent(f"""\
+        import os, sys, urllib.request, urllib.error
+        try:
+            urllib.request.urlopen("http://127.0.0.1:{dash_port}/api/version", timeout=10)
+            print("DASHBOARD OPEN")
+        except urllib.error.HTTPError as e:
+            print("DASHBOARD", e.code)
+        sys.stdout.flush()
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)  # a guess
+        import ray
+        ray.init("127.0.0.1:{port}", log_to_driver=False)
+        print("JOINED", ray.cluster_resources(), flush=True)
+    """)
+    p = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
+                         env={"PATH": os.environ["PATH"], "HOME": "/nonexistent"})
+    try:
+        probed, _ = p.communicate(timeout=40)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        probed, _ = p.communicate()
+    assert "DASHBOARD 401" in probed or "DASHBOARD 403" in probed, probed[-3000:]
+    assert "JOINED" not in probed and ("InvalidAuthToken" in probed or "Unauthenticated" in probed), probed[-3000:]
+    t_task = time.time()
+
+    # Idle: virtual GPUs report no utilisation, so they count as idle: warned, then stopped.
+    warned = wait_for(lambda: "idle:" in (v := view(alice, "mine").json())["status"] and v, IDLE + 60,
+                      "the idle warning")
+    assert "its GPUs were idle for" in warned["status"] and "it will be stopped at" in warned["status"], warned
+    ended = wait_for(lambda: (v := view(alice, "mine").json())["state"] == "stopped" and v, WARNING + 30, "the cull")
+    assert ended["status"].startswith("stopped: stopped because it was idle: its GPUs were idle for"), ended
+    k.close() if hasattr(k, "close") else None
+    alice.stop()
+
+    # The researcher timeline, from the hub's own log.
+    lines = [ln for ln in hub.log.read_text(errors="replace").splitlines()
+             if "Ray cluster" in ln or ("Admitted" in ln and "job:" in ln) or "admitted" in ln and "job-" in ln]
+    (hub.workdir / "ray-timeline.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"walk took {time.time() - t0:.0f}s (task done at +{t_task - t0:.0f}s)")

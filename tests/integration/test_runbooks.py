@@ -270,3 +270,99 @@ def test_spawn_stuck_behind_a_full_quota(hub, users):
     assert "waiting: 0" in out and "bob: ready=true" in out, out
     assert "admin stop alice/" in out, out
     stop_all(users)
+
+
+def metric_value(hub, token, name) -> float | None:
+    text = requests.get(hub.url + "/hub/metrics", headers={"Authorization": f"token {token}"}, timeout=10).text
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_a_refused_policy_edit_fires_its_alert_and_a_rollback_restores_it(hub, users, prometheus):
+    admin = users["admin"]
+    env = env_of(hub, admin)
+    good = hub.policy.read_text()
+    hub.policy.write_text(good.replace("quota: {gpus: {gpu: 1}}", "quota: {gpus: {tpu: 1}}"))  # no flavor tpu
+    wait_for(lambda: metric_value(hub, admin.token, "gpuhub_policy_ok") == 0.0, 20, "the edit refused")
+    out = runbook("upgrade-rollback", "check-policy", env)
+    assert "gpuhub_policy_ok 0.0" in out and "tpu" in out, out
+    version = re.search(r"^\s*(\d+)\s", out.split("gpuhub_policy_ok")[1].split("\n", 2)[2], re.M)
+    if prometheus.url:
+        wait_for(lambda: prometheus.alert("GpuhubPolicyNotOk") == "pending", 15, "GpuhubPolicyNotOk pending (for: 5m)")
+    out = runbook("upgrade-rollback", "rollback-policy", env | {"VERSION": version.group(1) if version else "1"})
+    wait_for(lambda: metric_value(hub, admin.token, "gpuhub_policy_ok") == 1.0, 20, "the rollback in force")
+    assert "tpu" not in hub.policy.read_text()
+    out = runbook("upgrade-rollback", "verify", env)
+    assert "hub: 200" in out and "gpuhub_policy_ok 1.0" in out and "users: " in out, out
+    if prometheus.url:
+        wait_for(lambda: prometheus.alert("GpuhubPolicyNotOk") is None, 15, "GpuhubPolicyNotOk to resolve")
+
+
+def test_a_full_home_fails_saves_and_the_runbook_finds_and_moves_the_file(hub, users, tmp_path):
+    admin, bob = users["admin"], users["bob"]
+    homes = hub.data / "home"
+    homes.mkdir(exist_ok=True)
+    # The homes' filesystem, 16 MiB: on one machine every home shares one, with no per-user quota.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0755", "tmpfs", str(homes)], check=True)
+    try:
+        assert bob.start("cpu").status_code in (201, 202)
+        s = bob.wait_ready()
+        home = homes / "bob"
+        st = home.stat()
+        big = home / "checkpoint-0042.pt"  # bob's training run wrote until the disk was full
+        with open(big, "wb") as f:  # (the data dir is root's 0700: written here, then given to bob)
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError as e:
+                assert e.errno == 28, e  # ENOSPC
+        os.chown(big, st.st_uid, st.st_gid)
+        save = hub.server_url(s["url"]) + "api/contents/notes.txt"
+        auth = {"Authorization": f"token {bob.token}"}
+        body = {"type": "file", "format": "text", "content": "results\n" * 20000}
+        r = requests.put(save, json=body, headers=auth, timeout=30)
+        assert r.status_code == 500 and "Unexpected error while saving file: notes.txt" in r.text, (r.status_code, r.text[:300])
+
+        env = env_of(hub, admin, HOMES=homes, WHO_HOME="bob", ARCHIVE=tmp_path / "archive", BIG=big)
+        out = runbook("home-full", "check", env)
+        assert out.splitlines()[0].split()[-1] == "100%", out
+        assert re.search(rf"^1[56] MiB  {re.escape(str(home))}$", out, re.M), out
+        out = runbook("home-full", "largest", env)
+        assert re.search(rf"^1[56] MiB  \d{{4}}-\d\d-\d\d  {re.escape(str(big))}$", out, re.M), out
+        out = runbook("home-full", "move-aside", env)
+        assert f"moved checkpoint-0042.pt to {tmp_path / 'archive'}/bob/" in out and not big.exists()
+        out = runbook("home-full", "verify", env)
+        assert int(next(w for w in out.split() if w.endswith("%")).rstrip("%")) < 10, out
+        r = requests.put(save, json=body, headers=auth, timeout=30)
+        assert r.status_code in (200, 201), r.text[:300]
+    finally:
+        if bob.server() is not None:
+            bob.stop()
+            bob.wait_gone()
+        subprocess.run(["umount", "-l", str(homes)])
+
+
+def test_rotating_the_cookie_secret_logs_everyone_out_and_a_revoked_token_is_refused(hub, users):
+    admin, alice = users["admin"], users["alice"]
+    r = alice.api.post(alice.url("/users/alice/tokens"), json={"note": "leaked"})
+    r.raise_for_status()
+    leaked, leaked_id = r.json()["token"], r.json()["id"]
+    env = env_of(hub, admin, WHO="alice", TOKEN_ID=leaked_id, OLD_TOKEN=leaked)
+    out = runbook("secrets-rotation", "check", env)
+    assert "cookie secret: mode 600" in out and re.search(rf"^{leaked_id}  note=leaked  created ", out, re.M), out
+    assert alice.session.get(hub.url + "/hub/home", allow_redirects=False).status_code == 200
+    before = (hub.data / "jupyterhub_cookie_secret").read_text()
+    out = runbook("secrets-rotation", "rotate-cookie-secret", env)
+    assert "cookie secret: mode 600" in out and (hub.data / "jupyterhub_cookie_secret").read_text() != before
+    hub.stop(kill_servers=False)  # `systemctl restart gpuhub`
+    hub.start(timeout=120)
+    r = alice.session.get(hub.url + "/hub/home", allow_redirects=False)
+    assert r.status_code == 302 and "/hub/login" in r.headers["Location"], (r.status_code, r.headers)
+    assert requests.get(hub.url + "/hub/api/user", headers={"Authorization": f"token {leaked}"}).status_code == 200
+    out = runbook("secrets-rotation", "revoke-token", env)
+    assert "revoke: 204" in out, out
+    out = runbook("secrets-rotation", "verify", env)
+    assert "revoked token: 403" in out and "admin token: 200" in out, out
+    users["alice"] = hub.login("alice")
+    users["bob"] = hub.login("bob")

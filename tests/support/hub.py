@@ -121,7 +121,10 @@ class Hub:
             **self.extra_env,
         )
 
-    def start(self, timeout: float = 60) -> "Hub":
+    def start(self, timeout: float = 120) -> "Hub":
+        # 120 s: on 2 cores at load 10-16 (two workers beside other work) a hub took over 60 s
+        # to answer, half of it importing (jsonschema's rfc3987_syntax builds its Lark parsers
+        # at import: ~3 s of CPU in every hub and single-user server).
         t0 = time.perf_counter()
         logf = open(self.log, "ab")
         self.proc = subprocess.Popen(

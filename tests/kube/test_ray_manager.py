@@ -135,3 +135,21 @@ async def test_a_cluster_stops_with_its_owners_server(manager, make_spawner, kub
     await manager.cull_pass()
     gone = manager.status("with-server", "alice")
     assert gone.state == STOPPED and gone.reason == WITH_SERVER and double.get("rayclusters", NAMESPACE, view.id) is None
+
+
+async def test_a_kueue_spawner_hub_gets_the_kubernetes_manager(monkeypatch):
+    from types import SimpleNamespace
+
+    from traitlets.config import Config
+
+    from gpuhub_spawner.kube.spawner import KueueSpawner
+    from gpuhub_spawner.wiring import ray as wiring_ray
+
+    from jupyterhub.app import JupyterHub
+
+    c = Config()
+    c.KubeSpawner.namespace = "gpuhub-users"
+    monkeypatch.setattr(JupyterHub, "initialized", classmethod(lambda cls: True))
+    monkeypatch.setattr(JupyterHub, "instance", classmethod(lambda cls, *a, **k: SimpleNamespace(spawner_class=KueueSpawner)))
+    m = wiring_ray._current_manager(c)
+    assert isinstance(m, KubeRayManager) and m.namespace == "gpuhub-users"

@@ -100,7 +100,11 @@ class KubeRayManager(RayClusterManager):
         key = id(config)
         if key not in cls._instances:
             section = config.get("KubeRayManager", {}) if hasattr(config, "get") else {}
-            cls._instances[key] = cls(config, namespace=section.get("namespace"),
+            namespace = section.get("namespace")
+            for name in ("KueueSpawner", "KubeSpawner"):  # the user namespace the spawners use
+                if not namespace and hasattr(config, "get") and name in config and "namespace" in config[name]:
+                    namespace = config[name]["namespace"]
+            cls._instances[key] = cls(config, namespace=namespace,
                                       poll_interval=float(section.get("poll_interval", 10.0)))
         return cls._instances[key]
 

@@ -31,6 +31,31 @@ def _pins() -> dict[str, str]:
     return pins
 
 
+def _lock() -> dict[str, str]:
+    """images/notebook-requirements.lock: name -> exact version (every line pinned with ==)."""
+    out = {}
+    for line in (IMAGES / "notebook-requirements.lock").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version and not re.search(r"[<>!~;\s]", version), f"not an exact pin: {line!r}"
+            out[name.lower()] = version
+    return out
+
+
+def test_the_lock_pins_every_line_of_the_in_file_at_a_version_it_allows():
+    from packaging.requirements import Requirement
+
+    lock = _lock()
+    for line in (IMAGES / "notebook-requirements.in").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            assert req.name.lower() in lock, f"{req.name} is in the .in file but not in the lock: run images/relock.sh"
+            assert req.specifier.contains(lock[req.name.lower()]), (
+                f"{req.name}: the lock has {lock[req.name.lower()]}, the .in file asks {req.specifier}: run images/relock.sh")
+
+
 def _commands(variant):
     return dockerfile.parse_file(str(IMAGES / variant / "Dockerfile"))
 
@@ -48,13 +73,18 @@ def test_installs_the_pinned_client_stack_and_the_notebook_package(variant):
     cmds = _commands(variant)
     copies = [c.value for c in cmds if c.cmd == "COPY"]
     assert ("gpuhub-notebook", "/tmp/gpuhub-notebook") in copies
+    assert ("notebook-requirements.lock", "/tmp/notebook-requirements.lock") in copies
     run = " ".join(" ".join(c.value) for c in cmds if c.cmd == "RUN")
+    installed = run.split("pip install", 1)[1].split("&&", 1)[0].split()
+    # Only the lock and the notebook package: no loose requirement beside the lock.
+    assert installed == ["--no-cache-dir", "-r", "/tmp/notebook-requirements.lock", "/tmp/gpuhub-notebook"]
+    assert "pip check" in run
+    lock = _lock()
     pins = _pins()
-    assert f'"mlflow-skinny=={pins["mlflow"]}"' in run  # client matches the server version
-    assert f'"nvidia-ml-py=={pins["nvidia-ml-py"]}"' in run
-    assert f'"jupyterhub=={pins["jupyterhub"]}"' in run  # single-user matches the hub
-    assert "/tmp/gpuhub-notebook" in run.split("pip install", 1)[1]
-    assert "mlflow==" not in run.replace("mlflow-skinny==", "")  # never the full server
+    assert lock["mlflow-skinny"] == pins["mlflow"]  # client matches the server version
+    assert lock["nvidia-ml-py"] == pins["nvidia-ml-py"]
+    assert lock["jupyterhub"] == pins["jupyterhub"]  # single-user matches the hub
+    assert "mlflow" not in lock  # never the full server
     envs = " ".join(" ".join(c.value) for c in cmds if c.cmd == "ENV")
     assert "MLFLOW_TRACKING_PASSWORD" not in envs and "TOKEN" not in envs
     assert "NVIDIA_VISIBLE_DEVICES" not in envs

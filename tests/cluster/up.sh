@@ -22,9 +22,9 @@ KUEUE_HEALTH=$((BASE + 81))
 BIN_ETCD="$CACHE/etcd-$ETCD_VERSION/bin" BIN_KUBE="$CACHE/kube-$KUBE_VERSION/bin"
 BIN_KWOK="$CACHE/kwok-$KWOK_VERSION/bin" BIN_KUEUE="$CACHE/kueue-$KUEUE_VERSION/bin"
 KUEUE_MOD="$CACHE/gopath/pkg/mod/sigs.k8s.io/kueue@$KUEUE_VERSION"
-# KubeRay (issue 24): optional. Started when its operator is in the cache (build.sh kuberay);
-# its CRDs come from the same module, installed before Kueue starts (Kueue sets up its
-# ray.io integrations only for CRDs that exist when it starts).
+# KubeRay (issue 24): its CRDs (RayCluster, RayJob, RayService) always, from its module (a
+# download, no build), installed before Kueue starts: Kueue sets up its ray.io integrations
+# only for CRDs that exist when it starts. The operator only when build.sh kuberay built it.
 BIN_KUBERAY="$CACHE/kuberay-$KUBERAY_VERSION/bin"
 KUBERAY_MOD="$CACHE/gopath/pkg/mod/github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION"
 KUBERAY_HEALTH=$((BASE + 83)) KUBERAY_METRICS=$((BASE + 84))
@@ -50,7 +50,7 @@ if [ ! -d "$KUEUE_MOD/config" ] || [ ! -d "$CACHE/gopath/pkg/mod/sigs.k8s.io/kwo
   (cd /tmp && GOPATH="$CACHE/gopath" GOMODCACHE="$CACHE/gopath/pkg/mod" GOFLAGS=-mod=mod "${GPUHUB_GO:-/usr/local/go/bin/go}" \
     mod download "sigs.k8s.io/kueue@$KUEUE_VERSION" "sigs.k8s.io/kwok@$KWOK_VERSION")
 fi
-if [ -x "$BIN_KUBERAY/ray-operator" ] && [ ! -d "$KUBERAY_MOD/config/crd/bases" ]; then
+if [ ! -d "$KUBERAY_MOD/config/crd/bases" ]; then
   (cd /tmp && GOPATH="$CACHE/gopath" GOMODCACHE="$CACHE/gopath/pkg/mod" GOFLAGS=-mod=mod "${GPUHUB_GO:-/usr/local/go/bin/go}" \
     mod download "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION")
 fi
@@ -155,11 +155,9 @@ start kwok "$BIN_KWOK/kwok" --kubeconfig="$KUBECONFIG" --manage-all-nodes=true \
 # -- Kueue: CRDs, namespace, webhooks, visibility API, then the controller -------------------
 python3 "$here/kueue_manifests.py" "$KUEUE_MOD" "$WEBHOOK_PORT" "$VIS_PORT" "$PKI/ca.crt" "$SCHEMAS" >"$DIR/kueue-install.yaml"
 k apply --server-side --force-conflicts -f "$DIR/kueue-install.yaml" >/dev/null
-if [ -x "$BIN_KUBERAY/ray-operator" ]; then
-  # RayCluster, RayJob, RayService: KubeRay's operator sets up a controller for each.
-  k apply --server-side --force-conflicts -f "$KUBERAY_MOD/config/crd/bases/" >/dev/null
-  log "KubeRay $KUBERAY_VERSION CRDs applied"
-fi
+# RayCluster, RayJob, RayService: KubeRay's operator sets up a controller for each.
+k apply --server-side --force-conflicts -f "$KUBERAY_MOD/config/crd/bases/" >/dev/null
+log "KubeRay $KUBERAY_VERSION CRDs applied"
 wait_for "Kueue CRDs established" 90 k wait --for=condition=Established crd --all --timeout=20s
 # Kueue's configuration lives where an operator finds it: the ConfigMap kueue-manager-config
 # (kueue-system), made as Kueue's release manifests make it, from the module's

@@ -180,6 +180,10 @@ NOT_ON_REAL = [
      "Kueue runs as a process, not a Deployment; the test restarts that process with the edited ConfigMap instead"),
     (r"kubectl -n gpuhub logs deploy/hub",
      "kwok runs no container, so the hub pod has no log; the hub's own start is run for real in test_real_cluster_e2e.py"),
+    (r"helm repo add kuberay ", "reaches KubeRay's Helm repository (no network here)"),
+    (r"helm install kuberay-operator ",
+     "installs KubeRay from its chart (no network here); tests/cluster/up.sh applies the CRDs of the KubeRay v1.5.0 "
+     "module and runs the operator built from it as a process"),
     (r"HUB_DIGEST=\$\(crane digest ", "reads a registry"),
     (r"docker (build|push) ", "an image build or push (no container runtime or registry here)"),
 ]

@@ -118,3 +118,22 @@ async def test_kueues_webhook_on_autoscaling_and_preemption_suspends(kube, make_
         assert r.status_code == 500 and 'failed calling webhook "mraycluster.kb.io"' in r.json()["message"]
     finally:
         double.set_kueue(True)
+
+
+async def test_a_batch_priority_cluster_is_suspended_for_an_interactive_one(kube, make_spawner, policy_store):
+    """As on the real control plane (test_ray_real_cluster.py): vision's withinClusterQueue:
+    LowerPriority suspends the batch cluster, its pods go, the interactive one is admitted."""
+    double = kube
+    _, _, low = await _manifest(make_spawner, policy_store, "ray-batch", [WorkerGroup("gpu", 2, 1)])
+    low["metadata"]["labels"][K.PRIORITY_LABEL] = "batch"
+    _, _, high = await _manifest(make_spawner, policy_store, "ray-interactive", [WorkerGroup("gpu", 2, 1)])
+    assert requests.post(_url(double), json=low, headers=H).status_code == 201
+    _until(lambda: len(double.pods_of_ray(NAMESPACE, "ray-batch")) == 3, 10, "the batch cluster's pods")
+    assert requests.post(_url(double), json=high, headers=H).status_code == 201
+    _until(lambda: _cond(_wl(double, "ray-interactive"), "Admitted").get("status") == "True", 10, "the interactive one admitted")
+    wl = _wl(double, "ray-batch")
+    assert _cond(wl, K.PREEMPTED).get("status") == "True", wl["status"]
+    assert "due to prioritization in the ClusterQueue; preemptor path: /research/vision" in _cond(wl, K.PREEMPTED)["message"]
+    assert requests.get(_url(double, "ray-batch"), headers=H).json()["spec"]["suspend"] is True
+    assert not double.pods_of_ray(NAMESPACE, "ray-batch")
+    _until(lambda: len(double.pods_of_ray(NAMESPACE, "ray-interactive")) == 3, 10, "the interactive cluster's pods")

@@ -268,3 +268,35 @@ async def test_the_kube_ray_manager_against_real_kuberay_and_kueue(ray_cluster_p
     finally:
         cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=false", check=False)
         await api_client.close()
+
+
+async def test_a_batch_priority_cluster_is_suspended_by_kueue_for_an_interactive_one(ray_cluster_plane, make_spawner, policy_store):
+    """Kueue's preemption of a RayCluster (vision's withinClusterQueue: LowerPriority): the
+    batch-priority cluster is suspended, KubeRay deletes its pods, its Workload waits again;
+    the interactive one is admitted in its place."""
+    cluster, _ = ray_cluster_plane
+    cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=true", check=False)
+    _, _, low = await _manifest(make_spawner, policy_store, "ray-batch", [WorkerGroup("gpu", 2, 1)])
+    low["metadata"]["labels"][K.PRIORITY_LABEL] = "batch"
+    _, _, high = await _manifest(make_spawner, policy_store, "ray-interactive", [WorkerGroup("gpu", 2, 1)])
+    try:
+        r = cluster.session.post(rc_url(cluster), json=low, timeout=15)
+        assert r.status_code == 201, r.text
+        until(lambda: running_on_nodes(cluster, "ray-batch", 3), 90, "the batch cluster running")
+        t0 = time.time()
+        r = cluster.session.post(rc_url(cluster), json=high, timeout=15)
+        assert r.status_code == 201, r.text
+        until(lambda: (c := cond(workload_of(cluster, "ray-interactive"), "Admitted")) and c["status"] == "True", 90,
+              "the interactive cluster admitted")
+        admitted_s = time.time() - t0
+        wl = workload_of(cluster, "ray-batch")
+        print("\n[kueue] ray-batch:", (cond(wl, "Preempted") or {}).get("message"), "|", (cond(wl, "QuotaReserved") or {}).get("message"))
+        assert (cond(wl, "Preempted") or {}).get("status") == "True" or any(
+            e.get("reason") == "Preempted" for e in ((wl.get("status") or {}).get("schedulingStats") or {}).get("evictions") or [])
+        assert get_rc(cluster, "ray-batch")["spec"]["suspend"] is True
+        until(lambda: not pods_of(cluster, "ray-batch"), 60, "the batch cluster's pods deleted by KubeRay")
+        until(lambda: running_on_nodes(cluster, "ray-interactive", 3), 90, "the interactive cluster's pods running")
+        print(f"[measure] preemption: interactive admitted {admitted_s:.1f}s after creation, its pods running "
+              f"{time.time() - t0:.1f}s after")
+    finally:
+        cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=false", check=False)

@@ -13,6 +13,7 @@ and printed.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -52,7 +53,7 @@ profiles:
     displayName: Two GPUs
     gpu: {{count: 2, flavor: gpu}}
     teams: [vision]
-    cpu: "1"
+    cpu: "2"
     memory: 4Gi
     idle: {{gpuIdleTimeout: {IDLE}s, warning: {WARNING}s, maxSnoozes: 0}}
 ray:
@@ -105,13 +106,13 @@ def test_requests_the_policy_refuses_say_why(hub, users):
 def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(hub, users):
     alice, bob = users["alice"], users["bob"]
     t0 = time.time()
+    assert alice.start("cpu").status_code in (201, 202)  # her notebook server (CPU), meanwhile
     # bob's cluster takes Vision Lab's whole quota (2 GPUs); `up` waits until it runs.
     r = cli(hub, bob, "up", "--gpus", "2", "--name", "teammate")
     assert "Ray cluster teammate: running: since" in r.stdout and "virtual GPUs" in r.stdout, r.stdout
     assert r.stdout.strip().splitlines()[-1].startswith("export RAY_ADDRESS=127.0.0.1:")
 
     # alice, in a notebook of her (CPU) server, asks for 2 GPUs the way a terminal would.
-    assert alice.start("cpu").status_code in (201, 202)
     s = alice.wait_ready()
     k = KernelSession("", hub.server_url(s["url"]), alice.token, f"ray-{uuid.uuid4().hex[:6]}.ipynb")
     out = k.execute(textwrap.dedent("""\
@@ -122,7 +123,7 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
         for _ in range(60):
             time.sleep(0.5)
             text = open("ray-up.log").read()
-            if "queued" in text:
+            if "position" in text or "running" in text or "starting" in text:
                 break
         print(text)
     """))
@@ -131,31 +132,33 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     # bob stops his: the GPUs go back to the queue, and alice's `up` (still running) gets them.
     assert "stopped: stopped by its owner" in cli(hub, bob, "down", "teammate").stdout
     out = k.execute(textwrap.dedent("""\
-        for _ in range(400):
+        for _ in range(1600):  # Ray's head takes minutes to start on a loaded 2-core machine
             if up.poll() is not None:
                 break
             time.sleep(0.5)
         print(up.returncode)
         print(open("ray-up.log").read())
-    """), timeout=260)
+    """), timeout=900)
     assert out.startswith("0\n"), out
     assert "Ray cluster mine: running: since" in out and "export RAY_ADDRESS=127.0.0.1:" in out, out
     address = re.search(r"export RAY_ADDRESS=(\S+)", out).group(1)
 
     # Her kernel joins the cluster and runs a task that asks for both GPUs.
-    out = k.execute(textwrap.dedent(f"""\
+    out = k.execute(textwrap.dedent("""\
         import os, ray
-        os.environ["RAY_AUTH_MODE"] = "token"   # what gpuhub_notebook.ray_cluster sets
-        ray.init("{address}", log_to_driver=False)
+        print("mode", os.environ.get("RAY_AUTH_MODE"))   # set in every server by the hub
+        ray.init(log_to_driver=False)                    # no address: it finds her cluster
+        print("gcs", ray.get_runtime_context().gcs_address)
         @ray.remote(num_gpus=2)
         def where():
             return ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.getuid()
-        print("task", ray.get(where.remote(), timeout=120), os.getuid())
+        print("task", ray.get(where.remote(), timeout=450), os.getuid())
         ray.shutdown()
-    """), timeout=240)
+    """), timeout=540)
+    assert "mode token" in out and out.split("gcs ", 1)[1].split()[0].endswith(":" + address.rsplit(":", 1)[1]), out
     m = re.search(r"task \((\[.*?\]), '([^']*)', (\d+)\) (\d+)", out)
     assert m, out
-    assert len(eval(m.group(1))) == 2 and len(m.group(2).split(",")) == 2, out  # sees 2 (virtual) GPUs
+    assert len(ast.literal_eval(m.group(1))) == 2 and len(m.group(2).split(",")) == 2, out  # sees 2 (virtual) GPUs
     assert m.group(3) == m.group(4) != "0", out  # the task ran as alice's account, not root
 
     # bob cannot see it through the hub, nor reach its dashboard; alice can.
@@ -199,12 +202,12 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     assert "its GPUs were idle for" in warned["status"] and "it will be stopped at" in warned["status"], warned
     ended = wait_for(lambda: (v := view(alice, "mine").json())["state"] == "stopped" and v, WARNING + 30, "the cull")
     assert ended["status"].startswith("stopped: stopped because it was idle: its GPUs were idle for"), ended
-    k.close() if hasattr(k, "close") else None
+    k.close()
     alice.stop()
 
     # The researcher timeline, from the hub's own log.
     lines = [ln for ln in hub.log.read_text(errors="replace").splitlines()
-             if "Ray cluster" in ln or ("Admitted" in ln and "job:" in ln) or "admitted" in ln and "job-" in ln]
+             if "Ray cluster" in ln or (("Admitted job:" in ln or "Released job:" in ln) and "team vision" in ln)]
     (hub.workdir / "ray-timeline.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"walk took {time.time() - t0:.0f}s (task done at +{t_task - t0:.0f}s)")

@@ -62,6 +62,7 @@ class _Watch:
     """What only the running hub knows about a running cluster."""
 
     ready: dict | None = None
+    ready_at: float | None = None  # when the hub first saw the head ready: the idle clock starts there
     log_offset: int = 0
     attempt: int = 0
     gpu_last_busy: float | None = None
@@ -133,10 +134,11 @@ class LocalRayManager(RayClusterManager):
         rec = jobs.submit(user, groups, spec)
         usage.audit("ray_cluster_requested", user=user.name, key=KEY_PREFIX + rec.id, cluster=name, team=rec.team,
                     profile=rec.profile["slug"], gpus=choice.gpus, workers=request.workers)
-        log.info("Ray cluster %s (%s) of %s queued: %d GPU(s), %d worker(s), profile %s",
-                 name, rec.id, user.name, choice.gpus, request.workers, rec.profile["slug"])
+        view = self.view(rec)
+        log.info("Ray cluster %s (%s) of %s requested: %d GPU(s), %d worker(s), profile %s; %s",
+                 name, rec.id, user.name, choice.gpus, request.workers, rec.profile["slug"], view.status)
         self._ensure_loop()
-        return self.view(rec)
+        return view
 
     # -- reading ----------------------------------------------------------------------------
     def _records(self) -> list[R.JobRecord]:
@@ -163,7 +165,7 @@ class LocalRayManager(RayClusterManager):
             return None
         w = self._watch.setdefault(rec.id, _Watch())
         if w.attempt != att.number:
-            w.ready, w.log_offset, w.attempt = None, 0, att.number
+            w.ready, w.ready_at, w.log_offset, w.attempt = None, None, 0, att.number
         if w.ready is None:
             try:
                 with open(att.log, "rb") as f:
@@ -181,6 +183,9 @@ class LocalRayManager(RayClusterManager):
                         host, gport = str(info["address"]).rsplit(":", 1)
                         w.ready = {"address": f"127.0.0.1:{int(gport)}", "dashboard_port": port,
                                    "virtual": bool(info.get("virtual"))}
+                        w.ready_at = time.time()
+                        log.info("Ray cluster %s (%s) of %s running: %s, dashboard port %s, GPUs %s",
+                                 rec.name, rec.id, rec.user, w.ready["address"], port, ", ".join(att.devices) or "none")
                     except (ValueError, KeyError, TypeError):
                         pass
             w.log_offset += end
@@ -307,7 +312,9 @@ class LocalRayManager(RayClusterManager):
                 w.gpu_last_busy = now
             has_gpus = bool(att.devices)
             unread = None if (readings or not has_gpus) else (rules.gpu_unread or None)
-            signals = Signals(started=att.started or now, last_activity=None, gpu_last_busy=w.gpu_last_busy,
+            # From when the head was ready, not from the process start: Ray's start can take
+            # minutes on a loaded machine, and a cluster is not idle before it could be used.
+            signals = Signals(started=w.ready_at or att.started or now, last_activity=None, gpu_last_busy=w.gpu_last_busy,
                               has_gpus=has_gpus, gpu_unread=unread)
             before = w.cull.deadline
             d = decide(now, rules, signals, w.cull)

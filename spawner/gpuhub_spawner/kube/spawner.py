@@ -62,7 +62,34 @@ from .state import GoneAwarePodReflector, PendingPollers, WorkloadReflector
 _POLICY_TRAITS = (
     "image", "cpu_limit", "cpu_guarantee", "mem_limit", "mem_guarantee", "extra_resource_limits",
     "extra_resource_guarantees", "node_selector", "tolerations", "extra_labels", "environment",
+    "node_affinity_required",
 )
+
+# NVIDIA GPU feature discovery labels every GPU node with the newest CUDA its driver supports.
+CUDA_MAJOR_LABEL, CUDA_MINOR_LABEL = "nvidia.com/cuda.runtime-version.major", "nvidia.com/cuda.runtime-version.minor"
+
+
+def cuda_node_terms(major: int, minor: int) -> list[dict]:
+    """Node selector terms (OR'ed) for "the driver supports CUDA major.minor or newer": a newer
+    major, or the same major with at least that minor. ``Gt`` compares the labels as integers."""
+    newer_major = {"matchExpressions": [{"key": CUDA_MAJOR_LABEL, "operator": "Gt", "values": [str(major)]}]}
+    same_major = {"matchExpressions": [{"key": CUDA_MAJOR_LABEL, "operator": "In", "values": [str(major)]}]}
+    if minor > 0:
+        same_major["matchExpressions"].append({"key": CUDA_MINOR_LABEL, "operator": "Gt", "values": [str(minor - 1)]})
+    return [newer_major, same_major]
+
+
+def and_terms(configured: list[dict], extra: list[dict]) -> list[dict]:
+    """(configured terms, OR'ed) AND (extra terms, OR'ed), as OR'ed terms: every pair merged."""
+    if not configured:
+        return extra
+    out = []
+    for term in configured:
+        for more in extra:
+            merged = dict(term)
+            merged["matchExpressions"] = list(term.get("matchExpressions") or []) + more["matchExpressions"]
+            out.append(merged)
+    return out
 
 
 class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
@@ -131,11 +158,15 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         node_selector = dict(base["node_selector"])
         tolerations = list(self._sorted_dict_values(base["tolerations"]))
         env = dict(base["environment"])
+        affinity = list(base["node_affinity_required"])
         if choice.gpu_count:
             flavor = policy.flavor(choice.flavor)
             limits[flavor.resource] = guarantees[flavor.resource] = str(choice.gpu_count)
             node_selector.update(flavor.node_labels)
             tolerations += [t.model_dump(exclude_none=True) for t in flavor.tolerations]
+            need = profile.gpu.cuda_needed if profile.gpu else None
+            if need:  # only nodes whose driver runs the profile's CUDA
+                affinity = and_terms(affinity, cuda_node_terms(*need))
         else:
             # CUDA images set NVIDIA_VISIBLE_DEVICES=all; without a GPU request that must not expose any.
             env["NVIDIA_VISIBLE_DEVICES"] = "void"
@@ -149,6 +180,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         self.extra_resource_guarantees = guarantees
         self.node_selector = node_selector
         self.tolerations = tolerations
+        self.node_affinity_required = affinity
         self.extra_labels = labels
         self.environment = env
 

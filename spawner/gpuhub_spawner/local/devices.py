@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -147,6 +148,55 @@ def discover_nvml(capabilities: str = CAPABILITIES) -> list[NvmlDevice]:
     return found
 
 
+@dataclass(frozen=True)
+class Driver:
+    """The NVIDIA driver, as NVML reports it."""
+
+    version: str  # "550.54.15"
+    cuda: tuple[int, int]  # the newest CUDA version it supports, (12, 4)
+
+    @property
+    def cuda_text(self) -> str:
+        return f"{self.cuda[0]}.{self.cuda[1]}"
+
+
+def read_driver() -> Driver | None:
+    """The driver's version and the newest CUDA it supports; None without NVML (virtual GPUs)."""
+    try:
+        import pynvml
+    except ImportError:  # pragma: no cover - nvidia-ml-py is a dependency
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        try:
+            packed = pynvml.nvmlSystemGetCudaDriverVersion_v2()
+        except (pynvml.NVMLError, AttributeError):
+            packed = pynvml.nvmlSystemGetCudaDriverVersion()
+        return Driver(_decode(pynvml.nvmlSystemGetDriverVersion()), (packed // 1000, (packed % 1000) // 10))
+    except pynvml.NVMLError as e:
+        log.warning("NVML did not say the driver's CUDA version (%s): profiles' gpu.cuda is not checked", e)
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def cuda_refusal(profile, driver: Driver | None) -> str | None:
+    """Why ``profile`` cannot run on this machine's driver (its ``gpu.cuda``), in plain words; None
+    when it can, when the profile says nothing, or without a driver (virtual GPUs)."""
+    need = profile.gpu.cuda_needed if profile.gpu else None
+    if need is None or driver is None or driver.cuda >= need:
+        return None
+    return (f"{profile.display_name} needs CUDA {profile.gpu.cuda}, but this machine's NVIDIA driver "
+            f"{driver.version} supports CUDA {driver.cuda_text} at most: its GPU code would fail to start. "
+            f"Choose another profile, or ask an admin to update the driver.")
+
+
 def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
     """Assign real devices to flavors (explicit list, then name match), or make virtual ones."""
     if not nvml:
@@ -207,9 +257,14 @@ def capacity_by_flavor(policy: Policy, nvml: list[NvmlDevice]) -> dict[str, int]
 class DeviceTable:
     """Which device is held by which server; the only place devices are handed out."""
 
-    def __init__(self, policy: Callable[[], Policy], discover: Callable[[], list[NvmlDevice]] = discover_nvml):
+    DRIVER_TTL = 300.0  # a driver changes with a reboot or a module reload; read it again now and then
+
+    def __init__(self, policy: Callable[[], Policy], discover: Callable[[], list[NvmlDevice]] = discover_nvml,
+                 driver: Callable[[], Driver | None] = read_driver):
         self._policy = policy
         self.discover = discover
+        self._read_driver = driver
+        self._driver: tuple[float, Driver | None] | None = None
         self._nvml = discover()
         self.devices: list[Device] = build_inventory(policy(), self._nvml)
         self.owner: dict[str, str] = {}  # device id -> server key
@@ -219,6 +274,13 @@ class DeviceTable:
             "GPU inventory: %s",
             ", ".join(f"{d.id}={d.flavor}{' (virtual)' if d.virtual else ''}" for d in self.devices) or "none",
         )
+
+    def driver(self) -> Driver | None:
+        """The NVIDIA driver (cached ``DRIVER_TTL`` seconds); None without NVML."""
+        now = time.monotonic()
+        if self._driver is None or now - self._driver[0] > self.DRIVER_TTL:
+            self._driver = (now, self._read_driver())
+        return self._driver[1]
 
     @property
     def nvml(self) -> list[NvmlDevice]:

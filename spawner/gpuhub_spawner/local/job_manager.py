@@ -47,6 +47,7 @@ from traitlets.config import SingletonConfigurable
 from ..admission.queue import QueueRefused, Ticket
 from ..admission.quota import add_usage, check_fit, demand_for, describe
 from .broker import LocalBroker, register_job_manager
+from .devices import cuda_refusal
 from .isolation import process_start_time
 from .runtime import one_machine_runtime
 from ..policy.bounded import loads_json
@@ -185,7 +186,7 @@ class JobManager(SingletonConfigurable):
         pclass, priority = job_priority(policy, choice)
         profile = choice.profile
         demand = demand_for(policy, profile)
-        never = self.broker.devices.never_fits(demand)
+        never = self.broker.devices.never_fits(demand) or cuda_refusal(profile, self.broker.devices.driver())
         if never:
             raise ChoiceError(409, never)
         job_id = "job-" + secrets.token_hex(5)

@@ -23,6 +23,7 @@ from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
 from ..usage import recorder as usage
 from .broker import LocalBroker
+from .devices import cuda_refusal
 from .isolation import IsolatedProcessSpawner
 from .runtime import one_machine_runtime
 
@@ -72,7 +73,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         if free and used + profile.gpu_count > nominal and team.cohort:
             # Said before the click: a start now would borrow, and what that means.
             text += (f" Starting now borrows another team's unused GPU: if that team needs it back, your "
-                     f"server is warned and stopped after its notice (the newest borrower first).")
+                     "server is warned and stopped after its notice (the newest borrower first).")
         return text
 
     # -- start ----------------------------------------------------------------------------
@@ -81,6 +82,9 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         await self.broker.store.fresh()  # an edit just saved applies to this spawn
         choice = self.resolve_request()
         policy = self.broker.policy
+        refused = cuda_refusal(choice.profile, self.broker.devices.driver())
+        if refused:  # before the queue: waiting could never end in a server that works
+            raise web.HTTPError(409, refused, reason=refused)
         demand = demand_for(policy, choice.profile)
         ticket = Ticket(
             key=self.server_key,

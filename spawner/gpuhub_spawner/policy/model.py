@@ -255,9 +255,33 @@ class IdleRules(_Model):
         return out
 
 
+def _cuda_version(value: Any) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise ValueError(f"write the CUDA version quoted, \"{value}\": YAML reads 12.10 as the number 12.1")
+    if not isinstance(value, str) or not re.fullmatch(r"\d{1,3}\.\d{1,3}", value):
+        raise ValueError(f"{value!r}: a CUDA version as \"MAJOR.MINOR\", e.g. \"12.4\"")
+    return value
+
+
+CudaVersion = Annotated[str, BeforeValidator(_cuda_version)]
+
+
 class GpuRequest(_Model):
     count: GpuCount
     flavor: str
+    # The CUDA version the profile's software needs (its image's CUDA, e.g. "12.4"): the GPUs'
+    # driver must support at least that version, or CUDA fails inside the server. One machine:
+    # checked against NVML's driver before the request queues, refused in plain words;
+    # Kubernetes: the pod may only go to nodes whose driver supports it (GPU feature discovery's
+    # nvidia.com/cuda.runtime-version labels). Unset: not checked.
+    cuda: CudaVersion | None = None
+
+    @property
+    def cuda_needed(self) -> tuple[int, int] | None:
+        if self.cuda is None:
+            return None
+        major, minor = self.cuda.split(".")
+        return int(major), int(minor)
 
 
 def _all_teams(value: Any) -> Any:

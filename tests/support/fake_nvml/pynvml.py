@@ -18,7 +18,9 @@ faults and script events while the hub and servers run::
                   # MIG (optional): mode on, and the slices (MIG devices) as NVML lists them
                   "mig": {"enabled": true, "max": 7,
                           "devices": [{"uuid": "MIG-...", "name": "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
-                                       "memory_total": 10200547328, "gi": 7, "ci": 0}]}}]}
+                                       "memory_total": 10200547328, "gi": 7, "ci": 0}]}}],
+     # the driver (optional): its version, and the newest CUDA it supports as NVML packs it
+     "driver": {"version": "550.54.15", "cuda": 12040}}
 
 A MIG device's handle is ``("mig", gpu index, slice index)``. As real NVML, a slice reports
 no utilisation (``nvmlDeviceGetUtilizationRates`` raises NotSupported on it) and its health
@@ -168,6 +170,22 @@ def _check():
 def nvmlDeviceGetCount():
     _check()
     return len(_devices())
+
+
+# The driver: {"driver": {"version": "550.54.15", "cuda": 12040}} (CUDA as NVML packs it,
+# 1000 * major + 10 * minor); without it, a 550 driver that supports CUDA 12.4.
+def nvmlSystemGetDriverVersion():
+    _check()
+    return str((_state().get("driver") or {}).get("version", "550.54.15"))
+
+
+def nvmlSystemGetCudaDriverVersion():
+    _check()
+    return int((_state().get("driver") or {}).get("cuda", 12040))
+
+
+def nvmlSystemGetCudaDriverVersion_v2():
+    return nvmlSystemGetCudaDriverVersion()
 
 
 def nvmlDeviceGetHandleByIndex(index):

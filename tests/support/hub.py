@@ -134,7 +134,9 @@ class Hub:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"hub exited with {self.proc.returncode}:\n{self.tail()}")
+                tail = self.tail()
+                self.stop()  # its proxy and servers, if it got that far
+                raise RuntimeError(f"hub exited with {self.proc.returncode}:\n{tail}")
             try:
                 if requests.get(self.url + "/hub/api/", timeout=2).status_code == 200:
                     self.started_in = time.perf_counter() - t0
@@ -142,7 +144,11 @@ class Hub:
             except requests.RequestException:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"hub did not answer in {timeout}s:\n{self.tail()}")
+        tail = self.tail()
+        # A fixture whose start fails never reaches its teardown: stop this hub, its proxy,
+        # its services and servers here, or they run on after the test run.
+        self.stop()
+        raise TimeoutError(f"hub did not answer in {timeout}s:\n{tail}")
 
     def server_url(self, url: str) -> str:
         """An absolute URL for a server model's ``url`` (absolute with subdomains, else a path)."""

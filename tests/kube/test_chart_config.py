@@ -154,6 +154,11 @@ def test_effective_config_selects_kueue_spawner_in_the_user_namespace(chart_conf
     admin_role = next(r for r in c.JupyterHub.load_roles if r["name"] == "gpuhub-admin")
     assert "custom:gpuhub:policy" in admin_role["scopes"]
     assert "custom:gpuhub:policy" not in c.JupyterHub.extra_user_scopes
+    # Batch jobs and Ray clusters are served on Kubernetes too (their managers: Kueue's Jobs, KubeRay).
+    assert any(h[0].startswith("/api/gpuhub/jobs") for h in c.JupyterHub.extra_handlers)
+    assert any(h[0].startswith("/api/gpuhub/ray") for h in c.JupyterHub.extra_handlers)
+    assert "custom:gpuhub:jobs!user" in c.JupyterHub.extra_user_scopes
+    assert c.KubeJobManager.data_dir == "/srv/jupyterhub"
     culler_role = next(r for r in c.JupyterHub.load_roles if r["name"] == "gpuhub-culler")
     assert not any(s.startswith("access:servers") for s in culler_role["scopes"])  # never calls user pods
     # z2jh sets c.KubeSpawner.environment from singleuser.extraEnv; that section is the one
@@ -248,8 +253,15 @@ def test_user_namespace_file_is_valid_and_names_its_namespaces_as_its_comment_sa
     role = next(d for d in docs if d["kind"] == "Role")
     resources = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
     assert ("kueue.x-k8s.io", "workloads") in resources and ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads") in resources
-    kueue_verbs = {v for rule in role["rules"] if rule["apiGroups"] != [""] for v in rule["verbs"]}
+    kueue_verbs = {v for rule in role["rules"] if "kueue.x-k8s.io" in rule["apiGroups"][0] for v in rule["verbs"]}
     assert kueue_verbs <= {"get", "list", "watch"}  # Kueue's objects: read only
+    verbs = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    # What the hub itself makes there: servers' pods, batch jobs (suspended for Kueue), Ray clusters.
+    assert verbs[("batch", "jobs")] == {"get", "list", "watch", "create", "delete"}
+    assert verbs[("ray.io", "rayclusters")] == {"get", "list", "watch", "create", "patch", "delete"}
+    assert set(verbs) == {("", "pods"), ("", "persistentvolumeclaims"), ("", "events"), ("kueue.x-k8s.io", "workloads"),
+                          ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads"), ("batch", "jobs"),
+                          ("ray.io", "rayclusters")}
 
     def count(node, value, skip=("app.kubernetes.io/managed-by",)):
         if isinstance(node, dict):

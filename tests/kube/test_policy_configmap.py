@@ -1,5 +1,6 @@
 """Applying the policy on Kubernetes goes through its ConfigMap (issue 26, ``kube/policy_configmap.py``),
-on the real control plane (``GPUHUB_CLUSTER=1``; skipped with the reason otherwise).
+on the API double (every run) and on the real control plane (``GPUHUB_CLUSTER=1``; skipped with
+the reason otherwise), the same scenario on both.
 
 Everything runs as the hub's service account with nothing but the Role ``gpuhub render
 policy-rbac`` prints (a token from the TokenRequest API): the mirror's list-and-watch of the one
@@ -28,7 +29,6 @@ from gpuhub_spawner.kube.render import policy_rbac  # noqa: E402
 from gpuhub_spawner.usage.policy_versions import text_hash  # noqa: E402
 
 SKIP = real.skip_reason()
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(bool(SKIP), reason=SKIP or "")]
 
 NS = "gpuhub-pcm-test"  # this test's own namespace
 POLICY_A = "# version A\nteams: []\n"
@@ -38,6 +38,8 @@ POLICY_C = "# version C (kubectl edit)\nteams: []\n"
 
 @pytest.fixture(scope="module")
 def cluster():
+    if SKIP:
+        pytest.skip(SKIP)
     cluster, started = real.ensure_up()
     cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=true", check=False)
     cluster.ensure_namespace(NS)
@@ -91,46 +93,92 @@ async def wait_for(predicate, timeout=10.0):
     return predicate()
 
 
+class DoubleEdits:
+    """kubectl's part, against the double (its test controls)."""
+
+    def __init__(self, double):
+        self.double = double
+
+    def edit(self, text: str) -> None:
+        obj = self.double.get("configmaps", NS, "gpuhub-policy")
+        obj["data"]["profiles.yaml"] = text
+        self.double.call(self._modified, obj)
+
+    async def _modified(self, obj):
+        self.double._write("configmaps", NS, obj, "MODIFIED")
+
+    def text(self, name="gpuhub-policy") -> str:
+        return self.double.get("configmaps", NS, name)["data"]["profiles.yaml"]
+
+
+async def scenario(core, edit, text_of, tmp_path):
+    """Seed, apply, a kubectl edit, a stale apply, an edit after the watch ran a while."""
+    mounted = tmp_path / "mount" / "profiles.yaml"  # what the kubelet mounted at the pod's start
+    mounted.parent.mkdir()
+    mounted.write_text(POLICY_A)
+    mirror = PolicyMirror(ConfigMapPolicy("gpuhub-policy", NS, core_api=core), tmp_path / "live" / "profiles.yaml",
+                          retry_seconds=0.2)
+    mirror.seed(mounted)
+    assert mirror.path.read_text() == POLICY_A
+    mirror.start()
+    try:
+        write = mirror.writer(asyncio.get_running_loop())
+        # An apply (the page's handler runs the writer in its executor thread).
+        t0 = time.monotonic()
+        previous = await asyncio.to_thread(write, POLICY_B, text_hash(POLICY_A))
+        took = time.monotonic() - t0
+        assert previous == POLICY_A  # the audit trail's diff starts from what was there
+        assert text_of() == POLICY_B
+        assert mirror.path.read_text() == POLICY_B  # in force at once, not after the kubelet's sync
+        print(f"\n[measure] apply through the ConfigMap: {took * 1000:.0f} ms")
+
+        # Someone runs `kubectl edit`.
+        t0 = time.monotonic()
+        edit(POLICY_C)
+        assert await wait_for(lambda: mirror.path.read_text() == POLICY_C), mirror.path.read_text()
+        print(f"[measure] a kubectl edit reached the hub's copy in {(time.monotonic() - t0) * 1000:.0f} ms")
+
+        # An apply previewed against B, after C came in: refused, nothing written.
+        with pytest.raises(ConfigMapConflict, match="nothing was written"):
+            await asyncio.to_thread(write, POLICY_A, text_hash(POLICY_B))
+        assert text_of() == POLICY_C and mirror.path.read_text() == POLICY_C
+
+        # A later edit still arrives.
+        edit(POLICY_A)
+        assert await wait_for(lambda: mirror.path.read_text() == POLICY_A)
+    finally:
+        mirror.stop()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_apply_edit_and_conflict_through_the_configmap_on_the_double(double, tmp_path):
+    from kubernetes_asyncio import client
+
+    from double.server import TOKEN
+
+    double.reset()
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gpuhub-policy", "namespace": NS},
+          "data": {"profiles.yaml": POLICY_A}}
+    status, _ = double.create("configmaps", NS, cm)
+    assert status == 201
+    conf = client.Configuration()
+    conf.host = double.url
+    conf.api_key = {"BearerToken": TOKEN, "authorization": TOKEN}
+    conf.api_key_prefix = {"BearerToken": "Bearer", "authorization": "Bearer"}
+    edits = DoubleEdits(double)
+    async with client.ApiClient(conf) as api_client:
+        await scenario(client.CoreV1Api(api_client), edits.edit, edits.text, tmp_path)
+    double.reset()
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(bool(SKIP), reason=SKIP or "")
 @pytest.mark.asyncio(loop_scope="function")
 async def test_apply_edit_and_conflict_through_the_configmap_as_the_hubs_account(cluster, tmp_path):
     api_client, CoreV1Api = hub_account_client(cluster)
     async with api_client:
         core = CoreV1Api(api_client)
-        mounted = tmp_path / "mount" / "profiles.yaml"  # what the kubelet mounted at the pod's start
-        mounted.parent.mkdir()
-        mounted.write_text(POLICY_A)
-        mirror = PolicyMirror(ConfigMapPolicy("gpuhub-policy", NS, core_api=core), tmp_path / "live" / "profiles.yaml",
-                              retry_seconds=0.2)
-        mirror.seed(mounted)
-        assert mirror.path.read_text() == POLICY_A
-        mirror.start()
-        try:
-            write = mirror.writer(asyncio.get_running_loop())
-            # An apply (the page's handler runs the writer in its executor thread).
-            t0 = time.monotonic()
-            previous = await asyncio.to_thread(write, POLICY_B, text_hash(POLICY_A))
-            took = time.monotonic() - t0
-            assert previous == POLICY_A  # the audit trail's diff starts from what was there
-            assert configmap_text(cluster) == POLICY_B
-            assert mirror.path.read_text() == POLICY_B  # in force at once, not after the kubelet's sync
-            print(f"\n[measure] apply through the ConfigMap as the hub's account: {took * 1000:.0f} ms")
-
-            # Someone runs `kubectl edit` (here: a patch with the admin's credentials).
-            t0 = time.monotonic()
-            kubectl_edit(cluster, POLICY_C)
-            assert await wait_for(lambda: mirror.path.read_text() == POLICY_C), mirror.path.read_text()
-            print(f"[measure] a kubectl edit reached the hub's copy in {(time.monotonic() - t0) * 1000:.0f} ms")
-
-            # An apply previewed against B, after C came in: refused, nothing written.
-            with pytest.raises(ConfigMapConflict, match="nothing was written"):
-                await asyncio.to_thread(write, POLICY_A, text_hash(POLICY_B))
-            assert configmap_text(cluster) == POLICY_C and mirror.path.read_text() == POLICY_C
-
-            # The watch survives its connection ending: a later edit still arrives.
-            kubectl_edit(cluster, POLICY_A)
-            assert await wait_for(lambda: mirror.path.read_text() == POLICY_A)
-        finally:
-            mirror.stop()
+        await scenario(core, lambda text: kubectl_edit(cluster, text), lambda: configmap_text(cluster), tmp_path)
 
         # The hub's account reaches that one ConfigMap only.
         other = ConfigMapPolicy("someone-elses", NS, core_api=core)

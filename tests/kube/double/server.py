@@ -50,7 +50,7 @@ TOKEN = "double-token"
 HISTORY_KEEP = 5000
 KUEUE_KINDS = {"workloads": "Workload", "localqueues": "LocalQueue", "clusterqueues": "ClusterQueue",
                "resourceflavors": "ResourceFlavor", "workloadpriorityclasses": "WorkloadPriorityClass"}
-CORE_KINDS = {"pods": "Pod", "events": "Event", "nodes": "Node"}
+CORE_KINDS = {"pods": "Pod", "events": "Event", "nodes": "Node", "configmaps": "ConfigMap"}  # configmaps: the policy (kube/policy_configmap.py)
 CLUSTER_SCOPED = {"clusterqueues", "resourceflavors", "workloadpriorityclasses"}
 
 

@@ -156,6 +156,7 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
         ray.shutdown()
     """), timeout=540)
     assert "mode token" in out and out.split("gcs ", 1)[1].split()[0].endswith(":" + address.rsplit(":", 1)[1]), out
+    print("kernel:", out)
     m = re.search(r"task \((\[.*?\]), '([^']*)', (\d+)\) (\d+)", out)
     assert m, out
     assert len(ast.literal_eval(m.group(1))) == 2 and len(m.group(2).split(",")) == 2, out  # sees 2 (virtual) GPUs
@@ -192,6 +193,7 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     except subprocess.TimeoutExpired:
         p.kill()
         probed, _ = p.communicate()
+    print("another account:", "\n".join(ln for ln in probed.splitlines() if "DASHBOARD" in ln or "InvalidAuthToken" in ln)[:600])
     assert "DASHBOARD 401" in probed or "DASHBOARD 403" in probed, probed[-3000:]
     assert "JOINED" not in probed and ("InvalidAuthToken" in probed or "Unauthenticated" in probed), probed[-3000:]
     t_task = time.time()

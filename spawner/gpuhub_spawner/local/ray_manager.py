@@ -82,6 +82,7 @@ class LocalRayManager(RayClusterManager):
         section = config.get("LocalRayManager", {}) if hasattr(config, "get") else {}
         self.check_interval = float(section.get("check_interval", self.check_interval))
         self._watch: dict[str, _Watch] = {}
+        self._ending: dict[str, tuple[str, str]] = {}  # job id -> (reason, words) while it stops
         self._loop_task: asyncio.Task | None = None
 
     @classmethod
@@ -218,11 +219,14 @@ class LocalRayManager(RayClusterManager):
                 v.status += f"; {v.warning}"
         else:
             message = rec.message or (att.message if att else "")
+            ending = self._ending.get(rec.id)
+            if ending is not None:
+                message = ending[1]
             if rec.state == R.CANCELLED or (rec.state == R.SUCCEEDED):
                 v.state, v.status = STOPPED, f"stopped: {message or 'the cluster ended'}"
             else:
                 v.state, v.status = FAILED, f"failed: {message}"
-            v.reason = _reason(rec)
+            v.reason = ending[0] if ending is not None else _reason(rec)
         return v
 
     # -- stopping ---------------------------------------------------------------------------
@@ -236,10 +240,16 @@ class LocalRayManager(RayClusterManager):
         words = message or _WHY.get(reason, reason)
         # usage history's words (usage/history.py END_REASONS): why its GPU time ended
         usage.note_end(KEY_PREFIX + rec.id, "culled" if reason == IDLE else "stopped", by=user_name)
-        await self.jobs.cancel(rec.id)
-        rec.message = words
-        rec.spec = dict(rec.spec, rayEnded=reason)
-        self.jobs.store.save(rec)
+        # Known before the job manager ends the job with its own words ("cancelled by ..."):
+        # a reader between its end and ours sees why the cluster stopped.
+        self._ending[rec.id] = (reason, words)
+        try:
+            await self.jobs.cancel(rec.id)
+            rec.message = words
+            rec.spec = dict(rec.spec, rayEnded=reason)
+            self.jobs.store.save(rec)
+        finally:
+            self._ending.pop(rec.id, None)
         self._watch.pop(rec.id, None)
         usage.audit("ray_cluster_stopped", user=rec.user, key=KEY_PREFIX + rec.id, cluster=rec.name, reason=reason,
                     message=words)

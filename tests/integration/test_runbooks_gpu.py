@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from support.hub import Hub, wait_for
-from test_runbooks import RAN, blocks, env_of, runbook
+from test_runbooks import RAN, Prometheus, blocks, env_of, runbook
 
 pytestmark = [pytest.mark.integration]
 
@@ -103,13 +103,20 @@ def users(hub):
     return {name: hub.login(name) for name in ("admin", "alice", "bob")}
 
 
+@pytest.fixture(scope="module")
+def prometheus(hub, users, tmp_path_factory):
+    p = Prometheus(tmp_path_factory.mktemp("prom"), hub, users["admin"].token)
+    yield p
+    p.stop()
+
+
 def gpu_state(admin, gpu) -> str:
     r = admin.api.get(admin.url("/gpuhub/gpus"))
     r.raise_for_status()
     return next(g["state"] for g in r.json()["gpus"] if g["id"] == gpu)
 
 
-def test_a_suspect_gpu_is_drained_and_an_xid_79_gpu_is_found_and_uncordoned(hub, users, gpus):
+def test_a_suspect_gpu_is_drained_and_an_xid_79_gpu_is_found_and_uncordoned(hub, users, gpus, prometheus):
     admin, alice = users["admin"], users["alice"]
     assert alice.start("gpu-1").status_code in (201, 202)
     alice.wait_ready()
@@ -129,6 +136,8 @@ def test_a_suspect_gpu_is_drained_and_an_xid_79_gpu_is_found_and_uncordoned(hub,
     assert re.search(rf"^{held}\s+a100\s+suspect\s.*alice/.*row remapping is pending", out, re.M), out
     assert re.search(rf'^gpuhub_gpu_health\{{.*device="{free}".*state="bad".*\}} 1\.0$', out, re.M), out
     assert re.search(rf"^\d\d:\d\d:\d\d {free} healthy -> bad XID 79", out, re.M), out
+    if prometheus.url:  # the rule evaluated by a real Prometheus on this hub's series
+        wait_for(lambda: prometheus.alert("GpuhubGpuBad") == "pending", 15, "GpuhubGpuBad pending (for: 1m)")
 
     # (the GPU is reset: nvidia-smi -r, not run here; an event mark stays until the uncordon)
     out = runbook("gpu-bad", "uncordon", env)
@@ -136,6 +145,8 @@ def test_a_suspect_gpu_is_drained_and_an_xid_79_gpu_is_found_and_uncordoned(hub,
     out = runbook("gpu-bad", "verify", env)
     assert re.search(rf"^{free}\s+a100\s+healthy", out, re.M), out
     assert "vision a100: 2 usable" in out or "vision a100: 1 usable" in out, out  # the drained one
+    if prometheus.url:
+        wait_for(lambda: prometheus.alert("GpuhubGpuBad") is None, 15, "GpuhubGpuBad to resolve")
     entries = admin.api.get(admin.url("/gpuhub/audit?event=gpu_uncordoned")).json()["entries"]
     assert entries[-1]["device"] == free and entries[-1]["by"] == "admin"
 

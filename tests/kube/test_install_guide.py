@@ -105,6 +105,13 @@ def test_follow_the_guide_against_the_double(kube, tmp_path):
             # only list nodes and, for a designated queue, get/patch it by name (unit: test_kube_capacity)
             assert all(set(r["verbs"]) <= {"list", "get", "patch"} for r in docs[0]["rules"])
             assert docs[1]["subjects"] == [{"kind": "ServiceAccount", "name": "hub", "namespace": HUB_NS}]
+        elif words[:3] == ["gpuhub", "render", "policy-rbac"]:
+            docs = [d for d in yaml.safe_load_all(run(GPUHUB + words[1:])) if d]
+            assert [d["kind"] for d in docs] == ["Role", "RoleBinding"]
+            for doc in docs:
+                kubernetes_validate.validate(doc, "1.30", strict=True)
+            [rule] = docs[0]["rules"]  # that one ConfigMap, in the hub's namespace
+            assert rule["resourceNames"] == ["gpuhub-policy"] and docs[0]["metadata"]["namespace"] == HUB_NS
         elif cmd == "kubectl apply -f kueue.yaml":
             kube.apply([d for d in yaml.safe_load_all((tmp_path / "kueue.yaml").read_text()) if d])
         elif words[:3] == ["kubectl", "apply", "-f"] and words[3].startswith("helm-values/"):
@@ -385,6 +392,8 @@ def real_cluster():
     if REAL_SKIP:
         pytest.skip(REAL_SKIP)
     cluster, started = real.ensure_up()
+    # The guide creates these cluster-wide objects and expects "created": an earlier run's go first.
+    cluster.kubectl("delete", "clusterrolebinding,clusterrole", "gpuhub-gpu-capacity", "--ignore-not-found")
     yield cluster
     # The release goes (other tests create their own "hub" Deployment in gpuhub), and with it
     # the stand-in volume.
@@ -497,6 +506,9 @@ def check_step(cmd: str, out: str, op: Operator, others: list[str]) -> None:
             conds = {c["type"]: c["status"] for c in (cq.get("status") or {}).get("conditions") or []}
             assert conds.get("Active") == "True", cq["metadata"]["name"]
         assert all(name in out for name in ("vision", "nlp", "students"))
+    elif cmd.startswith("gpuhub render policy-rbac"):
+        assert "role.rbac.authorization.k8s.io/gpuhub-policy-writer created" in out, out
+        assert "rolebinding.rbac.authorization.k8s.io/gpuhub-policy-writer created" in out, out
     elif cmd.startswith("gpuhub render capacity-rbac"):
         assert "clusterrole.rbac.authorization.k8s.io/gpuhub-gpu-capacity created" in out, out
         assert "clusterrolebinding.rbac.authorization.k8s.io/gpuhub-gpu-capacity created" in out, out

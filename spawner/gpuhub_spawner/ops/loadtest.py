@@ -434,9 +434,13 @@ def table(report: dict, baseline: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def _token(args) -> str | None:
+def _token(args, problems: list[str]) -> str | None:
     if args.token_file:
-        return Path(args.token_file).read_text().strip()
+        try:
+            return Path(args.token_file).read_text(errors="replace")[:4096].strip() or None
+        except OSError as e:
+            problems.append(f"--token-file {args.token_file}: {e.strerror}")
+            return ""
     return os.environ.get("GPUHUB_ADMIN_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
 
 
@@ -476,8 +480,8 @@ def main(argv: list[str]) -> int:
         problems.append(f"--prefix {args.prefix!r}: lower-case letters, digits and '-', starting with a letter, at most 20")
     if args.deadline <= 0 or args.deadline > 6 * 3600 or args.idle < 0 or args.ramp < 0:
         problems.append("--deadline must be in (0, 21600] seconds; --idle and --ramp not negative")
-    token = _token(args)
-    if not token:
+    token = _token(args, problems)
+    if token is None:
         problems.append("no admin token: --token-file FILE, or GPUHUB_ADMIN_TOKEN in the environment")
     baseline = None
     if args.baseline:

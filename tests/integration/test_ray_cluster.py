@@ -213,3 +213,27 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     (hub.workdir / "ray-timeline.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"walk took {time.time() - t0:.0f}s (task done at +{t_task - t0:.0f}s)")
+
+
+def test_notebook_helper_with_a_worker_and_the_cluster_stops_with_the_server(hub, users):
+    """``gpuhub_notebook.ray_cluster`` in a kernel: a head and one worker holding both GPUs;
+    kept (``keep=True``), it stops when alice's server stops (``ray.stopWithServer``, default on)."""
+    alice = users["alice"]
+    assert alice.start("cpu").status_code in (201, 202)
+    s = alice.wait_ready()
+    k = KernelSession("", hub.server_url(s["url"]), alice.token, f"ray-{uuid.uuid4().hex[:6]}.ipynb")
+    out = k.execute(textwrap.dedent("""\
+        import ray, gpuhub_notebook
+        with gpuhub_notebook.ray_cluster(gpus=2, workers=1, name="helper", keep=True) as address:
+            ray.init(address, log_to_driver=False)
+            print("nodes", sorted(n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]))
+            ray.shutdown()
+    """), timeout=900)
+    assert "Ray cluster helper: queued" in out or "Ray cluster helper: starting" in out, out
+    assert "Ray cluster helper: running: since" in out and "nodes [0.0, 2.0]" in out, out  # the worker holds both
+    k.close()
+    assert view(alice, "helper").json()["state"] == "running"
+    alice.stop()
+    alice.wait_gone()
+    ended = wait_for(lambda: (v := view(alice, "helper").json())["state"] == "stopped" and v, 60, "the stop with the server")
+    assert ended["reason"] == "server-stopped" and "ray.stopWithServer" in ended["status"], ended

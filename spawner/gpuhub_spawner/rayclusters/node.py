@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 READY = "[gpuhub-ray] ready "
@@ -52,6 +53,15 @@ def shares(devices: list[str], gpus: int, workers: int) -> list[list[str]]:
     for i, d in enumerate(devices[:gpus]):
         out[i % workers].append(d)
     return out
+
+
+def _pump(pr: subprocess.Popen, joined: threading.Event) -> None:
+    """Copy a worker's output to ours; note when it has joined the cluster."""
+    for line in pr.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        if "Ray runtime started" in line:
+            joined.set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,11 +115,25 @@ def main(argv: list[str] | None = None) -> int:
             stop()
             return 1
         time.sleep(0.2)
+    joined: list[threading.Event] = []
     for share in (per if args.workers else []):
-        procs.append(subprocess.Popen(
+        pr = subprocess.Popen(
             ray + ["--address", f"127.0.0.1:{gcs}", "--num-gpus", str(len(share)),
                    "--num-cpus", str(max(1, args.cpus // max(1, args.workers)))],
-            env=dict(env, CUDA_VISIBLE_DEVICES=",".join(share))))
+            env=dict(env, CUDA_VISIBLE_DEVICES=",".join(share), PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(pr)
+        joined.append(threading.Event())
+        threading.Thread(target=_pump, args=(pr, joined[-1]), daemon=True).start()
+    # Ready means every worker joined: a driver connecting earlier sees only the head.
+    while not all(e.is_set() for e in joined):
+        ended = next((pr for pr in procs if pr.poll() is not None), None)
+        if ended is not None or time.time() > deadline:
+            print("[gpuhub-ray] a worker did not join the cluster" + (f" (exit {ended.returncode})" if ended else ""),
+                  flush=True)
+            stop()
+            return 1
+        time.sleep(0.2)
     print(READY + json.dumps({"address": f"127.0.0.1:{gcs}", "dashboard_port": dash, "gpus": devices[:args.gpus],
                               "workers": args.workers, "virtual": args.virtual}),
           flush=True)

@@ -431,7 +431,9 @@ class Roles(_Model):
     viewers: list[str] = []  # usage and metrics only: no servers, files or artifacts
 
 
-# Kueue admits a workload of at most 8 pod sets; a RayCluster's head is one of them.
+# Worker processes (one machine) or pods (Kubernetes) a cluster may have. A policy cap, not
+# Kueue's: Kueue v0.19.2 takes up to 18 pod sets per workload (MaxPodSets), i.e. a head and 17
+# worker groups (kube/ray_manifest.py enforces that); 7 keeps clusters a size the queue can place.
 MAX_RAY_WORKERS = 7
 
 

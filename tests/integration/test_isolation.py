@@ -173,7 +173,9 @@ def test_server_environment_carries_nothing_of_the_hubs(hub, users):
     # nothing but what JupyterHub and gpuhub mean to give the server
     allowed_prefixes = ("JUPYTERHUB_", "JPY_", "GPUHUB_", "MLFLOW_")
     allowed = {"CUDA_VISIBLE_DEVICES", "HOME", "USER", "LOGNAME", "SHELL", "PATH", "LANG", "LC_ALL", "VIRTUAL_ENV",
-               "PYTHONPATH", "LD_LIBRARY_PATH", "CONDA_ROOT", "CONDA_DEFAULT_ENV", "MEM_LIMIT", "CPU_LIMIT"}
+               "PYTHONPATH", "LD_LIBRARY_PATH", "CONDA_ROOT", "CONDA_DEFAULT_ENV", "MEM_LIMIT", "CPU_LIMIT",
+               "RAY_AUTH_MODE"}  # gpuhub's: kernels join the user's Ray cluster with its token (docs/ray.md)
+    assert env.get("RAY_AUTH_MODE") in (None, "token")
     extra = sorted(k for k in env if k not in allowed and not k.startswith(allowed_prefixes))
     assert extra == [], extra
     assert env["HOME"] == f"/home/{hub.prefix}alice" and env["USER"] == f"{hub.prefix}alice"

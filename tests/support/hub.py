@@ -135,7 +135,7 @@ class Hub:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 tail = self.tail()
-                self.stop()  # its proxy and servers, if it got that far
+                self._stop_after_failed_start()  # its proxy and servers, if it got that far
                 raise RuntimeError(f"hub exited with {self.proc.returncode}:\n{tail}")
             try:
                 if requests.get(self.url + "/hub/api/", timeout=2).status_code == 200:
@@ -147,8 +147,17 @@ class Hub:
         tail = self.tail()
         # A fixture whose start fails never reaches its teardown: stop this hub, its proxy,
         # its services and servers here, or they run on after the test run.
-        self.stop()
+        self._stop_after_failed_start()
         raise TimeoutError(f"hub did not answer in {timeout}s:\n{tail}")
+
+    def _stop_after_failed_start(self) -> None:
+        """Stop what a failed start left; the start's own error is what the caller must see (a
+        hub refused for another hub's account prefix: removing that prefix's isolation is
+        refused too, and that refusal must not replace the hub's)."""
+        try:
+            self.stop()
+        except Exception as e:  # noqa: BLE001
+            print(f"[hub] cleanup after a failed start: {e}", file=sys.stderr)
 
     def server_url(self, url: str) -> str:
         """An absolute URL for a server model's ``url`` (absolute with subdomains, else a path)."""

@@ -186,6 +186,14 @@ class KubeRayManager(RayClusterManager):
 
     # -- reading back --------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
+        # kubespawner's shared clients are cached per kind with the client configuration of the
+        # moment they are made: load the cluster's configuration first, as every KueueSpawner
+        # does (its API host, CA, TLS settings), or this loop's first read at hub start would
+        # cache a CustomObjectsApi without a host for the whole hub (the jobs and the ledger too).
+        try:
+            self._hub_spawner(SimpleNamespace(name="gpuhub-ray", id=0, url="/", groups=[]), "")
+        except Exception:  # noqa: BLE001 - outside a running hub (tests): the caller configured the client
+            log.debug("no hub to load the cluster's client configuration from", exc_info=True)
         while True:
             try:
                 await self.refresh()

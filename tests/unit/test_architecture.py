@@ -165,3 +165,14 @@ def test_every_unit_test_file_is_in_a_layer():
     unit = {f"unit/{p.name}" for p in (tests / "unit").glob("test_*.py")}
     assert sorted(unit - listed) == [], "add these to a layer in tests/support/layers.py"
     assert sorted(f for f in listed if not (tests / f).exists()) == []
+
+
+def test_no_two_test_files_share_a_name():
+    """The test folders are not packages: pytest imports each file by its basename, and a second
+    file of the same name anywhere under tests/ fails the whole run's collection ('import file
+    mismatch') while each passes alone. It happened twice (test_gpu_health, test_ray_manager)."""
+    from collections import Counter
+
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert sorted(n for n, c in names.items() if c > 1) == []

@@ -133,8 +133,15 @@ class KubeRayManager(RayClusterManager):
             self._poller = asyncio.ensure_future(self._poll_loop())
 
     def recover(self) -> None:
-        """Start reading the cluster (at hub start: what exists is found by its labels)."""
-        self._ensure_poller()
+        """Start reading the cluster (at hub start: what exists is found by its labels), where the
+        policy has Ray clusters (``ray.enabled``); otherwise the first start begins it. A hub
+        without Ray clusters polls nothing for them."""
+        try:
+            enabled = self.policy.ray.enabled
+        except Exception:  # noqa: BLE001 - no policy yet: the first start reads it
+            enabled = False
+        if enabled:
+            self._ensure_poller()
 
     # -- start -------------------------------------------------------------------------------
     async def start(self, user, groups: list[str], request: RayRequest) -> RayClusterView:
@@ -190,10 +197,13 @@ class KubeRayManager(RayClusterManager):
         # moment they are made: load the cluster's configuration first, as every KueueSpawner
         # does (its API host, CA, TLS settings), or this loop's first read at hub start would
         # cache a CustomObjectsApi without a host for the whole hub (the jobs and the ledger too).
-        try:
-            self._hub_spawner(SimpleNamespace(name="gpuhub-ray", id=0, url="/", groups=[]), "")
-        except Exception:  # noqa: BLE001 - outside a running hub (tests): the caller configured the client
-            log.debug("no hub to load the cluster's client configuration from", exc_info=True)
+        from jupyterhub.app import JupyterHub
+
+        if JupyterHub.initialized():  # outside a running hub (tests) the caller configured the client
+            try:
+                self._hub_spawner(SimpleNamespace(name="gpuhub-ray", id=0, url="/", groups=[]), "")
+            except Exception:  # noqa: BLE001 - the reads below say what is wrong, every pass
+                log.warning("Could not load the cluster's client configuration", exc_info=True)
         while True:
             try:
                 await self.refresh()

@@ -106,18 +106,9 @@ class KubeJobManager(SingletonConfigurable):
         job_id = "job-" + secrets.token_hex(5)
         spawner = self._spawner(user, job_id)
         spawner.user_options = {"profile": choice.profile.slug, "team": team.name}
-        from kubernetes_asyncio.client import ApiClient
-
-        try:
-            # The choice was checked above with the jobs' caps (GPUs, not maxServers); the
-            # spawner applies it to the pod exactly as for a server of this profile.
-            spawner._base()
-            spawner.choice = choice
-            spawner.apply_choice(choice)
-            pod = ApiClient().sanitize_for_serialization(await spawner.get_pod_manifest())
-        except Exception as e:  # noqa: BLE001 - the same refusals as a server start
-            status = getattr(e, "status_code", 400)
-            raise ChoiceError(status, getattr(e, "log_message", None) or str(e)) from None
+        # The choice was checked above with the jobs' caps (GPUs, not maxServers); the spawner
+        # applies it to the pod exactly as for a server of this profile.
+        pod = await spawner.pod_for(choice)
         job = job_manifest(job_id, user.name, spec, policy, choice, pod, job_priority_class=pclass, namespace=spawner.namespace)
         container = job["spec"]["template"]["spec"]["containers"][0]
         profile = choice.profile

@@ -145,7 +145,7 @@ class KubeRayManager(RayClusterManager):
 
     # -- start -------------------------------------------------------------------------------
     async def start(self, user, groups: list[str], request: RayRequest) -> RayClusterView:
-        from kubernetes_asyncio.client import ApiClient, ApiException
+        from kubernetes_asyncio.client import ApiException
 
         policy = self.policy
         rc_choice = choose(policy, groups, request)
@@ -160,13 +160,7 @@ class KubeRayManager(RayClusterManager):
         cid = "ray-" + secrets.token_hex(5)
         spawner = self.spawner_for(user, cid)
         spawner.user_options = {"profile": choice.profile.slug, "team": team.name}
-        try:
-            spawner._base()
-            spawner.choice = choice
-            spawner.apply_choice(choice)
-            pod = ApiClient().sanitize_for_serialization(await spawner.get_pod_manifest())
-        except Exception as e:  # noqa: BLE001 - the same refusals as a server start
-            raise ChoiceError(getattr(e, "status_code", 400), getattr(e, "log_message", None) or str(e)) from None
+        pod = await spawner.pod_for(choice)
         ns = self.namespace or spawner.namespace
         self.namespace = ns
         body = ray_cluster_manifest(cid, user.name, policy, choice, pod, groups_, namespace=ns)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from support.fake_gpus import FakeGpus
 from support.hub import Hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -52,37 +53,9 @@ health:
 """
 
 
-class FakeGpus:
-    """The fake NVML's file: what the driver would say about each GPU."""
-
-    def __init__(self, path: Path, n: int):
-        self.path = path
-        self.devices = [{"uuid": f"GPU-fake-{i}", "name": "NVIDIA Fake A100", "memory_total": 80 * 2**30,
-                         "utilization": 50, "events": []} for i in range(n)]
-        self._event = 0
-        self.write()
-
-    def write(self):
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"devices": self.devices}))
-        tmp.replace(self.path)
-
-    def _dev(self, uuid):
-        return next(d for d in self.devices if d["uuid"] == uuid)
-
-    def xid(self, uuid, xid):
-        self._event += 1
-        self._dev(uuid)["events"].append({"id": self._event, "type": 8, "data": xid})  # nvmlEventTypeXidCriticalError
-        self.write()
-
-    def set(self, uuid, **fields):
-        self._dev(uuid).update(fields)
-        self.write()
-
-
 @pytest.fixture(scope="module")
 def gpus(tmp_path_factory):
-    return FakeGpus(tmp_path_factory.mktemp("nvml") / "nvml.json", 3)
+    return FakeGpus(tmp_path_factory.mktemp("nvml") / "nvml.json", 3, utilization=50)
 
 
 @pytest.fixture(scope="module")

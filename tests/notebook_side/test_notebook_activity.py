@@ -84,7 +84,9 @@ def test_kernel_busy_and_idle_and_terminals(nb_server):
         # Run a cell as a frontend would (a second client of the same kernel): the server sees busy.
         kc = BlockingKernelClient()
         kc.load_connection_file(str(nb_server.runtime_dir / f"kernel-{kid}.json"))
-        kc.start_channels()
+        # No heartbeat channel: its 1 s time-to-dead calls a kernel that is still importing on a loaded
+        # machine "dead" (CI saw it); the shell reply of wait_for_ready is the readiness we need.
+        kc.start_channels(hb=False)
         try:
             kc.wait_for_ready(timeout=30)
             kc.execute("import time; time.sleep(3)")
@@ -162,7 +164,9 @@ def test_a_busy_silent_kernel_keeps_its_server_active(tmp_path, fake_nvml):
         kid = server.post("api/kernels", json={"name": "python3"}).json()["id"]
         kc = BlockingKernelClient()
         kc.load_connection_file(str(server.runtime_dir / f"kernel-{kid}.json"))
-        kc.start_channels()
+        # No heartbeat channel: its 1 s time-to-dead calls a kernel that is still importing on a loaded
+        # machine "dead" (CI saw it); the shell reply of wait_for_ready is the readiness we need.
+        kc.start_channels(hb=False)
         try:
             kc.wait_for_ready(timeout=30)
             kc.execute("import time; time.sleep(8)")

@@ -233,3 +233,61 @@ def test_an_unread_slice_counts_idle_or_only_activity_as_the_policy_says_and_the
     # a GPU that is read is judged as before, whatever gpuUnread says
     s = CullState()
     assert decide(1800, activity, Signals(0.0, last_activity=1700, has_gpus=True), s).rule == GPU_IDLE
+
+
+# -- a slice's utilisation from GPM, where its GPU has it (Hopper), none where not (A100) ------------
+from gpuhub_spawner.culling.gpu import read_nvml  # noqa: E402
+
+
+def h100(uuid, slices):
+    return {"uuid": uuid, "name": "NVIDIA H100 80GB HBM3", "memory_total": 80 * 2**30, "events": [], "gpm": True,
+            "mig": {"enabled": True, "devices": slices}}
+
+
+def test_a_hopper_slice_is_read_through_gpm_an_a100_slice_is_unread(fake, monkeypatch):
+    h = [dict(slice_("MIG-h-busy", "1g.10gb", gi=7), utilization=83),
+         dict(slice_("MIG-h-idle", "1g.10gb", gi=8), utilization=0),
+         slice_("MIG-h-none", "1g.10gb", gi=9)]  # GPM, but no reading for this one
+    fake.write([h100("GPU-h100", h), a100("GPU-a100", [dict(slice_("MIG-a", gi=7), utilization=90)]),
+                {"uuid": "GPU-whole", "name": "NVIDIA L4", "utilization": 41, "events": []}])
+    ids = ["MIG-h-busy", "MIG-h-idle", "MIG-h-none", "MIG-a", "GPU-whole", "MIG-gone"]
+    waits = []
+    monkeypatch.setattr("gpuhub_spawner.culling.gpu.time.sleep", waits.append)
+    # a busy Hopper slice reads busy, an idle one idle; the A100's slice (no GPM) and the slice whose
+    # metric fails have no reading at all, which the profile's gpuUnread decides; one wait for all
+    assert read_nvml(ids, gpm_window=0.5) == {"MIG-h-busy": 83, "MIG-h-idle": 0, "GPU-whole": 41}
+    assert waits == [0.5]
+    # an nvidia-ml-py without GPM (older than 11.5): the slices are unread, nothing breaks
+    monkeypatch.delattr(fake, "nvmlGpmQueryDeviceSupport")
+    assert read_nvml(ids) == {"GPU-whole": 41}
+    # no slice to sample through GPM: no wait
+    waits.clear()
+    assert read_nvml(["GPU-whole", "MIG-a"]) == {"GPU-whole": 41} and waits == []
+
+
+def test_the_gpm_samples_are_freed_and_taken_of_the_slices_gpu_instance(fake, monkeypatch):
+    fake.write([h100("GPU-h100", [dict(slice_("MIG-x", gi=11), utilization=5), dict(slice_("MIG-y", gi=12), utilization=60)])])
+    monkeypatch.setattr("gpuhub_spawner.culling.gpu.time.sleep", lambda s: None)
+    taken, allocated = [], []
+    real_get, real_alloc = fake.nvmlGpmMigSampleGet, fake.nvmlGpmSampleAlloc
+    monkeypatch.setattr(fake, "nvmlGpmMigSampleGet", lambda dev, gi, s: taken.append((dev, gi)) or real_get(dev, gi, s))
+    monkeypatch.setattr(fake, "nvmlGpmSampleAlloc", lambda: allocated.append(real_alloc()) or allocated[-1])
+    assert read_nvml(["MIG-y", "MIG-x"]) == {"MIG-y": 60, "MIG-x": 5}
+    assert sorted(taken) == [(("fake", 0), 11)] * 2 + [(("fake", 0), 12)] * 2  # the parent GPU, each slice's GI twice
+    assert len(allocated) == 4 and all(s.freed for s in allocated)
+
+
+def test_a_busy_gpm_slice_is_kept_and_an_idle_one_warned_by_the_gpu_rule_not_the_unread_rule(fake, monkeypatch):
+    fake.write([h100("GPU-h100", [dict(slice_("MIG-busy", gi=7), utilization=70), dict(slice_("MIG-idle", gi=8), utilization=1)])])
+    monkeypatch.setattr("gpuhub_spawner.culling.gpu.time.sleep", lambda s: None)
+    rules = IdleRules(timeout=3600, gpu_idle_timeout=1800, warning=600, gpu_unread="activity")
+    readings = read_nvml(["MIG-busy", "MIG-idle"])
+    now, threshold = 1800.0, 5  # both notebooks active all along; the culler's busy threshold
+    decisions = {}
+    for dev, util in readings.items():
+        # a reading: gpuUnread does not apply (culling/board.py passes it only for an unread GPU)
+        signals = Signals(0.0, last_activity=now, gpu_last_busy=now if util >= threshold else None, has_gpus=True)
+        decisions[dev] = decide(now, rules, signals, CullState())
+    assert decisions["MIG-busy"].action == "keep"
+    assert decisions["MIG-idle"].action == "warn" and decisions["MIG-idle"].rule == GPU_IDLE
+    assert decisions["MIG-idle"].reason == "its GPUs were idle for 30m"  # no word about unread GPUs

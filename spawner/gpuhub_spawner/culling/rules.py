@@ -18,8 +18,9 @@ The three rules, each measured from the start of the idle period it is about:
                  or the server's kernels report.
 ``maxAge``       this old, busy or not; no snooze moves it.
 
-No trusted reading at all (a MIG slice: NVML measures no utilisation of a slice; a virtual
-GPU) follows the policy's ``idle.gpuUnread``: ``idle`` (default) counts the GPU idle, so
+No trusted reading at all (a MIG slice of a GPU without GPM, such as an A100's: NVML measures
+no utilisation of it, while a Hopper slice is read through GPM, culling/gpu.py; a virtual GPU)
+follows the policy's ``idle.gpuUnread``: ``idle`` (default) counts the GPU idle, so
 ``gpuIdleTimeout`` applies; ``activity`` judges the server by the activity rules only, as a
 server without GPUs. The warning says which.
 
@@ -56,9 +57,10 @@ class Signals:
         """Whether the GPU rules apply (not for an unread GPU under gpuUnread: activity)."""
         return self.has_gpus and self.gpu_unread != "activity"
 
-UNREAD_IDLE = "it reports no GPU utilisation (a MIG slice or virtual GPU), which the policy counts as idle (gpuUnread: idle)"
-UNREAD_ACTIVITY = ("it reports no GPU utilisation (a MIG slice or virtual GPU), so the policy judges it by activity "
-                   "only (gpuUnread: activity)")
+UNREAD_IDLE = ("it reports no GPU utilisation (a MIG slice of a GPU without GPM, such as an A100, or a virtual GPU), "
+               "which the policy counts as idle (gpuUnread: idle)")
+UNREAD_ACTIVITY = ("it reports no GPU utilisation (a MIG slice of a GPU without GPM, such as an A100, or a virtual "
+                   "GPU), so the policy judges it by activity only (gpuUnread: activity)")
 
 
 @dataclass

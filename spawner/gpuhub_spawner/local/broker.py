@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 from tornado.ioloop import PeriodicCallback
 from traitlets import Integer, Unicode
@@ -21,7 +22,7 @@ from ..policy.checks import capacity_warnings, warning_interval_warnings
 from ..policy.model import Policy
 from ..culling.reclaimer import Reclaimer  # lent GPUs come back to their team (admission/reclaim.py)
 from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
-from .devices import DeviceTable, capacity_by_flavor, discover_nvml
+from .devices import CAPABILITIES, DeviceTable, capacity_by_flavor, discover_nvml
 from .gpu_health import GpuHealthMonitor
 
 log = logging.getLogger("JupyterHub.gpuhub.broker")
@@ -62,8 +63,17 @@ class LocalBroker(SingletonConfigurable):
         (in the hub's data dir). Empty: in memory only. See docs/gpu-health.md.""",
     ).tag(config=True)
 
-    def __init__(self, discover=discover_nvml, **kwargs):
+    nvidia_capabilities = Unicode(
+        CAPABILITIES,
+        help="""The driver's table of MIG capability nodes (which nvidia-caps/nvidia-cap<N> grants a
+        slice's GPU and compute instance); a MIG server's private /dev gets its slice's. Tests
+        point this at a stand-in tree. See docs/mig.md.""",
+    ).tag(config=True)
+
+    def __init__(self, discover=None, **kwargs):
         super().__init__(**kwargs)
+        if discover is None:
+            discover = partial(discover_nvml, capabilities=self.nvidia_capabilities)
         self.store = PolicyStore.instance(config=self.config)
         self.devices = DeviceTable(lambda: self.store.current, discover=discover)
         self.journal = QueueJournal(self.queue_journal) if self.queue_journal else None

@@ -18,13 +18,19 @@ faults and script events while the hub and servers run::
                   # MIG (optional): mode on, and the slices (MIG devices) as NVML lists them
                   "mig": {"enabled": true, "max": 7,
                           "devices": [{"uuid": "MIG-...", "name": "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
-                                       "memory_total": 10200547328, "gi": 7, "ci": 0}]}}],
+                                       "memory_total": 10200547328, "gi": 7, "ci": 0,
+                                       "utilization": 80}]},   # read only through GPM, below
+                  "gpm": true}],                              # GPM (Hopper and later: H100, H200)
      # the driver (optional): its version, and the newest CUDA it supports as NVML packs it
      "driver": {"version": "550.54.15", "cuda": 12040}}
 
 A MIG device's handle is ``("mig", gpu index, slice index)``. As real NVML, a slice reports
 no utilisation (``nvmlDeviceGetUtilizationRates`` raises NotSupported on it) and its health
-comes from its parent GPU.
+comes from its parent GPU. A GPU with ``"gpm": true`` has GPM (``nvmlGpmQueryDeviceSupport``),
+as a Hopper GPU does and an A100 does not: a slice's ``utilization`` is then its
+``NVML_GPM_METRIC_GRAPHICS_UTIL`` between two ``nvmlGpmMigSampleGet`` samples of its GPU
+instance (the value when the second sample was taken). A slice without ``utilization`` on a
+GPM GPU has no reading (the metric's ``nvmlReturn`` is NotSupported).
 
 An event set delivers each event (by ``id``) once, and only events added after the device
 was registered with it, as the driver does. Errors are raised as nvidia-ml-py raises them:
@@ -302,6 +308,91 @@ def nvmlDeviceGetComputeInstanceId(device):
     if device[0] != "mig":
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     return int(_slice(device).get("ci", 0))
+
+
+# -- GPM (GPU performance monitoring: Hopper and later) ----------------------------------------
+NVML_GPM_METRICS_GET_VERSION = 1
+NVML_GPM_SUPPORT_VERSION = 1
+NVML_GPM_METRIC_GRAPHICS_UTIL = 1
+NVML_GPM_METRIC_SM_UTIL = 2
+_GPM_METRIC_SLOTS = 8  # the real struct holds NVML_GPM_METRIC_MAX; gpuhub asks for one
+
+
+class _GpmSample:
+    def __init__(self):
+        self.source = None  # (gpu index, gpu instance id or None for the whole GPU)
+        self.reading = None
+        self.at = None
+        self.freed = False
+
+
+def nvmlGpmSampleAlloc():
+    _check()
+    return _GpmSample()
+
+
+def nvmlGpmSampleFree(gpmSample):
+    if gpmSample.freed:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    gpmSample.freed = True
+
+
+def nvmlGpmQueryDeviceSupport(device):
+    d = _get(device)
+    if device[0] == "mig":
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)  # asked of the parent GPU, as the real one
+    return SimpleNamespace(version=NVML_GPM_SUPPORT_VERSION, isSupportedDevice=1 if d.get("gpm") else 0)
+
+
+def _gpm_take(sample, source, reading):
+    if sample.freed:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    sample.source, sample.reading, sample.at = source, reading, time.monotonic()
+    return sample
+
+
+def nvmlGpmSampleGet(device, gpmSample):
+    d = _get(device)
+    if device[0] == "mig" or not d.get("gpm"):
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return _gpm_take(gpmSample, (device[1], None), d.get("utilization"))
+
+
+def nvmlGpmMigSampleGet(device, gpuInstanceId, gpmSample):
+    d = _get(device)
+    if device[0] == "mig":
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)  # the parent GPU and a GPU instance id
+    if not d.get("gpm"):
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    for m, sl in enumerate(_slices(d)):
+        if int(sl.get("gi", m + 1)) == int(gpuInstanceId):
+            return _gpm_take(gpmSample, (device[1], int(gpuInstanceId)), sl.get("utilization"))
+    raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+
+class c_nvmlGpmMetricsGet_t:
+    """As nvidia-ml-py's ctypes struct, for what gpuhub touches: version, numMetrics, sample1,
+    sample2 and ``metrics[i]`` with metricId in, nvmlReturn and value out."""
+
+    def __init__(self):
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1 = self.sample2 = None
+        self.metrics = [SimpleNamespace(metricId=0, nvmlReturn=NVML_SUCCESS, value=0.0) for _ in range(_GPM_METRIC_SLOTS)]
+
+
+def nvmlGpmMetricsGet(metricsGet):
+    _check()
+    a, b = metricsGet.sample1, metricsGet.sample2
+    if (metricsGet.version != NVML_GPM_METRICS_GET_VERSION or a is None or b is None or a.freed or b.freed
+            or a.at is None or b.at is None or a.source != b.source or not 0 < metricsGet.numMetrics <= _GPM_METRIC_SLOTS):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    for metric in metricsGet.metrics[:metricsGet.numMetrics]:
+        if metric.metricId in (NVML_GPM_METRIC_GRAPHICS_UTIL, NVML_GPM_METRIC_SM_UTIL) and b.reading is not None:
+            metric.nvmlReturn, metric.value = NVML_SUCCESS, float(b.reading)
+        else:
+            metric.nvmlReturn, metric.value = NVML_ERROR_NOT_SUPPORTED, 0.0
+    return metricsGet
 
 
 # -- health signals --------------------------------------------------------------------------

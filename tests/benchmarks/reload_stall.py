@@ -1,6 +1,6 @@
 """A policy edit on a real hub with every listener on: the longest stall a user's request feels.
 
-    .venv/bin/python tests/benchmarks/reload_stall.py [--rounds 4] [--window 20] [--mlflow] [--before REV]
+    .venv/bin/python tests/benchmarks/reload_stall.py [--rounds 4] [--window 20] [--mlflow] [--before REV] [--stacks FILE]
 
 A real JupyterHub with gpuhub's own configuration (``tests/support/hub.py``: the one-machine
 broker and queue, the usage recorder, audit trail and metrics, the policy's roles followed
@@ -104,10 +104,14 @@ def extract(rev: str, into: Path) -> Path:
 class Subject:
     """One hub under test, its policy's data, its probe."""
 
-    def __init__(self, label: str, workdir: Path, text: str, mlflow: bool, env: dict):
+    def __init__(self, label: str, workdir: Path, text: str, mlflow: bool, env: dict, stacks: str | None = None):
         self.label = label
         self.data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        self.hub = Hub(workdir, text, mlflow=mlflow, env=env)
+        extra = ""
+        if stacks:  # where the loop stalls: stall_sampler.py in the hub's process
+            extra = (f"\nimport sys; sys.path.insert(0, {str(HERE)!r}); import stall_sampler; "
+                     f"stall_sampler.install({stacks!r})\n")
+        self.hub = Hub(workdir, text, extra_config=extra, mlflow=mlflow, env=env)
         self.edits = 0
         self.probe: Probe | None = None
         self.edit_max: list[float] = []
@@ -201,10 +205,12 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=20.0, help="seconds per window (the edit must be applied in it)")
     ap.add_argument("--mlflow", action="store_true", help="also run the MLflow service (~450 MiB, ~10 s of CPU)")
     ap.add_argument("--before", default=None, help="a second hub with the package at this git revision")
+    ap.add_argument("--stacks", default=None, metavar="FILE",
+                    help="sample the hub's main thread (stall_sampler.py) and write where its stalls went to FILE")
     args = ap.parse_args()
     text = big_policy()
     with tempfile.TemporaryDirectory() as tmp:
-        subjects = [Subject("now", Path(tmp) / "now", text, args.mlflow, {})]
+        subjects = [Subject("now", Path(tmp) / "now", text, args.mlflow, {}, args.stacks)]
         if args.before:
             old = str(extract(args.before, Path(tmp) / "before-src"))
             subjects.append(Subject(f"@{args.before}", Path(tmp) / "before", text, args.mlflow,
@@ -237,6 +243,8 @@ def main() -> None:
               f"{statistics.median(s.applied):.1f} s, -> its audit entry {statistics.median(s.audited):.1f} s (medians); "
               f"probe errors {s.probe.errors}; edits later than the window {s.late}")
     print("goal: the longest stall with an edit <= 50 ms")
+    if args.stacks:
+        print(f"where the loop of 'now' stalled: {args.stacks}")
 
 
 if __name__ == "__main__":

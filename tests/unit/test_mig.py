@@ -291,3 +291,100 @@ def test_a_busy_gpm_slice_is_kept_and_an_idle_one_warned_by_the_gpu_rule_not_the
     assert decisions["MIG-busy"].action == "keep"
     assert decisions["MIG-idle"].action == "warn" and decisions["MIG-idle"].rule == GPU_IDLE
     assert decisions["MIG-idle"].reason == "its GPUs were idle for 30m"  # no word about unread GPUs
+
+
+# -- quota in GPU memory for a team that mixes shapes (Kueue's resource transformations) ---------------
+from gpuhub_spawner.admission import AdmissionQueue as _Queue, Ticket  # noqa: E402
+from gpuhub_spawner.admission.quota import GPU_MEMORY  # noqa: E402
+
+MIXED_SHAPES = """\
+flavors:
+  - {name: a100, displayName: A100, local: {match: A100, virtual: 1}}
+  - {name: a100-1g, displayName: A100 1g.10gb, mig: {profile: 1g.10gb}, local: {match: A100, virtual: 7}}
+  - {name: a100-3g, displayName: A100 3g.40gb, mig: {profile: 3g.40gb}, local: {match: A100, virtual: 2}}
+teams:
+  - name: lab
+    displayName: Lab
+    groups: [lab]
+    quota: {gpus: {a100: 1}, gpuMemory: {nominal: 60Gi, flavors: [a100-1g, a100-3g]}}
+  - name: students
+    groups: [students]
+    quota: {gpus: {a100-1g: 3}}
+profiles:
+  - {slug: small, displayName: small, gpu: {count: 1, flavor: a100-1g}, teams: [lab, students]}
+  - {slug: large, displayName: large, gpu: {count: 1, flavor: a100-3g}, teams: [lab]}
+"""
+
+
+def test_a_team_mixing_shapes_counts_their_memory_and_waits_with_words_naming_the_slice():
+    p = parse_policy(MIXED_SHAPES, "p.yaml")
+    small, large = demand_for(p, p.profile("small")), demand_for(p, p.profile("large"))
+    assert small[GPU_MEMORY] == 10 * 2**30 and large[GPU_MEMORY] == 40 * 2**30  # the memory the shape names
+    lab, students = p.team("lab"), p.team("students")
+    # 40Gi + 10Gi held: one more 1g fits (60Gi), however many 1g slices that makes; a 3g does not
+    held = {"lab": {"gpu/a100-3g": 1, "gpu/a100-1g": 1, GPU_MEMORY: 50 * 2**30}}
+    assert check_fit(p, held, lab, small).fits
+    fit = check_fit(p, held, lab, large)
+    assert not fit.fits and fit.never is None
+    assert fit.shortages[0].reason == ("needs 40Gi of MIG slice memory (1 A100 3g.40gb slice): your team Lab is using "
+                                       "50Gi of the 60Gi it may hold; it waits until one of your team's servers or jobs stops")
+    # the students count 1g slices, as before: their slices' memory is not limited
+    used = {"students": {"gpu/a100-1g": 2, GPU_MEMORY: 20 * 2**30}}
+    assert check_fit(p, used, students, small).fits
+    fit = check_fit(p, {"students": {"gpu/a100-1g": 3, GPU_MEMORY: 30 * 2**30}}, students, small)
+    assert not fit.fits and "needs 1 A100 1g.10gb slice:" in fit.shortages[0].reason
+
+
+async def test_one_machine_admits_a_memory_team_by_memory_and_hands_out_slices_of_each_shape():
+    p = parse_policy(MIXED_SHAPES, "p.yaml")
+    table = DeviceTable(lambda: p, discover=lambda: [])  # the policy's virtual slices: 7 x 1g, 2 x 3g
+    q = _Queue(lambda: p, table)
+
+    def ticket(key, profile, team="lab"):
+        return Ticket(key=key, user=key.split("/")[0], team=team, profile=profile, demand=demand_for(p, p.profile(profile)))
+
+    a = q.submit(ticket("a/", "large"))
+    b = q.submit(ticket("b/", "small"))
+    c = q.submit(ticket("c/", "small"))  # 40 + 10 + 10 = 60Gi
+    assert all(x.admission is not None for x in (a, b, c))
+    assert len({*a.admission.devices, *b.admission.devices, *c.admission.devices}) == 3
+    d = q.submit(ticket("d/", "small"))
+    assert d.admission is None and "needs 10Gi of MIG slice memory (1 A100 1g.10gb slice)" in d.status.message
+    s = q.submit(ticket("s/", "small", team="students"))  # another team, counted in slices: not held up
+    assert s.admission is not None
+    q.release("a/")  # the 3g slice's 40Gi come back: the waiting 1g goes in
+    assert d.admission is not None
+    assert q.usage()["lab"][GPU_MEMORY] == 30 * 2**30
+
+
+def test_gpu_memory_quota_mistakes_are_explained_where_they_are():
+    def errs(text):
+        with pytest.raises(PolicyError) as e:
+            parse_policy(text, "p.yaml")
+        return [i.format("p.yaml") for i in e.value.issues]
+
+    whole = errs(MIXED_SHAPES.replace("flavors: [a100-1g, a100-3g]", "flavors: [a100-1g, a100]"))
+    assert any("teams[0].quota.gpuMemory.flavors[1]" in e and "'a100' is a whole GPU" in e for e in whole), whole
+    both = errs(MIXED_SHAPES.replace("quota: {gpus: {a100: 1}, gpuMemory", "quota: {gpus: {a100: 1, a100-1g: 2}, gpuMemory"))
+    assert len(both) == 1 and "teams[0].quota.gpus.a100-1g" in both[0] and "cannot also have a quota in slices" in both[0]
+    single = MIXED_SHAPES.replace(
+        "mig: {profile: 3g.40gb}", "mig: {profile: 3g.40gb, strategy: single}, "
+        "nodeLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB-MIG-3g.40gb}")
+    e = errs(single)
+    assert len(e) == 1 and "flavors[1]" in e[0] and "single strategy, where every slice is nvidia.com/gpu" in e[0]
+    e = errs(MIXED_SHAPES.replace("{nominal: 60Gi, flavors: [a100-1g, a100-3g]}", "{nominal: 30Gi, flavors: [a100-1g, a100-3g]}"))
+    assert any("profiles[1].gpu.count" in x and "no team may use profile 'large'" in x for x in e), e  # 30Gi < one 3g slice
+
+
+def test_a_lower_gpu_memory_quota_is_previewed_in_memory_words():
+    from gpuhub_spawner.admission.impact import Holding, impact
+
+    old = parse_policy(MIXED_SHAPES, "p.yaml")
+    new = parse_policy(MIXED_SHAPES.replace("{nominal: 60Gi,", "{nominal: 40Gi,"), "p.yaml")
+    held = [Holding("a/", "a", "lab", "large", demand_for(old, old.profile("large")), since=1.0),
+            Holding("b/", "b", "lab", "small", demand_for(old, old.profile("small")), since=2.0)]
+    imp = impact(old, new, (), held, (), None, now=10.0)
+    quotas = [ln.text for ln in imp.section("quotas")]
+    assert quotas == ["Lab: MIG slice memory quota 60Gi → 40Gi."], quotas
+    running = [ln.text for ln in imp.section("running")]
+    assert len(running) == 1 and running[0].startswith("Lab holds 50Gi MIG slice memory and its new quota is 40Gi"), running

@@ -38,7 +38,7 @@ from typing import Iterable, Mapping
 
 from ..policy.model import IdleRules, Policy, Profile, Team
 from ..policy.quantities import format_cpu, format_duration, format_memory
-from .quota import check_fit, describe, limits
+from .quota import GPU_MEMORY, check_fit, describe, limits
 
 
 # -- inputs ----------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def _amount(policy: Policy, key: str, amount: int | None) -> str:
         return "none"
     if key == "cpu":
         return format_cpu(amount)
-    if key == "memory":
+    if key in ("memory", GPU_MEMORY):
         return format_memory(amount)
     return str(amount)
 
@@ -221,6 +221,8 @@ def _amount(policy: Policy, key: str, amount: int | None) -> str:
 def _resource(policy: Policy, key: str) -> str:
     if key in ("cpu", "memory"):
         return key.upper() if key == "cpu" else key
+    if key == GPU_MEMORY:
+        return "MIG slice memory"
     f = next((f for f in policy.flavors if f.name == key[4:]), None)
     return f"{(f.display_name or f.name) if f else key[4:]} GPUs"
 
@@ -456,7 +458,7 @@ def _quotas(out: Impact, old: Policy, new: Policy) -> None:
             continue
         changes = []
         keys = sorted({f"gpu/{f}" for f in (*before.quota.gpus, *team.quota.gpus)})
-        keys += [k for k in ("cpu", "memory") if getattr(before.quota, k) or getattr(team.quota, k)]
+        keys += [k for k in ("cpu", "memory", GPU_MEMORY) if getattr(before.quota, k) or getattr(team.quota, k)]
         for key in keys:
             a, b = limits(before, key), limits(team, key)
             if a == b:

@@ -1,6 +1,8 @@
 """Does a request fit its team's quota? Kueue's arithmetic, without Kubernetes.
 
-Resources are keyed ``cpu``, ``memory`` and ``gpu/<flavor>``. Per key a team has a
+Resources are keyed ``cpu``, ``memory``, ``gpu/<flavor>`` and ``gpu_memory`` (the memory of a
+request's MIG slices, by their shape's name: 1g.10gb is 10Gi; counted only for teams with
+``quota.gpuMemory``, whose listed MIG flavors are then not counted in slices). Per key a team has a
 nominal quota; in a cohort, the part above ``nominal - lendingLimit`` is pooled with
 the other members, and a team may use pool capacity up to ``borrowingLimit`` above its
 nominal. A team without a quota for cpu or memory is not limited on that key; a team
@@ -19,6 +21,9 @@ Demand = dict[str, int]
 Usage = Mapping[str, Mapping[str, int]]  # team -> key -> amount admitted
 
 
+GPU_MEMORY = "gpu_memory"  # the memory of MIG slices, for teams that count mixed shapes in memory
+
+
 def gpu_key(flavor: str) -> str:
     return f"gpu/{flavor}"
 
@@ -30,6 +35,9 @@ def demand_for(policy: Policy, profile: Profile) -> Demand:
     }
     if profile.gpu and profile.gpu.count:
         demand[gpu_key(profile.gpu.flavor)] = profile.gpu.count
+        flavor = next((f for f in policy.flavors if f.name == profile.gpu.flavor), None)
+        if flavor is not None and flavor.mig is not None:
+            demand[GPU_MEMORY] = profile.gpu.count * flavor.mig.memory
     return demand
 
 
@@ -51,6 +59,9 @@ class _Limits:
 
 def limits(team: Team, key: str) -> _Limits | None:
     if key.startswith("gpu/"):
+        gm = team.quota.gpu_memory
+        if gm is not None and key[4:] in gm.flavors:
+            return None  # counted in memory (GPU_MEMORY), not in slices of its shape
         q = team.quota.gpus.get(key[4:])
         return _Limits(q.nominal, q.borrowing_limit, q.lending_limit) if q else _Limits(0, None, 0)
     q = getattr(team.quota, key)
@@ -62,6 +73,8 @@ def describe(key: str, amount: int, policy: Policy | None = None) -> str:
         return f"{format_cpu(amount)} CPU"
     if key == "memory":
         return f"{format_memory(amount)} memory"
+    if key == GPU_MEMORY:
+        return f"{format_memory(amount)} of MIG slice memory"
     flavor = key[4:]
     label = flavor
     if policy is not None:
@@ -138,22 +151,26 @@ def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand, may_borr
         if not fits_now:
             result.fits = False
             what = describe(key, amount, policy)
+            n = (lambda v: format_memory(v)) if key == GPU_MEMORY else str  # noqa: E731
+            if key == GPU_MEMORY:  # name the slices too: '10Gi of MIG slice memory (1 A100 1g.10gb slice)'
+                slices = [describe(k, v, policy) for k, v in sorted(demand.items()) if k.startswith("gpu/")]
+                what += f" ({', '.join(slices)})" if slices else ""
             if after > ceiling:
-                why = f"your team {team.label} is using {used} of the {ceiling} it may hold"
+                why = f"your team {team.label} is using {n(used)} of the {n(ceiling)} it may hold"
                 if ceiling > own.nominal:
-                    why += f" (quota {own.nominal}, may borrow {ceiling - own.nominal})"
+                    why += f" (quota {n(own.nominal)}, may borrow {n(ceiling - own.nominal)})"
                 elif team.cohort and not may_borrow:
                     why += " (its servers may not borrow from the cohort)"
                 why += "; it waits until one of your team's servers or jobs stops"
             elif after <= own.nominal:
                 why = (
-                    f"{team.label}'s own quota ({own.nominal}) is on loan to other teams of the "
+                    f"{team.label}'s own quota ({n(own.nominal)}) is on loan to other teams of the "
                     f"{team.cohort} cohort; it comes back as they stop"
                 )
             else:
                 why = (
-                    f"your team {team.label} uses its quota of {own.nominal} and the {team.cohort} cohort "
-                    f"has {max(0, pool_free)} free to lend (the other teams use their own quota)"
+                    f"your team {team.label} uses its quota of {n(own.nominal)} and the {team.cohort} cohort "
+                    f"has {n(max(0, pool_free))} free to lend (the other teams use their own quota)"
                 )
             result.shortages.append(
                 Shortage(key, amount, used, own.nominal, max(0, pool_free), f"needs {what}: {why}")

@@ -26,6 +26,14 @@ Choices (also in docs/install-kubernetes.md):
 * LocalQueues live in the *user* namespace (default ``gpuhub-users``), not the hub's, and a
   LocalQueue's ``clusterQueue`` is immutable: ``localqueue_conflicts`` finds renames that
   ``kubectl apply`` would refuse (``gpuhub render kueue --live``).
+* MIG slices a team counts in GPU memory (``quota.gpuMemory``, docs/mig.md): Kueue's resource
+  transformation (``gpuhub render kueue-config``, merged into Kueue's configuration) adds
+  ``gpuhub.io/mig-memory`` (the memory the shape names) to every workload that asks for such a
+  slice, keeping the slice itself (``Retain``). Every ClusterQueue whose team may hold such a
+  slice covers both: the memory team its ``gpuMemory`` quota and a placeholder on the slice
+  resources; a team counting the same shapes in slices its slice quota and a placeholder on the
+  memory (both placeholders with ``lendingLimit: 0``). The memory sits in the CPU group, on
+  ``gpuhub-default``.
 * Output is sorted (kind in apply order, then name; keys sorted) so it diffs cleanly.
 """
 
@@ -39,6 +47,7 @@ from collections import defaultdict
 import yaml
 
 from ..policy.loader import PolicyError, load_policy
+from ..policy.mig import MIG_MEMORY_RESOURCE
 from ..policy.model import Policy, Team
 from ..policy.quantities import format_cpu, format_memory
 from .kueue import API_VERSION, MANAGED_BY
@@ -49,6 +58,7 @@ DEFAULT_CPU_FLAVOR = "gpuhub-default"
 UNLIMITED_CPU = "100k"
 UNLIMITED_MEMORY = "1Pi"
 UNLIMITED_EPHEMERAL = "1Pi"
+UNLIMITED_SLICES = "10k"  # a team counting slices in memory: Kueue still sees the slice resource
 KIND_ORDER = ["ResourceFlavor", "WorkloadPriorityClass", "ClusterQueue", "LocalQueue"]
 
 
@@ -112,6 +122,25 @@ def preemption(policy: Policy, team: Team | None = None) -> dict:
     return rules
 
 
+def memory_counted(policy: Policy) -> dict[str, int]:
+    """``{MIG resource: bytes per slice}`` of every flavor a team counts in GPU memory: the inputs
+    of Kueue's resource transformations."""
+    names = {n for t in policy.teams if t.quota.gpu_memory for n in t.quota.gpu_memory.flavors}
+    return {f.resource: f.mig.memory for f in policy.flavors if f.name in names and f.mig and f.mig.strategy == "mixed"}
+
+
+def kueue_config(policy: Policy) -> dict:
+    """The part of Kueue's Configuration (``controller_manager_config.yaml``) the policy needs: one
+    resource transformation per MIG shape some team counts in memory, ``Retain`` so a team counting
+    the same shape in slices still sees the slice. Empty when no team counts in memory."""
+    inputs = memory_counted(policy)
+    if not inputs:
+        return {}
+    return {"resources": {"transformations": [
+        {"input": res, "strategy": "Retain", "outputs": {MIG_MEMORY_RESOURCE: format_memory(inputs[res])}}
+        for res in sorted(inputs)]}}
+
+
 def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -> dict:
     cohort = bool(team.cohort)
     cpu, mem = team.quota.cpu, team.quota.memory
@@ -126,22 +155,30 @@ def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -
         else _quota(UNLIMITED_MEMORY, None, 0, cohort)
     )
     eph_entry = _quota(UNLIMITED_EPHEMERAL, None, 0, cohort)
-    groups = [
-        {
-            "coveredResources": ["cpu", "memory", "ephemeral-storage"],
-            "flavors": [{"name": cpu_flavor, "resources": [
-                {"name": "cpu", **cpu_entry}, {"name": "memory", **mem_entry}, {"name": "ephemeral-storage", **eph_entry}]}],
-        }
-    ]
+    covered = ["cpu", "memory", "ephemeral-storage"]
+    cpu_resources = [{"name": "cpu", **cpu_entry}, {"name": "memory", **mem_entry}, {"name": "ephemeral-storage", **eph_entry}]
+    # MIG slices counted in memory (Kueue's transformation adds gpuhub.io/mig-memory to their workloads)
+    transformed = memory_counted(policy)
+    gm = team.quota.gpu_memory
+    in_memory = set(gm.flavors) if gm else set()
+    holds = [f for f in policy.flavors if f.resource in transformed and (f.name in team.quota.gpus or f.name in in_memory)]
+    if holds:
+        covered.append(MIG_MEMORY_RESOURCE)
+        cpu_resources.append({"name": MIG_MEMORY_RESOURCE, **(
+            _quota(format_memory(gm.nominal), _fmt(format_memory, gm.borrowing_limit), _fmt(format_memory, gm.lending_limit), cohort)
+            if gm else _quota(UNLIMITED_MEMORY, None, 0, cohort))})
+    groups = [{"coveredResources": covered, "flavors": [{"name": cpu_flavor, "resources": cpu_resources}]}]
     # One group per device resource name; flavors in policy order (Kueue tries them in order).
     by_resource: dict[str, list[dict]] = defaultdict(list)
     for flavor in policy.flavors:
         q = team.quota.gpus.get(flavor.name)
-        if q is None:
+        if flavor.name in in_memory and flavor.resource in transformed:
+            entry = _quota(UNLIMITED_SLICES, None, 0, cohort)  # the memory counts; the slice is only seen
+        elif q is None:
             continue
-        by_resource[flavor.resource].append(
-            {"name": flavor.name, "resources": [{"name": flavor.resource, **_quota(q.nominal, q.borrowing_limit, q.lending_limit, cohort)}]}
-        )
+        else:
+            entry = _quota(q.nominal, q.borrowing_limit, q.lending_limit, cohort)
+        by_resource[flavor.resource].append({"name": flavor.name, "resources": [{"name": flavor.resource, **entry}]})
     for resource in sorted(by_resource):
         groups.append({"coveredResources": [resource], "flavors": by_resource[resource]})
     spec: dict = {
@@ -265,6 +302,9 @@ def main(argv: list[str]) -> int:
     rbac = sub.add_parser("capacity-rbac", help="the ClusterRole and binding the hub's GPU capacity keeper needs (docs/gpu-health.md)")
     rbac.add_argument("file", help="the policy YAML (its health.kubernetes.capacityQueue names the ClusterQueues)")
     rbac.add_argument("--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)")
+    kcfg = sub.add_parser("kueue-config", help="what to merge into Kueue's configuration: resource transformations "
+                          "for MIG slices counted in GPU memory (docs/mig.md)")
+    kcfg.add_argument("file", help="the policy YAML")
     prbac = sub.add_parser("policy-rbac", help="the Role and binding the hub needs to apply the policy to its ConfigMap (docs/policy-changes.md)")
     prbac.add_argument("--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)")
     prbac.add_argument("--configmap", default="gpuhub-policy", help="the policy's ConfigMap in the hub's namespace (default gpuhub-policy)")
@@ -285,6 +325,15 @@ def main(argv: list[str]) -> int:
         policy = load_policy(args.file)
         if args.what == "capacity-rbac":
             sys.stdout.write(to_yaml(capacity_rbac(policy, args.service_account)))
+            return 0
+        if args.what == "kueue-config":
+            fragment = kueue_config(policy)
+            if not fragment:
+                print(f"{args.file}: no team counts MIG slices in GPU memory: Kueue's configuration needs nothing",
+                      file=sys.stderr)
+                return 0
+            sys.stdout.write("# merge into controller_manager_config.yaml of kueue-manager-config (docs/mig.md)\n")
+            sys.stdout.write(yaml.safe_dump(fragment, sort_keys=True, default_flow_style=False))
             return 0
         objs = render_objects(policy, args.namespace, args.cpu_flavor)
     except PolicyError as e:

@@ -365,6 +365,8 @@ def _duplicates(names: list[str], section: str, field: str) -> Iterable[tuple[Lo
 def max_reachable_gpus(policy: Policy, team_name: str, flavor: str) -> int:
     """The most GPUs of ``flavor`` a team could ever hold: nominal plus what it may borrow."""
     team = policy.team(team_name)
+    if team.quota.gpu_memory is not None and flavor in team.quota.gpu_memory.flavors:
+        return _reachable_slices_by_memory(policy, team, flavor)
     own = team.quota.gpus.get(flavor)
     nominal = own.nominal if own else 0
     if not team.cohort:
@@ -380,6 +382,24 @@ def max_reachable_gpus(policy: Policy, team_name: str, flavor: str) -> int:
     if own and own.borrowing_limit is not None:
         borrow = min(borrow, own.borrowing_limit)
     return nominal + borrow
+
+
+def _reachable_slices_by_memory(policy: Policy, team, flavor: str) -> int:
+    """A team counting ``flavor``'s MIG slices in GPU memory (``quota.gpuMemory``): how many
+    slices its memory quota, plus what it may borrow of the cohort's, could ever hold."""
+    try:
+        mig = next(f.mig for f in policy.flavors if f.name == flavor)
+    except StopIteration:
+        return 0
+    if mig is None:
+        return 0
+    own = team.quota.gpu_memory
+    reach = own.nominal
+    if team.cohort:
+        lendable = sum((q.lending_limit if q.lending_limit is not None else q.nominal)
+                       for o in policy.cohort_members(team) if o.name != team.name and (q := o.quota.gpu_memory))
+        reach += min(lendable, own.borrowing_limit) if own.borrowing_limit is not None else lendable
+    return reach // mig.memory
 
 
 def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:

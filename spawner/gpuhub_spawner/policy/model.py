@@ -89,6 +89,13 @@ class MigSlice(_Model):
                              "e.g. 1g.10gb, 2g.20gb, 3g.40gb, 7g.80gb (see nvidia-smi mig -lgip)")
         return value
 
+    @property
+    def memory(self) -> int:
+        """Bytes of GPU memory a slice of this shape counts in a team's ``gpuMemory`` quota: the
+        number its name gives (1g.10gb: 10Gi), the arithmetic Kueue's resource transformation
+        applies on Kubernetes (``gpuhub render kueue-config``), so both modes agree."""
+        return int(re.search(r"g\.([0-9]+)gb", self.profile).group(1)) * 2**30
+
 
 def _mig_resource(value: Any) -> Any:
     """A MIG flavor's device resource follows its strategy unless written out."""
@@ -148,10 +155,22 @@ class MemoryQuota(_Model):
     lending_limit: MemoryBytes | None = None
 
 
+class GpuMemoryQuota(_Model):
+    """A team's quota for MIG slices of several shapes, in GPU memory (docs/mig.md): a slice of
+    a flavor in ``flavors`` counts the memory its shape names (1g.10gb: 10Gi, 3g.40gb: 40Gi)
+    instead of one slice of its flavor, as Kueue's resource transformations count it."""
+
+    nominal: MemoryBytes
+    borrowing_limit: MemoryBytes | None = None
+    lending_limit: MemoryBytes | None = None
+    flavors: list[str] = Field(min_length=1)  # MIG flavors (mixed strategy) counted in memory
+
+
 class TeamQuota(_Model):
     cpu: Annotated[CpuQuota | None, BeforeValidator(_shorthand_nominal)] = None
     memory: Annotated[MemoryQuota | None, BeforeValidator(_shorthand_nominal)] = None
     gpus: dict[str, Annotated[GpuQuota, BeforeValidator(_shorthand_nominal)]] = {}
+    gpu_memory: GpuMemoryQuota | None = None  # gpuMemory: MIG slices of mixed shapes, in memory
 
 
 class ReclaimRules(_Model):

@@ -113,3 +113,18 @@ def test_a_profile_the_team_may_not_use_is_counted_as_failed_and_still_cleaned_u
     assert p.returncode == 1
     assert "1 failed" in p.stdout and "loadtest-" in p.stdout  # the failure is named with its user
     assert not [n for n in hub_users(hub, admin_token) if n.startswith("loadtest-")]
+
+
+def test_a_failing_cell_still_stops_the_server_so_the_queue_moves(hub, admin_token, tmp_path):
+    """Each user's cell fails: they still leave, so the two waiting behind the team's two GPUs get
+    theirs within the run (a server left running would hold its GPU until the run's deadline)."""
+    out = tmp_path / "failing.json"
+    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "4", "--mix", "load-team:gpu-1", "--idle", "0",
+                 "--code", "1/0", "--deadline", "300", "--json", str(out))
+    assert p.returncode == 1, p.stdout + p.stderr
+    report = json.loads(out.read_text())
+    assert report["errors"]["failed_cells"] == 4, report["errors"]
+    assert report["spawn_to_ready_seconds"]["n"] == 4, report  # the last two were admitted
+    assert "ZeroDivisionError" in " ".join(report["errors"]["first_failures"])
+    assert not report["not_cleaned_up"]
+    assert not [n for n in hub_users(hub, admin_token) if n.startswith("loadtest-")]

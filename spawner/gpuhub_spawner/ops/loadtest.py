@@ -212,7 +212,11 @@ async def _run_cell(api: Api, server_url: str, token: str, code: str, timeout: f
     try:
         url, headers = _loopback(base.replace("http", "ws", 1) + f"api/kernels/{session['kernel']['id']}/channels")
         headers["Authorization"] = f"token {token}"
-        ws = await asyncio.wait_for(websocket_connect(HTTPRequest(url, headers=headers)), timeout)
+        # The server answers the upgrade only once the new kernel replied to kernel_info (up to
+        # its 60 s kernel_info_timeout on a loaded machine): tornado's default 20 s would give
+        # up first and count a kernel that was merely slow as a failed cell.
+        ws = await asyncio.wait_for(websocket_connect(HTTPRequest(url, headers=headers, connect_timeout=timeout,
+                                                                  request_timeout=timeout)), timeout)
         try:
             msg_id = uuid.uuid4().hex
             ws.write_message(json.dumps({
@@ -257,15 +261,21 @@ async def _simulate(api: Api, user: UserRun, args, start_at: float, deadline: fl
         user.spawn_seconds = time.monotonic() - t0
         model = await api.hub("GET", f"/users/{name}")
         server_url = (model.get("servers") or {}).get("", {}).get("url") or model.get("server")
-        if args.code:
-            t1 = time.monotonic()
-            try:
-                await _run_cell(api, server_url, token, args.code, max(5.0, deadline - time.monotonic()))
-            except Exception:
-                api.errors.cells += 1
-                raise
-            user.cell_seconds = time.monotonic() - t1
-        await asyncio.sleep(min(args.idle, max(0.0, deadline - time.monotonic())))
+        try:
+            if args.code:
+                t1 = time.monotonic()
+                try:
+                    await _run_cell(api, server_url, token, args.code, max(5.0, deadline - time.monotonic()))
+                except Exception:
+                    api.errors.cells += 1
+                    raise
+                user.cell_seconds = time.monotonic() - t1
+            await asyncio.sleep(min(args.idle, max(0.0, deadline - time.monotonic())))
+        except Exception:
+            # A researcher whose cell failed still leaves: a server left running would hold its
+            # GPU and the team's place until the run's deadline, and the queue behind it with it.
+            await _stop(api, user.name, deadline)
+            raise
         t2 = time.monotonic()
         await _stop(api, user.name, deadline)
         user.stop_seconds = time.monotonic() - t2

@@ -111,22 +111,27 @@ def read_gpm_slices(pynvml, slices: list[tuple[str, object]], window: float = GP
     for dev, parent, gi, first, second in started:
         try:
             pynvml.nvmlGpmMigSampleGet(parent, gi, second)
-            get = pynvml.c_nvmlGpmMetricsGet_t()
-            get.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-            get.numMetrics = 1
-            get.sample1, get.sample2 = first, second
-            get.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
-            pynvml.nvmlGpmMetricsGet(get)
-            metric = get.metrics[0]
-            if metric.nvmlReturn == pynvml.NVML_SUCCESS:
-                out[dev] = int(round(max(0.0, min(100.0, metric.value))))
-            else:
-                log.debug("No GPM reading for MIG slice %s: %s", dev, pynvml.NVMLError(metric.nvmlReturn))
+            out[dev] = gpm_graphics_util(pynvml, first, second)
         except (pynvml.NVMLError, AttributeError) as e:
             log.debug("No GPM reading for MIG slice %s: %s", dev, e)
         finally:
             _free(pynvml, [first, second])
     return out
+
+
+def gpm_graphics_util(pynvml, first, second) -> int:
+    """``NVML_GPM_METRIC_GRAPHICS_UTIL`` in percent between two GPM samples of one GPU or GPU
+    instance; raises the metric's NVMLError when NVML has no value."""
+    get = pynvml.c_nvmlGpmMetricsGet_t()
+    get.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+    get.numMetrics = 1
+    get.sample1, get.sample2 = first, second
+    get.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
+    pynvml.nvmlGpmMetricsGet(get)
+    metric = get.metrics[0]
+    if metric.nvmlReturn != pynvml.NVML_SUCCESS:
+        raise pynvml.NVMLError(metric.nvmlReturn)
+    return int(round(max(0.0, min(100.0, metric.value))))
 
 
 def _free(pynvml, samples) -> None:

@@ -388,3 +388,27 @@ def test_a_lower_gpu_memory_quota_is_previewed_in_memory_words():
     assert quotas == ["Lab: MIG slice memory quota 60Gi → 40Gi."], quotas
     running = [ln.text for ln in imp.section("running")]
     assert len(running) == 1 and running[0].startswith("Lab holds 50Gi MIG slice memory and its new quota is 40Gi"), running
+
+
+def test_a_slice_made_on_a_gpu_marked_bad_is_bad_too_and_one_on_a_drained_gpu_drained():
+    from gpuhub_spawner.local.devices import NvmlDevice
+
+    def mig(uuid, parent, index):
+        return NvmlDevice(index, uuid, "NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10, (f"nvidia{index}",), "1g.10gb",
+                          parent, "NVIDIA A100-SXM4-80GB")
+
+    p = policy()
+    layout = [mig("MIG-a0", "GPU-a", 0), mig("MIG-a1", "GPU-a", 0), mig("MIG-b0", "GPU-b", 1), mig("MIG-c0", "GPU-c", 2)]
+    table = DeviceTable(lambda: p, discover=lambda: layout)
+    for dev in ("MIG-a0", "MIG-a1"):  # an XID 79 on GPU-a marks its slices (local/gpu_health.py)
+        table.health.mark(dev, BAD, "XID 79: GPU has fallen off the bus", 79)
+    table.health.drain("MIG-c0", "admin")  # GPU-c drained (its only slice)
+    # an admin re-partitions all three GPUs while the hub runs: a new slice on each
+    assert table.apply_layout(layout + [mig("MIG-a2", "GPU-a", 0), mig("MIG-b1", "GPU-b", 1), mig("MIG-c1", "GPU-c", 2)])
+    assert table.health.of("MIG-a2").state == BAD and table.health.of("MIG-a2").xid == 79
+    assert table.health.usable("MIG-b1") and not table.health.usable("MIG-c1")
+    assert table.health.of("MIG-c1").drained == "admin"
+    assert [d.id for d in table.free_devices("a100-1g")] == ["MIG-b0", "MIG-b1"]
+    # uncordon heals the slice (only that); the marks do not come back at the next layout read
+    table.health.uncordon("MIG-a2")
+    assert not table.apply_layout(table.nvml) and table.health.usable("MIG-a2")

@@ -302,14 +302,36 @@ class DeviceTable:
         after = {d.uuid for d in nvml}
         if before == after:
             return False
+        old = {d.uuid: d for d in self._nvml}
         self._nvml = list(nvml)
         self.devices = build_inventory(self._policy(), self._nvml)
+        self._inherit_parent_health(old, [d for d in self._nvml if d.uuid not in before])
         gone = sorted(before - after)
         held = [f"{d} (held by {self.owner[d]} until it stops)" for d in gone if d in self.owner]
         log.warning("GPU layout changed: %d new (%s), %d gone (%s)%s", len(after - before),
                     ", ".join(sorted(after - before)) or "none", len(gone), ", ".join(gone) or "none",
                     f"; {', '.join(held)}" if held else "")
         return True
+
+    def _inherit_parent_health(self, old: dict[str, NvmlDevice], new: list[NvmlDevice]) -> None:
+        """A slice made on a GPU whose slices were marked by an event (an XID, a DBE) carries the
+        same marks: the event was the parent's, and a new layout does not heal it (only ``gpuhub gpu
+        uncordon`` does). A GPU whose every slice was drained has its new slices drained too."""
+        for d in new:
+            if not d.parent:
+                continue
+            siblings = [self.health.devices.get(o.uuid) for o in old.values() if o.parent == d.parent]
+            siblings = [h for h in siblings if h is not None]
+            marks = {(m.state, m.reason, m.at, m.xid): m for h in siblings for m in h.marks}
+            if marks:
+                entry = self.health._entry(d.uuid)
+                entry.marks = sorted(marks.values(), key=lambda m: m.at)[-20:]
+                entry._recompute(time.time())
+                log.warning("New MIG slice %s of GPU %s is %s like its siblings: %s", d.uuid, d.parent,
+                            entry.state, entry.reason)
+            drained = [h for h in siblings if h.drained]
+            if siblings and len(drained) == len([o for o in old.values() if o.parent == d.parent]):
+                self.health.drain(d.uuid, drained[0].drained)
 
     def _of(self, flavor: str) -> list[Device]:
         return [d for d in self.devices if d.flavor == flavor]

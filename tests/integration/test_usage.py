@@ -97,6 +97,13 @@ class FakeGpus:
                 d["utilization"] = utilization
         self.write()
 
+    def xid(self, uuid: str, xid: int):
+        """An XID event from the driver (the fake NVML delivers each once, to the hub's monitor)."""
+        d = next(d for d in self.devices if d["uuid"] == uuid)
+        events = d.setdefault("events", [])
+        events.append({"id": sum(len(x.get("events", [])) for x in self.devices) + 1, "type": 8, "data": xid})
+        self.write()
+
 
 @pytest.fixture(scope="module")
 def gpus(tmp_path_factory):
@@ -536,12 +543,36 @@ def test_gauges_return_to_zero_after_a_team_stops(day, users):
 DASHBOARD = REPO / "docs" / "grafana" / "gpuhub-dashboard.json"
 
 
-def test_prometheus_scrapes_the_hub_and_every_dashboard_query_returns_series(day, prometheus):
+def test_every_dashboard_metric_is_on_hub_metrics(day, users, gpus):
+    """Every gpuhub_* name a panel queries is served by /hub/metrics (the GPU health panels'
+    included: an application XID 13 from the fake NVML counts without taking the GPU out)."""
+    admin = users["admin"]
+    gpus.xid("GPU-fake-2", 13)
+    wait_for(lambda: 'gpuhub_gpu_xid_total{device="GPU-fake-2",xid="13"} 1.0' in _metrics(admin), 15,
+             "the XID 13 counted on /hub/metrics")
+    dash = json.loads(DASHBOARD.read_text())
+    names = {n for p in dash["panels"] for t in p.get("targets", []) for n in re.findall(r"\bgpuhub_\w+", t["expr"])}
+    assert {"gpuhub_gpu_health", "gpuhub_gpu_xid_total", "gpuhub_gpus_usable"} <= names
+    # A family is served even with no series now (a counter before its first count, utilisation
+    # with nothing held): its # TYPE line says so; a histogram's series carry suffixes.
+    text = _metrics(admin)
+    served = set()
+    for name, kind in re.findall(r"^# TYPE (gpuhub_\w+) (\w+)$", text, re.M):
+        served |= {name} | ({f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram" else set())
+    assert names <= served, sorted(names - served)
+    assert 'gpuhub_gpu_health{device="GPU-fake-2",flavor="gpu",state="healthy"} 1.0' in text  # XID 13: it stays
+    assert 'gpuhub_gpus_usable{flavor="gpu"} 3.0' in text
+
+
+def test_prometheus_scrapes_the_hub_and_every_dashboard_query_returns_series(day, users, gpus, prometheus):
     if prometheus.url is None:
         pytest.skip("Debian's prometheus is not installed (run-tests.sh installs it as root)")
     dash = json.loads(DASHBOARD.read_text())
     targets = [(p["title"], t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
     assert len(targets) >= 10
+    if 'gpuhub_gpu_xid_total{' not in _metrics(users["admin"]):
+        gpus.xid("GPU-fake-2", 13)  # an application XID (the GPU stays): the XID panel has a series
+    wait_for(lambda: prometheus.query("increase(gpuhub_gpu_xid_total[1h])"), 30, "Prometheus to scrape an XID count twice")
     at = day["_all_held"]["scraped"]
     for title, expr in targets:
         q = expr.replace("$__rate_interval", "5m").replace("$__range_s", "3600").replace("$__range", "1h").replace("$team", ".*").replace("$flavor", ".*")

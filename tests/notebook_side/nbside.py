@@ -57,6 +57,7 @@ class HubStandIn:
 
     def __init__(self):
         self.warnings: dict[str, dict] = {}
+        self.gpu_failed: dict[str, dict] = {}
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         stand_in = self
@@ -83,13 +84,16 @@ class HubStandIn:
                     if self.headers.get("Authorization") != f"token {HUB_TOKEN}":
                         return self._reply(403, {"message": "bad token"})
                     prefix = "/hub/api/gpuhub/culling/"
-                    if not self.path.startswith(prefix):
+                    path = self.path.split("?")[0]  # ?gpu_wait= (a long poll): this stand-in answers at once
+                    if not path.startswith(prefix):
                         return self._reply(404, {"message": "Not Found"})
-                    rest = self.path[len(prefix):].split("/")
+                    rest = path[len(prefix):].split("/")
                     if unquote(rest[0]) != USER:
                         return self._reply(403, {"message": "not your servers"})
                     if method == "GET" and len(rest) == 1:
-                        return self._reply(200, {"servers": dict(stand_in.warnings)})
+                        # It answers at once: gpu_wait 0, as a hub that does not hold the long poll.
+                        return self._reply(200, {"servers": dict(stand_in.warnings), "culled": {},
+                                                 "gpu_failed": dict(stand_in.gpu_failed), "gpu_wait": 0})
                     if method == "POST" and rest[1:] == ["snooze"]:
                         name = json.loads(raw)["server"]
                         w = stand_in.warnings.get(name)
@@ -125,6 +129,7 @@ class HubStandIn:
     def reset(self) -> None:
         with self.lock:
             self.warnings.clear()
+            self.gpu_failed.clear()
             self.requests.clear()
 
     def posts(self) -> list[dict]:

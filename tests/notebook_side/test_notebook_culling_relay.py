@@ -27,6 +27,24 @@ def test_returns_only_this_servers_warning(nb_server, stand_in):
     assert nb_server.get("gpuhub/culling").json()["warning"] == w
 
 
+def test_a_failed_gpu_is_relayed_for_this_server_only(nb_server, stand_in):
+    failure = {"devices": ["GPU-x"], "since": time.time(), "reason": "XID 79: GPU has fallen off the bus", "xid": 79}
+    stand_in.gpu_failed[""] = dict(failure, devices=["GPU-y"])  # the user's other server
+    body = nb_server.get("gpuhub/culling").json()
+    assert body["gpu_failed"] is None and body["gpu_wait"] == 0
+    stand_in.gpu_failed[SERVER_NAME] = failure
+    assert nb_server.get("gpuhub/culling").json()["gpu_failed"] == failure
+    # The lab extension's long poll: passed to the hub as gpu_wait, bounded here too.
+    stand_in.reset()
+    r = nb_server.get("gpuhub/culling?wait=25")
+    assert r.status_code == 200, r.text
+    (req,) = stand_in.requests
+    assert req["path"] == f"/hub/api/gpuhub/culling/{USER}?gpu_wait=25"
+    for bad in ("26", "-1", "nan", "soon"):
+        assert nb_server.get(f"gpuhub/culling?wait={bad}").status_code == 400, bad
+    assert len(stand_in.requests) == 1  # refused before reaching the hub
+
+
 def test_snooze_relays_for_this_server_until_none_are_left(nb_server, stand_in):
     w = stand_in.warn(SERVER_NAME, snoozes_left=1, snooze_seconds=600)
     first = w["deadline"]

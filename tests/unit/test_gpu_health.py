@@ -270,11 +270,15 @@ def test_the_monitor_turns_events_and_polls_into_admission(tmp_path, monkeypatch
 
         await until(lambda: monitor.polls >= 1, "first poll")
         await asyncio.sleep(0.3)  # the event thread registered
+        # JupyterLab's long poll (culling_api): nothing changes, the wait times out...
+        assert await monitor.wait_change(0.05) is False and monitor.waiters == 0
+        waiter = asyncio.ensure_future(monitor.wait_change(30))  # ... and a change wakes it
         devices[0]["events"].append({"id": 1, "type": 8, "data": 13})  # application error
         devices[1]["events"].append({"id": 1, "type": 8, "data": 79})
         devices[2]["remapped_rows"] = [0, 0, 1, 0]
         state.write_text(json.dumps({"devices": devices}))
         await until(lambda: broker.devices.health.of("GPU-1").state == BAD, "XID 79 marks GPU-1 bad")
+        assert await asyncio.wait_for(waiter, 1) is True and monitor.waiters == 0
         await until(lambda: broker.devices.health.of("GPU-2").state == SUSPECT, "pending remap: suspect")
         assert broker.devices.health.of("GPU-0").state == HEALTHY
         assert [d.id for d in broker.devices.free_devices("a100")] == ["GPU-0", "GPU-2"]

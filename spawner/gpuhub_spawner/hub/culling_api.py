@@ -4,7 +4,8 @@
   server in-process from the hub's own records and answers the ones to warn or stop
   (``{"servers": ["user/name", ...]}`` restricts it to those servers).
 - ``GET  /hub/api/gpuhub/culling/{user}`` — the user (any of their tokens, including their
-  server's), admins: pending stops (``servers``) and recent culls (``culled``).
+  server's), admins: pending stops (``servers``), recent culls (``culled``) and the user's
+  servers whose GPU went bad (``gpu_failed``); ``?gpu_wait=S`` long-polls for the latter.
 - ``POST /hub/api/gpuhub/culling/{user}/snooze`` ``{"server": name}`` — the user or an admin.
 
 Bodies are read with bounded work (``policy.bounded``): size first (413), then a JSON
@@ -181,15 +182,73 @@ class CullDecisionsHandler(_Base):
         self.write(json.dumps({"now": now, "servers": len(views), "decisions": out}))
 
 
+MAX_GPU_WAIT = 25.0  # s: under the usual 60 s idle timeout of proxies in front of the hub
+MAX_GPU_WAITERS = 2000  # long polls held at once, all users; past it, answered at once
+MAX_GPU_WAITERS_PER_USER = 8  # a few open JupyterLab tabs; past it, answered at once
+_gpu_waiters: dict[str, int] = {}
+
+
 class CullWarningsHandler(_Base):
-    def get(self, name):
+    """``servers`` (pending stops), ``culled`` (recent culls) and ``gpu_failed`` (the user's
+    servers whose GPU went bad: ``{server: {devices, since, reason, xid}}``, one machine).
+
+    ``?gpu_wait=S`` (0 < S <= 25): a long poll for JupyterLab. The answer waits until this
+    user's ``gpu_failed`` differs from what it was when the request came, or S seconds;
+    ``gpu_wait`` in the answer says how long it was allowed to wait (0: answered at once, e.g.
+    too many waiting already, or no health monitor: the caller polls at its normal pace).
+    """
+
+    def _gpu_failed(self, user) -> dict:
+        from .gpus_api import gpu_failures_of
+
+        return {f.pop("server"): f for f in gpu_failures_of(self.config, user.name)}
+
+    async def get(self, name):
         user = self.target_user(name)
+        wait = 0.0
+        raw = self.get_query_argument("gpu_wait", "")
+        if raw:
+            try:
+                wait = float(raw[:16])
+            except ValueError:
+                raise web.HTTPError(400, "gpu_wait must be a number of seconds") from None
+            if not 0 <= wait <= MAX_GPU_WAIT:  # nan fails both
+                raise web.HTTPError(400, f"gpu_wait must be between 0 and {MAX_GPU_WAIT:g} seconds")
+        failed = self._gpu_failed(user)
+        if wait:
+            from .gpus_api import health_monitor
+
+            monitor = health_monitor(self.config)
+            mine = _gpu_waiters.get(user.name, 0)
+            if (monitor is None or mine >= MAX_GPU_WAITERS_PER_USER
+                    or sum(_gpu_waiters.values()) >= MAX_GPU_WAITERS):
+                wait = 0.0
+            else:
+                _gpu_waiters[user.name] = mine + 1
+                try:
+                    deadline = time.monotonic() + wait
+                    while (left := deadline - time.monotonic()) > 0:
+                        if not await monitor.wait_change(left):
+                            break
+                        now_failed = self._gpu_failed(user)
+                        if now_failed != failed:
+                            failed = now_failed
+                            break
+                finally:
+                    n = _gpu_waiters.get(user.name, 1) - 1
+                    if n > 0:
+                        _gpu_waiters[user.name] = n
+                    else:
+                        _gpu_waiters.pop(user.name, None)
         profiles = self.profiles_of(user)
+        self.set_header("Cache-Control", "no-store")
         self.write(
             json.dumps(
                 {
                     "servers": self.board.warnings_for(user.name, profiles),
                     "culled": self.board.culled_for(user.name, set(profiles)),
+                    "gpu_failed": failed,
+                    "gpu_wait": wait,
                 }
             )
         )

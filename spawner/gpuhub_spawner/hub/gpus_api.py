@@ -8,7 +8,8 @@
   marks of past XIDs; what the error counters still say stays (``admin:servers``); audited.
 
 Home page: ``gpuhub_gpu_failures(user)`` lists the reader's own servers that hold a device
-that went bad, in plain words (files kept, a restart gets a healthy GPU).
+that went bad, in plain words (files kept, a restart gets a healthy GPU). The same entries go
+to JupyterLab through ``GET /hub/api/gpuhub/culling/{user}`` (``gpu_failed``, culling_api.py).
 """
 
 from __future__ import annotations
@@ -62,28 +63,46 @@ class GpuActionHandler(APIHandler):
         self.write(json.dumps({"message": message, "changed": changed, "gpu": h.as_dict()}))
 
 
+MAX_REASON = 200  # what one notice carries of a device's reason (the hub's own words; bounded all the same)
+
+
+def gpu_failures_of(config, user_name: str) -> list[dict]:
+    """The servers of ``user_name`` holding a device that went bad, in plain data (never anyone
+    else's, never a batch job's: a job's attempt ends ``gpu-failed`` on its own). One entry per
+    server: ``{"server", "devices", "since", "reason", "xid"}``, the earliest failure first."""
+    try:
+        broker = admission_view(config)
+    except RuntimeError:
+        return []
+    monitor = getattr(broker, "gpu_health", None)
+    if monitor is None:
+        return []  # Kubernetes: the cluster reads health (docs/gpu-health.md)
+    out = []
+    for adm in broker.queue.holdings():
+        if adm.user != user_name or adm.key.startswith("job:"):
+            continue
+        bad = [(d, monitor.book.of(d)) for d in adm.devices if monitor.book.of(d).state == BAD]
+        if bad:
+            first = min((h for _, h in bad), key=lambda h: h.since or 0)
+            out.append({"server": adm.key.partition("/")[2], "devices": [d for d, _ in bad],
+                        "since": first.since, "reason": (first.reason or "")[:MAX_REASON], "xid": first.xid})
+    return out
+
+
+def health_monitor(config):
+    """The one-machine monitor, or None (Kubernetes, or no backend wired)."""
+    try:
+        return getattr(admission_view(config), "gpu_health", None)
+    except RuntimeError:
+        return None
+
+
 def template_vars(config) -> dict:
     def gpu_failures(user) -> list[dict]:
         """The reader's own servers holding a device that went bad (never anyone else's)."""
         if user is None or not hasattr(user, "spawners"):
             return []
-        try:
-            broker = admission_view(config)
-        except RuntimeError:
-            return []
-        monitor = getattr(broker, "gpu_health", None)
-        if monitor is None:
-            return []
-        out = []
-        for adm in broker.queue.holdings():
-            if adm.user != user.name or adm.key.startswith("job:"):
-                continue
-            bad = [(d, monitor.book.of(d)) for d in adm.devices if monitor.book.of(d).state == BAD]
-            if bad:
-                first = min((h for _, h in bad), key=lambda h: h.since or 0)
-                out.append({"server": adm.key.partition("/")[2], "devices": [d for d, _ in bad],
-                            "since": first.since, "reason": first.reason, "xid": first.xid})
-        return out
+        return gpu_failures_of(config, user.name)
 
     return {"gpuhub_gpu_failures": gpu_failures}
 

@@ -6,7 +6,7 @@ owns the token alone:
 
 - ``custom:gpuhub:status:all`` (admins): every holder and waiting request with since-when,
   CPU and memory, cohort borrowing and lending, the policy's health, and actions (stop a
-  holder, withdraw a request).
+  holder, withdraw a request; with ``admin:servers``, drain or uncordon a GPU).
 - ``custom:gpuhub:lead`` for a team the policy says the reader leads: that team's holders
   and waiting list, and stopping its members' idle servers.
 - plain ``custom:gpuhub:status``: counts, and only one's own name on one's own devices.
@@ -185,7 +185,11 @@ class StatusPageHandler(_StatusMixin, BaseHandler):
     @web.authenticated
     async def get(self):
         snap = self.snapshot_for_request()
-        html = await self.render_template("gpuhub_status.html", snap=snap, user=self.current_user)
+        # Drain / uncordon buttons: the same API and scope as `gpuhub gpu drain|uncordon`
+        # (hub/gpus_api.py checks it again on every POST); one machine only.
+        gpu_actions = self.has_scope("admin:servers") and getattr(admission_view(self.config), "gpu_health", None) is not None
+        html = await self.render_template("gpuhub_status.html", snap=snap, user=self.current_user,
+                                          gpu_actions=gpu_actions)
         self.finish(html)
 
 

@@ -88,6 +88,8 @@ class GpuHealthMonitor:
         self._poller: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.polls = 0
+        self._changed: asyncio.Event | None = None  # set (and replaced) at every change of a state
+        self.waiters = 0
         self._load()
         register_metrics(self)
 
@@ -265,6 +267,28 @@ class GpuHealthMonitor:
             # a batch job cannot be told and wait: its attempt ends now, and it resumes elsewhere
             self.broker.gpu_failed_job(holder, f"{dev} ({h.reason})")
         self.broker.queue.schedule()  # usable capacity changed: admit, and re-word every waiting message
+        self._notify()  # a holder's JupyterLab waiting on culling_api is told now
+
+    def _notify(self) -> None:
+        """Wake whoever waits for a change (JupyterLab's long poll, through culling_api)."""
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
+
+    async def wait_change(self, timeout: float) -> bool:
+        """Wait until a device's state or drain changes, at most ``timeout`` s; True if it did.
+        On the event loop only (every change is applied there)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        event = self._changed
+        self.waiters += 1
+        try:
+            await asyncio.wait_for(event.wait(), max(0.0, timeout))
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.waiters -= 1
 
     def drain(self, dev: str, by: str) -> bool:
         changed = self.book.drain(dev, by)
@@ -274,6 +298,7 @@ class GpuHealthMonitor:
             audit("gpu_drained", device=dev, by=by, key=holder)
             self.save()
             self.broker.queue.schedule()
+            self._notify()
         return changed
 
     def uncordon(self, dev: str, by: str) -> bool:
@@ -284,6 +309,7 @@ class GpuHealthMonitor:
         self.save()
         if changed:
             self.broker.queue.schedule()
+            self._notify()
         return changed
 
     # -- persistence -------------------------------------------------------------------------------

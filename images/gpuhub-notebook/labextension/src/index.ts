@@ -9,6 +9,11 @@
  *
  * When the relay stops answering (the server was stopped), the warning is replaced by what
  * happened: stopped at, why, files kept, and a link to the hub home page to start it again.
+ *
+ * A GPU of this server that went bad (one machine: an XID 79, a double-bit ECC error ...) is
+ * told at once: while the tab is visible a long poll (`gpuhub/culling?wait=25`) waits on the
+ * hub for this user's GPU failures to change, and an error notification says what happened,
+ * that the files are kept and that a restart gets a healthy GPU.
  */
 import {
   JupyterFrontEnd,
@@ -19,6 +24,7 @@ import { PageConfig, URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
 const POLL_MS = 30_000;
+const GPU_WAIT_S = 25; // the hub holds a long poll at most this long (culling_api.MAX_GPU_WAIT)
 const MAX_MESSAGE = 140;
 const REMIND_MINUTES = 5; // a warning the user closed comes back once this close to the deadline // JupyterLab truncates longer notification messages
 
@@ -30,11 +36,20 @@ interface ICullWarning {
   warned_at: number;
 }
 
+interface IGpuFailure {
+  devices: string[];
+  since: number | null;
+  reason: string;
+  xid: number | null;
+}
+
 interface ICullingReply {
   enabled: boolean;
   server: string | null;
   now: number;
   warning: ICullWarning | null;
+  gpu_failed?: IGpuFailure | null;
+  gpu_wait?: number;
   error?: string;
 }
 
@@ -75,6 +90,23 @@ function warningMessage(w: ICullWarning, now: number, prefix = ''): string {
   return head + reason + tail;
 }
 
+/** What a holder of a GPU that went bad is told (under JupyterLab's 140 characters). */
+function gpuFailureMessage(f: IGpuFailure): string {
+  const when = typeof f.since === 'number' ? ` at ${clock(f.since)}` : '';
+  const head = `This server's GPU failed${when} (`;
+  const tail = '). Files are kept; a restart gets a healthy GPU.';
+  let reason = (f.reason || 'out of service').trim().replace(/\.+$/, '');
+  const room = MAX_MESSAGE - head.length - tail.length;
+  if (reason.length > room) {
+    reason = reason.slice(0, Math.max(0, room - 1)) + '\u2026';
+  }
+  return head + reason + tail;
+}
+
+function sleep(ms: number): Promise<void> {
+  return new Promise(resolve => window.setTimeout(resolve, ms));
+}
+
 /**
  * Whether the notification's toast is on screen (JupyterLab's toasts carry the notification id;
  * if that ever changes, a warning is simply treated as closed and refreshed less often).
@@ -97,12 +129,20 @@ class CullWatcher {
     document.addEventListener('visibilitychange', () => {
       if (document.visibilityState === 'visible') {
         void this.poll();
+        void this.watchGpu();
       }
     });
+    void this.watchGpu();
   }
 
-  private async request<T>(method: 'GET' | 'POST'): Promise<IReply<T>> {
-    const url = URLExt.join(this.settings.baseUrl, 'gpuhub', 'culling');
+  private async request<T>(
+    method: 'GET' | 'POST',
+    wait = 0
+  ): Promise<IReply<T>> {
+    let url = URLExt.join(this.settings.baseUrl, 'gpuhub', 'culling');
+    if (wait > 0) {
+      url += `?wait=${wait}`;
+    }
     const init: RequestInit = { method, cache: 'no-store' };
     if (method === 'POST') {
       init.body = JSON.stringify({});
@@ -131,6 +171,7 @@ class CullWatcher {
       const { status, body } = await this.request<ICullingReply>('GET');
       if (status === 200 && body && body.enabled === false) {
         // Not under a hub: nothing will ever be culled here.
+        this._disabled = true;
         window.clearInterval(this._timer);
         return;
       }
@@ -145,12 +186,104 @@ class CullWatcher {
         this._offset = body.now - Date.now() / 1000;
       }
       this.show(body.warning);
+      this.showGpuFailure(body.gpu_failed || null);
     } catch (err) {
       console.debug('gpuhub: culling poll failed', err);
       this.serverGone();
     } finally {
       this._busy = false;
     }
+  }
+
+  /**
+   * The long poll for GPU failures, while the tab is visible: the hub answers as soon as this
+   * user's failed GPUs change (or after GPU_WAIT_S). Where the hub does not hold it (an older
+   * hub, too many waiting, no health monitor on Kubernetes) it falls back to the 30 s poll's
+   * pace. Failures back off; only the regular poll decides that the server is gone.
+   */
+  async watchGpu(): Promise<void> {
+    if (this._gpuWatching) {
+      return;
+    }
+    this._gpuWatching = true;
+    try {
+      while (
+        !this._goneShown &&
+        !this._disabled &&
+        document.visibilityState === 'visible'
+      ) {
+        const started = Date.now();
+        let held = false;
+        try {
+          const { status, body } = await this.request<ICullingReply>(
+            'GET',
+            GPU_WAIT_S
+          );
+          if (status === 200 && body && body.enabled === false) {
+            return;
+          }
+          if (status === 200 && body) {
+            held = typeof body.gpu_wait === 'number' && body.gpu_wait > 0;
+            if (typeof body.now === 'number') {
+              this._offset = body.now - Date.now() / 1000;
+            }
+            this.showGpuFailure(body.gpu_failed || null);
+          }
+        } catch (err) {
+          console.debug('gpuhub: GPU health poll failed', err);
+        }
+        if (!held) {
+          await sleep(POLL_MS);
+        } else if (Date.now() - started < 1000) {
+          await sleep(1000); // never more than one a second, whatever the hub says
+        }
+      }
+    } finally {
+      this._gpuWatching = false;
+    }
+  }
+
+  /** The hub says this server's GPU went bad (or, null, that it no longer does). */
+  private showGpuFailure(f: IGpuFailure | null): void {
+    if (!f) {
+      if (this._gpuKey !== null && this._gpuId) {
+        // An admin uncordoned it, or a GPU reset cleared its error counters.
+        if (Notification.manager.has(this._gpuId)) {
+          Notification.update({
+            id: this._gpuId,
+            message: 'The GPU of this server is back in service.',
+            type: 'info',
+            autoClose: 10000,
+            actions: []
+          });
+        }
+      }
+      this._gpuId = null;
+      this._gpuKey = null;
+      return;
+    }
+    const key = `${f.since}:${(f.devices || []).join(',')}`;
+    if (key === this._gpuKey) {
+      return; // shown already (or closed by the user: it stays closed)
+    }
+    this._gpuKey = key;
+    if (this._gpuId && Notification.manager.has(this._gpuId)) {
+      Notification.dismiss(this._gpuId);
+    }
+    this._gpuId = Notification.error(gpuFailureMessage(f), {
+      autoClose: false,
+      actions: [
+        {
+          label: 'Hub home',
+          caption:
+            'Stop this server and start it again: it gets a healthy GPU (your files are kept)',
+          displayType: 'accent',
+          callback: () => {
+            window.location.href = this.hubHome();
+          }
+        }
+      ]
+    });
   }
 
   private actions(w: ICullWarning): Notification.IAction[] {
@@ -230,6 +363,10 @@ class CullWatcher {
     if (this._id && Notification.manager.has(this._id)) {
       Notification.dismiss(this._id);
     }
+    if (this._gpuId && Notification.manager.has(this._gpuId)) {
+      Notification.dismiss(this._gpuId); // the stop notice says what to do now
+    }
+    this._gpuId = null;
     this._id = Notification.info(message, { autoClose: false, actions });
     this._key = null;
   }
@@ -353,6 +490,10 @@ class CullWatcher {
   }
 
   private _busy = false;
+  private _disabled = false;
+  private _gpuId: string | null = null;
+  private _gpuKey: string | null = null;
+  private _gpuWatching = false;
   private _failures = 0;
   private _goneShown = false;
   private _last: ICullWarning | null = null;
@@ -367,7 +508,7 @@ class CullWatcher {
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'gpuhub-notebook:cull-warning',
   description:
-    'Shows the hub cull warning for this server, with a Snooze action.',
+    'Shows the hub cull warning for this server, with a Snooze action, and a failed GPU.',
   autoStart: true,
   activate: (app: JupyterFrontEnd) => {
     const watcher = new CullWatcher(app.serviceManager.serverSettings);

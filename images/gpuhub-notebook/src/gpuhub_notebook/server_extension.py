@@ -11,9 +11,12 @@ Handlers, under the server's ``base_url`` and authenticated like every server AP
     This server's entry of the hub's ``GET {JUPYTERHUB_API_URL}/gpuhub/culling/{user}``, fetched
     with the server's own ``JUPYTERHUB_API_TOKEN``::
 
-        {"enabled": true, "server": "<name>", "now": <epoch>, "warning": {...} | null}
+        {"enabled": true, "server": "<name>", "now": <epoch>, "warning": {...} | null,
+         "gpu_failed": {devices, since, reason, xid} | null, "gpu_wait": <s>}
 
     ``enabled`` is false outside a hub (no ``JUPYTERHUB_API_URL``); the lab extension stops polling.
+    ``?wait=S`` (at most 25) is a long poll: the hub answers when this user's GPU failures
+    change, or after S s; ``gpu_wait`` says how long the hub agreed to wait (0: at once).
 
 ``POST gpuhub/culling``
     Relays ``POST {JUPYTERHUB_API_URL}/gpuhub/culling/{user}/snooze`` with ``{"server": "<this
@@ -80,15 +83,20 @@ def hub_environment(environ=None) -> dict | None:
     }
 
 
-async def _hub_request(hub: dict, path: str, method: str = "GET", body: dict | None = None):
-    """(status, parsed JSON or {}) from the hub; status 0 when it could not be reached."""
+MAX_GPU_WAIT = 25.0  # the hub's own cap on a long poll (culling_api.MAX_GPU_WAIT)
+
+
+async def _hub_request(hub: dict, path: str, method: str = "GET", body: dict | None = None, wait: float = 0.0):
+    """(status, parsed JSON or {}) from the hub; status 0 when it could not be reached.
+    ``wait``: a long poll (the hub answers when this user's GPU-failure notices change)."""
+    query = f"?gpu_wait={wait:g}" if wait else ""
     req = HTTPRequest(
-        f"{hub['url']}/gpuhub/culling/{quote(hub['user'], safe='')}{path}",
+        f"{hub['url']}/gpuhub/culling/{quote(hub['user'], safe='')}{path}{query}",
         method=method,
         headers={"Authorization": f"token {hub['token']}", "Content-Type": "application/json",
                  "Accept": "application/json"},
         body=json.dumps(body) if body is not None else None,
-        request_timeout=HUB_TIMEOUT,
+        request_timeout=HUB_TIMEOUT + wait,
         connect_timeout=HUB_TIMEOUT,
         **hub["ssl"],
     )
@@ -118,15 +126,28 @@ class CullingHandler(APIHandler):
     @authorized
     async def get(self):
         self.set_header("Cache-Control", "no-store")
+        try:
+            wait = float(self.get_query_argument("wait", "0")[:16] or 0)
+        except ValueError:
+            raise web.HTTPError(400, "wait must be a number of seconds") from None
+        if not 0 <= wait <= MAX_GPU_WAIT:
+            raise web.HTTPError(400, f"wait must be between 0 and {MAX_GPU_WAIT:g} seconds")
         hub = hub_environment()
         if hub is None:
-            self.finish(json.dumps({"enabled": False, "server": None, "now": time.time(), "warning": None}))
+            self.finish(json.dumps({"enabled": False, "server": None, "now": time.time(), "warning": None,
+                                    "gpu_failed": None, "gpu_wait": 0}))
             return
-        status, data = await _hub_request(hub, "")
-        reply = {"enabled": True, "server": hub["server"], "now": time.time(), "warning": None}
+        status, data = await _hub_request(hub, "", wait=wait)
+        reply = {"enabled": True, "server": hub["server"], "now": time.time(), "warning": None,
+                 "gpu_failed": None, "gpu_wait": 0}
         if status == 200:
             entry = (data.get("servers") or {}).get(hub["server"])
             reply["warning"] = entry if isinstance(entry, dict) else None
+            failed = data.get("gpu_failed")
+            failed = failed.get(hub["server"]) if isinstance(failed, dict) else None
+            reply["gpu_failed"] = failed if isinstance(failed, dict) else None
+            gpu_wait = data.get("gpu_wait")
+            reply["gpu_wait"] = gpu_wait if isinstance(gpu_wait, (int, float)) else 0
         elif status == 404:
             reply["error"] = data.get("message") or "the hub has no culling endpoint"
         else:

@@ -5,7 +5,9 @@ and kernels, the real proxy. Four simulated researchers storm a team with two GP
 for the first two to stop, which the report's queue wait (the hub's own histogram) shows; each
 runs a cell in a kernel, idles, stops; the run's users, tokens and the group it had to make
 are gone afterwards. A second run compares itself with the first's JSON. Without ``--yes``
-naming the hub, nothing happens.
+naming the hub, nothing happens. With ``--jobs``, the users then submit batch jobs through the
+hub's jobs API: one ends and is reported from its record, one still running at the deadline is
+cancelled by the cleanup (its process gone), and the report says both.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support.hub import Hub
+from support.hub import Hub, processes_with_env, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -113,6 +115,38 @@ def test_a_profile_the_team_may_not_use_is_counted_as_failed_and_still_cleaned_u
     assert p.returncode == 1
     assert "1 failed" in p.stdout and "loadtest-" in p.stdout  # the failure is named with its user
     assert not [n for n in hub_users(hub, admin_token) if n.startswith("loadtest-")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root")
+def test_jobs_are_submitted_followed_reported_and_the_unfinished_one_cancelled(hub, admin_token, tmp_path):
+    """Two users, each then submits a job with their own token: the first user's ends in a second,
+    the second's would run for ten minutes and is still running at the run's deadline. (180 s: a
+    spawn took 53 s here at a load average of 29 on 2 cores; the jobs come after the servers.)"""
+    out = tmp_path / "jobs.json"
+    command = 'case "$JUPYTERHUB_USER" in *-0000) sleep 1 ;; *) sleep 600 ;; esac'
+    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "2", "--mix", "load-team:gpu-1", "--idle", "0",
+                 "--code", "", "--jobs", "2", "--job-command", command, "--prefix", "ltjobs-", "--deadline", "180",
+                 "--json", str(out))
+    print(p.stdout, p.stderr)
+    assert p.returncode == 1, p.stdout + p.stderr + hub.tail()  # the cancelled job is a failure of its user
+    report = json.loads(out.read_text())
+    jobs = report["jobs"]
+    assert (jobs["submitted"], jobs["succeeded"], jobs["cancelled"], jobs["cancelled_at_deadline"]) == (2, 1, 1, 1), jobs
+    assert jobs["http_errors"] == {} and jobs["transport_errors"] == 0 and jobs["profiles"] == ["gpu-1"]
+    # The wait to start and the run to the end come from the hub's record: the run of the one that ended.
+    assert report["job_queue_wait_seconds"]["n"] == 2
+    assert report["job_run_seconds"]["n"] == 1 and 1.0 <= report["job_run_seconds"]["median"] < 60
+    assert report["completed"] == 1 and "still running at the run's deadline" in report["errors"]["first_failures"][0]
+    assert report["not_cleaned_up"] == []
+    assert "job_run_seconds median" in p.stdout and "jobs: 2 of 2 submitted" in p.stdout
+    # On the hub: both records (the hub keeps them), the long one cancelled, its process gone; the users gone.
+    token = Path(admin_token).read_text()
+    r = requests.get(hub.url + "/hub/api/gpuhub/jobs?all=1", headers={"Authorization": f"token {token}"})
+    r.raise_for_status()
+    ours = {j["user"].rsplit("-", 1)[1]: j for j in r.json()["jobs"] if j["user"].startswith("ltjobs-")}
+    assert ours["0000"]["state"] == "succeeded" and ours["0001"]["state"] == "cancelled", ours
+    wait_for(lambda: not processes_with_env(f"GPUHUB_JOB_ID={ours['0001']['id']}"), 30, "the cancelled job's process to go")
+    assert not [n for n in hub_users(hub, admin_token) if n.startswith("ltjobs-")]
 
 
 def test_a_failing_cell_still_stops_the_server_so_the_queue_moves(hub, admin_token, tmp_path):

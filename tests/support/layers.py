@@ -33,5 +33,6 @@ LAYER_TESTS = {
         "kube/test_webhook_exclusion.py", "kube/test_kueue_diff.py",
         "kube/test_ray_manifest.py",
     ],
-    "hub": ["unit/test_policy_roles.py", "unit/test_hub_config.py", "unit/test_cli_top.py", "unit/test_service_unit.py"],
+    "hub": ["unit/test_policy_roles.py", "unit/test_hub_config.py", "unit/test_cli_top.py", "unit/test_service_unit.py",
+            "unit/test_loadtest_jobs.py"],
 }

@@ -5,22 +5,31 @@ a hub user this run creates (``<prefix><run>-NNNN``), put in a team's group, giv
 asks for a server with a profile of the policy, follows the spawn's progress stream (the
 spawn page's own request) until the server is ready, runs one cell in a real kernel over the
 Jupyter websocket, stays idle a while, stops. Shapes: ``storm`` (everyone at once: Monday
-09:00) or ``ramp`` (arrivals spread evenly over ``--ramp`` seconds).
+09:00) or ``ramp`` (arrivals spread evenly over ``--ramp`` seconds). With ``--jobs N`` the first
+N of them then hand a batch job to the hub's jobs API (``POST /hub/api/gpuhub/jobs``, their own
+token, as ``gpuhub job submit`` does) and follow it until it ends (``GET .../jobs/<id>``, as
+``gpuhub job status`` does); a job still unfinished at the deadline is cancelled.
 
 It reports spawn-to-ready (median, p95, max), the cell's round trip, the stop, the wait for
 admission per team (from the hub's own histogram ``gpuhub_team_admission_wait_seconds``,
 read before and after), every HTTP error by status and every timeout, and the hub's CPU and
 memory (its ``process_*`` series on ``/hub/metrics``), and the proxy's when the proxy runs on
 this machine (read from ``/proc``): as a table, and as JSON that a later run compares with
-(``--baseline``: each figure as now / before).
+(``--baseline``: each figure as now / before). Jobs: submitted, refused, succeeded, failed,
+cancelled, the wait from submission to the first attempt's start and the run from there to the
+end (both from the hub's job record), and the HTTP errors on the jobs endpoints.
 
 Bounded and clean: at most ``MAX_USERS`` users, a deadline for the whole run, and a cleanup
-that always runs (servers stopped, tokens and users deleted; a user this run did not create
-is never touched). It refuses to start without ``--yes`` naming the hub it will load.
+that always runs (the run's unfinished jobs cancelled, servers stopped, tokens and users
+deleted; a user this run did not create is never touched). It refuses to start without
+``--yes`` naming the hub it will load. The hub keeps every job's record (its evidence: no API
+deletes one); they stay in its job history under the deleted users' names.
 
 The admin token needs: ``admin:users`` (create and delete users), ``tokens`` (one for each
 simulated user), ``admin:groups`` (put them in a team's group), ``read:metrics``, and
-``servers`` (stop them at the end); a hub admin's token has them all.
+``servers`` (stop them at the end); a hub admin's token has them all. Jobs are submitted,
+followed and cancelled with each simulated user's own token (``custom:gpuhub:jobs``, which
+every user's token carries): nothing more of the admin's.
 """
 
 from __future__ import annotations
@@ -39,10 +48,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from ..jobs.records import FINAL as JOB_FINAL
 from .measure import Sampler, pid_listening_on, summary
 
 MAX_USERS = 2000
 DEFAULT_CODE = "sum(i * i for i in range(200_000))"
+DEFAULT_JOB_COMMAND = "sleep 5"
+JOBS_API = "/gpuhub/jobs"
+# Each simulated researcher reads their job's record every 2 s (``gpuhub job logs -f`` polls every
+# second); beyond 50 jobs less often, so that all of them together send at most 25 requests a second.
+JOB_POLL_SECONDS = 2.0
+JOB_POLLS_PER_SECOND = 25.0
 _NAME_PREFIX = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
 
 
@@ -62,6 +78,23 @@ class Mix:
 
 
 @dataclass
+class JobRun:
+    """The batch job one simulated researcher submits (``--jobs``), as the hub recorded it."""
+
+    profile: str
+    id: str | None = None
+    state: str | None = None  # the hub's word (queued, running, succeeded, failed, cancelled), or "refused"
+    submit_seconds: float | None = None  # the POST's round trip
+    queue_seconds: float | None = None  # submitted -> the first attempt started (the hub's record)
+    run_seconds: float | None = None  # the first attempt started -> the job ended (retries included)
+    attempts: int = 0
+    preempted: int = 0  # attempts stopped for an interactive server and queued again
+    error: str | None = None
+    at_deadline: bool = False  # still unfinished when the run's deadline came
+    cancelled_in_cleanup: bool = False
+
+
+@dataclass
 class UserRun:
     name: str
     group: str
@@ -71,6 +104,8 @@ class UserRun:
     stop_seconds: float | None = None
     error: str | None = None
     created: bool = False
+    token: str | None = None  # the simulated user's own; gone with the user
+    job: JobRun | None = None
 
 
 @dataclass
@@ -80,6 +115,7 @@ class Errors:
     connection: int = 0
     failed_spawns: int = 0
     cells: int = 0
+    job_transport: int = 0  # of the timeouts and dropped connections: those on the jobs endpoints
 
     def total(self) -> int:
         return sum(self.http.values()) + self.timeouts + self.connection + self.failed_spawns + self.cells
@@ -90,8 +126,13 @@ class HubRefused(Exception):
 
 
 def _route(path: str) -> str:
-    """A path with the simulated user's name taken out, so errors group by endpoint."""
-    return re.sub(r"/users/[^/]+", "/users/{name}", re.sub(r"/kernels/[^/]+", "/kernels/{id}", path.split("?")[0]))
+    """A path with the simulated user's name (and kernel and job ids) taken out, so errors group by endpoint."""
+    path = re.sub(r"/jobs/job-[^/]+", "/jobs/{id}", path.split("?")[0])
+    return re.sub(r"/users/[^/]+", "/users/{name}", re.sub(r"/kernels/[^/]+", "/kernels/{id}", path))
+
+
+def _is_jobs_route(route: str) -> bool:
+    return f"/hub/api{JOBS_API}" in route
 
 
 def _loopback(url: str) -> tuple[str, dict]:
@@ -140,10 +181,12 @@ class Api:
                     self.errors.timeouts += 1
                 else:
                     self.errors.connection += 1
+                self.errors.job_transport += _is_jobs_route(urlsplit(url).path)
             raise
         except OSError:
             if count:
                 self.errors.connection += 1
+                self.errors.job_transport += _is_jobs_route(urlsplit(url).path)
             raise
         if response.code >= 400 and count:
             self.errors.http[f"{response.code} {method} {_route(urlsplit(url).path)}"] += 1
@@ -249,8 +292,11 @@ async def _simulate(api: Api, user: UserRun, args, start_at: float, deadline: fl
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     name = quote(user.name)
     try:
+        # Valid through the cleanup, which cancels the user's jobs with it.
+        lifetime = int(args.deadline + args.cleanup_timeout) + 600
         token = (await api.hub("POST", f"/users/{name}/tokens",
-                               body={"note": "gpuhub loadtest", "expires_in": int(args.deadline) + 600}))["token"]
+                               body={"note": "gpuhub loadtest", "expires_in": lifetime}))["token"]
+        user.token = token
         t0 = time.monotonic()
         await api.hub("POST", f"/users/{name}/server", body={"profile": user.profile} if user.profile else {},
                       token=token)
@@ -284,6 +330,82 @@ async def _simulate(api: Api, user: UserRun, args, start_at: float, deadline: fl
         raise
     except Exception as e:  # noqa: BLE001 - one user's failure is a figure of the run, not its end
         user.error = f"{type(e).__name__}: {e}"[:400]
+    if user.job is not None and user.token:
+        # The notebook was for exploring; the long run goes to a job (even when the server
+        # failed: a researcher still submits their training, and the hub's answer is a figure).
+        try:
+            await _run_job(api, user, args, deadline)
+        except asyncio.CancelledError:
+            user.job.at_deadline = user.job.id is not None and user.job.state not in JOB_FINAL
+            user.error = user.error or (f"job {user.job.id} still {user.job.state} at the run's deadline"
+                                        if user.job.at_deadline else "cancelled at the run's deadline")
+            raise
+        if user.job.error:
+            user.error = user.error or user.job.error
+
+
+def job_spec(user: UserRun, args, seconds_left: float) -> str:
+    """The job file a researcher would write: the profile, the command, and a time limit that
+    ends it on the hub's side even if this run is gone by then: after the deadline and the
+    cleanup's time (the cleanup cancels it first, so the report says what the run did)."""
+    import yaml
+
+    limit = max(1, int(seconds_left + args.cleanup_timeout)) + 60
+    return yaml.safe_dump({"name": f"gpuhub loadtest {user.name}", "profile": user.job.profile,
+                           "command": args.job_command, "timeLimit": f"{limit}s"}, sort_keys=False)
+
+
+def job_figures(job: JobRun, record: dict) -> None:
+    """What the hub's record says: state, attempts, the wait to the first start and the run to the end."""
+    job.state = record.get("state")
+    attempts = record.get("attempts") or []
+    job.attempts = len(attempts)
+    job.preempted = sum(1 for a in attempts if a.get("reason") == "preempted")
+    started = next((a["started"] for a in attempts if a.get("started")), None)
+    if started is not None and record.get("submitted"):
+        job.queue_seconds = round(max(0.0, started - record["submitted"]), 3)
+    if started is not None and record.get("finished") and job.state in JOB_FINAL:
+        job.run_seconds = round(max(0.0, record["finished"] - started), 3)
+
+
+async def _run_job(api: Api, user: UserRun, args, deadline: float) -> None:
+    """Submit the job with the user's own token, then follow it until it ends or the deadline."""
+    job = user.job
+    base = f"{api.hub_url}/hub/api{JOBS_API}"
+    text = job_spec(user, args, deadline - time.monotonic())
+    t0 = time.monotonic()
+    try:
+        r = await api.fetch("POST", base, token=user.token, body={"spec": text, "filename": "loadtest-job.yaml"})
+    except Exception as e:  # noqa: BLE001 - counted by fetch; the cleanup looks for it by listing
+        job.error = f"job submission: {type(e).__name__}: {e}"[:400]
+        return
+    if r.code != 201:
+        # 4xx: the hub refused it with a reason (profile, team, caps); 5xx: it failed to answer
+        job.state = "refused" if r.code < 500 else None
+        job.error = f"job {'refused' if r.code < 500 else 'submission'}: {r.code} {_message(r)}"[:400]
+        return
+    job.submit_seconds = time.monotonic() - t0
+    record = json.loads(r.body)
+    job.id = record["id"]
+    job_figures(job, record)
+    poll = max(JOB_POLL_SECONDS, args.jobs / JOB_POLLS_PER_SECOND)
+    while job.state not in JOB_FINAL and time.monotonic() < deadline:
+        await asyncio.sleep(max(0.0, min(poll, deadline - time.monotonic())))
+        try:
+            r = await api.fetch("GET", f"{base}/{job.id}", token=user.token)
+        except Exception:  # noqa: BLE001 - counted; read again at the next poll
+            continue
+        if r.code == 200:
+            record = json.loads(r.body)
+            job_figures(job, record)
+        elif r.code == 404:
+            job.error = f"job {job.id}: the hub no longer knows it (404)"
+            return
+    if job.state not in JOB_FINAL:  # the cleanup cancels it
+        job.at_deadline = True
+        job.error = f"job {job.id} still {job.state} at the run's deadline"
+    elif job.state != "succeeded":
+        job.error = f"job {job.id} {str(record.get('status') or job.state)[:300]}"
 
 
 async def _stop(api: Api, name: str, deadline: float) -> None:
@@ -326,14 +448,63 @@ async def _create_users(api: Api, users: list[UserRun], created_groups: list[str
             raise HubRefused(f"adding users to group {group!r}: {response.code} {_message(response)}")
 
 
+async def _cancel_jobs(api: Api, u: UserRun, deadline: float) -> list[str]:
+    """Cancel every unfinished job of the user (with their own token: the jobs they would see
+    with ``gpuhub job list``, so one whose submission got no answer too) and wait until the hub
+    says it ended. What could not be."""
+    base = f"{api.hub_url}/hub/api{JOBS_API}"
+    states: dict[str, str | None] = {}
+    if u.job.id:
+        states[u.job.id] = u.job.state
+    r = await api.fetch("GET", base, token=u.token, count=False)
+    if r.code == 200:
+        for record in json.loads(r.body).get("jobs", []):
+            if record.get("user") != u.name:
+                continue
+            states[record["id"]] = record.get("state")
+            if record["id"] == u.job.id:
+                job_figures(u.job, record)  # it may have ended after its last read
+    elif not u.job.id or u.job.state is None:
+        return [f"{u.name}'s jobs: not listed ({r.code} {_message(r)}), a job whose submission got no answer "
+                "may be left"]
+    left = []
+    for job_id, state in states.items():
+        if state in JOB_FINAL:
+            continue
+        r = await api.fetch("POST", f"{base}/{job_id}/cancel", token=u.token, count=False)
+        if r.code not in (200, 409):  # 409: it ended meanwhile
+            left.append(f"job {job_id} of {u.name}: cancel answered {r.code} {_message(r)}"[:200])
+            continue
+        state = json.loads(r.body).get("state") if r.body else None
+        while state not in JOB_FINAL and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            r = await api.fetch("GET", f"{base}/{job_id}", token=u.token, count=False)
+            state = json.loads(r.body).get("state") if r.code == 200 else state
+        if state not in JOB_FINAL:
+            left.append(f"job {job_id} of {u.name}: still {state} after cancelling")
+            continue
+        if job_id == u.job.id:
+            u.job.cancelled_in_cleanup = state == "cancelled"
+            u.job.state = state
+    return left
+
+
 async def _cleanup(api: Api, users: list[UserRun], created_groups: list[str], deadline: float) -> list[str]:
-    """Stop every server of this run and delete its users; what could not be cleaned."""
+    """Cancel the run's unfinished jobs, stop every server of this run and delete its users;
+    what could not be cleaned."""
     left: list[str] = []
 
     async def one(u: UserRun) -> None:
         if not u.created:
             return
         try:
+            if u.job is not None and u.token:
+                # Before the user goes: their token goes with them, and deleting a user does not
+                # end their jobs (an admin can still cancel one: `gpuhub job cancel ID`).
+                try:
+                    left.extend(await _cancel_jobs(api, u, deadline))
+                except Exception as e:  # noqa: BLE001 - the server and the user are still cleaned
+                    left.append(f"{u.name}'s jobs: {type(e).__name__}: {e}"[:200])
             await _stop(api, u.name, deadline)
             await api.hub("DELETE", f"/users/{quote(u.name)}", expect=(204, 404))
         except Exception as e:  # noqa: BLE001
@@ -348,9 +519,35 @@ async def _cleanup(api: Api, users: list[UserRun], created_groups: list[str], de
 
 
 def plan(args) -> list[UserRun]:
+    """The run's users; the first ``--jobs`` of them (every mix in turn) also submit a job."""
     run = secrets.token_hex(2)
-    return [UserRun(f"{args.prefix}{run}-{i:04d}", args.mix[i % len(args.mix)].group,
-                    args.mix[i % len(args.mix)].profile) for i in range(args.users)]
+    users = [UserRun(f"{args.prefix}{run}-{i:04d}", args.mix[i % len(args.mix)].group,
+                     args.mix[i % len(args.mix)].profile) for i in range(args.users)]
+    for u in users[:args.jobs]:
+        u.job = JobRun(args.job_profile or u.profile)
+    return users
+
+
+def job_report(users: list[UserRun], api: Api, args) -> dict | None:
+    """The job figures of the run (``--jobs``): counts, HTTP errors on the jobs endpoints, failures."""
+    if not args.jobs:
+        return None
+    jobs = [u.job for u in users if u.job is not None]
+    submitted = [j for j in jobs if j.id]
+    by_state = Counter(j.state for j in submitted)
+    failed = [(u.name, u.job) for u in users if u.job is not None and u.job.error]
+    return {
+        "requested": args.jobs, "command": args.job_command, "profiles": sorted({j.profile for j in jobs}),
+        "submitted": len(submitted), "refused": sum(1 for j in jobs if j.state == "refused"),
+        "not_submitted": sum(1 for j in jobs if not j.id and j.state != "refused"),
+        "succeeded": by_state["succeeded"], "failed": by_state["failed"], "cancelled": by_state["cancelled"],
+        "cancelled_at_deadline": sum(1 for j in submitted if j.at_deadline and j.state == "cancelled"),
+        "unfinished": sum(1 for j in submitted if j.state not in JOB_FINAL),
+        "preempted_attempts": sum(j.preempted for j in submitted),
+        "http_errors": {k: v for k, v in api.errors.http.items() if _is_jobs_route(k)},
+        "transport_errors": api.errors.job_transport,
+        "first_failures": [f"{name}: {job.error}" for name, job in failed[:5]],
+    }
 
 
 async def run(args, token: str) -> dict:
@@ -365,6 +562,8 @@ async def run(args, token: str) -> dict:
     report: dict = {"hub": args.hub_url, "users": args.users, "shape": args.shape,
                     "mix": [f"{m.group}:{m.profile or '(default)'}" for m in args.mix],
                     "idle_seconds": args.idle, "code": args.code, "started_at": time.time()}
+    if args.jobs:
+        report.update({"job_users": args.jobs, "job_command": args.job_command})
     left: list[str] = []
     created_groups: list[str] = []
     try:
@@ -398,6 +597,10 @@ async def run(args, token: str) -> dict:
         "cell_seconds": summary([u.cell_seconds for u in users if u.cell_seconds is not None]),
         "stop_seconds": summary([u.stop_seconds for u in users if u.stop_seconds is not None]),
         "queue_wait_by_team": waits,
+        "job_submit_seconds": summary([u.job.submit_seconds for u in users if u.job and u.job.submit_seconds is not None]),
+        "job_queue_wait_seconds": summary([u.job.queue_seconds for u in users if u.job and u.job.queue_seconds is not None]),
+        "job_run_seconds": summary([u.job.run_seconds for u in users if u.job and u.job.run_seconds is not None]),
+        "jobs": job_report(users, api, args),
         "completed": sum(1 for u in users if u.stop_seconds is not None and not u.error),
         "errors": {"http": dict(api.errors.http), "timeouts": api.errors.timeouts,
                    "connection": api.errors.connection, "failed_spawns": api.errors.failed_spawns,
@@ -413,8 +616,11 @@ async def run(args, token: str) -> dict:
 
 # -- output ----------------------------------------------------------------------------------
 COMPARED = [("spawn_to_ready_seconds", "median"), ("spawn_to_ready_seconds", "p95"), ("cell_seconds", "median"),
-            ("stop_seconds", "median"), ("hub_process", "cpu_cores_mean"), ("hub_process", "rss_max_mib"),
+            ("stop_seconds", "median"), ("job_submit_seconds", "median"), ("job_queue_wait_seconds", "median"),
+            ("job_queue_wait_seconds", "p95"), ("job_run_seconds", "median"), ("job_run_seconds", "p95"),
+            ("hub_process", "cpu_cores_mean"), ("hub_process", "rss_max_mib"),
             ("proxy_process", "cpu_cores_mean"), ("proxy_process", "rss_max_mib")]
+JOB_COUNTS = ("submitted", "succeeded", "failed", "refused", "cancelled")
 
 
 def _get(report: dict, section: str, key: str):
@@ -440,6 +646,17 @@ def table(report: dict, baseline: dict | None = None) -> str:
     for team, w in sorted(report.get("queue_wait_by_team", {}).items()):
         lines.append(f"  queue wait {team:<23}{w['mean_seconds']:>10} mean, p95 <= {w['p95_seconds']} "
                      f"(histogram buckets), {w['admitted']} admitted")
+    jobs = report.get("jobs")
+    if jobs:
+        lines.append(f"  jobs: {jobs['submitted']} of {jobs['requested']} submitted ({', '.join(jobs['profiles'])}: "
+                     f"{jobs['command']!r}), {jobs['succeeded']} succeeded, {jobs['failed']} failed, "
+                     f"{jobs['refused']} refused, {jobs['cancelled']} cancelled "
+                     f"({jobs['cancelled_at_deadline']} at the deadline), {jobs['preempted_attempts']} preempted attempts")
+        lines.append(f"  jobs API errors: http {sum(jobs['http_errors'].values())} {jobs['http_errors'] or ''}, "
+                     f"timeouts or dropped connections {jobs['transport_errors']}")
+        before = (baseline or {}).get("jobs")
+        if before:
+            lines.append("  jobs before: " + ", ".join(f"{before.get(k, '-')} {k}" for k in JOB_COUNTS))
     e = report["errors"]
     lines.append(f"  errors: http {sum(e['http'].values())} {dict(e['http']) or ''}, timeouts {e['timeouts']}, "
                  f"connection {e['connection']}, failed spawns {e['failed_spawns']}, failed cells {e['failed_cells']}")
@@ -462,6 +679,25 @@ def _token(args, problems: list[str]) -> str | None:
     return os.environ.get("GPUHUB_ADMIN_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
 
 
+def _job_problems(args) -> list[str]:
+    if not 0 <= args.jobs <= max(0, args.users):
+        return [f"--jobs {args.jobs}: between 0 and --users ({args.users}): one job per simulated user at most"]
+    if not args.jobs:
+        return []
+    problems = []
+    lacking = sorted({m.group for m in args.mix[:args.jobs] if not m.profile})
+    if not args.job_profile and lacking:
+        problems.append(f"--jobs needs a profile for the jobs of {', '.join(lacking)}: --mix GROUP:PROFILE or --job-profile SLUG")
+    from ..jobs.spec import parse_job
+    from ..policy import PolicyError
+
+    try:  # the job file, checked here as `gpuhub job submit` does: before anything is sent
+        parse_job(job_spec(UserRun("u", "g", None, job=JobRun(args.job_profile or "p")), args, 60), "--job-command")
+    except PolicyError as e:
+        problems += [f"--job-command: {i.message}" for i in e.issues]
+    return problems
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpuhub loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--hub-url", required=True, help="the hub's public URL, e.g. http://localhost:8000")
@@ -474,6 +710,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ramp", type=float, default=60.0, help="seconds over which a ramp's arrivals spread (default 60)")
     p.add_argument("--idle", type=float, default=5.0, help="seconds each user stays idle before stopping (default 5)")
     p.add_argument("--code", default=DEFAULT_CODE, help="the cell each user runs ('' for none)")
+    p.add_argument("--jobs", type=int, default=0, metavar="N",
+                   help="the first N users (0 to --users, default 0) then submit a batch job each and follow it to its end")
+    p.add_argument("--job-profile", metavar="SLUG", help="the jobs' profile (default: the profile of the user's --mix)")
+    p.add_argument("--job-command", default=DEFAULT_JOB_COMMAND,
+                   help=f"the job's command, one shell string (default {DEFAULT_JOB_COMMAND!r})")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds for the whole run, cleanup apart (default 900)")
     p.add_argument("--cleanup-timeout", type=float, default=180.0, help="seconds for stopping and deleting (default 180)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds for one API request (default 120)")
@@ -490,7 +731,8 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     problems = []
     if args.yes is None or args.yes.rstrip("/") != args.hub_url.rstrip("/"):
-        problems.append(f"refusing to load {args.hub_url}: this creates {args.users} users and starts their servers "
+        jobs = f" and submits {args.jobs} jobs" if args.jobs else ""
+        problems.append(f"refusing to load {args.hub_url}: this creates {args.users} users and starts their servers{jobs} "
                         f"there. Say so with --yes {args.hub_url}")
     if not 1 <= args.users <= MAX_USERS:
         problems.append(f"--users {args.users}: between 1 and {MAX_USERS}")
@@ -498,6 +740,8 @@ def main(argv: list[str]) -> int:
         problems.append(f"--prefix {args.prefix!r}: lower-case letters, digits and '-', starting with a letter, at most 20")
     if args.deadline <= 0 or args.deadline > 6 * 3600 or args.idle < 0 or args.ramp < 0:
         problems.append("--deadline must be in (0, 21600] seconds; --idle and --ramp not negative")
+    args.mix = args.mix or [Mix("students", None)]
+    problems += _job_problems(args)
     token = _token(args, problems)
     if token is None:
         problems.append("no admin token: --token-file FILE, or GPUHUB_ADMIN_TOKEN in the environment")
@@ -511,7 +755,6 @@ def main(argv: list[str]) -> int:
         for line in problems:
             print(f"gpuhub loadtest: {line}", file=sys.stderr)
         return 2
-    args.mix = args.mix or [Mix("students", None)]
     try:
         report = asyncio.run(run(args, token))
     except HubRefused as e:

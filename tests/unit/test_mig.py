@@ -412,3 +412,18 @@ def test_a_slice_made_on_a_gpu_marked_bad_is_bad_too_and_one_on_a_drained_gpu_dr
     # uncordon heals the slice (only that); the marks do not come back at the next layout read
     table.health.uncordon("MIG-a2")
     assert not table.apply_layout(table.nvml) and table.health.usable("MIG-a2")
+
+
+def test_kueues_shortage_messages_name_slices_and_slice_memory_on_the_spawn_page():
+    from gpuhub_spawner.kube import kueue as K
+    from gpuhub_spawner.kube.messages import shortages
+
+    p = parse_policy(MIXED_SHAPES, "p.yaml")
+    said = ", ".join([K.MSG_UNUSED_QUOTA.format(resource="nvidia.com/mig-1g.10gb", flavor="a100-1g", more="1"),
+                      K.MSG_UNUSED_QUOTA.format(resource="gpuhub.io/mig-memory", flavor="gpuhub-default", more="10Gi")])
+    short, never = shortages(p, said)
+    assert short == ["1 A100 1g.10gb slice", "10Gi of MIG slice memory"] and never == []
+    said = K.MSG_MAX_CAPACITY.format(resource="gpuhub.io/mig-memory", flavor="gpuhub-default", previous="0",
+                                     request="40Gi", capacity="30Gi")
+    assert shortages(p, said)[1] == ["40Gi of MIG slice memory requested but the team can hold at most 30Gi of MIG slice memory"]
+    assert shortages(p, K.MSG_UNUSED_QUOTA.format(resource="nvidia.com/gpu", flavor="a100", more="2"))[0] == ["2 A100 GPUs"]

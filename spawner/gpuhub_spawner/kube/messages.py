@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from ..policy.access import Choice
+from ..policy.mig import MIG_MEMORY_RESOURCE
 from ..policy.model import Policy
 from ..policy.quantities import format_memory, parse_cpu_millis, parse_memory_bytes
 from . import kueue as K
@@ -47,10 +48,15 @@ def amount(policy: Policy, resource: str, flavor: str | None, qty: str) -> str:
             return f"{cores} CPU core" + ("" if cores == "1" else "s")
         if resource == "memory":
             return f"{format_memory(parse_memory_bytes(qty))} of memory"
+        if resource == MIG_MEMORY_RESOURCE:  # MIG slices a team counts in memory (docs/mig.md)
+            return f"{format_memory(parse_memory_bytes(qty))} of MIG slice memory"
     except ValueError:
         return f"{qty} {resource}"
     gpu = next((f for f in policy.flavors if f.name == flavor), None)
     label = (gpu.display_name or gpu.name) if gpu else (flavor or resource)
+    if gpu is not None and gpu.mig is not None:  # '1 A100 1g.10gb slice': a slice, never a GPU
+        label = label if gpu.mig.profile in label else f"{label} {gpu.mig.profile}"
+        return f"{qty} {label} slice" + ("" if qty == "1" else "s")
     return f"{qty} {label} GPU" + ("" if qty == "1" else "s")
 
 

@@ -79,6 +79,25 @@ def test_history_adds_up_and_survives_a_new_engine(tmp_path):
     assert ",culled,gpuhub-culler," in csv_text and "7200.0" in csv_text
 
 
+def test_who_stopped_a_server_is_kept_when_the_stop_outlasts_its_request(tmp_path):
+    """A slow stop: JupyterHub answers the DELETE with 202 before the server is gone, so the
+    request names its actor while the allocation is still open; the later close keeps that name
+    (the usage page said nobody stopped it). A quick stop (204) names the closed row, as before."""
+    h = History(f"sqlite:///{tmp_path / 'hub.sqlite'}")
+    now = __import__("time").time()
+    for key, user in (("carol/", "carol"), ("dave/", "dave")):
+        h.open(key=key, user=user, team="nlp", profile="gpu", flavor="a100", gpus=1, devices=["0"],
+               requested=now - 60, start=now - 50)
+    h.set_stopped_by("carol/", "carol")  # 202: the request ended, the server still stopping
+    h.close("carol/", now, "stopped")  # the release, which knows no actor
+    h.close("dave/", now, "stopped")  # 204: the server went first,
+    h.set_stopped_by("dave/", "admin")  # then the request ended
+    h.flush()
+    rows = {r.user: r for r in h.rows(now - 100)}
+    assert (rows["carol"].end_reason, rows["carol"].stopped_by) == ("stopped", "carol")
+    assert (rows["dave"].end_reason, rows["dave"].stopped_by) == ("stopped", "admin")
+
+
 def test_the_audit_file_is_private_and_append_only(tmp_path):
     path = tmp_path / "audit.jsonl"
     a = AuditLog(path)

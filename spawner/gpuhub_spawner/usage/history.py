@@ -200,17 +200,26 @@ class History:
         self._write(self._close, key, end, reason, stopped_by)
 
     def _close(self, conn, key, end, reason, stopped_by) -> None:
-        conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
-                     .values(end=end, end_reason=reason, stopped_by=stopped_by))
+        values = {"end": end, "end_reason": reason}
+        if stopped_by is not None:  # else keep whom a stop request already named (set_stopped_by)
+            values["stopped_by"] = stopped_by
+        conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None)).values(**values))
 
     def set_stopped_by(self, key: str, by: str, within: float = 120.0) -> None:
-        """Name who stopped ``key`` (known only when the request that stopped it finishes)."""
+        """Name who stopped ``key`` (known only when the request that stopped it finishes).
+
+        The request may finish before the stop does: JupyterHub answers 202 when a server takes
+        longer than its ``slow_stop_timeout`` (10 s) to stop, which a loaded machine gives. Then
+        the allocation is still open and is named now; its close keeps the name."""
         self._write(self._set_stopped_by, key, by, within, time.time())
 
     def _set_stopped_by(self, conn, key, by, within, now) -> None:
-        row = conn.execute(select(allocations.c.id).where(
-            allocations.c.key == key, allocations.c.end >= now - within, allocations.c.stopped_by.is_(None))
-            .order_by(allocations.c.end.desc()).limit(1)).first()
+        unnamed = (allocations.c.key == key, allocations.c.stopped_by.is_(None))
+        row = conn.execute(select(allocations.c.id).where(*unnamed, allocations.c.end.is_(None))
+                           .order_by(allocations.c.start.desc()).limit(1)).first()
+        if row is None:
+            row = conn.execute(select(allocations.c.id).where(*unnamed, allocations.c.end >= now - within)
+                               .order_by(allocations.c.end.desc()).limit(1)).first()
         if row:
             conn.execute(update(allocations).where(allocations.c.id == row[0]).values(stopped_by=by))
 

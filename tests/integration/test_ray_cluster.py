@@ -4,8 +4,8 @@ The researcher's walk of issue 24, as a user would notice it: bob's cluster hold
 Lab's 2 GPUs; alice, in a kernel of her server, runs ``gpuhub ray up --gpus 2`` and reads
 the hub's waiting message; bob's ``gpuhub ray down`` hands her the GPUs; her kernel runs a
 Ray task that sees 2 GPUs (virtual here: Ray schedules on them, CUDA has none); another
-Unix account can neither join her cluster nor read its dashboard, and bob gets 404 for it
-through the hub; then her idle cluster is warned and stopped by the profile's idle rule
+Unix account can neither join her cluster nor read its dashboard, bob gets 404 for it
+through the hub and 403 from her server, which serves her the dashboard on her origin; then her idle cluster is warned and stopped by the profile's idle rule
 (time compressed with the policy's own ``gpuIdleTimeout``/``warning``, not sleeps).
 The timeline (from the hub's log) is written to ``ray-timeline.txt`` in the hub's folder
 and printed.
@@ -162,12 +162,22 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     assert len(ast.literal_eval(m.group(1))) == 2 and len(m.group(2).split(",")) == 2, out  # sees 2 (virtual) GPUs
     assert m.group(3) == m.group(4) != "0", out  # the task ran as alice's account, not root
 
-    # bob cannot see it through the hub, nor reach its dashboard; alice can.
+    # bob cannot see it through the hub, nor reach its dashboard; alice can, on her own origin:
+    # her server serves it behind its hub login (gpuhub_notebook.ray_dashboard).
     assert view(bob, "mine").status_code == 404
-    dash = "/hub/gpuhub/ray/mine/dashboard/api/version"
-    assert bob.session.get(hub.url + dash).status_code == 404
-    r = alice.session.get(hub.url + dash)
+    mine = view(alice, "mine").json()
+    assert mine["dashboard"] == hub.server_url(s["url"]) + "gpuhub/ray/mine/dashboard/", (mine, s)
+    assert mine["dashboard"].startswith("http://alice.localhost:"), mine  # her origin, not the hub's
+    dash = mine["dashboard"] + "api/version"
+    r = requests.get(dash, headers={"Authorization": f"token {alice.token}"}, timeout=60)
     assert r.status_code == 200 and r.json().get("ray_version") == ray.__version__, r.text[:300]
+    assert requests.get(dash, headers={"Authorization": f"token {bob.token}"}, timeout=60,
+                        allow_redirects=False).status_code == 403  # bob on alice's origin
+    assert requests.get(dash, timeout=60, allow_redirects=False).status_code in (302, 403)  # nobody logged in
+    old = "/hub/gpuhub/ray/mine/dashboard/api/version"  # the hub's address only redirects, and only her
+    assert bob.session.get(hub.url + old, allow_redirects=False).status_code == 404
+    r = alice.session.get(hub.url + old, allow_redirects=False)
+    assert r.status_code == 302 and r.headers["Location"] == dash, (r.status_code, r.headers)
     # Another Unix account on the machine reaches the ports, but Ray refuses it (no token).
     port = int(address.rsplit(":", 1)[1])
     dash_port = int(re.search(r'"dashboard_port": (\d+)', (hub.data / "jobs").joinpath(

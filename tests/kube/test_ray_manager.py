@@ -153,3 +153,63 @@ async def test_a_kueue_spawner_hub_gets_the_kubernetes_manager(monkeypatch):
     monkeypatch.setattr(JupyterHub, "instance", classmethod(lambda cls, *a, **k: SimpleNamespace(spawner_class=KueueSpawner)))
     m = wiring_ray._current_manager(c)
     assert isinstance(m, KubeRayManager) and m.namespace == "gpuhub-users"
+
+
+async def test_the_ledger_counts_a_clusters_gpus_in_its_teams_usage(manager, make_spawner, kube, tmp_path):
+    """kube/ledger.py mirrors a RayCluster's Workload like a job's (``job:<cluster id>``): every
+    pod set's GPUs in the team's usage while admitted, the request in the queue while it waits,
+    and the history's end reason from the manager's stop."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from traitlets.config import Config
+
+    from gpuhub_spawner.culling.board import CullBoard
+    from gpuhub_spawner.kube.ledger import KueueLedger
+    from gpuhub_spawner.usage.recorder import UsageRecorder
+
+    double = kube
+    for cls in (KueueLedger, UsageRecorder, CullBoard):
+        cls.clear_instance()
+    c = Config()
+    c.CullBoard.state_file = str(tmp_path / "culling.json")
+    ledger = KueueLedger.instance(config=c)
+    ended = []
+    ledger.queue.on_release.append(lambda a: ended.append(a.key))
+
+    def read():  # what the shared reflectors hold: the double's Workloads and pods, by namespace/name
+        ledger._workloads = SimpleNamespace(resources={f"{NAMESPACE}/{w['metadata']['name']}": w
+                                                       for w in double.list("workloads", NAMESPACE)}, gone=OrderedDict())
+        ledger._pods = SimpleNamespace(resources={f"{NAMESPACE}/{p['metadata']['name']}": p
+                                                  for p in double.list("pods", NAMESPACE)}, gone=OrderedDict())
+        ledger.sync()
+        return ledger.queue
+
+    try:
+        alice, bob = _user(make_spawner, "alice"), _user(make_spawner, "bob")
+        view = await manager.start(alice, ["vision-lab"], RayRequest(user="alice", gpus=2, workers=2, name="train"))
+        await _until(lambda: manager.status("train", "alice").state == RUNNING, 10, "alice's cluster running", manager)
+        q = read()
+        key = f"job:{view.id}"
+        adm = q.admitted[key]
+        assert (adm.user, adm.team, adm.profile) == ("alice", "vision", "a100-2")
+        assert adm.demand.get("gpu/a100") == 2, adm.demand  # both workers' GPUs (the head has none)
+        assert q.usage()["vision"]["gpu/a100"] == 2
+
+        bview = await manager.start(bob, ["vision-lab"], RayRequest(user="bob", gpus=2, workers=1, name="wait"))
+        await _until(lambda: any(w["metadata"].get("ownerReferences", [{}])[0].get("name") == bview.id
+                                 for w in double.list("workloads", NAMESPACE)), 10, "bob's Workload")
+        q = read()
+        (ticket,) = [t for t in q.waiting if t.key == f"job:{bview.id}"]
+        assert (ticket.user, ticket.team, ticket.demand.get("gpu/a100")) == ("bob", "vision", 2)
+
+        await manager.stop("train", user_name="alice")
+        await _until(lambda: key not in read().admitted, 10, "alice's GPUs released")
+        assert key in ended
+        rows = [r for r in UsageRecorder.instance().history.rows(0, user="alice") if r.profile == "a100-2"]
+        assert [(r.kind, r.team, r.gpus, r.end_reason, r.stopped_by) for r in rows] == [
+            ("job", "vision", 2, "stopped", "alice")], rows  # a Ray cluster is a job's GPU time, as on one machine
+        await manager.stop(bview.id)
+    finally:
+        for cls in (KueueLedger, UsageRecorder, CullBoard):
+            cls.clear_instance()

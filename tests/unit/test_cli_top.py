@@ -35,3 +35,25 @@ def test_job_hub_option_goes_before_or_after_the_command(monkeypatch, capsys):
     assert job_cli.main(["--hub", "http://before", "list"]) == 0
     assert job_cli.main(["list"]) == 0
     assert seen == ["http://after", "http://before", None]
+
+
+def test_every_hub_client_command_finds_the_hub_and_reports_refusals_alike(monkeypatch, capsys):
+    """`gpuhub ray` and `gpuhub gpu` share `gpuhub job`'s hub client (jobs/client.py): `--hub`
+    before or after the command, and the hub's refusal as `gpuhub <command>: <words> (HTTP n)`."""
+    from gpuhub_spawner.jobs.client import HubError
+    from gpuhub_spawner.local import gpu_cli
+    from gpuhub_spawner.rayclusters import cli as ray_cli
+
+    for mod, argv in ((ray_cli, ["list"]), (gpu_cli, ["list"])):
+        seen = []
+        monkeypatch.setattr(mod, "api_base", lambda hub, seen=seen: seen.append(hub) or "http://x/hub/api")
+
+        def refuse(base, method, path, body=None):
+            raise HubError(403, "This needs the scope custom:gpuhub:jobs.")
+
+        monkeypatch.setattr(mod, "call", refuse)
+        assert mod.main(argv + ["--hub", "http://after"]) == 1
+        assert mod.main(["--hub", "http://before"] + argv) == 1
+        assert seen == ["http://after", "http://before"], mod
+        name = "ray" if mod is ray_cli else "gpu"
+        assert capsys.readouterr().err.splitlines() == [f"gpuhub {name}: This needs the scope custom:gpuhub:jobs. (HTTP 403)"] * 2

@@ -81,3 +81,21 @@ def test_gpus_are_split_among_workers_or_held_by_the_head():
     assert shares(["GPU-a", "GPU-b"], 2, 0) == [["GPU-a", "GPU-b"]]
     assert shares(["GPU-a", "GPU-b", "GPU-c"], 3, 2) == [["GPU-a", "GPU-c"], ["GPU-b"]]
     assert shares([], 0, 1) == [[]]
+
+
+def test_jobs_and_clusters_are_capped_by_gpus_not_by_servers():
+    """``check_job_caps``, which every job and Ray manager calls: an open notebook (the team's
+    ``maxServers: 1`` reached) does not refuse a cluster, the GPU cap still does."""
+    from gpuhub_spawner.policy.access import check_job_caps, check_user_caps, resolve_choice
+
+    policy = parse_policy(BASE.replace("        a100: {nominal: 2}\n",
+                                       "        a100: {nominal: 2}\n    perUser: {maxServers: 1, maxGPUs: 2}\n"))
+    choice = resolve_choice(policy, ["vision-lab"], {"profile": "gpu"})
+    notebook = [None]  # a server with no GPU: the one server the team allows
+    with pytest.raises(ChoiceError, match="allows 1 server"):
+        check_user_caps(choice, notebook)  # a second server is refused ...
+    check_job_caps(choice, notebook)  # ... a job or cluster beside it is not
+    with pytest.raises(ChoiceError, match="allows 2 GPU") as e:
+        check_job_caps(choice, notebook + [policy.profile("gpu2")])  # but 2 + 1 GPUs is over the cap
+    assert e.value.status == 403
+    assert choice.team.per_user.max_servers == 1  # the policy's team is left as it was

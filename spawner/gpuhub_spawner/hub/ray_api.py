@@ -5,25 +5,29 @@
   with the cluster (``status`` starts with the state word: ``queued: position 1 of 1 ...``).
 - ``GET /hub/api/gpuhub/ray``: the caller's clusters (``?all=1``: everyone's, admins).
 - ``GET /hub/api/gpuhub/ray/<name or id>``, ``DELETE`` (or ``POST .../stop``): read, stop.
-- ``/hub/gpuhub/ray/<name>/dashboard/...``: the cluster's Ray dashboard, for its owner only,
-  with the owner's hub login; the hub adds the owner's Ray token to what it forwards.
+- ``/hub/gpuhub/ray/<name>/dashboard/...``: a redirect, for the cluster's owner only, to the
+  dashboard on the owner's origin: ``<owner's server URL>gpuhub/ray/<name>/dashboard/...``
+  (``http://alice.<domain>/user/alice/...``), which the owner's server serves behind its own hub
+  login and forwards with the owner's Ray token (``gpuhub_notebook.ray_dashboard``). The view's
+  ``dashboard`` is that URL. The hub itself never serves what the dashboard sends: it comes
+  from the owner's processes, and on the hub's origin it would run with the hub's cookie.
 
 Access uses the jobs scopes (a cluster is a job: ``custom:gpuhub:jobs`` for one's own, with
 any of one's tokens and one's servers' tokens, so ``gpuhub ray`` works in a notebook
 terminal; ``custom:gpuhub:jobs:all`` or ``admin:servers`` to read and stop everyone's).
-Someone else's cluster answers 404. The dashboard is the owner's alone (admins too get 404):
-what it serves comes from processes running as the user.
+Someone else's cluster answers 404; so does the dashboard's redirect to anyone but the owner
+(admins included), and on the owner's origin the server refuses whoever may not use it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from urllib.parse import quote
 
 from jupyterhub.apihandlers import APIHandler
 from jupyterhub.handlers import BaseHandler
 from tornado import web
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from ..policy.access import ChoiceError
 from ..policy.bounded import InputRefused, loads_json
@@ -31,7 +35,6 @@ from ..rayclusters import BY_USER, FINAL, RayRequest, current_manager
 from .jobs_api import _JobsMixin
 
 CLUSTER = r"([a-z0-9][-a-z0-9]{0,40})"
-_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "set-cookie", "server"}
 
 
 class _RayMixin(_JobsMixin):
@@ -48,15 +51,28 @@ class _RayMixin(_JobsMixin):
             raise web.HTTPError(404, "No such Ray cluster.")
         return view
 
+    def dashboard_url(self, owner: str, relative: str) -> str:
+        """``relative`` (a view's ``dashboard``) under the owner's default server: its full URL,
+        on the owner's origin when the hub has per-user origins."""
+        user = self.find_user(owner)
+        base = user.url if user is not None else f"{self.base_url}user/{quote(owner, safe='')}/"
+        return base + relative
+
+    def out(self, view) -> dict:
+        d = view.to_dict()
+        if d.get("dashboard"):
+            d["dashboard"] = self.dashboard_url(view.user, d["dashboard"])
+        return d
+
 
 class RayClustersHandler(_RayMixin, APIHandler):
     @web.authenticated
     def get(self):
         if self.get_argument("all", "") in ("1", "true"):
-            views = [v.to_dict() for v in self.ray.list(None) if self.can_see(v.user)]
+            views = [self.out(v) for v in self.ray.list(None) if self.can_see(v.user)]
         else:
             me = getattr(self.current_user, "name", None)
-            views = [v.to_dict() for v in self.ray.list(me)] if self.can_see(me) else []
+            views = [self.out(v) for v in self.ray.list(me)] if self.can_see(me) else []
         self.write(json.dumps({"clusters": views}))
 
     @web.authenticated
@@ -82,13 +98,13 @@ class RayClustersHandler(_RayMixin, APIHandler):
             self.log.warning("Refusing %s's Ray cluster: %s", user.name, e.message)
             raise web.HTTPError(e.status, e.message) from None
         self.set_status(201)
-        self.write(json.dumps(view.to_dict()))
+        self.write(json.dumps(self.out(view)))
 
 
 class RayClusterHandler(_RayMixin, APIHandler):
     @web.authenticated
     def get(self, cluster):
-        self.write(json.dumps(self.cluster_for_request(cluster).to_dict()))
+        self.write(json.dumps(self.out(self.cluster_for_request(cluster))))
 
     @web.authenticated
     async def delete(self, cluster):
@@ -98,10 +114,10 @@ class RayClusterHandler(_RayMixin, APIHandler):
         view = self.cluster_for_request(cluster)
         if view.state in FINAL:
             self.set_status(409)
-            self.write(json.dumps({"status": 409, "message": f"{view.name} already ended ({view.state})", **view.to_dict()}))
+            self.write(json.dumps({"status": 409, "message": f"{view.name} already ended ({view.state})", **self.out(view)}))
             return
         view = await self.ray.stop(view.id, BY_USER, view.user)
-        self.write(json.dumps(view.to_dict()))
+        self.write(json.dumps(self.out(view)))
 
 
 class RayClusterStopHandler(RayClusterHandler):
@@ -111,39 +127,18 @@ class RayClusterStopHandler(RayClusterHandler):
 
 
 class RayDashboardHandler(_RayMixin, BaseHandler):
-    """The owner's dashboard, forwarded with the owner's Ray token (GET and POST)."""
+    """The owner's old dashboard address on the hub: a redirect to it on the owner's origin."""
 
     @web.authenticated
-    async def get(self, cluster, path):
-        await self._forward(cluster, path)
-
-    @web.authenticated
-    async def post(self, cluster, path):
-        await self._forward(cluster, path)
-
-    async def _forward(self, cluster, path):
+    def get(self, cluster, path):
         me = getattr(self.current_user, "name", None)
-        target = self.ray.dashboard_target(cluster, me) if me else None
-        if target is None:
+        view = self.ray.status(cluster, me) if me else None
+        if view is None or not view.dashboard:
             raise web.HTTPError(404, "No running Ray cluster of yours by that name.")
-        host, port, extra = target
         if not re.fullmatch(r"[A-Za-z0-9._~/%+-]*", path or "") or ".." in path:
             raise web.HTTPError(400, "Bad path.")
         query = ("?" + self.request.query) if self.request.query else ""
-        headers = {k: v for k, v in self.request.headers.items()
-                   if k.lower() in ("accept", "content-type", "accept-language")}
-        headers.update(extra)
-        req = HTTPRequest(f"http://{host}:{port}/{path}{query}", method=self.request.method, headers=headers,
-                          body=self.request.body if self.request.method == "POST" else None,
-                          follow_redirects=False, request_timeout=60)
-        resp = await AsyncHTTPClient().fetch(req, raise_error=False)
-        if resp.code == 599:
-            raise web.HTTPError(502, "The Ray dashboard did not answer.")
-        self.set_status(resp.code)
-        for k, v in resp.headers.get_all():
-            if k.lower() not in _HOP:
-                self.set_header(k, v)
-        self.finish(resp.body or b"")
+        self.redirect(self.dashboard_url(view.user, view.dashboard) + path + query)
 
 
 handlers = [

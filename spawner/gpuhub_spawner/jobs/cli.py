@@ -1,10 +1,8 @@
 """``gpuhub job``: submit, list, status, logs, cancel, show — a thin client of the hub API.
 
-The hub is found from ``--hub URL`` (the hub's address, e.g. https://hub.example.org) or
-``JUPYTERHUB_API_URL`` (set in every server); the token from ``JUPYTERHUB_API_TOKEN``
-(set in every server, so it works in a notebook terminal with no setup) or
-``GPUHUB_TOKEN`` (a token from the hub's token page). Tokens are never taken on the
-command line, where other users' ``ps`` would see them.
+The hub and the token are found like every ``gpuhub`` client command's (``jobs.client``):
+``--hub URL`` or ``JUPYTERHUB_API_URL``; ``GPUHUB_TOKEN`` or ``JUPYTERHUB_API_TOKEN`` (set
+in every server, so it works in a notebook terminal with no setup), never on the command line.
 """
 
 from __future__ import annotations
@@ -14,56 +12,10 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 
 from ..policy import PolicyError
+from .client import HUB_HELP, HubError, api_base, call, hub_option, report
 from .spec import parse_job
-
-
-class HubError(Exception):
-    def __init__(self, status: int, message: str, issues: list[str] | None = None):
-        self.status, self.message, self.issues = status, message, issues or []
-        super().__init__(message)
-
-
-def api_base(hub: str | None) -> str:
-    url = hub or os.environ.get("JUPYTERHUB_API_URL")
-    if not url:
-        raise HubError(0, "no hub: pass --hub URL or set JUPYTERHUB_API_URL (it is set inside every gpuhub server)")
-    url = url.rstrip("/")
-    if url.endswith("/hub/api"):
-        return url
-    if url.endswith("/hub"):
-        return url + "/api"
-    return url + "/hub/api"
-
-
-def token() -> str:
-    tok = os.environ.get("GPUHUB_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
-    if not tok:
-        raise HubError(0, "no token: set GPUHUB_TOKEN to a token from the hub's token page "
-                          "(inside a gpuhub server JUPYTERHUB_API_TOKEN is already set)")
-    return tok
-
-
-def call(base: str, method: str, path: str, body: dict | None = None) -> dict:
-    # UTF-8 as is, not \uXXXX escapes: the hub bounds the body in bytes (policy.bounded).
-    data = json.dumps(body, ensure_ascii=False).encode() if body is not None else None
-    req = urllib.request.Request(base + path, data=data, method=method, headers={
-        "Authorization": f"token {token()}", "Content-Type": "application/json", "Accept": "application/json",
-    })
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        try:
-            err = json.loads(e.read() or b"{}")
-        except ValueError:
-            err = {}
-        raise HubError(e.code, err.get("message") or e.reason, err.get("issues")) from None
-    except urllib.error.URLError as e:
-        raise HubError(0, f"cannot reach the hub at {base}: {e.reason}") from None
 
 
 def _home_relative(path: str) -> str:
@@ -162,11 +114,8 @@ def _cancel(args, base):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpuhub job", description="Batch jobs in your team's GPU queue (docs/jobs.md).")
-    parser.add_argument("--hub", help="the hub's URL (default: $JUPYTERHUB_API_URL)")
-    # ... also accepted after the command (`gpuhub job submit job.yaml --hub URL`), where
-    # people type it; absent there, the value before the command stands.
-    hub = argparse.ArgumentParser(add_help=False)
-    hub.add_argument("--hub", default=argparse.SUPPRESS, help="the hub's URL (default: $JUPYTERHUB_API_URL)")
+    parser.add_argument("--hub", help=HUB_HELP)
+    hub = hub_option()  # ... also accepted after the command
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, **kwargs):
@@ -200,7 +149,7 @@ def main(argv: list[str]) -> int:
             print("  " + issue.format(e.filename), file=sys.stderr)
         return 1
     except HubError as e:
-        print(f"gpuhub job: {e.message}" + (f" (HTTP {e.status})" if e.status else ""), file=sys.stderr)
+        report("gpuhub job", e)
         for issue in e.issues:
             print("  " + issue, file=sys.stderr)
         return 1

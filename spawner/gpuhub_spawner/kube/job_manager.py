@@ -25,7 +25,7 @@ from traitlets.config import SingletonConfigurable
 from . import messages as M
 from .kueue import JOB_UID_LABEL, condition, is_true, timestamp
 from ..policy import PolicyStore
-from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
+from ..policy.access import Choice, ChoiceError, active_profiles, check_job_caps, resolve_choice
 from ..policy.model import Policy
 from ..jobs import records as R
 from ..jobs.common import TIME_LIMIT, job_priority, policy_hash
@@ -100,8 +100,7 @@ class KubeJobManager(SingletonConfigurable):
         policy = self.policy
         choice = resolve_choice(policy, groups, {"profile": spec.profile, **({"team": spec.team} if spec.team else {})})
         team = choice.team
-        uncapped = team.model_copy(update={"per_user": team.per_user.model_copy(update={"max_servers": None})})
-        check_user_caps(Choice(uncapped, choice.profile, choice.priority_class, choice.priority), self.held_profiles(user))
+        check_job_caps(choice, self.held_profiles(user))
         pclass, priority = job_priority(policy, choice)
         job_id = "job-" + secrets.token_hex(5)
         spawner = self._spawner(user, job_id)

@@ -13,8 +13,9 @@ It reads KubeSpawner's shared pod reflector and gpuhub's Workload reflector (one
 each per namespace, already open for the spawners) every ``sync_interval`` seconds:
 in-memory work, no API calls. A Workload is keyed like the one-machine queue:
 ``user/server`` for a server's pod (from the pod's ``hub.jupyter.org/*`` annotations),
-``job:<id>`` for a batch Job. Demand is what Kueue admitted (flavors and resource usage
-of the admission), or the profile's demand while it waits.
+``job:<id>`` for a batch Job and for a RayCluster (a Ray cluster is a job of a kind, as
+on one machine; ``<id>`` is the cluster's ``ray-…`` id). Demand is what Kueue admitted
+(flavors and resource usage of the admission), or the profile's demand while it waits.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..culling.reclaimer import Reclaimer  # borrowed servers given back with no
 from ..usage import recorder as usage
 from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
 from .job_manifest import JOB_LABEL
+from .ray_manifest import RAY_LABEL
 from .kueue import (
     GROUP, VERSION, ADMITTED, EVICTED, FINISHED, PREEMPTED, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING, PREEMPTED_IN_COHORT_RECLAMATION,
     PROFILE_LABEL, QUOTA_RESERVED, TEAM_LABEL, condition, is_true, owner_pod_name, timestamp,
@@ -266,6 +268,13 @@ class KueueLedger(SingletonConfigurable):
             user = ((wl["spec"]["podSets"][0]["template"]["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
                     or labels.get(USER_ANNOTATION) or "")
             return f"job:{name}", _job_owner(name) or user, labels.get(TEAM_LABEL, ""), labels.get(PROFILE_LABEL, "")
+        if kind == "RayCluster" and labels.get(RAY_LABEL) == name:
+            # A Ray cluster is a job of a kind, as on one machine (where it is one): held under
+            # ``job:<cluster id>``, so usage history, the reclaimer and the status pages count
+            # its GPUs (every pod set's: Kueue admits the head and each worker group together).
+            user = ((wl["spec"]["podSets"][0]["template"]["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
+                    or labels.get(USER_ANNOTATION) or "")
+            return f"job:{name}", user, labels.get(TEAM_LABEL, ""), labels.get(PROFILE_LABEL, "")
         return None
 
     # -- the reclaimer's actions ---------------------------------------------------------------

@@ -43,7 +43,7 @@ from .kueue import (
 from .ray_manifest import GROUP, PLURAL, RAY_LABEL, VERSION, WorkerGroup, ray_cluster_manifest
 from ..culling.rules import CullState, Decision, Signals, decide
 from ..policy import PolicyStore
-from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
+from ..policy.access import Choice, ChoiceError, active_profiles, check_job_caps, resolve_choice
 from ..policy.model import Policy
 from ..rayclusters import (
     BY_USER, FAILED, FINAL, IDLE, QUEUED, RUNNING, STARTING, STOPPED, WITH_SERVER, RayClusterManager, RayClusterView,
@@ -57,7 +57,9 @@ NAME_ANNOTATION = "gpuhub/ray-name"  # the user's name for it (names are per use
 WORKERS_ANNOTATION = "gpuhub/ray-workers"
 ACTIVITY_ANNOTATION = "gpuhub/last-activity"  # epoch seconds, what ``touch`` records
 WARNING_ANNOTATION = "gpuhub/cull-warning"  # the culler's words while a stop is pending
-KEY_PREFIX = "ray:"  # audit keys (one machine's clusters are jobs: "job:<id>")
+# The ledger's key of a cluster (kube/ledger.py): a Ray cluster is a job of a kind, as on one
+# machine, so its audit events and its usage history share ``job:<cluster id>``.
+KEY_PREFIX = "job:"
 
 
 def worker_groups(gpus: int, workers: int) -> list[WorkerGroup]:
@@ -151,8 +153,7 @@ class KubeRayManager(RayClusterManager):
         rc_choice = choose(policy, groups, request)
         choice = resolve_choice(policy, groups, {"profile": rc_choice.profile.slug, "team": rc_choice.team.name})
         team = choice.team
-        uncapped = team.model_copy(update={"per_user": team.per_user.model_copy(update={"max_servers": None})})
-        check_user_caps(Choice(uncapped, choice.profile, choice.priority_class, choice.priority), self.held_profiles(user))
+        check_job_caps(choice, self.held_profiles(user))
         groups_ = worker_groups(choice.gpu_count, request.workers)
         name = request.name or "ray-" + secrets.token_hex(3)
         if any(v.name == name and v.user == user.name and v.state not in FINAL for v in self.list(user.name)):
@@ -299,6 +300,9 @@ class KubeRayManager(RayClusterManager):
         except ApiException as e:
             if e.status != 404:
                 raise
+        # usage history's words (usage/history.py END_REASONS): why its GPU time ended. Noted in
+        # the same loop turn as the delete's answer, before the ledger can read the Workload gone.
+        usage.note_end(KEY_PREFIX + view.id, "culled" if reason == IDLE else "stopped", by=user_name)
         view.state, view.finished, view.reason = STOPPED, time.time(), reason
         view.status = {BY_USER: "stopped by its owner or an admin.",
                        WITH_SERVER: "stopped with its owner's server (the policy's ray.stopWithServer).",

@@ -10,11 +10,10 @@ uncordon puts it back unless its error counters still say it is bad (docs/gpu-he
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from urllib.parse import quote
 
-from ..jobs.cli import HubError, api_base, call
+from ..jobs.client import HUB_HELP, HubError, api_base, call, hub_option, report
 
 
 def _since(t) -> str:
@@ -23,11 +22,12 @@ def _since(t) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpuhub gpu", description=__doc__.splitlines()[0])
-    p.add_argument("--hub", help="the hub's URL (default: $JUPYTERHUB_API_URL)")
+    p.add_argument("--hub", help=HUB_HELP)
     sub = p.add_subparsers(dest="action", required=True)
-    sub.add_parser("list", help="every GPU: health, drain, holder")
+    hub = hub_option()  # --hub also after the command, as for every gpuhub client command
+    sub.add_parser("list", parents=[hub], help="every GPU: health, drain, holder")
     for action in ("drain", "uncordon"):
-        a = sub.add_parser(action, help="take a GPU out once its holder is done" if action == "drain"
+        a = sub.add_parser(action, parents=[hub], help="take a GPU out once its holder is done" if action == "drain"
                            else "put a drained or failed GPU back into service")
         a.add_argument("id", help="the GPU's id as `gpuhub gpu list` shows it (a UUID)")
     args = p.parse_args(argv)
@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rep = call(base, "POST", f"/gpuhub/gpus/{quote(args.id, safe='')}/{args.action}", {})
     except HubError as e:
-        print(f"gpuhub gpu: {e.message}" + (f" (HTTP {e.status})" if e.status else ""), file=sys.stderr)
-        return 1
+        return report("gpuhub gpu", e)
     if args.action != "list":
         print(rep["message"])
         return 0

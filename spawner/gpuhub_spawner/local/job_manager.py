@@ -2,7 +2,7 @@
 
 One ``JobManager`` per hub. A submitted job is checked like a server start (the team may
 use the profile: ``policy.access.resolve_choice``; the user's GPU cap counts their servers
-and jobs together: ``check_user_caps``), refused with the reason before anything queues,
+and jobs together: ``check_job_caps``), refused with the reason before anything queues,
 then driven by one asyncio task through its attempts:
 
     queued ──admission──► running ──exit 0──► succeeded
@@ -51,7 +51,7 @@ from .devices import cuda_refusal
 from .isolation import process_start_time
 from .runtime import one_machine_runtime
 from ..policy.bounded import loads_json
-from ..policy.access import Choice, ChoiceError, active_profiles, check_user_caps, resolve_choice
+from ..policy.access import ChoiceError, active_profiles, check_job_caps, resolve_choice
 from ..policy.model import Policy, Profile
 from ..policy.quantities import format_duration, format_memory
 from ..jobs import mlflow_runs
@@ -174,11 +174,9 @@ class JobManager(SingletonConfigurable):
         policy = self.policy
         options = {"profile": spec.profile, **({"team": spec.team} if spec.team else {})}
         choice = resolve_choice(policy, groups, options)
-        # Jobs are capped by the team's per-user GPUs (servers and jobs together), not by
-        # maxServers: a researcher with a notebook open may still queue work.
+        # The team's per-user GPUs (servers and jobs together), not maxServers (check_job_caps).
         team = choice.team
-        uncapped = team.model_copy(update={"per_user": team.per_user.model_copy(update={"max_servers": None})})
-        check_user_caps(Choice(uncapped, choice.profile, choice.priority_class, choice.priority), self.held_profiles(user))
+        check_job_caps(choice, self.held_profiles(user))
         unfinished = sum(1 for r in self.jobs.values() if r.user == user.name and r.state not in R.FINAL)
         if self.max_jobs_per_user and unfinished >= self.max_jobs_per_user:
             raise ChoiceError(429, f"You have {unfinished} unfinished jobs, the most this hub allows per user; "

@@ -17,8 +17,8 @@ workers, ``ray start --block``), so it gets everything a job gets and nothing is
 
 What is added here: the user's Ray token (one per user, ``<data>/ray/tokens``, 0600: Ray's
 token authentication keeps other accounts off the cluster's ports), the ready line read from
-the attempt's log (address, dashboard port), the dashboard's target for the hub's proxy
-(only a port whose listening socket belongs to the cluster's account), and the idle rules:
+the attempt's log (address, dashboard port; the dashboard itself is served on the owner's
+origin by their server: ``gpuhub_notebook.ray_dashboard``), and the idle rules:
 a running cluster's GPUs are read like a server's (``culling.gpu.read_nvml``) and judged by
 the profile's idle rules (``culling.rules.decide``): warned, then stopped. With
 ``ray.stopWithServer`` a cluster also stops when its user's last server stops.
@@ -46,7 +46,6 @@ from ..rayclusters import (BY_USER, FAILED, IDLE, QUEUED, RUNNING, STARTING, STO
 from ..rayclusters.node import READY
 from ..usage import recorder as usage
 from .job_manager import KEY_PREFIX, JobManager
-from .listening import listening_sockets
 
 log = logging.getLogger("JupyterHub.gpuhub.ray")
 
@@ -211,7 +210,8 @@ class LocalRayManager(RayClusterManager):
         elif rec.state == R.RUNNING:
             v.state = RUNNING
             v.address = ready["address"]
-            v.dashboard = f"/hub/gpuhub/ray/{v.name}/dashboard/"
+            v.dashboard = f"gpuhub/ray/{v.name}/dashboard/"  # served by the owner's server, on their origin
+            v.dashboard_port = ready["dashboard_port"]
             virtual = " (virtual GPUs: Ray schedules on them, CUDA has none)" if ready.get("virtual") and gpus else ""
             v.status = (f"running: since {_ts(v.started)} with {gpus} GPU(s) {', '.join(v.devices)}{virtual}; "
                         f"ray.init(\"{v.address}\")")
@@ -255,25 +255,6 @@ class LocalRayManager(RayClusterManager):
                     message=words)
         log.info("Ray cluster %s (%s) of %s stopped: %s", rec.name, rec.id, rec.user, words)
         return self.view(rec)
-
-    # -- the dashboard --------------------------------------------------------------------------
-    def dashboard_target(self, cluster: str, user_name: str):
-        rec = self._find(cluster, user_name)
-        if rec is None or rec.state != R.RUNNING:
-            return None
-        ready = self._ready(rec)
-        att = rec.current
-        if ready is None or att is None:
-            return None
-        port = ready["dashboard_port"]
-        uid = _uid_of(att.account)
-        owners = set(listening_sockets().get(port, {}).values())
-        # Only a dashboard the cluster's own account listens on: never another user's process
-        # that took the port (the hub adds the owner's token to what it forwards).
-        if uid is not None and (not owners or any(o != uid for o in owners)):
-            log.warning("Ray dashboard port %s of %s is held by uid(s) %s, not %s: not proxied", port, rec.id, owners, uid)
-            return None
-        return "127.0.0.1", port, {"Authorization": f"Bearer {self.token(rec.user)}"}
 
     # -- idle rules and the owner's server ------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -358,14 +339,3 @@ def _reason(rec: R.JobRecord) -> str:
 
 def _ts(t) -> str:
     return time.strftime("%H:%M:%S UTC", time.gmtime(t)) if t else "-"
-
-
-def _uid_of(account: str | None) -> int | None:
-    if not account:
-        return None
-    import pwd
-
-    try:
-        return pwd.getpwnam(account).pw_uid
-    except KeyError:
-        return None

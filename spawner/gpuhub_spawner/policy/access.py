@@ -123,6 +123,23 @@ def check_user_caps(choice: Choice, held: Iterable[Profile | None]) -> None:
         )
 
 
+def check_job_caps(choice: Choice, held: Iterable[Profile | None]) -> None:
+    """``check_user_caps`` for a batch job or a Ray cluster: the team's per-user GPU cap, not
+    its ``maxServers``.
+
+    ``maxServers`` bounds how many notebook servers a user keeps open at once; a job or a Ray
+    cluster is work queued *from* such a server (``gpuhub job submit``, ``gpuhub ray up`` in
+    its terminal), so counting the open server against it would refuse every researcher who
+    has a notebook open, and a team with ``maxServers: 1`` could never run one. What a job or
+    cluster takes is GPUs, and those stay capped: ``held`` (the user's servers, jobs and
+    clusters that run or wait) and this request together may not pass ``perUser.maxGPUs``.
+    How many unfinished jobs a user may have is the job backend's own limit. Every backend's
+    job and Ray manager calls this, so the rule is the same on one machine and on Kubernetes.
+    """
+    team = choice.team
+    uncapped = team.model_copy(update={"per_user": team.per_user.model_copy(update={"max_servers": None})})
+    check_user_caps(Choice(uncapped, choice.profile, choice.priority_class, choice.priority), held)
+
 def active_profiles(policy: Policy, user) -> dict[str, Profile | None]:
     """The profile each of ``user``'s running or waiting servers was started with.
 

@@ -77,7 +77,11 @@ class RayClusterView:
     status: str  # "queued: position 1 of 2 in Vision Lab's queue; ..." (the state word first)
     devices: list[str] = field(default_factory=list)
     address: str = ""  # GCS address for ray.init (reachable from the user's server)
-    dashboard: str = ""  # the dashboard through the hub, a path on the user's origin
+    # The dashboard, on the owner's origin: served by the owner's server (gpuhub_notebook's
+    # ray_dashboard), so a path relative to their server's URL here; the hub API answers it
+    # as the full URL (hub/ray_api.py). Empty where the backend serves none.
+    dashboard: str = ""
+    dashboard_port: int | None = None  # where the owner's server finds it (one machine: 127.0.0.1)
     created: float | None = None
     started: float | None = None
     finished: float | None = None
@@ -153,11 +157,6 @@ class RayClusterManager(ABC):
     @abstractmethod
     async def stop(self, cluster: str, reason: str = BY_USER, user_name: str | None = None) -> RayClusterView | None:
         """Leave the queue or stop it; its GPUs are back in the queue when this returns."""
-
-    def dashboard_target(self, cluster: str, user_name: str) -> tuple[str, int, dict[str, str]] | None:
-        """Where the hub's dashboard proxy sends ``user_name``'s requests for ``cluster``:
-        (host, port, headers to add); None while it has no dashboard."""
-        return None
 
 
 _provider: Callable | None = None

@@ -1,7 +1,8 @@
 """``gpuhub ray up | list | status | down``: Ray clusters in your team's GPU queue (docs/ray.md).
 
-A thin client of the hub API, found and authenticated like ``gpuhub job`` (``--hub`` or
-``JUPYTERHUB_API_URL``; ``GPUHUB_TOKEN`` or ``JUPYTERHUB_API_TOKEN``, never on the command line).
+A thin client of the hub API, found and authenticated like every ``gpuhub`` client command
+(``jobs.client``: ``--hub`` or ``JUPYTERHUB_API_URL``; ``GPUHUB_TOKEN`` or
+``JUPYTERHUB_API_TOKEN``, never on the command line).
 ``up`` prints the hub's words while the cluster waits (``--no-wait``: once) and, when it
 runs, the address for ``ray.init`` last.
 """
@@ -12,7 +13,7 @@ import argparse
 import sys
 import time
 
-from ..jobs.cli import HubError, api_base, call
+from ..jobs.client import HUB_HELP, HubError, api_base, call, hub_option, report
 
 
 def _up(args, base):
@@ -36,7 +37,8 @@ def _up(args, base):
             last = view["status"]
     if view["state"] != "running":
         return 1
-    print(f"dashboard: {view['dashboard']} (on the hub, with your login)")
+    if view.get("dashboard"):
+        print(f"dashboard: {view['dashboard']} (on your server's origin, with your login, while your server runs)")
     print(f"export RAY_ADDRESS={view['address']} RAY_AUTH_MODE=token")
     return 0
 
@@ -60,9 +62,8 @@ def _down(args, base):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpuhub ray", description="Ray clusters in your team's GPU queue (docs/ray.md).")
-    parser.add_argument("--hub", help="the hub's URL (default: $JUPYTERHUB_API_URL)")
-    hub = argparse.ArgumentParser(add_help=False)
-    hub.add_argument("--hub", default=argparse.SUPPRESS, help="the hub's URL (default: $JUPYTERHUB_API_URL)")
+    parser.add_argument("--hub", help=HUB_HELP)
+    hub = hub_option()
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", parents=[hub], help="start a cluster; waits in the queue, prints the address last")
     up.add_argument("--gpus", type=int, help="GPUs (the profile of your team with that many)")
@@ -85,5 +86,4 @@ def main(argv: list[str]) -> int:
     try:
         return args.func(args, api_base(args.hub)) or 0
     except HubError as e:
-        print(f"gpuhub ray: {e.message}" + (f" (HTTP {e.status})" if e.status else ""), file=sys.stderr)
-        return 1
+        return report("gpuhub ray", e)

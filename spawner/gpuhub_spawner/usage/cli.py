@@ -11,10 +11,9 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import sys
 from urllib.parse import urlencode
 
-from ..jobs.cli import HubError, api_base, call
+from ..jobs.client import HUB_HELP, HubError, api_base, call, report
 from .history import CSV_LINE_END, csv_cell
 
 
@@ -24,7 +23,7 @@ def _fmt_s(v) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpuhub usage", description=__doc__.splitlines()[0])
-    p.add_argument("--hub", help="the hub's URL (default: $JUPYTERHUB_API_URL)")
+    p.add_argument("--hub", help=HUB_HELP)
     p.add_argument("--since", default="7d", help="how far back: 24h, 7d, 30d (default 7d)")
     p.add_argument("--by", choices=("team", "user"), default="team")
     p.add_argument("--period", choices=("day", "week"), default="day", help="rows per day or per week")
@@ -34,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         base = api_base(args.hub)
         rep = call(base, "GET", "/gpuhub/usage?" + urlencode({"since": args.since, "by": args.by, "period": args.period}))
     except HubError as e:
-        print(f"gpuhub usage: {e.message}" + (f" (HTTP {e.status})" if e.status else ""), file=sys.stderr)
-        return 1
+        return report("gpuhub usage", e)
     s = rep["summary"]
     cols = ["gpu_hours", "busy_gpu_hours", "idle_gpu_hours", "allocations", "culls"]
     if args.csv:

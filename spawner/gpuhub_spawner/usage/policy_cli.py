@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..jobs.cli import HubError, api_base, call
+from ..jobs.client import HUB_HELP, HubError, api_base, call, report
 
 
 def _read(path: str) -> str:
@@ -94,7 +94,7 @@ def _rollback(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpuhub policy", description=__doc__.splitlines()[0])
     hub = argparse.ArgumentParser(add_help=False)
-    hub.add_argument("--hub", help="the hub's URL (default: $JUPYTERHUB_API_URL)")
+    hub.add_argument("--hub", help=HUB_HELP)
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("diff", parents=[hub], help="preview NEW.yaml's impact (nothing is applied)")
     d.add_argument("file")
@@ -113,6 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except HubError as e:
-        print(f"gpuhub policy {args.command}: {e.message}" + (f" (HTTP {e.status})" if e.status else ""), file=sys.stderr)
+        report(f"gpuhub policy {args.command}", e)
         _issues(getattr(args, "file", "new policy"), e.issues)
         return 1

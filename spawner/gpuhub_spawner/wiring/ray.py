@@ -1,6 +1,6 @@
-"""Wire Ray clusters into a hub (docs/ray.md): the API and the dashboard proxy, and this
-hub's backend, started with the hub. Access rides on the jobs scopes (``wiring.jobs``):
-a Ray cluster is a job of the user's."""
+"""Wire Ray clusters into a hub (docs/ray.md): the API and the dashboard's redirect to the
+owner's origin, and this hub's backend, started with the hub. Access rides on the jobs scopes
+(``wiring.jobs``): a Ray cluster is a job of the user's."""
 
 from __future__ import annotations
 

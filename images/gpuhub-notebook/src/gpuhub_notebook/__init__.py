@@ -12,6 +12,8 @@ Modules:
   server_extension  Jupyter server extension: ``gpuhub/activity`` for the hub's culler and
                     ``gpuhub/culling`` (cull warning + snooze relay) for the lab extension
   raycluster        ``ray_cluster(gpus=2)``: a Ray cluster from the team's queue (docs/ray.md)
+  ray_dashboard     ``gpuhub/ray/<name>/dashboard/``: the user's Ray dashboard on the user's
+                    origin, behind the server's own hub login (docs/ray.md)
   labextension/     the prebuilt JupyterLab extension (cull-warning notification with Snooze);
                     source in ``images/gpuhub-notebook/labextension``
 
@@ -41,9 +43,11 @@ def _link_jupyter_server_extension(serverapp):
 
 
 def _load_jupyter_server_extension(serverapp):
+    from .ray_dashboard import load as load_ray_dashboard
     from .server_extension import load
 
     load(serverapp)
+    load_ray_dashboard(serverapp)
 
 
 def _jupyter_labextension_paths():

@@ -121,7 +121,7 @@ class RealCluster:
     @staticmethod
     def path(kind: str, ns: str | None = None, name: str | None = None) -> str:
         core = {"pods", "events", "secrets", "namespaces", "nodes", "services"}
-        base = "/api/v1" if kind in core else "/apis/kueue.x-k8s.io/v1beta2"
+        base = "/api/v1" if kind in core else "/apis/batch/v1" if kind == "jobs" else "/apis/kueue.x-k8s.io/v1beta2"
         out = base + (f"/namespaces/{ns}" if ns else "") + f"/{kind}"
         return out + (f"/{name}" if name else "")
 
@@ -255,6 +255,8 @@ class StandInKubelet(threading.Thread):
         self.processes: dict[str, subprocess.Popen] = {}
         self.errors: list[str] = []
         self.started_at: dict[str, float] = {}
+        self.exited: dict[str, int] = {}  # pod UID -> exit code, for pods that do not restart
+        self.logs_objects: set[tuple[str, str]] = set()  # kwok Logs objects made, removed by stop()
         self._stop = threading.Event()
 
     def run(self) -> None:
@@ -269,6 +271,9 @@ class StandInKubelet(threading.Thread):
         self._stop.set()
         for key in list(self.processes):
             self._kill(key)
+        for ns, name in self.logs_objects:
+            self.cluster.session.delete(f"{self.cluster.url}/apis/kwok.x-k8s.io/v1alpha1/namespaces/{ns}/logs/{name}",
+                                        timeout=15)
 
     def _kill(self, key: str) -> None:
         proc = self.processes.pop(key, None)
@@ -288,12 +293,46 @@ class StandInKubelet(threading.Thread):
             pod = pods.get(uid)
             if pod is None or pod["metadata"].get("deletionTimestamp"):
                 self._kill(uid)
+            elif self.processes[uid].poll() is not None and pod["spec"].get("restartPolicy", "Always") != "Always":
+                proc = self.processes.pop(uid)
+                proc.copier.join(5)  # its last lines in the log before the pod ends  # type: ignore[attr-defined]
+                self._report_exit(pod, proc.returncode)
         for uid, pod in pods.items():
             status = pod.get("status") or {}
-            if (uid in self.processes or pod["metadata"].get("deletionTimestamp") or status.get("phase") != "Running"
-                    or not status.get("podIP")):
+            if (uid in self.processes or uid in self.exited or pod["metadata"].get("deletionTimestamp")
+                    or status.get("phase") != "Running" or not status.get("podIP")):
                 continue
             self._start(pod)
+
+    def _report_exit(self, pod: dict, code: int) -> None:
+        """What a kubelet reports when the container of a pod that does not restart (a Job's)
+        exits: the pod Succeeded or Failed with the exit code. kwok's own ``pod-complete``
+        stage, which marks every Job pod Succeeded as soon as it runs, is left out by up.sh."""
+        from datetime import datetime, timezone
+
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        container = pod["spec"]["containers"][0]
+        started = datetime.fromtimestamp(self.started_at.get(pod["metadata"]["name"], time.time()), timezone.utc)
+        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                      "startedAt": started.strftime("%Y-%m-%dT%H:%M:%SZ"), "finishedAt": now}
+        body = {"status": {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "conditions": [{"type": t, "status": "False", "lastTransitionTime": now, "reason": "PodCompleted"}
+                           for t in ("Ready", "ContainersReady")],
+            "containerStatuses": [{"name": container["name"], "image": container.get("image", ""), "imageID": "",
+                                   "ready": False, "restartCount": 0, "started": False,
+                                   "state": {"terminated": terminated}}]}}
+        self.exited[pod["metadata"]["uid"]] = code
+        r = self.cluster.session.patch(
+            self.cluster.url + self.cluster.path("pods", pod["metadata"]["namespace"], pod["metadata"]["name"]) + "/status",
+            data=json.dumps(body), headers={"Content-Type": "application/strategic-merge-patch+json"}, timeout=15)
+        if r.status_code not in (200, 404):
+            self.errors.append(f"status of {pod['metadata']['name']}: {r.status_code} {r.text[:300]}")
+
+    def log_of(self, pod_name: str) -> str:
+        """What the pod's container wrote (also served by kwok as its log while the pod exists)."""
+        f = self.workdir / pod_name / "container.log"
+        return f.read_text(errors="replace") if f.exists() else ""
 
     def _env(self, pod: dict, container: dict) -> dict[str, str]:
         env = dict(self.node_env)
@@ -324,7 +363,37 @@ class StandInKubelet(threading.Thread):
         home = self.workdir / pod["metadata"]["name"]
         home.mkdir(parents=True, exist_ok=True)
         env.setdefault("HOME", str(home))
-        with open(home / "container.log", "ab") as log:
-            proc = subprocess.Popen(argv, env=env, cwd=str(home), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, cwd=str(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        proc.copier = threading.Thread(target=self._copy_output, args=(proc, home), daemon=True)  # type: ignore[attr-defined]
+        proc.copier.start()  # type: ignore[attr-defined]
         self.processes[pod["metadata"]["uid"]] = proc
         self.started_at[pod["metadata"]["name"]] = time.time()
+        self._serve_log(pod, container["name"], home / "container.cri.log")
+
+    @staticmethod
+    def _copy_output(proc: subprocess.Popen, home: Path) -> None:
+        """The container's output as written (``container.log``) and as a container runtime
+        writes it for the kubelet (CRI format, ``container.cri.log``: what kwok serves)."""
+        from datetime import datetime, timezone
+
+        with open(home / "container.log", "ab") as plain, open(home / "container.cri.log", "ab") as cri:
+            for line in iter(proc.stdout.readline, b""):
+                plain.write(line)
+                plain.flush()
+                stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f") + "000Z"
+                cri.write(stamp.encode() + b" stdout F " + line.rstrip(b"\n") + b"\n")
+                cri.flush()
+
+    def _serve_log(self, pod: dict, container: str, path: Path) -> None:
+        """A kwok ``Logs`` object naming the process's output: kwok's kubelet port then serves it
+        as the container's log (``kubectl logs``, the pods/log subresource)."""
+        ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        url = f"{self.cluster.url}/apis/kwok.x-k8s.io/v1alpha1/namespaces/{ns}/logs"
+        self.cluster.session.delete(f"{url}/{name}", timeout=15)  # a pod of the same name before
+        r = self.cluster.session.post(url, json={
+            "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Logs", "metadata": {"name": name, "namespace": ns},
+            "spec": {"logs": [{"containers": [container], "logsFile": str(path), "follow": True}]}}, timeout=15)
+        if r.status_code >= 400:
+            self.errors.append(f"kwok Logs for {name}: {r.status_code} {r.text[:300]}")
+        self.logs_objects.add((ns, name))

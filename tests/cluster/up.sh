@@ -143,14 +143,28 @@ start kube-scheduler "$BIN_KUBE/kube-scheduler" --kubeconfig="$KUBECONFIG" \
   --authentication-kubeconfig="$KUBECONFIG" --authorization-kubeconfig="$KUBECONFIG" \
   --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" --leader-elect=false
 # kwok's own "fast" stages (node-initialize, node-heartbeat-with-lease, pod-ready, pod-complete,
-# pod-delete), from the kwok module of the same version.
+# pod-delete), from the kwok module of the same version. Its pod-complete (every Job's pod
+# Succeeded as soon as it runs: what the chart's helm hook Jobs need) is kept out of the users'
+# namespace: there a Job's pod ends when its command does (StandInKubelet in harness.py reports
+# the exit code), so a preempted Job can be caught mid-run and resumed.
+USERS_NS=gpuhub-users
 kwok_mod="$CACHE/gopath/pkg/mod/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage"
 for f in node/fast/node-initialize node/heartbeat-with-lease/node-heartbeat-with-lease pod/fast/pod-ready pod/fast/pod-complete pod/fast/pod-delete; do
-  echo "---"; cat "$kwok_mod/$f.yaml"
+  echo "---"
+  if [ "$f" = pod/fast/pod-complete ]; then
+    sed "s/^    matchExpressions:\$/    matchExpressions:\n    - key: '.metadata.namespace'\n      operator: 'NotIn'\n      values:\n      - '$USERS_NS'/" "$kwok_mod/$f.yaml"
+  else
+    cat "$kwok_mod/$f.yaml"
+  fi
 done >"$DIR/kwok.yaml"
+grep -q "'$USERS_NS'" "$DIR/kwok.yaml" || { echo "up.sh: could not narrow kwok's pod-complete stage" >&2; exit 1; }
+# kwok's Logs objects (its CRD, from the same module): StandInKubelet names each stand-in
+# process's output file in one, so `kubectl logs` (and the hub's copy of a Job pod's log)
+# reads, through the API server and kwok's kubelet port, what the pod's command wrote.
+k apply --server-side --force-conflicts -f "$CACHE/gopath/pkg/mod/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/crd/bases/kwok.x-k8s.io_logs.yaml" >/dev/null
 start kwok "$BIN_KWOK/kwok" --kubeconfig="$KUBECONFIG" --manage-all-nodes=true \
   --node-ip=127.0.0.1 --node-port="$KWOK_PORT" --server-address="127.0.0.1:$KWOK_PORT" \
-  --node-lease-duration-seconds=40 --config="$DIR/kwok.yaml"
+  --node-lease-duration-seconds=40 --config="$DIR/kwok.yaml" --enable-crds=Logs
 
 # -- Kueue: CRDs, namespace, webhooks, visibility API, then the controller -------------------
 python3 "$here/kueue_manifests.py" "$KUEUE_MOD" "$WEBHOOK_PORT" "$VIS_PORT" "$PKI/ca.crt" "$SCHEMAS" >"$DIR/kueue-install.yaml"

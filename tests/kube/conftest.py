@@ -26,6 +26,9 @@ from double.harness import (  # noqa: E402  (sets $KUBECONFIG before kubernetes_
 from double.schemas import shared_schemas  # noqa: E402
 from double.server import KubeDouble  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+import harness as real  # noqa: E402  (tests/cluster/harness.py: never imports the double)
+
 
 @pytest.fixture(scope="session")
 def schemas_dir() -> Path:
@@ -54,6 +57,24 @@ def double(schemas_dir):
     yield server
     server.close()
     shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def real_cluster():
+    """The real control plane of ``tests/cluster/up.sh``, for the whole session: started when
+    it is not running (and stopped at the end unless ``GPUHUB_CLUSTER_KEEP=1``); skipped with
+    the reason without ``GPUHUB_CLUSTER=1`` or the cached binaries. The one copy every
+    real-plane test file uses; what a test creates there it removes itself."""
+    reason = real.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster, started = real.ensure_up()
+    cluster.ensure_namespace(NAMESPACE)
+    yield cluster
+    if not real.kueue_running():  # a failed outage test left Kueue stopped
+        real.start_kueue()
+    if started and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
+        real.down()
 
 
 @pytest.fixture

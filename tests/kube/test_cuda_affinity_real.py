@@ -7,7 +7,6 @@ this test, tainted so nothing else lands on them. Skipped with the reason otherw
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -49,8 +48,8 @@ def pod(name: str, major: int, minor: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    cluster, started = real.ensure_up()
+def cluster(real_cluster):
+    cluster = real_cluster
     nodes = [node("kwok-cuda-12-2", "12.2", "127.3.1.0/24"), node("kwok-cuda-12-8", "12.8", "127.3.2.0/24")]
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(nodes))
     cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=true", check=False)
@@ -58,8 +57,6 @@ def cluster():
     yield cluster
     cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=false", check=False)
     cluster.kubectl("delete", "node", "kwok-cuda-12-2", "kwok-cuda-12-8", "--ignore-not-found", check=False)
-    if started and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
-        real.down()
 
 
 def placed(cluster, name: str, timeout: float = 60) -> str:

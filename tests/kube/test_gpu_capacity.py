@@ -26,7 +26,6 @@ import harness as real  # noqa: E402
 
 from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE  # noqa: E402
 
-SKIP = real.skip_reason()
 NODE = "kwok-gpu-l4-1"
 L4_NODE = next(n for n in yaml.safe_load_all((Path(real.HERE) / "nodes.yaml").read_text()) if n["metadata"]["name"] == NODE)
 
@@ -111,22 +110,14 @@ def node_object(allocatable: int, taint: str | None, cordoned: bool) -> dict:
     return node
 
 
-@pytest.fixture(scope="module")
-def real_cluster():
-    if SKIP:
-        pytest.skip(SKIP)
-    cluster, started = real.ensure_up()
-    cluster.ensure_namespace(NAMESPACE)
-    yield cluster
-    cluster.reset(NAMESPACE)
-    if started and not real.os.environ.get("GPUHUB_CLUSTER_KEEP"):
-        real.down()
+# real_cluster: the session's one real control plane (tests/kube/conftest.py)
 
 
 @pytest.fixture(params=["double", "real"])
 def backend(request, tmp_path):
     if request.param == "real":
         cluster = request.getfixturevalue("real_cluster")
+        cluster.ensure_namespace(NAMESPACE)  # the install-guide test deletes and recreates it
         cluster.reset(NAMESPACE)
         cluster.apply_policy(POLICY, NAMESPACE, tmp_path)
 
@@ -227,6 +218,7 @@ def test_the_keeper_runs_as_the_hubs_service_account_with_only_the_rendered_rbac
     import subprocess
 
     cluster = real_cluster
+    cluster.ensure_namespace(NAMESPACE)
     cluster.reset(NAMESPACE)
     cluster.apply_policy(POLICY, NAMESPACE, tmp_path)
     (tmp_path / "profiles.yaml").write_text(POLICY)

@@ -1,11 +1,15 @@
-"""Batch jobs on Kubernetes end to end: a real JupyterHub with KueueSpawner on the API double.
+"""Batch jobs on Kubernetes end to end: a real JupyterHub with KueueSpawner on the API double
+and, from the same code, on the real control plane (``GPUHUB_CLUSTER=1``; ``backends.py``).
 
 ``gpuhub job submit`` against the hub creates the suspended Job (built from the user's
-server pod by KueueSpawner's own code path); the double's model of Kueue's job
-integration admits it and its kubelet runs the job's command; a preemption suspends it,
-the record says so, and the next pod resumes from the checkpoint. What runs for real:
-the hub, the CLI, the Job manifest through the API; what is the double: the API server,
-Kueue, the Job controller and the kubelet (``double/jobs.py``).
+server pod by KueueSpawner's own code path); Kueue's job integration admits it and the
+job's command runs; a teammate's notebook server (priority ``interactive``) preempts it
+(``withinClusterQueue: LowerPriority``), the record says so, and when the server stops the
+next pod resumes from the checkpoint. What runs for real everywhere: the hub, the CLI, the
+Job manifest through the API. On the double: the API server, Kueue, the Job controller and
+the kubelet (``double/jobs.py``). On the real plane: kube-apiserver, Kueue v0.19.2,
+kube-controller-manager's Job controller, kube-scheduler; kwok and ``StandInKubelet`` for the
+kubelet (the pod's command runs as a local process; its exit code becomes the pod's phase).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import textwrap
 
 import pytest
 
-from double.harness import KUBECONFIG, NAMESPACE, apply_policy
+from backends import backend_fixture
 from support.hub import Hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -25,7 +29,8 @@ pytestmark = pytest.mark.integration
 POLICY = """\
 apiVersion: gpuhub/v1
 flavors:
-  - {name: l4, displayName: L4 24GB, resource: nvidia.com/gpu, nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}, local: {virtual: 1}}
+  - {name: l4, displayName: L4 24GB, resource: nvidia.com/gpu, nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}, local: {virtual: 1},
+     tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]}
 priorityClasses:
   - {name: interactive, value: 1000}
   - {name: batch, value: 100}
@@ -39,12 +44,7 @@ profiles:
   - {slug: nlp-only, displayName: NLP special, teams: [nlp]}
 """
 
-KUBE_CONFIG = f"""
-c.JupyterHub.spawner_class = "gpuhub-kube"
-c.KubeSpawner.namespace = {NAMESPACE!r}
-c.KubeSpawner.cmd = ["jupyterhub-singleuser"]
-c.KubeSpawner.args = []
-c.KubeSpawner.ip = "127.0.0.1"
+KUBE_CONFIG = """
 c.KubeJobManager.poll_interval = 0.3   # production: 10 s
 """
 
@@ -55,7 +55,7 @@ TRAIN = textwrap.dedent("""\
     state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"step": 0, "total": 0}
     print("attempt", os.environ["GPUHUB_ATTEMPT"], "from step", state["step"], flush=True)
     for step in range(state["step"] + 1, 9):
-        time.sleep(0.4)
+        time.sleep(2.5)  # long enough for a preemption to catch it mid-run on a loaded machine
         state = {"step": step, "total": state["total"] + step}
         json.dump(state, open(ckpt + ".tmp", "w")); os.replace(ckpt + ".tmp", ckpt)
         print("step", step, flush=True)
@@ -63,16 +63,18 @@ TRAIN = textwrap.dedent("""\
 """)
 
 
+backend = backend_fixture(POLICY)
+
+
 @pytest.fixture(scope="module")
-def kube_hub(double, tmp_path_factory):
-    apply_policy(double, POLICY)
-    hub = Hub(tmp_path_factory.mktemp("kube-jobs"), POLICY, extra_config=KUBE_CONFIG, env={"KUBECONFIG": str(KUBECONFIG)})
+def kube_hub(backend, tmp_path_factory):
+    hub = Hub(tmp_path_factory.mktemp(f"kube-jobs-{backend.name}"), POLICY, extra_config=backend.hub_config(KUBE_CONFIG),
+              env={"KUBECONFIG": str(backend.kubeconfig)})
     try:
         hub.start()
         yield hub
     finally:
         hub.stop()
-        double.reset()
 
 
 def cli(hub, user, *args, check=True):
@@ -91,44 +93,64 @@ def record(user, job_id):
     return r.json()
 
 
-def test_a_job_submitted_to_the_kube_hub_is_a_suspended_job_that_kueue_admits_preempts_and_resumes(kube_hub, double, tmp_path):
-    bob, carol = kube_hub.login("bob"), kube_hub.login("carol")
+def test_a_job_submitted_to_the_kube_hub_is_a_suspended_job_that_kueue_admits_preempts_and_resumes(kube_hub, backend, tmp_path):
+    bob, carol, alice = kube_hub.login("bob"), kube_hub.login("carol"), kube_hub.login("alice")
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     ckpt = tmp_path / "ckpt"
     job_file = tmp_path / "job.yaml"
     job_file.write_text(f"name: train\nprofile: l4-1\ncommand: [{sys.executable}, {script}]\ncheckpointDir: {ckpt}\n")
     job_id = cli(kube_hub, bob, "submit", str(job_file)).stdout.strip().splitlines()[-1]
-    job = double.get("jobs", NAMESPACE, job_id)
+    job = backend.job(job_id)
     labels = job["metadata"]["labels"]
     assert labels["kueue.x-k8s.io/queue-name"] == "vision" and labels["kueue.x-k8s.io/priority-class"] == "batch"
     env = {e["name"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "JUPYTERHUB_API_TOKEN" not in env  # no server credential in the Job
-    wait_for(lambda: (ckpt / "state.json").exists() and '"step": 2' in (ckpt / "state.json").read_text(), 30, "step 2")
+    wait_for(lambda: (ckpt / "state.json").exists() and '"step": 1' in (ckpt / "state.json").read_text(), 60, "step 1")
     assert cli(kube_hub, bob, "status", job_id).stdout.startswith("running: attempt 1 in pod")
-    double.preempt_job(NAMESPACE, job_id)  # Kueue preempts it for higher-priority work
-    rec = wait_for(lambda: (r := record(bob, job_id))["state"] == "succeeded" and r, 60, "the job to finish")
+
+    # A teammate's server (interactive, 1000) needs vision's only L4: Kueue preempts the batch job.
+    assert alice.start("l4-1").status_code in (201, 202)
+    alice.wait_ready(timeout=120)
+    rec = wait_for(lambda: (r := record(bob, job_id))["state"] == "queued" and r, 60, "the job back in the queue")
+    assert rec["attempts"][0]["reason"] == "preempted", rec["attempts"]
+    assert not (ckpt / "state.json").read_text().count('"step": 8')  # caught mid-run
+    [wl] = [w for w in backend.workloads() if job_id in w["metadata"]["name"]]
+    evictions = {(e["reason"], e.get("underlyingCause", "")) for e in wl["status"]["schedulingStats"]["evictions"]}
+    assert evictions == {("Preempted", "")}, wl["status"]  # N5: Kueue leaves the cause empty
+    assert cli(kube_hub, bob, "status", job_id).stdout.startswith("queued: ")
+
+    assert alice.stop().status_code in (202, 204)  # the L4 comes free: Kueue re-admits the job
+    alice.wait_gone()
+    rec = wait_for(lambda: (r := record(bob, job_id))["state"] == "succeeded" and r, 120, "the job to finish")
     assert [a["reason"] for a in rec["attempts"]] == ["preempted", "succeeded"], rec["attempts"]
+    t0 = rec["attempts"][0]["queued"]
+    print(f"\n[job timeline, {backend.name}] " + "; ".join(
+        f"attempt {a['number']}: queued {a['queued'] - t0:.1f}s, admitted {(a.get('admitted') or t0) - t0:.1f}s, "
+        f"ended {(a.get('finished') or t0) - t0:.1f}s ({a['reason']}: {a.get('message')!r})" for a in rec["attempts"]))
+    # The hub's copies of each pod's log (pods/log: the double's kubelet, or kwok serving the
+    # stand-in process's output through the API server), the preempted attempt's included.
     out = cli(kube_hub, bob, "logs", job_id).stdout
-    assert "from step 0" in out and "total 36" in out
+    assert "from step 0" in out and "total 36" in out, out
     second = [ln for ln in out.splitlines() if ln.startswith("attempt")][-1]
     assert "from step 0" not in second  # attempt 2 resumed from the checkpoint
     assert rec["backend"] == "kubernetes" and rec["priority_class"] == "batch" and len(rec["policy_sha256"]) == 64
     # Another user sees nothing of it.
     assert carol.api.get(carol.url(f"/gpuhub/jobs/{job_id}")).status_code == 404
     assert carol.api.post(carol.url(f"/gpuhub/jobs/{job_id}/cancel")).status_code == 404
+    backend.healthy()
 
 
-def test_refusals_and_cancel_on_the_kube_hub(kube_hub, double, tmp_path):
+def test_refusals_and_cancel_on_the_kube_hub(kube_hub, backend, tmp_path):
     bob = kube_hub.login("bob")
-    creates = double.count("POST", "jobs")
+    jobs = len(backend.jobs())
     bad = tmp_path / "forged.yaml"
     bad.write_text("profile: nlp-only\ncommand: [sleep, '60']\n")
     r = cli(kube_hub, bob, "submit", str(bad), check=False)
-    assert "not available to your team(s)" in r.stderr and double.count("POST", "jobs") == creates  # no Job made
+    assert "not available to your team(s)" in r.stderr and len(backend.jobs()) == jobs  # no Job made
     ok = tmp_path / "sleep.yaml"
     ok.write_text(f"profile: l4-1\ncommand: [{sys.executable}, -c, 'import time; time.sleep(120)']\n")
     job_id = cli(kube_hub, bob, "submit", str(ok)).stdout.strip().splitlines()[-1]
-    wait_for(lambda: record(bob, job_id)["state"] == "running", 30, "running")
+    wait_for(lambda: record(bob, job_id)["state"] == "running", 60, "running")
     assert cli(kube_hub, bob, "cancel", job_id).stdout.startswith("cancelled")
-    assert double.get("jobs", NAMESPACE, job_id) is None and not double.pods_of_job(NAMESPACE, job_id)
+    wait_for(lambda: backend.job(job_id) is None and not backend.pods_of_job(job_id), 60, "the Job and its pods gone")

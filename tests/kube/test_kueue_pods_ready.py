@@ -33,7 +33,6 @@ from gpuhub_spawner.kube import kueue as K  # noqa: E402
 from gpuhub_spawner.kube.messages import eviction_message  # noqa: E402
 
 NS = "gpuhub-users"
-SKIP = real.skip_reason()
 TIMEOUT_S = 10
 
 POLICY = """\
@@ -84,12 +83,10 @@ def set_config(cluster: real.RealCluster, text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def kueue_with_the_guides_config(tmp_path_factory):
-    if SKIP:
-        pytest.skip(SKIP)
+def kueue_with_the_guides_config(real_cluster, tmp_path_factory):
     from test_install_guide import guide_wait_for_pods_ready
 
-    cluster, started = real.ensure_up()
+    cluster = real_cluster
     before = cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")["data"][
         "controller_manager_config.yaml"]
     cfg = yaml.safe_load(before)
@@ -111,8 +108,6 @@ def kueue_with_the_guides_config(tmp_path_factory):
     cluster.reset(NS)
     set_config(cluster, before)
     restart_kueue()
-    if started and not real.os.environ.get("GPUHUB_CLUSTER_KEEP"):
-        real.down()
 
 
 def workload_of(cluster, kind: str, name: str) -> dict | None:

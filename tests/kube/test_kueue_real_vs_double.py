@@ -25,7 +25,6 @@ import harness as real  # noqa: E402
 
 from double.harness import NAMESPACE  # noqa: E402
 
-SKIP = real.skip_reason()
 
 POLICY = """\
 apiVersion: gpuhub/v1
@@ -113,22 +112,14 @@ def until(predicate, timeout: float = 60, what: str = "condition"):
     raise TimeoutError(f"{what} not reached in {timeout}s")
 
 
-@pytest.fixture(scope="module")
-def real_cluster():
-    if SKIP:
-        pytest.skip(SKIP)
-    cluster, started = real.ensure_up()
-    cluster.ensure_namespace(NAMESPACE)
-    yield cluster
-    cluster.reset(NAMESPACE)
-    if started and not real.os.environ.get("GPUHUB_CLUSTER_KEEP"):
-        real.down()
+# real_cluster: the session's one real control plane (tests/kube/conftest.py)
 
 
 @pytest.fixture(params=["real", "double"])
 def backend(request, tmp_path):
     if request.param == "real":
         cluster = request.getfixturevalue("real_cluster")
+        cluster.ensure_namespace(NAMESPACE)  # the install-guide test deletes and recreates it
         cluster.reset(NAMESPACE)
         cluster.apply_policy(POLICY, NAMESPACE, tmp_path)
         b = Backend("real", cluster, None, lambda: cluster.reset(NAMESPACE))

@@ -95,11 +95,11 @@ def running_on_nodes(cluster, name: str, count: int):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster_plane(tmp_path_factory):
+def ray_cluster_plane(tmp_path_factory, request):
     if SKIP:
         pytest.skip(SKIP)
     t0 = time.time()
-    cluster, started = real.ensure_up()
+    cluster = request.getfixturevalue("real_cluster")
     up_s = time.time() - t0
     running = yaml.safe_load((real.DIR / "kueue-config.yaml").read_text())
     assert "ray.io/raycluster" in running["integrations"]["frameworks"], running["integrations"]
@@ -110,8 +110,6 @@ def ray_cluster_plane(tmp_path_factory):
     yield cluster, up_s
     cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=false", check=False)
     cluster.reset(NS)
-    if started and not real.os.environ.get("GPUHUB_CLUSTER_KEEP"):
-        real.down()
 
 
 async def _manifest(make_spawner, policy_store, name, workers, autoscaling=False):

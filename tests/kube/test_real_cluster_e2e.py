@@ -16,23 +16,16 @@ runtime (the container's command and env run as a local process bound to the pod
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+from backends import backend_fixture, real
+from support.hub import Hub
 
-import harness as real  # noqa: E402  (tests/cluster/harness.py)
-
-from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE, apply_policy  # noqa: E402
-from support.hub import Hub  # noqa: E402
-
+# Both sides opt-in: the double's side of these scenarios also runs in every ./run-tests.sh as
+# test_hub_e2e.py, so this file does not slow it.
 SKIP = real.skip_reason()
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.skipif(bool(SKIP), reason=SKIP or "")]
 
@@ -63,40 +56,6 @@ defaults:
   launchTimeout: 2m
 """
 
-COMMON_CONFIG = f"""
-c.JupyterHub.spawner_class = "gpuhub-kube"
-c.KubeSpawner.namespace = {NAMESPACE!r}
-c.KubeSpawner.cmd = ["jupyterhub-singleuser"]
-c.KubeSpawner.args = []
-c.KubeSpawner.delete_grace_period = 1
-c.KubeSpawner.k8s_api_request_timeout = 10
-c.KubeSpawner.poll_interval = 1
-c.KueueSpawner.status_interval = 0.2
-c.KueueSpawner.queue_poll_interval = 0.5
-c.JupyterHub.init_spawners_timeout = 1
-c.KueueLedger.sync_interval = 0.5
-
-from gpuhub_spawner.wiring.kube import configure_ledger
-
-configure_ledger(c)
-"""
-
-# The double's pods share this machine's network (pod IP 127.0.0.1): one port per pod.
-DOUBLE_CONFIG = """
-import socket as _socket
-
-c.KubeSpawner.ip = "127.0.0.1"
-
-
-def _own_port(spawner):
-    with _socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        spawner.port = s.getsockname()[1]
-
-
-c.KubeSpawner.pre_spawn_hook = _own_port
-"""
-
 RAW = ("couldn't assign", "pod set", "nodes are available", "insufficient unused quota", "flavor l4")
 WAIT = 120
 
@@ -111,103 +70,13 @@ def until(predicate, timeout: float = WAIT, what: str = "condition", hub: Hub | 
     raise TimeoutError(f"{what} not reached in {timeout}s" + (f"\n{hub.tail(80)}" if hub else ""))
 
 
-class DoubleBackend:
-    name = "double"
-
-    def __init__(self, double):
-        self.double = double
-        self.kubeconfig = DOUBLE_KUBECONFIG
-        self.hub_config = COMMON_CONFIG + DOUBLE_CONFIG
-
-    def setup(self, workdir: Path) -> None:
-        apply_policy(self.double, POLICY)
-
-    def pods(self, user: str | None = None) -> list[dict]:
-        return [p for p in self.double.list("pods", NAMESPACE)
-                if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user]
-
-    def workloads(self) -> list[dict]:
-        return self.double.list("workloads", NAMESPACE)
-
-    def events(self, pod_name: str) -> list[dict]:
-        return [e for e in self.double.list("events", NAMESPACE) if e["involvedObject"]["name"] == pod_name]
-
-    def kueue(self, up: bool) -> None:
-        self.double.set_kueue(up)  # its controller and its failurePolicy: Fail pod webhook
-
-    def teardown(self) -> None:
-        self.double.reset()
-
-
-class RealBackend:
-    name = "real"
-
-    def __init__(self):
-        self.cluster, self.started = real.ensure_up()
-        self.kubeconfig = self.cluster.kubeconfig
-        self.hub_config = COMMON_CONFIG
-        self.kubelet = None
-
-    def setup(self, workdir: Path) -> None:
-        for ns in (NAMESPACE, "gpuhub"):
-            self.cluster.ensure_namespace(ns)
-        self.cluster.reset(NAMESPACE)
-        # docs/install-kubernetes.md step 1, run as written: keep Kueue's webhooks away from
-        # the hub's namespace (idempotent here: only when "gpuhub" is not excluded yet), with
-        # this checkout's `gpuhub` on PATH as the guide's CLI step installs it.
-        hooks = self.cluster.kubectl("get", "validatingwebhookconfiguration", "kueue-validating-webhook-configuration",
-                                     "-o", "json").stdout
-        if '"gpuhub"' not in hooks:
-            out = subprocess.run(["bash", "-c", real.guide_block("for kind in mutating validating")], capture_output=True,
-                                 text=True, timeout=120, env=dict(os.environ, KUBECONFIG=str(self.kubeconfig),
-                                                                  PATH=f"{real.VENV_BIN}:{os.environ['PATH']}"))
-            print(f"\n[real] install guide webhook exclusion:\n{out.stdout}{out.stderr}")
-            assert out.returncode == 0, out.stderr
-        out = self.cluster.apply_policy(POLICY, NAMESPACE, workdir / "policy")
-        print("\n[real] kubectl apply --server-side of `gpuhub render kueue`:\n" + out)
-        config_dir = workdir / "image-jupyter-config"
-        config_dir.mkdir(parents=True, exist_ok=True)
-        (config_dir / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"allow_root": True}}))
-        node_env = {"PATH": f"{real.VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1",
-                    "LANG": "C.UTF-8", "JUPYTER_CONFIG_DIR": str(config_dir)}
-        self.kubelet = real.StandInKubelet(self.cluster, NAMESPACE, workdir / "pods", node_env)
-        self.kubelet.start()
-
-    def pods(self, user: str | None = None) -> list[dict]:
-        return [p for p in self.cluster.list("pods", NAMESPACE)
-                if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user]
-
-    def workloads(self) -> list[dict]:
-        return self.cluster.list("workloads", NAMESPACE)
-
-    def events(self, pod_name: str) -> list[dict]:
-        return self.cluster.events_for(NAMESPACE, pod_name)
-
-    def kueue(self, up: bool) -> None:
-        real.start_kueue() if up else real.stop_kueue()
-
-    def teardown(self) -> None:
-        if not real.kueue_running():  # a failed outage test left it stopped
-            real.start_kueue()
-        if self.kubelet:
-            self.kubelet.stop()
-        self.cluster.reset(NAMESPACE)
-        if self.started and not real.os.environ.get("GPUHUB_CLUSTER_KEEP"):
-            real.down()
-
-
-@pytest.fixture(scope="module", params=["double", "real"])
-def backend(request, tmp_path_factory):
-    b = DoubleBackend(request.getfixturevalue("double")) if request.param == "double" else RealBackend()
-    b.setup(tmp_path_factory.mktemp(f"backend-{b.name}"))
-    yield b
-    b.teardown()
+backend = backend_fixture(POLICY)
 
 
 @pytest.fixture(scope="module")
 def hub(backend, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"hub-{backend.name}")
-    h = Hub(work, POLICY, extra_config=backend.hub_config, env={"KUBECONFIG": str(backend.kubeconfig)})
+    h = Hub(work, POLICY, extra_config=backend.hub_config(), env={"KUBECONFIG": str(backend.kubeconfig)})
     try:
         h.start()
         yield h
@@ -289,6 +158,14 @@ def test_two_servers_on_a_gpu_node_a_third_waits_a_stop_admits_it(backend, hub):
     mark("alice's server gone")
     dave.wait_ready(timeout=WAIT)
     mark("dave ready (admitted by Kueue)")
+    if backend.name == "real":  # where alice-stop -> dave-ready goes (docs/kubernetes-testing.md)
+        [wl] = [w for w in backend.workloads() if w["metadata"]["ownerReferences"][0]["name"] == "jupyter-dave"]
+        admitted = next(c for c in wl["status"]["conditions"] if c["type"] == "QuotaReserved")["lastTransitionTime"]
+        mark(f"  of which: dave's Workload got quota at {admitted} (whole seconds, UTC); "
+             f"his pod's process started at {backend.kubelet.started_at['jupyter-dave'] - t0:.2f}s")
+        log = backend.kubelet.log_of("jupyter-dave")
+        listening = [ln for ln in log.splitlines() if "Jupyter Server" in ln and "is running at" in ln]
+        mark(f"  jupyterhub-singleuser listening: {listening[:1]}")
     assert reach(dave).status_code == 200
     assert backend.pods("lena") and (backend.pods("lena")[0]["spec"].get("schedulingGates") or [])
     events = [(e.get("reportingComponent") or e.get("source", {}).get("component"), e["reason"], e["message"])

@@ -54,15 +54,13 @@ def dry_run_create(cluster: real.RealCluster, obj: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    cluster, started = real.ensure_up()
+def cluster(real_cluster):
+    cluster = real_cluster
     for ns in (HUB_NS, USERS_NS):
         cluster.ensure_namespace(ns)
     yield cluster
     if not cluster.ready() or not real.kueue_running():  # a failed test left Kueue stopped: start it again
         subprocess.run(["bash", str(real.HERE / "up.sh")], check=False, timeout=600)
-    if started and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
-        real.down()
 
 
 def test_a_kueue_outage_leaves_the_hub_namespace_deployable_after_the_guides_step(cluster):

@@ -1,13 +1,14 @@
 """Reclaim with notice on Kubernetes (issue 14), and the usage history there (issue 15).
 
-A real JupyterHub with KueueSpawner on the API double, its ClusterQueues rendered from
-the policy below: two teams in one cohort, one L4 of nominal quota each. Vision's second
+A real JupyterHub with KueueSpawner on the API double and, from the same code, on the real
+control plane (``GPUHUB_CLUSTER=1``: real Kueue v0.19.2, kwok nodes; ``backends.py``), its
+ClusterQueues rendered from the policy below: two teams in one cohort, one L4 of nominal quota each. Vision's second
 server borrows NLP's idle L4. When an NLP researcher asks for her team's own GPU, Kueue
 would not preempt a server of equal priority (``reclaimWithinCohort: LowerPriority``),
 so the hub does, with notice: the borrower is warned where cull warnings are shown, the
 lender's spawn page says when the GPU will be hers, and after NLP's ``reclaim.notice``
-the hub deletes the borrower's pod; Kueue (the double) then admits the lender. The
-hub learns all of it from Kueue's Workloads (``kube/ledger.py``), as on a cluster.
+the hub deletes the borrower's pod; Kueue (the double's, or the real one) then admits the
+lender. The hub learns all of it from Kueue's Workloads (``kube/ledger.py``), as on a cluster.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from double.harness import KUBECONFIG, NAMESPACE, apply_policy
+from backends import backend_fixture
 from support.hub import Hub
-from test_hub_e2e import KUBE_CONFIG, pods, until
+from test_hub_e2e import until
 
 pytestmark = pytest.mark.integration
 
@@ -38,6 +39,8 @@ flavors:
     displayName: L4 24GB
     resource: nvidia.com/gpu
     nodeLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}
+    tolerations:   # the GPU Operator's taint on the real plane's kwok GPU node
+      - {{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}}
     local: {{virtual: 1}}
 priorityClasses:
   - {{name: interactive, value: 1000}}
@@ -67,18 +70,19 @@ defaults:
 """
 
 
+backend = backend_fixture(POLICY)
+
+
 @pytest.fixture(scope="module")
-def hub(double, tmp_path_factory):
-    work = tmp_path_factory.mktemp("kube-reclaim")
-    apply_policy(double, POLICY)
-    h = Hub(work, POLICY, extra_config=KUBE_CONFIG + "\nc.KubeJobManager.poll_interval = 0.5   # production: 10 s\n",
-            env={"KUBECONFIG": str(KUBECONFIG), "GPUHUB_CULL_EVERY": "5"})
+def hub(backend, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"kube-reclaim-{backend.name}")
+    h = Hub(work, POLICY, extra_config=backend.hub_config("\nc.KubeJobManager.poll_interval = 0.5   # production: 10 s\n"),
+            env={"KUBECONFIG": str(backend.kubeconfig), "GPUHUB_CULL_EVERY": "5"})
     try:
         h.start()
         yield h
     finally:
         h.stop()
-        double.reset()
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +101,7 @@ def log_time(line: str) -> float:
     return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
 
 
-def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_admits_the_lender(hub, double, users):
+def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_admits_the_lender(hub, backend, users):
     alice, bob, carol, admin = users["alice"], users["bob"], users["carol"], users["admin"]
     for client in (alice, bob):  # alice holds vision's own L4; bob, admitted later, borrows NLP's
         assert client.start("l4-1").status_code in (201, 202)
@@ -126,12 +130,12 @@ def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_ad
     msg = events[-1]["message"]
     assert "NLP Group's GPU is on loan to another team; it is being reclaimed and will be yours by" in msg, msg
     assert "bob" not in msg
-    assert len(pods(double, "bob")) == 1  # nothing happens before the notice ends
+    assert len(backend.pods("bob")) == 1  # nothing happens before the notice ends
 
     # After the notice the hub deletes bob's pod; Kueue admits carol on the freed quota.
     until(lambda: bob.server() is None, timeout=NOTICE + 30, what="bob's server stopped after the notice", hub=hub)
     assert time.time() >= w["deadline"] - 0.5
-    assert pods(double, "bob") == []
+    assert backend.pods("bob") == []
     carol.wait_ready(timeout=60)
     form = bob.session.get(hub.url + "/hub/spawn").text
     assert 'id="gpuhub-stop-reason"' in form and "NLP Group needs back" in form and "files are kept" in form
@@ -162,11 +166,11 @@ def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_ad
     for client in (alice, carol):
         client.stop()
         client.wait_gone()
-    until(lambda: pods(double) == [], what="no pods left")
-    assert double.invalid == [] and double.errors == []
+    until(lambda: backend.pods() == [], what="no pods left")
+    backend.healthy()
 
 
-def test_per_team_gauges_follow_kueue_and_return_to_zero(hub, double, users):
+def test_per_team_gauges_follow_kueue_and_return_to_zero(hub, backend, users):
     carol, admin = users["carol"], users["admin"]
 
     def metric(name: str, team: str) -> float | None:
@@ -183,7 +187,7 @@ def test_per_team_gauges_follow_kueue_and_return_to_zero(hub, double, users):
     until(lambda: metric("gpuhub_gpus_in_use", "nlp") == 0.0, what="the gauge back to 0", hub=hub)
 
 
-def test_a_team_whose_servers_may_not_borrow_waits_for_its_own_quota(hub, double, users):
+def test_a_team_whose_servers_may_not_borrow_waits_for_its_own_quota(hub, backend, users):
     """``reclaim.interactiveBorrowing: false`` on a cluster: Kueue would let the server borrow
     NLP's idle L4 (servers and jobs share the team's ClusterQueue); the hub holds the pod back."""
     alice, bob = users["alice"], users["bob"]
@@ -204,21 +208,21 @@ def test_a_team_whose_servers_may_not_borrow_waits_for_its_own_quota(hub, double
         msg = events[-1]["message"]
         assert "your team Vision Lab is using 1 of the 1 it may hold (its servers may not borrow from the cohort)" in msg, msg
         time.sleep(3)  # several status ticks: NLP's L4 is free, yet no pod is created for bob
-        assert pods(double, "bob") == []
+        assert backend.pods("bob") == []
         alice.stop()
         alice.wait_gone()
         bob.wait_ready(timeout=60)  # his team's own L4 came free
-        assert len(pods(double, "bob")) == 1
+        assert len(backend.pods("bob")) == 1
     finally:
         hub.policy.write_text(original)
         for client in (alice, bob):
             if client.server() is not None:
                 client.stop()
                 client.wait_gone()
-    until(lambda: pods(double) == [], what="no pods left")
+    until(lambda: backend.pods() == [], what="no pods left")
 
 
-def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_requeues(hub, double, users, tmp_path):
+def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_requeues(hub, backend, users, tmp_path):
     """Kueue preempts only lower priorities (``reclaimWithinCohort: LowerPriority``). With no
     ``jobPriority`` a team's jobs queue at its servers' priority, so the hub takes a
     borrowing job back itself: it deactivates the Job's Workload (Kueue evicts it and
@@ -246,7 +250,7 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
             return bob.api.get(bob.url(f"/gpuhub/jobs/{job_id}")).json()
 
         until(lambda: record()["state"] == "running", what="the job running on NLP's lent L4", hub=hub)
-        [wl] = [w for w in double.list("workloads", NAMESPACE) if job_id in w["metadata"]["name"]]
+        [wl] = [w for w in backend.workloads() if job_id in w["metadata"]["name"]]
         assert wl["spec"]["priority"] == 1000  # the servers' priority: Kueue will not preempt it for carol
 
         carol.start_background("l4-1")
@@ -256,7 +260,7 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
         assert first["reason"] == "preempted" and "NLP Group needs them back" in first["message"], first
 
         def workload():
-            [wl] = [w for w in double.list("workloads", NAMESPACE) if job_id in w["metadata"]["name"]]
+            [wl] = [w for w in backend.workloads() if job_id in w["metadata"]["name"]]
             return wl
 
         # reactivated by the hub's next mirror pass: it waits for quota like any other
@@ -281,8 +285,8 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
             if client.server() is not None:
                 client.stop()
                 client.wait_gone()
-    until(lambda: pods(double) == [], what="no pods left", hub=hub)
-    assert double.invalid == [] and double.errors == []
+    until(lambda: backend.pods() == [], what="no pods left", hub=hub)
+    backend.healthy()
 
 
 def test_roles_follow_a_policy_edit_here_too(hub, users):

@@ -1,0 +1,215 @@
+"""The two control planes a Kubernetes end-to-end test runs against, behind one interface, so
+the same test code runs on both (issue 22):
+
+* ``DoubleBackend``: the API double (``tests/kube/double``), our model of the API server,
+  Kueue, the Job controller and the kubelet;
+* ``RealBackend``: ``tests/cluster/up.sh``'s control plane (etcd, kube-apiserver /
+  controller-manager / scheduler 1.36, the real Kueue v0.19.2, kwok nodes), with
+  ``StandInKubelet`` running each Running pod's command as a local process at the pod's IP.
+
+Imported by name (``from backends import ...``), never through ``conftest``. A test module
+makes its ``backend`` fixture with ``backend_fixture(POLICY)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+
+import harness as real  # noqa: E402  (tests/cluster/harness.py)
+
+from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE, apply_policy  # noqa: E402
+
+# What every Kubernetes hub of the end-to-end tests runs with (fast timings for tests).
+HUB_CONFIG = f"""
+c.JupyterHub.spawner_class = "gpuhub-kube"
+c.KubeSpawner.namespace = {NAMESPACE!r}
+c.KubeSpawner.cmd = ["jupyterhub-singleuser"]   # as z2jh's singleuser.cmd; the "image's" PATH has it
+c.KubeSpawner.args = []                         # allow_root comes from the "image" config, as in a pod
+c.KubeSpawner.delete_grace_period = 1
+c.KubeSpawner.k8s_api_request_timeout = 10
+c.KubeSpawner.poll_interval = 1                 # production: 30 s; the hub notices a vanished pod sooner here
+c.KueueSpawner.status_interval = 0.2
+c.KueueSpawner.queue_poll_interval = 0.5
+c.JupyterHub.init_spawners_timeout = 1          # as helm-values/values.yaml
+c.KueueLedger.sync_interval = 0.5               # production: 2 s
+
+from gpuhub_spawner.wiring.kube import configure_ledger   # as hub.extraConfig gpuhub-usage does
+
+configure_ledger(c)
+"""
+
+# The double's pods share this machine's network (pod IP 127.0.0.1): one port per pod. On the
+# real plane each pod has its own loopback IP from its kwok node's podCIDR, and port 8888.
+DOUBLE_ONLY_CONFIG = """
+import socket as _socket
+
+c.KubeSpawner.ip = "127.0.0.1"
+
+
+def _own_port(spawner):
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        spawner.port = s.getsockname()[1]
+
+
+c.KubeSpawner.pre_spawn_hook = _own_port
+"""
+
+BACKENDS = ["double", "real"]
+
+
+def owner_job(pod: dict) -> str | None:
+    return next((o["name"] for o in pod["metadata"].get("ownerReferences") or [] if o.get("kind") == "Job"), None)
+
+
+class DoubleBackend:
+    name = "double"
+
+    def __init__(self, double):
+        self.double = double
+        self.kubeconfig = DOUBLE_KUBECONFIG
+
+    def hub_config(self, extra: str = "") -> str:
+        return HUB_CONFIG + DOUBLE_ONLY_CONFIG + extra
+
+    def setup(self, policy: str, workdir: Path) -> None:
+        apply_policy(self.double, policy)
+
+    def pods(self, user: str | None = None) -> list[dict]:
+        return [p for p in self.double.list("pods", NAMESPACE)
+                if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user]
+
+    def workloads(self) -> list[dict]:
+        return self.double.list("workloads", NAMESPACE)
+
+    def jobs(self) -> list[dict]:
+        return self.double.list("jobs", NAMESPACE)
+
+    def job(self, name: str) -> dict | None:
+        return self.double.get("jobs", NAMESPACE, name)
+
+    def pods_of_job(self, name: str) -> list[dict]:
+        return self.double.pods_of_job(NAMESPACE, name)
+
+    def events(self, pod_name: str) -> list[dict]:
+        return [e for e in self.double.list("events", NAMESPACE) if e["involvedObject"]["name"] == pod_name]
+
+    def kueue(self, up: bool) -> None:
+        self.double.set_kueue(up)  # its controller and its failurePolicy: Fail pod webhook
+
+    def healthy(self) -> None:
+        """What the double saw that a real API server would have refused, or failed on."""
+        assert self.double.invalid == [] and self.double.errors == [], (self.double.invalid, self.double.errors)
+
+    def teardown(self) -> None:
+        self.double.reset()
+
+
+class RealBackend:
+    name = "real"
+
+    def __init__(self, cluster: real.RealCluster):
+        self.cluster = cluster
+        self.kubeconfig = cluster.kubeconfig
+        self.kubelet: real.StandInKubelet | None = None
+
+    def hub_config(self, extra: str = "") -> str:
+        return HUB_CONFIG + extra
+
+    def setup(self, policy: str, workdir: Path) -> None:
+        for ns in (NAMESPACE, "gpuhub"):
+            self.cluster.ensure_namespace(ns)
+        self.cluster.reset(NAMESPACE)
+        self.cluster.kubectl("-n", NAMESPACE, "delete", "jobs,events", "--all", "--ignore-not-found", check=False)
+        # docs/install-kubernetes.md step 1, run as written: keep Kueue's webhooks away from
+        # the hub's namespace (idempotent here: only when "gpuhub" is not excluded yet), with
+        # this checkout's `gpuhub` on PATH as the guide's CLI step installs it.
+        hooks = self.cluster.kubectl("get", "validatingwebhookconfiguration", "kueue-validating-webhook-configuration",
+                                     "-o", "json").stdout
+        if '"gpuhub"' not in hooks:
+            out = subprocess.run(["bash", "-c", real.guide_block("for kind in mutating validating")], capture_output=True,
+                                 text=True, timeout=120, env=dict(os.environ, KUBECONFIG=str(self.kubeconfig),
+                                                                  PATH=f"{real.VENV_BIN}:{os.environ['PATH']}"))
+            print(f"\n[real] install guide webhook exclusion:\n{out.stdout}{out.stderr}")
+            assert out.returncode == 0, out.stderr
+        out = self.cluster.apply_policy(policy, NAMESPACE, workdir / "policy")
+        print("\n[real] kubectl apply --server-side of `gpuhub render kueue`:\n" + out)
+        config_dir = workdir / "image-jupyter-config"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        (config_dir / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"allow_root": True}}))
+        node_env = {"PATH": f"{real.VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1",
+                    "LANG": "C.UTF-8", "JUPYTER_CONFIG_DIR": str(config_dir)}
+        pods_dir = workdir / "pods"
+        pods_dir.mkdir(parents=True, exist_ok=True)
+        pods_dir.chmod(0o755)
+        self.kubelet = real.StandInKubelet(self.cluster, NAMESPACE, pods_dir, node_env)
+        self.kubelet.start()
+
+    def pods(self, user: str | None = None) -> list[dict]:
+        return [p for p in self.cluster.list("pods", NAMESPACE)
+                if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user]
+
+    def workloads(self) -> list[dict]:
+        return self.cluster.list("workloads", NAMESPACE)
+
+    def jobs(self) -> list[dict]:
+        return self.cluster.list("jobs", NAMESPACE)
+
+    def job(self, name: str) -> dict | None:
+        r = self.cluster.session.get(self.cluster.url + self.cluster.path("jobs", NAMESPACE, name), timeout=15)
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        return r.json()
+
+    def pods_of_job(self, name: str) -> list[dict]:
+        return [p for p in self.cluster.list("pods", NAMESPACE) if owner_job(p) == name]
+
+    def events(self, pod_name: str) -> list[dict]:
+        return self.cluster.events_for(NAMESPACE, pod_name)
+
+    def kueue(self, up: bool) -> None:
+        real.start_kueue() if up else real.stop_kueue()
+
+    def healthy(self) -> None:
+        assert self.kubelet is None or self.kubelet.errors == [], self.kubelet.errors
+
+    def teardown(self) -> None:
+        if not real.kueue_running():  # a failed outage test left it stopped
+            real.start_kueue()
+        if self.kubelet:
+            self.kubelet.stop()
+        self.cluster.reset(NAMESPACE)
+        self.cluster.kubectl("-n", NAMESPACE, "delete", "jobs", "--all", "--ignore-not-found", check=False)
+
+
+def make_backend(request, policy: str, workdir: Path):
+    """The backend ``request.param`` names, set up with ``policy``'s rendered Kueue objects."""
+    if request.param == "double":
+        b = DoubleBackend(request.getfixturevalue("double"))
+    else:
+        b = RealBackend(request.getfixturevalue("real_cluster"))
+    b.setup(policy, workdir)
+    return b
+
+
+def backend_fixture(policy: str):
+    """A module-scoped ``backend`` fixture over both control planes for ``policy``."""
+
+    @pytest.fixture(scope="module", params=BACKENDS)
+    def backend(request, tmp_path_factory):
+        work = tmp_path_factory.mktemp(f"backend-{request.param}")
+        work.chmod(0o755)  # pod processes reach their HOME under it
+        b = make_backend(request, policy, work)
+        yield b
+        b.teardown()
+
+    return backend

@@ -214,6 +214,29 @@ def down() -> None:
     subprocess.run(["bash", str(HERE / "down.sh")], check=False, timeout=120)
 
 
+MIG_NODES_FILE = HERE / "nodes-mig.yaml"
+
+
+def mig_nodes() -> dict[str, dict]:
+    """The MIG kwok nodes of ``nodes-mig.yaml`` by strategy (``nvidia.com/mig.strategy``)."""
+    return {n["metadata"]["labels"]["nvidia.com/mig.strategy"]: n for n in yaml.safe_load_all(MIG_NODES_FILE.read_text())}
+
+
+def add_mig_nodes(cluster: RealCluster, timeout: int = 90) -> list[str]:
+    """Put in the kwok nodes advertising MIG slices (one per device-plugin strategy) and wait
+    until kwok reports them Ready. Not part of ``up.sh``'s node set: only the tests that need
+    them add them, and take them out again with ``remove_mig_nodes``."""
+    names = [n["metadata"]["name"] for n in mig_nodes().values()]
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(MIG_NODES_FILE))
+    cluster.kubectl("wait", "--for=condition=Ready", *(f"node/{n}" for n in names), f"--timeout={timeout}s")
+    return names
+
+
+def remove_mig_nodes(cluster: RealCluster) -> None:
+    names = [n["metadata"]["name"] for n in mig_nodes().values()]
+    cluster.kubectl("delete", "node", *names, "--ignore-not-found", check=False)
+
+
 def kueue_pid() -> int | None:
     f = DIR / "run" / "kueue.pid"
     return int(f.read_text()) if f.exists() and f.read_text().strip() else None

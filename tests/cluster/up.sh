@@ -216,6 +216,8 @@ if [ -x "$BIN_KUBERAY/ray-operator" ]; then
 fi
 
 # -- nodes ---------------------------------------------------------------------------------
+# (The MIG nodes of nodes-mig.yaml are not applied here: harness.add_mig_nodes() puts them in
+# for the tests that need them and remove_mig_nodes() takes them out.)
 k apply --server-side --force-conflicts -f "$here/nodes.yaml" >/dev/null
 wait_for "kwok nodes Ready" 90 k wait --for=condition=Ready node --all --timeout=20s
 wait_for "default service account" 60 k -n default get serviceaccount default

@@ -151,7 +151,9 @@ def test_jupyterlab_tells_the_holder_of_a_gpu_gone_bad(hub, users, gpus, tmp_pat
             r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "gpu", "--hub", hub.url, "uncordon", mine],
                                env=dict(env, GPUHUB_TOKEN=admin.token), capture_output=True, text=True, timeout=60)
             assert r.returncode == 0, r.stderr
-            page.locator(".Toastify__toast", has_text="The GPU of this server is back in service").wait_for(timeout=5_000)
+            # The issue bounds the failure notice (5 s, above); the return to service is only shown. The
+            # fresh-clone run saw it later than 5 s once under load: a generous wait, no time asserted.
+            page.locator(".Toastify__toast", has_text="The GPU of this server is back in service").wait_for(timeout=60_000)
             assert page.locator(".Toastify__toast", has_text="This server's GPU failed").count() == 0
             assert errors == []
         except Exception:
@@ -160,7 +162,7 @@ def test_jupyterlab_tells_the_holder_of_a_gpu_gone_bad(hub, users, gpus, tmp_pat
             raise
         finally:
             browser.close()
-    wait_for(lambda: culling(alice).json()["gpu_failed"] == {}, 10, "alice's notice gone after the uncordon")
+    wait_for(lambda: culling(alice).json()["gpu_failed"] == {}, 60, "alice's notice gone after the uncordon")
 
 
 def gpu(admin, device) -> dict:

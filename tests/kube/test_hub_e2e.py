@@ -23,6 +23,7 @@ import pytest
 import requests
 import yaml
 
+from backends import HUB_CONFIG  # what every Kubernetes hub of these tests runs with
 from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.helm import chart_proxy_command, require_shared
 from support.hub import Hub
@@ -64,23 +65,7 @@ defaults:
 # (helm-values/values.yaml). The culler service stays, as it does there; MLflow is off.
 KUBE_CONFIG = f"""
 import socket as _socket
-
-c.JupyterHub.spawner_class = "gpuhub-kube"
-c.KubeSpawner.namespace = {NAMESPACE!r}
-c.KubeSpawner.cmd = ["jupyterhub-singleuser"]   # as z2jh's singleuser.cmd; the double's PATH has it
-c.KubeSpawner.args = []                         # allow_root comes from the "image" config, as in a pod
-c.KubeSpawner.delete_grace_period = 1
-c.KubeSpawner.k8s_api_request_timeout = 10
-c.KubeSpawner.poll_interval = 1                 # production: 30 s; the hub notices a vanished pod sooner here
-c.KueueSpawner.status_interval = 0.2
-c.KueueSpawner.queue_poll_interval = 0.5
-c.JupyterHub.init_spawners_timeout = 1          # as helm-values/values.yaml
-c.KueueLedger.sync_interval = 0.5               # production: 2 s
-
-from gpuhub_spawner.wiring.kube import configure_ledger   # as hub.extraConfig gpuhub-usage does
-
-configure_ledger(c)
-
+{HUB_CONFIG}
 # The double's pods share this machine's network: one port per pod, loopback only.
 c.KubeSpawner.ip = "127.0.0.1"
 

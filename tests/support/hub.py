@@ -274,10 +274,23 @@ class UserClient:
         raise TimeoutError(f"{self.name}'s server {server!r} still there: {self.server(server)}")
 
     def progress(self, server: str = "", until=lambda evt: True, timeout: float = 30) -> list[dict]:
-        """Read the spawn progress event stream until ``until(event)`` holds."""
+        """Read the spawn progress event stream until ``until(event)`` holds.
+
+        A caller that started the spawn in the background (``start_background``) can get here
+        before the hub has taken the POST; the hub then answers 400 "not starting". That is a
+        race of the test, not the product's answer, so it is retried within ``timeout``.
+        """
         path = f"/users/{self.name}/servers/{server}/progress" if server else f"/users/{self.name}/server/progress"
         events = []
-        with self.api.get(self.url(path), stream=True, timeout=timeout) as r:
+        deadline = time.time() + timeout
+        while True:
+            r = self.api.get(self.url(path), stream=True, timeout=timeout)
+            if r.status_code == 400 and "not starting" in r.text and time.time() < deadline:
+                r.close()
+                time.sleep(0.2)
+                continue
+            break
+        with r:
             r.raise_for_status()
             for line in r.iter_lines(decode_unicode=True):
                 if not line or not line.startswith("data:"):

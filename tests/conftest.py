@@ -133,3 +133,30 @@ def pytest_collection_modifyitems(session, config, items):
         return SLOW_FIRST.get(rel, 0)
 
     items.sort(key=lambda item: -weight(item))  # stable: the order within a file is kept
+
+
+# What each file cost, printed after every run (and written as JSON to $GPUHUB_TEST_TIMES):
+# the figures SLOW_FIRST above should follow, and where the suite's time goes. Under xdist
+# the workers' reports reach the controller, which sums them; setup and teardown count,
+# since a module's hub start is most of many files' time.
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput") or not _file_seconds:
+        return
+    import json
+    import os
+
+    ranked = sorted(_file_seconds.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("-", f"slowest test files of {len(ranked)} (seconds, setup + tests + teardown)")
+    for path, seconds in ranked[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_file_seconds.values()):8.1f}  all files together (workers' time)")
+    if os.environ.get("GPUHUB_TEST_TIMES"):
+        Path(os.environ["GPUHUB_TEST_TIMES"]).write_text(json.dumps(dict(ranked), indent=1) + "\n")

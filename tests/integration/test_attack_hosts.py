@@ -25,6 +25,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 import requests
 
+from support.browser import ARGS as BROWSER_ARGS, CHROMIUM
 from support.hub import PASSWORD, Hub
 from support.kernel import KernelSession
 from test_local_hub import POLICY
@@ -32,12 +33,7 @@ from test_local_hub import POLICY
 pytestmark = pytest.mark.integration
 
 DOMAIN = "hub.test"  # RFC 2606: never a real host
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    f"--host-resolver-rules=MAP {DOMAIN} 127.0.0.1, MAP *.{DOMAIN} 127.0.0.1",
-]
+ARGS = [*BROWSER_ARGS, f"--host-resolver-rules=MAP {DOMAIN} 127.0.0.1, MAP *.{DOMAIN} 127.0.0.1"]
 REFUSED = "Not the hub's address"  # what the refusal says, on screen and in the body
 API = "/api/2.0/mlflow"
 

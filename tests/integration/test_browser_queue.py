@@ -8,16 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from support.browser import ARGS, CHROMIUM
 from support.hub import PASSWORD, Hub, processes_with_env
 from test_local_hub import POLICY
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
-
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 
 
 @pytest.fixture(scope="module")

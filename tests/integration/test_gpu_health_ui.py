@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from support.browser import ARGS, CHROMIUM
 from support.fake_gpus import FakeGpus
 from support.hub import PASSWORD, Hub, wait_for
 
@@ -30,9 +31,6 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_NVML_DIR = REPO / "tests" / "support" / "fake_nvml"
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 POLICY = """\
 flavors:

@@ -18,16 +18,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from support.browser import ARGS, CHROMIUM
 from support.hub import PASSWORD, Hub, wait_for
 from test_local_hub import POLICY
 
 pytestmark = [pytest.mark.integration]
-
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from support.browser import ARGS, CHROMIUM
 from support.hub import Hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -245,11 +246,6 @@ def test_borrowing_job_is_preempted_at_once_and_requeued(hub, users, tmp_path):
     assert "the lab cohort has 0 free to lend" in rec["status"], rec["status"]
     assert warnings(bob)["servers"] == {}
     bob.api.delete(bob.url(f"/gpuhub/jobs/{job_id}"))
-
-
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.mark.browser

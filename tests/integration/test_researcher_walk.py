@@ -27,13 +27,11 @@ from pathlib import Path
 import pytest
 
 from gpuhub_spawner.policy.quantities import format_duration
+from support.browser import ARGS, CHROMIUM
 from support.hub import PASSWORD, REPO, Hub, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 # The 1× A100 profile's idle rule, compressed (shipped: gpuIdleTimeout 30m, warning 15m from the
 # defaults, snooze 1h, maxSnoozes 2). gpuhub validate refuses a warning not shorter than

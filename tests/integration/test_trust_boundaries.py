@@ -16,14 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from support.browser import ARGS, CHROMIUM
 from support.hub import PASSWORD, Hub, wait_for
 from support.kernel import KernelSession
 from test_local_hub import POLICY, clean  # noqa: F401  (clean: every server stopped around a test)
 
 pytestmark = pytest.mark.integration
-
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 
 
 @pytest.fixture(scope="module")

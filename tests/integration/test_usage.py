@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from support.browser import ARGS, CHROMIUM
 from support.hub import PASSWORD, Hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -589,11 +590,7 @@ def test_prometheus_scrapes_the_hub_and_every_dashboard_query_returns_series(day
     assert sum(float(s["value"][1]) for s in held) == 3  # alice, bob, carol (dave waiting)
 
 
-
 # -- the page in a real Chromium, per role ----------------------------------------------------------
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.mark.browser

@@ -10,11 +10,10 @@ import re
 
 import pytest
 
+from support.browser import ARGS, CHROMIUM
+
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 CELL = ("import mlflow\nwith mlflow.start_run() as run:\n    mlflow.log_metric('loss', 0.1)\n"
         "print('RUN', run.info.run_id)")

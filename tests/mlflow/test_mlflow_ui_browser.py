@@ -14,11 +14,10 @@ import re
 
 import pytest
 
+from support.browser import ARGS, CHROMIUM
+
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 API = "/api/2.0/mlflow"
 METRIC = "val_accuracy_nlp"
 ARTIFACT = "carol-secret-weights.bin"

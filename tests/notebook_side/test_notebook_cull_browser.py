@@ -7,13 +7,11 @@ import os
 import re
 
 import pytest
+
+from support.browser import ARGS, CHROMIUM
 from nbside import SERVER_NAME
 
 pytestmark = [pytest.mark.browser]
-
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
+from support.fake_gpus import fake_nvml_env
 from support.hub import Hub
 
 pytestmark = [
@@ -20,7 +20,6 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root"),
 ]
 
-FAKE_NVML_DIR = Path(__file__).resolve().parents[1] / "support" / "fake_nvml"
 
 POLICY = """\
 flavors:
@@ -50,7 +49,7 @@ def hub(tmp_path_factory):
         "devices": [{"uuid": "GPU-fake-0", "name": "NVIDIA Fake A100", "memory_total": 80 * 2**30, "utilization": 0}],
         "driver": {"version": "535.183.01", "cuda": 12020}}))
     h = Hub(tmp_path_factory.mktemp("cuda"), POLICY,
-            env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(nvml)}).start()
+            env=fake_nvml_env(nvml)).start()
     yield h
     h.stop()
 

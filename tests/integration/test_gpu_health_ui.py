@@ -24,13 +24,12 @@ from pathlib import Path
 import pytest
 
 from support.browser import ARGS, CHROMIUM
-from support.fake_gpus import FakeGpus
+from support.fake_gpus import FakeGpus, fake_nvml_env
 from support.hub import PASSWORD, Hub, wait_for
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE_NVML_DIR = REPO / "tests" / "support" / "fake_nvml"
 
 POLICY = """\
 flavors:
@@ -64,7 +63,7 @@ def gpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gpus):
     h = Hub(tmp_path_factory.mktemp("health-lab"), POLICY, extra_config="c.PolicyStore.check_interval = 1\n",
-            env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path)})
+            env=fake_nvml_env(gpus.path))
     h.start()
     yield h
     h.stop()

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from support.fake_gpus import fake_nvml_env
 from support.hub import Hub, wait_for
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE_NVML_DIR = REPO / "tests" / "support" / "fake_nvml"
 PASS = 5
 STUDENTS = ("s1", "s2")
 SLICES = [f"MIG-9b0c1d2e-0000-4000-8000-00000000000{i}" for i in range(3)]
@@ -70,7 +70,7 @@ def nvml(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, nvml):
     h = Hub(tmp_path_factory.mktemp("mig-gpm"), POLICY, extra_config=EXTRA_CONFIG,
-            env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(nvml.path), "GPUHUB_CULL_EVERY": str(PASS)})
+            env=fake_nvml_env(nvml.path, GPUHUB_CULL_EVERY=str(PASS)))
     h.start()
     yield h
     h.stop()

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from support.fake_gpus import fake_nvml_env
 from support.hub import Hub, wait_for
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE_NVML_DIR = REPO / "tests" / "support" / "fake_nvml"
 PASS = 5
 STUDENTS = [f"s{i}" for i in range(1, 9)]
 
@@ -60,7 +60,7 @@ def hub(tmp_path_factory):
     nvml = tmp_path_factory.mktemp("nvml") / "nvml.json"
     nvml.write_text(json.dumps({"devices": nvml_devices()}))
     h = Hub(tmp_path_factory.mktemp("mig"), example_policy(), extra_config=EXTRA_CONFIG,
-            env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(nvml), "GPUHUB_CULL_EVERY": str(PASS)})
+            env=fake_nvml_env(nvml, GPUHUB_CULL_EVERY=str(PASS)))
     d = h.data / "home" / "s1" / ".jupyter"
     d.mkdir(parents=True)
     (d / "jupyter_server_config.py").write_text(WORKING)

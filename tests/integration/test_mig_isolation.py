@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from support.fake_gpus import fake_nvml_env
 from support.hub import Hub
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mlflow"))
@@ -31,7 +32,6 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE_NVML_DIR = REPO / "tests" / "support" / "fake_nvml"
 NVIDIA = 195  # the GPU nodes' major
 CAPS = 237  # nvidia-caps' major is dynamic (/proc/devices); any major without a driver here stands in
 STUDENTS = ("s1", "s2")
@@ -93,7 +93,7 @@ def hub(tmp_path_factory, trees):
         tmp_path_factory.mktemp("mig-iso"), POLICY,
         extra_config=EXTRA_CONFIG + f"c.LocalGpuSpawner.device_dir = {str(dev)!r}\n"
                      f"c.LocalBroker.nvidia_capabilities = {str(caps)!r}\n",
-        env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(nvml)},
+        env=fake_nvml_env(nvml),
     )
     prefix = h.env["GPUHUB_ACCOUNT_PREFIX"]
     try:

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
-from support.fake_gpus import FakeGpus
+from support.fake_gpus import FakeGpus, fake_nvml_env
 from support.hub import Hub, wait_for
 from test_runbooks import RAN, Prometheus, blocks, env_of, runbook
 
 pytestmark = [pytest.mark.integration]
 
-FAKE_NVML_DIR = Path(__file__).resolve().parents[1] / "support" / "fake_nvml"
 PAGES = ("gpu-bad", "cull-dispute")
 PASS, ACTIVITY, TIMEOUT, WARNING = 2, 2, 8, 4
 
@@ -65,7 +63,7 @@ def gpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gpus):
     h = Hub(tmp_path_factory.mktemp("runbooks-gpu"), POLICY, extra_config=EXTRA_CONFIG,
-            env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path), "GPUHUB_CULL_EVERY": str(PASS)})
+            env=fake_nvml_env(gpus.path, GPUHUB_CULL_EVERY=str(PASS)))
     h.start()
     yield h
     h.stop()

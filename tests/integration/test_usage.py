@@ -28,12 +28,12 @@ import pytest
 import requests
 
 from support.browser import ARGS, CHROMIUM
+from support.fake_gpus import fake_nvml_env
 from support.hub import PASSWORD, Hub, wait_for
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE_NVML_DIR = REPO / "tests" / "support" / "fake_nvml"
 PASS = 5
 
 POLICY = """\
@@ -171,7 +171,7 @@ class PrometheusRun:
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gpus, prometheus):
     h = Hub(tmp_path_factory.mktemp("usage"), POLICY, extra_config=EXTRA_CONFIG,
-            env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path), "GPUHUB_CULL_EVERY": str(PASS)})
+            env=fake_nvml_env(gpus.path, GPUHUB_CULL_EVERY=str(PASS)))
     h.start()
     yield h
     prometheus.stop()

@@ -7,6 +7,15 @@ import json
 from pathlib import Path
 
 
+FAKE_NVML_DIR = Path(__file__).resolve().parent / "fake_nvml"
+
+
+def fake_nvml_env(nvml_file, **extra: str) -> dict[str, str]:
+    """The environment that makes a hub, and every process it starts, import the fake
+    ``pynvml`` (first on PYTHONPATH) and read the GPUs from ``nvml_file``."""
+    return {"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(nvml_file), **extra}
+
+
 class FakeGpus:
     def __init__(self, path: Path, n: int, utilization: int = 0):
         self.path = path

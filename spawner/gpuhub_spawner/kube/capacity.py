@@ -29,8 +29,18 @@ that lowers a designated ClusterQueue's quota by what is out of service and rest
   nodes, ``get``/``patch`` of the designated ClusterQueues only (``resourceNames``).
   Re-applying ``gpuhub render kueue`` puts the full quota back; the next pass lowers it again.
 
-The pure part (``out_of_service``, ``lowered_groups``) is tested without a cluster; the
-keeper runs it every ``health.kubernetes.syncInterval``.
+**Who is told** (the rest of issue 23 on Kubernetes): the same pass keeps the nodes whose
+health taint says their GPUs failed (``node_faults``). A server pod of the hub's on such a
+node is a server whose GPU failed: its holder gets the one-machine notice in JupyterLab and
+on the home page (``failures_of``, read by the hub's culling API and home page; the long poll
+waits on ``wait_change``), and a batch job's attempt on it ends ``gpu-failed``
+(``kube/job_manager.py``). Only a taint tells a holder: it is the node saying its GPUs are
+out. A shrunk allocatable is counted out of the quota but tells nobody, because the hub cannot
+know which pod got the device the device plugin marked unhealthy (the kubelet's pod-resources
+API is node-local); a cordon alone is maintenance, not a failure.
+
+The pure part (``out_of_service``, ``lowered_groups``, ``node_faults``, ``pod_failures``) is
+tested without a cluster; the keeper runs it every ``health.kubernetes.syncInterval``.
 """
 
 from __future__ import annotations
@@ -38,10 +48,18 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from ..policy.model import Flavor, Policy
+from .job_manifest import JOB_LABEL
 from .kueue import GROUP, VERSION
+from .ray_manifest import RAY_LABEL
+
+USER_ANNOTATION = "hub.jupyter.org/username"  # KubeSpawner's, on every server pod
+SERVER_ANNOTATION = "hub.jupyter.org/servername"
+MAX_REASON = 200
 
 log = logging.getLogger("JupyterHub.gpuhub.capacity")
 
@@ -112,6 +130,78 @@ def out_of_service(policy: Policy, nodes: list[dict]) -> dict[str, OutOfService]
     return out
 
 
+@dataclass(frozen=True)
+class NodeFault:
+    """A node whose health taint says its GPUs failed: since when, and the words for it."""
+
+    node: str
+    taint: str  # "nvidia.com/gpu-error=XID79"
+    effect: str
+    since: float
+
+    @property
+    def reason(self) -> str:
+        """What a holder is told in parentheses ('node kwok-gpu-l4-1: nvidia.com/gpu-error=XID79')."""
+        return f"node {self.node}: {self.taint}"[:MAX_REASON]
+
+
+def _epoch(value) -> float | None:
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp() if value else None
+    except ValueError:
+        return None
+
+
+def node_faults(policy: Policy, nodes: list[dict], before: dict[str, NodeFault] | None = None,
+                now: float | None = None) -> dict[str, NodeFault]:
+    """The nodes with a health taint (``health.kubernetes.taints``, NoSchedule or NoExecute).
+
+    ``since`` is the taint's ``timeAdded`` (the API server writes it for NoExecute taints),
+    else when a pass first saw it (kept from ``before``).
+    """
+    before, now = before or {}, time.time() if now is None else now
+    keys = policy.health.kubernetes.taints
+    out: dict[str, NodeFault] = {}
+    for node in nodes:
+        name = node["metadata"]["name"]
+        for t in (node.get("spec") or {}).get("taints") or []:
+            if t.get("key") in keys and t.get("effect") in OUT_EFFECTS:
+                taint = t["key"] + (f"={t['value']}" if t.get("value") else "")
+                old = before.get(name)
+                since = _epoch(t.get("timeAdded")) or (old.since if old and old.taint == taint else now)
+                out[name] = NodeFault(name, taint, t["effect"], since)
+                break
+    return out
+
+
+def _requests_gpu(pod: dict, resources: set[str]) -> bool:
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        res = c.get("resources") or {}
+        for amounts in (res.get("limits") or {}, res.get("requests") or {}):
+            if any(_count(amounts.get(r)) > 0 for r in resources):
+                return True
+    return False
+
+
+def pod_failures(policy: Policy, pods: list[dict], faults: dict[str, NodeFault], user: str) -> list[dict]:
+    """``user``'s server pods holding a GPU on a node in ``faults``, in the one-machine shape
+    (``{"server", "devices", "since", "reason", "xid"}``, earliest first). Never another user's,
+    never a batch job's or a Ray cluster's (a job's attempt ends ``gpu-failed`` instead)."""
+    resources = {f.resource for f in policy.flavors}
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        ann, labels = meta.get("annotations") or {}, meta.get("labels") or {}
+        fault = faults.get((pod.get("spec") or {}).get("nodeName") or "")
+        if (fault is None or ann.get(USER_ANNOTATION) != user or JOB_LABEL in labels or RAY_LABEL in labels
+                or meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+                or not _requests_gpu(pod, resources)):
+            continue
+        out.append({"server": ann.get(SERVER_ANNOTATION, ""), "devices": [f"node {fault.node}"],
+                    "since": fault.since, "reason": fault.reason, "xid": None})
+    return sorted(out, key=lambda f: (f["since"], f["server"]))
+
+
 def target_quota(policy: Policy, flavor: str, out: int) -> tuple[str, int, int | None, int]:
     """(team, nominal, lendingLimit, GPUs not absorbed) the designated queue should have."""
     team_name = policy.health.kubernetes.capacity_queue[flavor]
@@ -144,12 +234,15 @@ def lowered_groups(groups: list[dict], flavor: str, resource: str, nominal: int,
 class CapacityKeeper:
     """The hub's controller: reads nodes, patches the designated ClusterQueues."""
 
-    def __init__(self, policy_of, core_api=None, custom_api=None):
+    def __init__(self, policy_of, core_api=None, custom_api=None, pods=None):
         self.policy_of = policy_of  # () -> Policy (the live one)
         self.core_api = core_api
         self.custom_api = custom_api
+        self.pods = pods  # () -> KubeSpawner's shared pod reflector (the hub's pods): who holds a failed node
         self.out: dict[str, OutOfService] = {}  # the last pass: what waiting messages say
         self.unabsorbed: dict[str, int] = {}
+        self.faults: dict[str, NodeFault] = {}  # node -> its health taint (the last pass)
+        self._changed = asyncio.Event()  # set and replaced on every change of ``faults``
         self._task: asyncio.Task | None = None
 
     def _clients(self):
@@ -183,10 +276,40 @@ class CapacityKeeper:
         nodes = await core.list_node()
         return [core.api_client.sanitize_for_serialization(n) for n in nodes.items]
 
+    # -- the holders of a failed node's GPUs (the hub's culling API and home page) -------------
+    def failures_of(self, user: str) -> list[dict]:
+        """``user``'s servers on a node whose health taint says its GPUs failed."""
+        reflector = self.pods() if self.faults and self.pods is not None else None
+        if reflector is None:
+            return []
+        return pod_failures(self.policy_of(), list(reflector.resources.values()), self.faults, user)
+
+    async def wait_change(self, timeout: float) -> bool:
+        """Until the failed nodes change (True) or ``timeout`` seconds pass (False)."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def _set_faults(self, faults: dict[str, NodeFault]) -> None:
+        if faults == self.faults:
+            return
+        for name in faults.keys() - self.faults.keys():
+            log.warning("GPU health: node %s is out of service (%s, %s); its server pods' holders are told, its "
+                        "jobs' attempts end gpu-failed", name, faults[name].taint, faults[name].effect)
+        for name in self.faults.keys() - faults.keys():
+            log.info("GPU health: node %s is back (%s removed)", name, self.faults[name].taint)
+        self.faults = faults
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
     async def sync_once(self) -> dict[str, OutOfService]:
         """One pass: what is out of service, and each designated ClusterQueue set to match."""
         policy = self.policy_of()
-        out = out_of_service(policy, await self.read_nodes())
+        nodes = await self.read_nodes()
+        self._set_faults(node_faults(policy, nodes, self.faults))
+        out = out_of_service(policy, nodes)
         before = {f: (o.out, tuple(o.why)) for f, o in self.out.items()}
         self.out = out
         for flavor, o in out.items():
@@ -239,3 +362,8 @@ def start_keeper(policy_of, **clients) -> CapacityKeeper:
         _keeper = CapacityKeeper(policy_of, **clients)
         _keeper.start()
     return _keeper
+
+
+def fault_of(node: str | None) -> NodeFault | None:
+    """The health taint of ``node`` as the hub's keeper last read it (None: none, or no keeper)."""
+    return _keeper.faults.get(node or "") if _keeper is not None else None

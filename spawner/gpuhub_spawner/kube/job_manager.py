@@ -8,6 +8,14 @@ the Job controller retries per ``podFailurePolicy``. A watcher reads the Job, it
 and its Workload every ``poll_interval`` seconds into the record: each pod is an attempt;
 its log is copied into the hub's data directory when it ends (a preempted pod's log is
 whatever was read before Kueue deleted it).
+
+A GPU that fails (docs/gpu-health.md): an attempt whose pod runs on a node with a health
+taint (``kube/capacity.py``'s keeper reads them) ends ``gpu-failed`` at the next read: the
+hub deactivates the Job's Workload as it does for a reclaim (Kueue evicts it and suspends the
+Job: its pod is deleted and not counted against ``backoffLimit``; the ledger reactivates it
+once evicted), so the job queues again and resumes from its checkpoint on a healthy node,
+and the attempt does not count against ``retries.limit``. An attempt whose pod the taint
+already evicted (``DisruptionTarget``, or gone) on such a node ends ``gpu-failed`` too.
 """
 
 from __future__ import annotations
@@ -23,15 +31,17 @@ from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
 from . import messages as M
-from .kueue import JOB_UID_LABEL, condition, is_true, timestamp
+from .capacity import NodeFault, fault_of, node_faults
+from .kueue import GROUP, JOB_UID_LABEL, VERSION, condition, is_true, timestamp
 from ..policy import PolicyStore
 from ..policy.access import Choice, ChoiceError, active_profiles, check_job_caps, resolve_choice
 from ..policy.model import Policy
 from ..jobs import records as R
 from ..jobs.common import TIME_LIMIT, job_priority, policy_hash
-from ..jobs.spec import JobSpec
+from ..jobs.spec import GPU_FAILED, JobSpec
+from ..usage import recorder as usage
 from .job_manifest import JOB_LABEL, job_manifest
-from .ledger import register_job_manager
+from .ledger import RECLAIM_ANNOTATION, register_job_manager
 from .spawner import KueueSpawner
 
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
@@ -44,6 +54,17 @@ def _preemptions(wl: dict | None) -> int:
     (``status.schedulingStats.evictions``)."""
     stats = (((wl or {}).get("status") or {}).get("schedulingStats") or {}).get("evictions") or []
     return sum(int(e.get("count", 0)) for e in stats if e.get("reason") in ("Preempted", "Deactivated"))
+
+
+def gpu_failed_message(fault: NodeFault) -> str:
+    return (f"its node's GPUs went out of service ({fault.reason}); queued again to resume from its checkpoint "
+            "on a healthy GPU (not counted against its retries)")
+
+
+def _disrupted(pod: dict) -> bool:
+    """The pod was evicted (a NoExecute taint, a drain): Kubernetes' ``DisruptionTarget``."""
+    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 class KubeJobManager(SingletonConfigurable):
@@ -180,11 +201,24 @@ class KubeJobManager(SingletonConfigurable):
             status = pod.get("status") or {}
             att.started = att.started or timestamp(status.get("startTime"))
             term = ((status.get("containerStatuses") or [{}])[0].get("state") or {}).get("terminated")
+            fault = fault_of(pod["spec"].get("nodeName"))
             if att.finished is None and status.get("phase") in ("Succeeded", "Failed") and term:
                 att.finished = timestamp(term.get("finishedAt")) or time.time()
                 att.exit_code = term.get("exitCode")
                 att.reason = "succeeded" if status["phase"] == "Succeeded" else "failed"
                 att.message = f"exit code {att.exit_code}"
+                if status["phase"] == "Failed" and _disrupted(pod):
+                    # Evicted (a NoExecute taint, a drain): by its node's health taint? The taint
+                    # manager acts at once, maybe before the keeper's next pass: ask the node.
+                    fault = fault or await self._read_fault(pod["spec"].get("nodeName"))
+                    if fault is not None:  # podFailurePolicy's DisruptionTarget rule decides the retry
+                        att.reason, att.message = GPU_FAILED, gpu_failed_message(fault)
+                elif status["phase"] == "Failed" and fault is not None:
+                    # CUDA failed under it: the Job controller counted it as any exit
+                    att.message += f" (its node's GPUs were out of service: {fault.reason})"
+            elif (att.finished is None and fault is not None and status.get("phase") not in ("Succeeded", "Failed")
+                  and not pod["metadata"].get("deletionTimestamp")):
+                await self._gpu_failed(rec, att, wl, fault)
             await self._copy_log(rec, att, ns, name)
         # Attempts whose pod is gone without an end: Kueue preempted (suspended) the Job.
         live = {p["metadata"]["name"] for p in pods}
@@ -194,11 +228,17 @@ class KubeJobManager(SingletonConfigurable):
                 evicted = M.eviction_message(wl, None)
                 # Kueue turns Evicted back to False when it admits the Job again, which may
                 # happen before this poll; its eviction count does not go back.
-                counted = _preemptions(wl) > sum(1 for a in rec.attempts if a.reason == "preempted")
+                counted = _preemptions(wl) > (sum(1 for a in rec.attempts if a.reason == "preempted")
+                                              + int(rec.spec.get("gpuFailedDeactivations", 0)))
                 preempted = counted or is_true(wl, "Evicted") or job["spec"].get("suspend")
                 reclaimed = self.reclaimed.pop(rec.id, None)  # the hub took its GPUs back (kube/ledger.py)
                 if reclaimed:
                     preempted, evicted = True, reclaimed
+                node = att.devices[0] if att.devices else None
+                fault = None if counted or reclaimed else (fault_of(node) or await self._read_fault(node))
+                if fault is not None:  # evicted by its node's health taint
+                    att.reason, att.message = GPU_FAILED, gpu_failed_message(fault)
+                    continue
                 att.reason = "preempted" if preempted else "interrupted"
                 if preempted and not evicted:  # re-admitted already: Kueue's words for it are gone
                     evicted = "Your server was stopped by the queue to make room for other work; it was queued again."
@@ -224,6 +264,45 @@ class KubeJobManager(SingletonConfigurable):
             # Job's verdict (or its next pod): still the Job's running phase.
             rec.state = R.RUNNING
         self.store.save(rec)
+
+    async def _read_fault(self, node: str | None) -> NodeFault | None:
+        """``node``'s health taint read now (``list`` nodes by name: the keeper's RBAC)."""
+        if not node:
+            return None
+        from kubernetes_asyncio.client import ApiClient
+
+        try:
+            nodes = ApiClient().sanitize_for_serialization(
+                await self._client("CoreV1Api").list_node(field_selector=f"metadata.name={node}")).get("items", [])
+        except Exception as e:  # noqa: BLE001 - not allowed, or the API is away: the keeper's view only
+            log.info("Cannot read node %s: %s", node, getattr(e, "reason", e))
+            return None
+        return node_faults(self.policy, nodes).get(node)
+
+    async def _gpu_failed(self, rec: R.JobRecord, att: R.Attempt, wl: dict | None, fault: NodeFault) -> None:
+        """The running attempt's node lost its GPUs: end it ``gpu-failed`` and queue the job again.
+
+        The Workload is deactivated as for a reclaim (annotated first, so the ledger
+        reactivates it once Kueue has evicted it, even across a hub restart): Kueue suspends
+        the Job, its pod is deleted without counting against ``backoffLimit``, and the job
+        waits for quota again; the taint keeps the scheduler off the failed node.
+        """
+        if wl is None or wl["spec"].get("active") is False:
+            return
+        meta = wl["metadata"]
+        try:
+            await self._client("CustomObjectsApi").patch_namespaced_custom_object(
+                GROUP, VERSION, meta["namespace"], "workloads", meta["name"],
+                {"metadata": {"annotations": {RECLAIM_ANNOTATION: str(int(time.time()))}}, "spec": {"active": False}},
+                _content_type="application/merge-patch+json")
+        except Exception as e:  # noqa: BLE001 - the next read tries again
+            log.warning("Job %s: could not deactivate Workload %s/%s after its node's GPUs failed: %s", rec.id,
+                        meta["namespace"], meta["name"], getattr(e, "reason", e))
+            return
+        rec.spec["gpuFailedDeactivations"] = int(rec.spec.get("gpuFailedDeactivations", 0)) + 1
+        att.finished, att.reason, att.message = time.time(), GPU_FAILED, gpu_failed_message(fault)
+        usage.note_end(f"job:{rec.id}", "crashed")  # the history's word (usage/history.py END_REASONS)
+        log.warning("Job %s attempt %d: %s", rec.id, att.number, att.message)
 
     async def _copy_log(self, rec: R.JobRecord, att: R.Attempt, ns: str, pod: str) -> None:
         try:

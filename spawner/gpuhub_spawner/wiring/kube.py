@@ -48,5 +48,8 @@ async def _watch(app) -> None:
     except Exception:  # noqa: BLE001 - spawners start it on their first start or poll instead
         log.exception("Could not start mirroring Kueue's Workloads")
     # GPUs out of service lower the designated ClusterQueues' quota (docs/gpu-health.md); the
-    # spawner above has loaded the cluster's credentials.
-    start_keeper(lambda: ledger.store.current)
+    # spawner above has loaded the cluster's credentials. The same keeper tells the holders of
+    # server pods on a node whose health taint says its GPUs failed: the hub's culling API and
+    # home page read ``node_health`` of the admission view (hub/gpus_api.py), as they read the
+    # one-machine monitor (``gpu_health``), and its long poll waits on it.
+    ledger.node_health = start_keeper(lambda: ledger.store.current, pods=lambda: spawner.pod_reflector)

@@ -226,6 +226,51 @@ class KubeDouble(JobsMixin, RayMixin):
             self._write("nodes", None, obj, "MODIFIED" if old else "ADDED")
         self.call(do)
 
+    def taint_node(self, node: dict) -> list[str]:
+        """``put_node``, and then what Kubernetes' taint manager does at once for the node's
+        NoExecute taints (tolerationSeconds not modelled): every pod bound to the node that
+        does not tolerate one gets ``DisruptionTarget`` (reason ``DeletionByTaintManager``),
+        its container is killed (exit 137) and it ends ``Failed``; a Job's pod stays for the
+        Job controller to account (its tracking finalizer), any other pod is deleted. One step
+        on the double's loop: no client sees the taint before the eviction. Returns the
+        evicted pods ("ns/name")."""
+        def do():
+            obj = copy.deepcopy(node)
+            validate(obj)
+            name = obj["metadata"]["name"]
+            old = self.objects.get(("nodes", None, name))
+            if old:
+                for k in ("uid", "creationTimestamp"):
+                    obj["metadata"][k] = old["metadata"][k]
+            self._write("nodes", None, obj, "MODIFIED" if old else "ADDED")
+            taints = [t for t in obj.get("spec", {}).get("taints") or [] if t.get("effect") == "NoExecute"]
+            evicted = []
+            for (p, ns, pname), pod in list(self.objects.items()):
+                if p != "pods" or pod["spec"].get("nodeName") != name or (pod.get("status") or {}).get("phase") != "Running":
+                    continue
+                if all(any(_tolerates(tol, t) for tol in pod["spec"].get("tolerations") or []) for t in taints):
+                    continue
+                proc = self.processes.pop(f"{ns}/{pname}", None)
+                if proc:
+                    self._kill(proc)
+                pod = copy.deepcopy(pod)
+                ts = now_iso()
+                status = pod["status"]
+                status["phase"] = "Failed"
+                status["conditions"] = [c for c in status.get("conditions") or [] if c["type"] != "DisruptionTarget"] + [
+                    {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager",
+                     "message": "Taint manager: deleting due to NoExecute taint", "lastTransitionTime": ts}]
+                for c in status.get("containerStatuses") or []:
+                    c.update(ready=False, started=False,
+                             state={"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": ts}})
+                validate(pod)
+                self._write("pods", ns, pod, "MODIFIED")
+                if not owner_job_name(pod):
+                    self._remove_pod(ns, pname)
+                evicted.append(f"{ns}/{pname}")
+            return evicted
+        return self.call(do)
+
     def fail(self, method: str, path_regex: str, status: int = 500, times: int = 1):
         self.call(lambda: self.faults.append(Fault(method.upper(), re.compile(path_regex), status, times)))
 
@@ -1132,6 +1177,17 @@ def _creation_rank(wl):
     if uid not in _RANKS:
         _RANKS[uid] = next(_CREATION)
     return _RANKS[uid]
+
+
+def _tolerates(tol: dict, taint: dict) -> bool:
+    """A pod's toleration matches a node's taint (key, effect, Exists or Equal value)."""
+    if tol.get("key") and tol["key"] != taint.get("key"):
+        return False
+    if tol.get("effect") and tol["effect"] != taint.get("effect"):
+        return False
+    if tol.get("operator", "Equal") == "Exists":
+        return True
+    return bool(tol.get("key")) and tol.get("value", "") == taint.get("value", "")
 
 
 def _cond(obj, ctype):

@@ -9,7 +9,9 @@ With ``--before REV`` the same two commands also run the package as it was at RE
 with ``git archive`` and put first on ``PYTHONPATH``), in the same rounds. Prints medians
 (and p10/p90) of the wall time per command, the median CPU time (user + system, which
 another process's load changes less), and the ratios; on a shared machine only figures from the same
-run compare.
+run compare. Both packages run from their bytecode, as installed (``compileall`` first, and
+``PYTHONDONTWRITEBYTECODE`` is dropped for the runs): without it each run of the extracted
+``--before`` package would compile all of it from source, and time the compiler.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def extract(rev: str, into: Path) -> Path:
     return into / "spawner"
 
 
+def compile_tree(package: Path) -> None:
+    """Write the package's bytecode (as ``pip install`` does), quietly."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True, stdout=subprocess.DEVNULL,
+                   env=dict(os.environ, PYTHONDONTWRITEBYTECODE=""))
+
+
 def timed(cmd: list[str], env: dict) -> tuple[float, float]:
     """Wall seconds, and CPU seconds (user + system) of the command's process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -70,13 +78,20 @@ def main() -> None:
         big.write_text(big_policy())
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)
+        # As installed: pip writes the bytecode at install time. Without it (this machine sets
+        # PYTHONDONTWRITEBYTECODE) every run would compile the changed modules (or, for --before,
+        # the whole extracted package) from source and time the compiler.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         runs: dict[str, tuple[list[str], dict]] = {
             "python -c pass (floor)": ([sys.executable, "-c", "pass"], env),
             "validate 500 teams": ([str(GPUHUB), "validate", str(big)], env),
             "validate example": ([str(GPUHUB), "validate", str(EXAMPLE)], env),
         }
+        compile_tree(REPO / "spawner" / "gpuhub_spawner")
         if args.before:
-            old = dict(env, PYTHONPATH=str(extract(args.before, Path(tmp) / "before")))
+            before = extract(args.before, Path(tmp) / "before")
+            compile_tree(before / "gpuhub_spawner")
+            old = dict(env, PYTHONPATH=str(before))
             runs[f"validate 500 teams @{args.before}"] = ([str(GPUHUB), "validate", str(big)], old)
             runs[f"validate example @{args.before}"] = ([str(GPUHUB), "validate", str(EXAMPLE)], old)
         for cmd, e in runs.values():  # warm the page cache and the bytecode once, untimed

@@ -7,7 +7,6 @@ live here because they need the whole file.
 
 from __future__ import annotations
 
-import difflib
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -149,6 +148,8 @@ def _unwrap(annotation: Any) -> Any:
 
 
 def suggest(word: str, choices: Iterable[str]) -> str:
+    import difflib  # only for a mistake
+
     close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -192,21 +193,34 @@ _STR, _MAP, _SEQ = "tag:yaml.org,2002:str", "tag:yaml.org,2002:map", "tag:yaml.o
 class _PolicyLoader(_Loader):
     """The safe loader, resolving each distinct (value, implicit) scalar once: a policy repeats
     the same keys and values thousands of times, and the resolver's regular expressions are
-    Python. The safe loader has no path resolvers, so a tag depends on nothing else. (A Python
-    method on purpose: each call lets another thread have the GIL, so a parse in a thread does
-    not hold the hub's loop for the whole document, as a C-level cache would.)"""
+    Python. The safe loader has no path resolvers, so a tag depends on nothing else: a
+    mapping or sequence is always ``map``/``seq``, and the composer's descend/ascend hooks
+    (called around every node, to follow path resolvers) have nothing to do. (Python calls on
+    purpose: each lets another thread have the GIL, so a parse in a thread does not hold the
+    hub's loop for the whole document, as a C-level cache would.)"""
 
     def __init__(self, stream):
         super().__init__(stream)
-        self._tags: dict = {}
+        self._tags: dict = {}  # implicit -> {value: tag}
+        if not self.yaml_path_resolvers:
+            # No-ops taking the composer's arguments, (parent, index) and (), without a Python frame.
+            self.descend_resolver = slice
+            self.ascend_resolver = tuple
 
     def resolve(self, kind, value, implicit):
         if kind is _SCALAR:
-            key = (value, implicit)
-            tag = self._tags.get(key)
+            tags = self._tags.get(implicit)
+            if tags is None:
+                tags = self._tags[implicit] = {}
+            tag = tags.get(value)
             if tag is None:
-                tag = self._tags[key] = super().resolve(kind, value, implicit)
+                tag = tags[value] = super().resolve(kind, value, implicit)
             return tag
+        if not self.yaml_path_resolvers:
+            if kind is _MAPPING:
+                return _MAP
+            if kind is _SEQUENCE:
+                return _SEQ
         return super().resolve(kind, value, implicit)
 
 
@@ -218,27 +232,31 @@ def _build(loader, root: yaml.Node) -> tuple[Any, list[tuple[Loc, yaml.Node]]]:
     """The data of ``root`` as the safe constructor would build it, and every key that appears
     twice in one mapping, in one walk. Covers plain mappings with string keys, sequences,
     strings, ints, floats, booleans and nulls (a policy); anything else raises ``_Unusual``
-    and the caller uses PyYAML's constructor."""
+    and the caller uses PyYAML's constructor. (The walk keeps no path: a key found twice,
+    rare, is located afterwards by a second walk that does.)"""
     scalars = {
         "tag:yaml.org,2002:int": loader.construct_yaml_int,
         "tag:yaml.org,2002:float": loader.construct_yaml_float,
         "tag:yaml.org,2002:bool": loader.construct_yaml_bool,
         "tag:yaml.org,2002:null": loader.construct_yaml_null,
     }
-    duplicates: list[tuple[Loc, yaml.Node]] = []
     seen: set[int] = set()
+    twice = []
 
-    def build(node, loc: Loc):
-        tag, kind = node.tag, type(node)
+    def build(node):
+        kind = type(node)
         if kind is _SCALAR:
+            tag = node.tag
             if tag == _STR:
                 return node.value
-            if tag in scalars:
-                return scalars[tag](node)
-            raise _Unusual(tag)
+            construct = scalars.get(tag)
+            if construct is None:
+                raise _Unusual(tag)
+            return construct(node)
         if id(node) in seen:  # an alias: the constructor shares the object (and may recurse)
             raise _Unusual("alias")
         seen.add(id(node))
+        tag = node.tag
         if kind is _MAPPING and tag == _MAP:
             out = {}
             for k, v in node.value:
@@ -246,14 +264,111 @@ def _build(loader, root: yaml.Node) -> tuple[Any, list[tuple[Loc, yaml.Node]]]:
                     raise _Unusual(k.tag)
                 name = k.value
                 if name in out:
-                    duplicates.append((loc + (name,), k))
-                out[name] = build(v, loc + (name,))
+                    twice.append(k)
+                out[name] = build(v)
             return out
         if kind is _SEQUENCE and tag == _SEQ:
-            return [build(item, loc + (i,)) for i, item in enumerate(node.value)]
+            return [build(item) for item in node.value]
         raise _Unusual(tag)
 
-    return build(root, ()), duplicates
+    data = build(root)
+    return data, (list(_Positions(root).duplicate_keys()) if twice else [])
+
+
+_EVENTS = yaml.events
+_SCALAR_EVENT = _EVENTS.ScalarEvent
+_MAPPING_START, _MAPPING_END = _EVENTS.MappingStartEvent, _EVENTS.MappingEndEvent
+_SEQUENCE_START, _SEQUENCE_END = _EVENTS.SequenceStartEvent, _EVENTS.SequenceEndEvent
+_NEEDS_NODES = object()  # ``_read_plain``: this text takes the composer's way
+_NO_KEY = object()  # a mapping waiting for its next key
+
+
+def _read_plain(text: str) -> Any:
+    """The data of a plain policy file straight from libyaml's event stream, as the safe loader
+    would build it, without composing a node tree (each node a Python object with two marks,
+    and a Python call to resolve its tag): about half the time of compose + ``_build`` on a
+    500-team policy. Covers one document of mappings with string keys, sequences, strings,
+    ints, floats, booleans and nulls, each key once. Anything else (a YAML error, a key written
+    twice, anchors and aliases, merge keys, other tags, several documents) returns
+    ``_NEEDS_NODES``: the caller then composes the node tree, which also locates every issue.
+    """
+    loader = _Loader(text)
+    try:
+        return _events_to_data(loader)
+    except Exception:  # _Unusual, a YAML error, anything unforeseen: the composer's way decides
+        return _NEEDS_NODES
+    finally:
+        loader.dispose()
+
+
+def _events_to_data(loader) -> Any:
+    get = loader.get_event
+    if type(get()) is not _EVENTS.StreamStartEvent or type(get()) is not _EVENTS.DocumentStartEvent:
+        raise _Unusual("not one document")
+    constructors = {
+        "tag:yaml.org,2002:int": loader.construct_yaml_int,
+        "tag:yaml.org,2002:float": loader.construct_yaml_float,
+        "tag:yaml.org,2002:bool": loader.construct_yaml_bool,
+        "tag:yaml.org,2002:null": loader.construct_yaml_null,
+    }
+    resolve = loader.resolve
+    scalars: dict = {}  # (text, implicit or tag) -> (value,): a policy repeats its keys and values
+    stack: list = []  # the enclosing (container, pending key) of the one being built
+    container: Any = None
+    key: Any = _NO_KEY
+    root: Any = None
+    while True:
+        event = get()
+        kind = type(event)
+        if kind is _SCALAR_EVENT:
+            if event.anchor is not None:
+                raise _Unusual("anchor")
+            tag = event.tag
+            cache_key = (event.value, event.implicit if tag is None or tag == "!" else tag)
+            hit = scalars.get(cache_key)
+            if hit is None:
+                if tag is None or tag == "!":
+                    tag = resolve(_SCALAR, event.value, event.implicit)
+                if tag == _STR:
+                    hit = (event.value,)
+                elif tag in constructors:
+                    hit = (constructors[tag](_SCALAR(tag, event.value)),)
+                else:
+                    raise _Unusual(tag)
+                scalars[cache_key] = hit
+            value = hit[0]
+        elif kind is _MAPPING_START or kind is _SEQUENCE_START:
+            if event.anchor is not None:
+                raise _Unusual("anchor")
+            mapping = kind is _MAPPING_START
+            if event.tag not in (None, "!", _MAP if mapping else _SEQ):
+                raise _Unusual(event.tag)
+            stack.append((container, key))
+            container, key = ({} if mapping else []), _NO_KEY
+            continue
+        elif kind is _MAPPING_END or kind is _SEQUENCE_END:
+            value = container
+            container, key = stack.pop()
+        elif kind is _EVENTS.DocumentEndEvent:
+            break
+        else:  # an alias
+            raise _Unusual(kind.__name__)
+        if container is None:  # the document's root
+            root = value
+        elif type(container) is list:
+            container.append(value)
+        elif key is _NO_KEY:
+            if type(value) is not str:  # a key that is not a string (a number, a mapping, a merge key)
+                raise _Unusual("key")
+            if value in container:  # located by the composer's way
+                raise _Unusual("a key twice")
+            key = value
+        else:
+            container[key] = value
+            key = _NO_KEY
+    if type(get()) is not _EVENTS.StreamEndEvent:
+        raise _Unusual("more than one document")
+    return root
 
 
 def _compose_and_construct(text: str) -> tuple[yaml.Node | None, Any, list[tuple[Loc, yaml.Node]]]:
@@ -299,6 +414,20 @@ def _parse(text: str, filename: str) -> tuple[Policy, Any]:
 
 
 def _parse_now(text: str, filename: str) -> tuple[Policy, Any]:
+    # A valid file (the common case) is read from libyaml's events and validated; only a file
+    # with a problem, or one the direct reading does not cover, gets the node tree that
+    # locates each issue (the validation already done is not repeated: same data).
+    data = _read_plain(text)
+    checked: Policy | ValidationError | None = None
+    if data is not _NEEDS_NODES and isinstance(data, dict):
+        try:
+            checked = Policy.model_validate(data)
+        except ValidationError as e:
+            checked = e
+        else:
+            problems = list(cross_check(checked))
+            if not problems:
+                return checked, data
     try:
         root, data, duplicates = _compose_and_construct(text)
     except yaml.YAMLError as e:
@@ -320,7 +449,9 @@ def _parse_now(text: str, filename: str) -> tuple[Policy, Any]:
         raise PolicyError(filename, issues)
 
     try:
-        policy = Policy.model_validate(data)
+        if isinstance(checked, ValidationError):
+            raise checked
+        policy = checked if checked is not None else Policy.model_validate(data)
     except ValidationError as e:
         for err in e.errors():
             loc = _clean_loc(err["loc"])
@@ -332,7 +463,7 @@ def _parse_now(text: str, filename: str) -> tuple[Policy, Any]:
                 add(loc, _message(err))
         raise PolicyError(filename, sorted(issues, key=lambda i: (i.line or 0, i.column or 0))) from None
 
-    for loc, message in cross_check(policy):
+    for loc, message in problems if isinstance(checked, Policy) else cross_check(policy):
         add(loc, message)
     if issues:
         raise PolicyError(filename, sorted(issues, key=lambda i: (i.line or 0, i.column or 0)))
@@ -362,8 +493,9 @@ def _duplicates(names: list[str], section: str, field: str) -> Iterable[tuple[Lo
         seen.setdefault(name, i)
 
 
-def max_reachable_gpus(policy: Policy, team_name: str, flavor: str) -> int:
-    """The most GPUs of ``flavor`` a team could ever hold: nominal plus what it may borrow."""
+def max_reachable_gpus(policy: Policy, team_name: str, flavor: str, lendable: dict | None = None) -> int:
+    """The most GPUs of ``flavor`` a team could ever hold: nominal plus what it may borrow.
+    ``lendable``: ``lendable_gpus(policy)``, for many questions about one policy."""
     team = policy.team(team_name)
     if team.quota.gpu_memory is not None and flavor in team.quota.gpu_memory.flavors:
         return _reachable_slices_by_memory(policy, team, flavor)
@@ -371,17 +503,28 @@ def max_reachable_gpus(policy: Policy, team_name: str, flavor: str) -> int:
     nominal = own.nominal if own else 0
     if not team.cohort:
         return nominal
-    lendable = 0
-    for other in policy.cohort_members(team):
-        if other.name == team.name:
-            continue
-        q = other.quota.gpus.get(flavor)
-        if q:
-            lendable += q.lending_limit if q.lending_limit is not None else q.nominal
-    borrow = lendable
+    if lendable is None:
+        lendable = lendable_gpus(policy, team)
+    # What the cohort's other teams lend (teams of the same name count as this one).
+    borrow = lendable.get((team.cohort, flavor), 0) - lendable.get((team.cohort, flavor, team.name), 0)
     if own and own.borrowing_limit is not None:
         borrow = min(borrow, own.borrowing_limit)
     return nominal + borrow
+
+
+def lendable_gpus(policy: Policy, team=None) -> dict:
+    """GPUs each cohort's teams may lend, per flavor: ``(cohort, flavor)`` -> the sum of its
+    teams' lending limits (nominal quota where none is set), and ``(cohort, flavor, team)`` ->
+    the part of that sum from teams of that name. Only ``team``'s cohort when given."""
+    out: dict = {}
+    for other in policy.teams if team is None else policy.cohort_members(team):
+        if not other.cohort:
+            continue
+        for name, q in other.quota.gpus.items():
+            amount = q.lending_limit if q.lending_limit is not None else q.nominal
+            out[other.cohort, name] = out.get((other.cohort, name), 0) + amount
+            out[other.cohort, name, other.name] = out.get((other.cohort, name, other.name), 0) + amount
+    return out
 
 
 def _reachable_slices_by_memory(policy: Policy, team, flavor: str) -> int:
@@ -412,6 +555,16 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
     yield from _duplicates([t.local_queue for t in policy.teams], "teams", "queue")
     yield from _duplicates([p.slug for p in policy.profiles], "profiles", "slug")
 
+    flavor_set = set(flavors)
+    # Per team and flavor once, not per profile: a large policy has 2,000 profiles.
+    lendable = lendable_gpus(policy)
+    reach: dict[tuple[str, str], int] = {}
+
+    def can_hold(team: str, flavor: str) -> int:
+        if (team, flavor) not in reach:
+            reach[team, flavor] = max_reachable_gpus(policy, team, flavor, lendable)
+        return reach[team, flavor]
+
     if policy.defaults.priority and policy.defaults.priority not in priorities:
         yield ("defaults", "priority"), f"unknown priority class {policy.defaults.priority!r}" + suggest(policy.defaults.priority, priorities)
 
@@ -420,7 +573,7 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
             yield ("teams", ti, "defaultPriority"), f"unknown priority class {team.default_priority!r}" + suggest(team.default_priority, priorities)
         for fname, q in team.quota.gpus.items():
             loc = ("teams", ti, "quota", "gpus", fname)
-            if fname not in flavors:
+            if fname not in flavor_set:
                 yield loc, f"unknown flavor {fname!r}" + suggest(fname, flavors)
             if q.lending_limit is not None and q.lending_limit > q.nominal:
                 yield loc + ("lendingLimit",), f"lendingLimit {q.lending_limit} is above the nominal quota {q.nominal}"
@@ -434,7 +587,7 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
                 yield ("teams", ti, "quota", res, "borrowingLimit"), "borrowingLimit needs the team to be in a cohort"
         cap = team.per_user.max_gpus
         if cap is not None:
-            reachable = sum(max_reachable_gpus(policy, team.name, f) for f in team.quota.gpus if f in flavors)
+            reachable = sum(can_hold(team.name, f) for f in team.quota.gpus if f in flavor_set)
             if cap > reachable:
                 yield ("teams", ti, "perUser", "maxGPUs"), (
                     f"per-user cap of {cap} GPUs is above what team {team.name!r} can ever hold ({reachable})"
@@ -446,20 +599,12 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
         if group in admins:
             yield ("roles", "viewers", i), f"group {group!r} is also in roles.admins: a group is either admin or viewer"
 
-    # Per team and flavor once, not per profile: a large policy has 2,000 profiles.
     team_index = {name: i for i, name in reversed(list(enumerate(teams)))}
-    reach: dict[tuple[str, str], int] = {}
-
-    def can_hold(team: str, flavor: str) -> int:
-        if (team, flavor) not in reach:
-            reach[team, flavor] = max_reachable_gpus(policy, team, flavor)
-        return reach[team, flavor]
-
     for pi, prof in enumerate(policy.profiles):
         if prof.priority and prof.priority not in priorities:
             yield ("profiles", pi, "priority"), f"unknown priority class {prof.priority!r}" + suggest(prof.priority, priorities)
         for ti, tname in enumerate(prof.teams):
-            if tname != "*" and tname not in teams:
+            if tname != "*" and tname not in team_index:
                 yield ("profiles", pi, "teams", ti), f"unknown team {tname!r}" + suggest(tname, teams)
         if "*" in prof.teams:
             allowed = teams
@@ -469,7 +614,7 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
             yield ("profiles", pi, "teams"), f"profile {prof.slug!r} lists no team, so nobody can use it"
             continue
         if prof.gpu and prof.gpu.count > 0:
-            if prof.gpu.flavor not in flavors:
+            if prof.gpu.flavor not in flavor_set:
                 yield ("profiles", pi, "gpu", "flavor"), f"unknown flavor {prof.gpu.flavor!r}" + suggest(prof.gpu.flavor, flavors)
                 continue
             # Is there a team that can hold it (fits), and one of those whose per-user cap allows it?

@@ -16,6 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, V
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic.alias_generators import to_camel
 
+from .bounded import PROFILE_ENV_INSTEAD, unsafe_env_reason  # LD_*, GCONV_PATH, ...
 from .quantities import parse_cpu_millis, parse_duration, parse_memory_bytes
 
 # Names become Kubernetes object names (ClusterQueue, ResourceFlavor, ...): DNS-1123 labels.
@@ -32,10 +33,21 @@ def _dns_label(value: Any) -> Any:
 
 
 def _quantity(parser):
+    # A policy writes the same few quantities thousands of times ("4", "16Gi", "1h"): each
+    # distinct string is parsed once (a mistake is not kept: it raises every time).
+    parsed: dict[str, Any] = {}
+
     def parse(value: Any) -> Any:
         if value is None:
             return None
-        return parser(value)
+        if type(value) is not str:
+            return parser(value)
+        result = parsed.get(value)
+        if result is None:
+            if len(parsed) >= 1024:
+                parsed.clear()
+            result = parsed[value] = parser(value)
+        return result
 
     return BeforeValidator(parse)
 
@@ -173,6 +185,21 @@ class TeamQuota(_Model):
     gpu_memory: GpuMemoryQuota | None = None  # gpuMemory: MIG slices of mixed shapes, in memory
 
 
+def _over(own: "_Model", base: "_Model") -> "_Model":
+    """``own``'s values, with those it leaves unset (None) taken from ``base`` (same model).
+
+    Both are validated already, so the merge is not validated again (``model_construct``): a
+    500-team policy merges 2,000 profiles' idle rules at each load. ``own`` with nothing
+    set is ``base`` itself (frozen, so sharing it is safe)."""
+    cls = type(own)
+    values, fallback = own.__dict__, base.__dict__
+    if type(base) is cls and all(values[name] is None for name in cls.model_fields):
+        return base
+    return cls.model_construct(**{
+        name: fallback[name] if values[name] is None else values[name] for name in cls.model_fields
+    })
+
+
 class ReclaimRules(_Model):
     """Taking lent quota back (admission/reclaim.py); unset keys come from ``defaults.reclaim``.
 
@@ -186,9 +213,7 @@ class ReclaimRules(_Model):
     interactive_borrowing: bool | None = None
 
     def over(self, base: "ReclaimRules") -> "ReclaimRules":
-        merged = base.model_dump()
-        merged.update({k: v for k, v in self.model_dump().items() if v is not None})
-        return ReclaimRules(**merged)
+        return _over(self, base)
 
 
 # A team gets lent quota back within ``notice`` (10 min, enough to save a notebook; at most
@@ -245,9 +270,7 @@ class IdleRules(_Model):
 
     def over(self, base: "IdleRules") -> "IdleRules":
         """These rules with unset keys taken from ``base``."""
-        merged = base.model_dump()
-        merged.update({k: v for k, v in self.model_dump().items() if v is not None})
-        return IdleRules(**merged)
+        return _over(self, base)
 
     def problems(self, has_gpus: bool = True) -> list[tuple[tuple[str, ...], str]]:
         """Combinations that cannot work, as ``(fields involved, message)``.
@@ -303,6 +326,9 @@ class GpuRequest(_Model):
         return int(major), int(minor)
 
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
 def _all_teams(value: Any) -> Any:
     return ["*"] if value == "*" else value
 
@@ -325,10 +351,8 @@ class Profile(_Model):
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        from .bounded import PROFILE_ENV_INSTEAD, unsafe_env_reason  # LD_*, GCONV_PATH, ...
-
         for key in env:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            if not _ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
             if reason := unsafe_env_reason(key, PROFILE_ENV_INSTEAD):
                 raise ValueError(reason)
@@ -529,7 +553,18 @@ class Policy(_Model):
         return profile.priority or team.default_priority or self.defaults.priority
 
     def idle_rules(self, profile: Profile) -> IdleRules:
-        return profile.idle.over(self.defaults.idle)
+        # Cached per profile's own rules (and the defaults they fall back on: a ``model_copy``
+        # of the policy keeps the cache): loading checks every profile twice, and the culler
+        # asks per server and pass.
+        own, base = profile.idle, self.defaults.idle
+        hit = self._idle_cache.get(id(own))
+        if hit is None or hit[0] is not own or hit[1] is not base:
+            hit = self._idle_cache[id(own)] = (own, base, own.over(base))
+        return hit[2]
+
+    @cached_property
+    def _idle_cache(self) -> dict:
+        return {}
 
     def process_limit(self, profile: Profile | None) -> int:
         """Tasks one server or job of ``profile`` may hold (its cgroup's ``pids.max``)."""
@@ -556,8 +591,12 @@ class Policy(_Model):
             checks.append((self.idle_rules(prof), prof.idle, ("profiles", i, "idle"), bool(prof.gpu_count)))
             if prof.idle.gpu_idle_timeout is not None and not prof.gpu_count:
                 errors.append((("profiles", i, "idle", "gpuIdleTimeout"), "gpuIdleTimeout on a profile without GPUs never applies"))
+        found: dict = {}  # most profiles share their effective rules (the defaults): checked once
         for effective, own, loc, gpus in checks:
-            for fields, message in effective.problems(gpus):
+            problems = found.get((id(effective), gpus))
+            if problems is None:
+                problems = found[id(effective), gpus] = effective.problems(gpus)
+            for fields, message in problems:
                 at = where(own, loc, fields)
                 if (at, message) not in seen:
                     seen.add((at, message))
@@ -573,12 +612,12 @@ class Policy(_Model):
     @model_validator(mode="after")
     def _job_priorities_known(self) -> "Policy":
         """A team's ``jobPriority`` must name one of the priority classes (jobs queue at it)."""
-        import difflib
-
         names = [p.name for p in self.priority_classes]
         errors = []
         for i, team in enumerate(self.teams):
             if team.job_priority is not None and team.job_priority not in names:
+                import difflib  # only for a mistake
+
                 close = difflib.get_close_matches(team.job_priority, names, n=1, cutoff=0.6)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 errors.append(InitErrorDetails(

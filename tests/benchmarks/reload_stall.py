@@ -1,6 +1,7 @@
 """A policy edit on a real hub with every listener on: the longest stall a user's request feels.
 
-    .venv/bin/python tests/benchmarks/reload_stall.py [--rounds 4] [--window 20] [--mlflow] [--before REV] [--stacks FILE]
+    .venv/bin/python tests/benchmarks/reload_stall.py [--rounds 4] [--window 20] [--mlflow] [--before REV]
+        [--stacks FILE] [--keep DIR]
 
 A real JupyterHub with gpuhub's own configuration (``tests/support/hub.py``: the one-machine
 broker and queue, the usage recorder, audit trail and metrics, the policy's roles followed
@@ -17,6 +18,12 @@ the edit within ``PolicyStore.check_interval`` (2 s), and the window covers the 
 every listener and the audit's diff (the benchmark checks that both the "Loaded policy"
 line and the ``policy_reloaded`` entry came within the window).
 
+``--stacks FILE`` loads ``stall_sampler.py`` into the hub of "now" and writes where its loop
+stalled (the main thread's stacks, looks delayed by a thread holding the GIL with that
+thread's stack, garbage collections over 10 ms, the objects ``gc.freeze`` hides and, at the
+end, what they hide that is garbage), and prints when each window's longest answer was sent;
+diagnosis only (it costs the hub CPU). ``--keep DIR`` keeps the hubs' directories (their logs).
+
 ``--before REV`` runs a second hub with the package as it was at REV (``git archive``, first
 on ``PYTHONPATH``), in the same rounds, so the two compare on one machine at one time.
 """
@@ -24,6 +31,7 @@ on ``PYTHONPATH``), in the same rounds, so the two compare on one machine at one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import random
@@ -120,8 +128,9 @@ class Subject:
         self.idle_p99: list[float] = []
         self.applied: list[float] = []  # write -> "Loaded policy" in the log (s)
         self.audited: list[float] = []  # write -> the policy_reloaded entry in the audit trail (s)
-        self._seen = {"loaded": [0, 0], "reloaded": [0, 0]}
-        self.late = 0  # edits not applied and audited within the window  # (bytes read, count) per file
+        self._seen = {"loaded": [0, 0], "reloaded": [0, 0]}  # (bytes read, count) per file
+        self.late = 0  # edits not applied and audited within the window
+        self.verbose = bool(stacks)
 
     def start(self) -> None:
         self.hub.start(timeout=180)
@@ -155,7 +164,7 @@ class Subject:
 
     def window(self, seconds: float, edit: bool) -> None:
         loaded, reloaded = self.count("loaded"), self.count("reloaded")
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         if edit:
             self.edit()
         applied = audited = None
@@ -168,6 +177,10 @@ class Subject:
         lat = self.probe.window(t0, t0 + seconds)
         assert lat, f"{self.label}: no probe answered in the window"
         top, p99 = max(lat), sorted(lat)[int(0.99 * (len(lat) - 1))]
+        if self.verbose:  # to match with --stacks' times: when the window's longest wait began
+            at = next(a for a, v in self.probe.samples if t0 <= a < t0 + seconds and v == top)
+            print(f"  {self.label}: {'edit' if edit else 'idle'} window from {_clock(wall0)}, its longest "
+                  f"answer {top * 1000:.0f} ms sent at {_clock(wall0 + at - t0)}", flush=True)
         if edit:
             if applied is None or audited is None:  # the hub is that slow: wait it out, say so
                 deadline = time.perf_counter() + 180
@@ -195,6 +208,10 @@ class Subject:
         self.hub.stop()
 
 
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+
+
 def ms(values) -> str:
     return ", ".join(f"{v * 1000:.0f}" for v in values)
 
@@ -207,9 +224,12 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="a second hub with the package at this git revision")
     ap.add_argument("--stacks", default=None, metavar="FILE",
                     help="sample the hub's main thread (stall_sampler.py) and write where its stalls went to FILE")
+    ap.add_argument("--keep", default=None, metavar="DIR", help="run the hubs in DIR and keep it (their logs)")
     args = ap.parse_args()
     text = big_policy()
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
         subjects = [Subject("now", Path(tmp) / "now", text, args.mlflow, {}, args.stacks)]
         if args.before:
             old = str(extract(args.before, Path(tmp) / "before-src"))
@@ -219,6 +239,9 @@ def main() -> None:
             for s in subjects:
                 s.start()
             time.sleep(5)  # the start's own work (roles, reconcile) out of the way
+            if args.stacks:
+                Path(args.stacks + ".reset").touch()
+                time.sleep(6)
             for r in range(args.rounds):
                 plan = [(s, edit) for s in subjects for edit in (False, True)]
                 random.shuffle(plan)
@@ -229,6 +252,12 @@ def main() -> None:
                     f"(applied after {s.applied[-1]:.1f} s, audited after {s.audited[-1]:.1f} s)"
                     for s in subjects), flush=True)
         finally:
+            if args.stacks:  # what the frozen objects hide (stall_sampler.py): before the hub stops
+                Path(args.stacks + ".leak").touch()
+                deadline = time.time() + 60
+                while Path(args.stacks + ".leak").exists() and time.time() < deadline:
+                    time.sleep(0.5)
+                time.sleep(6)
             for s in subjects:
                 s.stop()
     print(f"\nreload of a 500-team, 2,000-profile policy on a real hub, every listener on"

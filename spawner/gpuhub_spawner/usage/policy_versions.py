@@ -20,20 +20,24 @@ after a reload runs in a thread, never on the hub's loop.
 from __future__ import annotations
 
 import asyncio
-import difflib
 import hashlib
 import json
 import logging
 import os
 import pwd
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
-import yaml
-
 from . import recorder
+# The masked text and the diff live in policy_text.py (a child process imports it to diff a large
+# policy); importable from here as before.
+from .policy_text import BESIDE_FROM, MASK, diff_beside, masked_text, policy_diff
+
+__all__ = ["MASK", "masked_text", "policy_diff", "text_hash", "write_atomically", "PolicyVersions", "VersionNotFound"]
 
 log = logging.getLogger("JupyterHub.gpuhub.policy")
 
@@ -43,39 +47,6 @@ APPLIED, ROLLBACK, ON_DISK, AT_START = "applied", "rollback", "edited on disk", 
 def text_hash(text: str | bytes) -> str:
     data = text.encode() if isinstance(text, str) else text
     return hashlib.sha256(data).hexdigest()[:12]
-
-
-MASK = "***"  # a masked environment value; sent back, it means "keep the value in force"
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-
-
-def _mask(node, under_env: bool = False):
-    if isinstance(node, dict):
-        return {k: (MASK if under_env else _mask(v, k == "env" and isinstance(v, dict))) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_mask(v) for v in node]
-    return node
-
-
-def masked_text(text: str) -> str | None:
-    """The policy as YAML with every environment value masked (an ``env`` mapping anywhere: they
-    may hold secrets), or None when the text does not parse -- never the text itself, which a
-    team lead must not read. libyaml (C) where available."""
-    try:
-        data = yaml.load(text, Loader=_Loader)
-    except (yaml.YAMLError, ValueError, RecursionError):
-        return None
-    return yaml.dump(_mask(data), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
-
-
-_NOT_SHOWN = "# (this text does not parse as YAML: not shown, it may hold secrets)\n"
-
-
-def policy_diff(before: str, after: str) -> str:
-    a = (masked_text(before) or _NOT_SHOWN).splitlines(True)
-    b = (masked_text(after) or _NOT_SHOWN).splitlines(True)
-    return "".join(difflib.unified_diff(a, b, "before", "after", n=1))
 
 
 def write_atomically(path: str | os.PathLike, text: str) -> None:
@@ -131,6 +102,29 @@ def _what_changed(before: str, after: str, policies: tuple | None = None) -> str
         return f"{ON_DISK}: " + impact(old, new).one_line()
     except (PolicyError, ValueError):
         return ON_DISK
+
+
+_SUMMARY_CHILD = ("import json, os, sys; os.nice(10); "
+                  "from gpuhub_spawner.usage.policy_versions import _what_changed, policy_diff; "
+                  "before, after = json.load(sys.stdin); "
+                  "sys.stdout.write(json.dumps([_what_changed(before, after), policy_diff(before, after)]))")
+
+
+def _summary_and_diff(before: str, after: str, policies: tuple | None = None) -> tuple[str, str]:
+    """``_what_changed`` and ``policy_diff`` of an edit on disk. For a large policy both are made in
+    a child process: the impact of the 500-team policy is ~1 s of Python and the diff parses and
+    dumps both texts in libyaml (holding the interpreter lock): in a thread of the hub the loop
+    would wait for the lock all that time. Here when no child can run. Call from a thread."""
+    if len(before) + len(after) >= BESIDE_FROM:
+        try:
+            done = subprocess.run([sys.executable, "-c", _SUMMARY_CHILD], input=json.dumps([before, after]).encode(),
+                                  capture_output=True, timeout=600)
+            if done.returncode == 0:
+                summary, diff = json.loads(done.stdout)
+                return summary, diff
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
+    return _what_changed(before, after, policies), policy_diff(before, after)
 
 
 class VersionNotFound(LookupError):
@@ -230,7 +224,7 @@ class PolicyVersions:
             else:
                 before = self.writer(text, expected_hash)
             version = self.record(text, by, source, summary, **extra)
-        diff = policy_diff(before or "", text)
+        diff = diff_beside(before or "", text)
         event = "policy_rolled_back" if rollback_to else "policy_applied"
         recorder.audit(event, by=by, version=version["n"], hash=version["hash"], summary=summary,
                        path=self.where, diff=diff, **({"to_version": rollback_to["n"]} if rollback_to else {}))
@@ -264,12 +258,16 @@ class PolicyVersions:
             pass
         source = ON_DISK if latest is not None else AT_START
         by = f"file owner {who}" if who else "unknown"
-        if not summary and latest is not None:
-            summary = _what_changed(self.text_of(latest), text, policies)
+        diff = None
+        if latest is not None:
+            if summary:
+                diff = diff_beside(self.text_of(latest), text)
+            else:
+                summary, diff = _summary_and_diff(self.text_of(latest), text, policies)
         version = self.record(text, by, source, summary or source)
         if latest is not None:
             recorder.audit("policy_edited_on_disk", by=by, version=version["n"], hash=version["hash"],
-                           path=self.policy_file, diff=policy_diff(self.text_of(latest), text))
+                           path=self.policy_file, diff=diff)
         return version
 
     def follow(self, store) -> None:

@@ -16,7 +16,6 @@ other backends need nothing). One ``UsageRecorder`` per hub process writes:
 from __future__ import annotations
 
 import asyncio
-import difflib
 import json
 import logging
 import os
@@ -25,11 +24,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import yaml
 from tornado.ioloop import PeriodicCallback
 from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
+from . import policy_text
 from .audit import AuditLog
 from .history import History
 
@@ -67,37 +66,16 @@ def gpu_pass(readings: dict[str, tuple[int, float | None, bool]], elapsed: float
         _current._gpu_pass(readings, elapsed, devices or {})
 
 
-# libyaml's emitter where PyYAML has it (~3x less CPU than the pure-Python one, same text).
-_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+# The policy's masked text (``policy_text.data_text``, formerly here): made in a child process
+# for a large policy (``_record_policy_diff``).
+_policy_text = policy_text.data_text
+
+# Policies with more teams and profiles than this are diffed in a child process.
+BESIDE_FROM_ITEMS = 200
 
 
-def _policy_text(source) -> str:
-    """The policy as YAML with profile environment values masked (they may hold secrets).
-
-    ``source``: the plain data the policy was read from (``PolicyStore.data``: the file's
-    own words, e.g. ``16Gi``), or a ``Policy`` where no data is kept. Costs ~1 s of CPU for
-    a 500-team policy: the recorder calls it in its own thread, never on the hub's loop.
-    """
-    data = source.model_dump(by_alias=True, exclude_defaults=True) if hasattr(source, "model_dump") else source
-    if isinstance(data, dict) and isinstance(data.get("profiles"), list):
-        data = dict(data, profiles=[
-            dict(prof, env={k: "***" for k in prof["env"]}) if isinstance(prof, dict) and isinstance(prof.get("env"), dict)
-            and prof["env"] else prof
-            for prof in data["profiles"]
-        ])  # copies: the store's data is shared
-    if not isinstance(data, dict):
-        return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
-    # One short libyaml call per team, profile, ... rather than one for the document: libyaml's
-    # emitter holds the GIL for as long as a call runs (0.4 s for 500 teams: a 0.4 s stall
-    # of the hub's loop, though this runs in a thread). The text is the same.
-    parts = []
-    for key, value in data.items():
-        if isinstance(value, list) and value:
-            parts.append(yaml.dump({key: None}, Dumper=_Dumper).replace(" null\n", "\n"))
-            parts.extend(yaml.dump([item], Dumper=_Dumper, sort_keys=False) for item in value)
-        else:
-            parts.append(yaml.dump({key: value}, Dumper=_Dumper, sort_keys=False))
-    return "".join(parts)
+def _items(source) -> int:
+    return sum(len(v) for v in source.values() if isinstance(v, list)) if isinstance(source, dict) else 0
 
 
 def role_map(policy) -> dict[str, list[str]]:
@@ -250,19 +228,15 @@ class UsageRecorder(SingletonConfigurable):
 
     # -- policy ------------------------------------------------------------------------------
     def _policy_changed(self, policy) -> None:
-        """On the hub's loop: bookkeeping only. The text of the policy and its diff cost ~1 s
-        of CPU for 500 teams; they are made in the recorder's own thread, in reload order,
-        and recorded (``policy_reloaded``) when ready."""
+        """On the hub's loop: bookkeeping only (swap a reference, compare the groups' roles,
+        hand on a job). Who owns the file and the policy's text and diff (~1 s of CPU for 500
+        teams, made in a child process) are found in the recorder's own thread, in reload
+        order, and recorded (``policy_reloaded``) when ready."""
         store = self.broker.store if self.broker else None
         path = store.status.path if store is not None else ""
-        who = None
-        try:
-            who = pwd.getpwuid(os.stat(path).st_uid).pw_name
-        except (OSError, KeyError):
-            pass
         before, after = self._policy_source, _source(store, policy)
         self._policy_source = after
-        self._off_loop(self._record_policy_diff, before, after, path, f"file owner {who}" if who else None)
+        self._off_loop(self._record_policy_diff, before, after, path, None)
         roles = role_map(policy)
         if roles != self._roles:
             before = self._roles or {}
@@ -287,12 +261,23 @@ class UsageRecorder(SingletonConfigurable):
         return _policy_text(source)
 
     def _record_policy_diff(self, before, after, path: str, by: str | None) -> None:
-        """In the recorder's thread: the policy's masked text before and after, their diff."""
-        old = self._text(before) if before is not None else ""
-        new = self._text(after)
+        """In the recorder's thread: the policy's masked text before and after, their diff.
+        For a large policy (plain data) both are made in a child process: 1-2 s of Python in
+        a thread would have the hub's loop wait for the interpreter lock at every turn."""
+        if _items(after) > BESIDE_FROM_ITEMS and (before is None or isinstance(before, dict)):
+            known = self._text_of[1] if self._text_of is not None and self._text_of[0] is before else None
+            new, diff = policy_text.text_and_diff_beside(known, before, after)
+        else:
+            old = self._text(before) if before is not None else ""
+            new = self._text(after)
+            diff = policy_text.text_diff(old, new) if new != old else None
         self._text_of = (after, new)
-        if new != old:
-            diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "before", "after", n=1))
+        if diff is not None:
+            if by is None:
+                try:
+                    by = f"file owner {pwd.getpwuid(os.stat(path).st_uid).pw_name}"
+                except (OSError, KeyError):
+                    pass
             self.audit.record("policy_reloaded", path=path, by=by, diff=diff)
 
     def _check_policy_failure(self) -> None:

@@ -116,3 +116,74 @@ def test_a_pod_is_read_through_dcgm_and_a_local_server_through_its_devices(confi
     busy = ServerView("alice", "", board.policy.profile("a100-1"), 0.0, None, pod=("gpuhub-users", "jupyter-alice"))
     assert decide(board, [busy], now=7200.0)["alice/"].action == "keep"  # 2 h old, GPU busy per DCGM
     assert seen == {"pods": [("gpuhub-users", "jupyter-alice")], "window": 60}
+
+
+# -- a pass costs what is due: kept servers are not evaluated again before their earliest rule
+
+
+def cpu_server(board, user="ivan", started=0.0, activity=None):
+    return ServerView(user, "", board.policy.profile("cpu"), started, activity, team="nlp")
+
+
+def rules_of(board, profile="cpu"):
+    return board.rules_for(board.policy.profile(profile))
+
+
+def test_a_kept_server_is_warned_at_the_first_pass_past_its_rule_not_later(config):
+    board = CullBoard(config=config)
+    timeout = rules_of(board).timeout
+    assert decide(board, [cpu_server(board)], now=60.0)["ivan/"].action == "keep"
+    # passes before the rule fires keep it; the first one after warns, as without the cache
+    assert decide(board, [cpu_server(board)], now=timeout - 1)["ivan/"].action == "keep"
+    d = decide(board, [cpu_server(board)], now=timeout + 1)["ivan/"]
+    assert d.action == "warn" and "no activity" in d.reason
+
+
+def test_activity_moves_the_next_warning_later_and_a_restart_starts_over(config):
+    board = CullBoard(config=config)
+    timeout = rules_of(board).timeout
+    decide(board, [cpu_server(board)], now=60.0)
+    # the user worked at t=1000: the pass after the old due time keeps the server
+    assert decide(board, [cpu_server(board, activity=1000.0)], now=timeout + 1)["ivan/"].action == "keep"
+    assert decide(board, [cpu_server(board, activity=1000.0)], now=timeout + 1001)["ivan/"].action == "warn"
+    # stopped and started again later: a new server, judged from its own start
+    fresh = cpu_server(board, started=timeout + 2000)
+    assert decide(board, [fresh], now=timeout + 2060)["ivan/"].action == "keep"
+    assert board.records["ivan/"].state.deadline is None
+
+
+def test_a_policy_change_is_applied_at_the_next_pass_to_servers_kept_before(config, tmp_path):
+    policy = tmp_path / "policy.yaml"
+    text = EXAMPLE.read_text()
+    policy.write_text(text)
+    config.PolicyStore.policy_file = str(policy)
+    import yaml
+
+    from gpuhub_spawner.policy import PolicyStore
+
+    PolicyStore.clear_instance()
+    board = CullBoard(config=config)
+    try:
+        assert decide(board, [cpu_server(board)], now=3 * 3600.0)["ivan/"].action == "keep"
+        # an admin shortens the CPU profile's maxAge to 2h: the next pass warns
+        data = yaml.safe_load(text)
+        for p in data["profiles"]:
+            if p["slug"] == "cpu":
+                p.setdefault("idle", {})["maxAge"] = "2h"
+        policy.write_text(yaml.safe_dump(data))  # the store sees the file change at the next read
+        d = decide(board, [cpu_server(board)], now=3 * 3600.0 + 60)["ivan/"]
+        assert d.action == "warn" and "maximum age of 2h" in d.reason
+    finally:
+        PolicyStore.clear_instance()
+
+
+def test_the_state_file_keeps_what_a_restart_needs_not_every_quiet_server(config):
+    board = CullBoard(config=config)
+    quiet = [cpu_server(board, user=f"q{i}", activity=50.0) for i in range(200)]
+    decide(board, [gpu_server(board, "carol"), *quiet], now=1800.0)  # carol warned, the rest kept
+    board.save(force=True)
+    saved = json.loads(Path(config.CullBoard.state_file).read_text())
+    assert set(saved["records"]) == {"carol/"}
+    again = CullBoard(config=config)  # after a restart the quiet servers are judged as before
+    d = decide(again, [cpu_server(again, user="q0", activity=50.0)], now=50.0 + rules_of(again).timeout + 1)
+    assert d["q0/"].action == "warn"

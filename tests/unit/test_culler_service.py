@@ -1,58 +1,62 @@
-"""The culler service's pass: one hub answer, idle-culler stops exactly what it names."""
+"""The culler service's pass: one hub answer, then only what it names as due is stopped.
+
+The stop of one server against a real hub (the look before, 202/404, named servers, the
+audit) is tests/integration/test_culler_stops.py; here, what a pass does with an answer.
+"""
 
 import asyncio
-import inspect
 
-from gpuhub_spawner.culling.service import GpuHubCuller, PassDecisions
+from gpuhub_spawner.culling.service import FAILED, STOPPED, GpuHubCuller, PassDecisions
 
 
 def answer(now=1000.0, **decisions):
     return PassDecisions({"now": now, "servers": 5000, "decisions": decisions})
 
 
-class Engine:
-    """Stands in for idle-culler's cull_idle: offers each listed server to the arbiter."""
+class Recorder(GpuHubCuller):
+    """The service with the hub's answer given and each stop recorded instead of sent."""
 
-    def __init__(self, servers):
-        self.servers, self.calls, self.stopped = servers, 0, []
+    def __init__(self, reply, fail=(), **kw):
+        super().__init__(**kw)
+        self.reply, self.fail, self.stopped, self.running, self.most = reply, set(fail), [], 0, 0
 
-    async def __call__(self, cull_arbiter):
-        self.calls += 1
-        for name in self.servers:
-            verdict = cull_arbiter(inactive=None, inactive_limit=1, server={"full_name": name})
-            if inspect.isawaitable(verdict):  # idle-culler accepts both (maybe_future)
-                verdict = await verdict
-            if verdict:
-                self.stopped.append(name)
-
-
-def run_pass(culler, engine, reply):
-    async def fetch():
+    async def fetch_decisions(self):
         await asyncio.sleep(0.01)
-        return reply
+        return self.reply
 
-    culler.fetch_decisions = fetch
-    asyncio.run(culler.cull_pass(engine))
-
-
-def test_nothing_due_means_one_request_and_no_listing():
-    culler, engine = GpuHubCuller(cull_every=60), Engine(["a/", "b/"])
-    run_pass(culler, engine, answer(**{"a/": {"action": "warn", "deadline": 5000.0}}))
-    assert engine.calls == 0 and not culler._expect_stops
-
-
-def test_only_what_the_hub_named_is_stopped_and_a_near_deadline_is_expected():
-    culler, engine = GpuHubCuller(cull_every=60), Engine(["a/", "b/", "c/"])
-    run_pass(culler, engine, answer(**{"b/": {"action": "cull"}, "c/": {"action": "warn", "deadline": 1030.0}}))
-    assert engine.stopped == ["b/"] and culler._expect_stops  # c/ comes due before the next pass
-    # next pass: idle-culler lists while the hub decides; its arbiter waits for the answer
-    engine2 = Engine(["a/", "c/"])
-    run_pass(culler, engine2, answer(now=1060.0, **{"c/": {"action": "cull"}}))
-    assert engine2.calls == 1 and engine2.stopped == ["c/"] and not culler._expect_stops
+    async def stop_one(self, key, decision):
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await asyncio.sleep(0.01)
+            if key in self.fail:
+                raise OSError("connection refused")
+            self.stopped.append((key, decision.get("started")))
+            return STOPPED
+        finally:
+            self.running -= 1
 
 
-def test_a_failed_answer_stops_nothing_even_when_listing_already_ran():
-    culler, engine = GpuHubCuller(cull_every=60), Engine(["a/"])
-    culler._expect_stops = True
-    run_pass(culler, engine, None)
-    assert engine.calls == 1 and engine.stopped == [] and not culler._expect_stops
+def test_nothing_due_means_one_request_and_no_stop():
+    culler = Recorder(answer(**{"a/": {"action": "warn", "deadline": 5000.0}}))
+    assert asyncio.run(culler.cull_pass()) == {} and culler.stopped == []
+
+
+def test_only_what_the_hub_named_is_stopped_with_the_start_it_decided_about():
+    culler = Recorder(answer(**{"b/": {"action": "cull", "started": 10.0}, "c/": {"action": "warn", "deadline": 1030.0},
+                                "d/x": {"action": "cull", "started": 20.0}}))
+    assert asyncio.run(culler.cull_pass()) == {STOPPED: 2}
+    assert sorted(culler.stopped) == [("b/", 10.0), ("d/x", 20.0)]
+
+
+def test_stops_run_a_few_at_a_time_and_one_failure_does_not_keep_the_others():
+    due = {f"u{i}/": {"action": "cull", "started": 1.0} for i in range(30)}
+    culler = Recorder(answer(**due), fail={"u3/"}, concurrency=5)
+    counts = asyncio.run(culler.cull_pass())
+    assert counts == {STOPPED: 29, FAILED: 1}
+    assert 1 < culler.most <= 5
+
+
+def test_a_failed_answer_stops_nothing():
+    culler = Recorder(None)
+    assert asyncio.run(culler.cull_pass()) is None and culler.stopped == []

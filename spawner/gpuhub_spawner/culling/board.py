@@ -7,6 +7,13 @@ servers is a loop, not 5,000 round trips, and no user's server is ever contacted
 Deciding in the hub also keeps one copy of the state that users see (home page,
 JupyterLab) and change (snooze): no race between a snooze and a pass.
 
+A pass costs what is due, not what exists: when a server is kept with no warning
+pending, its record remembers when its earliest rule can fire (``next_due``) and what
+that was computed from. Activity and busy-GPU readings only move forward, so until that
+moment the server is kept without evaluating its rules again, unless its rules (a policy
+change), its GPU reading's kind or its start changed. Servers with a pending warning are
+evaluated every pass (activity may withdraw it, a snooze may have moved it).
+
 The state survives a hub restart: ``state_file`` (JSON in the hub's data directory,
 mode 0600, replaced atomically) holds pending warnings, snooze counts, the last busy GPU
 reading and each user's recent culls.
@@ -21,6 +28,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from traitlets import Integer, Unicode
@@ -32,7 +40,7 @@ from ..policy.quantities import format_duration
 from . import metrics
 from ..usage import recorder as usage
 from .gpu import DcgmPrometheusReader, read_nvml
-from .rules import GPU_IDLE, CullState, Decision, Signals, decide, due_rules, snooze
+from .rules import GPU_IDLE, TIMEOUT, CullState, Decision, Signals, decide, due_rules, snooze
 
 log = logging.getLogger("JupyterHub.gpuhub.culler")
 
@@ -46,6 +54,24 @@ class ServerRecord:
     started: float
     state: CullState = field(default_factory=CullState)
     gpu_last_busy: float | None = None
+    # Not persisted: the earliest moment a rule can fire, valid while ``basis`` holds
+    # (the rules object, has GPUs, judged by activity only, the activity it was computed from).
+    next_due: float | None = field(default=None, compare=False, repr=False)
+    basis: tuple | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def worth_keeping(self) -> bool:
+        """Whether a restart must remember it (a fresh record is the same as none)."""
+        return self.state.deadline is not None or self.gpu_last_busy is not None
+
+    def to_json(self) -> dict:
+        return {"started": self.started, "state": asdict(self.state), "gpu_last_busy": self.gpu_last_busy}
+
+    def kept_until(self, rules, has_gpus: bool, last_activity: float | None, now: float) -> bool:
+        """Whether no rule can fire before ``next_due`` (> now) on what changed since."""
+        b = self.basis
+        return (self.next_due is not None and now < self.next_due and self.state.deadline is None
+                and b is not None and b[0] is rules and b[1] == has_gpus and (last_activity or 0.0) >= b[3])
 
 
 @dataclass
@@ -61,11 +87,11 @@ class ServerView:
     devices: list[str] = field(default_factory=list)  # one machine: device ids for NVML
     pod: tuple[str, str] | None = None  # Kubernetes: (namespace, pod) for DCGM
 
-    @property
+    @cached_property
     def key(self) -> str:
         return f"{self.user}/{self.server}"
 
-    @property
+    @cached_property
     def has_gpus(self) -> bool:
         return bool(self.profile and self.profile.gpu_count)
 
@@ -87,6 +113,8 @@ class CullBoard(SingletonConfigurable):
         self._dirty = False
         self._saved_at = 0.0
         self._last_pass: float | None = None
+        self._rules_policy: Policy | None = None
+        self._rules_cache: dict[int, tuple[Profile | None, IdleRules]] = {}
         self.dcgm = DcgmPrometheusReader(parent=self)
         self.load()
 
@@ -116,8 +144,10 @@ class CullBoard(SingletonConfigurable):
     def save(self, force: bool = False) -> None:
         if not self.state_file or not (self._dirty or force):
             return
-        data = {"records": {k: asdict(v) for k, v in self.records.items()}, "history": self.history,
-                "reclaims": self.reclaims}
+        # Only records a restart needs (a pending warning, a busy GPU reading): a server
+        # with neither gets the same fresh record again, so 5,000 quiet servers cost nothing.
+        data = {"records": {k: v.to_json() for k, v in self.records.items() if v.worth_keeping},
+                "history": self.history, "reclaims": self.reclaims}
         path = Path(self.state_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".culling-", suffix=".tmp")  # mode 0600
@@ -141,25 +171,49 @@ class CullBoard(SingletonConfigurable):
     def policy(self) -> Policy:
         return PolicyStore.instance(config=self.config).policy
 
-    def rules_for(self, profile: Profile | None) -> IdleRules:
-        policy = self.policy
-        return policy.idle_rules(profile) if profile else policy.defaults.idle
+    def rules_for(self, profile: Profile | None, policy: Policy | None = None) -> IdleRules:
+        """The profile's rules over the defaults, merged once per policy (the same object
+        each pass, so a record's ``basis`` notices a policy change by identity).
+
+        ``policy``: the one in force, when the caller already has it (a pass asks the
+        store once, not once per server: each ask looks at the policy file)."""
+        policy = self.policy if policy is None else policy
+        if policy is not self._rules_policy:
+            self._rules_policy, self._rules_cache = policy, {}
+        hit = self._rules_cache.get(id(profile))
+        if hit is not None and hit[0] is profile:
+            return hit[1]
+        rules = policy.idle_rules(profile) if profile else policy.defaults.idle
+        self._rules_cache[id(profile)] = (profile, rules)  # holds the profile: its id stays its own
+        return rules
 
     def _record(self, key: str, started: float) -> ServerRecord:
         rec = self.records.get(key)
         if rec is None or abs(rec.started - started) > 1:
+            if rec is not None and rec.worth_keeping:
+                self._dirty = True
             rec = self.records[key] = ServerRecord(started=started)
-            self._dirty = True
         return rec
 
-    def wants_fresh_activity(self, view: ServerView, now: float) -> bool:
-        """Whether this server may be warned or stopped now (worth the proxy's latest activity)."""
+    def wants_fresh_activity(self, view: ServerView, now: float, policy: Policy | None = None) -> bool:
+        """Whether the proxy's latest activity could change this server's decision now.
+
+        Yes for a server whose rule is due (about to be warned), a warning about inactivity
+        (activity withdraws it) and a warning at its deadline (a user who came back is
+        snoozed, not stopped). Not for a GPU-idle or maximum-age warning before its
+        deadline: activity does not end those (``rules._idle_period_ended``).
+        """
         rec = self.records.get(view.key)
+        if rec is not None and abs(rec.started - view.started) > 1:
+            rec = None  # restarted: its old record is not about this server
         if rec is not None and rec.state.deadline is not None:
-            return True
+            return rec.state.rule == TIMEOUT or rec.state.deadline <= now
+        rules = self.rules_for(view.profile, policy)
+        if rec is not None and rec.kept_until(rules, view.has_gpus, view.last_activity, now):
+            return False
         gpu_busy = rec.gpu_last_busy if rec else None
         signals = Signals(view.started, view.last_activity, gpu_busy, view.has_gpus)
-        return any(due <= now for due, *_ in due_rules(self.rules_for(view.profile), signals))
+        return any(due <= now for due, *_ in due_rules(rules, signals))
 
     # -- a pass ---------------------------------------------------------------------------
     async def read_gpus(self, views: list[ServerView]) -> dict[str, float | None]:
@@ -190,11 +244,12 @@ class CullBoard(SingletonConfigurable):
         t0 = time.perf_counter()
         now = time.time() if now is None else now
         readings = await self.read_gpus(views)
+        policy = self.policy
         decisions: dict[str, Decision] = {}
         idle_gpus: dict[str, float] = {}
         gpu_readings: dict[str, tuple[int, float | None, bool]] = {}  # for usage history
         for v in views:
-            rules = self.rules_for(v.profile)
+            rules = self.rules_for(v.profile, policy)
             rec = self._record(v.key, v.started)
             util = readings.get(v.key)
             threshold = rules.gpu_busy_threshold if rules.gpu_busy_threshold is not None else DEFAULT_BUSY_THRESHOLD
@@ -204,18 +259,33 @@ class CullBoard(SingletonConfigurable):
                 else:  # idle, or no trusted reading: unknown is idle
                     idle_gpus[v.team] = idle_gpus.get(v.team, 0) + v.profile.gpu_count
                 gpu_readings[v.key] = (v.profile.gpu_count, util, util is None or util < threshold)
-            before = (rec.state.deadline, rec.state.snoozes)
             # The warning names the rule only where the policy chose one (gpuUnread): unset, an
             # unread GPU (a virtual one, the demo's) counts as idle and reads as it always has.
             unread = rules.gpu_unread if v.has_gpus and util is None else None
-            d = decide(now, rules, Signals(v.started, v.last_activity, rec.gpu_last_busy, v.has_gpus, unread), rec.state)
+            by_activity = unread == "activity"
+            if rec.kept_until(rules, v.has_gpus, v.last_activity, now) and rec.basis[2] == by_activity:
+                decisions[v.key] = Decision("keep")  # nothing it depends on moved back: no rule due yet
+                continue
+            signals = Signals(v.started, v.last_activity, rec.gpu_last_busy, v.has_gpus, unread)
+            rec.next_due = rec.basis = None
+            if rec.state.deadline is None:
+                # what ``decide`` does first for a server without a warning, kept to learn when
+                # the earliest rule fires (it changes nothing on the record when none is due)
+                dues = due_rules(rules, signals)
+                if not dues or dues[0][0] > now:
+                    rec.next_due = dues[0][0] if dues else float("inf")
+                    rec.basis = (rules, v.has_gpus, by_activity, v.last_activity or 0.0)
+                    decisions[v.key] = Decision("keep")
+                    continue
+            before = (rec.state.deadline, rec.state.snoozes)
+            d = decide(now, rules, signals, rec.state)
             decisions[v.key] = d
             self._account(v, rec, d, before, util, now)
         if complete:
             keys = {v.key for v in views} | (alive or set())
             for gone in [k for k in self.records if k not in keys]:
-                del self.records[gone]
-                self._dirty = True
+                if self.records.pop(gone).worth_keeping:
+                    self._dirty = True
         if self._last_pass is not None:
             elapsed = min(now - self._last_pass, 3 * self.pass_interval)
             for team, n in idle_gpus.items():
@@ -224,7 +294,7 @@ class CullBoard(SingletonConfigurable):
                            {d: gpu_readings[v.key][1] for v in views if v.key in gpu_readings
                             and gpu_readings[v.key][1] is not None for d in v.devices})
         self._last_pass = now
-        metrics.IDLE_GPUS_BY_TEAM.publish(idle_gpus, {t.name for t in self.policy.teams})
+        metrics.IDLE_GPUS_BY_TEAM.publish(idle_gpus, {t.name for t in policy.teams})
         self.save() if self._dirty else None
         if not self._dirty and now - self._saved_at > SOFT_SAVE_EVERY:
             self.save(force=True)  # the last busy readings, so a restart does not forget them
@@ -232,6 +302,11 @@ class CullBoard(SingletonConfigurable):
         return decisions
 
     def _account(self, v: ServerView, rec: ServerRecord, d: Decision, before, util, now: float) -> None:
+        if d.action == "keep" and before[0] is None:
+            return  # nothing happened to it: no words to build
+        if (d.action == "warn" and before[0] is not None and before[0] == rec.state.deadline
+                and before[1] == rec.state.snoozes):
+            return  # a warning standing as it was
         fmt = lambda s: "n/a" if s is None else format_duration(max(0.0, s))  # noqa: E731
         slug = v.profile.slug if v.profile else "?"
         gpu_text = "" if not v.has_gpus else (

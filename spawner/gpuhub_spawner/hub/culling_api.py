@@ -1,8 +1,12 @@
 """Hub API for culling: one decision request per culler pass, users' warnings and snoozes.
 
 - ``POST /hub/api/gpuhub/cull-decisions`` — the culler service only. Decides every ready
-  server in-process from the hub's own records and answers the ones to warn or stop
-  (``{"servers": ["user/name", ...]}`` restricts it to those servers).
+  server in-process from the hub's own records and answers the ones to warn or stop, each
+  with the ``started`` it was decided for (the service stops a server only if it is still
+  that one); ``{"servers": ["user/name", ...]}`` restricts it to those servers,
+  ``{"actions": ["cull"]}`` leaves the warnings out of the answer (counted in ``warned``). Each
+  server's view (profile, rules, devices) is kept between passes and rebuilt only when the
+  server was restarted or the policy changed; see ``culling/board.py`` for the decision.
 - ``GET  /hub/api/gpuhub/culling/{user}`` — the user (any of their tokens, including their
   server's), admins: pending stops (``servers``), recent culls (``culled``) and the user's
   servers whose GPU went bad (``gpu_failed``); ``?gpu_wait=S`` long-polls for the latter.
@@ -25,6 +29,7 @@ from datetime import datetime, timezone
 from dateutil.parser import parse as parse_date
 from jupyterhub import orm
 from jupyterhub.apihandlers import APIHandler
+from jupyterhub.proxy import ConfigurableHTTPProxy
 from tornado import web
 
 from ..culling.board import CullBoard, ServerView
@@ -59,6 +64,17 @@ def _epoch(dt: datetime | None) -> float | None:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)  # the hub stores naive UTC
     return dt.timestamp()
+
+
+def _parse_time(text: str) -> float | None:
+    """An ISO 8601 time (the proxy's) as epoch seconds; None if unreadable."""
+    try:
+        return _epoch(datetime.fromisoformat(text.replace("Z", "+00:00")))
+    except (TypeError, ValueError, OverflowError):
+        try:
+            return _epoch(parse_date(text))
+        except (TypeError, ValueError, OverflowError):
+            return None
 
 
 def _team_of(spawner) -> str:
@@ -108,22 +124,78 @@ class _Base(APIHandler):
         return user
 
 
+class _Cached:
+    """One ready server's view, valid while the same spawner runs the same start for the
+    same user name under the same policy (all a view holds but its activity is fixed at
+    spawn: profile, team, devices, pod)."""
+
+    __slots__ = ("user", "spawner", "started", "policy", "view", "activity", "epoch")
+
+    def __init__(self, user, spawner, started, policy, view):
+        self.user, self.spawner, self.started, self.policy, self.view = user, spawner, started, policy, view
+        self.activity = self.epoch = None  # the hub's last_activity (a datetime) and it in epoch seconds
+
+
 class CullDecisionsHandler(_Base):
+    def _all_views(self) -> list[ServerView]:
+        """Every ready server's view: cached ones refreshed with the hub's latest activity.
+
+        One query of two columns for the running servers (the database says what runs, as
+        before), then dictionary look-ups; a view is built only for a server not seen
+        ready before (or restarted, or after a policy change).
+        """
+        policy = self.board.policy
+        cache: dict[tuple[int, str], _Cached] = self.settings.setdefault("gpuhub_cull_views", {})
+        rows = self.db.query(orm.Spawner.user_id, orm.Spawner.name).filter(orm.Spawner.server_id.isnot(None)).all()
+        views, alive, seen = [], set(), set()
+        users = self.users
+        for uid, name in rows:
+            # the wrappers the hub holds (plain dict look-ups: UserDict's own would also
+            # accept names and query the database; a user not loaded yet is loaded as before)
+            user = dict.get(users, uid)
+            if user is None:
+                try:
+                    user = users[uid]
+                except KeyError:
+                    continue
+            ident = (uid, name)
+            seen.add(ident)
+            spawner = dict.get(user.spawners, name) or user.spawners[name]
+            orm_spawner = spawner.orm_spawner
+            c = cache.get(ident)
+            if (c is None or c.spawner is not spawner or c.started != orm_spawner.started or c.policy is not policy
+                    or c.user != user.orm_user.name):
+                c = None
+            alive.add(c.view.key if c is not None else f"{user.name}/{name}")
+            if not spawner.ready:  # waiting in the queue, starting or stopping: never culled
+                continue
+            if c is None:
+                view = view_of(spawner, active_profiles(policy, user).get(name))
+                if view is None:
+                    continue
+                c = cache[ident] = _Cached(user.name, spawner, orm_spawner.started, policy, view)
+            activity = orm_spawner.last_activity
+            if activity is not c.activity:
+                c.activity, c.epoch = activity, _epoch(activity)
+            c.view.last_activity = c.epoch  # (reset: the last pass may have raised it from the proxy)
+            views.append(c.view)
+        for gone in [i for i in cache if i not in seen]:
+            del cache[gone]
+        self._alive = alive
+        return views
+
     def _views(self, keys: list[str] | None) -> list[ServerView]:
+        self._alive: set[str] = set()  # every server the hub runs, ready or not
+        if keys is None:
+            return self._all_views()
         policy = self.board.policy
         views = []
-        self._alive: set[str] = set()  # every server the hub runs, ready or not
-        if keys is not None:
-            pairs = []
-            for key in keys:
-                name, _, server = str(key).partition("/")
-                user = self.find_user(name)
-                if user is not None and server in user.spawners:
-                    pairs.append((user, server))
-        else:
-            q = self.db.query(orm.Spawner).filter(orm.Spawner.server_id.isnot(None))
-            pairs = [(self.users[s.user], s.name) for s in q]
-            self._alive = {f"{user.name}/{name}" for user, name in pairs}
+        pairs = []
+        for key in keys:
+            name, _, server = str(key).partition("/")
+            user = self.find_user(name)
+            if user is not None and server in user.spawners:
+                pairs.append((user, server))
         profiles_cache: dict[str, dict] = {}
         for user, server in pairs:
             spawner = user.spawners[server]
@@ -144,24 +216,28 @@ class CullDecisionsHandler(_Base):
         ``last_activity_interval``; a user who came back moments ago must not be culled
         for that lag. One request to the proxy's API, only when something is due.
         """
-        due = {(v.user, v.server): v for v in views if self.board.wants_fresh_activity(v, now)}
+        board = self.board
+        policy = board.policy
+        due = {(v.user, v.server): v for v in views if board.wants_fresh_activity(v, now, policy)}
         if not due:
             return
         try:
-            routes = await self.proxy.get_all_routes()
+            if isinstance(self.proxy, ConfigurableHTTPProxy):
+                # CHP's table as it sends it: each route's data (user, server_name,
+                # last_activity) without re-quoting 5,000 route specs on the loop
+                routes = (await (await self.proxy.api_request("")).json()).values()
+            else:
+                routes = [r.get("data", {}) for r in (await self.proxy.get_all_routes()).values()]
         except Exception as e:
             self.log.warning("Cannot read the proxy's routes for fresh activity: %s", e)
             return
-        for route in routes.values():
-            data = route.get("data", {})
+        for data in routes:
             v = due.get((data.get("user"), data.get("server_name")))
             if v is None or not data.get("last_activity"):
                 continue
-            try:
-                seen = _epoch(parse_date(data["last_activity"]))
-            except (ValueError, OverflowError):
-                continue
-            v.last_activity = max(v.last_activity or 0.0, seen or 0.0)
+            seen = _parse_time(data["last_activity"])
+            if seen is not None:
+                v.last_activity = max(v.last_activity or 0.0, seen)
 
     async def post(self):
         if not _is_service(self.current_user, CULLER_SERVICE):
@@ -170,16 +246,23 @@ class CullDecisionsHandler(_Base):
         keys = body.get("servers")
         if keys is not None and not isinstance(keys, list):
             raise web.HTTPError(400, "servers must be a list of 'user/name'")
+        actions = body.get("actions", ["warn", "cull"])
+        if not isinstance(actions, list) or not set(actions) <= {"warn", "cull"}:
+            raise web.HTTPError(400, "actions must be a list of 'warn', 'cull'")
         now = time.time()
         views = self._views(keys)
         await self._fresh_activity(views, now)
         decisions = await self.board.decide_all(views, now=now, complete=keys is None, alive=self._alive)
-        out = {
-            key: {"action": d.action, "reason": d.reason, "rule": d.rule, "deadline": d.deadline}
-            for key, d in decisions.items()
-            if d.action != "keep"
-        }
-        self.write(json.dumps({"now": now, "servers": len(views), "decisions": out}))
+        out, warned = {}, 0
+        for v in views:
+            d = decisions.get(v.key)
+            if d is None or d.action == "keep":
+                continue
+            warned += d.action == "warn"
+            if d.action in actions:
+                out[v.key] = {"action": d.action, "reason": d.reason, "rule": d.rule, "deadline": d.deadline,
+                              "started": v.started}
+        self.write(json.dumps({"now": now, "servers": len(views), "warned": warned, "decisions": out}))
 
 
 MAX_GPU_WAIT = 25.0  # s: under the usual 60 s idle timeout of proxies in front of the hub

@@ -18,8 +18,10 @@ def test_culler_service_least_scopes_and_merging():
     names = [s["name"] for s in c.JupyterHub.services]
     assert names == ["mlflow", "gpuhub-culler"]
     (role,) = [r for r in c.JupyterHub.load_roles if r["name"] == "gpuhub-culler"]
-    # idle-culler's needs only: the culler never calls (so never sends its token to) user servers
-    assert sorted(role["scopes"]) == sorted(["list:users", "read:users:activity", "read:servers", "delete:servers"])
+    # a look before each stop and the stop: the culler never calls (so never sends its token
+    # to) user servers, and no longer lists every user
+    assert sorted(role["scopes"]) == ["delete:servers", "read:servers"]
+    assert not any(a.startswith("--api-page-size") for a in c.JupyterHub.services[1]["command"])
     culler = c.JupyterHub.services[1]
     assert "--cull-every=60" in culler["command"] and "--remove-named-servers=False" in culler["command"]
     assert c.JupyterHub.template_vars["gpuhub_links"][0]["name"] == "MLflow"  # kept

@@ -24,8 +24,8 @@ the hub's ordinary stop by this service's token.
 
 This service never talks to a user's server: it holds a token with ``delete:servers``,
 and anything sent to a user's server is that user's to read. Its scopes are
-list:users, read:users:activity, read:servers, delete:servers — ``read:servers`` is what
-the look before a stop needs — and no ``access:servers``.
+read:servers (the look before a stop) and delete:servers: no ``access:servers``, and no
+listing of users.
 """
 
 from __future__ import annotations

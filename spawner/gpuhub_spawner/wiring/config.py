@@ -100,15 +100,16 @@ def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, 
             "command": [
                 sys.executable, "-m", "gpuhub_spawner.culling.service",
                 f"--cull-every={every}", "--timeout=1", "--remove-named-servers=False",
-                "--api-page-size=200", "--concurrency=20",  # stops of a big pass in parallel
+                "--concurrency=20",  # stops of a big pass in parallel
             ],
         }
     ]
     c.JupyterHub.load_roles = _merged_list(c.JupyterHub, "load_roles") + [
         {
             "name": "gpuhub-culler",
-            # idle-culler's own needs; deliberately no access:servers (see culling/service.py).
-            "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
+            # A pass looks up each server the hub names and stops it (culling/service.py):
+            # nothing more; deliberately no access:servers and no listing of users.
+            "scopes": ["read:servers", "delete:servers"],
             "services": ["gpuhub-culler"],
         }
     ]

@@ -126,7 +126,6 @@ def _quick(command, program: bool) -> int:
 
     if program:
         os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-        _no_plugin_loader()
     was_on = gc.isenabled()
     gc.disable()
     try:
@@ -136,36 +135,6 @@ def _quick(command, program: bool) -> int:
             gc.freeze()
         if was_on:
             gc.enable()
-
-
-_PLUGIN_LOADER = "pydantic.plugin._loader"
-
-
-def _no_plugin_loader() -> None:
-    """With pydantic's plugins all disabled (``PYDANTIC_DISABLE_PLUGINS``), do not import the
-    module that would look for them either: it imports ``importlib.metadata`` (email, zipfile,
-    ...), ~8 % of a ``gpuhub validate``, to read nothing. Its ``get_plugins`` answers no
-    plugins, as the real one does when they are disabled; any other name of it imports the
-    real module then. Nothing happens when the setting keeps plugins or pydantic already
-    loaded it."""
-    if os.environ.get("PYDANTIC_DISABLE_PLUGINS") not in ("__all__", "1", "true") or _PLUGIN_LOADER in sys.modules:
-        return
-    import types
-
-    stand_in = types.ModuleType(_PLUGIN_LOADER)
-    stand_in.get_plugins = lambda: ()
-
-    def real(name: str):
-        if name.startswith("__"):  # the import system asking what kind of module it is
-            raise AttributeError(name)
-        import importlib
-
-        if sys.modules.get(_PLUGIN_LOADER) is stand_in:
-            del sys.modules[_PLUGIN_LOADER]
-        return getattr(importlib.import_module(_PLUGIN_LOADER), name)
-
-    stand_in.__getattr__ = real
-    sys.modules[_PLUGIN_LOADER] = stand_in
 
 
 def _main(argv: list[str]) -> int:

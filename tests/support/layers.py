@@ -10,7 +10,7 @@ LAYER_TESTS = {
     "policy": [
         "unit/test_policy_validation.py", "unit/test_policy_reload.py", "unit/test_policy_checks.py",
         "unit/test_idle_rule_validation.py", "unit/test_bounded_input.py", "unit/test_mig.py",
-        "unit/test_ray_policy.py",
+        "unit/test_ray_policy.py", "unit/test_validate_large_policy.py",
     ],
     "admission": [
         "unit/test_admission.py", "unit/test_queue_persistence.py", "unit/test_reclaim_plan.py",

@@ -26,7 +26,7 @@ import pytest
 
 from backends import RealBackend
 from support.hub import Hub, wait_for
-from test_gpu_health_kube_e2e import WAIT, cli, culling, home, needs_hub_support, record, submit
+from test_gpu_health_kube_e2e import WAIT, cli, culling, home, record, submit
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +84,6 @@ def real(real_cluster, tmp_path_factory):
         backend.teardown()
 
 
-@needs_hub_support
 def test_the_holder_is_told_on_the_real_control_plane(real):
     backend, hub = real
     cluster = backend.cluster

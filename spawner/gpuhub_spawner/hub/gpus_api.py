@@ -74,9 +74,12 @@ def gpu_failures_of(config, user_name: str) -> list[dict]:
         broker = admission_view(config)
     except RuntimeError:
         return []
+    cluster = getattr(broker, "node_health", None)
+    if cluster is not None:  # Kubernetes: server pods on a node whose health taint says its GPUs failed
+        return [dict(f, reason=(f.get("reason") or "")[:MAX_REASON]) for f in cluster.failures_of(user_name)]
     monitor = getattr(broker, "gpu_health", None)
     if monitor is None:
-        return []  # Kubernetes: the cluster reads health (docs/gpu-health.md)
+        return []
     out = []
     for adm in broker.queue.holdings():
         if adm.user != user_name or adm.key.startswith("job:"):
@@ -90,11 +93,13 @@ def gpu_failures_of(config, user_name: str) -> list[dict]:
 
 
 def health_monitor(config):
-    """The one-machine monitor, or None (Kubernetes, or no backend wired)."""
+    """What a long poll for ``gpu_failed`` waits on (``wait_change``): the one-machine monitor,
+    the Kubernetes capacity keeper (kube/capacity.py, reading the nodes' health taints), or None."""
     try:
-        return getattr(admission_view(config), "gpu_health", None)
+        broker = admission_view(config)
     except RuntimeError:
         return None
+    return getattr(broker, "gpu_health", None) or getattr(broker, "node_health", None)
 
 
 def template_vars(config) -> dict:

@@ -170,17 +170,19 @@ async def _load_beside_the_loop(path: Path) -> Outcome:
 
 
 def _out_of_the_collectors_sight() -> None:
-    """Move every object alive now, the new policy's ~170,000 included, out of the cyclic
-    collector's generations (``gc.freeze``), so that they are not scanned again.
+    """Put every object alive now, the new policy's ~170,000 included, straight into the
+    collector's oldest generation without counting them towards its next full pass.
 
-    Otherwise they are promoted to the oldest generation within seconds and bring the
-    collector's next full pass near; that pass scans the hub's whole heap (JupyterHub,
-    SQLAlchemy, the policy) holding the GIL, i.e. the loop: 0.3-2 s, as
-    ``reload_stall.py --stacks`` found, and every later full pass scans the policy again.
-    Frozen objects are still freed when their last reference goes (the policy this one
-    replaces: no cycle holds it); a cycle alive now that dies later is not reclaimed
-    (``reload_stall.py`` reports how the frozen count moves across reloads)."""
+    Otherwise the young passes scan them again and again, promote them within seconds, and
+    their number brings the next full pass near; that pass scans the hub's whole heap
+    (JupyterHub, SQLAlchemy, the policy) holding the GIL, i.e. the loop: 0.3-2 s, as
+    ``reload_stall.py --stacks`` found. ``gc.freeze()`` moves every generation to the
+    permanent one and ``gc.unfreeze()`` moves that to the oldest generation; neither adds to
+    the count of objects promoted since the last full pass, which is what starts one. Nothing
+    stays frozen: a cycle alive now that dies later is collected as always (``gc.freeze``
+    alone kept such cycles forever; a hub's in-flight requests held a whole old policy so)."""
     gc.freeze()
+    gc.unfreeze()
 
 
 def _signature(path: Path) -> tuple[float, int, int] | None:

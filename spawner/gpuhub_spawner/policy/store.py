@@ -152,6 +152,7 @@ async def _load_beside_the_loop(path: Path) -> Outcome:
         try:
             # No cyclic collection of the hub's heap while ~170,000 objects are built (it would
             # hold the GIL, i.e. the loop, for as long as it scans).
+            _collect_before_build()
             with no_cyclic_gc():
                 policy, data, ok = _build(out)
                 if ok:
@@ -170,19 +171,27 @@ async def _load_beside_the_loop(path: Path) -> Outcome:
 
 
 def _out_of_the_collectors_sight() -> None:
-    """Put every object alive now, the new policy's ~170,000 included, straight into the
-    collector's oldest generation without counting them towards its next full pass.
+    """Move every object alive now, the new policy's ~170,000 included, out of the cyclic
+    collector's generations (``gc.freeze``), as ``policy.bounded.freeze_heap`` does with the
+    hub's start-up heap, so that they are not scanned again.
 
     Otherwise the young passes scan them again and again, promote them within seconds, and
-    their number brings the next full pass near; that pass scans the hub's whole heap
-    (JupyterHub, SQLAlchemy, the policy) holding the GIL, i.e. the loop: 0.3-2 s, as
-    ``reload_stall.py --stacks`` found. ``gc.freeze()`` moves every generation to the
-    permanent one and ``gc.unfreeze()`` moves that to the oldest generation; neither adds to
-    the count of objects promoted since the last full pass, which is what starts one. Nothing
-    stays frozen: a cycle alive now that dies later is collected as always (``gc.freeze``
-    alone kept such cycles forever; a hub's in-flight requests held a whole old policy so)."""
+    their number brings the next full pass near; that pass scans the hub's whole unfrozen
+    heap holding the GIL, i.e. the loop: 0.3-2 s, as ``reload_stall.py --stacks`` found.
+    Frozen objects are still freed when their last reference goes (the policy this one
+    replaces). The cost, as for the start-up heap: a cycle alive now that dies later is never
+    collected, with what it holds. Garbage cycles that are already dead are collected first
+    (``_collect_before_build``), or a dead cycle holding the old policy would keep it for ever.
+    (``gc.unfreeze()`` after the freeze would keep nothing frozen, but it also hands the
+    start-up heap back to every full pass: 0.8-1.1 s each, issue 19.)"""
     gc.freeze()
-    gc.unfreeze()
+
+
+def _collect_before_build() -> None:
+    """A full pass over what is not frozen, before the new policy's objects exist: cheap (what
+    the hub allocated since the last freeze) and it frees dead cycles that may hold the policy
+    in force, so that the freeze after the build does not keep them."""
+    gc.collect()
 
 
 def _signature(path: Path) -> tuple[float, int, int] | None:

@@ -263,6 +263,16 @@ class KubeJobManager(SingletonConfigurable):
             # Admitted: a pod runs, or the Job controller is between a pod's end and the
             # Job's verdict (or its next pod): still the Job's running phase.
             rec.state = R.RUNNING
+        if rec.state in (R.SUCCEEDED, R.FAILED):
+            # The Job's verdict is in and this record is read no more: an attempt still open
+            # (its pod outlived the verdict: a time limit's kill, or a second pod the Job
+            # controller started after an eviction) ends here; none is left without an end.
+            for att in rec.attempts:
+                if att.account and att.finished is None:
+                    att.finished = time.time()
+                    if att.reason is None:
+                        att.reason = "interrupted"
+                        att.message = "its pod was still there when the job ended; the job's result is another attempt's"
         self.store.save(rec)
 
     async def _read_fault(self, node: str | None) -> NodeFault | None:
@@ -287,7 +297,13 @@ class KubeJobManager(SingletonConfigurable):
         the Job, its pod is deleted without counting against ``backoffLimit``, and the job
         waits for quota again; the taint keeps the scheduler off the failed node.
         """
-        if wl is None or wl["spec"].get("active") is False:
+        if wl is None:
+            return
+        if wl["spec"].get("active") is False:
+            # Deactivated already (this hub's earlier read, whose patch answered late, or a
+            # reclaim): Kueue is stopping the pod; the attempt on the failed node is over all
+            # the same, and is not left open.
+            att.finished, att.reason, att.message = time.time(), GPU_FAILED, gpu_failed_message(fault)
             return
         meta = wl["metadata"]
         try:

@@ -41,6 +41,7 @@ import yaml
 
 from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.hub import Hub, wait_for
+from test_capacity_hub_e2e import vision_l4_quota
 from test_hub_e2e import KUBE_CONFIG, WAIT
 
 pytestmark = pytest.mark.integration
@@ -108,11 +109,6 @@ def l4_node(*taints: dict) -> dict:
     if taints:
         node["spec"]["taints"] = [dict(t) for t in taints]
     return node
-
-
-def vision_l4_quota(double) -> str:
-    cq = next(q for q in double.list("clusterqueues", None) if q["metadata"]["name"] == "vision")
-    return next(f for g in cq["spec"]["resourceGroups"] for f in g["flavors"] if f["name"] == "l4")["resources"][0]["nominalQuota"]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,9 @@ GPU-fake-0 tells alice within 5 s on her home page (bob's page says nothing of i
 usable capacity drops, alice's stop does not hand the broken GPU to lena, whose wait says
 why; ``gpuhub gpu uncordon`` gives it back and lena gets it. A drain lets bob keep his GPU
 until he stops, then nobody gets it; only admins may drain or uncordon; all is audited.
+
+Each test starts from a clean machine (``fresh``: nobody holds or waits, counters clean, no
+mark or drain) and sets up its own part of that story, so each passes alone and in any order.
 """
 
 import json
@@ -114,13 +117,47 @@ def metric(admin, name, **labels) -> float | None:
     return None
 
 
+def fresh(hub, users, gpus) -> float:
+    """The machine as the story starts it, whatever the tests before left: nobody holds or
+    waits for a GPU, every counter reads clean, no device is marked or drained. Returns the
+    time from which the audit holds this test's entries only."""
+    admin = users["admin"]
+    gone = [u for u in (users["alice"], users["bob"], users["lena"]) if u.server() is not None]
+    for u in gone:
+        u.stop()
+    for u in gone:
+        u.wait_gone()
+    for d in gpus.devices:
+        if d.get("ecc_uncorrected_volatile") or any(d.get("remapped_rows") or ()):
+            gpus.set(d["uuid"], ecc_uncorrected_volatile=0, remapped_rows=[0, 0, 0, 0])
+    for device, g in gpu_list(admin).items():
+        if g["state"] != "healthy" or g["drained"]:  # (a counter's verdict goes by itself at the next poll)
+            gpuhub_cli(hub, admin, "uncordon", device)
+    wait_for(lambda: all(g["state"] == "healthy" and g["usable"] and g["user"] is None
+                         for g in gpu_list(admin).values()), 15, "every GPU healthy and free")
+    return time.time()
+
+
+def out_of_service(admin, gpus, device, **fields) -> None:
+    """A counter that takes ``device`` out (a double-bit ECC count), read at the next poll."""
+    gpus.set(device, **(fields or {"ecc_uncorrected_volatile": 1}))
+    wait_for(lambda: gpu_list(admin)[device]["state"] == "bad", 10, f"{device} out of service")
+
+
+def started(*clients, profile="gpu-1") -> None:
+    for c in clients:
+        assert c.start(profile).status_code in (201, 202)
+        c.wait_ready()
+
+
 def test_an_application_xid_leaves_the_gpu_in(hub, users, gpus):
     admin, alice = users["admin"], users["alice"]
-    assert alice.start("gpu-1").status_code in (201, 202)
-    alice.wait_ready()
+    fresh(hub, users, gpus)
+    started(alice)
     mine = held_by(admin, "alice")
+    counted = metric(admin, "gpuhub_gpu_xid_total", device=mine, xid="13") or 0.0
     gpus.xid(mine, 13)
-    wait_for(lambda: metric(admin, "gpuhub_gpu_xid_total", device=mine, xid="13") == 1.0, 10, "XID 13 counted")
+    wait_for(lambda: metric(admin, "gpuhub_gpu_xid_total", device=mine, xid="13") == counted + 1, 10, "XID 13 counted")
     g = gpu_list(admin)[mine]
     assert (g["state"], g["usable"]) == ("healthy", True)
     assert "gpuhub-gpu-failures" not in home(alice)
@@ -129,6 +166,7 @@ def test_an_application_xid_leaves_the_gpu_in(hub, users, gpus):
 
 def test_a_double_bit_ecc_error_takes_a_free_gpu_out(hub, users, gpus):
     admin = users["admin"]
+    fresh(hub, users, gpus)
     gpus.set("GPU-fake-2", ecc_uncorrected_volatile=1)
     wait_for(lambda: gpu_list(admin)["GPU-fake-2"]["state"] == "bad", 10, "the DBE count read at a poll")
     g = gpu_list(admin)["GPU-fake-2"]
@@ -138,20 +176,27 @@ def test_a_double_bit_ecc_error_takes_a_free_gpu_out(hub, users, gpus):
 
 
 def test_a_pending_row_remap_is_suspect_and_still_handed_out(hub, users, gpus):
-    admin, bob = users["admin"], users["bob"]
-    gpus.set("GPU-fake-1", remapped_rows=[0, 1, 1, 0])
-    wait_for(lambda: gpu_list(admin)["GPU-fake-1"]["state"] == "suspect", 10, "the pending remap read at a poll")
-    assert bob.start("gpu-1").status_code in (201, 202)
-    bob.wait_ready()
-    assert held_by(admin, "bob") == "GPU-fake-1"  # the only usable free one: suspect is still given
-    assert "row remapping is pending" in gpu_list(admin)["GPU-fake-1"]["reason"]
+    admin, alice, bob = users["admin"], users["alice"], users["bob"]
+    fresh(hub, users, gpus)
+    out_of_service(admin, gpus, "GPU-fake-2")
+    started(alice)
+    (free,) = {"GPU-fake-0", "GPU-fake-1"} - {held_by(admin, "alice")}
+    gpus.set(free, remapped_rows=[0, 1, 1, 0])
+    wait_for(lambda: gpu_list(admin)[free]["state"] == "suspect", 10, "the pending remap read at a poll")
+    started(bob)
+    assert held_by(admin, "bob") == free  # the only usable free one: suspect is still given
+    assert "row remapping is pending" in gpu_list(admin)[free]["reason"]
 
 
 def test_xid_79_on_alices_gpu_tells_her_and_nobody_gets_it(hub, users, gpus):
     admin, alice, bob, lena = users["admin"], users["alice"], users["bob"], users["lena"]
+    since = fresh(hub, users, gpus)
+    out_of_service(admin, gpus, "GPU-fake-2")
+    started(alice, bob)
     lena.start_background("gpu-1")  # waits: 0 and 1 held, 2 out of service
     wait_for(lambda: any(w["user"] == "lena" for w in status(admin)["waiting"]), 20, "lena waiting")
     mine = held_by(admin, "alice")
+    counted = metric(admin, "gpuhub_gpu_xid_total", device=mine, xid="79") or 0.0
     t0 = time.time()
     gpus.xid(mine, 79)
     page = wait_for(lambda: (lambda p: p if "gpuhub-gpu-failures" in p else None)(home(alice)), 5, "alice told", 0.2)
@@ -163,7 +208,7 @@ def test_xid_79_on_alices_gpu_tells_her_and_nobody_gets_it(hub, users, gpus):
     assert "gpuhub-gpu-failures" not in home(bob) and "alice" not in home(bob)  # nothing of alice on bob's page
     assert vision_a100(admin)["usable"] == 1
     assert "out of service" in vision_a100(admin)["out_of_service"]
-    assert metric(admin, "gpuhub_gpu_xid_total", device=mine, xid="79") == 1.0
+    assert metric(admin, "gpuhub_gpu_xid_total", device=mine, xid="79") == counted + 1
 
     alice.stop()
     alice.wait_gone()
@@ -172,12 +217,15 @@ def test_xid_79_on_alices_gpu_tells_her_and_nobody_gets_it(hub, users, gpus):
     assert re.search(r"only 0 of the 1 usable on this machine are free \(1 of 3 A100 usable, 2 out of service since "
                      r"\d\d:\d\d", waiting["reason"]), waiting["reason"]
     assert gpu_list(admin)[mine]["user"] is None
-    events = [e for e in admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_health"}).json()["entries"]]
+    events = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_health", "since": str(since)}).json()["entries"]
     assert any(e["device"] == mine and e["state"] == "bad" and e.get("user") == "alice" and e.get("xid") == 79
                for e in events), events
 
 
-def test_only_admins_drain_or_uncordon(hub, users):
+def test_only_admins_drain_or_uncordon(hub, users, gpus):
+    fresh(hub, users, gpus)
+    gpus.xid("GPU-fake-0", 79)
+    wait_for(lambda: gpu_list(users["admin"])["GPU-fake-0"]["state"] == "bad", 10, "GPU-fake-0 out after its XID 79")
     r = gpuhub_cli(hub, users["bob"], "uncordon", "GPU-fake-0")
     assert r.returncode == 1 and "Only admins may drain or uncordon" in r.stderr and "403" in r.stderr
     assert users["bob"].api.get(users["bob"].url("/gpuhub/gpus")).status_code == 403
@@ -185,7 +233,14 @@ def test_only_admins_drain_or_uncordon(hub, users):
 
 
 def test_uncordon_gives_it_back(hub, users, gpus):
-    admin, lena = users["admin"], users["lena"]
+    admin, bob, lena = users["admin"], users["bob"], users["lena"]
+    since = fresh(hub, users, gpus)
+    out_of_service(admin, gpus, "GPU-fake-2")
+    gpus.xid("GPU-fake-0", 79)
+    wait_for(lambda: gpu_list(admin)["GPU-fake-0"]["state"] == "bad", 10, "GPU-fake-0 out after its XID 79")
+    started(bob)  # on GPU-fake-1, the one usable
+    lena.start_background("gpu-1")
+    wait_for(lambda: any(w["user"] == "lena" for w in status(admin)["waiting"]), 20, "lena waiting")
     listing = gpuhub_cli(hub, admin, "list")
     assert listing.returncode == 0, listing.stderr
     assert re.search(r"GPU-fake-0\s+a100\s+bad\s.*XID 79: GPU has fallen off the bus", listing.stdout), listing.stdout
@@ -196,15 +251,19 @@ def test_uncordon_gives_it_back(hub, users, gpus):
     assert vision_a100(admin)["usable"] == 2  # GPU-fake-2's ECC count still says bad
     r = gpuhub_cli(hub, admin, "uncordon", "GPU-fake-2")
     assert "still out of service" in r.stdout and "uncorrectable ECC" in r.stdout
-    entries = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_uncordoned"}).json()["entries"]
+    entries = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_uncordoned", "since": str(since)}).json()["entries"]
     assert [(e["device"], e["by"]) for e in entries] == [("GPU-fake-0", "admin"), ("GPU-fake-2", "admin")]
 
 
 def test_a_drained_gpu_stays_with_its_holder_then_is_out(hub, users, gpus):
-    admin, alice, bob = users["admin"], users["alice"], users["bob"]
-    r = gpuhub_cli(hub, admin, "drain", "GPU-fake-1")
+    admin, alice, bob, lena = users["admin"], users["alice"], users["bob"], users["lena"]
+    since = fresh(hub, users, gpus)
+    out_of_service(admin, gpus, "GPU-fake-2")
+    started(lena, bob)
+    target = held_by(admin, "bob")
+    r = gpuhub_cli(hub, admin, "drain", target)
     assert r.returncode == 0 and "bob/ keeps it until it stops" in r.stdout, (r.stdout, r.stderr)
-    assert bob.server()["ready"] and held_by(admin, "bob") == "GPU-fake-1"  # his work goes on
+    assert bob.server()["ready"] and held_by(admin, "bob") == target  # his work goes on
     bob.stop()
     bob.wait_gone()
     alice.start_background("gpu-1")
@@ -212,12 +271,12 @@ def test_a_drained_gpu_stays_with_its_holder_then_is_out(hub, users, gpus):
     time.sleep(1.0)
     waiting = next(w for w in status(admin)["waiting"] if w["user"] == "alice")
     assert "drained by admin" in waiting["reason"] or "out of service" in waiting["reason"], waiting
-    assert gpu_list(admin)["GPU-fake-1"]["user"] is None
-    assert gpuhub_cli(hub, admin, "uncordon", "GPU-fake-1").returncode == 0
+    assert gpu_list(admin)[target]["user"] is None
+    assert gpuhub_cli(hub, admin, "uncordon", target).returncode == 0
     alice.wait_ready(timeout=60)
-    assert held_by(admin, "alice") == "GPU-fake-1"
-    drained = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_drained"}).json()["entries"]
-    assert [(e["device"], e["by"], e.get("key")) for e in drained] == [("GPU-fake-1", "admin", "bob/")]
+    assert held_by(admin, "alice") == target
+    drained = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_drained", "since": str(since)}).json()["entries"]
+    assert [(e["device"], e["by"], e.get("key")) for e in drained] == [(target, "admin", "bob/")]
 
 
 # A training loop that checkpoints every step (atomically) and resumes from the last one
@@ -251,13 +310,9 @@ def job_log(client, job_id) -> str:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root")
 def test_a_job_whose_gpu_fails_resumes_on_a_healthy_gpu_without_using_a_retry(hub, users, gpus, tmp_path):
-    admin, alice, bob, lena = users["admin"], users["alice"], users["bob"], users["lena"]
-    for u in (alice, lena):
-        if u.server():
-            u.stop()
-            u.wait_gone()
-    gpus.set("GPU-fake-2", ecc_uncorrected_volatile=0)  # the GPU was reset: the poll brings it back
-    wait_for(lambda: vision_a100(admin)["usable"] == 3, 10, "all three GPUs usable")
+    admin, bob = users["admin"], users["bob"]
+    fresh(hub, users, gpus)
+    assert vision_a100(admin)["usable"] == 3
     # No retry of its own allowed, and 'failed' the only reason: were a GPU failure charged
     # as a failure, this job would end failed ('No retries left (0 allowed)').
     spec = tmp_path / "job.yaml"

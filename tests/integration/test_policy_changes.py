@@ -92,6 +92,7 @@ def audit(admin, event):
 
 def test_the_admin_sees_who_the_edit_hits_then_applies_and_rolls_it_back(hub, users, busy):
     admin, alice = users["admin"], users["alice"]
+    had = admin.api.get(admin.url("/gpuhub/policy")).json()["versions"]  # other tests' versions (any order)
     r = post(admin, "preview", yaml=EDIT)
     assert r.status_code == 200, r.text
     rep = r.json()
@@ -131,7 +132,7 @@ def test_the_admin_sees_who_the_edit_hits_then_applies_and_rolls_it_back(hub, us
     (entry,) = [e for e in audit(admin, "policy_rolled_back") if e["version"] == back["n"]]
     assert entry["by"] == "admin" and entry["to_version"] == 1 and "-        nominal: 1\n+        nominal: 2" in entry["diff"]
     history = admin.api.get(admin.url("/gpuhub/policy")).json()["versions"]
-    assert [v["source"] for v in history[:3]] == ["rollback", "applied", "loaded at start"]
+    assert [v["source"] for v in history[:3]] == ["rollback", "applied", had[0]["source"]]
 
 
 def test_a_lead_previews_their_team_only_and_a_researcher_is_refused(hub, users, busy):
@@ -234,6 +235,10 @@ def test_a_lead_never_reads_secrets_from_a_broken_file_nor_confirms_a_guess(hub,
 def test_an_admin_applying_masked_text_keeps_the_secrets_and_leads_see_only_their_history(hub, users):
     """Review findings 4, 5 and 7."""
     lena, admin = users["lena"], users["admin"]
+    # a change of Vision Lab's own (applied and rolled back), which its lead sees with its summary
+    r = post(admin, "apply", yaml=EDIT)
+    assert r.status_code == 200, r.text
+    assert post(admin, "rollback", version=1).status_code == 200
     masked = lena.api.get(lena.url("/gpuhub/policy")).json()["text"]
     assert "HF_TOKEN: '***'" in masked
     # a lead adding a group: the people it brings in are counted, not named
@@ -252,7 +257,7 @@ def test_an_admin_applying_masked_text_keeps_the_secrets_and_leads_see_only_thei
     history = {v["n"]: v for v in lena.api.get(lena.url("/gpuhub/policy")).json()["versions"]}
     assert set(history[applied["n"]]) == {"n", "hash", "by", "at", "source"}  # NLP's change: no summary
     vision_only = [v for v in history.values() if v.get("summary", "").startswith("Vision Lab: A100 GPUs quota 2 → 1")]
-    assert vision_only  # the applies of test 1 changed Vision Lab alone
+    assert vision_only  # the apply above changed Vision Lab alone
     assert not any("NLP" in (v.get("summary") or "") for v in history.values())
     r = post(admin, "rollback", version=1)
     assert r.status_code == 200, r.text
@@ -298,13 +303,18 @@ def test_the_same_through_the_gpuhub_policy_commands(hub, users, busy, tmp_path)
 
 def test_an_edit_on_disk_keeps_working_and_is_recorded_as_such(hub, users):
     admin = users["admin"]
+    start = admin.api.get(admin.url("/gpuhub/policy")).json()
     hub.policy.write_text(POLICY.replace("queueTimeout: 10m", "queueTimeout: 15m"))
+    try:
+        def recorded():
+            vs = admin.api.get(admin.url("/gpuhub/policy")).json()["versions"]
+            return vs[0] if vs[0]["source"] == "edited on disk" and vs[0]["n"] > start["versions"][0]["n"] else None
 
-    def recorded():
-        vs = admin.api.get(admin.url("/gpuhub/policy")).json()["versions"]
-        return vs[0] if vs[0]["source"] == "edited on disk" else None
-
-    v = wait_for(recorded, 20, "the edit on disk in the history", interval=0.5)
-    (entry,) = [e for e in audit(admin, "policy_edited_on_disk") if e["version"] == v["n"]]
-    assert "+  queueTimeout: 15m" in entry["diff"]
-    assert v["summary"] == "edited on disk: the defaults change" and v["by"].startswith("file owner ")
+        v = wait_for(recorded, 20, "the edit on disk in the history", interval=0.5)
+        (entry,) = [e for e in audit(admin, "policy_edited_on_disk") if e["version"] == v["n"]]
+        assert "+  queueTimeout: 15m" in entry["diff"]
+        assert v["summary"] == "edited on disk: the defaults change" and v["by"].startswith("file owner ")
+    finally:  # the policy the other tests start from, in force again (each test passes in any order)
+        hub.policy.write_text(POLICY)
+        wait_for(lambda: admin.api.get(admin.url("/gpuhub/policy")).json()["hash"] == start["hash"], 20,
+                 "the policy back as it was", interval=0.5)

@@ -151,7 +151,12 @@ def py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+def job_ids(user) -> set[str]:
+    return {j["id"] for j in user.api.get(user.url("/gpuhub/jobs")).json()["jobs"]}
+
+
 def test_bad_job_file_is_explained_with_line_and_column(hub, users, tmp_path):
+    had = job_ids(users["bob"])  # what the tests before left (each test passes alone and in any order)
     bad = "profile: gpu-1\ncomand: python train.py\nretries: {limit: 2, reasons: [preemptd]}\ntimeLimit: soon\n"
     r = cli(hub, users["bob"], "submit", job_file(tmp_path, bad), check=False)
     assert r.returncode == 1
@@ -161,23 +166,24 @@ def test_bad_job_file_is_explained_with_line_and_column(hub, users, tmp_path):
     # The hub says the same to a client that skips local validation; nothing is queued.
     resp = users["bob"].api.post(users["bob"].url("/gpuhub/jobs"), json={"spec": bad, "filename": "j.yaml"})
     assert resp.status_code == 400 and "j.yaml:2:1: comand: unknown key" in "\n".join(resp.json()["issues"])
-    assert users["bob"].api.get(users["bob"].url("/gpuhub/jobs")).json()["jobs"] == []
+    assert job_ids(users["bob"]) == had
 
 
 def test_forged_jobs_are_refused_before_anything_queues(hub, users, tmp_path):
     bob = users["bob"]
+    had = job_ids(bob)
     # Another team's profile.
     r = cli(hub, bob, "submit", job_file(tmp_path, "profile: nlp-special\ncommand: [true]\n"), check=False)
     assert r.returncode == 1 and "Profile 'nlp-special' is not available to your team(s)" in r.stderr and "403" in r.stderr
     # A team the user is not in.
     r = cli(hub, bob, "submit", job_file(tmp_path, "profile: gpu-1\nteam: nlp\ncommand: [true]\n"), check=False)
     assert "not a member of team 'nlp'" in r.stderr
-    assert bob.api.get(bob.url("/gpuhub/jobs")).json()["jobs"] == []
+    assert job_ids(bob) == had
     # More GPUs than the per-user cap (1): a running GPU job counts, a second one is refused.
     first = submit(hub, bob, tmp_path, f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'import time; time.sleep(60)']\n")
     r = cli(hub, bob, "submit", job_file(tmp_path, "profile: gpu-1\ncommand: [true]\n"), check=False)
     assert "allows 1 GPU(s) per user; you hold 1" in r.stderr
-    assert [j["id"] for j in bob.api.get(bob.url("/gpuhub/jobs")).json()["jobs"]] == [first]
+    assert job_ids(bob) == had | {first}
     snap = users["admin"].api.get(users["admin"].url("/gpuhub/status")).json()
     assert all(t["waiting"] == 0 for t in snap["teams"])
     cli(hub, bob, "cancel", first)

@@ -66,14 +66,25 @@ def test_the_payload_is_read_to_its_end_checked_and_its_pipe_closed(monkeypatch)
 
 
 def test_main_applies_the_environment_only_at_the_final_exec(monkeypatch):
+    # main() runs in this test's process, so this process is the launcher here: it gets the
+    # launcher's own environment (start_launcher's LAUNCHER_ENV, nothing else), as the hub
+    # starts it. Not whatever this pytest worker inherited or an earlier test left in it
+    # (tests/integration/test_culler_stops.py sets JUPYTERHUB_API_TOKEN in its worker), which
+    # this test once read as a leak.
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    for name, value in sandbox.LAUNCHER_ENV.items():
+        monkeypatch.setenv(name, value)
     seen = {}
     env = {"LD_PRELOAD": "/home/x/p.so", "JUPYTERHUB_API_TOKEN": "secret"}
     monkeypatch.setattr(sandbox, "enter", lambda spec: seen.update(spec=spec, env_at_enter=dict(os.environ)))
-    monkeypatch.setattr(os, "execvpe", lambda f, args, e: seen.update(exec=(f, args, e)))
+    monkeypatch.setattr(os, "execvpe", lambda f, args, e: seen.update(exec=(f, args, e), env_at_exec=dict(os.environ)))
     r = _pipe_with(json.dumps({"spec": {"uid": 7}, "env": env}).encode())
     sandbox.main(["--spec-fd", str(r), "--", "/bin/prog", "arg"])
     assert seen["spec"] == {"uid": 7}
-    assert "LD_PRELOAD" not in seen["env_at_enter"] and "JUPYTERHUB_API_TOKEN" not in seen["env_at_enter"]
+    # Root's environment is the launcher's own up to the exec, not a variable more.
+    assert seen["env_at_enter"] == sandbox.LAUNCHER_ENV, seen["env_at_enter"]
+    assert seen["env_at_exec"] == sandbox.LAUNCHER_ENV, seen["env_at_exec"]
     assert seen["exec"] == ("/bin/prog", ["/bin/prog", "arg"], env)
 
 

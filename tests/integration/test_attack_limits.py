@@ -130,7 +130,8 @@ def answers(hub, user) -> bool:
 def test_a_fork_bomb_is_held_at_its_limit_others_still_start_and_the_user_is_told(hub, users):
     alice, bob, carol = users["alice"], users["bob"], users["carol"]
     assert alice.start("small-procs").status_code in (201, 202)
-    assert bob.start("cpu").status_code in (201, 202)
+    if bob.server() is None:  # the prefix tests leave bob's server running (any order)
+        assert bob.start("cpu").status_code in (201, 202)
     k = session(hub, alice)
     bob.wait_ready()
     a_cg = pids_dir(server_pid(hub, "alice"))

@@ -59,13 +59,25 @@ def hub(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def alice(hub):
+def alice_login(hub):
     a = hub.login("alice")
+    yield a
+    a.stop()
+
+
+@pytest.fixture
+def alice(alice_login):
+    """alice with a GPU server just started. Its (virtual) GPU reads idle, so the culler warns
+    it 20 s on and stops it 15 s later: each test gets a whole lifetime of its own, whatever
+    ran before it (a server shared by the module was gone or about to go for a later test)."""
+    a = alice_login
+    if a.server() is not None:
+        a.stop()
+        a.wait_gone()
     r = a.start("gpu-1")
     assert r.status_code in (201, 202), r.text
     a.wait_ready()
-    yield a
-    a.stop()
+    return a
 
 
 class Terminal:

@@ -22,6 +22,7 @@ def hub(tmp_path_factory):
 
 
 def test_restart_keeps_allocations_and_queue_semantics(hub):
+    _stop_all(hub)  # whatever the tests before left (any order)
     alice, carol = hub.login("alice"), hub.login("carol")
     alice.start("gpu-1")
     carol.start("gpu-1")
@@ -63,6 +64,49 @@ def test_queue_timeout_withdraws_the_request(hub):
         assert next(t for t in status(hub, carol)["teams"] if t["name"] == "nlp")["waiting"] == 0
     finally:
         hub.policy.write_text(good)
+
+
+def _journal_waiting(hub) -> set[str]:
+    """The requests the queue journal holds as waiting, the ones a restart brings back (read
+    line by line, never loaded: loading compacts the file, which is the hub's)."""
+    import json
+
+    path, live = hub.data / "queue.journal", set()
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("op") == "wait":
+            live.add(entry["key"])
+        elif entry.get("op") == "done":
+            live.discard(entry["key"])
+    return live
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "found by the order check (issue 29 item 5; test_usage reversed: after the restart an open "
+    "allocation for dave, whose waiting request the admin had withdrawn): LocalGpuSpawner.start() "
+    "keeps a cancelled request's journal entry (as for a hub shutdown) and stop() then finds no "
+    "ticket to cancel, so the entry stays and the next restart re-spawns the request. With the fix "
+    "(local/spawner.py), drop this mark and test_usage.py from KEEP_FILE_ORDER in tests/conftest.py"))
+def test_a_request_cancelled_while_it_waits_is_not_kept_for_the_next_restart(hub):
+    """bob leaves Vision Lab's queue (JupyterHub's DELETE of his pending server, as the spawn
+    page's cancel and an admin's withdraw do): the journal must not hold his request any more,
+    or the next restart re-spawns it and hands him the GPU he gave up."""
+    _stop_all(hub)
+    alice, bob = hub.login("alice"), hub.login("bob")
+    assert alice.start("gpu-1").status_code in (201, 202)
+    alice.wait_ready()
+    assert bob.start("gpu-1").status_code == 202  # Vision Lab's one GPU is alice's: he waits
+    bob.progress(until=lambda e: "position 1 of 1" in e.get("message", ""))
+    assert "bob/" in _journal_waiting(hub)  # kept for a restart while he waits
+    assert bob.stop().status_code in (202, 204)
+    bob.wait_gone()
+    try:
+        assert "bob/" not in _journal_waiting(hub)
+    finally:
+        _stop_all(hub)
 
 
 # -- finding 10 of issue 8: restart trusts the hub's own record, and the process's identity --

@@ -77,6 +77,10 @@ class KubeJobManager(SingletonConfigurable):
         self.jobs: dict[str, R.JobRecord] = {}
         self._poller: asyncio.Task | None = None
         self._workloads: dict[str, dict | None] = {}
+        # One read of a job at a time: the poller and every API answer (``hub.jobs_api.fresh``)
+        # read it, and two reads interleaved at their awaits each took a new pod for its own
+        # (two attempts for one pod, one of them never ended) or applied an older read last.
+        self._reading: dict[str, asyncio.Lock] = {}
         self.reclaimed: dict[str, str] = {}  # job id -> why the hub took its GPUs back (kube/ledger.py)
         self._recovered = False
 
@@ -166,7 +170,17 @@ class KubeJobManager(SingletonConfigurable):
                     log.warning("Cannot read job %s", rec.id, exc_info=True)
             await asyncio.sleep(self.poll_interval)
 
+    def _lock(self, job_id: str) -> asyncio.Lock:
+        return self._reading.setdefault(job_id, asyncio.Lock())
+
     async def refresh(self, rec: R.JobRecord) -> None:
+        """Read the Job, its pods and its Workload into ``rec``, one read at a time per job
+        (a caller that waited for another's read reads again, and not a finished job)."""
+        async with self._lock(rec.id):
+            if rec.state not in R.FINAL:
+                await self._refresh(rec)
+
+    async def _refresh(self, rec: R.JobRecord) -> None:
         from kubernetes_asyncio.client import ApiClient, ApiException
 
         ns = rec.spec.get("namespace")
@@ -198,6 +212,9 @@ class KubeJobManager(SingletonConfigurable):
                 att.account = name  # on Kubernetes: the pod that ran the attempt
                 att.admitted = timestamp((condition(wl, "QuotaReserved") or {}).get("lastTransitionTime")) or time.time()
                 att.devices = [pod["spec"].get("nodeName") or ""]
+            if att.finished is None and pod["spec"].get("nodeName"):
+                # First seen before the scheduler bound it: the node is known only now.
+                att.devices = [pod["spec"]["nodeName"]]
             status = pod.get("status") or {}
             att.started = att.started or timestamp(status.get("startTime"))
             term = ((status.get("containerStatuses") or [{}])[0].get("state") or {}).get("terminated")
@@ -265,8 +282,8 @@ class KubeJobManager(SingletonConfigurable):
             rec.state = R.RUNNING
         if rec.state in (R.SUCCEEDED, R.FAILED):
             # The Job's verdict is in and this record is read no more: an attempt still open
-            # (its pod outlived the verdict: a time limit's kill, or a second pod the Job
-            # controller started after an eviction) ends here; none is left without an end.
+            # (its pod outlived the verdict: a time limit's kill) ends here; none is left
+            # without an end.
             for att in rec.attempts:
                 if att.account and att.finished is None:
                     att.finished = time.time()
@@ -359,9 +376,14 @@ class KubeJobManager(SingletonConfigurable):
 
     async def cancel(self, job_id: str) -> R.JobRecord:
         rec = self.jobs[job_id]
+        async with self._lock(job_id):  # no read of the job in between
+            return await self._cancel(rec)
+
+    async def _cancel(self, rec: R.JobRecord) -> R.JobRecord:
+        job_id = rec.id
         if rec.state in R.FINAL:
             return rec
-        await self.refresh(rec)
+        await self._refresh(rec)
         try:
             await self._client("BatchV1Api").delete_namespaced_job(job_id, rec.spec["namespace"], propagation_policy="Background")
         except Exception:  # noqa: BLE001

@@ -102,6 +102,26 @@ SLOW_FIRST = {
 }
 
 
+# The order check every run performs (tests/support/order.py): within each file of these folders
+# the tests run in an order shuffled by a seed (the git tree of tests/ unless GPUHUB_TEST_ORDER
+# says a seed, `file` or `reversed`), so a test that needs an earlier test's state fails in the
+# ordinary run. The header and the end of the run say the seed and how to repeat it.
+SHUFFLED_FOLDERS = ("integration", "unit")
+# Files left in their written order, each with why (printed with the seed). Only for a known
+# failure of the product that an order shows, until its fix lands: then the file goes.
+KEEP_FILE_ORDER = {
+    "integration/test_usage.py": "its hub restart re-spawns the request test_status_page_by_role withdrew: "
+                                 "the queue-journal bug of test_restart_and_timeout's xfail",
+}
+
+
+def pytest_configure(config):
+    from support.order import OrderCheck
+
+    plugin = OrderCheck(Path(__file__).resolve().parent, SHUFFLED_FOLDERS, keep=KEEP_FILE_ORDER)
+    config.pluginmanager.register(plugin, "gpuhub-test-order")
+
+
 def pytest_addoption(parser):
     from support.layers import LAYER_TESTS
 

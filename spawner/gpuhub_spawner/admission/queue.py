@@ -294,6 +294,13 @@ class AdmissionQueue:
         self._notify(self.on_cancel, ticket)
         return True
 
+    def forget(self, key: str) -> None:
+        """Drop ``key``'s journal entry unless it still waits: its request is over for good
+        (withdrawn while it waited, after ``cancel(key, forget=False)`` kept it in case the
+        cancellation was the hub shutting down), so no restart may bring it back."""
+        if key not in self._keys and self.journal is not None:
+            self.journal.removed(key)
+
     def release(self, key: str) -> Admission | None:
         """Free what ``key`` holds and hand it to whoever waits next."""
         adm = self.admitted.pop(key, None)

@@ -240,6 +240,16 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             self._release("stopped")
             self._ticket = None
 
+    def run_post_stop_hook(self):
+        """A request withdrawn while it waits (the spawn page's cancel, an admin's withdraw:
+        JupyterHub cancels the spawn, then stops a server that never ran, which calls this
+        hook but not ``stop()``) leaves no journal entry behind. ``start()`` kept the entry
+        at the cancellation, as a hub shutdown needs; JupyterHub stops nothing at its own
+        shutdown (``cleanup_servers = False``), so this hook means the request is over, and a
+        restart must not hand the user a GPU they gave up."""
+        self.broker.queue.forget(self.server_key)
+        return super().run_post_stop_hook()
+
     # -- restarts -----------------------------------------------------------------------------
     def get_state(self):
         state = super().get_state()

@@ -109,10 +109,7 @@ SLOW_FIRST = {
 SHUFFLED_FOLDERS = ("integration", "unit")
 # Files left in their written order, each with why (printed with the seed). Only for a known
 # failure of the product that an order shows, until its fix lands: then the file goes.
-KEEP_FILE_ORDER = {
-    "integration/test_usage.py": "its hub restart re-spawns the request test_status_page_by_role withdrew: "
-                                 "the queue-journal bug of test_restart_and_timeout's xfail",
-}
+KEEP_FILE_ORDER: dict[str, str] = {}
 
 
 def pytest_configure(config):

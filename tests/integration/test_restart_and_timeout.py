@@ -84,12 +84,6 @@ def _journal_waiting(hub) -> set[str]:
     return live
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by the order check (issue 29 item 5; test_usage reversed: after the restart an open "
-    "allocation for dave, whose waiting request the admin had withdrawn): LocalGpuSpawner.start() "
-    "keeps a cancelled request's journal entry (as for a hub shutdown) and stop() then finds no "
-    "ticket to cancel, so the entry stays and the next restart re-spawns the request. With the fix "
-    "(local/spawner.py), drop this mark and test_usage.py from KEEP_FILE_ORDER in tests/conftest.py"))
 def test_a_request_cancelled_while_it_waits_is_not_kept_for_the_next_restart(hub):
     """bob leaves Vision Lab's queue (JupyterHub's DELETE of his pending server, as the spawn
     page's cancel and an admin's withdraw do): the journal must not hold his request any more,

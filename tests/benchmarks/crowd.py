@@ -8,6 +8,7 @@ single-user servers in ``storm``/``pages``/``handoff`` are a tiny HTTP process
 ``jupyterhub-singleuser`` servers.
 
     .venv/bin/python tests/benchmarks/crowd.py storm   [--users 200] [--gpus 16] [--proxy node|python|python-capped]
+                                                       [--equal-work [--before REV]]
     .venv/bin/python tests/benchmarks/crowd.py pages   [--users 500]
     .venv/bin/python tests/benchmarks/crowd.py handoff [--rounds 5]
     .venv/bin/python tests/benchmarks/crowd.py spawn   [--rounds 3]
@@ -16,6 +17,17 @@ single-user servers in ``storm``/``pages``/``handoff`` are a tiny HTTP process
 all along, through the public URL and on the hub's own port. Baseline: the same hub and
 proxy with JupyterHub's stock ``SimpleLocalProcessSpawner`` instead of gpuhub's, same storm.
 ``--proxy python-capped`` reproduces the proxy before this change (tornado's 10 clients).
+
+``storm --equal-work`` reports both comparisons in one run, in interleaved rounds against the
+same stock hubs: the Monday-morning storm as users meet it (gpuhub with ``--gpus`` GPUs starts
+that many servers and queues the rest; the stock hub starts every one) and equal work
+(gpuhub with a GPU for every user: as many launches as the stock hub, each isolated when the
+hub runs as root). ``--before REV`` adds a gpuhub hub with the package as it was at REV
+(``git archive``, first on ``PYTHONPATH``) doing the equal work, in the same rounds. Every
+hub runs ``loop_clock.py``: how long each server's launch held its event loop (the launch's
+steps, not its waits), printed per launch beside the probes' p50/p95/p99. ``--stacks DIR``
+loads ``stall_sampler.py`` into every hub too (diagnosis, not figures: it costs CPU) and
+writes, per hub run, where the loop's busy time went over the storm, by function.
 
 ``pages``: N waiting users keep their spawn page (progress stream) open through the public
 URL; probes while they are open vs before they were opened; then one GPU is freed and the
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import socket
 import statistics
@@ -153,15 +166,45 @@ def ready_count(hub: Hub, admin) -> int:
 
 
 # -- storm ------------------------------------------------------------------------------
-def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window: float) -> dict:
+def clock_config(path: Path) -> str:
+    """loop_clock.py in the hub: the loop time of each server's launch, one JSON line each."""
+    return f"import sys; sys.path.insert(0, {str(HERE)!r}); import loop_clock; loop_clock.install({str(path)!r})\n"
+
+
+def extract(rev: str, into: Path) -> Path:
+    """The package as it was at ``rev`` (for a hub of that version: first on PYTHONPATH)."""
+    import subprocess
+    import tarfile
+    from io import BytesIO
+
+    repo = HERE.parents[1]
+    tar = subprocess.run(["git", "-C", str(repo), "archive", rev, "spawner"], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(tar)) as t:
+        t.extractall(into, filter="data")
+    return into / "spawner"
+
+
+def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window: float,
+               stacks: str | None = None) -> dict:
+    import loop_clock
+
     names = [f"s{i:03d}" for i in range(users)]
     with tempfile.TemporaryDirectory() as tmp:
-        hub = Hub(Path(tmp), policy(gpus), extra_config=users_config(names) + tiny_config() + extra, env=env)
+        clock = Path(tmp) / "launches.jsonl"
+        sampler = ""
+        if stacks:  # diagnosis: where the loop's time goes (stall_sampler.py), not for the figures
+            sampler = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import stall_sampler; "
+                       f"stall_sampler.install({stacks!r})\n")
+        hub = Hub(Path(tmp), policy(gpus), extra_config=users_config(names) + tiny_config() + extra
+                  + clock_config(clock) + sampler, env=env)
+        load0 = os.getloadavg()[0]
         hub.start()
         try:
             crowd = login_all(hub, names)
             admin = hub.login("admin")
             probe = Prober(hub, admin, threads=4).start()
+            if stacks:
+                Path(stacks + ".reset").touch()  # the sampler forgets the start-up at its next flush (5 s)
             time.sleep(5)
             t_idle = time.time()
             barrier = threading.Barrier(users)
@@ -184,8 +227,11 @@ def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window:
             time.sleep(max(0.0, t0 + window - time.time()))
             t1 = t0 + window  # the same window on both hubs
             probe.stop()
+            if stacks:
+                time.sleep(6)  # its next flush
             out = {"label": label, "answered_s": answered, "ready_s": ready,
-                   "codes": {c: codes.count(c) for c in sorted(set(codes))}}
+                   "codes": {c: codes.count(c) for c in sorted(set(codes))},
+                   "launches": loop_clock.read(str(clock)), "load": (load0, os.getloadavg()[0])}
             for where in ("public", "hub-port"):
                 idle, _ = probe.window(where, t_idle - 5, t_idle)
                 lat, errors = probe.window(where, t0, t1)
@@ -195,16 +241,56 @@ def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window:
             hub.stop()
 
 
+def _ms(values, p):
+    return f"{pct(values, p):.1f}" if values else "-"
+
+
 def storm(args):
-    """Rounds alternate gpuhub and stock on the same machine; percentiles pool every round's probes."""
+    """Rounds alternate the hubs on the same machine; percentiles pool every round's probes."""
     env = PROXIES[args.proxy]
-    variants = [(f"gpuhub ({args.proxy} proxy)", ""), (f"stock spawner ({args.proxy} proxy)", STOCK)]
-    runs: dict[str, list[dict]] = {label: [] for label, _ in variants}
-    for _ in range(args.rounds):
-        for label, extra in variants:
-            runs[label].append(storm_once(label, extra, env, args.users, args.gpus, args.window))
-    print(f"\nstorm: {args.users} users ask for one GPU at once; {args.gpus} virtual GPUs; "
-          f"probes over the first {args.window:.0f}s of each storm; {args.rounds} round(s), alternating")
+    stock = f"stock spawner ({args.proxy} proxy)"
+    monday = f"gpuhub, {args.gpus} GPUs ({args.proxy} proxy)"
+    variants = [(monday, "", env, args.gpus)]
+    comparisons = [(f"Monday morning: {args.users} users, {args.gpus} GPUs (gpuhub starts {min(args.gpus, args.users)}, "
+                    f"queues the rest; stock starts all)", monday, stock)]
+    tmp_src = None
+    if args.equal_work:
+        equal = f"gpuhub, {args.users} GPUs ({args.proxy} proxy)"
+        variants.append((equal, "", env, args.users))
+        comparisons.append((f"equal work: {args.users} launches on both", equal, stock))
+        if args.before:
+            tmp_src = tempfile.TemporaryDirectory()
+            old = str(extract(args.before, Path(tmp_src.name)))
+            before = f"gpuhub @{args.before}, {args.users} GPUs ({args.proxy} proxy)"
+            env_before = dict(env, PYTHONPATH=old + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            variants.append((before, "", env_before, args.users))
+            comparisons.append(("equal work, before", before, stock))
+            comparisons.append(("equal work, now vs before", equal, before))
+    elif args.before:
+        raise SystemExit("--before goes with --equal-work")
+    variants.append((stock, STOCK, env, args.users))
+    runs: dict[str, list[dict]] = {label: [] for label, *_ in variants}
+    load_start = os.getloadavg()
+    try:
+        for i in range(args.rounds):
+            # ABBA: every other round runs the hubs in the reverse order, so no hub always
+            # follows the same one (and what that one left the machine busy with)
+            for label, extra, env_v, gpus in (variants if i % 2 == 0 else variants[::-1]):
+                stacks = None
+                if args.stacks:
+                    Path(args.stacks).mkdir(parents=True, exist_ok=True)
+                    slug = "-".join("".join(c if c.isalnum() else " " for c in label.split(" (")[0]).split())
+                    stacks = str(Path(args.stacks).resolve() / f"{slug}-r{i + 1}.txt")
+                runs[label].append(storm_once(label, extra, env_v, args.users, gpus, args.window, stacks))
+    finally:
+        if tmp_src is not None:
+            tmp_src.cleanup()
+    load_end = os.getloadavg()
+    print(f"\nstorm: {args.users} users ask for one GPU at once; probes over the first {args.window:.0f}s "
+          f"of each storm; {args.rounds} round(s), the hubs alternating (ABBA); tiny servers; "
+          f"load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
+          f"(per hub run: " + "; ".join(f"{label.split(' (')[0]}: " + ", ".join(f"{r['load'][0]:.1f}-{r['load'][1]:.1f}" for r in rs)
+                                        for label, rs in runs.items()) + ")")
     summary = {}
     for label, rs in runs.items():
         codes: dict = {}
@@ -212,22 +298,45 @@ def storm(args):
             for c, n in r["codes"].items():
                 codes[c] = codes.get(c, 0) + n
         answered = ", ".join(f"{r['answered_s']:.1f}" for r in rs)
-        print(f"{label}: spawn requests answered after {answered}s; "
+        ready = ", ".join(f"{r['ready_s']:.1f}" for r in rs)
+        print(f"{label}: spawn requests answered after {answered}s; servers it starts ready after {ready}s; "
               f"POST codes {json.dumps(codes)}")
         for where in ("public", "hub-port"):
             idle = [x for r in rs for x in r[where]["idle"]]
             lat = [x for r in rs for x in r[where]["lat"]]
             errors = [x for r in rs for x in r[where]["errors"]]
             per_round = ", ".join(f"{pct(r[where]['lat'], 99) * 1000:.0f}" for r in rs)
-            summary[label, where] = pct(lat, 99)
+            summary[label, where] = {p: pct(lat, p) for p in (50, 95, 99)}
             print(f"  {where:9} idle p99 {pct(idle, 99)*1000:5.0f}ms | storm p50 {pct(lat, 50)*1000:5.0f}ms "
-                  f"p95 {pct(lat, 95)*1000:6.0f}ms p99 {pct(lat, 99)*1000:6.0f}ms (per round: {per_round}) | "
+                  f"p95 {pct(lat, 95)*1000:6.0f}ms p99 {pct(lat, 99)*1000:6.0f}ms (p99 per round: {per_round}) | "
                   f"errors {len(errors)}/{len(lat) + len(errors)} {sorted(set(errors))}")
         summary[label, "503"] = codes.get(503, 0) + sum(r["public"]["errors"].count(503) for r in rs)
-    g, s_ = (label for label, _ in variants)
-    print(f"\nAPI p99 through the public URL, gpuhub / stock spawner: {summary[g, 'public'] / summary[s_, 'public']:.2f}x (goal <= 1.5)")
-    print(f"API p99, public URL / hub's own port (the proxy's share), gpuhub: {summary[g, 'public'] / summary[g, 'hub-port']:.2f}x")
-    print(f"503s through the public URL (spawn requests and probes): gpuhub {summary[g, '503']}, stock {summary[s_, '503']}")
+        for kind, what in (("launch", "launch (the process's start)"), ("start", "whole start (queue + launch)")):
+            rows = [x for r in rs for x in r["launches"] if x["kind"] == kind and x["outcome"] == "ok"]
+            if not rows:
+                continue
+            loop = [x["loop_ms"] for x in rows]
+            cpu = [x["cpu_ms"] for x in rows]
+            longest = [x["longest_ms"] for x in rows]
+            summary[label, kind] = statistics.median(loop)
+            print(f"  loop held per {what}: median {_ms(loop, 50)} ms, p95 {_ms(loop, 95)}, max {max(loop):.1f} "
+                  f"(its CPU: median {_ms(cpu, 50)} ms); longest single step median {_ms(longest, 50)} ms; "
+                  f"{len(rows) / len(rs):.0f} per storm, {sum(loop) / len(rs) / 1000:.2f} s of loop per storm")
+    print()
+    for title, a, b in comparisons:
+        parts = []
+        for where in ("public", "hub-port"):
+            ratios = " ".join(f"p{p} {summary[a, where][p] / summary[b, where][p]:.2f}x" for p in (50, 95, 99))
+            parts.append(f"{where}: {ratios}")
+        launch = ""
+        if (a, "launch") in summary and (b, "launch") in summary:
+            launch = f"; loop per launch {summary[a, 'launch']:.1f} / {summary[b, 'launch']:.1f} ms"
+        print(f"{title}, {a.split(' (')[0]} / {b.split(' (')[0]}: API " + " | ".join(parts) + launch)
+    g = monday
+    print(f"API p99, public URL / hub's own port (the proxy's share), {g.split(' (')[0]}: "
+          f"{summary[g, 'public'][99] / summary[g, 'hub-port'][99]:.2f}x")
+    print("503s through the public URL (spawn requests and probes): "
+          + ", ".join(f"{label.split(' (')[0]} {summary[label, '503']}" for label in runs))
 
 
 # -- pages --------------------------------------------------------------------------------
@@ -396,6 +505,13 @@ def main():
     ap.add_argument("--rounds", type=int, help="default: 2 for storm, 3 otherwise")
     ap.add_argument("--window", type=float, default=40.0, help="storm: seconds of probes from the first request")
     ap.add_argument("--proxy", choices=sorted(PROXIES), default="node")
+    ap.add_argument("--equal-work", action="store_true",
+                    help="storm: also gpuhub with a GPU per user (as many launches as the stock hub)")
+    ap.add_argument("--stacks", default=None, metavar="DIR",
+                    help="storm: load stall_sampler.py into every hub and write where its loop's time went to DIR "
+                         "(diagnosis: it costs the hub CPU)")
+    ap.add_argument("--before", default=None, metavar="REV",
+                    help="storm --equal-work: also a gpuhub hub with the package at this git revision")
     args = ap.parse_args()
     if args.rounds is None:
         args.rounds = 2 if args.what == "storm" else 3

@@ -82,6 +82,12 @@ class Sampler:
         self._run: list[tuple[str, ...]] = []
         self._run_start = 0.0
         self._last_look = time.perf_counter()
+        # Every look, not only the stalls': the loop's share of busy looks, and per gpuhub or
+        # JupyterHub function on the stack (inclusive), how many looks found the loop in it.
+        self.looks = 0
+        self.busy = 0
+        self.inclusive: collections.Counter = collections.Counter()
+        self._looks_since = time.perf_counter()
 
     def _gc(self, phase: str, info: dict) -> None:
         now = time.perf_counter()
@@ -112,6 +118,11 @@ class Sampler:
                 busy.append(f"{names.get(ident, ident)} in {ours[2:].rsplit('/', 1)[-1]}")
             self.starved.append((time.time() - late, late, "; ".join(busy) or "no other thread busy"))
         frame = frames.get(self.main)
+        self.looks += 1
+        if frame is not None and not _is_idle(frame):
+            self.busy += 1
+            self.inclusive.update({f[2:].split(":", 1)[0] + ":" + f.rsplit(" ", 1)[-1]
+                                   for f in _key(frame, depth=40) if f.startswith("*")})
         if frame is None or _is_idle(frame):
             if self._run and now - self._run_start >= self.threshold:
                 ours = collections.Counter(next((f[2:] for f in k if f.startswith("*")), k[0][2:] if k else "?")
@@ -146,6 +157,12 @@ class Sampler:
         if self.leak:
             lines.append("at the end: {} objects frozen; a full collection freed {}, and {} more once they were "
                          "unfrozen (cycles that died while frozen): {}".format(*self.leak))
+        span = time.perf_counter() - self._looks_since
+        per_look = span / max(1, self.looks)
+        lines.append(f"looks at the main thread: {self.looks} in {span:.1f} s ({per_look * 1000:.1f} ms apart); the loop "
+                     f"busy in {self.busy} ({100 * self.busy / max(1, self.looks):.0f} %, ~{self.busy * per_look:.1f} s); "
+                     "busy looks by gpuhub or JupyterHub function on the stack (inclusive), most first:"
+                     + "".join(f"\n  {n:6d} looks ~{n * per_look:6.2f} s  {f}" for f, n in self.inclusive.most_common(25)))
         total = sum(self.stacks.values()) or 1
         for stack, n in self.stacks.most_common(12):
             lines.append(f"\n{n} looks ({100 * n / total:.0f} % of the stalls' looks), innermost first:")
@@ -168,6 +185,9 @@ class Sampler:
             self.stacks.clear(), self.stalls.clear(), self.starved.clear(), self.starved_stacks.clear()
             self.collections.clear()
             self._run = []
+            self.looks = self.busy = 0
+            self.inclusive.clear()
+            self._looks_since = time.perf_counter()
         if os.path.exists(self.path + ".leak"):
             os.unlink(self.path + ".leak")
             frozen, freed = gc.get_freeze_count(), gc.collect()

@@ -1,0 +1,188 @@
+"""An isolated launch's kernel work runs beside the hub's event loop, not on it (issue 29 item 4).
+
+Real parts, no hub: ``IsolatedProcessSpawner`` (as the job launcher's ``JobProcess`` uses
+it, with ``sleep`` as the command) as root, with a real Unix account, cgroup, private /tmp
+and sandbox launcher. A step of the launch (the launcher's fork and exec) is made to wait
+until the event loop has run something else: with the step on the loop that never happens
+(the step gives up after ``GIVE_UP`` seconds and says so); beside it, the loop runs at once.
+Also: a start cancelled while that step runs (a user's stop during a start, a launch
+timeout) leaves no process behind, and the next start and stop work as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import uuid
+
+import pytest
+
+from support.hub import wait_for
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="isolated launches need root (accounts, cgroups, mounts)"),
+]
+
+GIVE_UP = 10.0  # seconds a patched step waits for the loop before it records that the loop never ran
+
+
+@pytest.fixture
+def prefix():
+    from gpuhub_spawner.local.isolation import remove_isolation
+    from gpuhub_spawner.local.service import held_prefix
+
+    p = f"l{uuid.uuid4().hex[:6]}-"
+    yield p
+    lock = held_prefix(p)
+    if lock is not None:
+        lock.release()
+    remove_isolation(p)
+
+
+async def until(predicate, timeout: float = 30.0) -> None:
+    """A job's start returns once its launcher has its spec; it then enters the sandbox and execs."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+
+
+def job(prefix: str, tmp_path, name: str = "ada"):
+    from gpuhub_spawner.local.job_launcher import JobProcess
+    from gpuhub_spawner.local.isolation import cgroup_host
+
+    if not cgroup_host("/sys/fs/cgroup", "gpuhub").version:
+        pytest.skip("no usable cgroups here")
+    sp = JobProcess(user_name=name, job_id=f"j{uuid.uuid4().hex[:6]}", argv=[], env={}, devices=[],
+                    device_nodes=[], limits=(500, 2**28), account_prefix=prefix,
+                    home_dir_template=str(tmp_path / "home" / "{account}"))
+    sp.cmd = ["/bin/sleep", "300"]
+    return sp
+
+
+def test_the_loop_runs_while_a_launcher_is_forked(prefix, tmp_path, monkeypatch):
+    from gpuhub_spawner.local import sandbox
+    from gpuhub_spawner.local.isolation import process_uid
+
+    real = sandbox.start_launcher
+    in_step, loop_ran = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def start_launcher(*args, **kw):
+        in_step.set()
+        seen.append(loop_ran.wait(GIVE_UP))  # the loop sets it, if it runs meanwhile
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sandbox, "start_launcher", start_launcher)
+    sp = job(prefix, tmp_path)
+
+    async def main():
+        async def other_work():  # anything else the hub does: a request, a page's update
+            while not in_step.is_set():
+                await asyncio.sleep(0.005)
+            loop_ran.set()
+
+        beside = asyncio.ensure_future(other_work())
+        await sp.start()
+        await beside
+        try:
+            # the server as before: running as its account, in its cgroup, its OOM watch on (v1)
+            await until(lambda: sp.proc.poll() is not None or process_uid(sp.pid) == sp._account.uid)
+            assert sp.proc.poll() is None
+            assert process_uid(sp.pid) == sp._account.uid
+            assert sp._cgroup.contains(sp.pid)
+            if sp._cgroup.host.version == 1:
+                assert sp._oom_fd is not None
+            assert sp._cgroup.memory_limit() == 2**28
+        finally:
+            await sp.stop(now=True)
+        assert sp.proc is None or sp.proc.poll() is not None
+
+    asyncio.run(main())
+    assert seen == [True], f"the event loop did not run for {GIVE_UP:.0f} s while the launcher was started"
+
+
+def test_a_start_cancelled_during_the_launch_leaves_nothing_running(prefix, tmp_path, monkeypatch):
+    from gpuhub_spawner.local import sandbox
+    from gpuhub_spawner.local.isolation import process_uid
+
+    real = sandbox.start_launcher
+    launched, go_on = threading.Event(), threading.Event()
+    procs = []
+
+    def start_launcher(*args, **kw):
+        out = real(*args, **kw)
+        procs.append(out[0])
+        launched.set()
+        go_on.wait(GIVE_UP)  # the start is cancelled meanwhile
+        return out
+
+    monkeypatch.setattr(sandbox, "start_launcher", start_launcher)
+    sp = job(prefix, tmp_path)
+
+    async def main():
+        task = asyncio.ensure_future(sp.start())
+        while not launched.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()  # what JupyterHub does to a pending start that a user stops
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go_on.set()
+        await sp.stop()  # and then it stops the spawner, which knows of no process yet
+        for _ in range(2000):  # the thread's end, then the launcher's kill and reaping
+            if procs and procs[0].returncode is not None:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert procs and procs[0].returncode is not None, "the launcher of a cancelled start is still running"
+    assert sp.pid == 0 and sp._cgroup is None
+
+    # the next start is a normal one, and so is its stop
+    monkeypatch.setattr(sandbox, "start_launcher", real)
+
+    async def again():
+        await sp.start()
+        pid, cg = sp.pid, sp._cgroup
+        await until(lambda: sp.proc.poll() is not None or process_uid(pid) == sp._account.uid)
+        assert sp.proc.poll() is None and cg.contains(pid)
+        await sp.stop(now=True)
+        return cg
+
+    cg = asyncio.run(again())
+    wait_for(lambda: not any(p.exists() for p in cg.paths.values()), 20, "the cgroup removed at stop")
+
+
+def test_account_checks_never_fill_the_hubs_thread_pool(prefix, tmp_path, monkeypatch):
+    """Account changes are one at a time (unix_users' lock). While a crowd's account checks
+    wait for it, the hub still resolves the addresses it connects to (tornado does that in
+    the event loop's default thread pool: the proxy's API, each server's URL)."""
+    from gpuhub_spawner.local import isolation
+
+    real = isolation.ensure_account
+    release = threading.Event()
+
+    def ensure_account(*args, **kw):
+        release.wait(GIVE_UP)  # a slow useradd, and everyone else waiting for the lock
+        return real(*args, **kw)
+
+    monkeypatch.setattr(isolation, "ensure_account", ensure_account)
+    jobs = [job(prefix, tmp_path, name=f"crowd{i}") for i in range(8)]  # the broker's launch concurrency
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        starts = [asyncio.ensure_future(sp.start()) for sp in jobs]
+        await asyncio.sleep(0.2)  # every start is now waiting for its account
+        try:
+            resolved = await asyncio.wait_for(loop.getaddrinfo("localhost", 80), GIVE_UP / 2)
+        except asyncio.TimeoutError:
+            resolved = None
+        release.set()
+        await asyncio.gather(*starts)
+        for sp in jobs:
+            await sp.stop(now=True)
+        return resolved
+
+    assert asyncio.run(main()), "an address could not be resolved while account checks waited"

@@ -10,6 +10,7 @@ server is stopped and stays the user's, the hub's audit says the culler asked.
 import json
 import os
 from datetime import datetime
+from unittest import mock
 
 import pytest
 from traitlets.config import Config
@@ -61,13 +62,14 @@ def started_of(server: dict) -> float:
 
 
 def stop(hub, key, decision):
-    """One stop exactly as the service makes it, with the service's token."""
+    """One stop exactly as the service makes it, with the service's token (in this process's
+    environment only while it runs: the pytest worker goes on to other files)."""
     import asyncio
 
-    os.environ["JUPYTERHUB_API_TOKEN"] = TOKEN
-    culler = GpuHubCuller(url=hub.url + "/hub/api", concurrency=5)
-    culler.configure_client()
-    return asyncio.run(culler.stop_one(key, {"action": "cull", "reason": "test", **decision}))
+    with mock.patch.dict(os.environ, {"JUPYTERHUB_API_TOKEN": TOKEN}):
+        culler = GpuHubCuller(url=hub.url + "/hub/api", concurrency=5)
+        culler.configure_client()
+        return asyncio.run(culler.stop_one(key, {"action": "cull", "reason": "test", **decision}))
 
 
 def audit(hub) -> list[dict]:
@@ -122,8 +124,8 @@ def test_only_what_the_answer_names_as_due_is_stopped(hub):
     answer = PassDecisions({"now": 0, "servers": 1, "decisions": {
         "erin/": {"action": "warn", "deadline": 1e12, "started": started_of(server)}}})
     assert answer.due == []
-    os.environ["JUPYTERHUB_API_TOKEN"] = TOKEN
     import asyncio
 
-    assert asyncio.run(GpuHubCuller(url=hub.url + "/hub/api").stop_due(answer)) == {}
+    with mock.patch.dict(os.environ, {"JUPYTERHUB_API_TOKEN": TOKEN}):
+        assert asyncio.run(GpuHubCuller(url=hub.url + "/hub/api").stop_due(answer)) == {}
     assert erin.server()["ready"]

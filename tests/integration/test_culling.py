@@ -274,7 +274,8 @@ def test_a_server_claiming_a_busy_gpu_is_culled_when_nvml_reads_idle_and_the_gpu
     admitted = wait_for(lambda: [e for e in audit(hub) if e.get("event") == "admitted" and e.get("key") == "dave/"],
                         60, "dave's admission")
     assert admitted[0]["devices"] == [carol_gpu]
-    assert any(e.get("event") == "started" and e.get("key") == "dave/" for e in audit(hub))
+    wait_for(lambda: any(e.get("event") == "started" and e.get("key") == "dave/" for e in audit(hub)), 120,
+             "dave's server to start on it")
     # bob's busy GPU kept his server well past its GPU-idle timeout, without a warning
     assert bob.server()["ready"] and warnings(bob) == {}
     assert "bob/" not in "".join(line for line in log.splitlines() if "Warning " in line)

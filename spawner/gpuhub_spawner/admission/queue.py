@@ -297,9 +297,15 @@ class AdmissionQueue:
     def forget(self, key: str) -> None:
         """Drop ``key``'s journal entry unless it still waits: its request is over for good
         (withdrawn while it waited, after ``cancel(key, forget=False)`` kept it in case the
-        cancellation was the hub shutting down), so no restart may bring it back."""
-        if key not in self._keys and self.journal is not None:
-            self.journal.removed(key)
+        cancellation was the hub shutting down), so no restart may bring it back.
+
+        Not while the queue is held after a restart: JupyterHub then stops every server that
+        was only pending ("appears to have stopped while the Hub was down"), which is no
+        withdrawal: those requests are coming back (``restore_waiting``), and their entries
+        must stay for the restart after this one."""
+        if self.held or key in self._keys or key in self._restored or self.journal is None:
+            return
+        self.journal.removed(key)
 
     def release(self, key: str) -> Admission | None:
         """Free what ``key`` holds and hand it to whoever waits next."""

@@ -27,7 +27,9 @@ def pytest_configure(config):
 """
 
 # Every test, class fixture and module fixture notes itself in $ORDER_LOG as it runs.
-FILE_A = """
+def noting_module(name: str) -> str:
+    """A generated test file's head: ``note()`` writes to $ORDER_LOG, and its module fixture notes its setup."""
+    return f"""
 import os
 import pytest
 
@@ -37,7 +39,11 @@ def note(what):
 
 @pytest.fixture(scope="module", autouse=True)
 def shared():
-    note("module-setup a")
+    note("module-setup {name}")
+"""
+
+
+FILE_A = noting_module("a") + """
 
 def test_f1(): note("a::test_f1")
 def test_f2(): note("a::test_f2")
@@ -74,19 +80,7 @@ class TestL:
     def test_l2(self): note("a::TestL::test_l2")
 """
 
-FILE_B = """
-import os
-import pytest
-
-def note(what):
-    with open(os.environ["ORDER_LOG"], "a") as f:
-        f.write(what + "\\n")
-
-@pytest.fixture(scope="module", autouse=True)
-def shared():
-    note("module-setup b")
-
-""" + "".join(f"def test_b{i}(): note('b::test_b{i}')\n" for i in range(1, 7))
+FILE_B = noting_module("b") + "\n" + "".join(f"def test_b{i}(): note('b::test_b{i}')\n" for i in range(1, 7))
 
 FILE_OTHER = "".join(f"def test_o{i}(): pass\n" for i in range(1, 6))
 

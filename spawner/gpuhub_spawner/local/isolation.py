@@ -344,7 +344,6 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             self.proc = Popen(cmd, **popen)
             self.pid = self.proc.pid
             self._start_time = process_start_time(self.pid)
-        self._watch_oom()
         if self.serves_http:
             await self._wait_listening()
         return (self.ip or "127.0.0.1", self.port)

@@ -119,10 +119,11 @@ def terminal_text(page) -> str:
     """What the JupyterLab terminal on screen shows. JupyterLab 4.6 draws xterm.js on a canvas
     (its WebGL renderer, or the canvas one without WebGL): no text in the DOM. With the
     terminal's Screen Reader Mode on (step 4 turns it on in the Settings Editor) xterm keeps
-    the visible rows as text in its accessibility tree, which is what is read here."""
+    the visible rows as text in its accessibility tree, which is what is read here. A hidden
+    tab's class (lm-mod-hidden) is on the terminal's MainAreaWidget, not on the .jp-Terminal in it."""
     return page.evaluate(
         """() => {
-            const tree = document.querySelector('.jp-Terminal:not(.lm-mod-hidden) .xterm-accessibility-tree');
+            const tree = document.querySelector('.jp-MainAreaWidget:not(.lm-mod-hidden) > .jp-Terminal .xterm-accessibility-tree');
             return tree ? Array.from(tree.children).map(r => r.textContent.replace(/\\u00a0/g, ' ')).join('\\n') : '';
         }"""
     )
@@ -265,7 +266,7 @@ def test_a_new_researchers_first_session(hub, browser, tmp_path):
         page.locator(".lm-MenuBar-item", has_text="File").click()
         page.locator(".lm-Menu-item", has_text=re.compile(r"^New")).first.hover()
         page.locator(".lm-Menu-item[data-command='terminal:create-new']").click()
-        term = page.locator(".jp-Terminal:not(.lm-mod-hidden) .xterm").first
+        term = page.locator(".jp-MainAreaWidget:not(.lm-mod-hidden) > .jp-Terminal .xterm").first
         term.wait_for()
 
         def on_terminal(predicate, what: str):

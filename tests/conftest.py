@@ -109,12 +109,7 @@ SLOW_FIRST = {
 SHUFFLED_FOLDERS = ("integration", "unit")
 # Files left in their written order, each with why (printed with the seed). Only for a known
 # failure of the product that an order shows, until its fix lands: then the file goes.
-KEEP_FILE_ORDER = {
-    "integration/test_crowd.py": "a user who leaves the queue as they are admitted gets 500 'pending spawn' from "
-                                 "JupyterHub's DELETE and a server anyway (the launch does not end at the cancel; "
-                                 "found by the order check on 2026-12-02, open): the storm's empty() stops a full "
-                                 "queue at once",
-}
+KEEP_FILE_ORDER = {}
 
 
 def pytest_configure(config):

@@ -184,3 +184,34 @@ async def test_a_user_holding_many_descriptors_does_not_stall_the_hub():
         squatter.close()
         os.killpg(proc.pid, 9)  # the hoarder and its children
         proc.wait()
+
+
+def test_two_servers_starting_at_once_never_get_the_same_port():
+    """The kernel may hand the same free port twice while the first server is still starting
+    (nothing bound it yet): the hub's book gives the second server another one, and the port
+    goes back only when its own server is gone."""
+    from gpuhub_spawner.local.listening import PortBook
+
+    kernel = iter([52553, 52553, 52553, 40001, 52553])
+    book = PortBook(pick=lambda: next(kernel))
+    first = book.take("u01")
+    second = book.take("u00")
+    assert (first, second) == (52553, 40001)
+    book.give_back(52553, "u00")  # not u00's: still u01's
+    assert book.held == {52553: "u01", 40001: "u00"}
+    stuck = PortBook(pick=lambda: 52553, tries=3)
+    stuck.take("u01")
+    with pytest.raises(RuntimeError, match="no free port after 3 tries"):
+        stuck.take("u00")  # a clear error, not a server that cannot listen
+    book.give_back(52553, "u01")  # u01's server stopped
+    assert book.take("u02") == 52553
+
+
+def test_a_booked_port_comes_from_the_kernel_and_is_free():
+    from gpuhub_spawner.local.listening import PortBook
+
+    book = PortBook()
+    port = book.take("u00")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # nobody holds it
+    assert book.held == {port: "u00"}

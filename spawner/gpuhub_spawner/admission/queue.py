@@ -166,8 +166,9 @@ class Ticket:
             return
         event = self._changed
         try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # not wait_for: 3.11's loses a cancel that finds it done
+                await event.wait()
+        except TimeoutError:
             pass
 
 

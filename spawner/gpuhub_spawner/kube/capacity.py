@@ -287,9 +287,10 @@ class CapacityKeeper:
     async def wait_change(self, timeout: float) -> bool:
         """Until the failed nodes change (True) or ``timeout`` seconds pass (False)."""
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: 3.11's loses a cancel that finds it done
+                await self._changed.wait()
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def _set_faults(self, faults: dict[str, NodeFault]) -> None:

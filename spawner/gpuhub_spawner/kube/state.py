@@ -84,8 +84,9 @@ class _RemembersGone:
         waiting = self.__dict__.setdefault("_waiting", {})
         waiting.setdefault(key, []).append(future)
         try:
-            await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # not wait_for: 3.11's loses a cancel that finds it done
+                await future
+        except TimeoutError:
             pass
         finally:
             if future in waiting.get(key, ()):

@@ -283,9 +283,10 @@ class GpuHealthMonitor:
         event = self._changed
         self.waiters += 1
         try:
-            await asyncio.wait_for(event.wait(), max(0.0, timeout))
+            async with asyncio.timeout(max(0.0, timeout)):  # not wait_for: 3.11's loses a cancel that finds it done
+                await event.wait()
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         finally:
             self.waiters -= 1

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from subprocess import Popen
 
 from jupyterhub.spawner import LocalProcessSpawner
-from jupyterhub.utils import random_port
 from tornado import web
 from traitlets import CaselessStrEnum, Unicode, default
 
 from .cgroups import CgroupHost, ServerCgroup
-from .listening import PortTaken
+from .listening import PORTS, PortTaken
 from .listening import watcher as listen_watcher
 from .unix_users import Account, AccountError, ensure_account, ensure_home, system_username
 
@@ -310,7 +309,29 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     # -- start ---------------------------------------------------------------------------------
     async def start(self):
         if self.port == 0:
-            self.port = random_port()
+            # Not random_port() alone: a port it gives stays free until the server binds it,
+            # seconds later, and could be given to a server starting meanwhile (local/listening.py).
+            self.port = self._booked_port = PORTS.take(self._port_owner)
+        try:
+            return await self._start()
+        except BaseException:
+            self._give_back_port()
+            raise
+
+    @property
+    def _port_owner(self) -> str:
+        return f"{self._log_name} ({id(self):x})"
+
+    def _give_back_port(self) -> None:
+        """The server this spawner started is gone (or never started): its booked port is free."""
+        port = getattr(self, "_booked_port", None)
+        if port:
+            PORTS.give_back(port, self._port_owner)
+            self._booked_port = None
+            if self.port == port:
+                self.port = 0  # the next start books a port of its own
+
+    async def _start(self):
         loop = asyncio.get_running_loop()
         cpu, memory = self.resource_limits()
         if cpu:
@@ -730,6 +751,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 cg.kill_all()
                 cg.remove()
                 self._cgroup = None
+            self._give_back_port()
             self._note_stop_reason()
 
     # -- restarts: the hub's own record, and the process's identity ----------------------------

@@ -205,8 +205,11 @@ class ListenWatcher:
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run())
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        except asyncio.TimeoutError:
+            # Not wait_for: in 3.11 it answers "listening" when a cancel (the start abandoned)
+            # comes as the server listens, and the abandoned start would be routed to.
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(waiter.future)
+        except TimeoutError:
             return "timeout"
         finally:
             if waiter in self.waiters:
@@ -256,3 +259,43 @@ def watcher() -> ListenWatcher:
     if w is None:
         w = _WATCHERS[key] = ListenWatcher()
     return w
+
+
+class PortBook:
+    """The ports this hub has handed to its servers, until each server has stopped.
+
+    JupyterHub's ``random_port()`` asks the kernel for a free port and closes the socket at
+    once: the port is free again until the server binds it, seconds later (its Python starts
+    first). Two servers starting at the same time can be handed the same port, and the
+    second then cannot listen; its user gets an error instead of a server. Seen in a storm of
+    50 users on 4 GPUs (2026-12-02): u01 and u00 both got port 52553 within a few seconds.
+    A port in this book is not handed out again while its server starts or runs. A port
+    that another process binds (not this hub's server) is still refused when the server
+    starts (``PortTaken``): the book cannot know of other programs' ports.
+
+    ``pick`` is JupyterHub's ``random_port`` unless a test gives another."""
+
+    def __init__(self, pick=None, tries: int = 50):
+        self._pick = pick
+        self.tries = tries
+        self.held: dict[int, str] = {}  # port -> the server it was handed to
+
+    def take(self, owner: str) -> int:
+        """A port no server of this hub holds now, booked for ``owner``."""
+        pick = self._pick
+        if pick is None:
+            from jupyterhub.utils import random_port as pick
+        for _ in range(self.tries):
+            port = pick()
+            if port not in self.held:
+                self.held[port] = owner
+                return port
+        raise RuntimeError(f"no free port after {self.tries} tries ({len(self.held)} held by this hub's servers)")
+
+    def give_back(self, port: int, owner: str) -> None:
+        """``owner``'s server stopped (or never started): its port may be handed out again."""
+        if self.held.get(port) == owner:
+            del self.held[port]
+
+
+PORTS = PortBook()  # one per hub process: its spawners share the machine's ports

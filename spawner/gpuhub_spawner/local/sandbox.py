@@ -388,10 +388,13 @@ async def hand_over(proc, wfd: int, payload: bytes, timeout: float = HAND_OVER_T
 
     os.set_blocking(wfd, False)
     try:
-        await asyncio.wait_for(write_loop(), timeout)
+        # Not wait_for: in 3.11 it returns when the write is done as a cancel comes (the start
+        # cancelled: the user left), and the cancelled start went on to run the server.
+        async with asyncio.timeout(timeout):
+            await write_loop()
     except BrokenPipeError:
         pass  # the launcher is gone before reading: its exit is seen by the caller
-    except asyncio.TimeoutError:
+    except TimeoutError:
         proc.kill()
         raise RuntimeError(f"the sandbox launcher (pid {proc.pid}) did not read its spec in {timeout:.0f} s") from None
     finally:

@@ -72,7 +72,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
                 f"{nominal}; {waiting} waiting in {team.label}'s queue.")
         if free and used + profile.gpu_count > nominal and team.cohort:
             # Said before the click: a start now would borrow, and what that means.
-            text += (f" Starting now borrows another team's unused GPU: if that team needs it back, your "
+            text += (" Starting now borrows another team's unused GPU: if that team needs it back, your "
                      "server is warned and stopped after its notice (the newest borrower first).")
         return text
 
@@ -138,7 +138,12 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             raise
         try:
             async with self.broker.launch_slots:
-                url = await asyncio.wait_for(super().start(), policy.defaults.launch_timeout)
+                # asyncio.timeout, not wait_for: the launch runs in this task, so a cancel (the
+                # user leaving as they are admitted) reaches whatever it awaits. 3.11's
+                # wait_for runs it as a task of its own and returns its result when the cancel
+                # finds it done: the launch went on, and JupyterHub's stop gave a 500.
+                async with asyncio.timeout(policy.defaults.launch_timeout):
+                    url = await super().start()
         except BaseException:
             self.broker.queue.release(ticket.key)
             self._admission = None

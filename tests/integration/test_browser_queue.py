@@ -1,10 +1,12 @@
 """In a real Chromium: a user sees only their team's profiles and the queue in plain words."""
 
+import json
 import os
 import shutil
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
@@ -67,6 +69,70 @@ def test_queue_message_on_the_spawn_page(hub, browser, tmp_path):
     hub.login("alice").stop()
     bob.wait_for_url("**/user/bob/**", timeout=90_000)
     hub.login("bob").stop()
+
+
+@pytest.mark.parametrize("last_word", [
+    {"progress": 100, "ready": True, "message": "Server ready at /user/bob/", "url": "/user/bob/"},
+    {"progress": 100, "failed": True, "message": "Spawn cancelled"},
+], ids=["ready", "cancelled"])
+def test_a_hub_going_down_does_not_end_the_waiting_page(hub, browser, last_word):
+    """A hub shutting down (a restart) cancels the spawns in its queue, and JupyterHub's
+    progress stream then says "ready" (the server's record outlives a cancelled spawn) or
+    "Spawn cancelled", as its last word before it stops answering. Seen in a whole run: bob's
+    waiting page believed "ready", reloaded while the hub was down and showed the proxy's 503
+    page instead of his place in the queue. A last word from a hub that no longer answers is a
+    lost stream: the page says so, keeps its place and follows the restarted hub."""
+    for name in ("alice", "bob"):  # whatever ran before (any order)
+        u = hub.login(name)
+        if u.server() is not None:
+            u.stop()
+            u.wait_gone()
+    alice = hub.login("alice")
+    assert alice.start("gpu-1").status_code in (201, 202)
+    alice.wait_ready()
+    assert hub.login("bob").start("gpu-1").status_code == 202  # bob waits behind alice
+
+    # The hub going down, as the page meets it: the stream's last word, then no answer.
+    def hub_root(url: str) -> bool:  # what the page asks to learn whether the hub answers
+        return urlparse(url).path.endswith("/hub/api/")
+
+    def stream(url: str) -> bool:
+        return urlparse(url).path.endswith("/users/bob/server/progress")
+
+    def down(route):
+        route.fulfill(status=503, body="the hub is restarting")
+
+    def last(route):
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+                      body=f"data: {json.dumps(last_word)}\n\n")
+
+    ctx = browser.new_context()
+    try:
+        ctx.route(hub_root, down)
+        ctx.route(stream, last)
+        page = ctx.new_page()
+        page.goto(hub.url + "/hub/login")
+        page.fill("#username_input", "bob")
+        page.fill("#password_input", PASSWORD)
+        page.click("#login_submit")
+        page.wait_for_url("**/hub/spawn-pending/bob**")
+        note = page.locator("#gpuhub-reconnect", has_text="Lost contact with the hub")
+        note.wait_for(timeout=30_000)  # the last word was taken for a lost stream
+        assert "/hub/spawn-pending/bob" in page.url
+        page.evaluate("window.__same_page = true")  # gone if the page reloads
+        navigations = []
+        page.on("framenavigated", lambda f: f == page.main_frame and navigations.append(f.url))
+        ctx.unroute(hub_root, down)  # the hub is back
+        ctx.unroute(stream, last)
+        page.locator("#progress-message").filter(has_text="position 1 of 1").wait_for(timeout=60_000)
+        assert not navigations and page.evaluate("window.__same_page === true"), navigations
+        assert note.count() == 0 or not note.is_visible()
+    finally:
+        ctx.close()
+        for name in ("bob", "alice"):
+            u = hub.login(name)
+            u.stop()
+            u.wait_gone()
 
 
 def _listening_since(run_id: str, user: str, stop: threading.Event, seen: dict) -> None:

@@ -315,7 +315,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         try:
             return await self._start()
         except BaseException:
-            self._give_back_port()
+            if not self.pid:  # nothing holds it; a process that started keeps it until stop()
+                self._give_back_port()
             raise
 
     @property

@@ -82,11 +82,7 @@ def test_a_hub_going_down_does_not_end_the_waiting_page(hub, browser, last_word)
     waiting page believed "ready", reloaded while the hub was down and showed the proxy's 503
     page instead of his place in the queue. A last word from a hub that no longer answers is a
     lost stream: the page says so, keeps its place and follows the restarted hub."""
-    for name in ("alice", "bob"):  # whatever ran before (any order)
-        u = hub.login(name)
-        if u.server() is not None:
-            u.stop()
-            u.wait_gone()
+    hub.stop_servers("alice", "bob")  # whatever ran before (any order)
     alice = hub.login("alice")
     assert alice.start("gpu-1").status_code in (201, 202)
     alice.wait_ready()
@@ -129,10 +125,7 @@ def test_a_hub_going_down_does_not_end_the_waiting_page(hub, browser, last_word)
         assert note.count() == 0 or not note.is_visible()
     finally:
         ctx.close()
-        for name in ("bob", "alice"):
-            u = hub.login(name)
-            u.stop()
-            u.wait_gone()
+        hub.stop_servers("bob", "alice")
 
 
 def _listening_since(run_id: str, user: str, stop: threading.Event, seen: dict) -> None:

@@ -104,11 +104,7 @@ def test_waiting_page_and_open_lab_survive_a_restart(hub, tmp_path):
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
     from playwright.sync_api import sync_playwright
 
-    for name in ("alice", "bob"):
-        u = hub.login(name)
-        if u.server() is not None:
-            u.stop()
-            u.wait_gone()
+    hub.stop_servers("alice", "bob")
     alice_api = hub.login("alice")
     assert alice_api.start("gpu-1").status_code in (201, 202)
     alice_api.wait_ready()
@@ -166,10 +162,7 @@ def test_waiting_page_and_open_lab_survive_a_restart(hub, tmp_path):
             bob.wait_for_url("**/user/bob/**", timeout=120_000)
         finally:
             browser.close()
-    for name in ("bob", "alice"):
-        u = hub.login(name)
-        u.stop()
-        u.wait_gone()
+    hub.stop_servers("bob", "alice")
 
 
 def _replace_proxy_with(hub, argv_of, env=None) -> int:

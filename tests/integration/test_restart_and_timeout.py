@@ -106,11 +106,7 @@ def test_a_request_cancelled_while_it_waits_is_not_kept_for_the_next_restart(hub
 # -- finding 10 of issue 8: restart trusts the hub's own record, and the process's identity --
 
 def _stop_all(hub, names=("alice", "bob", "carol", "dave")):
-    for name in names:
-        u = hub.login(name)
-        if u.server() is not None:
-            u.stop()
-            u.wait_gone()
+    hub.stop_servers(*names)
 
 
 def _holders(hub, user=None):

@@ -200,6 +200,14 @@ class Hub:
     def login(self, name: str, password: str = PASSWORD) -> "UserClient":
         return UserClient(self, name, password)
 
+    def stop_servers(self, *names: str) -> None:
+        """These users have no server, whatever the tests before left (each test runs in any order)."""
+        for name in names:
+            u = self.login(name)
+            if u.server() is not None:
+                u.stop()
+                u.wait_gone()
+
 
 class UserClient:
     def __init__(self, hub: Hub, name: str, password: str):

@@ -112,14 +112,13 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         try:
             # The wait counts from the request, also for one that waited before a restart.
             left = max(0.0, queue_timeout - (time.time() - ticket.created))
-            # asyncio.wait, not wait_for(shield(...)): Python 3.11's wait_for returns the result
-            # when its future is already done as the cancellation comes, i.e. a user who leaves
-            # the queue (JupyterHub cancels the spawn) just as the ticket is admitted got a
-            # server launched anyway, and JupyterHub's stop a 500 "pending spawn".
-            done, _ = await asyncio.wait({ticket.future}, timeout=left)
-            if not done:
-                raise asyncio.TimeoutError
-            self._admission = ticket.future.result()
+            # asyncio.timeout, not wait_for (as for the launch below): Python 3.11's wait_for
+            # returns the result when its future is already done as the cancellation comes,
+            # i.e. a user who leaves the queue (JupyterHub cancels the spawn) just as the ticket
+            # is admitted got a server launched anyway, and JupyterHub's stop a 500 "pending
+            # spawn". The shield keeps a cancel here from cancelling the queue's own future.
+            async with asyncio.timeout(left):
+                self._admission = await asyncio.shield(ticket.future)
         except asyncio.TimeoutError:
             self.broker.queue.cancel(ticket.key)
             wanted = ", ".join(describe(k, v, policy) for k, v in sorted(demand.items()) if k.startswith("gpu/"))

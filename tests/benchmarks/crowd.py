@@ -8,7 +8,7 @@ single-user servers in ``storm``/``pages``/``handoff`` are a tiny HTTP process
 ``jupyterhub-singleuser`` servers.
 
     .venv/bin/python tests/benchmarks/crowd.py storm   [--users 200] [--gpus 16] [--proxy node|python|python-capped]
-                                                       [--equal-work [--before REV]]
+                                                       [--equal-work [--before REV]] [--cpu]
     .venv/bin/python tests/benchmarks/crowd.py pages   [--users 500]
     .venv/bin/python tests/benchmarks/crowd.py handoff [--rounds 5]
     .venv/bin/python tests/benchmarks/crowd.py spawn   [--rounds 3]
@@ -25,8 +25,12 @@ that many servers and queues the rest; the stock hub starts every one) and equal
 hub runs as root). ``--before REV`` adds a gpuhub hub with the package as it was at REV
 (``git archive``, first on ``PYTHONPATH``) doing the equal work, in the same rounds. Every
 hub runs ``loop_clock.py``: how long each server's launch held its event loop (the launch's
-steps, not its waits), printed per launch beside the probes' p50/p95/p99. ``--stacks DIR``
-loads ``stall_sampler.py`` into every hub too (diagnosis, not figures: it costs CPU) and
+steps, not its waits), printed beside the probes' mean, p50, p95, p99 and how many probes
+were answered in the window (the probes are a closed loop: fewer answers, slower answers on
+the whole). ``--cpu`` adds, per hub run, where the machine's CPU went over the window
+(``cpu_share.py``: the hub's loop thread and its other threads, servers with their
+launchers, the proxy, the benchmark itself), how long the loop waited for a CPU while
+runnable, and how many threads were runnable. ``--stacks DIR`` loads ``stall_sampler.py`` into every hub too (diagnosis, not figures: it costs CPU) and
 writes, per hub run, where the loop's busy time went over the storm, by function.
 
 ``pages``: N waiting users keep their spawn page (progress stream) open through the public
@@ -93,6 +97,7 @@ def tiny_config() -> str:
     return f"c.Spawner.cmd = [{sys.executable!r}, {str(TINY)!r}]\n"
 
 
+BEFORE_GROUP = "gpuhub-bench-before"  # the servers' cgroup group of the --before hub
 STOCK = "c.JupyterHub.spawner_class = 'jupyterhub.spawner.SimpleLocalProcessSpawner'\n"
 
 PROXIES = {
@@ -185,7 +190,8 @@ def extract(rev: str, into: Path) -> Path:
 
 
 def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window: float,
-               stacks: str | None = None) -> dict:
+               stacks: str | None = None, cpu: bool = False) -> dict:
+    import cpu_share
     import loop_clock
 
     names = [f"s{i:03d}" for i in range(users)]
@@ -216,6 +222,7 @@ def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window:
                 except requests.RequestException:
                     return 0
 
+            share = cpu_share.CpuShare(hub.proc.pid, window).start() if cpu else None
             t0 = time.time()
             with ThreadPoolExecutor(users) as pool:
                 codes = list(pool.map(ask, names))
@@ -226,12 +233,14 @@ def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window:
             ready = time.time() - t0
             time.sleep(max(0.0, t0 + window - time.time()))
             t1 = t0 + window  # the same window on both hubs
+            cpu_used = share.stop() if share is not None else None
             probe.stop()
             if stacks:
                 time.sleep(6)  # its next flush
             out = {"label": label, "answered_s": answered, "ready_s": ready,
                    "codes": {c: codes.count(c) for c in sorted(set(codes))},
-                   "launches": loop_clock.read(str(clock)), "load": (load0, os.getloadavg()[0])}
+                   "launches": loop_clock.read(str(clock)), "load": (load0, os.getloadavg()[0]),
+                   "cpu": cpu_used}
             for where in ("public", "hub-port"):
                 idle, _ = probe.window(where, t_idle - 5, t_idle)
                 lat, errors = probe.window(where, t0, t1)
@@ -245,8 +254,26 @@ def _ms(values, p):
     return f"{pct(values, p):.1f}" if values else "-"
 
 
+def remove_group(name: str) -> None:
+    """The --before hub's servers' group, and what its servers left in it (their processes are gone)."""
+    for group in [*Path("/sys/fs/cgroup").glob(f"*/{name}"), Path("/sys/fs/cgroup", name)]:  # v1, v2
+        if group.is_dir():
+            for leaf in group.iterdir():
+                if leaf.is_dir():
+                    try:
+                        leaf.rmdir()
+                    except OSError:
+                        pass
+            try:
+                group.rmdir()
+            except OSError:
+                pass
+
+
 def storm(args):
     """Rounds alternate the hubs on the same machine; percentiles pool every round's probes."""
+    import cpu_share
+
     env = PROXIES[args.proxy]
     stock = f"stock spawner ({args.proxy} proxy)"
     monday = f"gpuhub, {args.gpus} GPUs ({args.proxy} proxy)"
@@ -263,7 +290,10 @@ def storm(args):
             old = str(extract(args.before, Path(tmp_src.name)))
             before = f"gpuhub @{args.before}, {args.users} GPUs ({args.proxy} proxy)"
             env_before = dict(env, PYTHONPATH=old + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            variants.append((before, "", env_before, args.users))
+            # its servers in a group of their own: the CPU weight one version sets on its
+            # servers' group (servers_cpu_weight) must not carry over to the other's
+            variants.append((before, f"c.IsolatedProcessSpawner.cgroup_group = {BEFORE_GROUP!r}\n", env_before,
+                             args.users))
             comparisons.append(("equal work, before", before, stock))
             comparisons.append(("equal work, now vs before", equal, before))
     elif args.before:
@@ -281,10 +311,12 @@ def storm(args):
                     Path(args.stacks).mkdir(parents=True, exist_ok=True)
                     slug = "-".join("".join(c if c.isalnum() else " " for c in label.split(" (")[0]).split())
                     stacks = str(Path(args.stacks).resolve() / f"{slug}-r{i + 1}.txt")
-                runs[label].append(storm_once(label, extra, env_v, args.users, gpus, args.window, stacks))
+                runs[label].append(storm_once(label, extra, env_v, args.users, gpus, args.window, stacks,
+                                              cpu=args.cpu))
     finally:
         if tmp_src is not None:
             tmp_src.cleanup()
+            remove_group(BEFORE_GROUP)
     load_end = os.getloadavg()
     print(f"\nstorm: {args.users} users ask for one GPU at once; probes over the first {args.window:.0f}s "
           f"of each storm; {args.rounds} round(s), the hubs alternating (ABBA); tiny servers; "
@@ -307,7 +339,10 @@ def storm(args):
             errors = [x for r in rs for x in r[where]["errors"]]
             per_round = ", ".join(f"{pct(r[where]['lat'], 99) * 1000:.0f}" for r in rs)
             summary[label, where] = {p: pct(lat, p) for p in (50, 95, 99)}
-            print(f"  {where:9} idle p99 {pct(idle, 99)*1000:5.0f}ms | storm p50 {pct(lat, 50)*1000:5.0f}ms "
+            summary[label, where]["mean"] = statistics.fmean(lat) if lat else float("nan")
+            summary[label, where]["answered"] = len(lat) / len(rs)
+            mean = statistics.fmean(lat) * 1000 if lat else float("nan")
+            print(f"  {where:9} idle p99 {pct(idle, 99)*1000:5.0f}ms | storm mean {mean:5.0f}ms p50 {pct(lat, 50)*1000:5.0f}ms "
                   f"p95 {pct(lat, 95)*1000:6.0f}ms p99 {pct(lat, 99)*1000:6.0f}ms (p99 per round: {per_round}) | "
                   f"errors {len(errors)}/{len(lat) + len(errors)} {sorted(set(errors))}")
         summary[label, "503"] = codes.get(503, 0) + sum(r["public"]["errors"].count(503) for r in rs)
@@ -322,11 +357,22 @@ def storm(args):
             print(f"  loop held per {what}: median {_ms(loop, 50)} ms, p95 {_ms(loop, 95)}, max {max(loop):.1f} "
                   f"(its CPU: median {_ms(cpu, 50)} ms); longest single step median {_ms(longest, 50)} ms; "
                   f"{len(rows) / len(rs):.0f} per storm, {sum(loop) / len(rs) / 1000:.2f} s of loop per storm")
+        shares = [r["cpu"] for r in rs if r.get("cpu")]
+        if shares:  # --cpu: CPU seconds over the window per kind of process, mean of the rounds
+            keys = sorted({k for c in shares for k in c} - set(cpu_share.NOT_CPU),
+                          key=lambda k: -sum(c.get(k, 0) for c in shares))
+            mean = {k: sum(c.get(k, 0) for c in shares) / len(shares) for k in keys + list(cpu_share.NOT_CPU)}
+            print(f"  CPU over the {mean['window_s']:.0f}s window: machine busy {mean['machine busy']:.1f} of "
+                  f"{mean['machine capacity']:.1f} CPU-s ({mean['machine busy'] / mean['machine capacity']:.0%}), "
+                  f"{mean['runnable threads (mean)']:.1f} threads runnable on average; the hub's loop waited "
+                  f"{mean['loop waited for a CPU']:.1f} s for a CPU; CPU-s used: "
+                  + ", ".join(f"{k} {mean[k]:.1f}" for k in keys if abs(mean[k]) >= 0.05))
     print()
     for title, a, b in comparisons:
         parts = []
         for where in ("public", "hub-port"):
-            ratios = " ".join(f"p{p} {summary[a, where][p] / summary[b, where][p]:.2f}x" for p in (50, 95, 99))
+            ratios = " ".join(f"{p if isinstance(p, str) else f'p{p}'} {summary[a, where][p] / summary[b, where][p]:.2f}x"
+                              for p in ("mean", 50, 95, 99, "answered"))
             parts.append(f"{where}: {ratios}")
         launch = ""
         if (a, "launch") in summary and (b, "launch") in summary:
@@ -510,6 +556,8 @@ def main():
     ap.add_argument("--stacks", default=None, metavar="DIR",
                     help="storm: load stall_sampler.py into every hub and write where its loop's time went to DIR "
                          "(diagnosis: it costs the hub CPU)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="storm: also where the machine's CPU went over the window, per kind of process (cpu_share.py)")
     ap.add_argument("--before", default=None, metavar="REV",
                     help="storm --equal-work: also a gpuhub hub with the package at this git revision")
     args = ap.parse_args()

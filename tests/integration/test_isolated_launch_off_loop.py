@@ -1,4 +1,5 @@
-"""An isolated launch's kernel work runs beside the hub's event loop, not on it (issue 29 item 4).
+"""An isolated launch and the hub's event loop (issue 29): the launch's kernel work runs beside
+the loop, not on it, and the servers' start-ups do not take the loop's CPU.
 
 Real parts, no hub: ``IsolatedProcessSpawner`` (as the job launcher's ``JobProcess`` uses
 it, with ``sleep`` as the command) as root, with a real Unix account, cgroup, private /tmp
@@ -186,3 +187,53 @@ def test_account_checks_never_fill_the_hubs_thread_pool(prefix, tmp_path, monkey
         return resolved
 
     assert asyncio.run(main()), "an address could not be resolved while account checks waited"
+
+
+def test_a_launcher_starts_inside_its_servers_cgroup(prefix, tmp_path, monkeypatch):
+    """The launcher's own start-up (a Python interpreter, as root, before it has its spec)
+    runs in the server's cgroup under the server's limits, not beside the hub's event loop
+    at the hub's weight: in a 200-user storm those start-ups took the CPU from the loop
+    (issue 29). It is in the cgroup before the hub hands it its spec, so before it could
+    have joined by itself."""
+    from gpuhub_spawner.local import sandbox
+
+    real = sandbox.hand_over
+    seen: list[bool] = []
+
+    async def hand_over(proc, wfd, payload, *args, **kw):
+        seen.append(sp._cgroup.contains(proc.pid))  # the spec is not written yet
+        return await real(proc, wfd, payload, *args, **kw)
+
+    monkeypatch.setattr(sandbox, "hand_over", hand_over)
+    sp = job(prefix, tmp_path)
+
+    async def main():
+        await sp.start()
+        await sp.stop(now=True)
+
+    asyncio.run(main())
+    assert seen == [True], "the launcher ran outside its server's cgroup until it had its spec"
+
+
+def test_the_servers_together_weigh_less_than_the_hub(prefix, tmp_path):
+    """All servers' cgroups sit in one group whose CPU weight is an eighth of the kernel's
+    default by default, so a storm of start-ups waits for the hub's event loop rather than
+    the loop for them; the kernel takes the value (it refuses one out of its range)."""
+    sp = job(prefix, tmp_path)
+    assert sp.servers_cpu_weight == 0.125  # the default: nothing configured
+
+    async def main():
+        await sp.start()
+        await sp.stop(now=True)
+
+    asyncio.run(main())
+    host = sp.cgroup_host
+    if host.version == 2:
+        assert (host.root / host.group / "cpu.weight").read_text().strip() == "12"
+    else:
+        assert (host.v1_mounts["cpu"] / host.group / "cpu.shares").read_text().strip() == "128"
+
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError, match="between 0.002 and 100"):
+        sp.servers_cpu_weight = 0

@@ -116,6 +116,21 @@ class CgroupHost:
             _write(parent / "cgroup.subtree_control", f"+{c}")
         return parent
 
+    def weigh_servers(self, weight: float) -> None:
+        """Set the CPU weight of the ``group`` (every server together) against its siblings.
+
+        ``weight`` is relative to the kernel's default (1.0: like one ordinary process beside
+        the group on v1, like a default sibling group on v2): v1 ``cpu.shares`` of 1024 x
+        weight, v2 ``cpu.weight`` of 100 x weight. It only matters while the CPUs are
+        contended, and then decides who runs first: at the default 1024 the hub's event loop
+        waited 9.4 s of a 40 s, 200-user storm for a CPU behind the servers' start-ups, at 128
+        5.4 s, and answered the API 1.8x as often (docs/benchmarks.md). Raises OSError.
+        """
+        if self.version == 2:
+            _write(self.root / self.group / "cpu.weight", str(min(10000, max(1, round(100 * weight)))))
+        elif self.version == 1 and "cpu" in self.v1_mounts:
+            _write(self.v1_mounts["cpu"] / self.group / "cpu.shares", str(min(262144, max(2, round(1024 * weight)))))
+
     def server(self, name: str) -> "ServerCgroup":
         """The cgroup of one server (``name``: a safe, unique leaf name)."""
         if self.version == 2:

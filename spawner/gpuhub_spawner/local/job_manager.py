@@ -401,8 +401,11 @@ class JobManager(SingletonConfigurable):
             used = sum(a.running_seconds() for a in rec.attempts if a is not att)
             remaining = max(0.0, rec.time_limit - used)
         try:
-            await asyncio.wait_for(asyncio.shield(live.exited), remaining)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: in 3.11 wait_for returns a done result to a cancel
+            # (the hub shutting down) instead of raising it
+            async with asyncio.timeout(remaining):
+                await asyncio.shield(live.exited)
+        except TimeoutError:
             await self._stop(rec.id, TIME_LIMIT, f"stopped: it reached its time limit of {format_duration(rec.time_limit)}")
             await live.exited
         code = proc.poll()
@@ -411,9 +414,10 @@ class JobManager(SingletonConfigurable):
             code = proc.poll()
         launcher.on_process_exit()  # sweeps its cgroup; records an OOM kill
         try:
-            ev = await asyncio.wait_for(evidence, 2)
+            async with asyncio.timeout(2):
+                ev = await evidence
             att.git = _git_evidence(ev.get("git") if isinstance(ev, dict) else None)
-        except (asyncio.TimeoutError, ValueError):
+        except (TimeoutError, ValueError):
             pass
         failed_gpus = self._failed_gpus(att)
         if live.stop_reason:

@@ -107,8 +107,9 @@ class ServiceState:
         if self._failed:
             raise web.HTTPError(503, self._failed)
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # not wait_for: a cancel (the client left) is never lost
+                await self._ready.wait()
+        except TimeoutError:
             raise web.HTTPError(503, "The MLflow tracking server is still starting; try again shortly.") from None
         if self._failed:
             raise web.HTTPError(503, self._failed)

@@ -31,6 +31,7 @@ listing of users.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ from urllib.parse import quote
 from jupyterhub_idle_culler import IdleCuller, make_ssl_context
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.ioloop import IOLoop, PeriodicCallback
+from traitlets import Bool
 
 #: outcomes of one stop, as counted in the pass's log line
 STOPPED, STOPPING, GONE, RESTARTED, NOT_READY, SKIPPED, FAILED = (
@@ -79,6 +81,15 @@ def _epoch(iso: str | None) -> float | None:
 
 
 class GpuHubCuller(IdleCuller):
+    end_with_hub = Bool(
+        False,
+        help="""End when the process that started this one (the hub, for a managed service) ends.
+        A hub killed outright (kill -9, the kernel's OOM killer) cannot stop its services: this
+        culler went on with a failed pass against the dead hub's URL every ``cull_every``
+        seconds, beside the restarted hub's own culler. Linux (``PR_SET_PDEATHSIG``); the hub's
+        service command sets it.""",
+    ).tag(config=True)
+
     def _headers(self) -> dict:
         return {"Authorization": f"token {os.environ['JUPYTERHUB_API_TOKEN']}", "Content-Type": "application/json"}
 
@@ -190,6 +201,8 @@ class GpuHubCuller(IdleCuller):
             raise SystemExit(0)
         if self.config_file:
             self.load_config_file(self.config_file)
+        if self.end_with_hub:
+            _end_with_parent()
         self.configure_client()
 
         async def one_pass():
@@ -209,6 +222,17 @@ class GpuHubCuller(IdleCuller):
             loop.start()
         except KeyboardInterrupt:
             pass
+
+
+def _end_with_parent() -> None:
+    """SIGTERM to this process when its parent ends (the handler set in ``start`` stops it),
+    and an exit at once if the parent has ended already (we are then init's or a subreaper's)."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:
+        raise SystemExit(0)
 
 
 def main():

@@ -101,6 +101,7 @@ def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, 
                 sys.executable, "-m", "gpuhub_spawner.culling.service",
                 f"--cull-every={every}", "--timeout=1", "--remove-named-servers=False",
                 "--concurrency=20",  # stops of a big pass in parallel
+                "--GpuHubCuller.end_with_hub=True",  # a hub killed outright takes its culler along
             ],
         }
     ]

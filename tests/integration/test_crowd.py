@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support.hub import Hub, wait_for
+from support.hub import Hub, alive, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -85,13 +85,6 @@ class Stream:
         except (AttributeError, OSError):
             pass
         self.resp.close()
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
 
 
 def children(ppid: int, marker: str) -> list[int]:
@@ -239,8 +232,7 @@ def test_kill_9_mid_queue_keeps_every_place_and_admits_nobody_twice(hub, crowd):
     hub.proc.send_signal(signal.SIGKILL)
     hub.proc.wait()
     assert services  # the culler, which ends with the hub that started it (the new hub starts its own)
-    wait_for(lambda: not [p for p in services if Path(f"/proc/{p}").exists() and _state(p) != "Z"], 30,
-             "the killed hub's culler to end with it")
+    wait_for(lambda: not [p for p in services if alive(p)], 30, "the killed hub's culler to end with it")
     hub.start()
 
     # the servers that ran still run, on the same devices; the queue holds nobody twice

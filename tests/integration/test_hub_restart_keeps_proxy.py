@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from support.browser import ARGS, CHROMIUM
-from support.hub import PASSWORD, Hub, wait_for
+from support.hub import PASSWORD, Hub, alive, wait_for
 from test_local_hub import POLICY
 
 pytestmark = [pytest.mark.integration]
@@ -35,14 +35,6 @@ def hub(tmp_path_factory):
 
 def proxy_pid(hub) -> int:
     return int((hub.data / "proxy.pid").read_text().strip())
-
-
-def alive(pid: int) -> bool:
-    try:
-        st = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return st[st.rindex(")") + 2] not in "ZX"
 
 
 def restart(hub):

@@ -41,6 +41,15 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie not yet reaped counts as ended)."""
+    try:
+        st = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return st[st.rindex(")") + 2] not in "ZX"
+
+
 def processes_with_env(marker: str) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():

@@ -106,7 +106,7 @@ SLOW_FIRST = {
 # the tests run in an order shuffled by a seed (the git tree of tests/ unless GPUHUB_TEST_ORDER
 # says a seed, `file` or `reversed`), so a test that needs an earlier test's state fails in the
 # ordinary run. The header and the end of the run say the seed and how to repeat it.
-SHUFFLED_FOLDERS = ("integration", "unit")
+SHUFFLED_FOLDERS = ("integration", "unit", "kube", "mlflow", "images", "notebook_side")
 # Files left in their written order, each with why (printed with the seed). Only for a known
 # failure of the product that an order shows, until its fix lands: then the file goes.
 KEEP_FILE_ORDER = {}

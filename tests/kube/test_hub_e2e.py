@@ -156,6 +156,7 @@ def test_spawn_page_lists_only_the_team_profiles(kube_hub, users):
 def test_refusals_answer_4xx_with_the_reason_and_create_no_pod(double, users):
     alice, mallory = users["alice"], users["mallory"]
     creates = double.count("POST", "pods")
+    workloads = sorted(w["metadata"]["name"] for w in double.list("workloads", NAMESPACE))  # others' may run
     r = alice.start("nlp-only")  # another team's profile, forged through the REST API
     assert r.status_code == 403 and "not available" in r.json()["message"], r.text
     r = alice.start("l4-1", gpus=4)
@@ -167,7 +168,8 @@ def test_refusals_answer_4xx_with_the_reason_and_create_no_pod(double, users):
     r = mallory.start("cpu")
     assert r.status_code == 403 and "not a member of any team" in r.json()["message"], r.text
     assert alice.server() is None and mallory.server() is None
-    assert pods(double) == [] and double.list("workloads", NAMESPACE) == []
+    assert pods(double, "alice") == [] and pods(double, "mallory") == []
+    assert sorted(w["metadata"]["name"] for w in double.list("workloads", NAMESPACE)) == workloads
     assert double.count("POST", "pods") == creates  # not even attempted
     # A refused request is not a server that stopped: the spawn page carries no stop note.
     html = alice.session.get(alice.hub.url + "/hub/spawn").text
@@ -227,13 +229,14 @@ def test_queue_admission_and_stop_through_the_hub(kube_hub, double, users):
     assert pods(double, "alice") == []
     assert "schedulingGates" not in pods(double, "bob")[0]["spec"]
     assert double.invalid == [] and double.errors == []
+    assert bob.stop().status_code in (202, 204)  # the module's other tests find the queue empty
+    bob.wait_gone()
 
 
 def test_preemption_marks_the_server_stopped_and_says_why(kube_hub, double, users):
     bob = users["bob"]
-    if not (bob.server() or {}).get("ready"):  # running on its own: bring bob's server up
-        assert bob.start("l4-1").status_code in (201, 202)
-        bob.wait_ready()
+    assert bob.start("l4-1").status_code in (201, 202)
+    bob.wait_ready()
     [pod] = pods(double, "bob")
     until(lambda: double.watching("workloads"), what="the hub's Workload watch")
 
@@ -317,7 +320,7 @@ def test_a_kueue_outage_is_told_at_once_and_running_servers_are_untouched(kube_h
     for user in (alice, carol):
         assert user.stop().status_code in (202, 204)
         user.wait_gone()
-    until(lambda: pods(double) == [], what="no pods left")
+    until(lambda: pods(double, "alice") == pods(double, "carol") == [], what="alice's and carol's pods gone")
 
 
 def test_hub_restart_keeps_waiting_servers_in_their_place(kube_hub, double, users):

@@ -257,8 +257,14 @@ def test_personal_experiment_names_cannot_be_squatted(mlflow, users):
 
 def test_run_owner_cannot_be_spoofed(mlflow, users):
     alice = mlflow.api(users["alice"].token)
-    exp = alice.get(mlflow.direct + API + "/experiments/get-by-name", params={"experiment_name": "users/alice"})
-    exp_id = exp.json()["experiment"]["experiment_id"]
+    # An experiment of her own (users/alice itself exists only once a notebook of hers logged a run).
+    exp = alice.get(mlflow.direct + API + "/experiments/get-by-name", params={"experiment_name": "users/alice/spoof"})
+    if exp.status_code == 200:
+        exp_id = exp.json()["experiment"]["experiment_id"]
+    else:
+        r = alice.post(mlflow.direct + API + "/experiments/create", json={"name": "users/alice/spoof"})
+        assert r.status_code == 200, r.text
+        exp_id = r.json()["experiment_id"]
     r = alice.post(mlflow.direct + API + "/runs/create", json={
         "experiment_id": exp_id, "user_id": "bob", "start_time": 0,
         "tags": [{"key": "mlflow.user", "value": "bob"}],

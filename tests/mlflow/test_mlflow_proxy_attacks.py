@@ -321,6 +321,7 @@ def test_users_list_shows_only_the_caller(mlflow, users):
 
 
 def test_roles_are_not_enumerable(mlflow, users):
+    mlflow.wait_ready(users["carol"].token)  # carol's first MLflow request gives her team (nlp) its role
     bob = mlflow.api(users["bob"].token)
     mine = bob.get(mlflow.direct + "/api/3.0/mlflow/users/roles/list", params={"username": "bob"})
     assert mine.status_code == 200, mine.text

@@ -15,6 +15,7 @@ several reads started together, at every step of a job's life.
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
 
@@ -122,3 +123,26 @@ async def test_reads_of_a_job_that_overlap_give_each_pod_one_attempt_and_every_a
     assert [(a.number, a.account, a.reason) for a in rec.attempts] == [(1, first, "failed"), (2, second, "succeeded")], rec.attempts
     assert all(a.finished is not None and a.devices == ["double-node-1"] for a in rec.attempts), rec.attempts
     assert kube.invalid == [] and kube.errors == []
+
+
+async def test_reading_a_running_job_leaves_no_http_session_open(kube, make_spawner, policy_store, tmp_path):
+    """Each read of a running job (the poller's every ``poll_interval``, every API answer's) made
+    throwaway ``ApiClient``s to turn answers into plain data, and each opened an aiohttp session
+    nothing closed: an "Unclosed client session" error in the hub's log per read per job."""
+    rec = record(await submit(kube, make_spawner, policy_store.policy, tmp_path))
+    manager = KubeJobManager(data_dir=str(tmp_path / "data"))
+    await until(lambda: [p for p in pods(kube) if phase(kube, p) == "Running"], "a pod of the job running")
+    gc.collect()  # what came before (the test's own submit) is not counted
+    reported = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context.get("message", "")))
+    try:
+        for _ in range(3):
+            await manager.refresh(rec)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert rec.state == R.RUNNING and rec.attempts[-1].account in pods(kube), rec
+    assert reported == [], reported
+    (tmp_path / "go").touch()

@@ -114,6 +114,13 @@ class KubeJobManager(SingletonConfigurable):
 
         return shared_client(kind)
 
+    @classmethod
+    def _plain(cls, obj) -> dict:
+        """An API answer as plain data, by the shared client's serializer: a new ``ApiClient``
+        opens an aiohttp session that nothing closes (an "Unclosed client session" error in the
+        hub's log for every read of every running job)."""
+        return cls._client("CoreV1Api").api_client.sanitize_for_serialization(obj)
+
     # -- submission --------------------------------------------------------------------------
     def held_profiles(self, user):
         policy = self.policy
@@ -181,19 +188,19 @@ class KubeJobManager(SingletonConfigurable):
                 await self._refresh(rec)
 
     async def _refresh(self, rec: R.JobRecord) -> None:
-        from kubernetes_asyncio.client import ApiClient, ApiException
+        from kubernetes_asyncio.client import ApiException
 
         ns = rec.spec.get("namespace")
         if not ns:
             return
         try:
-            job = ApiClient().sanitize_for_serialization(await self._client("BatchV1Api").read_namespaced_job(rec.id, ns))
+            job = self._plain(await self._client("BatchV1Api").read_namespaced_job(rec.id, ns))
         except ApiException as e:
             if e.status == 404 and rec.state not in R.FINAL:
                 rec.state, rec.message, rec.finished = R.CANCELLED, "its Job was deleted from the cluster", time.time()
                 self.store.save(rec)
             return
-        pods = ApiClient().sanitize_for_serialization(
+        pods = self._plain(
             await self._client("CoreV1Api").list_namespaced_pod(ns, label_selector=f"{JOB_LABEL}={rec.id}")).get("items", [])
         wls = (await self._client("CustomObjectsApi").list_namespaced_custom_object(
             "kueue.x-k8s.io", "v1beta2", ns, "workloads", label_selector=f"{JOB_UID_LABEL}={job['metadata']['uid']}")).get("items", [])
@@ -296,10 +303,8 @@ class KubeJobManager(SingletonConfigurable):
         """``node``'s health taint read now (``list`` nodes by name: the keeper's RBAC)."""
         if not node:
             return None
-        from kubernetes_asyncio.client import ApiClient
-
         try:
-            nodes = ApiClient().sanitize_for_serialization(
+            nodes = self._plain(
                 await self._client("CoreV1Api").list_node(field_selector=f"metadata.name={node}")).get("items", [])
         except Exception as e:  # noqa: BLE001 - not allowed, or the API is away: the keeper's view only
             log.info("Cannot read node %s: %s", node, getattr(e, "reason", e))

@@ -188,13 +188,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         """The pod this spawner would make for ``choice`` (checked by the caller), as plain data:
         what a batch Job's template and a RayCluster's pods are built from, exactly as for a
         server of that profile. Refusals come as ``ChoiceError`` with the server start's words."""
-        from kubernetes_asyncio.client import ApiClient
-
         try:
             self._base()
             self.choice = choice
             self.apply_choice(choice)
-            return ApiClient().sanitize_for_serialization(await self.get_pod_manifest())
+            # the shared client's serializer: a new ApiClient opens a session nothing closes
+            return self.api.api_client.sanitize_for_serialization(await self.get_pod_manifest())
         except Exception as e:  # noqa: BLE001 - the same refusals as a server start
             raise ChoiceError(getattr(e, "status_code", 400), getattr(e, "log_message", None) or str(e)) from None
 

@@ -156,6 +156,49 @@ def test_a_start_cancelled_during_the_launch_leaves_nothing_running(prefix, tmp_
     wait_for(lambda: not any(p.exists() for p in cg.paths.values()), 20, "the cgroup removed at stop")
 
 
+def test_the_loop_runs_while_a_stopped_servers_group_is_swept(prefix, tmp_path, monkeypatch):
+    """A stop empties and removes the server's cgroup: kill rounds 20 ms apart, then up to 1 s of
+    retries while the last processes exit. A culler pass stopping 50 servers did that on the loop,
+    one server after the other; the removal step here waits for the loop to run something else."""
+    from gpuhub_spawner.local.cgroups import ServerCgroup
+    from gpuhub_spawner.local.isolation import process_uid
+
+    real = ServerCgroup.remove
+    in_step, loop_ran = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def remove(self):
+        in_step.set()
+        seen.append(loop_ran.wait(GIVE_UP))
+        return real(self)
+
+    sp = job(prefix, tmp_path)
+
+    async def main():
+        await sp.start()
+        pid, cg = sp.pid, sp._cgroup
+        await until(lambda: sp.proc.poll() is not None or process_uid(pid) == sp._account.uid)
+        assert sp.proc.poll() is None and cg.contains(pid)
+        monkeypatch.setattr(ServerCgroup, "remove", remove)
+
+        async def other_work():
+            while not in_step.is_set():
+                await asyncio.sleep(0.005)
+            loop_ran.set()
+
+        beside = asyncio.ensure_future(other_work())
+        await sp.stop(now=True)
+        await beside
+        return pid, cg
+
+    pid, cg = asyncio.run(main())
+    # (the stop's polls sweep the group once the process is gone; the stop sweeps again, finding nothing)
+    assert seen and all(seen), f"the event loop did not run for {GIVE_UP:.0f} s while the stopped server's cgroup was removed: {seen}"
+    assert not any(p.exists() for p in cg.paths.values()), "the cgroup is still there after the stop"
+    assert sp.proc is None or sp.proc.poll() is not None, f"pid {pid} still runs after the stop"
+    assert sp._cgroup is None
+
+
 def test_account_checks_never_fill_the_hubs_thread_pool(prefix, tmp_path, monkeypatch):
     """Account changes are one at a time (unix_users' lock). While a crowd's account checks
     wait for it, the hub still resolves the addresses it connects to (tornado does that in

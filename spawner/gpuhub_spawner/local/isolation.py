@@ -137,9 +137,17 @@ def server_software_paths() -> list[str]:
 # (unix_users' lock), so they get one thread: a storm's account checks used to fill every
 # worker of the default executor with threads waiting for that lock, and every launch's
 # set-up, and every connection, queued behind them. Launches: as many as the broker lets
-# launch at once (LocalBroker.launch_concurrency, 8), more wait here.
+# launch at once (LocalBroker.launch_concurrency, 8), more wait here. Ends: a stopped server's
+# cgroup emptied and removed (kill rounds 20 ms apart, up to 1 s while the last processes exit),
+# which a culler pass stopping 50 servers did on the loop one after the other.
 _POOLS: dict = {}
-POOL_SIZES = {"accounts": 1, "launches": 8}
+POOL_SIZES = {"accounts": 1, "launches": 8, "ends": 4}
+
+
+def _end_group(cg: ServerCgroup) -> None:
+    """Kill what is left in a stopped server's cgroup and remove it (in ``_pool("ends")``)."""
+    cg.kill_all()
+    cg.remove()
 
 
 def _pool(name: str):
@@ -755,8 +763,9 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             return True
         return stat[stat.rindex(b")") + 2:].split()[0] in (b"Z", b"X")  # exited, not yet reaped
 
-    def on_process_exit(self) -> bool:
-        """The server's main process exited: say why (memory, processes), sweep up the group.
+    def on_process_exit(self, sweep: bool = True) -> bool:
+        """The server's main process exited: say why (memory, processes), sweep up the group
+        (``sweep=False``: the caller sweeps it, off the loop, before anything is released).
 
         Acts only when the process has really ended: a watcher's wake-up is not proof, and a
         live server's cgroup is never killed here. False (nothing done) while it runs."""
@@ -770,15 +779,18 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if cg.oom_kills() > self._oom_base:
             self._record_oom(cg)
         self._check_process_limit(cg)
-        cg.kill_all()  # nothing the user started may outlive the server (or keep a GPU open)
-        cg.remove()
+        if sweep:
+            _end_group(cg)  # nothing the user started may outlive the server (or keep a GPU open)
         return True
 
     async def poll(self):
         status = await super().poll()
         if status is not None and self._cgroup is not None:
-            self.on_process_exit()
-            self._cgroup = None
+            cg = self._cgroup
+            ended = self.on_process_exit(sweep=False)
+            self._cgroup = None  # (a stop polls until the process is gone: one sweep, here)
+            if ended:
+                await asyncio.get_running_loop().run_in_executor(_pool("ends"), _end_group, cg)
         elif status is None and self._cgroup is not None:
             self._watch_oom()  # adopted after a restart: watch again
             if self._check_oom(self._cgroup):  # and a missed notification is caught here
@@ -794,14 +806,15 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         try:
             await super().stop(now=now)
         finally:
-            if cg is not None:
-                self._unwatch_oom()
-                self._check_process_limit(cg)
-                cg.kill_all()
-                cg.remove()
-                self._cgroup = None
-            self._give_back_port()
-            self._note_stop_reason()
+            try:
+                if cg is not None:
+                    self._unwatch_oom()
+                    self._check_process_limit(cg)
+                    self._cgroup = None
+                    await asyncio.get_running_loop().run_in_executor(_pool("ends"), _end_group, cg)
+            finally:  # the port only once the group's processes are gone (or the stop was cancelled)
+                self._give_back_port()
+                self._note_stop_reason()
 
     # -- restarts: the hub's own record, and the process's identity ----------------------------
     def get_state(self):

@@ -788,7 +788,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if status is not None and self._cgroup is not None:
             cg = self._cgroup
             ended = self.on_process_exit(sweep=False)
-            self._cgroup = None  # (a stop polls until the process is gone: one sweep, here)
+            self._cgroup = None  # before the await: a poll meanwhile does not sweep it again
             if ended:
                 await asyncio.get_running_loop().run_in_executor(_pool("ends"), _end_group, cg)
         elif status is None and self._cgroup is not None:

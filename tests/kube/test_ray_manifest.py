@@ -21,7 +21,7 @@ from gpuhub_spawner.kube.ray_manifest import (
 )
 from gpuhub_spawner.policy.access import resolve_choice
 
-pytestmark = pytest.mark.asyncio(loop_scope="function")
+# (no module-wide asyncio mark: asyncio_mode = auto runs the async tests, and one test is not async)
 
 
 def _crds_or_skip():

@@ -63,6 +63,7 @@ import requests
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 import conftest  # noqa: E402,F401  (resolves *.localhost and keeps its cookies, as browsers do)
+from revisions import extract  # noqa: E402
 from support.hub import Hub, wait_for  # noqa: E402
 
 TINY = HERE / "tiny_server.py"
@@ -174,19 +175,6 @@ def ready_count(hub: Hub, admin) -> int:
 def clock_config(path: Path) -> str:
     """loop_clock.py in the hub: the loop time of each server's launch, one JSON line each."""
     return f"import sys; sys.path.insert(0, {str(HERE)!r}); import loop_clock; loop_clock.install({str(path)!r})\n"
-
-
-def extract(rev: str, into: Path) -> Path:
-    """The package as it was at ``rev`` (for a hub of that version: first on PYTHONPATH)."""
-    import subprocess
-    import tarfile
-    from io import BytesIO
-
-    repo = HERE.parents[1]
-    tar = subprocess.run(["git", "-C", str(repo), "archive", rev, "spawner"], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(tar)) as t:
-        t.extractall(into, filter="data")
-    return into / "spawner"
 
 
 def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window: float,

@@ -36,13 +36,10 @@ import copy
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
-from io import BytesIO
 from pathlib import Path
 
 import requests
@@ -53,6 +50,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from bigpolicy import big_policy  # noqa: E402
+from revisions import extract  # noqa: E402
 from support.hub import Hub  # noqa: E402
 
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -100,13 +98,6 @@ class Probe:
         while not (self.samples and self.samples[-1][0] >= t1) and time.perf_counter() < deadline:
             time.sleep(0.01)
         return [lat for at, lat in self.samples if t0 <= at < t1]
-
-
-def extract(rev: str, into: Path) -> Path:
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev, "spawner"], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(tar)) as t:
-        t.extractall(into, filter="data")
-    return into / "spawner"
 
 
 class Subject:

@@ -29,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from validate_cli import extract
+from revisions import extract
 
 
 def one(servers: int, children: int) -> dict:

@@ -23,26 +23,18 @@ import resource
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from io import BytesIO
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from bigpolicy import big_policy  # noqa: E402
+from revisions import extract  # noqa: E402
 
 GPUHUB = Path(sys.executable).parent / "gpuhub"
 EXAMPLE = REPO / "jupyterhub_config" / "profiles.yaml"
-
-
-def extract(rev: str, into: Path) -> Path:
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev, "spawner"], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(tar)) as t:
-        t.extractall(into, filter="data")
-    return into / "spawner"
 
 
 def compile_tree(package: Path) -> None:

@@ -9,8 +9,8 @@ ensure_node_proxy
 ensure_chromium
 ensure_prometheus
 ensure_attack_tools
-# Parallel workers (pytest-xdist; 4: on 2 cores the suite waits on real processes more than it
-# computes, 4 workers used ~1.4 of 2 cores; 6 were no faster), each taking whole test files (a module's hub is shared by
+# Parallel workers (pytest-xdist; 4: on 2 cores they keep both ~80% busy with real hubs, servers,
+# MLflow and Chromium, where 2 left them waiting; 6 were no faster), each taking whole test files (a module's hub is shared by
 # its tests; every hub has its own ports, account prefix and data folder). The slowest files
 # are handed out first (tests/conftest.py; --no-loadscope-reorder keeps that order, where
 # xdist would hand out the files with the most tests first). GPUHUB_TEST_WORKERS=1 runs serially; an explicit

@@ -54,7 +54,7 @@ import requests
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-from support.hub import free_port  # noqa: E402
+from support.ports import free_port  # noqa: E402
 
 FAKE_SERVER = textwrap.dedent(
     """

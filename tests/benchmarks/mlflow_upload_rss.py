@@ -33,7 +33,8 @@ try:  # *.localhost resolution and browser-like cookies for the demo's per-user 
     import conftest  # noqa: E402,F401  (tests/conftest.py)
 except ImportError:
     pass
-from support.hub import REPO, Hub, free_port  # noqa: E402
+from support.hub import REPO, Hub  # noqa: E402
+from support.ports import free_port  # noqa: E402
 
 MiB = 2**20
 

@@ -6,9 +6,11 @@ the routes came back every request to a running server was refused or got a 503,
 Lab said "Your server ... is not running", and every waiting page's progress stream died.
 """
 
+import http.server
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import threading
@@ -215,3 +217,42 @@ def _answers(url, token) -> bool:
         return requests.get(url, headers={"Authorization": f"token {token}"}, timeout=3).status_code == 200
     except requests.RequestException:
         return False
+
+
+def test_a_hub_whose_public_port_is_taken_refuses_to_start(hub):
+    """Another process already listens on the hub's public port (any local account can bind an
+    unprivileged port first). configurable-http-proxy logs EADDRINUSE and runs on with only its
+    API, and stock JupyterHub reports "running at" that port: users' logins would go to the
+    squatter. The hub must refuse to start, say why, and leave no proxy behind."""
+    hub.stop()  # the hub and its kept proxy: the port is free
+    wait_for(lambda: not _listening(hub.port), 20, "the hub's public port to be free")
+    offset = len(hub.log.read_text(errors="replace"))
+
+    class Squatter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # a look-alike login page: 404 for the hub's API, so start() keeps waiting
+            self.send_response(200 if self.path.startswith("/hub/login") else 404)
+            self.end_headers()
+            self.wfile.write(b"<form>Sign in</form>")
+
+        def log_message(self, *args):
+            pass
+
+    squatter = http.server.HTTPServer(("127.0.0.1", hub.port), Squatter)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(RuntimeError, match="hub exited with 1"):
+            hub.start(timeout=120)
+        log = log_since(hub, offset)
+        assert "is not served by its proxy" in log and f"already listens on port {hub.port}" in log, log[-3000:]
+        assert "JupyterHub is now running" not in log
+        assert not _listening(hub.proxy_port), "the proxy was left running (its API still listens)"
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+    hub.start(timeout=120)  # the port is free again: the module's hub runs on for the other tests
+    assert requests.get(hub.url + "/hub/login", timeout=10).status_code == 200
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

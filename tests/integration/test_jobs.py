@@ -441,7 +441,7 @@ def mlflow_hub(tmp_path_factory):
     """A second hub with the real MLflow service (costs ~20 s, so only this test uses it)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mlflow"))
     from mlflow_service import MlflowEndpoint, mlflow_extra_config
-    from support.hub import free_port
+    from support.ports import free_port
 
     port = free_port()
     h = Hub(tmp_path_factory.mktemp("jobs-mlflow"), POLICY, extra_config=mlflow_extra_config(port))

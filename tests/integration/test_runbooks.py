@@ -28,7 +28,8 @@ import pytest
 import requests
 import yaml
 
-from support.hub import Hub, free_port, wait_for
+from support.hub import Hub, wait_for
+from support.ports import free_port
 
 pytestmark = [pytest.mark.integration]
 

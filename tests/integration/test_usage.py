@@ -127,7 +127,7 @@ class PrometheusRun:
     def start(self, hub, token: str):
         if not self.binary:
             return
-        from support.hub import free_port
+        from support.ports import free_port
 
         port = free_port()
         (self.workdir / "token").write_text(token)

@@ -21,10 +21,11 @@ import pytest_asyncio
 sys.path.insert(0, str(Path(__file__).parent))
 
 from double.harness import (  # noqa: E402  (sets $KUBECONFIG before kubernetes_asyncio loads)
-    KUBECONFIG, NAMESPACE, POLICY, VENV_BIN, WORK, MockHub, MockUser, free_port,
+    KUBECONFIG, NAMESPACE, POLICY, VENV_BIN, WORK, MockHub, MockUser,
 )
 from double.schemas import shared_schemas  # noqa: E402
 from double.server import KubeDouble  # noqa: E402
+from support.ports import free_port  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 import harness as real  # noqa: E402  (tests/cluster/harness.py: never imports the double)

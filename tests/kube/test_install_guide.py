@@ -254,7 +254,7 @@ class Operator:
 def chart_repository(tmp: Path) -> tuple[str, subprocess.Popen]:
     """A Helm chart repository on 127.0.0.1 serving the shared z2jh 4.4.0 chart (with the hub's
     Python files when $GPUHUB_Z2JH_HUB_FILES has them, else the tests' placeholder)."""
-    from double.harness import free_port
+    from support.ports import free_port
     from support.helm import helm_binary, renderable_chart
 
     chart = renderable_chart(require_shared("charts", "jupyterhub-4.4.0"))

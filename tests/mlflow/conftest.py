@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from mlflow_service import POLICY, MlflowEndpoint, mlflow_extra_config
-from support.hub import Hub, free_port
+from support.hub import Hub
+from support.ports import free_port
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from mlflow_service import POLICY, MlflowEndpoint, mlflow_extra_config
-from support.hub import Hub, free_port
+from support.hub import Hub
+from support.ports import free_port
 
 pytestmark = pytest.mark.integration
 

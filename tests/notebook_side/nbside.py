@@ -18,7 +18,7 @@ from urllib.parse import unquote
 
 import requests
 
-from support.hub import free_port
+from support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_NVML_DIR = REPO / "tests" / "support" / "fake_nvml"

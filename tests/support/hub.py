@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,14 @@ from pathlib import Path
 
 import requests
 
+from support.ports import free_port
+
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "jupyterhub_config" / "jupyterhub_config.py"
 PASSWORD = "test-password-123"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):

@@ -6,7 +6,7 @@ builders, no hub. ``tests/unit/test_architecture.py`` checks that every file of
 """
 
 LAYER_TESTS = {
-    "architecture": ["unit/test_architecture.py", "unit/test_test_order.py"],
+    "architecture": ["unit/test_architecture.py", "unit/test_test_order.py", "unit/test_test_ports.py"],
     "policy": [
         "unit/test_policy_validation.py", "unit/test_policy_reload.py", "unit/test_policy_checks.py",
         "unit/test_idle_rule_validation.py", "unit/test_bounded_input.py", "unit/test_mig.py",

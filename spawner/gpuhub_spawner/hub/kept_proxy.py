@@ -32,6 +32,7 @@ routes, when it is gone.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
@@ -44,7 +45,9 @@ from jupyterhub.proxy import ConfigurableHTTPProxy
 from jupyterhub.utils import url_path_join
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.ioloop import PeriodicCallback
-from traitlets import Any, Bool, Unicode, default
+from traitlets import Any, Bool, Float, Unicode, default
+
+from ..local.listening import listening_sockets, process_tree, socket_inodes
 
 
 def keep_secret_file(path: str | os.PathLike) -> str:
@@ -112,6 +115,10 @@ def as_executed(cmd: list[str]) -> list[list[str]]:
     return forms
 
 
+class PublicPortTaken(RuntimeError):
+    """The proxy is not the process listening on the hub's public port."""
+
+
 class KeptProxy(ConfigurableHTTPProxy):
     """JupyterHub's ``ConfigurableHTTPProxy`` that keeps a running proxy across hub restarts."""
 
@@ -125,6 +132,11 @@ class KeptProxy(ConfigurableHTTPProxy):
         help="Where the proxy's auth token is kept (0600), so a restarted hub can still talk "
              "to the proxy it adopts. Empty: a new token every start (JupyterHub's default); "
              "CONFIGPROXY_AUTH_TOKEN, when set, wins.",
+    )
+    public_listen_timeout = Float(
+        5, config=True,
+        help="Seconds the proxy has, once its API answers, to be seen listening on the public "
+             "address; after that the hub refuses to run (another process holds the port).",
     )
     adopted_pid = Any(None, help="pid of the proxy adopted at start (no Popen for it)")
     _adopted_start_time = Any(None)
@@ -211,6 +223,11 @@ class KeptProxy(ConfigurableHTTPProxy):
         if not await self._answers_our_token():
             self.log.warning("Proxy pid=%s does not accept this hub's auth token; not keeping it", pid)
             return False
+        try:
+            await self._confirm_public_listener(pid)
+        except PublicPortTaken as e:
+            self.log.warning("Previous proxy pid=%s is not listening on the public port; not keeping it: %s", pid, e)
+            return False
         self.proxy_process = None
         self.adopted_pid, self._adopted_start_time = pid, start_time
         self.log.info("Keeping the running proxy pid=%s (started by a previous hub) and its routes", pid)
@@ -239,6 +256,49 @@ class KeptProxy(ConfigurableHTTPProxy):
         if ran != self.proxy_cmd():
             self.log.warning("gpuhub: KeptProxy.proxy_cmd() %s differs from the command JupyterHub ran %s; "
                              "a restart of the hub will not keep this proxy", self.proxy_cmd(), ran)
+        try:
+            await self._confirm_public_listener(self.proxy_process.pid)
+        except PublicPortTaken:
+            self.stop()
+            raise
+
+    async def _confirm_public_listener(self, pid: int) -> None:
+        """Raise ``PublicPortTaken`` unless the proxy process itself listens on the public port.
+
+        configurable-http-proxy logs a failed ``listen`` (EADDRINUSE) as an uncaught exception
+        and runs on with only its API, and JupyterHub then reports "running at" an address
+        where whatever bound the port first answers the users: their logins, their servers'
+        traffic. Any local account can bind an unprivileged port before the hub starts, so
+        this is checked, from the kernel's socket table, not assumed.
+        """
+        server = Server.from_url(self.public_url)
+        if server._unix_socket:
+            return  # a socket file: the proxy creates it; nobody else answers at that path
+        port = int(server.port)
+        deadline = asyncio.get_running_loop().time() + self.public_listen_timeout
+        holders: dict[int, int] = {}
+        while True:
+            holders = listening_sockets().get(port, {})
+            if holders:
+                mine = socket_inodes(process_tree(pid), wanted=set(holders))
+                if mine is None:
+                    self.log.warning("Cannot read the proxy's open files: not checking who listens on "
+                                     "port %s", port)
+                    return
+                if mine & set(holders):
+                    return
+            if asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        owners = sorted(set(holders.values()))
+        raise PublicPortTaken(
+            f"gpuhub cannot start: the hub's public address {self.public_url} (port {port}) is not "
+            f"served by its proxy: "
+            + (f"another process (uid {', '.join(map(str, owners))}) already listens on port {port}, "
+               "and users would reach it instead of the hub." if owners else
+               f"the proxy (pid {pid}) did not listen on port {port} within "
+               f"{self.public_listen_timeout:g} s (see its error above).")
+            + " Stop that process or give the hub another port (GPUHUB_PORT, or JupyterHub.bind_url).")
 
     def _running(self) -> bool:
         if self.proxy_process is not None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
+
 
 REPO = Path(__file__).resolve().parents[3]
 POLICY = REPO / "jupyterhub_config" / "profiles.yaml"
@@ -34,10 +34,6 @@ if not os.environ.get("GPUHUB_TEST_KUBECONFIG"):
     os.environ.pop("KUBERNETES_SERVICE_HOST", None)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MockUser(SimpleNamespace):

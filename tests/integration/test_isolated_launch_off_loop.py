@@ -199,6 +199,62 @@ def test_the_loop_runs_while_a_stopped_servers_group_is_swept(prefix, tmp_path, 
     assert sp._cgroup is None
 
 
+def test_the_loop_runs_while_a_group_is_swept_after_its_process_exited_on_its_own(prefix, tmp_path, monkeypatch):
+    """A server or job whose process exits on its own (a crash, an OOM kill, the user's own
+    ``kill``) has its cgroup swept before its GPUs go on (``end_after_exit``: the exit watcher of
+    a server, the end of a job). That sweep ran on the loop; the removal step here waits for the
+    loop to run something else. A process the user left in the group is killed all the same."""
+    import subprocess
+
+    from gpuhub_spawner.local.cgroups import ServerCgroup
+    from gpuhub_spawner.local.isolation import process_uid
+
+    real = ServerCgroup.remove
+    in_step, loop_ran = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def remove(self):
+        in_step.set()
+        seen.append(loop_ran.wait(GIVE_UP))
+        return real(self)
+
+    sp = job(prefix, tmp_path)
+    # the job's command leaves a process behind in its group, then exits
+    sp.cmd = ["/bin/sh", "-c", "sleep 300 & echo $! > leftover; while [ ! -e go ]; do sleep 0.05; done"]
+
+    async def main():
+        await sp.start()
+        pid, cg = sp.pid, sp._cgroup
+        await until(lambda: sp.proc.poll() is not None or process_uid(pid) == sp._account.uid)
+        assert sp.proc.poll() is None and cg.contains(pid)
+        home = tmp_path / "home" / sp.account_name
+        await until(lambda: (home / "leftover").exists(), 30)
+        leftover = int((home / "leftover").read_text())
+        assert cg.contains(leftover)
+        monkeypatch.setattr(ServerCgroup, "remove", remove)
+        (home / "go").touch()
+        await until(lambda: sp.proc.poll() is not None, 30)
+        assert sp.proc.poll() is not None, "the job's command did not exit"
+
+        async def other_work():
+            while not in_step.is_set():
+                await asyncio.sleep(0.005)
+            loop_ran.set()
+
+        beside = asyncio.ensure_future(other_work())
+        ended = await sp.end_after_exit()
+        await beside
+        return ended, leftover, cg
+
+    ended, leftover, cg = asyncio.run(main())
+    assert ended is True
+    assert seen and all(seen), f"the event loop did not run for {GIVE_UP:.0f} s while the exited process's cgroup was removed: {seen}"
+    assert not any(p.exists() for p in cg.paths.values()), "the cgroup is still there after the sweep"
+    gone = subprocess.run(["ps", "-o", "stat=", "-p", str(leftover)], capture_output=True, text=True).stdout.strip()
+    assert gone in ("", "Z"), f"the process left in the group (pid {leftover}) still runs: {gone!r}"
+    assert sp._cgroup is None
+
+
 def test_account_checks_never_fill_the_hubs_thread_pool(prefix, tmp_path, monkeypatch):
     """Account changes are one at a time (unix_users' lock). While a crowd's account checks
     wait for it, the hub still resolves the addresses it connects to (tornado does that in

@@ -783,6 +783,19 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             _end_group(cg)  # nothing the user started may outlive the server (or keep a GPU open)
         return True
 
+    async def end_after_exit(self) -> bool:
+        """``on_process_exit`` for a process that exited on its own (the exit watcher, a job's
+        end), with the group's sweep beside the loop: up to a second of kill rounds and
+        retries per server, which an OOM storm or a crashing image would otherwise spend on
+        the loop one server after the other. False (nothing done) while it runs."""
+        cg = self._cgroup
+        if not self.on_process_exit(sweep=False):
+            return False
+        if cg is not None:
+            self._cgroup = None  # before the await: a poll or stop meanwhile does not sweep it again
+            await asyncio.get_running_loop().run_in_executor(_pool("ends"), _end_group, cg)
+        return True
+
     async def poll(self):
         status = await super().poll()
         if status is not None and self._cgroup is not None:

@@ -412,7 +412,7 @@ class JobManager(SingletonConfigurable):
         while code is None:  # a wake-up is not an exit: wait again, never block the loop in wait()
             await _exit_future(proc.pid)
             code = proc.poll()
-        launcher.on_process_exit()  # sweeps its cgroup; records an OOM kill
+        await launcher.end_after_exit()  # records an OOM kill; sweeps its cgroup beside the loop
         try:
             async with asyncio.timeout(2):
                 ev = await evidence

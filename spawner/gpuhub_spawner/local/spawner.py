@@ -37,6 +37,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
     _ticket: Ticket | None = None
     _admission: Admission | None = None
     _exit_fd: int | None = None
+    _ending: asyncio.Future | None = None  # the exit watcher's ending (sweep, then release) under way
 
     @property
     def broker(self) -> LocalBroker:
@@ -205,19 +206,37 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             # its cgroup nor give its GPUs to the next in line.
             if self.proc is not None and self.proc.poll() is None:  # (reaps our child)
                 return
-            on_exit = getattr(self, "on_process_exit", None)
-            # why it stopped (memory? processes?), and nothing of it left running; False: alive
-            if on_exit is not None and on_exit() is False:
+            ended = getattr(self, "main_process_ended", None)
+            if ended is not None and not ended():
+                self.log.warning("%s: exit watcher woke but pid %s is still running; leaving it alone", self.server_key, pid)
                 return
             self._unwatch()
-            self.log.info("Server %s (pid %s) exited", self.server_key, pid)
-            self._release("process exited")
-            if not (self._stop_pending or self._spawn_pending) and getattr(self, "_poll_callback", None) is not None:
-                # Tell the hub now, not at the next poll: the user sees the server stopped.
-                # (Not while starting: JupyterHub's own start-up wait notices the death.)
-                asyncio.ensure_future(self.poll_and_notify())
+            self._ending = asyncio.ensure_future(self._after_exit(pid))
 
         loop.add_reader(fd, exited)
+
+    async def _after_exit(self, pid: int) -> None:
+        """A server's process exited on its own: say why, sweep what it left (isolation's
+        ``end_after_exit``, beside the loop), and only then give its GPUs to the next in line."""
+        try:
+            end = getattr(self, "end_after_exit", None)
+            if end is not None:
+                await end()  # why it stopped (memory? processes?); nothing of it left running
+            self.log.info("Server %s (pid %s) exited", self.server_key, pid)
+            self._release("process exited")
+        finally:
+            self._ending = None
+        if not (self._stop_pending or self._spawn_pending) and getattr(self, "_poll_callback", None) is not None:
+            # Tell the hub now, not at the next poll: the user sees the server stopped.
+            # (Not while starting: JupyterHub's own start-up wait notices the death.)
+            await self.poll_and_notify()
+
+    async def _exit_handled(self) -> None:
+        """Wait for the exit watcher's ending, so a poll or stop never releases the GPUs
+        before what the server left is swept (nor releases them twice)."""
+        ending = self._ending
+        if ending is not None and ending is not asyncio.current_task():
+            await asyncio.shield(ending)
 
     def _unwatch(self) -> None:
         if self._exit_fd is not None:
@@ -236,6 +255,8 @@ class QueuedGpuMixin(PolicySpawnerMixin):
 
     async def poll(self):
         status = await super().poll()
+        if status is not None:
+            await self._exit_handled()
         if status is not None and self._admission is not None:
             self._unwatch()
             self._release("found stopped")
@@ -248,6 +269,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             await super().stop(now=now)
         finally:
             self._unwatch()
+            await self._exit_handled()
             self._release("stopped")
             self._ticket = None
 

@@ -314,23 +314,36 @@ def test_a_launcher_starts_inside_its_servers_cgroup(prefix, tmp_path, monkeypat
     assert seen == [True], "the launcher ran outside its server's cgroup until it had its spec"
 
 
-def test_the_servers_together_weigh_less_than_the_hub(prefix, tmp_path):
-    """All servers' cgroups sit in one group whose CPU weight is an eighth of the kernel's
-    default by default, so a storm of start-ups waits for the hub's event loop rather than
-    the loop for them; the kernel takes the value (it refuses one out of its range)."""
+def test_the_servers_group_weighs_the_kernels_default_unless_configured(prefix, tmp_path):
+    """All servers' and jobs' cgroups sit in one group. By default it weighs what one ordinary
+    process does: at an eighth (the default until stop 38) eight CPU-bound processes at nice 19
+    made a spawn 6.8x slower, and a Go build beside the test suite made servers miss their 60 s
+    start-up (tests/benchmarks/spawn_under_background.py). An operator may lower it for a
+    machine that runs nothing else (the hub's loop then comes first in a start-up storm); the
+    kernel takes the value, and one out of range is refused."""
     sp = job(prefix, tmp_path)
-    assert sp.servers_cpu_weight == 0.125  # the default: nothing configured
-
-    async def main():
-        await sp.start()
-        await sp.stop(now=True)
-
-    asyncio.run(main())
+    assert sp.servers_cpu_weight == 1.0  # the default: nothing configured
     host = sp.cgroup_host
-    if host.version == 2:
-        assert (host.root / host.group / "cpu.weight").read_text().strip() == "12"
-    else:
-        assert (host.v1_mounts["cpu"] / host.group / "cpu.shares").read_text().strip() == "128"
+
+    def written() -> str:
+        if host.version == 2:
+            return (host.root / host.group / "cpu.weight").read_text().strip()
+        return (host.v1_mounts["cpu"] / host.group / "cpu.shares").read_text().strip()
+
+    async def main(spawner):
+        await spawner.start()
+        await spawner.stop(now=True)
+
+    asyncio.run(main(sp))
+    assert written() == ("100" if host.version == 2 else "1024")
+
+    lowered = job(prefix, tmp_path, name="grace")
+    lowered.servers_cpu_weight = 0.125
+    try:
+        asyncio.run(main(lowered))
+        assert written() == ("12" if host.version == 2 else "128")
+    finally:
+        host.weigh_servers(1.0)  # the group is the machine's: leave it as the default has it
 
     from traitlets import TraitError
 

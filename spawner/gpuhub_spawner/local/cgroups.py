@@ -122,9 +122,10 @@ class CgroupHost:
         ``weight`` is relative to the kernel's default (1.0: like one ordinary process beside
         the group on v1, like a default sibling group on v2): v1 ``cpu.shares`` of 1024 x
         weight, v2 ``cpu.weight`` of 100 x weight. It only matters while the CPUs are
-        contended, and then decides who runs first: at the default 1024 the hub's event loop
-        waited 9.4 s of a 40 s, 200-user storm for a CPU behind the servers' start-ups, at 128
-        5.4 s, and answered the API 1.8x as often (docs/benchmarks.md). Raises OSError.
+        contended, and then decides who runs first: at 1024 the hub's event loop waited 9.4 s
+        of a 40 s, 200-user storm for a CPU behind the servers' start-ups, at 128 5.4 s; but at
+        128 eight processes at nice 19 made a spawn 6.8x slower (docs/benchmarks.md). Raises
+        OSError.
         """
         if self.version == 2:
             _write(self.root / self.group / "cpu.weight", str(min(10000, max(1, round(100 * weight)))))

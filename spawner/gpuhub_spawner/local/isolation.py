@@ -215,14 +215,17 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     cgroup_root = Unicode("/sys/fs/cgroup", help="The cgroup filesystem.").tag(config=True)
     cgroup_group = Unicode("gpuhub", help="The group under which each server's cgroup is made.").tag(config=True)
     servers_cpu_weight = Float(
-        0.125,
-        help="""The CPU weight of all servers together (the ``cgroup_group``) against what runs
-        beside them, the hub among it, relative to the kernel's default (1.0: v1 cpu.shares
-        1024, v2 cpu.weight 100). Only decides who runs first while the CPUs are contended:
-        at 0.125 a storm of server start-ups waits for the hub's event loop instead of the
-        loop waiting for them (a 200-user storm on 2 cores: the loop waited 5.4 s instead of
-        9.4 s, the API answered 1.8x as often). Servers still use every CPU nobody else wants;
-        each server's own limit is its profile's ``cpu``.""",
+        1.0,
+        help="""The CPU weight of all servers and jobs together (the ``cgroup_group``) against
+        what runs beside them, the hub among it, relative to the kernel's default (1.0: v1
+        cpu.shares 1024, v2 cpu.weight 100). Only decides who runs first while the CPUs are
+        contended. The default weighs them as one ordinary process: lower, they yield to
+        everything else, background work at nice 19 included (at 0.125, eight such processes
+        on 2 cores made a spawn 6.8x slower, 17 s instead of 2.5 s; at 1.0 1.4x). Lower it only
+        on a hub machine that runs nothing but the hub and its servers: at 0.125 a storm of
+        start-ups on 2 cores waits for the hub's event loop instead of the loop waiting for them
+        (the loop waited 5.4 s instead of 9.4 s of a 200-user storm). Each server's own limit
+        is its profile's ``cpu``.""",
     ).tag(config=True)
 
     @validate("servers_cpu_weight")

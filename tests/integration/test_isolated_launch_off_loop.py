@@ -63,6 +63,34 @@ def job(prefix: str, tmp_path, name: str = "ada"):
     return sp
 
 
+class GatedRemoval:
+    """``ServerCgroup.remove`` made to wait until the event loop has run something else (it
+    gives up after ``GIVE_UP`` s); ``seen`` says, for each removal, whether the loop ran."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+        self.in_step, self.loop_ran = threading.Event(), threading.Event()
+        self.seen: list[bool] = []
+
+    def install(self) -> None:
+        from gpuhub_spawner.local.cgroups import ServerCgroup
+
+        real, gate = ServerCgroup.remove, self
+
+        def remove(cg):
+            gate.in_step.set()
+            gate.seen.append(gate.loop_ran.wait(GIVE_UP))
+            return real(cg)
+
+        self.monkeypatch.setattr(ServerCgroup, "remove", remove)
+
+    async def other_work(self) -> None:
+        """What the loop does beside the removal: it notes that it ran."""
+        while not self.in_step.is_set():
+            await asyncio.sleep(0.005)
+        self.loop_ran.set()
+
+
 def test_the_loop_runs_while_a_launcher_is_forked(prefix, tmp_path, monkeypatch):
     from gpuhub_spawner.local import sandbox
     from gpuhub_spawner.local.isolation import process_uid
@@ -160,18 +188,9 @@ def test_the_loop_runs_while_a_stopped_servers_group_is_swept(prefix, tmp_path, 
     """A stop empties and removes the server's cgroup: kill rounds 20 ms apart, then up to 1 s of
     retries while the last processes exit. A culler pass stopping 50 servers did that on the loop,
     one server after the other; the removal step here waits for the loop to run something else."""
-    from gpuhub_spawner.local.cgroups import ServerCgroup
     from gpuhub_spawner.local.isolation import process_uid
 
-    real = ServerCgroup.remove
-    in_step, loop_ran = threading.Event(), threading.Event()
-    seen: list[bool] = []
-
-    def remove(self):
-        in_step.set()
-        seen.append(loop_ran.wait(GIVE_UP))
-        return real(self)
-
+    gate = GatedRemoval(monkeypatch)
     sp = job(prefix, tmp_path)
 
     async def main():
@@ -179,21 +198,15 @@ def test_the_loop_runs_while_a_stopped_servers_group_is_swept(prefix, tmp_path, 
         pid, cg = sp.pid, sp._cgroup
         await until(lambda: sp.proc.poll() is not None or process_uid(pid) == sp._account.uid)
         assert sp.proc.poll() is None and cg.contains(pid)
-        monkeypatch.setattr(ServerCgroup, "remove", remove)
-
-        async def other_work():
-            while not in_step.is_set():
-                await asyncio.sleep(0.005)
-            loop_ran.set()
-
-        beside = asyncio.ensure_future(other_work())
+        gate.install()
+        beside = asyncio.ensure_future(gate.other_work())
         await sp.stop(now=True)
         await beside
         return pid, cg
 
     pid, cg = asyncio.run(main())
     # (the stop's polls sweep the group once the process is gone; the stop sweeps again, finding nothing)
-    assert seen and all(seen), f"the event loop did not run for {GIVE_UP:.0f} s while the stopped server's cgroup was removed: {seen}"
+    assert gate.seen and all(gate.seen), f"the event loop did not run for {GIVE_UP:.0f} s while the stopped server's cgroup was removed: {gate.seen}"
     assert not any(p.exists() for p in cg.paths.values()), "the cgroup is still there after the stop"
     assert sp.proc is None or sp.proc.poll() is not None, f"pid {pid} still runs after the stop"
     assert sp._cgroup is None
@@ -206,18 +219,9 @@ def test_the_loop_runs_while_a_group_is_swept_after_its_process_exited_on_its_ow
     loop to run something else. A process the user left in the group is killed all the same."""
     import subprocess
 
-    from gpuhub_spawner.local.cgroups import ServerCgroup
     from gpuhub_spawner.local.isolation import process_uid
 
-    real = ServerCgroup.remove
-    in_step, loop_ran = threading.Event(), threading.Event()
-    seen: list[bool] = []
-
-    def remove(self):
-        in_step.set()
-        seen.append(loop_ran.wait(GIVE_UP))
-        return real(self)
-
+    gate = GatedRemoval(monkeypatch)
     sp = job(prefix, tmp_path)
     # the job's command leaves a process behind in its group, then exits
     sp.cmd = ["/bin/sh", "-c", "sleep 300 & echo $! > leftover; while [ ! -e go ]; do sleep 0.05; done"]
@@ -231,24 +235,18 @@ def test_the_loop_runs_while_a_group_is_swept_after_its_process_exited_on_its_ow
         await until(lambda: (home / "leftover").exists(), 30)
         leftover = int((home / "leftover").read_text())
         assert cg.contains(leftover)
-        monkeypatch.setattr(ServerCgroup, "remove", remove)
+        gate.install()
         (home / "go").touch()
         await until(lambda: sp.proc.poll() is not None, 30)
         assert sp.proc.poll() is not None, "the job's command did not exit"
-
-        async def other_work():
-            while not in_step.is_set():
-                await asyncio.sleep(0.005)
-            loop_ran.set()
-
-        beside = asyncio.ensure_future(other_work())
+        beside = asyncio.ensure_future(gate.other_work())
         ended = await sp.end_after_exit()
         await beside
         return ended, leftover, cg
 
     ended, leftover, cg = asyncio.run(main())
     assert ended is True
-    assert seen and all(seen), f"the event loop did not run for {GIVE_UP:.0f} s while the exited process's cgroup was removed: {seen}"
+    assert gate.seen and all(gate.seen), f"the event loop did not run for {GIVE_UP:.0f} s while the exited process's cgroup was removed: {gate.seen}"
     assert not any(p.exists() for p in cg.paths.values()), "the cgroup is still there after the sweep"
     gone = subprocess.run(["ps", "-o", "stat=", "-p", str(leftover)], capture_output=True, text=True).stdout.strip()
     assert gone in ("", "Z"), f"the process left in the group (pid {leftover}) still runs: {gone!r}"

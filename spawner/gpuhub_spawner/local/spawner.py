@@ -222,6 +222,9 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             end = getattr(self, "end_after_exit", None)
             if end is not None:
                 await end()  # why it stopped (memory? processes?); nothing of it left running
+        except Exception:  # as a stop does: the GPUs go back even when the sweep failed
+            self.log.exception("Sweeping up after %s's exit failed", self.server_key)
+        try:
             self.log.info("Server %s (pid %s) exited", self.server_key, pid)
             self._release("process exited")
         finally:

@@ -17,6 +17,7 @@ that fits no node, looks like to Kueue.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -207,19 +208,26 @@ def test_a_server_pod_that_can_never_start_is_deleted_and_the_user_told_why(kueu
         "spec": pod_spec()})
     until(lambda: (c := cond(workload_of(cluster, "Pod", "jupyter-carol"), "Admitted")) and c["status"] == "True",
           60, "the server admitted")
-    # What the hub's pod reflector and Workload mirror last see: read both until the pod is gone.
-    last_pod, last_wl = None, None
-    deadline = time.time() + TIMEOUT_S + 40
-    while time.time() < deadline:
-        r = cluster.session.get(f"{cluster.url}{cluster.path('pods', NS, 'jupyter-carol')}", timeout=15)
-        wl = workload_of(cluster, "Pod", "jupyter-carol")
-        last_wl = wl or last_wl
-        if r.status_code == 404:
-            break
+    # What the hub's pod reflector and Workload mirror last see. The pod as KubeSpawner's reflector
+    # sees it: a watch, every change up to its deletion (a poll every 0.2 s missed the moment
+    # between Kueue marking the pod and deleting it, stop 38); the Workload read at each change.
+    last_pod, last_wl, deleted = None, None, False
+    with cluster.session.get(f"{cluster.url}{cluster.path('pods', NS)}", stream=True, timeout=TIMEOUT_S + 60,
+                             params={"watch": "1", "fieldSelector": "metadata.name=jupyter-carol",
+                                     "timeoutSeconds": str(TIMEOUT_S + 40)}) as r:
         r.raise_for_status()
-        last_pod = r.json()
-        time.sleep(0.2)
-    else:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            event = json.loads(line)
+            if event["type"] not in ("ADDED", "MODIFIED", "DELETED"):
+                continue
+            last_pod = event["object"]  # a DELETED event carries the pod's last state
+            last_wl = workload_of(cluster, "Pod", "jupyter-carol") or last_wl
+            if event["type"] == "DELETED":
+                deleted = True
+                break
+    if not deleted:
         pytest.fail(f"the server pod was not deleted: {last_pod and last_pod.get('status')}")
     target = cond(last_pod, K.POD_TERMINATION_TARGET)
     assert target and target["reason"] == "WorkloadEvictedDueToPodsReadyTimeout", last_pod.get("status")

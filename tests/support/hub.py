@@ -20,12 +20,9 @@ import requests
 
 from support.ports import free_port
 
-
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "jupyterhub_config" / "jupyterhub_config.py"
 PASSWORD = "test-password-123"
-
-
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):

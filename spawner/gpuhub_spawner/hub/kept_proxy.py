@@ -32,7 +32,6 @@ routes, when it is gone.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import shutil
@@ -47,7 +46,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.ioloop import PeriodicCallback
 from traitlets import Any, Bool, Float, Unicode, default
 
-from ..local.listening import listening_sockets, process_tree, socket_inodes
+from ..local.listening import PortTaken, listening_sockets, watcher
 
 
 def keep_secret_file(path: str | os.PathLike) -> str:
@@ -136,7 +135,8 @@ class KeptProxy(ConfigurableHTTPProxy):
     public_listen_timeout = Float(
         5, config=True,
         help="Seconds the proxy has, once its API answers, to be seen listening on the public "
-             "address; after that the hub refuses to run (another process holds the port).",
+             "address before the hub refuses to run; a port another process holds is refused "
+             "as soon as the listen watcher is sure (half a second).",
     )
     adopted_pid = Any(None, help="pid of the proxy adopted at start (no Popen for it)")
     _adopted_start_time = Any(None)
@@ -275,29 +275,21 @@ class KeptProxy(ConfigurableHTTPProxy):
         if server._unix_socket:
             return  # a socket file: the proxy creates it; nobody else answers at that path
         port = int(server.port)
-        deadline = asyncio.get_running_loop().time() + self.public_listen_timeout
-        holders: dict[int, int] = {}
-        while True:
-            holders = listening_sockets().get(port, {})
-            if holders:
-                mine = socket_inodes(process_tree(pid), wanted=set(holders))
-                if mine is None:
-                    self.log.warning("Cannot read the proxy's open files: not checking who listens on "
-                                     "port %s", port)
-                    return
-                if mine & set(holders):
-                    return
-            if asyncio.get_running_loop().time() >= deadline:
-                break
-            await asyncio.sleep(0.05)
+        try:  # the listen watcher servers' start-ups use: the proxy's own socket, or PortTaken
+            seen = await watcher().wait(port, pid, self.public_listen_timeout)
+        except PortTaken:
+            seen = "taken"
+        if seen == "listening":
+            return
+        holders = listening_sockets().get(port, {})
         owners = sorted(set(holders.values()))
+        why = "it exited" if seen == "exited" else f"not within {self.public_listen_timeout:g} s"
         raise PublicPortTaken(
             f"gpuhub cannot start: the hub's public address {self.public_url} (port {port}) is not "
             f"served by its proxy: "
             + (f"another process (uid {', '.join(map(str, owners))}) already listens on port {port}, "
                "and users would reach it instead of the hub." if owners else
-               f"the proxy (pid {pid}) did not listen on port {port} within "
-               f"{self.public_listen_timeout:g} s (see its error above).")
+               f"the proxy (pid {pid}) did not listen on port {port} ({why}; see its error above).")
             + " Stop that process or give the hub another port (GPUHUB_PORT, or JupyterHub.bind_url).")
 
     def _running(self) -> bool:

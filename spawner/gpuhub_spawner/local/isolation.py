@@ -802,11 +802,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     async def poll(self):
         status = await super().poll()
         if status is not None and self._cgroup is not None:
-            cg = self._cgroup
-            ended = self.on_process_exit(sweep=False)
-            self._cgroup = None  # before the await: a poll meanwhile does not sweep it again
-            if ended:
-                await asyncio.get_running_loop().run_in_executor(_pool("ends"), _end_group, cg)
+            if not await self.end_after_exit():
+                self._cgroup = None  # found stopped: the poll lets go of the group all the same
         elif status is None and self._cgroup is not None:
             self._watch_oom()  # adopted after a restart: watch again
             if self._check_oom(self._cgroup):  # and a missed notification is caught here

@@ -319,9 +319,14 @@ def test_the_servers_group_weighs_the_kernels_default_unless_configured(prefix, 
     start-up (tests/benchmarks/spawn_under_background.py). An operator may lower it for a
     machine that runs nothing else (the hub's loop then comes first in a start-up storm); the
     kernel takes the value, and one out of range is refused."""
+    # The machine's group is every hub's and every test worker's (each launch writes its weight):
+    # this test weighs a group of its own, so another worker's launch cannot change what it reads.
+    group = f"{prefix}weighed"
     sp = job(prefix, tmp_path)
     assert sp.servers_cpu_weight == 1.0  # the default: nothing configured
+    sp.cgroup_group = group
     host = sp.cgroup_host
+    assert host.group == group
 
     def written() -> str:
         if host.version == 2:
@@ -336,12 +341,15 @@ def test_the_servers_group_weighs_the_kernels_default_unless_configured(prefix, 
     assert written() == ("100" if host.version == 2 else "1024")
 
     lowered = job(prefix, tmp_path, name="grace")
+    lowered.cgroup_group = group
     lowered.servers_cpu_weight = 0.125
     try:
         asyncio.run(main(lowered))
         assert written() == ("12" if host.version == 2 else "128")
-    finally:
-        host.weigh_servers(1.0)  # the group is the machine's: leave it as the default has it
+    finally:  # both servers stopped: their leaves are gone, the test's group goes too
+        for base in [host.root] if host.version == 2 else list(host.v1_mounts.values()):
+            if (base / group).is_dir():
+                (base / group).rmdir()
 
     from traitlets import TraitError
 

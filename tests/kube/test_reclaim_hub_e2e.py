@@ -90,6 +90,17 @@ def users(hub):
     return {n: hub.login(n) for n in ("alice", "bob", "carol", "admin")}
 
 
+@pytest.fixture(autouse=True)
+def servers_stopped_after(users):
+    """A test that fails midway leaves its servers running; the next test of the module would
+    then meet "already running" (400) instead of what it tests. Stop what is left."""
+    yield
+    for client in users.values():
+        if client.server() is not None:
+            client.stop()
+            client.wait_gone()
+
+
 def warnings(client) -> dict:
     r = client.api.get(client.url(f"/gpuhub/culling/{client.name}"))
     r.raise_for_status()
@@ -103,6 +114,11 @@ def log_time(line: str) -> float:
 
 def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_admits_the_lender(hub, backend, users):
     alice, bob, carol, admin = users["alice"], users["bob"], users["carol"], users["admin"]
+    # An earlier test's servers are gone from the hub before Kueue's view of them ends (the
+    # ledger hears of the Workload's deletion a moment later, and then audits the release):
+    # wait for it, so that the audit read below is this test's.
+    until(lambda: admin.api.get(admin.url("/gpuhub/status")).json()["devices"] == [],
+          what="no GPU held in the hub's view", hub=hub)
     # The log and the audit of earlier tests (bob's other servers) are not this one's.
     log_start, began = len(hub.log.read_text(errors="replace").splitlines()), time.time()
     for client in (alice, bob):  # alice holds vision's own L4; bob, admitted later, borrows NLP's

@@ -1,5 +1,6 @@
 import sys
 from pathlib import Path
+import pytest
 
 # tests.support is importable as `support` from every test directory.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -157,6 +158,24 @@ def pytest_collection_modifyitems(session, config, items):
 # the workers' reports reach the controller, which sums them; setup and teardown count,
 # since a module's hub start is most of many files' time.
 _file_seconds: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a real hub gets the hub's last log lines in its report: CI
+    prints only the test's output, and a server that died or a spawn that failed says why
+    there and nowhere else."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    from support.hub import Hub
+
+    seen = set()
+    for name, value in getattr(item, "funcargs", {}).items():
+        if isinstance(value, Hub) and id(value) not in seen:
+            seen.add(id(value))
+            report.sections.append((f"hub log of fixture {name!r}, last 80 lines ({value.log})", value.tail(80)))
 
 
 def pytest_runtest_logreport(report):

@@ -77,6 +77,17 @@ def users(hub):
     return {n: hub.login(n) for n in ("alice", "bob", "carol")}
 
 
+@pytest.fixture(autouse=True)
+def servers_stopped_after(users):
+    """A test that fails midway leaves alice's server (and, with it, her clusters) running; the
+    next test would meet "already running" instead of what it tests. Stop what is left."""
+    yield
+    for client in users.values():
+        if client.server() is not None:
+            client.stop()
+            client.wait_gone()
+
+
 def cli(hub, user, *args, check=True, timeout=900):
     """``gpuhub ray ...`` from a laptop, with a token from the token page."""
     e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}

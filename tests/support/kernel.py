@@ -43,7 +43,11 @@ class KernelSession:
         deadline = time.monotonic() + timeout
         while not (done_reply and idle):
             self.ws.settimeout(max(1.0, deadline - time.monotonic()))
-            msg = json.loads(self.ws.recv())
+            try:
+                msg = json.loads(self.ws.recv())
+            except websocket.WebSocketConnectionClosedException as e:
+                raise ConnectionError(f"the kernel's websocket closed while it ran the code ({self.state()}); "
+                                      f"output so far: {''.join(out)!r}") from e
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             kind = msg["header"]["msg_type"]
@@ -60,6 +64,17 @@ class KernelSession:
         if error:
             raise RuntimeError(f"kernel code failed:\n{error}\nstdout:\n{''.join(out)}")
         return "".join(out)
+
+    def state(self) -> str:
+        """What the server says of this kernel now (for an error: did the kernel die, or the server?)."""
+        try:
+            r = self.http.get(self.base + f"api/kernels/{self.kernel_id}", timeout=10)
+        except requests.RequestException as e:
+            return f"the server does not answer: {e}"
+        if r.status_code != 200:
+            return f"the server answers {r.status_code} for the kernel"
+        k = r.json()
+        return f"kernel {k.get('execution_state')}, last activity {k.get('last_activity')}"
 
     def close(self):
         try:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 import harness as real  # noqa: E402  (tests/cluster/harness.py)
 
 from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE, apply_policy  # noqa: E402
+from support.ports import pod_port_hook  # noqa: E402
 
 # What every Kubernetes hub of the end-to-end tests runs with (fast timings for tests).
 HUB_CONFIG = f"""
@@ -48,18 +49,8 @@ configure_ledger(c)
 
 # The double's pods share this machine's network (pod IP 127.0.0.1): one port per pod. On the
 # real plane each pod has its own loopback IP from its kwok node's podCIDR, and port 8888.
-DOUBLE_ONLY_CONFIG = """
-import socket as _socket
-
+DOUBLE_ONLY_CONFIG = pod_port_hook() + """
 c.KubeSpawner.ip = "127.0.0.1"
-
-
-def _own_port(spawner):
-    with _socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        spawner.port = s.getsockname()[1]
-
-
 c.KubeSpawner.pre_spawn_hook = _own_port
 """
 

@@ -27,6 +27,7 @@ from backends import HUB_CONFIG  # what every Kubernetes hub of these tests runs
 from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.helm import chart_proxy_command, require_shared
 from support.hub import Hub
+from support.ports import pod_port_hook
 
 pytestmark = pytest.mark.integration
 
@@ -64,18 +65,10 @@ defaults:
 # Appended to our hub config (after configure_local): what a z2jh deployment sets instead
 # (helm-values/values.yaml). The culler service stays, as it does there; MLflow is off.
 KUBE_CONFIG = f"""
-import socket as _socket
 {HUB_CONFIG}
 # The double's pods share this machine's network: one port per pod, loopback only.
+{pod_port_hook()}
 c.KubeSpawner.ip = "127.0.0.1"
-
-
-def _own_port(spawner):
-    with _socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        spawner.port = s.getsockname()[1]
-
-
 c.KubeSpawner.pre_spawn_hook = _own_port
 """
 

@@ -69,3 +69,46 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reserve(count: int) -> range:
+    """``count`` consecutive ports of this worker's block that ``free_port`` will not hand out
+    again (until it has gone round the whole block), for a process of the test's that draws
+    ports of its own, such as a hub giving each pod of the Kubernetes double a port. Empty
+    where the block is too small to spare them."""
+    global _next
+    if len(_BLOCK) < 4 * count:
+        return range(0)
+    i = _next % len(_BLOCK)
+    if i + count > len(_BLOCK):
+        i = 0
+    _next = i + count
+    return _BLOCK[i:i + count]
+
+
+def pod_port_hook(count: int = 200) -> str:
+    """Hub config defining ``_own_port``, a ``pre_spawn_hook`` that gives each server (a pod of
+    the Kubernetes double, whose pods share this machine's network) a port of its own from
+    ports reserved here, bind-checked, rather than one the kernel picked for a socket it then
+    closed (the ephemeral range, where anything binding port 0 may take it before the pod
+    listens)."""
+    ports = reserve(count)
+    return f"""
+import socket as _socket
+
+
+def _own_port(spawner, _ports=range({ports.start}, {ports.stop}), _drawn=[0]):
+    for _ in range(len(_ports)):
+        port = _ports[_drawn[0] % len(_ports)]
+        _drawn[0] += 1
+        with _socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        spawner.port = port
+        return
+    with _socket.socket() as s:  # no reserved port free: the kernel's choice
+        s.bind(("127.0.0.1", 0))
+        spawner.port = s.getsockname()[1]
+"""

@@ -189,8 +189,8 @@ class PendingPoller:
     async def fetch(self) -> PendingSnapshot:
         api = shared_client("CustomObjectsApi").api_client
         self.calls += 1
-        data = await asyncio.wait_for(
-            api.call_api(
+        async with asyncio.timeout(self.request_timeout):  # not wait_for: 3.11's loses a cancel that finds it done
+            data = await api.call_api(
                 "/apis/{group}/{version}/namespaces/{namespace}/localqueues/{name}/pendingworkloads",
                 "GET",
                 path_params={"group": VISIBILITY_GROUP, "version": VISIBILITY_VERSION, "namespace": self.namespace, "name": self.local_queue},
@@ -199,9 +199,7 @@ class PendingPoller:
                 response_types_map={200: "object"},
                 auth_settings=["BearerToken"],
                 _return_http_data_only=True,
-            ),
-            self.request_timeout,
-        )
+            )
         return PendingSnapshot(items=list((data or {}).get("items") or []), fetched_at=time.monotonic())
 
     async def _run(self) -> None:

@@ -258,8 +258,9 @@ async def _run_cell(api: Api, server_url: str, token: str, code: str, timeout: f
         # The server answers the upgrade only once the new kernel replied to kernel_info (up to
         # its 60 s kernel_info_timeout on a loaded machine): tornado's default 20 s would give
         # up first and count a kernel that was merely slow as a failed cell.
-        ws = await asyncio.wait_for(websocket_connect(HTTPRequest(url, headers=headers, connect_timeout=timeout,
-                                                                  request_timeout=timeout)), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: 3.11's loses a cancel that finds it done
+            ws = await websocket_connect(HTTPRequest(url, headers=headers, connect_timeout=timeout,
+                                                     request_timeout=timeout))
         try:
             msg_id = uuid.uuid4().hex
             ws.write_message(json.dumps({
@@ -271,7 +272,8 @@ async def _run_cell(api: Api, server_url: str, token: str, code: str, timeout: f
             replied = idle = False
             end = time.monotonic() + timeout
             while not (replied and idle):
-                raw = await asyncio.wait_for(ws.read_message(), max(0.1, end - time.monotonic()))
+                async with asyncio.timeout(max(0.1, end - time.monotonic())):
+                    raw = await ws.read_message()
                 if raw is None:
                     raise HubRefused("the kernel's websocket closed")
                 msg = json.loads(raw)

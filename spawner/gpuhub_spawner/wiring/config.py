@@ -208,7 +208,7 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     from ..local.isolation import announce_isolation
 
     announce_isolation(c)
-    # Whether JupyterLab is installed, without importing it: its import costs the hub ~0.3 s of
+    # Whether JupyterLab is installed, without importing it: its import cost the hub ~0.2 s of
     # CPU at every start (its extension handlers, jupyter_server, jupyterlab_server).
     c.Spawner.default_url = "/lab" if importlib.util.find_spec("jupyterlab") is not None else "/tree"
     c.Spawner.http_timeout = 60

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import requests
 
-from support.ports import free_port
+from support.ports import free_port, reserve
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "jupyterhub_config" / "jupyterhub_config.py"
@@ -95,6 +95,7 @@ class Hub:
         # browsers do.
         self.url = f"http://localhost:{self.port}"
         self.config = self.workdir / "jupyterhub_config.py"
+        servers = reserve(100)
         self.config.write_text(
             f"exec(open({str(CONFIG)!r}).read())\n"
             "c.Spawner.environment = dict(c.Spawner.environment if 'environment' in c.Spawner else {}, "
@@ -102,6 +103,9 @@ class Hub:
             "c.JupyterHub.log_level = 'DEBUG'\n"
             "c.Spawner.debug = False\n"
             "c.Spawner.default_url = '/tree'\n"
+            # Servers listen on ports of this worker's block (support/ports.py), not where every
+            # client connection on the machine takes its local port (a start lost its port so).
+            + (f"c.IsolatedProcessSpawner.server_ports = '{servers.start}-{servers.stop - 1}'\n" if servers else "")
             + extra_config
         )
         self.proc: subprocess.Popen | None = None

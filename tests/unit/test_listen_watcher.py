@@ -215,3 +215,49 @@ def test_a_booked_port_comes_from_the_kernel_and_is_free():
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # nobody holds it
     assert book.held == {port: "u00"}
+
+
+def test_servers_can_be_given_ports_of_a_range_that_skips_what_something_else_holds():
+    """``server_ports``: on a busy machine a port the kernel picked can be taken by any
+    connection's local end before the server listens (a start failed so in a whole test run);
+    from a range below the ephemeral one the hub hands out only ports nothing holds, never one
+    port twice, and says so when the range is used up."""
+    from traitlets import TraitError
+
+    from gpuhub_spawner.local.isolation import IsolatedProcessSpawner, _port_span
+    from gpuhub_spawner.local.listening import PortBook
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        span = range(taken, taken + 1)
+        book = PortBook()
+        with pytest.raises(RuntimeError, match=f"no free port in {taken}-{taken}"):
+            book.take("u00", span)  # another process listens there
+    def unheld(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+        return True
+
+    free = next((range(low, low + 3) for low in range(21000, 30000, 10)
+                 if all(unheld(p) for p in range(low, low + 3))), None)  # three ports nothing holds now
+    assert free is not None
+    book = PortBook()
+    got = [book.take(f"u{i}", free) for i in range(3)]
+    assert sorted(got) == list(free), got  # each port once
+    with pytest.raises(RuntimeError, match="3 held by this hub's servers"):
+        book.take("u3", free)
+    book.give_back(got[0], "u0")
+    assert book.take("u4", free) == got[0]
+
+    assert _port_span("20000-20999") == range(20000, 21000)
+    sp = IsolatedProcessSpawner()
+    sp.server_ports = " 20000-20999 "
+    assert sp.server_ports == "20000-20999"
+    for bad in ("20000", "30000-20000", "80-90", "2000x-3000"):
+        with pytest.raises(TraitError, match="server_ports must be FIRST-LAST"):
+            sp.server_ports = bad

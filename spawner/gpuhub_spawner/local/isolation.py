@@ -228,6 +228,24 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         is its profile's ``cpu``.""",
     ).tag(config=True)
 
+    server_ports = Unicode(
+        "",
+        help="""The ports servers listen on, as ``FIRST-LAST`` (for example ``20000-29999``).
+        Empty (the default): a port the kernel picks, as JupyterHub does. The kernel picks from
+        its ephemeral range (``net.ipv4.ip_local_port_range``), where every outgoing connection
+        on the machine also takes its local port; on a busy machine one can take a server's
+        port in the seconds before the server listens, and that start then fails ("another
+        process took its network port"). A range below the ephemeral one, used by nothing else,
+        leaves only this hub's own servers there, and the hub never hands one port to two.""",
+    ).tag(config=True)
+
+    @validate("server_ports")
+    def _valid_server_ports(self, proposal):
+        text = proposal["value"].strip()
+        if text and _port_span(text) is None:
+            raise TraitError(f"server_ports must be FIRST-LAST with 1024 <= FIRST <= LAST <= 65535, not {text!r}")
+        return text
+
     @validate("servers_cpu_weight")
     def _valid_weight(self, proposal):
         w = proposal["value"]
@@ -339,7 +357,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if self.port == 0:
             # Not random_port() alone: a port it gives stays free until the server binds it,
             # seconds later, and could be given to a server starting meanwhile (local/listening.py).
-            self.port = self._booked_port = PORTS.take(self._port_owner)
+            self.port = self._booked_port = PORTS.take(self._port_owner, _port_span(self.server_ports))
         try:
             return await self._start()
         except BaseException:
@@ -883,6 +901,15 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     def clear_state(self):
         super().clear_state()
         self._start_time = None
+
+
+def _port_span(text: str) -> range | None:
+    """``"FIRST-LAST"`` as a range of ports; None for an empty or malformed text."""
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text or "")
+    if not m:
+        return None
+    first, last = int(m.group(1)), int(m.group(2))
+    return range(first, last + 1) if 1024 <= first <= last <= 65535 else None
 
 
 def remove_isolation(prefix: str, cgroup_root: str = "/sys/fs/cgroup", group: str = "gpuhub") -> list[str]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import struct
 import time
@@ -280,8 +281,19 @@ class PortBook:
         self.tries = tries
         self.held: dict[int, str] = {}  # port -> the server it was handed to
 
-    def take(self, owner: str) -> int:
-        """A port no server of this hub holds now, booked for ``owner``."""
+    def take(self, owner: str, span: range | None = None) -> int:
+        """A port no server of this hub holds now, booked for ``owner``: from ``span`` where
+        given (from a random place in it, the first one nothing binds now), else the kernel's
+        choice."""
+        if span:
+            start = random.randrange(len(span))
+            for i in range(len(span)):
+                port = span[(start + i) % len(span)]
+                if port not in self.held and _bindable(port):
+                    self.held[port] = owner
+                    return port
+            raise RuntimeError(f"no free port in {span.start}-{span.stop - 1} "
+                               f"({len(self.held)} held by this hub's servers)")
         pick = self._pick
         if pick is None:
             from jupyterhub.utils import random_port as pick
@@ -296,6 +308,16 @@ class PortBook:
         """``owner``'s server stopped (or never started): its port may be handed out again."""
         if self.held.get(port) == owner:
             del self.held[port]
+
+
+def _bindable(port: int) -> bool:
+    """Nothing on this machine holds ``port`` now (a listener or a connection's local end)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 PORTS = PortBook()  # one per hub process: its spawners share the machine's ports

@@ -95,7 +95,7 @@ class Hub:
         # browsers do.
         self.url = f"http://localhost:{self.port}"
         self.config = self.workdir / "jupyterhub_config.py"
-        servers = reserve(100)
+        servers = reserve(300)  # room for a benchmark storm of 200 servers at once
         self.config.write_text(
             f"exec(open({str(CONFIG)!r}).read())\n"
             "c.Spawner.environment = dict(c.Spawner.environment if 'environment' in c.Spawner else {}, "

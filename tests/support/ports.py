@@ -18,6 +18,8 @@ import os
 import random
 import socket
 
+from gpuhub_spawner.local.listening import port_is_free
+
 LOWEST = 20000  # below: Ray's worker ports (10002-19999) and the well-known services
 HIGHEST = 32000  # above: tests/cluster/up.sh's control plane (from 32300), then the ephemeral range
 
@@ -48,15 +50,6 @@ _BLOCK = _block()
 _next = random.randrange(len(_BLOCK)) if _BLOCK else 0
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))  # every address: a listener on any of them makes the port taken
-        except OSError:
-            return False
-    return True
-
-
 def free_port() -> int:
     """A TCP port nothing listens on, from this worker's block (the kernel's choice where the
     machine leaves no room below its ephemeral range)."""
@@ -64,7 +57,7 @@ def free_port() -> int:
     for _ in range(len(_BLOCK)):
         port = _BLOCK[_next % len(_BLOCK)]
         _next += 1
-        if _bindable(port):
+        if port_is_free(port):
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,16 +91,14 @@ import socket as _socket
 
 
 def _own_port(spawner, _ports=range({ports.start}, {ports.stop}), _drawn=[0]):
+    from gpuhub_spawner.local.listening import port_is_free
+
     for _ in range(len(_ports)):
         port = _ports[_drawn[0] % len(_ports)]
         _drawn[0] += 1
-        with _socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-        spawner.port = port
-        return
+        if port_is_free(port):
+            spawner.port = port
+            return
     with _socket.socket() as s:  # no reserved port free: the kernel's choice
         s.bind(("127.0.0.1", 0))
         spawner.port = s.getsockname()[1]

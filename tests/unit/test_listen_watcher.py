@@ -225,7 +225,7 @@ def test_servers_can_be_given_ports_of_a_range_that_skips_what_something_else_ho
     from traitlets import TraitError
 
     from gpuhub_spawner.local.isolation import IsolatedProcessSpawner, _port_span
-    from gpuhub_spawner.local.listening import PortBook
+    from gpuhub_spawner.local.listening import PortBook, port_is_free
 
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
@@ -235,16 +235,8 @@ def test_servers_can_be_given_ports_of_a_range_that_skips_what_something_else_ho
         book = PortBook()
         with pytest.raises(RuntimeError, match=f"no free port in {taken}-{taken}"):
             book.take("u00", span)  # another process listens there
-    def unheld(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                return False
-        return True
-
     free = next((range(low, low + 3) for low in range(21000, 30000, 10)
-                 if all(unheld(p) for p in range(low, low + 3))), None)  # three ports nothing holds now
+                 if all(port_is_free(p) for p in range(low, low + 3))), None)  # three ports nothing holds now
     assert free is not None
     book = PortBook()
     got = [book.take(f"u{i}", free) for i in range(3)]

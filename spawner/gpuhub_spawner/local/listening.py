@@ -289,7 +289,7 @@ class PortBook:
             start = random.randrange(len(span))
             for i in range(len(span)):
                 port = span[(start + i) % len(span)]
-                if port not in self.held and _bindable(port):
+                if port not in self.held and port_is_free(port):
                     self.held[port] = owner
                     return port
             raise RuntimeError(f"no free port in {span.start}-{span.stop - 1} "
@@ -310,8 +310,9 @@ class PortBook:
             del self.held[port]
 
 
-def _bindable(port: int) -> bool:
-    """Nothing on this machine holds ``port`` now (a listener or a connection's local end)."""
+def port_is_free(port: int) -> bool:
+    """Nothing on this machine holds ``port`` now (a listener or a connection's local end): it
+    binds on every address. Also the tests' own port blocks use it (tests/support/ports.py)."""
     with socket.socket() as s:
         try:
             s.bind(("", port))

@@ -27,7 +27,7 @@ LAYER_TESTS = {
         "unit/test_job_reclaim.py", "unit/test_waiting_messages.py", "unit/test_progress_events.py",
         "unit/test_isolation_units.py", "unit/test_unix_users.py", "unit/test_device_nodes.py",
         "unit/test_listen_watcher.py", "unit/test_cancel_reaches_the_launch.py", "unit/test_sandbox_launcher.py", "unit/test_process_limits_and_prefix_lock.py",
-        "unit/test_kube_ledger.py", "unit/test_kube_waiting_words.py", "unit/test_kube_capacity.py",
+        "unit/test_kube_ledger.py", "unit/test_kube_waiting_words.py", "unit/test_kube_capacity.py", "unit/test_kube_rbac.py",
         "unit/test_cuda_driver.py", "unit/test_ray_manager_units.py",
         "kube/test_job_manifest.py", "kube/test_render.py", "kube/test_render_mig.py",
         "kube/test_webhook_exclusion.py", "kube/test_kueue_diff.py",

@@ -74,6 +74,33 @@ def browser_like_session() -> requests.Session:
     return s
 
 
+_NETWORKS_TAKEN = [0]
+
+
+def user_network() -> str:
+    """A /24 for one test hub's users behind the wall (local/user_network.py): this xdist
+    worker's share of 10.217.0.0/16 (32 networks each; not the product's default 10.213.0.0/16,
+    which a hub the machine runs may use), one not on any interface now (a hub still
+    running, another run's leftover)."""
+    import ipaddress
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) % 8 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    try:
+        shown = json.loads(subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True).stdout or "[]")
+        used = [ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False)
+                for link in shown for a in link.get("addr_info", [])]
+    except (OSError, ValueError, KeyError):
+        used = []
+    for _ in range(32):
+        k = _NETWORKS_TAKEN[0] % 32
+        _NETWORKS_TAKEN[0] += 1
+        net = ipaddress.ip_network(f"10.217.{index * 32 + k}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return str(net)
+    raise RuntimeError("no free /24 in this worker's share of 10.217.0.0/16 for a test hub's users")
+
+
 class Hub:
     def __init__(
         self, workdir: Path, policy_text: str, extra_config: str = "", mlflow: bool = False, env: dict | None = None
@@ -90,6 +117,7 @@ class Hub:
         self.hub_port = free_port()
         self.proxy_port = free_port()
         self.mlflow_port = free_port()
+        self.user_network = user_network()
         # The hub's public origin. User servers live on <user>.localhost (their own origins,
         # JupyterHub.subdomain_host); tests/conftest.py resolves *.localhost to loopback as
         # browsers do.
@@ -126,6 +154,8 @@ class Hub:
             GPUHUB_MLFLOW_PORT=str(self.mlflow_port),
             # As root every server runs as its own Unix account; these are this hub's alone.
             GPUHUB_ACCOUNT_PREFIX=f"t{self.run_id[:6]}-",
+            # ... and so is the network of its users' addresses behind the wall (as root).
+            GPUHUB_USER_NETWORK=self.user_network,
             **self.extra_env,
         )
 

@@ -53,6 +53,7 @@ import importlib.util, sys
 from traitlets.config import Config
 from gpuhub_spawner.wiring.config import configure_local
 c = Config()
+c.LocalGpuSpawner.network_wall = "off"  # as root it would build the wall's bridge on this machine
 configure_local(c, data_dir=sys.argv[1], policy_file=sys.argv[2], port=0)
 print(c.Spawner.default_url, "jupyterlab" in sys.modules)
 """

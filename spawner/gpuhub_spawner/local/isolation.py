@@ -103,7 +103,8 @@ def announce_isolation(c=None, stream=None) -> bool:
         "gpuhub: SINGLE-USER MODE - the hub is not running as root, so every server runs as\n"
         f"  the hub's own user ({os.environ.get('USER') or os.geteuid()}): users can read each other's files and the\n"
         "  hub's data, GPUs are only assigned by CUDA_VISIBLE_DEVICES (not enforced), CPU and\n"
-        "  memory limits are not enforced. Fine for trying gpuhub alone; for a lab, run the hub\n"
+        "  memory limits are not enforced, and every port a user's programs open (kernels,\n"
+        "  Ray, TensorBoard) answers every other user. Fine for trying gpuhub alone; for a lab, run the hub\n"
         "  as root (see docs/install-one-machine.md).\n" + "!" * 78
     )
     print(msg, file=stream or sys.stderr, flush=True)
@@ -239,6 +240,31 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         leaves only this hub's own servers there, and the hub never hands one port to two.""",
     ).tag(config=True)
 
+    network_wall = CaselessStrEnum(
+        ["auto", "on", "off"], "auto",
+        help="""Put each user's servers, jobs and Ray clusters in a network namespace of the user's
+        own (local/user_network.py): no port any of them opens is reachable from another user's
+        processes; only the hub's side (the hub, its proxy, its services) reaches them.
+
+        auto: whenever servers run isolated and the machine can (root, iproute2, bridges);
+        on: refuse to start servers without it; off: every user's ports answer every other
+        user, as any program's on a shared machine. The hub's configuration
+        (``gpuhub_spawner.wiring``) sets this to what it could build at start.""",
+    ).tag(config=True)
+
+    user_network = Unicode(
+        help="""The IPv4 network of the users' addresses behind the wall (CIDR). The hub takes
+        its first address (the bridge's: servers reach the hub's API and services there), each
+        user the next free one. It must not overlap a network the machine uses. Default:
+        $GPUHUB_USER_NETWORK, else 10.213.0.0/16.""",
+    ).tag(config=True)
+
+    @default("user_network")
+    def _default_user_network(self):
+        from .user_network import network_from_env
+
+        return network_from_env()
+
     @validate("server_ports")
     def _valid_server_ports(self, proposal):
         text = proposal["value"].strip()
@@ -254,6 +280,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         return w
 
     stop_reason: str | None = None
+    _net = None  # user_network.UserNet: the user's side of the wall, while walled
     _account: Account | None = None
     _cgroup: ServerCgroup | None = None
     _start_time: int | None = None
@@ -270,6 +297,17 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if self.isolation == "on" and not isolation_available():
             raise RuntimeError("isolation = 'on' but the hub is not running as root on Linux")
         return isolation_available()
+
+    @property
+    def walled(self) -> bool:
+        """Do this spawner's processes run behind the wall (a network namespace per user)?"""
+        return self.network_wall != "off" and self.isolated
+
+    @property
+    def wall(self):
+        from .user_network import Wall
+
+        return Wall.of(self.user_network, self.account_prefix)
 
     @property
     def account_name(self) -> str:
@@ -399,6 +437,18 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 raise web.HTTPError(500, msg, reason=msg) from None
         else:
             os.makedirs(self.home_dir, mode=0o700, exist_ok=True)
+        self._net = None
+        if isolated and self.walled:
+            from .user_network import WallError
+
+            try:
+                self._net = await loop.run_in_executor(_pool("accounts"), self.wall.ensure_user, self._account.name)
+            except WallError as e:
+                self.log.error("Cannot start %s: the wall around its user: %s", self._log_name, e)
+                msg = ("Your server cannot start: this machine could not set up its private network. "
+                       "An administrator can find why in the hub's log.")
+                raise web.HTTPError(500, msg, reason=msg) from None
+            self.ip = self._net.address  # the server listens on its user's address, inside the wall
         env = self.get_env()
         cmd = [*self.cmd, *self.get_args()]
         popen = dict(start_new_session=True, env=env)
@@ -501,6 +551,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "cgroup_procs": cg.procs_files(),
                 "expose": server_software_paths(),
                 "tmp": self._private_tmp(),
+                "netns": self._net.path if self._net is not None else None,
             }
             # cmd stays the user's command: start_launcher puts the sandbox launcher before it,
             # and spec + env go on a pipe (never argv, never the root launcher's environment).
@@ -578,7 +629,9 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         t0 = time.monotonic()
         try:
             uid = self._account.uid if self.isolated and self._account is not None else None
-            outcome = await listen_watcher().wait(self.port, self.pid, self.http_timeout, uid=uid)
+            net = getattr(self, "_net", None)
+            outcome = await listen_watcher().wait(self.port, self.pid, self.http_timeout, uid=uid,
+                                                  netns=net.path if net is not None else None)
         except PortTaken as e:
             self.log.error("%s: %s; not routing to it", self._log_name, e)
             await self.stop(now=True)
@@ -928,6 +981,8 @@ def remove_isolation(prefix: str, cgroup_root: str = "/sys/fs/cgroup", group: st
         cg.kill_all()
         cg.remove()
     from .service import forget_prefix
+    from .user_network import remove_walls
 
+    remove_walls(prefix)  # the users' network namespaces and the hub's bridge
     forget_prefix(prefix)  # its lock file, unless a live hub still holds it
     return remove_accounts(prefix)

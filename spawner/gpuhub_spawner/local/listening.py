@@ -55,10 +55,17 @@ _SPORT = struct.Struct("!H")
 _INODE_OFFSET = 4 + 48 + 4 * 4  # the inode follows expires, rqueue, wqueue and uid
 
 
-def _netlink_listening() -> dict[int, dict[int, int]]:
-    """{port: {inode: owner uid}} of listening TCP sockets, asked of the kernel with sock_diag."""
+def _netlink_listening(netns: str | None = None) -> dict[int, dict[int, int]]:
+    """{port: {inode: owner uid}} of listening TCP sockets, asked of the kernel with sock_diag
+    (in the network namespace at ``netns``, a user's behind the wall, else the hub's own)."""
     out: dict[int, dict[int, int]] = {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as s:
+    if netns:
+        from .user_network import socket_in
+
+        diag = socket_in(netns, socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
+    else:
+        diag = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
+    with diag as s:
         for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
             body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, _TCPF_LISTEN)
             s.send(_NLMSG.pack(_NLMSG.size + len(body), _SOCK_DIAG_BY_FAMILY,
@@ -85,10 +92,13 @@ def _netlink_listening() -> dict[int, dict[int, int]]:
     return out
 
 
-def listening_sockets(proc_net: str = "/proc/net") -> dict[int, dict[int, int]]:
+def listening_sockets(proc_net: str = "/proc/net", netns: str | None = None) -> dict[int, dict[int, int]]:
     """{local port: {socket inode: owner uid}} of every listening TCP socket (IPv4 and IPv6)
-    in the hub's network namespace: from netlink, or ``proc_net``'s tables where netlink is
-    refused (and always when ``proc_net`` is not the real one, as tests point it)."""
+    in the hub's network namespace (or the one at ``netns``: a user's, behind the wall): from
+    netlink, or ``proc_net``'s tables where netlink is refused (and always when ``proc_net``
+    is not the real one, as tests point it)."""
+    if netns:
+        return _netlink_listening(netns)  # a user's namespace has no /proc/net of the hub's to fall back on
     if proc_net == "/proc/net":
         try:
             return _netlink_listening()
@@ -183,6 +193,7 @@ class _Waiter:
     future: asyncio.Future
     uid: int | None = None  # the server's own account (isolated servers)
     foreign_since: float | None = None
+    netns: str | None = None  # the user's network namespace (behind the wall), else the hub's
 
 
 @dataclass
@@ -195,13 +206,15 @@ class ListenWatcher:
     _task: asyncio.Task | None = None
     reads: int = 0  # reads of the socket table so far (tests check it is one per tick, not per waiter)
 
-    async def wait(self, port: int, pid: int, timeout: float, uid: int | None = None) -> str:
+    async def wait(self, port: int, pid: int, timeout: float, uid: int | None = None,
+                   netns: str | None = None) -> str:
         """"listening" when the server listens on ``port`` (a socket of account ``uid`` when
         given, else one of the process tree of ``pid``), "exited" when the process is gone
         first, "timeout" after ``timeout`` seconds; raises PortTaken when someone else's
-        socket holds the port."""
+        socket holds the port. ``netns``: the server's network namespace (its user's, behind
+        the wall), where its socket is."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(port, pid, loop.create_future(), uid)
+        waiter = _Waiter(port, pid, loop.create_future(), uid, netns=netns)
         self.waiters.append(waiter)
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run())
@@ -218,12 +231,19 @@ class ListenWatcher:
 
     async def _run(self) -> None:
         while self.waiters:
-            await self._check(listening_sockets(os.path.join(self.proc, "net")))
+            tables: dict[str | None, dict[int, dict[int, int]]] = {}
+            for ns in {w.netns for w in self.waiters}:  # one read per namespace a server starts in
+                try:
+                    tables[ns] = listening_sockets(os.path.join(self.proc, "net"), netns=ns)
+                except OSError:
+                    tables[ns] = {}  # a namespace removed meanwhile: its waiter ends by exit or timeout
+            await self._check(tables)
             self.reads += 1
             await asyncio.sleep(self.tick)
 
-    async def _check(self, listening: dict[int, dict[int, int]]) -> None:
+    async def _check(self, tables: "dict[str | None, dict[int, dict[int, int]]]") -> None:
         for w in list(self.waiters):
+            listening = tables.get(w.netns, {})
             if w.future.done():
                 self.waiters.remove(w)
                 continue

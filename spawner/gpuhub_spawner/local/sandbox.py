@@ -17,7 +17,8 @@ private ``/tmp``), it walks it with ``O_NOFOLLOW`` and mounts onto the opened di
 
 In order:
 
-1. join the server's cgroups (memory, CPU, devices), so every descendant is counted;
+1. join the server's cgroups (memory, CPU, devices), so every descendant is counted, and
+   the user's network namespace where the hub gives one (``user_network``: the wall);
 2. a private mount namespace (mounts propagate in from the host, never out);
 3. a fresh ``/dev``: the usual harmless nodes, a private ``/dev/shm``, a new ``devpts``
    instance, and *only* the GPU nodes this server was given (same major:minor as the
@@ -52,6 +53,7 @@ import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC = 32, 4096, 16384
 MS_PRIVATE, MS_SLAVE = 1 << 18, 1 << 19
@@ -251,10 +253,17 @@ def _restore_staged(target: str, staged: list[tuple[str, str]]) -> None:
 
 
 def enter(spec: dict) -> None:
-    """Everything before ``exec``: cgroups, mounts, identity. Raises on any failure."""
+    """Everything before ``exec``: cgroups, network, mounts, identity. Raises on any failure."""
     for procs in spec.get("cgroup_procs", []):
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
+    netns = spec.get("netns")
+    if netns:  # the user's network namespace (root's /run/netns/<account>): the wall around the user
+        fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            _check(_libc.setns(fd, CLONE_NEWNET), f"setns({netns})")
+        finally:
+            os.close(fd)
     _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, MS_REC | MS_SLAVE)
     dev_dir = spec.get("dev_dir", "/dev")

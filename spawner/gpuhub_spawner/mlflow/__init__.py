@@ -29,7 +29,7 @@ def configure(
     *,
     data_dir: str,
     service_name: str = "mlflow",
-    host: str = "127.0.0.1",
+    host: str | None = None,
     port: int = 10101,
     tracking_uri: str | None = None,
     policy_path: str | None = None,
@@ -63,7 +63,10 @@ def configure(
     Args:
         data_dir: where the service keeps its key, state, and (one machine) the SQLite
             stores and artifacts. Must be private to the hub's Unix user.
-        host, port: where the service listens (``url`` of the hub service).
+        host, port: where the service listens (``url`` of the hub service). Default: the
+            hub's own address (``JupyterHub.hub_ip``) where it is a specific one, which on
+            one machine behind the wall is where users' notebooks reach the hub's side
+            (local/user_network.py); else 127.0.0.1.
         tracking_uri: what notebooks use as ``MLFLOW_TRACKING_URI``. Default: the
             service's own address (one machine). On Kubernetes, an address pods can
             reach, e.g. ``http://proxy-public/services/mlflow``.
@@ -88,6 +91,9 @@ def configure(
     Returns the service definition that was added.
     """
     hub = c.JupyterHub
+    if host is None:
+        hub_ip = _section_get(hub, "hub_ip", "") or ""
+        host = hub_ip if hub_ip not in ("", "0.0.0.0", "::") else "127.0.0.1"
     base_url = _section_get(hub, "base_url", "/") or "/"
     if not base_url.endswith("/"):
         base_url += "/"

@@ -5,8 +5,10 @@ user's Unix account, in the cluster's cgroup, with exactly the admitted GPUs
 (``CUDA_VISIBLE_DEVICES`` holds their ids) and the user's private ``/tmp``. It starts the
 head (``ray start --head --block``) and, if asked, workers (``ray start --address ...
 --block``), each worker with its share of the GPUs; with no worker the head holds them
-all. Token authentication is on (``RAY_AUTH_MODE=token``, the user's token from the hub
-in ``RAY_AUTH_TOKEN``): the cluster's ports are reachable by anyone on the machine, but
+all. Its processes run behind the wall around their user (``local.user_network``: the
+user's own network namespace), so no other user reaches any of its ports, whether Ray
+checks a token there or not (Ray 2.52's dashboard agent does not). Token authentication is
+on as well (``RAY_AUTH_MODE=token``, the user's token from the hub in ``RAY_AUTH_TOKEN``):
 every Ray RPC and the dashboard refuse a caller without the token. The token is also
 written to ``~/.ray/auth_token`` (0600, the private home) where the user's kernels find it.
 
@@ -33,10 +35,35 @@ import time
 READY = "[gpuhub-ray] ready "
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def node_ports() -> list[str]:
+    """Every port a Ray node opens besides the head's, named: free ones, not Ray's defaults.
+
+    Ray's defaults are the same for every cluster (the dashboard agent's 52365, the metrics
+    and runtime-env agents' ...): a second cluster in the same network finds them taken and
+    runs without the service (no ``ray job submit``). Behind the wall each user has a network
+    of their own, but one user's two clusters still share it. The node's address is the
+    loopback of the user's namespace: nothing of it listens where the hub's side could
+    reach it, except what Ray binds to every address (its metrics)."""
+    names = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+             "--metrics-export-port", "--node-manager-port", "--object-manager-port")
+    out = ["--node-ip-address", "127.0.0.1"]
+    for name, port in zip(names, free_ports(len(names))):
+        out += [name, str(port)]
+    return out
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different free ports (held together while picked, so none is picked twice)."""
+    held = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def listening(port: int) -> bool:
@@ -88,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT=os.environ.get(
                    "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "600"))
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
-    gcs, dash, client = free_port(), free_port(), free_port()  # Ray's client server defaults to 10001 for all
+    gcs, dash, client = free_ports(3)  # Ray's client server defaults to 10001 for all
     per = shares(devices, args.gpus, args.workers)
     head_gpus = per[0] if args.workers == 0 else []
     procs: list[subprocess.Popen] = []
@@ -103,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     procs.append(subprocess.Popen(
         ray + ["--head", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
                "--dashboard-port", str(dash), "--ray-client-server-port", str(client), "--num-gpus", str(len(head_gpus)), "--num-cpus", str(args.cpus if args.workers == 0 else 0),
-               "--include-dashboard", "true"],
+               "--include-dashboard", "true", *node_ports()],
         env=head_env))
     deadline = time.time() + 600
     while not (listening(gcs) and listening(dash)):
@@ -119,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     for share in (per if args.workers else []):
         pr = subprocess.Popen(
             ray + ["--address", f"127.0.0.1:{gcs}", "--num-gpus", str(len(share)),
-                   "--num-cpus", str(max(1, args.cpus // max(1, args.workers)))],
+                   "--num-cpus", str(max(1, args.cpus // max(1, args.workers))), *node_ports()],
             env=dict(env, CUDA_VISIBLE_DEVICES=",".join(share), PYTHONUNBUFFERED="1"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(pr)

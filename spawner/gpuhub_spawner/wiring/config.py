@@ -206,8 +206,13 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.LocalGpuSpawner.home_dir_template = str(data / "home" / "{username}")
     c.SimpleLocalGpuSpawner.home_dir_template = str(data / "home" / "{username}")
     from ..local.isolation import announce_isolation
+    from ..local.user_network import configure_wall
 
-    announce_isolation(c)
+    # Each user's processes in a network namespace of their own (root): the hub's API and
+    # services then listen on the wall's bridge, where servers and jobs reach them.
+    users_reach_hub_at = configure_wall(c, announce_isolation(c))
+    if users_reach_hub_at:
+        c.JupyterHub.hub_ip = users_reach_hub_at
     # Whether JupyterLab is installed, without importing it: its import cost the hub ~0.2 s of
     # CPU at every start (its extension handlers, jupyter_server, jupyterlab_server).
     c.Spawner.default_url = "/lab" if importlib.util.find_spec("jupyterlab") is not None else "/tree"

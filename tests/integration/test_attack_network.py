@@ -1,0 +1,306 @@
+"""The wall around each user, attacked from another user's kernel on a real hub run as root.
+
+alice runs a server, a job and a Ray cluster (real Ray). The test reads, as root, every
+listening TCP socket of every process of alice's account, each in the network view its
+process has (``/proc/<pid>/net``), and bob, from a kernel of his own server, tries to connect
+to each of those ports on 127.0.0.1, on alice's own address behind the wall, on the hub's
+side of the wall and on every address of the machine. Zero connections: the test passes only
+because the attack fails. alice's own kernel connects to each of them (the ports are real and
+the probe works), bob's UDP datagrams never reach a socket alice opened, bob's submission to
+Ray's dashboard agent (no token check in Ray 2.52) does not reach it, and carol's cluster,
+started while alice's runs, submits a Ray job through its own agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from support.hub import Hub, wait_for
+from support.kernel import KernelSession
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the wall needs a hub running as root (CI runs as root)"),
+]
+ray = pytest.importorskip("ray", reason="the ray extra (pip install -e '.[ray]')")
+
+POLICY = """\
+flavors:
+  - name: gpu
+    displayName: Tesla
+    local: {virtual: 2}
+teams:
+  - {name: vision, displayName: Vision Lab, groups: [vision-lab], quota: {gpus: {gpu: 1}, cpu: "8"}}
+  - {name: nlp, displayName: NLP, groups: [nlp-group], quota: {gpus: {gpu: 1}, cpu: "8"}}
+profiles:
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: "1", memory: 4Gi}
+ray:
+  enabled: true
+"""
+
+PROBE = """\
+import json, select, socket, errno
+def probe(targets, timeout=6.0):
+    '''Connect to every (address, port) at once; return those that accepted.'''
+    socks = {}
+    for addr, port in targets:
+        fam = socket.AF_INET6 if ':' in addr else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setblocking(False)
+        rc = s.connect_ex((addr, port))
+        if rc in (0, errno.EINPROGRESS):
+            socks[s] = (addr, port)
+        else:
+            s.close()
+    accepted = []
+    end = __import__('time').monotonic() + timeout
+    pending = dict(socks)
+    while pending:
+        left = end - __import__('time').monotonic()
+        if left <= 0:
+            break
+        _, w, _ = select.select([], list(pending), [], left)
+        for s in w:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                accepted.append(pending[s])
+            del pending[s]
+    for s in socks:
+        s.close()
+    return sorted(accepted)
+"""
+
+
+def account(hub, name: str) -> pwd.struct_passwd:
+    from gpuhub_spawner.local.unix_users import system_username
+
+    return pwd.getpwnam(system_username(name, hub.env["GPUHUB_ACCOUNT_PREFIX"]))
+
+
+def listeners_of(uid: int) -> dict[int, dict]:
+    """As root: {port: {address, pid, comm}} of every listening TCP socket held by a process of
+    ``uid``, each read in its own process's network view."""
+    found: dict[int, dict] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            inodes = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(int(link[8:-1]))
+            comm = open(f"/proc/{pid}/comm").read().strip()
+            for table in ("tcp", "tcp6"):
+                for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:
+                    parts = line.split()
+                    if parts[3] != "0A" or int(parts[9]) not in inodes:
+                        continue
+                    hexaddr, hexport = parts[1].rsplit(":", 1)
+                    found[int(hexport, 16)] = {"address": _addr(hexaddr), "pid": pid, "comm": comm}
+        except (OSError, ValueError):
+            continue  # a process that ended meanwhile
+    return found
+
+
+def _addr(hexaddr: str) -> str:
+    import socket
+    import struct
+
+    raw = bytes.fromhex(hexaddr)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(hexaddr, 16)))
+    words = struct.unpack("<4I", raw)
+    return socket.inet_ntop(socket.AF_INET6, struct.pack(">4I", *words))
+
+
+def machine_addresses() -> list[str]:
+    """Every IPv4 address of the machine's own network namespace (the hub's)."""
+    shown = json.loads(subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True).stdout)
+    return sorted({a["local"] for link in shown for a in link.get("addr_info", [])})
+
+
+def host_listening_ports() -> set[int]:
+    from gpuhub_spawner.local.listening import listening_sockets
+
+    return set(listening_sockets())
+
+
+def cli(hub, user, *args, timeout=600):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
+    e.update(GPUHUB_TOKEN=user.token)
+    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", *args[:1], "--hub", hub.url, *args[1:]],
+                       capture_output=True, text=True, env=e, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr + hub.tail(40)
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("wall"), POLICY, extra_config="c.LocalRayManager.check_interval = 1.0\n")
+    try:
+        h.start()
+        yield h
+    finally:
+        h.stop()
+
+
+def kernel(hub, user) -> KernelSession:
+    assert user.start("cpu").status_code in (201, 202)
+    s = user.wait_ready(timeout=120)
+    return KernelSession("", hub.server_url(s["url"]), user.token, f"wall-{uuid.uuid4().hex[:6]}.ipynb")
+
+
+def test_bob_reaches_none_of_alices_ports_and_carols_cluster_takes_ray_jobs(hub, tmp_path):
+    from gpuhub_spawner.local.user_network import Wall
+
+    alice, bob, carol = hub.login("alice"), hub.login("bob"), hub.login("carol")
+    wall = Wall.of(hub.user_network, hub.env["GPUHUB_ACCOUNT_PREFIX"])
+    a_k = kernel(hub, alice)
+    # A job of alice's that listens on every address of its network, as a careless one would.
+    job = tmp_path / "listen.yaml"
+    job.write_text(f"profile: cpu\ncommand: [{sys.executable}, -m, http.server, --bind, 0.0.0.0, '0']\n")
+    job_id = cli(hub, alice, "job", "submit", str(job)).strip().splitlines()[-1]
+    out = cli(hub, alice, "ray", "up", "--gpus", "0", "--name", "walled")
+    assert "Ray cluster walled: running" in out, out
+    # alice's UDP canary: a socket on every address of her network, counting what arrives.
+    udp_port = int(a_k.execute(textwrap.dedent("""\
+        import socket, threading
+        canary = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        canary.bind(("0.0.0.0", 0))
+        got = []
+        threading.Thread(target=lambda: [got.append(canary.recvfrom(100)) for _ in iter(int, 1)], daemon=True).start()
+        print(canary.getsockname()[1])
+    """)).strip())
+
+    uid = account(hub, "alice").pw_uid
+
+    from urllib.parse import urlsplit
+
+    served = urlsplit(alice.server_env()["JUPYTERHUB_SERVICE_URL"])
+    a_addr, server_port = served.hostname, served.port  # her address behind the wall
+    agent = _pid_arg(uid, b"--dashboard-agent-listen-port", b"--head")[1]
+    job_pid = _pid_arg(uid, b"http.server")[0]
+
+    def her_ports():
+        ports = listeners_of(uid)
+        return ports if {server_port, agent} <= set(ports) and any(v["pid"] == job_pid for v in ports.values()) else None
+
+    ports = wait_for(her_ports, 120, f"alice's server (port {server_port}), her job (pid {job_pid}) and her "
+                                     f"cluster's dashboard agent (port {agent}) to listen")
+    print(f"alice listens on {len(ports)} TCP ports: " + ", ".join(
+        f"{p} ({v['comm']} on {v['address']})" for p, v in sorted(ports.items())))
+
+    # alice reaches each of them from her own kernel: the list is real and the probe works.
+    mine = [(v["address"] if v["address"] not in ("0.0.0.0", "::") else "127.0.0.1", p) for p, v in ports.items()]
+    a_k.execute(PROBE)
+    reached = json.loads(a_k.execute(f"print(json.dumps(probe({mine!r})))"))
+    assert sorted(map(tuple, reached)) == sorted(mine), "alice cannot reach her own ports"
+
+    # bob tries them all, on loopback, on alice's address, on the wall's hub side and on
+    # every address of the machine (skipping ports the machine itself listens on there).
+    b_k = kernel(hub, bob)
+    b_k.execute(PROBE)
+    host_ports = host_listening_ports()
+    addresses = ["127.0.0.1", a_addr, wall.gateway] + machine_addresses()
+    targets = sorted({(addr, p) for addr in addresses for p in ports
+                      if not (addr not in ("127.0.0.1", a_addr) and p in host_ports)})
+    got = json.loads(b_k.execute(f"print(json.dumps(probe({targets!r})))", timeout=120))
+    assert got == [], f"bob reached alice's ports: {got}"
+    # Nothing of bob's reaches alice's network at all: a closed port there does not even refuse.
+    closed = json.loads(b_k.execute(textwrap.dedent(f"""\
+        import socket
+        s = socket.socket(); s.settimeout(4)
+        print(json.dumps(s.connect_ex(({a_addr!r}, 1))))
+    """)))
+    import errno
+
+    assert closed != errno.ECONNREFUSED, "bob's packets reach alice's network stack"
+    # Ray's dashboard agent (no token check in Ray 2.52): bob's submission finds no agent.
+    attack = json.loads(b_k.execute(textwrap.dedent(f"""\
+        import urllib.request
+        results = []
+        for host in ("127.0.0.1", {a_addr!r}, {wall.gateway!r}):
+            for port in ({agent}, 52365):
+                req = urllib.request.Request(f"http://{{host}}:{{port}}/api/job_agent/jobs/", method="POST",
+                    data=json.dumps({{"entrypoint": "id > /tmp/pwned", "submission_id": "x1"}}).encode(),
+                    headers={{"Content-Type": "application/json"}})
+                try:
+                    results.append([host, port, urllib.request.urlopen(req, timeout=4).status])
+                except urllib.error.HTTPError as e:
+                    results.append([host, port, e.code])
+                except OSError:
+                    pass
+        print(json.dumps(results))
+    """)))
+    assert attack == [], f"bob's agent submission got answers: {attack}"
+    # UDP: bob's datagrams to alice's canary, on every address, never arrive.
+    b_k.execute(textwrap.dedent(f"""\
+        import socket
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for host in {addresses!r}:
+            try:
+                u.sendto(b"from bob", (host, {udp_port}))
+            except OSError:
+                pass
+    """))
+    a_k.execute(textwrap.dedent(f"""\
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        u.sendto(b"from alice", ("127.0.0.1", {udp_port}))
+    """))
+    wait_for(lambda: "from alice" in a_k.execute("print(got)"), 10, "alice's own datagram to reach her canary")
+    assert "from bob" not in a_k.execute("print(got)")
+
+    # carol's cluster, started while alice's runs, has a working agent: a Ray job runs.
+    out = cli(hub, carol, "ray", "up", "--gpus", "0", "--name", "second")
+    assert "Ray cluster second: running" in out, out
+    c_k = kernel(hub, carol)
+    dash = carol.api.get(carol.url("/gpuhub/ray/second")).json()["dashboard_port"]
+    result = c_k.execute(textwrap.dedent(f"""\
+        import os, time
+        os.environ["RAY_AUTH_MODE"] = "token"
+        from ray.job_submission import JobSubmissionClient, JobStatus
+        client = JobSubmissionClient("http://127.0.0.1:{dash}")
+        sid = client.submit_job(entrypoint="echo walled-$((6*7))")
+        for _ in range(600):
+            status = client.get_job_status(sid)
+            if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+                break
+            time.sleep(0.5)
+        print(status, client.get_job_logs(sid))
+    """), timeout=360)
+    assert "SUCCEEDED" in result and "walled-42" in result, result
+    assert not any(p for p in (account(hub, "alice").pw_dir + "/pwned",) if os.path.exists(p))
+    for user, name in ((alice, "walled"), (carol, "second")):
+        cli(hub, user, "ray", "down", name)
+    cli(hub, alice, "job", "cancel", job_id)
+    for user in (alice, bob, carol):
+        user.stop()
+
+
+def _pid_arg(uid: int, *words: bytes) -> tuple[int, int | None]:
+    """(pid, the number after ``words[0]``) of a process of ``uid`` whose command line holds ``words``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            args = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if all(any(w in a for a in args) for w in words):
+            after = next((args[i + 1] for i, a in enumerate(args) if a == words[0] and i + 1 < len(args)), b"")
+            return int(entry), int(after) if after.isdigit() else None
+    raise AssertionError(f"no process of uid {uid} with {words} on its command line")

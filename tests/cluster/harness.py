@@ -189,6 +189,84 @@ class RealCluster:
         return self.list("events", namespace, fieldSelector=f"involvedObject.name={name}")
 
 
+HUB_NAMESPACE, HUB_SERVICE_ACCOUNT = "gpuhub", "hub"
+HUB_USER = f"system:serviceaccount:{HUB_NAMESPACE}:{HUB_SERVICE_ACCOUNT}"
+AUDIT_LOG = DIR / "logs" / "audit.log"
+
+
+def install_hub_identity(cluster: RealCluster, policy_file: Path, workdir: Path, hours: int = 3) -> Path:
+    """The hub's identity and rights exactly as docs/install-kubernetes.md gives them, and a
+    kubeconfig that speaks as it (issue 40: a hub run as administrator hides missing RBAC).
+
+    The chart's ServiceAccount ``hub`` in ``gpuhub`` (z2jh renders a plain ServiceAccount of
+    that name; the chart itself is installed only by test_install_guide.py), then section 2's
+    rights as written: ``kubectl apply -f helm-values/user-namespace.yaml`` (the Role and
+    RoleBinding in the users' namespace), ``gpuhub render capacity-rbac`` for ``policy_file``
+    and ``gpuhub render policy-rbac``, applied. The token comes from the TokenRequest API
+    (``POST .../serviceaccounts/hub/token``), bound to the ServiceAccount, ``hours`` long.
+    Returns the kubeconfig's path: the API server, its CA and that token, nothing else."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cluster.ensure_namespace(HUB_NAMESPACE)
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": HUB_SERVICE_ACCOUNT, "namespace": HUB_NAMESPACE}}))
+    cluster.kubectl("apply", "-f", str(REPO / "helm-values" / "user-namespace.yaml"))
+    sa = f"{HUB_NAMESPACE}:{HUB_SERVICE_ACCOUNT}"
+    for what in (["capacity-rbac", str(policy_file)], ["policy-rbac"]):
+        rendered = subprocess.run([str(VENV_BIN / "gpuhub"), "render", *what, "--service-account", sa],
+                                  capture_output=True, text=True, check=True).stdout
+        cluster.kubectl("apply", "-f", "-", input=rendered)
+    r = cluster.session.post(
+        cluster.url + f"/api/v1/namespaces/{HUB_NAMESPACE}/serviceaccounts/{HUB_SERVICE_ACCOUNT}/token",
+        json={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+              "spec": {"expirationSeconds": hours * 3600}}, timeout=15)
+    if r.status_code >= 400:
+        raise RuntimeError(f"TokenRequest for {HUB_USER}: {r.status_code} {r.text}")
+    token = r.json()["status"]["token"]
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    kc = {"apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+          "users": [{"name": "hub", "user": {"token": token}}],
+          "contexts": [{"name": "hub", "context": {"cluster": admin["clusters"][0]["name"], "user": "hub"}}],
+          "current-context": "hub"}
+    path = workdir / "hub.kubeconfig"
+    path.write_text(yaml.safe_dump(kc))
+    path.chmod(0o600)
+    who = subprocess.run([kubectl_path(), "--kubeconfig", str(path), "auth", "whoami", "-o", "jsonpath={.status.userInfo.username}"],
+                         capture_output=True, text=True, timeout=60)
+    assert who.stdout.strip() == HUB_USER, (who.stdout, who.stderr)
+    return path
+
+
+def audit_mark() -> int:
+    """Where the API server's audit log ends now (``hub_requests(since=...)``)."""
+    return AUDIT_LOG.stat().st_size if AUDIT_LOG.exists() else 0
+
+
+def hub_requests(since: int = 0) -> list[dict]:
+    """Every request the API server saw from the hub's service account after ``since`` (its
+    audit log: up.sh's policy records that user's requests at the Metadata level), as
+    ``{verb, group, resource, namespace, name, code}``, one per request (its last stage)."""
+    if not AUDIT_LOG.exists():
+        raise AssertionError(f"no audit log at {AUDIT_LOG}: the control plane was started by an up.sh without "
+                             "the audit policy (tests/cluster/down.sh; up.sh)")
+    by_id: dict[str, dict] = {}
+    with AUDIT_LOG.open("rb") as f:
+        f.seek(since)
+        for line in f:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            if ev.get("user", {}).get("username") != HUB_USER:
+                continue
+            ref = ev.get("objectRef") or {}
+            resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+            by_id[ev["auditID"]] = {"verb": ev["verb"], "group": ref.get("apiGroup", ""), "resource": resource,
+                                    "namespace": ref.get("namespace", ""), "name": ref.get("name", ""),
+                                    "code": (ev.get("responseStatus") or {}).get("code"), "uri": ev.get("requestURI", "")}
+    return list(by_id.values())
+
+
 def guide_block(starts: str) -> str:
     """The ```sh block of docs/install-kubernetes.md that begins with ``starts`` (run as written)."""
     guide = (REPO / "docs" / "install-kubernetes.md").read_text()

@@ -121,7 +121,20 @@ start etcd "$BIN_ETCD/etcd" --name gpuhub --data-dir "$DIR/etcd" \
   --initial-cluster "gpuhub=http://127.0.0.1:$ETCD_PEER" --unsafe-no-fsync --quota-backend-bytes=2147483648 --log-level=warn
 wait_for etcd 30 curl -sf "http://127.0.0.1:$ETCD_PORT/health"
 
+# The API server's audit log records every request of the hub's service account (and nothing
+# else): the real-plane tests run the hub with that identity (harness.install_hub_identity)
+# and fail on any request the RBAC authorizer refused it (harness.hub_requests, issue 40).
+cat >"$DIR/audit-policy.yaml" <<'AUDIT'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    users: ["system:serviceaccount:gpuhub:hub"]
+  - level: None
+AUDIT
 start kube-apiserver "$BIN_KUBE/kube-apiserver" --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+  --audit-policy-file="$DIR/audit-policy.yaml" --audit-log-path="$LOGS/audit.log" --audit-log-format=json \
   --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$API_PORT" \
   --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" --client-ca-file="$PKI/ca.crt" \
   --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \

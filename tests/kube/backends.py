@@ -32,6 +32,7 @@ from support.ports import pod_port_hook  # noqa: E402
 HUB_CONFIG = f"""
 c.JupyterHub.spawner_class = "gpuhub-kube"
 c.KubeSpawner.namespace = {NAMESPACE!r}
+import os; os.environ.setdefault("POD_NAMESPACE", "gpuhub")  # the hub's namespace, as z2jh's Deployment sets it
 c.KubeSpawner.cmd = ["jupyterhub-singleuser"]   # as z2jh's singleuser.cmd; the "image's" PATH has it
 c.KubeSpawner.args = []                         # allow_root comes from the "image" config, as in a pod
 c.KubeSpawner.delete_grace_period = 1
@@ -71,6 +72,12 @@ class DoubleBackend:
     def hub_config(self, extra: str = "") -> str:
         return HUB_CONFIG + DOUBLE_ONLY_CONFIG + extra
 
+    def hub_calls(self) -> None:
+        return None  # the double models no RBAC (docs/kubernetes-testing.md)
+
+    def network_policies(self) -> list[dict]:
+        return self.double.list("networkpolicies", NAMESPACE)
+
     def setup(self, policy: str, workdir: Path) -> None:
         apply_policy(self.double, policy)
 
@@ -109,8 +116,11 @@ class RealBackend:
 
     def __init__(self, cluster: real.RealCluster):
         self.cluster = cluster
-        self.kubeconfig = cluster.kubeconfig
+        # The hub's kubeconfig: its own service account's token (set up in ``setup``), never
+        # the administrator's. The test itself (and the stand-in kubelet) speaks as admin.
+        self.kubeconfig: Path | None = None
         self.kubelet: real.StandInKubelet | None = None
+        self.audit_since = 0
 
     def hub_config(self, extra: str = "") -> str:
         return HUB_CONFIG + extra
@@ -127,12 +137,16 @@ class RealBackend:
                                      "-o", "json").stdout
         if '"gpuhub"' not in hooks:
             out = subprocess.run(["bash", "-c", real.guide_block("for kind in mutating validating")], capture_output=True,
-                                 text=True, timeout=120, env=dict(os.environ, KUBECONFIG=str(self.kubeconfig),
+                                 text=True, timeout=120, env=dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig),
                                                                   PATH=f"{real.VENV_BIN}:{os.environ['PATH']}"))
             print(f"\n[real] install guide webhook exclusion:\n{out.stdout}{out.stderr}")
             assert out.returncode == 0, out.stderr
         out = self.cluster.apply_policy(policy, NAMESPACE, workdir / "policy")
         print("\n[real] kubectl apply --server-side of `gpuhub render kueue`:\n" + out)
+        # The hub speaks as the install guide's service account, bound only by the shipped
+        # manifests (issue 40); every request it makes is in the API server's audit log.
+        self.kubeconfig = real.install_hub_identity(self.cluster, workdir / "policy" / "profiles.yaml", workdir)
+        self.audit_since = real.audit_mark()
         config_dir = workdir / "image-jupyter-config"
         config_dir.mkdir(parents=True, exist_ok=True)
         (config_dir / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"allow_root": True}}))
@@ -170,8 +184,35 @@ class RealBackend:
     def kueue(self, up: bool) -> None:
         real.start_kueue() if up else real.stop_kueue()
 
+    def network_policies(self) -> list[dict]:
+        return self.cluster.get(f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies")["items"]
+
+    def hub_calls(self) -> list[dict]:
+        """Every request the hub made since ``setup``, as the API server's audit log has it."""
+        return real.hub_requests(self.audit_since)
+
+    def check_hub_rights(self) -> list[dict]:
+        """The hub's requests so far: none refused by RBAC, each one a right of kube/rights.py."""
+        from gpuhub_spawner.kube import rights
+
+        calls = [c for c in self.hub_calls() if c["resource"]]  # not discovery (non-resource URLs)
+        scope = {NAMESPACE: rights.USERS, real.HUB_NAMESPACE: rights.HUB, "": rights.CLUSTER}
+        refused = [c for c in calls if c["code"] == 403]
+        unlisted = [c for c in calls if (scope.get(c["namespace"], c["namespace"]), c["group"], c["resource"], c["verb"])
+                    not in rights.needed()]
+        counts: dict[tuple, int] = {}
+        for c in calls:
+            key = (c["verb"], c["resource"] + (f".{c['group']}" if c["group"] else ""), c["namespace"] or "-", c["code"])
+            counts[key] = counts.get(key, 0) + 1
+        print(f"\n[real] the hub's requests as {real.HUB_USER} (audit log): "
+              + ", ".join(f"{v} {r} in {ns} -> {code} x{n}" for (v, r, ns, code), n in sorted(counts.items(), key=str)))
+        assert refused == [], f"the API server refused the hub (RBAC): {refused}"
+        assert unlisted == [], f"the hub made requests kube/rights.py does not list: {unlisted}"
+        return calls
+
     def healthy(self) -> None:
         assert self.kubelet is None or self.kubelet.errors == [], self.kubelet.errors
+        self.check_hub_rights()
 
     def teardown(self) -> None:
         if not real.kueue_running():  # a failed outage test left it stopped
@@ -180,6 +221,8 @@ class RealBackend:
             self.kubelet.stop()
         self.cluster.reset(NAMESPACE)
         self.cluster.kubectl("-n", NAMESPACE, "delete", "jobs", "--all", "--ignore-not-found", check=False)
+        if self.kubeconfig is not None:  # the whole module's requests: a refusal fails it here
+            self.check_hub_rights()
 
 
 def make_backend(request, policy: str, workdir: Path):

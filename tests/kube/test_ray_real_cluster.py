@@ -216,7 +216,10 @@ async def test_the_kube_ray_manager_against_real_kuberay_and_kueue(ray_cluster_p
 
     cluster, _ = ray_cluster_plane
     cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=true", check=False)
-    api_client = await config.new_client_from_config(config_file=str(real.KUBECONFIG))
+    # The hub's own identity (the install guide's service account and bindings), not admin.
+    hub_kubeconfig = real.install_hub_identity(cluster, ray_policy, ray_policy.parent / "hub-identity")
+    mark = real.audit_mark()
+    api_client = await config.new_client_from_config(config_file=str(hub_kubeconfig))
     api = client.CustomObjectsApi(api_client)
 
     def spawner_for(user, name):
@@ -263,6 +266,12 @@ async def test_the_kube_ray_manager_against_real_kuberay_and_kueue(ray_cluster_p
         print(f"[measure] manager: alice's cluster running {running_s:.1f}s after start; bob's running "
               f"{handover_s:.1f}s after alice's stop")
         assert a.id != b.id
+        calls = real.hub_requests(mark)
+        summary = sorted({(c["verb"], c["resource"], c["code"]) for c in calls})
+        print(f"[real] the Ray manager's requests as {real.HUB_USER}: {summary}")
+        assert [c for c in calls if c["code"] == 403] == [], calls
+        assert {("create", "rayclusters"), ("list", "rayclusters"), ("patch", "rayclusters"),
+                ("delete", "rayclusters"), ("list", "workloads")} <= {(v, r) for v, r, _ in summary}, summary
     finally:
         cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=false", check=False)
         await api_client.close()

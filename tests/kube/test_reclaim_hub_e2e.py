@@ -295,6 +295,12 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
 
         entries = until(released, what="the job's release in the audit", hub=hub)
         assert entries[-1]["reason"] == "reclaimed", entries
+        calls = backend.hub_calls()
+        if calls is not None:  # real: the API server's audit log says who patched the Workload
+            patches = [(c["verb"], c["name"], c["code"]) for c in calls
+                       if c["resource"] == "workloads" and c["verb"] == "patch" and job_id in c["name"]]
+            print(f"\n[real] Workload patches by the hub's service account: {patches}")
+            assert len(patches) >= 2 and {code for *_, code in patches} == {200}, patches  # deactivate, reactivate
     finally:
         hub.policy.write_text(original)
         if job_id:

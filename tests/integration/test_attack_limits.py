@@ -46,6 +46,7 @@ profiles:
 defaults:
   queueTimeout: 5m
   maxProcesses: 300
+  maxProcessesPerUser: 500
 """
 
 # A bounded fork bomb: up to 2000 sleepers, as fast as they start; counts what the kernel refused.
@@ -195,6 +196,71 @@ def test_a_fork_bomb_in_a_batch_job_is_held_at_its_profiles_limit(hub, users, tm
              "the hub to log that the job reached its process limit")
 
 
+def test_one_users_many_jobs_together_are_held_at_the_users_limit(hub, users, tmp_path):
+    """carol's four jobs each fork as many sleepers as they can and hold them: each job alone
+    could hold 300 (defaults.maxProcesses), together they hold no more than her 500
+    (defaults.maxProcessesPerUser), and the hub says it was her limit, not a job's."""
+    carol = users["carol"]
+    release = f"release-{uuid.uuid4().hex[:6]}"  # in her home, where the jobs run
+    code = BOMB + textwrap.dedent(f"""\
+        import time
+        deadline = time.time() + 240
+        while not os.path.exists(os.path.expanduser("~/{release}")) and time.time() < deadline:
+            time.sleep(0.2)
+        import signal
+        for k in kids:
+            os.kill(k, signal.SIGKILL)
+    """)
+    spec = tmp_path / "hold.yaml"
+    spec.write_text(f"profile: cpu\ncommand: [{sys.executable}, -c, {json.dumps(code)}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
+    env["GPUHUB_TOKEN"] = carol.token
+    jobs = []
+    for _ in range(4):
+        r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        jobs.append(r.stdout.strip().splitlines()[-1])
+
+    def result(job_id):
+        text = carol.api.get(carol.url(f"/gpuhub/jobs/{job_id}/logs")).json()["text"]
+        line = next((ln for ln in text.splitlines() if ln.startswith("{")), None)
+        return json.loads(line) if line else None
+
+    try:
+        results = wait_for(lambda: all(rs := [result(j) for j in jobs]) and rs, 240,
+                           "each of carol's four jobs to print how many processes it got")
+        spawned = [r["spawned"] for r in results]
+        assert all(r["other"] is None for r in results), results
+        assert sum(spawned) < 500, spawned  # her limit holds for all her jobs together
+        assert sum(spawned) > 300, spawned  # more than one job's limit: the jobs did run at once
+        assert min(spawned) < 250, spawned  # a job refused below its own limit of 300: hers bound it
+    finally:
+        (hub.data / "home" / "carol" / release).write_text("")  # as root, on the host's side
+        for job_id in jobs:
+            wait_for(lambda: carol.api.get(carol.url(f"/gpuhub/jobs/{job_id}")).json()["state"]
+                     in ("succeeded", "failed", "cancelled"), 120, f"job {job_id} to end")
+    # Said when a job ends (as for a job's own limit): hers, not the job's, refused the forks.
+    wait_for(lambda: "with carol's other servers, jobs and Ray clusters, reached the user's limit of 500 processes"
+             in hub.log.read_text(), 60,
+             "the hub to say carol's servers and jobs together reached her limit")
+
+
+def test_all_servers_and_jobs_together_stay_below_the_machines_pid_max(hub, users):
+    """The servers' group holds a cap below the kernel's pid_max: root keeps a reserve."""
+    alice = users["alice"]
+    if alice.server() is None:
+        assert alice.start("cpu").status_code in (201, 202)
+    alice.wait_ready()
+    d = pids_dir(server_pid(hub, "alice"))
+    top = d.parent.parent  # gpuhub/<account>.user/<leaf>
+    assert d.parent.name.endswith(".user") and top.name == "gpuhub", d
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    cap = int((top / "pids.max").read_text())
+    assert cap <= pid_max - 1024, (cap, pid_max)
+    assert (d.parent / "pids.max").read_text().strip() == "500"
+
+
 # -- (b) one hub per account prefix ------------------------------------------------------------
 
 class SamePrefixHub(Hub):
@@ -264,14 +330,16 @@ def test_a_second_hub_with_the_same_prefix_refuses_to_start_and_touches_nothing(
 def test_a_process_in_a_servers_cgroup_that_is_not_the_accounts_is_not_killed(hub, users):
     lena = users["lena"]
     leaf = f"{hub.prefix}lena"
+    user_group = f"{leaf}.user"  # every server and job of lena's is in hers
     if V2:
-        dirs = [Path("/sys/fs/cgroup/gpuhub") / leaf]
+        dirs = [Path("/sys/fs/cgroup/gpuhub") / user_group / leaf]
     else:
-        dirs = [Path("/sys/fs/cgroup") / c / "gpuhub" / leaf for c in ("memory", "cpu", "devices", "pids")
+        dirs = [Path("/sys/fs/cgroup") / c / "gpuhub" / user_group / leaf for c in ("memory", "cpu", "devices", "pids")
                 if (Path("/sys/fs/cgroup") / c / "gpuhub").is_dir()]
     stranger = subprocess.Popen(["sleep", "300"])  # root's, not lena's account: not the hub's to kill
     try:
         for d in dirs:
+            d.parent.mkdir(exist_ok=True)
             d.mkdir(exist_ok=True)
             (d / "cgroup.procs").write_text(str(stranger.pid))
         r = lena.start("cpu")

@@ -97,6 +97,33 @@ def test_v2_pids_max_is_written_and_its_events_read(tmp_path, monkeypatch):
     assert (d / "pids.max").read_text() == "max" and cg.pids_limit() is None
 
 
+def test_v2_a_users_group_holds_the_users_limit_and_goes_with_the_users_last_server(tmp_path, monkeypatch):
+    monkeypatch.setattr(type(tmp_path), "mkdir", _fake_v2(tmp_path))
+    host = CgroupHost.detect(str(tmp_path), "gpuhub")
+    a = host.server("gpuhub-alice", user="gpuhub-alice.user")
+    b = host.server("gpuhub-alice.job-1", user="gpuhub-alice.user")
+    a.create(memory=None, cpu_millis=None, device_rules=None, pids=300, user_pids=500)
+    b.create(memory=None, cpu_millis=None, device_rules=None, pids=300, user_pids=500)
+    up = tmp_path / "gpuhub" / "gpuhub-alice.user"
+    assert (up / "pids.max").read_text() == "500" and a.user_pids_limit() == 500 and a.pids_limit() == 300
+    # the user's group hands its controllers down, or its children would have no limits
+    assert (up / "cgroup.subtree_control").read_text().endswith("+pids")
+    (up / "pids.events").write_text("max 4\n")
+    assert b.user_pids_max_events() == 4
+    flat = host.server("gpuhub-bob")
+    flat.create(memory=None, cpu_millis=None, device_rules=None, pids=300, user_pids=500)
+    assert flat.user_pids_limit() is None and not (tmp_path / "gpuhub" / "pids.max").read_text()
+
+
+def test_the_servers_group_is_capped_below_pid_max_with_a_reserve(tmp_path, monkeypatch):
+    monkeypatch.setattr(type(tmp_path), "mkdir", _fake_v2(tmp_path))
+    host = CgroupHost.detect(str(tmp_path), "gpuhub")
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    cap = host.cap_processes()
+    assert cap == pid_max - max(1024, pid_max // 8)
+    assert (tmp_path / "gpuhub" / "pids.max").read_text() == str(cap)
+
+
 def test_v1_pids_hierarchy_gets_the_limit(tmp_path):
     for c in ("memory", "cpu", "pids"):
         (tmp_path / c / "gpuhub").mkdir(parents=True)
@@ -115,11 +142,24 @@ def test_v1_pids_hierarchy_gets_the_limit(tmp_path):
 # -- the user's message ----------------------------------------------------------------------
 
 class FakeGroup:
-    def __init__(self, limit=150):
+    def __init__(self, limit=150, user_limit=None, peak=None):
         self.events, self.limit, self.killed, self.removed = 0, limit, 0, 0
+        self.user_limit, self.peak, self.user_events = user_limit, peak, 0
 
     def pids_max_events(self):
         return self.events
+
+    def user_pids_max_events(self):
+        return self.user_events
+
+    def user_pids_limit(self):
+        return self.user_limit
+
+    def pids_peak(self):
+        return self.peak
+
+    def remove_user_group_if_empty(self):
+        pass
 
     def pids_limit(self):
         return self.limit
@@ -141,6 +181,23 @@ def spawner(**kw):
     sp = IsolatedProcessSpawner(user=SimpleNamespace(name="alice", url="/user/alice/", escaped_name="alice"), **kw)
     sp.isolation = "off"
     return sp
+
+
+def test_forks_refused_below_the_servers_own_limit_are_told_as_the_users_limit(caplog):
+    """cgroup v1 counts a refusal in the forking group even where its user's group refused it:
+    a group that never reached its own limit was held by the user's."""
+    sp = spawner()
+    cg = FakeGroup(limit=300, user_limit=500, peak=120)
+    cg.events = 3
+    with caplog.at_level("WARNING"):
+        assert sp._check_process_limit(cg)
+    assert sp.process_limit_note.startswith("Your servers, jobs and Ray clusters together reached your limit of 500 ")
+    assert "with alice's other servers, jobs and Ray clusters, reached the user's limit of 500 processes" in caplog.text
+    own = spawner()
+    full = FakeGroup(limit=300, user_limit=500, peak=300)
+    full.events = 1
+    own._check_process_limit(full)
+    assert own.process_limit_note.startswith("Your server reached its limit of 300 processes")
 
 
 def test_reaching_the_limit_is_logged_once_and_becomes_the_stop_reason(caplog):

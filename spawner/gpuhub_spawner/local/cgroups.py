@@ -13,6 +13,9 @@ code runs with or without systemd as PID 1.
 - processes: ``pids.max`` (v2 and v1), the policy's ``maxProcesses``: the kernel refuses a
   fork or a new thread beyond it, so a fork bomb stops there instead of filling the
   machine's pid space. Its ``max`` counter in ``pids.events`` tells the hub it happened.
+  Three levels: each server or job (``maxProcesses``), each user's group holding all of the
+  user's servers, jobs and Ray clusters (``defaults.maxProcessesPerUser``; ``gpuhub/<account>.user/``),
+  and all of them together (the machine's ``pid_max`` less a reserve for root: ``cap_processes``).
 - devices (v1 only): an allow-list of the standard nodes plus the server's GPUs, a
   second wall behind the sandbox's private ``/dev``. cgroup v2 has no device files
   (it needs an eBPF program), so there the private ``/dev`` is the wall.
@@ -132,13 +135,32 @@ class CgroupHost:
         elif self.version == 1 and "cpu" in self.v1_mounts:
             _write(self.v1_mounts["cpu"] / self.group / "cpu.shares", str(min(262144, max(2, round(1024 * weight)))))
 
-    def server(self, name: str) -> "ServerCgroup":
-        """The cgroup of one server (``name``: a safe, unique leaf name)."""
+    def server(self, name: str, user: str | None = None) -> "ServerCgroup":
+        """The cgroup of one server (``name``: a safe, unique leaf name), under its user's
+        group ``user`` (every server, job and Ray cluster of one user together) where given."""
+        rel = f"{user}/{name}" if user else name
         if self.version == 2:
-            return ServerCgroup(self, {"unified": self.root / self.group / name})
+            return ServerCgroup(self, {"unified": self.root / self.group / rel})
         if self.version == 1:
-            return ServerCgroup(self, {c: m / self.group / name for c, m in self.v1_mounts.items()})
+            return ServerCgroup(self, {c: m / self.group / rel for c, m in self.v1_mounts.items()})
         return ServerCgroup(self, {})
+
+    def cap_processes(self, reserve_fraction: float = 0.125, reserve_min: int = 1024) -> int | None:
+        """The most tasks all servers and jobs together may hold (the ``group``'s ``pids.max``):
+        the kernel's ``pid_max`` less a reserve for everything else, root's repairs included
+        (an eighth, at least 1,024). Returns the cap; None where no pids controller is there.
+        Raises OSError."""
+        d = (self.root / self.group) if self.version == 2 else self.v1_mounts.get("pids", Path("/nonexistent")) / self.group
+        if not (d / "pids.max").exists():
+            return None
+        try:
+            pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        except (OSError, ValueError):
+            return None
+        cap = max(64, pid_max - max(reserve_min, int(pid_max * reserve_fraction)))
+        if _read(d / "pids.max").strip() != str(cap):
+            _write(d / "pids.max", str(cap))
+        return cap
 
 
 @dataclass
@@ -161,13 +183,23 @@ class ServerCgroup:
         return [str(p / "cgroup.procs") for p in self.paths.values()]
 
     def create(self, *, memory: int | None, cpu_millis: int | None, device_rules: list[str] | None,
-               pids: int | None = None) -> None:
+               pids: int | None = None, user_pids: int | None = None) -> None:
         """Make the group(s) and set the limits; an existing group (stale) is reused empty.
 
         ``pids``: most tasks (processes and threads) the group may hold; None leaves it unlimited.
+        ``user_pids``: the same for its user's group (the parent, where the group has one:
+        ``CgroupHost.server(name, user)``), which every server and job of the user shares.
         """
+        nested = self._nested()
         if self.host.version == 2:
-            self.host._v2_parent()
+            parent = self.host._v2_parent()
+            if nested:
+                up = self.paths["unified"].parent
+                up.mkdir(exist_ok=True)
+                want = {"memory", "cpu", "pids"} & set(_read(up / "cgroup.controllers").split())
+                for c in sorted(want - set(_read(up / "cgroup.subtree_control").split())):
+                    _write(up / "cgroup.subtree_control", f"+{c}")
+                self._set_pids(up, user_pids)
             d = self.paths["unified"]
             d.mkdir(exist_ok=True)
             if memory:
@@ -182,6 +214,8 @@ class ServerCgroup:
             for ctrl, d in self.paths.items():
                 d.parent.mkdir(exist_ok=True)
                 d.mkdir(exist_ok=True)
+            if nested and "pids" in self.paths:
+                self._set_pids(self.paths["pids"].parent, user_pids)
             if memory:
                 m = self.paths["memory"]
                 _write(m / "memory.limit_in_bytes", str(memory))
@@ -203,6 +237,40 @@ class ServerCgroup:
                     _write(d / "devices.allow", rule)
             if "pids" in self.paths:
                 self._set_pids(self.paths["pids"], pids)
+
+    def _nested(self) -> bool:
+        """Is this a server's group under its user's group (not directly under the ``group``)?"""
+        return any(p.parent.name != self.host.group for p in self.paths.values())
+
+    def user_pids_limit(self) -> int | None:
+        """The ``pids.max`` of this group's user group; None when unlimited, absent or not nested."""
+        d = self._pids_dir()
+        if d is None or not self._nested():
+            return None
+        v = _read(d.parent / "pids.max").strip()
+        return int(v) if v.isdigit() else None
+
+    def pids_peak(self) -> int | None:
+        """The most tasks the group has held at once (``pids.peak``, Linux 6.1+); None where unknown."""
+        d = self._pids_dir()
+        v = _read(d / "pids.peak").strip() if d else ""
+        return int(v) if v.isdigit() else None
+
+    def user_pids_max_events(self) -> int:
+        """Forks refused at the user group's limit as its own ``pids.events`` counts them (where
+        the kernel counts there: cgroup v1 counts a refusal in the forking task's group only)."""
+        d = self._pids_dir()
+        return _keyed(_read(d.parent / "pids.events")).get("max", 0) if d is not None and self._nested() else 0
+
+    def remove_user_group_if_empty(self) -> None:
+        """Remove the user's group once its last server or job group is gone (a busy one stays)."""
+        if not self._nested():
+            return
+        for p in self.paths.values():
+            try:
+                p.parent.rmdir()
+            except OSError:
+                pass  # another server or job of the user still has its group there
 
     def _set_pids(self, d: Path, pids: int | None) -> None:
         if not (d / "pids.max").exists():

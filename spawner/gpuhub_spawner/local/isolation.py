@@ -146,9 +146,11 @@ POOL_SIZES = {"accounts": 1, "launches": 8, "ends": 4}
 
 
 def _end_group(cg: ServerCgroup) -> None:
-    """Kill what is left in a stopped server's cgroup and remove it (in ``_pool("ends")``)."""
+    """Kill what is left in a stopped server's cgroup and remove it (in ``_pool("ends")``),
+    and its user's group when it was the user's last."""
     cg.kill_all()
     cg.remove()
+    cg.remove_user_group_if_empty()
 
 
 def _pool(name: str):
@@ -171,6 +173,7 @@ class _Launched:
     oom_base: int
     pids_base: int
     oom_fd: int | None
+    user_pids_base: int = 0
 
 
 class IsolatedProcessSpawner(LocalProcessSpawner):
@@ -287,6 +290,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     _oom_fd: int | None = None
     _oom_base: int = 0  # OOM kills the group had before this server (a reused group)
     _pids_base: int = 0  # refused forks the group had counted before this server
+    _user_pids_base: int = 0  # ... and its user group (every server and job of the user)
     _pids_note: str | None = None  # "reached its limit of N processes", once seen
 
     # -- who and where ---------------------------------------------------------------------
@@ -328,6 +332,17 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     def cgroup_host(self) -> CgroupHost:
         return cgroup_host(self.cgroup_root, self.cgroup_group)
 
+    def _user_group(self) -> str:
+        """The cgroup holding every server, job and Ray cluster of this user (their process budget)."""
+        return f"{self.account_name}.user"  # leaves are "<account>" or "<account>.<name>.<hash>"
+
+    def _server_cgroup(self) -> ServerCgroup:
+        return self.cgroup_host.server(self._cgroup_leaf(), user=self._user_group())
+
+    def server_cgroups(self) -> list[ServerCgroup]:
+        """This server's (or job's) cgroup, and where a gpuhub before per-user groups put it."""
+        return [self._server_cgroup(), self.cgroup_host.server(self._cgroup_leaf())]
+
     def _cgroup_leaf(self) -> str:
         leaf = self.account_name
         if self.name:
@@ -347,6 +362,16 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         """(cpu millis, memory bytes) to enforce; Spawner.cpu_limit/mem_limit by default."""
         cpu = int(self.cpu_limit * 1000) if self.cpu_limit else None
         return cpu, (int(self.mem_limit) if self.mem_limit else None)
+
+    def user_process_limit(self) -> int | None:
+        """Tasks all of this user's servers, jobs and Ray clusters may hold together (their
+        user group's ``pids.max``): the policy's ``defaults.maxProcessesPerUser``."""
+        from ..policy.model import DEFAULT_MAX_PROCESSES_PER_USER
+        from ..policy.store import PolicyStore
+
+        if not PolicyStore.initialized():
+            return DEFAULT_MAX_PROCESSES_PER_USER
+        return PolicyStore.instance().current.defaults.max_processes_per_user
 
     def process_limit(self) -> int | None:
         """Tasks (processes and threads) the cgroup may hold, its ``pids.max``: the policy's
@@ -489,15 +514,15 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         from .sandbox import hand_over
 
         nodes = self.device_nodes()
-        cg = self.cgroup_host.server(self._cgroup_leaf())
+        cg = self._server_cgroup()
         self._pids_note = None
-        pids = None
+        pids = user_pids = None
         if cg.enforced:
             self._hold_prefix()  # no server starts while another hub holds this prefix
-            pids = self.process_limit()
+            pids, user_pids = self.process_limit(), self.user_process_limit()
         abandoned = threading.Event()
         fut = loop.run_in_executor(_pool("launches"), self._prepare_and_launch, cmd, env, popen, nodes, cg, cpu,
-                                   memory, pids, abandoned)
+                                   memory, (pids, user_pids), abandoned)
         try:
             launched = await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -506,6 +531,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             raise
         self._cgroup = cg
         self._oom_base, self._pids_base = launched.oom_base, launched.pids_base
+        self._user_pids_base = launched.user_pids_base
         self.proc = launched.proc
         self.pid = launched.proc.pid
         self._start_time = launched.start_time
@@ -533,7 +559,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         from .sandbox import host_nodes, start_launcher
 
         found = host_nodes(self.device_dir, nodes)
-        oom_base = pids_base = 0
+        pids, user_pids = pids
+        oom_base = pids_base = user_pids_base = 0
         oom_fd = None
         made = False
         try:
@@ -541,8 +568,10 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 self._weigh_servers(cg.host)
                 self._clear_leftovers(cg)  # only what is provably this hub's is killed
                 made = True
-                cg.create(memory=memory, cpu_millis=cpu, device_rules=self.device_rules(found), pids=pids)
+                cg.create(memory=memory, cpu_millis=cpu, device_rules=self.device_rules(found), pids=pids,
+                          user_pids=user_pids)
                 oom_base, pids_base = cg.oom_kills(), cg.pids_max_events()
+                user_pids_base = cg.user_pids_max_events()
                 oom_fd = cg.oom_eventfd()  # before the launcher: nothing of the server can come first
             spec = {
                 "uid": self._account.uid, "gid": self._account.gid,
@@ -564,7 +593,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             if made:
                 cg.remove()  # nothing joined it: the launcher never started or never had its spec
             raise
-        launched = _Launched(proc, wfd, payload, process_start_time(proc.pid), found, oom_base, pids_base, oom_fd)
+        launched = _Launched(proc, wfd, payload, process_start_time(proc.pid), found, oom_base, pids_base, oom_fd,
+                             user_pids_base)
         if abandoned.is_set():
             self._end_unstarted(launched)
             launched.proc.wait()
@@ -572,13 +602,17 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         return launched
 
     def _weigh_servers(self, host: CgroupHost) -> None:
-        """The servers' group CPU weight, at every launch (an operator's edit of the file, or
-        a group made again, is set back). A refusal is logged and the launch goes on: the
-        weight is a priority, not a limit of the user's."""
+        """The servers' group CPU weight and the machine-wide process cap, at every launch (an
+        operator's edit of the file, or a group made again, is set back). A refusal is logged
+        and the launch goes on: the weight is a priority; the cap backs per-user limits."""
         try:
             host.weigh_servers(self.servers_cpu_weight)
         except OSError as e:
             self.log.warning("Cannot set the CPU weight of the servers' cgroup %s: %s", host.group, e)
+        try:
+            host.cap_processes()
+        except OSError as e:
+            self.log.warning("Cannot cap the processes of the servers' cgroup %s: %s", host.group, e)
 
     def _join_early(self, pid: int, cg: ServerCgroup) -> None:
         """Put the launcher in the server's cgroup now, not once its Python has started.
@@ -729,21 +763,37 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     def _check_process_limit(self, cg: ServerCgroup) -> bool:
         """Has the server reached its process limit (``pids.events`` max)? Logged once, and
         kept as a note that becomes the stop reason when the server stops."""
-        hits = cg.pids_max_events() - self._pids_base
+        user_hits = cg.user_pids_max_events() - self._user_pids_base
+        hits = max(cg.pids_max_events() - self._pids_base, user_hits)
         if hits <= 0:
             return False
         if self._pids_note is None:
-            limit = cg.pids_limit() or self.process_limit()
             when = time.strftime("%H:%M UTC", time.gmtime())
-            self._pids_note = (
-                f"Your server reached its limit of {limit} processes at {when} (threads count too), so the "
-                "system refused to start more: programs in it may have failed to start processes or threads. "
-                "Stop what keeps starting them, or choose a profile with a higher limit."
-            )
+            # Whose limit refused it: the user group's where it counted the refusal (v2), or
+            # where this group never reached its own limit (v1 counts every refusal here).
+            peak, own = cg.pids_peak(), cg.pids_limit()
+            by_user = user_hits > 0 or (cg.user_pids_limit() is not None and peak is not None
+                                        and own is not None and peak < own)
+            if by_user:
+                limit = cg.user_pids_limit() or self.user_process_limit()
+                self._pids_note = (
+                    f"Your servers, jobs and Ray clusters together reached your limit of {limit} processes at "
+                    f"{when} (threads count too), so the system refused to start more: programs may have failed "
+                    "to start processes or threads. Stop some of them, or ask an administrator about the limit."
+                )
+            else:
+                limit = cg.pids_limit() or self.process_limit()
+                self._pids_note = (
+                    f"Your server reached its limit of {limit} processes at {when} (threads count too), so the "
+                    "system refused to start more: programs in it may have failed to start processes or threads. "
+                    "Stop what keeps starting them, or choose a profile with a higher limit."
+                )
             job = getattr(self, "job_id", None)  # a batch job's launcher (local/job_launcher.py)
             what = f"Job {job} of {self.user.name}" if job else f"Server {self._log_name}"
-            self.log.warning("%s reached its limit of %s processes (pids.max; threads count too): "
-                             "%d new processes or threads refused so far", what, limit, hits)
+            whose = (f", with {self.user.name}'s other servers, jobs and Ray clusters, reached the user's limit"
+                     if by_user else " reached its limit")
+            self.log.warning("%s%s of %s processes (pids.max; threads count too): "
+                             "%d new processes or threads refused so far", what, whose, limit, hits)
         return True
 
     @property
@@ -910,6 +960,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "cgroup": self._cgroup.to_state() if self._cgroup else {},
                 "oom_base": self._oom_base,
                 "pids_base": self._pids_base,
+                "user_pids_base": self._user_pids_base,
             }
         if self.stop_reason:
             state["gpuhub_stop_reason"] = self.stop_reason
@@ -941,6 +992,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             self._cgroup = ServerCgroup.from_state(self.cgroup_host, record["cgroup"])
             self._oom_base = int(record.get("oom_base", 0))
             self._pids_base = int(record.get("pids_base", 0))
+            self._user_pids_base = int(record.get("user_pids_base", 0))
         if self.isolated:
             try:
                 from .unix_users import lookup
@@ -976,7 +1028,12 @@ def remove_isolation(prefix: str, cgroup_root: str = "/sys/fs/cgroup", group: st
     host = CgroupHost.detect(cgroup_root, group)
     bases = [host.root / group] if host.version == 2 else [m / group for m in host.v1_mounts.values()]
     leaves = sorted({d.name for b in bases if b.is_dir() for d in b.iterdir() if d.is_dir() and d.name.startswith(prefix)})
-    for leaf in leaves:
+    for leaf in leaves:  # a user's group holds the user's servers' and jobs' groups: those first
+        inner = sorted({d.name for b in bases if (b / leaf).is_dir() for d in (b / leaf).iterdir() if d.is_dir()})
+        for name in inner:
+            cg = host.server(name, user=leaf)
+            cg.kill_all()
+            cg.remove()
         cg = host.server(leaf)
         cg.kill_all()
         cg.remove()

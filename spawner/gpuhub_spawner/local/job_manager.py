@@ -149,7 +149,8 @@ class JobManager(SingletonConfigurable):
     def _kill_leftover(self, rec: R.JobRecord, att: R.Attempt) -> None:
         launcher = self._launcher(rec, att, [], {})
         try:
-            launcher.cgroup_host.server(launcher._cgroup_leaf()).kill_all()
+            for cg in launcher.server_cgroups():  # where this gpuhub puts it, and where an older one did
+                cg.kill_all()
         except Exception:  # noqa: BLE001 - best effort; the pid check below still runs
             log.exception("Cannot sweep the cgroup of %s", rec.id)
         if att.pid and att.start_time is not None and process_start_time(att.pid) == att.start_time:

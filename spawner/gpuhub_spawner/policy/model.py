@@ -61,6 +61,10 @@ GpuCount = Annotated[StrictInt, Field(ge=0)]
 # job may hold. A server with a kernel needs ~40; below 64 it could not work at all.
 MIN_MAX_PROCESSES = 64
 DEFAULT_MAX_PROCESSES = 4096  # as OpenShift's default pod pids limit
+# All of one user's servers, jobs and Ray clusters together (one machine): two servers'
+# worth by default, so no user's many jobs hold the machine's pid space (issue 39: 14 CPU
+# jobs of one user were allowed 57,344 tasks against a pid_max of 32,768).
+DEFAULT_MAX_PROCESSES_PER_USER = 8192
 ProcessCount = Annotated[StrictInt, Field(ge=MIN_MAX_PROCESSES)]
 
 
@@ -371,6 +375,7 @@ class Defaults(_Model):
     cpu: CpuMillis = 1000
     memory: MemoryBytes = 2 * 2**30
     max_processes: ProcessCount = DEFAULT_MAX_PROCESSES
+    max_processes_per_user: ProcessCount = DEFAULT_MAX_PROCESSES_PER_USER
     priority: str | None = None
     queue_timeout: Seconds = 3600.0  # how long a server may wait in the queue
     launch_timeout: Seconds = 300.0  # start timeout once admitted

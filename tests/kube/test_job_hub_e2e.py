@@ -152,5 +152,16 @@ def test_refusals_and_cancel_on_the_kube_hub(kube_hub, backend, tmp_path):
     ok.write_text(f"profile: l4-1\ncommand: [{sys.executable}, -c, 'import time; time.sleep(120)']\n")
     job_id = cli(kube_hub, bob, "submit", str(ok)).stdout.strip().splitlines()[-1]
     wait_for(lambda: record(bob, job_id)["state"] == "running", 60, "running")
+    # The job's wall (kube/walls.py, issue 39): two NetworkPolicies, owned by the Job, whose
+    # selectors name the job's pods and bob's own pods (the real plane checks the selectors in
+    # test_walls.py); collected with the Job (the real garbage collector on the real plane).
+    [job] = [j for j in backend.jobs() if j["metadata"]["name"] == job_id]
+    walls = {p["metadata"]["name"]: p for p in backend.network_policies() if p["metadata"]["name"].startswith(job_id)}
+    assert sorted(walls) == [f"{job_id}-in", f"{job_id}-out"], sorted(walls)
+    assert {r["uid"] for p in walls.values() for r in p["metadata"]["ownerReferences"]} == {job["metadata"]["uid"]}
+    assert walls[f"{job_id}-in"]["spec"]["podSelector"] == {"matchLabels": {"gpuhub/job": job_id}}
+    assert walls[f"{job_id}-out"]["spec"]["podSelector"]["matchLabels"]["hub.jupyter.org/username"] == "bob"
     assert cli(kube_hub, bob, "cancel", job_id).stdout.startswith("cancelled")
     wait_for(lambda: backend.job(job_id) is None and not backend.pods_of_job(job_id), 60, "the Job and its pods gone")
+    wait_for(lambda: not [p for p in backend.network_policies() if p["metadata"]["name"].startswith(job_id)], 60,
+             "the job's NetworkPolicies collected with it")

@@ -32,7 +32,7 @@ from gpuhub_spawner.policy.loader import parse_policy
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "spawner" / "gpuhub_spawner" / "kube"
 USER_NAMESPACE = ROOT / "helm-values" / "user-namespace.yaml"
-APIS = (client.CoreV1Api, client.BatchV1Api, client.CustomObjectsApi)
+APIS = (client.CoreV1Api, client.BatchV1Api, client.CustomObjectsApi, client.NetworkingV1Api)
 METHOD = re.compile(r"^(create|read|get|list|patch|replace|delete)_\w+$")
 HTTP_VERB = {"POST": "create", "PUT": "update", "PATCH": "patch"}
 

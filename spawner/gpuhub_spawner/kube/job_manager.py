@@ -42,7 +42,9 @@ from ..jobs.spec import GPU_FAILED, JobSpec
 from ..usage import recorder as usage
 from .job_manifest import JOB_LABEL, job_manifest
 from .ledger import RECLAIM_ANNOTATION, register_job_manager
+from .policy_configmap import hub_namespace
 from .spawner import KueueSpawner
+from .walls import put_up, wall
 
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
 
@@ -159,6 +161,22 @@ class KubeJobManager(SingletonConfigurable):
             created = await self._client("BatchV1Api").create_namespaced_job(spawner.namespace, job)
         except Exception as e:  # noqa: BLE001
             raise ChoiceError(502, f"the cluster refused the Job: {getattr(e, 'reason', e)}") from None
+        # The wall (kube/walls.py): only the owner's pods and the hub reach the job's pods. Made
+        # while the Job is still suspended (Kueue has not admitted it); no wall, no job.
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job_id, "uid": created.metadata.uid}}
+        try:
+            await put_up(self._client("BatchV1Api").api_client,
+                         wall(job_id, spawner.namespace, {JOB_LABEL: job_id}, pod["metadata"]["labels"], hub_namespace(),
+                              owner=owner))
+        except Exception as e:  # noqa: BLE001
+            try:
+                await self._client("BatchV1Api").delete_namespaced_job(job_id, spawner.namespace,
+                                                                      propagation_policy="Background")
+            except Exception as gone:  # noqa: BLE001
+                log.warning("Job %s: its NetworkPolicy was refused and it could not be deleted: %s", job_id,
+                            getattr(gone, "reason", gone))
+            raise ChoiceError(502, f"the cluster refused the job's NetworkPolicy: {getattr(e, 'reason', e)}; "
+                                   "nothing was started") from None
         rec.spec["uid"], rec.spec["namespace"] = created.metadata.uid, spawner.namespace
         rec.attempts.append(R.Attempt(number=1, queued=time.time()))
         self.jobs[job_id] = rec

@@ -40,7 +40,9 @@ from .kueue import (
     ADMITTED, GROUP as KUEUE_GROUP, JOB_UID_LABEL, PRIORITY_LABEL, PROFILE_LABEL, QUOTA_RESERVED, TEAM_LABEL,
     VERSION as KUEUE_VERSION, condition, is_true, timestamp,
 )
+from .policy_configmap import hub_namespace
 from .ray_manifest import GROUP, PLURAL, RAY_LABEL, VERSION, WorkerGroup, ray_cluster_manifest
+from .walls import put_up, wall
 from ..culling.rules import CullState, Decision, Signals, decide
 from ..policy import PolicyStore
 from ..policy.access import Choice, ChoiceError, active_profiles, check_job_caps, resolve_choice
@@ -171,6 +173,19 @@ class KubeRayManager(RayClusterManager):
         except ApiException as e:
             raise ChoiceError(400 if e.status in (400, 403, 422) else 502,
                               f"the cluster refused the RayCluster: {_api_message(e)}") from None
+        # The wall (kube/walls.py): only the owner's pods and the hub reach the cluster's pods.
+        # Made before Kueue can admit it (it was created suspended); no wall, no cluster.
+        try:
+            await put_up(self._api().api_client, wall(cid, ns, {RAY_LABEL: cid}, pod["metadata"]["labels"],
+                                                      hub_namespace(), owner=created))
+        except ApiException as e:
+            try:
+                await self._api().delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, cid)
+            except ApiException as gone:
+                log.warning("Ray cluster %s: its NetworkPolicy was refused and it could not be deleted: %s", cid,
+                            _api_message(gone))
+            raise ChoiceError(502, f"the cluster refused the Ray cluster's NetworkPolicy: {_api_message(e)}; "
+                                   "nothing was started") from None
         self.clusters[cid] = created
         usage.audit("ray_cluster_requested", user=user.name, key=KEY_PREFIX + cid, cluster=name, team=team.name,
                     profile=choice.profile.slug, gpus=choice.gpu_count, workers=max(1, request.workers))

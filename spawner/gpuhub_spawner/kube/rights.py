@@ -62,6 +62,9 @@ RIGHTS: tuple[Right, ...] = (
           "(kube/job_manager.py)"),
     Right(USERS, "ray.io", "rayclusters", ("create", "list", "patch", "delete"),
           "Ray clusters (kube/ray_manager.py): created, listed on every refresh, annotated, deleted"),
+    Right(USERS, "networking.k8s.io", "networkpolicies", ("create",),
+          "the wall around each Ray cluster and batch job (kube/walls.py): two NetworkPolicies made with the "
+          "object and owned by it (the garbage collector deletes them with it)"),
     # The hub's own namespace: the policy's ConfigMap only.
     Right(HUB, "", "configmaps", ("get", "list", "watch", "patch"),
           "the policy page applies and rolls back the policy; the hub follows its ConfigMap "

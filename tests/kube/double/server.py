@@ -44,7 +44,7 @@ from gpuhub_spawner.policy.quantities import parse_cpu_millis, parse_memory_byte
 
 from .jobs import JobsMixin, owner_job_name  # batch/v1 Jobs + Kueue's job integration (gpuhub batch jobs)
 from .ray import RayMixin, owner_ray_name  # ray.io/v1 RayClusters: KubeRay + Kueue's raycluster integration (issue 24)
-from .schemas import InvalidObject, validate
+from .schemas import InvalidObject, validate, validate_core
 
 TOKEN = "double-token"
 HISTORY_KEEP = 5000
@@ -343,6 +343,8 @@ class KubeDouble(JobsMixin, RayMixin):
         key = (plural, namespace, meta["name"])
         if event_type == "DELETED":
             self.objects.pop(key, None)
+            if plural in ("jobs", "rayclusters"):
+                self._collect_owned(obj)
         else:
             self.objects[key] = obj
         snapshot = copy.deepcopy(obj)
@@ -407,6 +409,8 @@ class KubeDouble(JobsMixin, RayMixin):
                 return await self._jobs_route(request, parts[3:])  # jobs.py
             if parts[:3] == ["apis", "ray.io", "v1"]:
                 return await self._ray_route(request, parts[3:])  # ray.py
+            if parts[:3] == ["apis", "networking.k8s.io", "v1"] and parts[3:4] == ["namespaces"] and parts[5:6] == ["networkpolicies"]:
+                return await self._netpol_route(request, parts[4], parts[6] if len(parts) > 6 else None)
             if parts[:3] == ["apis", "visibility.kueue.x-k8s.io", "v1beta2"]:
                 self.calls[("GET", "pendingworkloads")] += 1
                 rest = parts[3:]
@@ -418,6 +422,42 @@ class KubeDouble(JobsMixin, RayMixin):
             self.invalid.append(str(e))
             return _status(422, "Invalid", str(e))
         return _status(404, "NotFound", f"the server could not find the requested resource ({request.path})")
+
+    async def _netpol_route(self, request, ns, name):
+        """NetworkPolicies (issue 39's walls): create (validated strictly), get, list by label,
+        delete; the garbage collector's part is ``_collect_owned``. Stored, never enforced."""
+        self.calls[(request.method, "networkpolicies")] += 1
+        if request.method == "POST" and name is None:
+            body = await request.json()
+            body.setdefault("apiVersion", "networking.k8s.io/v1")
+            body.setdefault("kind", "NetworkPolicy")
+            body["metadata"]["namespace"] = ns
+            validate_core(body)
+            if ("networkpolicies", ns, body["metadata"]["name"]) in self.objects:
+                return _status(409, "AlreadyExists", f'networkpolicies.networking.k8s.io "{body["metadata"]["name"]}" already exists')
+            return web.json_response(self._write("networkpolicies", ns, body, "ADDED"), status=201)
+        if request.method == "GET" and name is None:
+            items = [copy.deepcopy(o) for (p, n, _), o in self.objects.items() if p == "networkpolicies" and n == ns
+                     and _match_labels(o, request.query.get("labelSelector", ""))]
+            return web.json_response({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicyList",
+                                      "metadata": {"resourceVersion": str(self.last_rv)}, "items": items})
+        obj = self.objects.get(("networkpolicies", ns, name))
+        if obj is None:
+            return _status(404, "NotFound", f'networkpolicies.networking.k8s.io "{name}" not found')
+        if request.method == "GET":
+            return web.json_response(obj)
+        if request.method == "DELETE":
+            self._write("networkpolicies", ns, obj, "DELETED")
+            return web.json_response(obj)
+        return _status(405, "MethodNotAllowed", "method not allowed")
+
+    def _collect_owned(self, owner: dict) -> None:
+        """The garbage collector: objects whose ownerReferences name ``owner``'s UID go with it
+        (here only what the double does not remove itself: NetworkPolicies)."""
+        uid = owner["metadata"].get("uid")
+        for (p, n, _), o in list(self.objects.items()):
+            if p == "networkpolicies" and any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or []):
+                self._write(p, n, o, "DELETED")
 
     async def _resource(self, request, plural, ns, name):
         method = request.method

@@ -16,8 +16,12 @@ rendering tests run either way).
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import copy
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -30,6 +34,9 @@ from traitlets.config import Config
 
 from double.harness import HUB_NAMESPACE, NAMESPACE, POLICY, MockHub, MockUser
 from support.helm import MISSING_HUB_FILES, helm_template, require_shared
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+import harness as _real  # noqa: E402  (tests/cluster/harness.py)
 
 REPO = Path(__file__).resolve().parents[2]
 VALUES = [REPO / "helm-values" / "values.yaml", REPO / "helm-values" / "mlflow-values.yaml"]
@@ -93,7 +100,12 @@ def chart_config(rendered, tmp_path_factory):
 
 def test_helm_renders_the_real_chart_with_valid_objects(rendered):
     kinds = {d["kind"] for d in rendered}
-    assert {"Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "Ingress", "Role"} <= kinds
+    assert {"Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "Ingress", "ServiceAccount"} <= kinds
+    # The chart's RBAC is off (rbac.create: false): no Role grants the hub pods, secrets, PVCs or
+    # services in its own namespace; it keeps its ServiceAccount (issue 40 item 2).
+    assert not kinds & {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}, kinds
+    assert obj(rendered, "ServiceAccount", "hub")
+    assert obj(rendered, "Deployment", "hub")["spec"]["template"]["spec"]["serviceAccountName"] == "hub"
     for doc in rendered:
         if doc["kind"] in ("Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "Ingress", "Role",
                            "RoleBinding", "DaemonSet", "Job", "ServiceAccount", "PersistentVolumeClaim"):
@@ -172,7 +184,10 @@ def spawner_for(double, chart_config):
     from gpuhub_spawner.kube.spawner import KueueSpawner
     from gpuhub_spawner.policy import PolicyStore
 
-    c = Config(chart_config)  # the ConfigMap's mount point does not exist here: its content does
+    # A deep copy: Config(chart_config) shares its sections, so the policy file set below leaked
+    # into the module's chart_config and failed test_effective_config_... when it ran later
+    # (issue 40 item 6). The ConfigMap's mount point does not exist here: its content does.
+    c = copy.deepcopy(chart_config)
     c.PolicyStore.policy_file = str(POLICY)
     PolicyStore.clear_instance()
 
@@ -221,7 +236,8 @@ async def test_the_pod_a_user_gets_from_the_charts_own_config(spawner_for, rende
 def test_image_pullers_prepull_gpuhubs_images_on_gpu_nodes(rendered):
     values = yaml.safe_load(VALUES[0].read_text())
     wanted = set(values["hub"]["config"]["KueueSpawner"]["default_images"].values())
-    for name in ("hook-image-puller", "continuous-image-puller"):
+    assert not [d for d in rendered if "hook-image" in d["metadata"]["name"]]  # the hook needs the chart's RBAC
+    for name in ("continuous-image-puller",):
         ds = obj(rendered, "DaemonSet", name)["spec"]["template"]["spec"]
         pulled = {c["image"] for c in ds["initContainers"]}
         assert wanted <= pulled, (name, pulled)
@@ -287,3 +303,106 @@ def test_without_subdomains_the_hub_warns_loudly_at_start(tmp_path, capsys):
 def test_with_subdomains_there_is_no_warning(rendered, tmp_path, capsys):
     run_chart_config(rendered, tmp_path / "root")
     assert "share the hub's origin" not in capsys.readouterr().err
+
+
+# -- Pod Security on the users' namespace (issue 40 item 2) -----------------------------------------
+def test_no_privileged_init_container_in_user_pods(chart_config):
+    """The chart's cloud-metadata block (a privileged NET_ADMIN init container in every user pod)
+    is off: gpuhub-singleuser's egress rule keeps user pods from 169.254.169.254 instead."""
+    assert not chart_config.KubeSpawner.get("init_containers")
+    docs = [d for d in yaml.safe_load_all((REPO / "helm-values" / "user-namespace.yaml").read_text()) if d]
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "gpuhub-singleuser")
+    blocks = [b["ipBlock"] for rule in policy["spec"]["egress"] for b in rule.get("to") or [] if "ipBlock" in b]
+    assert blocks and all("169.254.169.254/32" in b.get("except", []) for b in blocks)
+
+
+def _as_pod(name: str, template: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": dict(template["metadata"].get("labels") or {})},
+            "spec": template["spec"]}
+
+
+async def _gpuhub_pods(spawner_for) -> dict[str, dict]:
+    """Every kind of pod gpuhub puts in the users' namespace, from the chart's effective config:
+    a GPU and a CPU server pod, a job's pod and a Ray cluster's head and worker pods."""
+    from gpuhub_spawner.jobs.spec import JobSpec
+    from gpuhub_spawner.kube.job_manifest import job_manifest
+    from gpuhub_spawner.kube.ray_manifest import WorkerGroup, ray_cluster_manifest
+    from gpuhub_spawner.policy import PolicyStore
+    from gpuhub_spawner.policy.access import resolve_choice
+
+    spawner = spawner_for("alice", ["vision-lab"], "a100-1")
+    gpu = await pod_of(spawner)
+    cpu = await pod_of(spawner_for("bob", ["vision-lab"], "cpu"))
+    policy = PolicyStore.instance().policy
+    policy = policy.model_copy(update={"ray": policy.ray.model_copy(update={"enabled": True})})
+    choice = resolve_choice(policy, ["vision-lab"], {"profile": "a100-1"})
+    job = job_manifest("job-psa", "alice", JobSpec.model_validate({"profile": "a100-1", "command": ["sleep", "1"]}),
+                       policy, choice, gpu, namespace=NAMESPACE)
+    rc = ray_cluster_manifest("ray-psa", "alice", policy, choice, gpu, [WorkerGroup("gpu", 1, 1)], namespace=NAMESPACE)
+    return {"server-gpu": _as_pod("psa-server-gpu", gpu), "server-cpu": _as_pod("psa-server-cpu", cpu),
+            "job": _as_pod("psa-job", job["spec"]["template"]),
+            "ray-head": _as_pod("psa-ray-head", rc["spec"]["headGroupSpec"]["template"]),
+            "ray-worker": _as_pod("psa-ray-worker", rc["spec"]["workerGroupSpecs"][0]["template"])}
+
+
+SKIP_REAL = _real.skip_reason()
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(bool(SKIP_REAL), reason=SKIP_REAL or "")
+@pytest.mark.asyncio(loop_scope="function")
+async def test_the_real_api_server_admits_gpuhubs_pods_under_pod_security_and_refuses_z2jhs_init_container(
+        spawner_for, real_cluster, tmp_path):
+    """On the real kube-apiserver 1.36 (its PodSecurity admission plugin), in gpuhub-users as
+    user-namespace.yaml labels it: every pod gpuhub makes is admitted (server-side dry run:
+    the whole admission chain, Kueue's webhooks included) with no `restricted` warning; the
+    same server pod with the chart's default init container (singleuser.cloudMetadata
+    .blockWithIptables: true, the chart's own config executed) is refused by `baseline`."""
+    cluster = real_cluster
+    cluster.kubectl("apply", "-f", str(REPO / "helm-values" / "user-namespace.yaml"))
+    labels = next(n for n in cluster.list("namespaces") if n["metadata"]["name"] == NAMESPACE)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+
+    def dry_run(pod: dict) -> subprocess.CompletedProcess:
+        return cluster.kubectl("create", "--dry-run=server", "-o", "name", "-f", "-", input=json.dumps(pod), check=False)
+
+    report = []
+    for what, pod in (await _gpuhub_pods(spawner_for)).items():
+        out = dry_run(pod)
+        report.append(f"  {what}: rc {out.returncode} {out.stdout.strip()} {out.stderr.strip()}")
+        assert out.returncode == 0, (what, out.stderr)
+        assert "PodSecurity" not in out.stderr, (what, out.stderr)  # no `restricted` warning either
+
+    # The warning works: the same GPU server pod without gpuhub's container securityContext is
+    # admitted (baseline) with the API server's `restricted` warning.
+    bare = copy.deepcopy((await _gpuhub_pods(spawner_for))["server-gpu"])
+    bare["spec"]["containers"][0].pop("securityContext", None)
+    out = dry_run(bare)
+    report.append(f"  server-gpu without gpuhub's securityContext: rc {out.returncode} {out.stderr.strip()}")
+    assert out.returncode == 0 and 'would violate PodSecurity "restricted:v1.30"' in out.stderr, out.stderr
+
+    on = tmp_path / "block-with-iptables.yaml"
+    on.write_text(yaml.safe_dump({"singleuser": {"cloudMetadata": {"blockWithIptables": True}}}))
+    docs = helm_template(require_shared("charts", "jupyterhub-4.4.0"), VALUES + [on], namespace=HUB_NAMESPACE)
+    c = await asyncio.to_thread(run_chart_config, docs, tmp_path / "root")  # as config is read: no running loop
+    [init] = c.KubeSpawner.init_containers
+    from gpuhub_spawner.kube.spawner import KueueSpawner
+    from gpuhub_spawner.policy import PolicyStore
+
+    c.PolicyStore.policy_file = str(POLICY)
+    PolicyStore.clear_instance()
+    try:
+        spawner = KueueSpawner(config=c, user=MockUser("carol", ["vision-lab"]), hub=MockHub("http://127.0.0.1:1"),
+                               api_token="t", oauth_client_id="jupyterhub-user-carol")
+        spawner.user_options = {"profile": "cpu"}
+        pod = _as_pod("psa-z2jh-default", await pod_of(spawner))
+    finally:
+        PolicyStore.clear_instance()
+    assert [i["name"] for i in pod["spec"]["initContainers"]] == ["block-cloud-metadata"]
+    out = dry_run(pod)
+    report.append(f"  z2jh's default (block-cloud-metadata): rc {out.returncode} {out.stderr.strip()}")
+    print("\n[real] server-side dry runs in gpuhub-users (enforce baseline, warn restricted):\n" + "\n".join(report))
+    assert out.returncode != 0 and 'violates PodSecurity "baseline:v1.30"' in out.stderr, out.stderr
+    assert "privileged" in out.stderr and "NET_ADMIN" in out.stderr, out.stderr

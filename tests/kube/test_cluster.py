@@ -65,7 +65,8 @@ async def cluster(tmp_path):
         custom = client.CustomObjectsApi(api)
         for obj in render_objects(parse_policy(POLICY), NAMESPACE):
             group, version = obj["apiVersion"].split("/")
-            plural = obj["kind"].lower() + "s"
+            kind = obj["kind"].lower()  # Kueue's plurals: ...classes, ...flavors, ...queues (issue 40 item 6)
+            plural = kind + ("es" if kind.endswith("s") else "s")
             ns = obj["metadata"].get("namespace")
             try:
                 if ns:

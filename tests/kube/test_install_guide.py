@@ -449,6 +449,16 @@ def test_follow_the_guide_on_the_real_control_plane(guide_cluster, tmp_path):
                 stand_in_volume(cluster, tmp_path)
                 out = op.sh(run_cmd, timeout=600)
                 assert "STATUS: deployed" in out
+                # The chart's RBAC is off (values.yaml rbac.create: false, issue 40): in its own
+                # namespace the hub may touch its policy ConfigMap and nothing else.
+                roles = [r["metadata"]["name"] for r in cluster.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{HUB_NS}/roles")["items"]]
+                assert roles == ["gpuhub-policy-writer"], roles
+                for question, want in (("create pods", "no"), ("get secrets", "no"), ("create persistentvolumeclaims", "no"),
+                                       ("create services", "no"), ("list pods", "no"),
+                                       ("patch configmaps/gpuhub-policy", "yes")):
+                    got = subprocess.run(["kubectl", "-n", HUB_NS, "auth", "can-i", *question.split(), f"--as={HUB_SA}"],
+                                         env=op.env, capture_output=True, text=True, cwd=op.checkout).stdout.strip()
+                    assert got == want, (question, got)
             elif cmd.startswith("kubectl -n gpuhub get pods -l component=hub"):
                 deadline = time.time() + 90
                 while "Running" not in (out := op.sh(run_cmd)) and time.time() < deadline:
@@ -520,6 +530,10 @@ def check_step(cmd: str, out: str, op: Operator, others: list[str]) -> None:
         other = subprocess.run(["bash", "-c", cmd.replace("-n gpuhub-users", "-n default")], env=op.env,
                                capture_output=True, text=True, cwd=op.checkout)
         assert other.stdout.strip() == "no", other.stdout + other.stderr
+    elif cmd.startswith("kubectl get namespace gpuhub-users"):
+        labels = json.loads(out.strip())
+        assert labels["pod-security.kubernetes.io/enforce"] == "baseline", labels  # the pods above were admitted under it
+        assert labels["pod-security.kubernetes.io/warn"] == "restricted", labels
     elif cmd.startswith("kubectl -n gpuhub-users get workloads"):
         assert out.count("vision") >= 4, out
     elif cmd.startswith("kubectl get --raw"):

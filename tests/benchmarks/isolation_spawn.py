@@ -2,10 +2,12 @@
 
     .venv/bin/python tests/benchmarks/isolation_spawn.py [N]
 
-Two real hubs in one run, same policy: ``isolation = off`` (today's spawn before this
-work: servers as the hub's own user) and the isolated spawn (own Unix account, cgroup,
-private /dev). Spawns alternate between them, N each (default 6); the figure is the
-ratio of the medians. The profile's CPU quota is every core of the machine, so what is
+Three real hubs in one run, same policy: ``isolation = off`` (servers as the hub's own
+user), the isolated spawn without the wall (own Unix account, cgroup, private /dev;
+``network_wall = off``) and the isolated spawn behind the wall (each user's own network
+namespace, the default as root). Each user's first spawn on each hub (account, home, and
+behind the wall the user's namespace and veth pair) is a warm-up, reported apart; then
+spawns alternate between the hubs, N each (default 6); the figures are ratios of the medians. The profile's CPU quota is every core of the machine, so what is
 measured is the isolation, not a CPU quota slowing the server's start. Also: the sandbox launcher alone (``/bin/true`` through it vs
 directly), and the seconds from SIGTERM to exit of each hub with a running server
 (the hub, its proxy, culler and services).
@@ -78,6 +80,23 @@ def launcher_overhead(n: int = 20) -> tuple[float, float]:
     return direct, sandboxed
 
 
+def wall_setup_ms(n: int = 10) -> float:
+    """What the wall adds to a user's first start: their namespace, pair, address, route."""
+    from gpuhub_spawner.local.user_network import Wall
+
+    wall = Wall.of("10.218.0.0/24", "bench-wall-")
+    took = []
+    try:
+        wall.ensure_bridge()
+        for i in range(n):
+            t0 = time.perf_counter()
+            wall.ensure_user(f"bench-wall-u{i}")
+            took.append(time.perf_counter() - t0)
+    finally:
+        wall.remove_all()
+    return statistics.median(took) * 1000
+
+
 def stop_seconds(hub: Hub) -> float:
     t0 = time.perf_counter()
     hub.proc.send_signal(signal.SIGTERM)
@@ -92,18 +111,21 @@ def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     work = Path(tempfile.mkdtemp(prefix="gpuhub-bench-"))
     plain = Hub(work / "plain", POLICY, extra_config="c.LocalGpuSpawner.isolation = 'off'\n")
-    isolated = Hub(work / "isolated", POLICY)
-    hubs = {"today (no isolation)": plain, "isolated": isolated}
+    isolated = Hub(work / "isolated", POLICY, extra_config="c.LocalGpuSpawner.network_wall = 'off'\n")
+    walled = Hub(work / "walled", POLICY)
+    hubs = {"no isolation": plain, "isolated, no wall": isolated, "isolated + wall": walled}
     times: dict[str, list[float]] = {k: [] for k in hubs}
+    first: dict[str, list[float]] = {k: [] for k in hubs}
+    users = ["alice", "bob", "carol"]
     try:
         for h in hubs.values():
             h.start()
-        users = ["alice", "bob", "carol"]
-        for i in range(n + 1):
+        for name in users:  # first spawns: accounts, homes, the users' namespaces
             for label, h in hubs.items():
-                took = spawn_once(h, users[i % len(users)])
-                if i:  # the first spawn of each hub warms caches (and makes the accounts)
-                    times[label].append(took)
+                first[label].append(spawn_once(h, name))
+        for i in range(n):
+            for label, h in hubs.items():
+                times[label].append(spawn_once(h, users[i % len(users)]))
         # one running server each, then SIGTERM: how long until the hub is gone
         for h in hubs.values():
             u = h.login("bob")
@@ -113,13 +135,21 @@ def main() -> int:
     finally:
         for h in hubs.values():
             h.stop()
+    netns_ms = wall_setup_ms()
     direct, sandboxed = launcher_overhead()
-    base = statistics.median(times["today (no isolation)"])
-    iso = statistics.median(times["isolated"])
+    base = statistics.median(times["no isolation"])
+    iso = statistics.median(times["isolated, no wall"])
+    wall = statistics.median(times["isolated + wall"])
     print(f"spawn (POST -> ready), median of {n} each, same run:")
     for label, t in times.items():
         print(f"  {label:22s} {statistics.median(t):6.2f} s   (all: {', '.join(f'{x:.2f}' for x in t)})")
-    print(f"  isolated / today = {iso / base:.2f}x  (+{iso - base:.2f} s)")
+    print(f"  isolated / no isolation = {iso / base:.2f}x  (+{iso - base:.2f} s)")
+    print(f"  walled / isolated       = {wall / iso:.2f}x  (+{wall - iso:.2f} s)")
+    print(f"  walled / no isolation   = {wall / base:.2f}x  (+{wall - base:.2f} s)")
+    print("each user's first spawn (account, home; behind the wall also the user's namespace), median of 3:")
+    for label, t in first.items():
+        print(f"  {label:22s} {statistics.median(t):6.2f} s   (all: {', '.join(f'{x:.2f}' for x in t)})")
+    print(f"a user's namespace, veth pair, address and route made (Wall.ensure_user), median of 10: {netns_ms:.1f} ms")
     print(f"sandbox launcher alone: /bin/true {direct * 1000:.1f} ms direct, {sandboxed * 1000:.1f} ms through it "
           f"(+{(sandboxed - direct) * 1000:.0f} ms)")
     print("SIGTERM -> hub exited (one server running, left running):")

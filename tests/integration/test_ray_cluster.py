@@ -192,7 +192,9 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     assert bob.session.get(hub.url + old, allow_redirects=False).status_code == 404
     r = alice.session.get(hub.url + old, allow_redirects=False)
     assert r.status_code == 302 and r.headers["Location"] == dash, (r.status_code, r.headers)
-    # Another Unix account on the machine reaches the ports, but Ray refuses it (no token).
+    # Another Unix account on the machine does not reach her cluster's ports at all (the wall
+    # around each user: her own network namespace); and one that did (put inside her network
+    # here, as root) would be refused by Ray (no token).
     port = int(address.rsplit(":", 1)[1])
     dash_port = int(re.search(r'"dashboard_port": (\d+)', (hub.data / "jobs").joinpath(
         view(alice, "mine").json()["id"], "attempt-1.log").read_text()).group(1))
@@ -203,21 +205,32 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
             print("DASHBOARD OPEN")
         except urllib.error.HTTPError as e:
             print("DASHBOARD", e.code)
+        except OSError as e:
+            print("DASHBOARD UNREACHABLE", e)
+            sys.exit(0)
         sys.stdout.flush()
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)  # a guess
         import ray
         ray.init("127.0.0.1:{port}", log_to_driver=False)
         print("JOINED", ray.cluster_resources(), flush=True)
     """)
-    p = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
-                         env={"PATH": os.environ["PATH"], "HOME": "/nonexistent"})
-    try:
-        probed, _ = p.communicate(timeout=40)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        probed, _ = p.communicate()
+    from gpuhub_spawner.local.unix_users import system_username
+
+    her_net = f"/run/netns/{system_username('alice', hub.env['GPUHUB_ACCOUNT_PREFIX'])}"
+    results = {}
+    for where, prefix in (("outside", []), ("inside", ["nsenter", f"--net={her_net}"] if os.path.exists(her_net) else [])):
+        p = subprocess.Popen([*prefix, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                              "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
+                             env={"PATH": os.environ["PATH"], "HOME": "/nonexistent"})
+        try:
+            results[where], _ = p.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            results[where], _ = p.communicate()
+    probed = results["inside"]
     print("another account:", "\n".join(ln for ln in probed.splitlines() if "DASHBOARD" in ln or "InvalidAuthToken" in ln)[:600])
+    if os.path.exists(her_net):  # the wall is up: nothing of hers answers outside her network
+        assert "DASHBOARD UNREACHABLE" in results["outside"], results["outside"][-2000:]
     assert "DASHBOARD 401" in probed or "DASHBOARD 403" in probed, probed[-3000:]
     assert "JOINED" not in probed and ("InvalidAuthToken" in probed or "Unauthenticated" in probed), probed[-3000:]
     t_task = time.time()

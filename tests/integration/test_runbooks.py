@@ -28,7 +28,7 @@ import pytest
 import requests
 import yaml
 
-from support.hub import Hub, wait_for
+from support.hub import Hub, processes_with_env, wait_for
 from support.ports import free_port
 
 pytestmark = [pytest.mark.integration]
@@ -59,10 +59,12 @@ teams:
 roles:
   admins: [platform-admins]
 profiles:
-  - {slug: cpu, displayName: CPU only, teams: "*", default: true}
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true, memory: 4Gi}
   - {slug: gpu-1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: [vision]}
 defaults:
   queueTimeout: 10m
+ray:
+  enabled: true
 """
 
 
@@ -343,6 +345,40 @@ def test_rotating_the_cookie_secret_logs_everyone_out_and_a_revoked_token_is_ref
     assert "revoked token: 403" in out and "admin token: 200" in out, out
     users["alice"] = hub.login("alice")
     users["bob"] = hub.login("bob")
+
+
+def test_rotating_a_users_ray_token_stops_her_clusters_and_her_next_one_runs_with_a_new_token(hub, users):
+    pytest.importorskip("ray", reason="the ray extra (pip install -e '.[ray]')")
+    admin, alice = users["admin"], users["alice"]
+
+    def ray_cli(*args):
+        e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
+        e.update(GPUHUB_TOKEN=alice.token)
+        r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "ray", "--hub", hub.url, *args],
+                           capture_output=True, text=True, env=e, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr + hub.tail(30)
+        return r.stdout
+
+    def cluster_token(name):
+        """The token the cluster's processes run with (their environment, read as root)."""
+        for pid in processes_with_env(f"GPUHUB_RAY_CLUSTER={name}"):
+            env = dict(i.split("=", 1) for i in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in i)
+            if env.get("RAY_AUTH_TOKEN"):
+                return env["RAY_AUTH_TOKEN"]
+        return None
+
+    assert "Ray cluster leaked: running" in ray_cli("up", "--gpus", "0", "--name", "leaked")
+    stored = hub.data / "ray" / "tokens" / "alice"
+    old = stored.read_text().strip()
+    assert cluster_token("leaked") == old
+    out = runbook("secrets-rotation", "rotate-ray-token", env_of(hub, admin, WHO="alice"))
+    assert re.search(r"^stopped Ray cluster \S+: 200$", out, re.M) and not stored.exists(), out
+    states = {c["name"]: c["state"] for c in alice.api.get(alice.url("/gpuhub/ray")).json()["clusters"]}
+    assert states["leaked"] == "stopped", states
+    assert "Ray cluster fresh: running" in ray_cli("up", "--gpus", "0", "--name", "fresh")
+    new = stored.read_text().strip()
+    assert new != old and cluster_token("fresh") == new
+    ray_cli("down", "fresh")
 
 
 def test_every_marked_block_of_these_pages_is_run_by_a_test():

@@ -49,7 +49,7 @@ class MlflowEndpoint:
 
     def __init__(self, hub: Hub, port: int):
         self.hub = hub
-        self.direct = f"http://127.0.0.1:{port}/services/mlflow"  # what notebooks use
+        self.direct = f"http://{hub.users_reach_hub_at()}:{port}/services/mlflow"  # what notebooks use
         self.origin = service_origin(hub)  # the service's public origin (its own under subdomains)
         self.public = f"{self.origin}/services/mlflow"  # through the hub's proxy (browsers)
         self.data = hub.data / "mlflow"

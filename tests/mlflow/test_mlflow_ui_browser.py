@@ -123,7 +123,8 @@ def test_a_viewer_opens_another_teams_run_in_the_mlflow_ui(mlflow_hub, carols_ru
         page.screenshot(path=str(shots / "viewer-run.png"))
         body = page.locator("body").inner_text()
         assert run_name in body and METRIC in body and "0.8125" in body, body[:2000]
-        assert "Can't load run details" not in body and "403" not in body, body[:2000]
+        # a 403 on screen, not three digits of the run's random id (1 in ~140 ids holds "403")
+        assert "Can't load run details" not in body and not re.search(r"\b403\b", body), body[:2000]
         # The run's Traces tab asks MLflow for the run's trace counts (traces/metrics, a
         # read-only aggregate POST): answered, not refused.
         with page.expect_response(lambda r: "/traces/metrics" in r.url) as counted:

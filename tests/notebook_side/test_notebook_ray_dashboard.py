@@ -134,6 +134,22 @@ def test_nobody_else_reaches_it(server, dashboard, hub, clusters):
     assert dashboard.requests == []
 
 
+def test_a_dashboard_action_from_another_site_is_refused(server, dashboard, clusters):
+    """Ray kills an actor on a GET: a link on another site must not make the owner's browser do it."""
+    clusters["mine"] = running(dashboard.port)
+    dashboard.requests.clear()
+    url = server.url + "gpuhub/ray/mine/dashboard/api/actors/kill?actor_id=abc&force_kill=true"
+    for site in ("cross-site", "same-site"):
+        r = requests.get(url, headers={**server.headers(), "Sec-Fetch-Site": site}, timeout=20)
+        assert r.status_code == 403 and "dashboard's own page" in r.text, (site, r.status_code, r.text)
+    assert dashboard.requests == []
+    r = requests.get(url, headers={**server.headers(), "Sec-Fetch-Site": "same-origin"}, timeout=20)
+    assert r.status_code == 200 and len(dashboard.requests) == 1  # the dashboard's own button
+    r = requests.get(server.url + "gpuhub/ray/mine/dashboard/api/version", headers={**server.headers(),
+                     "Sec-Fetch-Site": "cross-site"}, timeout=20)
+    assert r.status_code == 200  # reading is not acting
+
+
 def test_only_the_callers_running_clusters(server, dashboard, clusters):
     dashboard.requests.clear()
     r = server.get("gpuhub/ray/not-mine/dashboard/")

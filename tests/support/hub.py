@@ -197,6 +197,15 @@ class Hub:
         except Exception as e:  # noqa: BLE001
             print(f"[hub] cleanup after a failed start: {e}", file=sys.stderr)
 
+    def users_reach_hub_at(self) -> str:
+        """Where users' servers reach the hub's side (its API, its services): the wall's bridge
+        address when the hub built one (as root), else 127.0.0.1. Read from the hub's own
+        start-up line, so it is what this hub decided."""
+        import re
+
+        m = re.search(r"the hub answers them at (\S+)", self.log.read_text(errors="replace")) if self.log.exists() else None
+        return m.group(1) if m else "127.0.0.1"
+
     def server_url(self, url: str) -> str:
         """An absolute URL for a server model's ``url`` (absolute with subdomains, else a path)."""
         return url if "://" in url else self.url + url

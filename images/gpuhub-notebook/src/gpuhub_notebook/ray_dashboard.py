@@ -24,6 +24,12 @@ of the user's running cluster ``<name>`` on one machine. Why here and not in the
   like every cookie-authenticated write to the server, so another site cannot make the
   owner's browser submit Ray jobs (code as the owner) through it.
 
+- **GETs that act** (Ray's dashboard kills an actor with ``GET /api/actors/kill`` and starts
+  profilers with ``GET /worker/...`` and ``/task/...``) are forwarded only when the request
+  proves it comes from the owner's own pages: a browser's ``Sec-Fetch-Site`` of
+  ``same-origin`` (or ``none``: typed or bookmarked), or a token in ``Authorization``
+  (which another site cannot make a browser send). A link on another site gets 403.
+
 GET and POST only (the dashboard's pages and API); no websockets.
 """
 
@@ -47,6 +53,8 @@ PATH_OK = re.compile(r"[A-Za-z0-9._~/%+-]*")
 FORWARDED = ("accept", "content-type", "accept-language")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "set-cookie", "server"}
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
+# Ray 2.52 dashboard GETs that change something or run something (not just read).
+ACTING_GETS = re.compile(r"(api/actors/kill|worker/|task/|memory_profile)")
 
 
 def listening_uids(port: int, proc_net: str = "/proc/net") -> set[int]:
@@ -145,6 +153,11 @@ class RayDashboardHandler(JupyterHandler):
     async def _forward(self, cluster, path):
         if not PATH_OK.fullmatch(path or "") or ".." in path:
             raise web.HTTPError(400, "Bad path.")
+        if self.request.method == "GET" and ACTING_GETS.match(path or ""):
+            site = self.request.headers.get("Sec-Fetch-Site")
+            by_token = "Authorization" in self.request.headers
+            if (site is not None and site not in ("same-origin", "none")) or (site is None and not by_token):
+                raise web.HTTPError(403, "This dashboard action must come from the dashboard's own page.")
         port, why = await dashboard_port(cluster)
         if port is None:
             raise web.HTTPError(404, why)

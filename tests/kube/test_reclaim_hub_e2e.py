@@ -287,7 +287,10 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
                    what="the job's Workload reactivated", hub=hub)
         reasons = {e["reason"] for e in wl["status"]["schedulingStats"]["evictions"]}
         assert reasons == {"Deactivated"}, wl["status"]
-        assert "Reclaim: deactivating job job:" in hub.log.read_text(errors="replace")
+        # Taken back once: not reactivated while carol still waited (else the older job re-queues
+        # ahead of her, Kueue admits it again and the hub takes it back again: seen on the real
+        # plane, up to three rounds, before kube/ledger.py held the reactivation).
+        assert hub.log.read_text(errors="replace").count(f"Reclaim: deactivating job job:{job_id}") == 1
 
         def released():
             audit = admin.api.get(admin.url("/gpuhub/audit")).json()["entries"]
@@ -300,7 +303,7 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
             patches = [(c["verb"], c["name"], c["code"]) for c in calls
                        if c["resource"] == "workloads" and c["verb"] == "patch" and job_id in c["name"]]
             print(f"\n[real] Workload patches by the hub's service account: {patches}")
-            assert len(patches) >= 2 and {code for *_, code in patches} == {200}, patches  # deactivate, reactivate
+            assert len(patches) == 2 and {code for *_, code in patches} == {200}, patches  # deactivate, reactivate
     finally:
         hub.policy.write_text(original)
         if job_id:

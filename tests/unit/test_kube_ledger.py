@@ -167,3 +167,75 @@ def test_a_batch_jobs_workload_is_keyed_by_its_job(ledger):
     ledger.sync()
     [adm] = ledger.queue.holdings()
     assert (adm.key, adm.user, adm.team, adm.priority) == ("job:job-0a1b2c3d4e", "bob", "vision", 100)
+
+
+async def test_a_job_taken_back_is_deactivated_once_while_kueue_evicts_it(ledger, monkeypatch):
+    """The reclaimer asks every pass until Kueue has evicted the Workload; the hub sends one
+    deactivation (issue 40: on the real plane the audit log showed the same patch every 0.5 s
+    for 2.5 s). A refused patch clears the mark, so the next pass tries again."""
+    import asyncio
+
+    from gpuhub_spawner.kube.ledger import RECLAIM_ANNOTATION
+
+    wl = workload("bob", "vision", "u9", "2026-11-30T10:00:06Z")
+    wl["metadata"]["name"] = "job-job-0a1b2c3d4e"
+    wl["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": "job-0a1b2c3d4e",
+                                          "uid": "u9", "controller": True}]
+    wl["spec"]["podSets"][0]["template"]["metadata"] = {
+        "labels": {"gpuhub/team": "vision", "gpuhub/profile": "l4-1", "gpuhub/job": "job-0a1b2c3d4e"},
+        "annotations": {"hub.jupyter.org/username": "bob"}}
+    ledger._workloads.resources[f"{NS}/job-job-0a1b2c3d4e"] = wl
+    ledger.sync()
+    sent, fail = [], [False]
+
+    async def patch(where, body):
+        sent.append((where, body["spec"]["active"]))
+        if fail[0]:
+            ledger._taken_back.pop(where, None)  # what _patch does when the API server refuses it
+    monkeypatch.setattr(ledger, "_patch", patch)
+    for _ in range(5):  # five reclaimer passes before Kueue evicts it
+        assert ledger.preempt_job("job:job-0a1b2c3d4e", "NLP needs it back") is True
+        await asyncio.sleep(0)
+    assert sent == [((NS, "job-job-0a1b2c3d4e"), False)]
+    # Kueue evicted it: the hub reactivates it once, and a later reclaim may take it back again.
+    wl["spec"]["active"] = False
+    wl["metadata"]["annotations"] = {RECLAIM_ANNOTATION: "1"}
+    wl["status"]["conditions"] = [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": "",
+                                   "lastTransitionTime": "2026-11-30T10:00:09Z"}]
+    ledger._reactivate()
+    await asyncio.sleep(0)
+    assert sent[-1] == ((NS, "job-job-0a1b2c3d4e"), True) and not ledger._taken_back
+    # Taken back for a lender's waiting request: not reactivated while that request waits (else
+    # Kueue re-admits the older job first and the hub takes it back again), then at once.
+    add(ledger, "carol", "nlp", "u7")  # carol's server, pending
+    ledger.sync()
+    [lender] = [t.key for t in ledger.queue.waiting if t.user == "carol"]
+    wl["spec"]["active"], wl["metadata"]["annotations"] = True, {}
+    wl["status"]["conditions"] = workload("bob", "vision", "u9", "2026-11-30T10:00:06Z")["status"]["conditions"]
+    ledger.sync()
+    assert ledger.preempt_job("job:job-0a1b2c3d4e", "NLP needs it back", lender) is True
+    await asyncio.sleep(0)
+    wl["spec"]["active"] = False
+    wl["metadata"]["annotations"] = {RECLAIM_ANNOTATION: "2"}
+    wl["status"]["conditions"] = [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": "",
+                                   "lastTransitionTime": "2026-11-30T10:00:12Z"}]
+    before = len(sent)
+    ledger._reactivate()
+    await asyncio.sleep(0)
+    assert len(sent) == before  # carol still waits
+    del ledger._workloads.resources[f"{NS}/pod-jupyter-carol-u7"]  # carol admitted elsewhere / withdrew
+    ledger._pods.resources.pop(f"{NS}/jupyter-carol")
+    ledger.sync()
+    ledger._reactivate()
+    await asyncio.sleep(0)
+    assert sent[-1] == ((NS, "job-job-0a1b2c3d4e"), True) and not ledger._taken_back
+    # A refused deactivation: the next pass sends it again.
+    wl["spec"]["active"], wl["metadata"]["annotations"] = True, {}
+    wl["status"]["conditions"] = workload("bob", "vision", "u9", "2026-11-30T10:00:06Z")["status"]["conditions"]
+    ledger.sync()
+    fail[0] = True
+    ledger.preempt_job("job:job-0a1b2c3d4e", "again")
+    await asyncio.sleep(0)
+    ledger.preempt_job("job:job-0a1b2c3d4e", "again")
+    await asyncio.sleep(0)
+    assert [a for _, a in sent[-2:]] == [False, False]

@@ -158,6 +158,11 @@ class KueueLedger(SingletonConfigurable):
         2.0, help="Seconds between reads of the shared pod and Workload reflectors (memory only, no API calls)."
     ).tag(config=True)
 
+    reactivate_hold = Float(
+        60.0, help="Seconds a job taken back for a lender stays deactivated at most while the lender's request "
+                   "still waits; it is reactivated at once when that request is admitted or withdrawn."
+    ).tag(config=True)
+
     devices = None  # Kubernetes places pods on nodes; no device table in the hub
 
     def __init__(self, **kwargs):
@@ -169,6 +174,8 @@ class KueueLedger(SingletonConfigurable):
         self._sync: PeriodicCallback | None = None
         self._workload_of: dict[str, tuple[str, str]] = {}
         self._patching: set[tuple[str, str]] = set()
+        # Workloads the hub deactivated for a reclaim: (the lender's request it was for, when).
+        self._taken_back: dict[tuple[str, str], tuple[str | None, float]] = {}
         self._evicted: dict[str, str] = {}
         self.synced = asyncio.Event()
         UsageRecorder.instance(config=self.config).attach(self)
@@ -296,6 +303,14 @@ class KueueLedger(SingletonConfigurable):
         where = self._workload_of.get(key)
         if where is None:
             return False
+        # Taken back already: the reclaimer asks every pass until Kueue has evicted the Workload
+        # (seen on the real plane: the same deactivation sent every 0.5 s for 2.5 s, with its
+        # usage end, message and log each time). Once is enough; a failed patch clears the mark.
+        current = (self._workloads.resources.get(f"{where[0]}/{where[1]}") if self._workloads is not None else None) or {}
+        if where in self._taken_back or (RECLAIM_ANNOTATION in ((current.get("metadata") or {}).get("annotations") or {})
+                                         and (current.get("spec") or {}).get("active") is False):
+            return True
+        self._taken_back[where] = (for_key, time.monotonic())
         usage.note_end(key, "reclaimed", by="gpuhub-reclaim")
         _job_reclaimed(key.partition(":")[2], message)
         log.warning("Reclaim: deactivating job %s (priority %d, not below the lender's) so that it re-queues: %s",
@@ -310,6 +325,16 @@ class KueueLedger(SingletonConfigurable):
             meta = wl["metadata"]
             if (RECLAIM_ANNOTATION in (meta.get("annotations") or {}) and wl["spec"].get("active") is False
                     and not is_true(wl, QUOTA_RESERVED) and (meta["namespace"], meta["name"]) not in self._patching):
+                where = (meta["namespace"], meta["name"])
+                for_key, since = self._taken_back.get(where, (None, 0.0))
+                if (for_key and self.queue.ticket(for_key) is not None
+                        and time.monotonic() - since < self.reactivate_hold):
+                    # Not while the lender's request it gave way to still waits: reactivated at
+                    # once, the job re-queued ahead of it (same priority, older) and Kueue
+                    # admitted it again into the lent quota; on the real plane the hub then
+                    # took it back again, up to three times in a row before the lender got in.
+                    continue
+                self._taken_back.pop(where, None)
                 asyncio.ensure_future(self._patch((meta["namespace"], meta["name"]),
                                                   {"metadata": {"annotations": {RECLAIM_ANNOTATION: None}}, "spec": {"active": True}}))
 
@@ -323,6 +348,7 @@ class KueueLedger(SingletonConfigurable):
                 GROUP, VERSION, ns, "workloads", name, body, _content_type="application/merge-patch+json")
         except Exception as e:  # noqa: BLE001 - the next pass tries again
             log.warning("Reclaim: could not patch Workload %s/%s: %s", ns, name, getattr(e, "reason", e))
+            self._taken_back.pop(where, None)
         finally:
             self._patching.discard(where)
 

@@ -133,7 +133,7 @@ class Prober:
         s.headers["Authorization"] = f"token {self.user.token}"
         urls = {
             "public": f"{self.hub.url}/hub/api/users/{self.user.name}",
-            "hub-port": f"http://127.0.0.1:{self.hub.hub_port}/hub/api/users/{self.user.name}",
+            "hub-port": f"http://{self.hub.users_reach_hub_at()}:{self.hub.hub_port}/hub/api/users/{self.user.name}",
         }
         while not self._stop.is_set():
             for where, url in urls.items():

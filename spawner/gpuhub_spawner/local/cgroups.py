@@ -57,6 +57,19 @@ def _keyed(text: str) -> dict[str, int]:
     return out
 
 
+def _mkdir_under(d: Path) -> None:
+    """``d`` and its parent (a user's group), made again if the user's last server removed
+    the parent between the two (``remove_user_group_if_empty`` on another thread)."""
+    for _ in range(5):
+        d.parent.mkdir(exist_ok=True)
+        try:
+            d.mkdir(exist_ok=True)
+            return
+        except FileNotFoundError:
+            continue
+    d.mkdir(exist_ok=True)  # raises, saying where
+
+
 @dataclass
 class CgroupHost:
     """What this machine offers: ``version`` 2, 1 or 0 (no usable cgroups)."""
@@ -192,16 +205,24 @@ class ServerCgroup:
         """
         nested = self._nested()
         if self.host.version == 2:
-            parent = self.host._v2_parent()
-            if nested:
-                up = self.paths["unified"].parent
-                up.mkdir(exist_ok=True)
-                want = {"memory", "cpu", "pids"} & set(_read(up / "cgroup.controllers").split())
-                for c in sorted(want - set(_read(up / "cgroup.subtree_control").split())):
-                    _write(up / "cgroup.subtree_control", f"+{c}")
-                self._set_pids(up, user_pids)
+            self.host._v2_parent()
             d = self.paths["unified"]
-            d.mkdir(exist_ok=True)
+            for _ in range(5):  # the user's last server may be ending: its group goes, and comes again
+                try:
+                    if nested:
+                        up = d.parent
+                        up.mkdir(exist_ok=True)
+                        want = {"memory", "cpu", "pids"} & set(_read(up / "cgroup.controllers").split())
+                        for c in sorted(want - set(_read(up / "cgroup.subtree_control").split())):
+                            _write(up / "cgroup.subtree_control", f"+{c}")
+                    d.mkdir(exist_ok=True)
+                    break
+                except FileNotFoundError:
+                    continue
+            else:
+                d.mkdir(exist_ok=True)  # raises, saying where
+            if nested:
+                self._set_pids(d.parent, user_pids)
             if memory:
                 _write(d / "memory.max", str(memory))
                 if (d / "memory.swap.max").exists():
@@ -212,8 +233,7 @@ class ServerCgroup:
             self._set_pids(d, pids)
         elif self.host.version == 1:
             for ctrl, d in self.paths.items():
-                d.parent.mkdir(exist_ok=True)
-                d.mkdir(exist_ok=True)
+                _mkdir_under(d)
             if nested and "pids" in self.paths:
                 self._set_pids(self.paths["pids"].parent, user_pids)
             if memory:

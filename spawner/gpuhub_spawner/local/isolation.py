@@ -140,9 +140,10 @@ def server_software_paths() -> list[str]:
 # set-up, and every connection, queued behind them. Launches: as many as the broker lets
 # launch at once (LocalBroker.launch_concurrency, 8), more wait here. Ends: a stopped server's
 # cgroup emptied and removed (kill rounds 20 ms apart, up to 1 s while the last processes exit),
-# which a culler pass stopping 50 servers did on the loop one after the other.
+# which a culler pass stopping 50 servers did on the loop one after the other. Network: a new
+# user's side of the wall (two runs of `ip`), users in parallel (user_network.Wall.ensure_user).
 _POOLS: dict = {}
-POOL_SIZES = {"accounts": 1, "launches": 8, "ends": 4}
+POOL_SIZES = {"accounts": 1, "launches": 8, "ends": 4, "network": 8}
 
 
 def _end_group(cg: ServerCgroup) -> None:
@@ -467,7 +468,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             from .user_network import WallError
 
             try:
-                self._net = await loop.run_in_executor(_pool("accounts"), self.wall.ensure_user, self._account.name)
+                self._net = await loop.run_in_executor(_pool("network"), self.wall.ensure_user, self._account.name)
             except WallError as e:
                 self.log.error("Cannot start %s: the wall around its user: %s", self._log_name, e)
                 msg = ("Your server cannot start: this machine could not set up its private network. "

@@ -16,6 +16,7 @@ runtime (the container's command and env run as a local process bound to the pod
 
 from __future__ import annotations
 
+import calendar
 import time
 
 import pytest
@@ -92,9 +93,19 @@ def reach(client) -> requests.Response:
 
 
 def latest_message(client, needle: str, timeout: float = WAIT) -> str:
-    """The newest progress message containing ``needle`` (the stream ends at the first match)."""
-    events = client.progress(until=lambda e: needle in e.get("message", ""), timeout=timeout)
-    return events[-1]["message"]
+    """The newest progress message containing ``needle`` (the stream ends at the first match).
+    Within ``timeout`` in all: the stream sends a message every status interval, so a read
+    timeout alone never fires and a wrong expectation used to hang until the server's queue
+    timeout (5 min; issue 40 item 5)."""
+    deadline = time.time() + timeout
+    events = client.progress(until=lambda e: needle in e.get("message", "") or time.time() > deadline, timeout=timeout)
+    last = events[-1]["message"] if events else ""
+    assert needle in last, f"no progress message with {needle!r} in {timeout:.0f}s; the last one: {last!r}"
+    return last
+
+
+def creation_second(obj: dict) -> int:
+    return calendar.timegm(time.strptime(obj["metadata"]["creationTimestamp"], "%Y-%m-%dT%H:%M:%SZ"))
 
 
 def test_two_servers_on_a_gpu_node_a_third_waits_a_stop_admits_it(backend, hub):
@@ -129,6 +140,13 @@ def test_two_servers_on_a_gpu_node_a_third_waits_a_stop_admits_it(backend, hub):
     mark("dave asked for l4-1 (team full)")
     dave_msg = latest_message(dave, "in the Vision Lab queue")
     mark(f"dave's spawn page: {dave_msg!r}")
+    # Kueue v0.19.2 orders same-priority Workloads created in the same second by UID (N11:
+    # random to us), so lena asks only once the second of dave's Workload is over: then he is
+    # first by creation time on both control planes, as the assertions below expect.
+    dave_wl = until(lambda: next((w for w in backend.workloads()
+                                  if w["metadata"]["ownerReferences"][0]["name"] == "jupyter-dave"), None),
+                    what="dave's Workload", hub=hub)
+    until(lambda: time.time() >= creation_second(dave_wl) + 1, what="the second after dave's Workload was created", hub=hub)
     lena.start_background("l4-1")
     until(lambda: backend.pods("lena"), what="lena's gated pod", hub=hub)
     mark("lena asked for l4-1 (team full)")

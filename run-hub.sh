@@ -6,4 +6,5 @@ cd "$(dirname "$0")"
 source ./scripts-lib.sh
 ensure_venv ".[lab,mlflow]"
 ensure_node_proxy
+ensure_wall_tools
 exec .venv/bin/gpuhub run "$@"

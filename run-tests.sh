@@ -6,6 +6,7 @@ cd "$(dirname "$0")"
 source ./scripts-lib.sh
 ensure_venv ".[lab,mlflow,ray,test]"
 ensure_node_proxy
+ensure_wall_tools
 ensure_chromium
 ensure_prometheus
 ensure_attack_tools

@@ -80,3 +80,19 @@ ensure_attack_tools() {
     echo "No ${missing[*]} and not root: parts of the root-launcher attack test will be skipped" >&2
   fi
 }
+
+ensure_wall_tools() {
+  # As root every user's servers run behind a wall of their own (docs/install-one-machine.md):
+  # iproute2's `ip` builds it, nftables' `nft` lets users reach the network beyond the machine.
+  [ "$(id -u)" = "0" ] || return 0
+  local missing=()
+  command -v ip >/dev/null || missing+=(iproute2)
+  command -v nft >/dev/null || [ -x /usr/sbin/nft ] || missing+=(nftables)
+  if [ "${#missing[@]}" -eq 0 ]; then return 0; fi
+  if command -v apt-get >/dev/null; then
+    echo "Installing Debian's ${missing[*]} for the wall around each user..." >&2
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "No ${missing[*]}: the hub will say what of the wall around each user it cannot build" >&2
+  fi
+}

@@ -304,3 +304,60 @@ def _pid_arg(uid: int, *words: bytes) -> tuple[int, int | None]:
             after = next((args[i + 1] for i, a in enumerate(args) if a == words[0] and i + 1 < len(args)), b"")
             return int(entry), int(after) if after.isdigit() else None
     raise AssertionError(f"no process of uid {uid} with {words} on its command line")
+
+
+def test_users_reach_beyond_the_machine_and_nothing_beyond_reaches_them(hub):
+    """The wall is between users, not between a user and the world: alice's kernel reaches a
+    host outside the machine (a namespace of the test's own standing for it, routed through the
+    machine), seen there as the machine's address (masqueraded); that host, even with a route
+    to the users' network through the machine, reaches nothing of hers."""
+    import random
+    import shutil
+
+    from urllib.parse import urlsplit
+
+    if shutil.which("nft") is None:
+        pytest.skip("no nft (Debian's nftables): the hub says users reach only this machine")
+    alice = hub.login("alice")
+    k = kernel(hub, alice)
+    a_addr, a_port = (lambda u: (u.hostname, u.port))(urlsplit(alice.server_env()["JUPYTERHUB_SERVICE_URL"]))
+    tag = uuid.uuid4().hex[:6]
+    ns, veth, net = f"outside-{tag}", f"gwo{tag}", random.randrange(0, 256)
+    here, there = f"198.18.{net}.1", f"198.18.{net}.2"
+    sh = lambda *a: subprocess.run(a, check=True, capture_output=True, text=True)  # noqa: E731
+    sh("ip", "netns", "add", ns)
+    try:
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "addr", "add", f"{here}/30", "dev", veth)
+        sh("ip", "link", "set", veth, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{there}/30", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "route", "add", hub.user_network, "via", here)  # as if the world knew the way
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(f"""\
+                import socket
+                s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(({there!r}, 8080)); s.listen(); print("up", flush=True)
+                c, peer = s.accept(); c.sendall(b"hello from outside"); print("peer", peer[0], flush=True)
+            """)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "up"
+            got = k.execute(textwrap.dedent(f"""\
+                import socket
+                print(socket.create_connection(({there!r}, 8080), timeout=15).recv(100).decode())
+            """))
+            assert "hello from outside" in got, got
+            assert server.stdout.readline().split() == ["peer", here]  # the machine's address, not hers
+        finally:
+            server.kill()
+            server.wait()
+        probe = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(f"""\
+            import socket
+            s = socket.socket(); s.settimeout(5)
+            print(s.connect_ex(({a_addr!r}, {a_port})))
+        """)], capture_output=True, text=True, timeout=60)
+        assert probe.stdout.strip() not in ("", "0"), probe.stdout + probe.stderr  # her server: not reached
+    finally:
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        alice.stop()

@@ -61,3 +61,17 @@ def test_v2_limits_are_written_where_the_kernel_reads_them(tmp_path, monkeypatch
     assert cg.procs_files() == [str(d / "cgroup.procs")]
     (d / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\noom_group_kill 1\n")
     assert cg.oom_kills() == 1
+
+
+def test_users_behind_the_wall_get_the_upstream_resolvers_where_the_machines_is_on_its_loopback(tmp_path):
+    from gpuhub_spawner.local.user_network import resolver_for_users
+
+    stub, upstream, plain = tmp_path / "stub", tmp_path / "upstream", tmp_path / "plain"
+    stub.write_text("# systemd-resolved\nnameserver 127.0.0.53\noptions edns0\n")
+    upstream.write_text("nameserver 192.0.2.53\nnameserver 2001:db8::53\n")
+    plain.write_text("nameserver 10.255.255.53\n")
+    assert resolver_for_users(str(stub), str(upstream)) == str(upstream)  # users cannot reach the stub
+    assert resolver_for_users(str(plain), str(upstream)) is None  # reachable through the wall as it is
+    assert resolver_for_users(str(stub), str(tmp_path / "missing")) is None
+    (tmp_path / "loop").write_text("nameserver 127.0.0.1\n")
+    assert resolver_for_users(str(stub), str(tmp_path / "loop")) is None  # no better file: leave it

@@ -582,6 +582,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "expose": server_software_paths(),
                 "tmp": self._private_tmp(),
                 "netns": self._net.path if self._net is not None else None,
+                "resolv_conf": self._net.resolv_conf if self._net is not None else None,
             }
             # cmd stays the user's command: start_launcher puts the sandbox launcher before it,
             # and spec + env go on a pipe (never argv, never the root launcher's environment).

@@ -290,6 +290,10 @@ def enter(spec: dict) -> None:
             finally:
                 os.close(home_fd)
             _mount(None, visible, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+        resolv = spec.get("resolv_conf")
+        if resolv:  # the machine's resolver is on its loopback, which the user's network has not
+            _mount(resolv, "/etc/resolv.conf", None, MS_BIND)
+            _mount(None, "/etc/resolv.conf", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
         private_tmp = spec.get("tmp")
         if private_tmp:  # last: a home or stand-in tree under /tmp is bound or covered already
             for target in ("/var/tmp", "/tmp"):  # /tmp last: it hides the source below it

@@ -13,9 +13,14 @@ gets one network namespace, shared by all of that user's servers, jobs and Ray c
 - **Between**, one Linux bridge per hub (``gh<hash>``) holding the hub's address (the
   network's first, ``10.213.0.1``) with every user's veth pair as an *isolated* port: the
   bridge forwards between an isolated port and the hub only, never between two users' ports
-  (``ip link set ... type bridge_slave isolated on``; also ARP and broadcasts). IP forwarding is off on the
-  bridge, so the hub's side routes nothing from one user to another even on a machine where
-  ``net.ipv4.ip_forward`` is on; IPv6 is off on both ends (no link-local path either).
+  (``ip link set ... type bridge_slave isolated on``; also ARP and broadcasts). IPv6 is off
+  on both ends (no link-local path either).
+- **Beyond**, the network outside the machine as before the wall: the bridge (only it)
+  forwards, and an nftables table of the hub's (``inet gpuhub_<bridge>``) masquerades the
+  users' addresses as the machine's and routes nothing *to* a user's address but the answers
+  to that user's own connections: not from outside, not from another user through the hub's
+  side, not from another hub's users. Without ``nft`` the wall stands and users reach only
+  this machine (said at start).
 - **The hub's side** reaches each user's address: the hub (its API listens on the bridge's
   address), the proxy (routes to ``<user address>:<port>``) and the hub's services (MLflow)
   answer the users there. What listens on the host's loopback is unreachable from inside;
@@ -37,6 +42,7 @@ import ipaddress
 import json
 import logging
 import os
+import shutil
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -85,6 +91,7 @@ class UserNet:
     netns: str  # its name under /run/netns (the account's name)
     address: str  # where the hub's side reaches the user's processes
     gateway: str  # the hub's address, as the user's processes reach it
+    resolv_conf: str | None = None  # a resolver file for the user's sandbox (resolver_for_users)
 
     @property
     def path(self) -> str:
@@ -112,6 +119,7 @@ class Wall:
         self._user_locks: dict[str, threading.Lock] = {}  # one user's set-up at a time
         self._ready: dict[str, UserNet] = {}
         self._bridge_up = False
+        self.outside: str | None = "not set up yet"  # why users cannot reach beyond the machine; None: they can
 
     @classmethod
     def of(cls, network: str, prefix: str) -> "Wall":
@@ -132,13 +140,50 @@ class Wall:
             v6 = f"/proc/sys/net/ipv6/conf/{self.bridge}/disable_ipv6"
             if os.path.exists(v6):
                 _sysctl(v6, "1")
-            _sysctl(f"/proc/sys/net/ipv4/conf/{self.bridge}/forwarding", "0")
+            _sysctl(f"/proc/sys/net/ipv4/conf/{self.bridge}/forwarding", "0")  # until the rules below hold
             _run([IP, "-batch", "-"], stdin=(
                 f"addr replace {self.gateway}/{self.network.prefixlen} dev {self.bridge}\n"
                 f"link set {self.bridge} up\n"))
+            self.outside = self._let_users_out()
             self.registry.mkdir(parents=True, exist_ok=True, mode=0o700)
             (self.registry / WALL_FILE).write_text(json.dumps({"prefix": self.prefix, "network": str(self.network)}))
             self._bridge_up = True
+
+    @property
+    def table(self) -> str:
+        return f"gpuhub_{self.bridge}"
+
+    def _let_users_out(self) -> str | None:
+        """Users reach the network beyond this machine (package indexes, datasets, DNS) as
+        before the wall: the bridge forwards, nftables masquerades their addresses as the
+        machine's, and routes nothing *to* a user's address (from outside, from another user
+        through the hub's side, from another hub's users) but the answers to their own
+        connections. None when that holds; else why not (the wall still stands; users then
+        reach only this machine)."""
+        if shutil.which("nft", path="/usr/sbin:/usr/bin:/sbin:/bin") is None:
+            return "no `nft` (install nftables)"
+        rules = (
+            f"table inet {self.table}\n"
+            f"delete table inet {self.table}\n"
+            f"table inet {self.table} {{\n"
+            "  chain forward {\n"
+            "    type filter hook forward priority filter; policy accept;\n"
+            f'    oifname "{self.bridge}" ct state established,related accept\n'
+            f'    oifname "{self.bridge}" drop\n'
+            f'    iifname "{self.bridge}" oifname "gh*" drop\n'
+            "  }\n"
+            "  chain postrouting {\n"
+            "    type nat hook postrouting priority srcnat; policy accept;\n"
+            f'    ip saddr {self.network} oifname != "{self.bridge}" masquerade\n'
+            "  }\n"
+            "}\n")
+        try:
+            _run(["nft", "-f", "-"], stdin=rules)
+            _machine_forwards()
+        except WallError as e:
+            return str(e)
+        _sysctl(f"/proc/sys/net/ipv4/conf/{self.bridge}/forwarding", "1")
+        return None
 
     def _clash_check(self) -> None:
         """Refuse a network that an interface other than this bridge already uses."""
@@ -224,7 +269,7 @@ class Wall:
                     f"route replace default via {self.gateway} dev eth0\n"))
             elif not path.exists():
                 raise WallError(f"{veth} exists but the namespace {path} does not: remove {veth} (ip link del {veth})")
-            net = UserNet(ns, address, self.gateway)
+            net = UserNet(ns, address, self.gateway, resolver_for_users())
             self._ready[account] = net
             return net
 
@@ -256,12 +301,57 @@ class Wall:
         with self._lock:
             if Path(f"/sys/class/net/{self.bridge}").exists():
                 _run([IP, "link", "del", self.bridge])
+            if shutil.which("nft", path="/usr/sbin:/usr/bin:/sbin:/bin"):
+                _run(["nft", "delete", "table", "inet", self.table], check=False)
             try:
                 (self.registry / WALL_FILE).unlink(missing_ok=True)
                 self.registry.rmdir()
             except OSError:
                 pass
             self._bridge_up = False
+            _machine_forwarding_back()
+
+
+FORWARDING_MARK = REGISTRY / ".forwarding-turned-on"  # gpuhub turned the machine's forwarding on
+FORWARDING_TABLE = "gpuhub_forwarding"
+
+
+def _machine_forwards() -> None:
+    """IPv4 forwarding on, which the answers to users' outbound connections need (Linux decides
+    by the interface a packet comes in on: the machine's uplink). Where it was off, gpuhub
+    turns it on with a table of its own that forwards nothing but to and from its bridges, so
+    the machine does not become a router for anyone else; the last wall removed turns it off
+    again. Where it was on already (Docker, a router), it is left as it was."""
+    fwd = Path("/proc/sys/net/ipv4/ip_forward")
+    if fwd.read_text().strip() == "1" and not FORWARDING_MARK.exists():
+        return
+    _run(["nft", "-f", "-"], stdin=(
+        f"table inet {FORWARDING_TABLE}\n"
+        f"delete table inet {FORWARDING_TABLE}\n"
+        f"table inet {FORWARDING_TABLE} {{\n"
+        "  chain forward {\n"
+        "    type filter hook forward priority filter; policy accept;\n"
+        '    iifname != "gh*" oifname != "gh*" drop\n'
+        "  }\n"
+        "}\n"))
+    FORWARDING_MARK.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    FORWARDING_MARK.touch()
+    if fwd.read_text().strip() != "1":
+        _sysctl(str(fwd), "1")
+
+
+def _machine_forwarding_back() -> None:
+    """The last wall is gone: forwarding as it was before gpuhub turned it on."""
+    if not FORWARDING_MARK.exists():
+        return
+    try:
+        if any((d / WALL_FILE).is_file() for d in REGISTRY.iterdir()):
+            return  # another hub's wall still needs it
+    except FileNotFoundError:
+        pass
+    _sysctl("/proc/sys/net/ipv4/ip_forward", "0")
+    _run(["nft", "delete", "table", "inet", FORWARDING_TABLE], check=False)
+    FORWARDING_MARK.unlink(missing_ok=True)
 
 
 def remove_walls(prefix: str) -> list[str]:
@@ -293,6 +383,32 @@ def available() -> str | None:
             ["sh", "-c", f"command -v {IP}"], capture_output=True).returncode != 0:
         return f"no `{IP}` (install iproute2)"
     return None
+
+
+def resolver_for_users(resolv_conf: str = "/etc/resolv.conf",
+                       upstream: str = "/run/systemd/resolve/resolv.conf") -> str | None:
+    """The resolver file users behind the wall should see, where the machine's own is of no
+    use to them: a loopback resolver (systemd-resolved's 127.0.0.53) is the machine's, not
+    theirs. Then systemd-resolved's list of the real upstream servers, bound over
+    ``/etc/resolv.conf`` in their sandbox. None: the machine's own file works as it is."""
+
+    def servers(path):
+        try:
+            return [ln.split()[1] for ln in open(path) if ln.strip().startswith("nameserver") and len(ln.split()) > 1]
+        except OSError:
+            return []
+
+    def loopback(a):
+        try:
+            return ipaddress.ip_address(a.split("%")[0]).is_loopback
+        except ValueError:
+            return False
+
+    mine = servers(resolv_conf)
+    if not mine or not all(loopback(a) for a in mine):
+        return None
+    theirs = servers(upstream)
+    return upstream if theirs and not all(loopback(a) for a in theirs) else None
 
 
 # -- looking inside a user's namespace (the hub's listen watcher) -----------------------------
@@ -376,4 +492,9 @@ def configure_wall(c, isolated: bool, stream=None) -> str | None:
            f"namespace of their own, on bridge {wall.bridge} ({wall.network}); the hub answers them at {wall.gateway}")
     print(msg, file=out, flush=True)
     log.info(msg)
+    if wall.outside is not None:
+        msg = (f"gpuhub: users' servers and jobs reach only this machine, not the network beyond it "
+               f"({wall.outside}): no package index, no dataset download, no DNS server elsewhere")
+        print(msg, file=out, flush=True)
+        log.warning(msg)
     return wall.gateway

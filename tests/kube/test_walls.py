@@ -114,20 +114,23 @@ def _ray_egress_policy() -> dict:
     import yaml
 
     docs = yaml.safe_load_all((Path(__file__).resolve().parents[2] / "helm-values" / "user-namespace.yaml").read_text())
-    return next(d for d in docs if d and d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "gpuhub-ray")
+    return next(d for d in docs if d and d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "gpuhub-batch")
 
 
-RAY_PODS = {"alice-ray-head", "alice-ray-worker", "bob-ray-head", "bob-ray-worker"}
+BATCH_PODS = {"alice-ray-head", "alice-ray-worker", "bob-ray-head", "bob-ray-worker", "alice-job", "bob-job"}
 
 
-async def test_ray_pods_get_the_servers_way_out_without_the_metadata_address(make_spawner, policy_store):
-    """z2jh's iptables init container (which Ray pods inherited) is off: gpuhub-ray gives Ray
-    pods the server pods' egress, the cloud metadata address excluded."""
+async def test_job_and_ray_pods_get_the_servers_way_out_without_the_metadata_address(make_spawner, policy_store):
+    """z2jh's iptables init container (which job and Ray pods inherited) is off: gpuhub-batch
+    gives them the server pods' egress, the cloud metadata address excluded; and they are no
+    notebook servers (gpuhub-singleuser, the proxy's way in, KubeSpawner's reflector)."""
     pods = await _pods(make_spawner, policy_store)
     policy = _ray_egress_policy()
     validate_core(policy)
     selected = {n for n, (ns, labels) in pods.items() if ns == NS and selects(policy["spec"]["podSelector"], labels)}
-    assert selected == RAY_PODS
+    assert selected == BATCH_PODS
+    assert {labels["component"] for n, (ns, labels) in pods.items() if n in BATCH_PODS} == {
+        "gpuhub-job", "gpuhub-ray-head", "gpuhub-ray-worker"}
     assert policy["spec"]["policyTypes"] == ["Egress"]
     blocks = [p["ipBlock"] for rule in policy["spec"]["egress"] for p in rule.get("to") or [] if "ipBlock" in p]
     assert blocks == [{"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.169.254/32"]}]
@@ -210,8 +213,8 @@ async def test_on_the_real_api_server_each_selector_selects_exactly_the_owners_p
         ray_policy = _ray_egress_policy()
         ray_selected = {p["metadata"]["name"][len("wall-"):] for p in cluster.list(
             "pods", NS, labelSelector=label_selector(ray_policy["spec"]["podSelector"])) if p["metadata"]["name"].startswith("wall-")}
-        report.append(f"  gpuhub-ray (egress): selects {sorted(ray_selected)}")
-        assert ray_selected == RAY_PODS
+        report.append(f"  gpuhub-batch (egress): selects {sorted(ray_selected)}")
+        assert ray_selected == BATCH_PODS
         print("\n[real] NetworkPolicy selectors asked of the API server:\n" + "\n".join(report))
         # Owned by the Job: the real garbage collector deletes them with it.
         cluster.session.delete(cluster.url + f"/apis/batch/v1/namespaces/{NS}/jobs/wall-owner",

@@ -33,6 +33,7 @@ from ..policy.model import Policy
 from ..jobs.spec import FAILED, INTERRUPTED, PREEMPTED, JobSpec
 
 JOB_LABEL = "gpuhub/job"
+JOB_COMPONENT = "gpuhub-job"  # the ``component`` label of a job's pods
 MAX_EXEC_LABEL = "kueue.x-k8s.io/max-exec-time-seconds"
 USER_ANNOTATION = "gpuhub/user"
 SERVER_ONLY_ENV = ("JUPYTERHUB_API_TOKEN", "JPY_API_TOKEN", "JUPYTERHUB_CLIENT_ID", "JUPYTERHUB_OAUTH_CALLBACK_URL",
@@ -63,6 +64,10 @@ def job_manifest(job_id: str, user: str, spec: JobSpec, policy: Policy, choice: 
     meta = pod.get("metadata") or {}
     labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in (QUEUE_LABEL, PRIORITY_LABEL)}
     labels[JOB_LABEL] = job_id
+    # Not a notebook server (as a Ray pod is not): KubeSpawner's reflector and the policies for
+    # servers (gpuhub-singleuser, the proxy's way in on 8888) select on it; a job's pods are
+    # reached only as its wall allows (kube/walls.py) and get out as gpuhub-batch lets them.
+    labels["component"] = labels["app.kubernetes.io/component"] = JOB_COMPONENT
     pod_spec = pod["spec"]
     pod_spec["restartPolicy"] = "Never"  # required by podFailurePolicy; retries are new pods
     container = pod_spec["containers"][0]

@@ -7,15 +7,14 @@ by it (``ownerReferences``: the garbage collector deletes them with it):
 
 * ``<name>-in`` selects the object's pods (``gpuhub/ray-cluster: <id>`` or ``gpuhub/job:
   <id>``) and lets in only: the same object's pods (a Ray head and its workers), the owner's
-  server and job pods (``hub.jupyter.org/username: <owner>`` + ``component:
-  singleuser-server``, which KubeSpawner puts on every server pod and a Job's pod inherits), and
-  the hub (``component: hub`` in the hub's namespace). Every other pod, of any user or
-  namespace, is refused: a pod a NetworkPolicy selects for Ingress takes only what some policy
-  selecting it allows, and no other policy selects Ray pods; a Job's pods are also selected by
-  ``gpuhub-singleuser`` (``helm-values/user-namespace.yaml``), which lets in only the proxy and
-  the hub on 8888.
+  server and job pods (``hub.jupyter.org/username: <owner>`` + ``component`` ``singleuser-server``,
+  which KubeSpawner puts on every server pod, or ``gpuhub-job``, a job's pods), and the hub
+  (``component: hub`` in the hub's namespace). Every other pod, of any user or namespace, the
+  proxy included, is refused: a pod a NetworkPolicy selects for Ingress takes only what some
+  policy selecting it allows, and no other policy selects Ray or job pods for Ingress
+  (``gpuhub-singleuser`` selects servers only; ``gpuhub-batch`` is about their way out).
 * ``<name>-out`` selects the owner's server and job pods and lets them reach the object's pods
-  (``gpuhub-singleuser`` limits those pods' egress to the hub, DNS and public addresses, so
+  (``gpuhub-singleuser`` limits a server's egress to the hub, DNS and public addresses, so
   without it the owner could not reach their own Ray head on a pod address).
 
 The owner's label value is the one KubeSpawner wrote on the server pod the object was made
@@ -28,12 +27,14 @@ from __future__ import annotations
 USERNAME_LABEL = "hub.jupyter.org/username"
 COMPONENT_LABEL = "component"
 SERVER_COMPONENT = "singleuser-server"
+JOB_COMPONENT = "gpuhub-job"  # kube/job_manifest.py
 WALL_LABEL = "gpuhub/wall-of"  # the owner's user name label value, on the policies themselves
 
 
 def owner_selector(pod_labels: dict[str, str]) -> dict:
     """The owner's server and job pods, from the labels of the server pod manifest."""
-    return {"matchLabels": {USERNAME_LABEL: pod_labels[USERNAME_LABEL], COMPONENT_LABEL: SERVER_COMPONENT}}
+    return {"matchLabels": {USERNAME_LABEL: pod_labels[USERNAME_LABEL]},
+            "matchExpressions": [{"key": COMPONENT_LABEL, "operator": "In", "values": [SERVER_COMPONENT, JOB_COMPONENT]}]}
 
 
 def wall(name: str, namespace: str, target: dict[str, str], pod_labels: dict[str, str], hub_namespace: str,

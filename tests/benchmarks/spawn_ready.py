@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/benchmarks/spawn_ready.py [N]    # N spawns of each kind (default 20)
 
-Three real hubs in one run, same policy, real ``jupyterhub-singleuser`` servers:
+Four real hubs in one run, same policy (isolated behind the wall around each user, isolated without it, not isolated, stock), real ``jupyterhub-singleuser`` servers:
 gpuhub isolated (own Unix account, cgroup, private /dev: the default as root), gpuhub
 without isolation, and JupyterHub's stock ``SimpleLocalProcessSpawner``. Interleaved, in
 rounds: the server's own start-up (the same command run directly, with the environment
@@ -80,7 +80,8 @@ def main() -> None:
         sys.exit(2)
     work = Path(tempfile.mkdtemp(prefix="gpuhub-spawn-ready-"))
     hubs = {
-        "gpuhub, isolated": Hub(work / "isolated", POLICY),
+        "gpuhub, isolated + wall": Hub(work / "isolated", POLICY),
+        "gpuhub, isolated, no wall": Hub(work / "nowall", POLICY, extra_config="c.LocalGpuSpawner.network_wall = 'off'\n"),
         "gpuhub, no isolation": Hub(work / "plain", POLICY, extra_config="c.LocalGpuSpawner.isolation = 'off'\n"),
         "stock SimpleLocalProcessSpawner": Hub(work / "stock", POLICY, extra_config=STOCK),
     }
@@ -103,7 +104,7 @@ def main() -> None:
             q = statistics.quantiles(values, n=10)
             print(f"{label:34} median {statistics.median(values):.2f}s  p10 {q[0]:.2f}  p90 {q[-1]:.2f}  "
                   f"{statistics.median(values) / base:.2f}x own start-up")
-        for label in ("gpuhub, isolated", "gpuhub, no isolation"):
+        for label in ("gpuhub, isolated + wall", "gpuhub, isolated, no wall", "gpuhub, no isolation"):
             listen, total = breakdown(hubs[label])
             if listen and total:
                 print(f"{label}: process start -> listening median {statistics.median(listen):.2f}s; "

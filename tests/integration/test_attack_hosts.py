@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import shutil
 import socket
 import time
@@ -229,7 +230,9 @@ def test_carol_logging_in_on_bobs_host_gets_no_login_page_and_bobs_page_mints_no
 def _get(url: str, host: str | None = None, method: str = "GET", body=None, headers=None) -> tuple[int, dict, str]:
     """A raw request (``http.client``: the path goes out exactly as written)."""
     u = urlsplit(url)
-    conn = http.client.HTTPConnection("127.0.0.1", u.port, timeout=60)
+    # names of the test domain resolve to loopback (as the browser's rules map them); an address is itself
+    to = u.hostname if re.fullmatch(r"[0-9.]+", u.hostname or "") else "127.0.0.1"
+    conn = http.client.HTTPConnection(to, u.port, timeout=60)
     try:
         path = u.path + ("?" + u.query if u.query else "")
         conn.request(method, path, body=body, headers={"Host": host or u.netloc, **(headers or {})})
@@ -276,7 +279,7 @@ def test_the_hubs_login_pages_api_and_static_files_are_refused_on_other_hosts(hu
 
 def test_the_hub_itself_refuses_other_hosts_of_its_domain(hub):
     """Without the proxy's help (Kubernetes: the chart's proxy sends unknown hosts to the hub)."""
-    direct = f"http://127.0.0.1:{hub.hub_port}"
+    direct = f"http://{hub.users_reach_hub_at()}:{hub.hub_port}"  # where servers reach it (the wall's side as root)
     for name in ("bob", "mlflow--service"):
         host = urlsplit(origin(hub, name)).netloc
         for path in HUB_PATHS:

@@ -134,8 +134,8 @@ def _listening_since(run_id: str, user: str, stop: threading.Event, seen: dict) 
     the kernel's listening sockets, every 20 ms."""
     marker = f"GPUHUB_TEST_RUN={run_id}"
     while not stop.is_set() and "listen" not in seen:
-        inodes = set()
         for pid in processes_with_env(marker):
+            inodes = set()
             try:
                 if f"JUPYTERHUB_USER={user}\0".encode() not in Path(f"/proc/{pid}/environ").read_bytes():
                     continue
@@ -143,13 +143,14 @@ def _listening_since(run_id: str, user: str, stop: threading.Event, seen: dict) 
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if target.startswith("socket:["):
                         inodes.add(int(target[8:-1]))
+                # the process's own view of the network: as root its user's, behind the wall
+                for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+                    with open(table) as f:
+                        next(f)
+                        if any(p[3] == "0A" and int(p[9]) in inodes for p in (line.split() for line in f)):
+                            seen["listen"] = time.monotonic()
             except OSError:
                 continue
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with open(table) as f:
-                next(f)
-                if any(p[3] == "0A" and int(p[9]) in inodes for p in (line.split() for line in f)):
-                    seen["listen"] = time.monotonic()
         time.sleep(0.02)
 
 

@@ -83,6 +83,29 @@ def test_a_full_home_fails_saves_and_the_runbook_finds_and_moves_the_file(hub, u
         subprocess.run(["umount", "-l", str(homes)])
 
 
+def test_moving_a_file_aside_follows_no_link_the_user_swapped_in(tmp_path):
+    """Between the admin's ``find`` and the move, bob replaces the folder on the file's path by
+    a link to a folder of root's holding a file of the same name: the move refuses and root's
+    file stays where it was (a root ``mv`` moved it)."""
+    homes, archive, victim = tmp_path / "homes", tmp_path / "archive", tmp_path / "etc"
+    (homes / "bob" / "runs").mkdir(parents=True)
+    victim.mkdir()
+    (victim / "checkpoint.pt").write_text("root's")
+    big = homes / "bob" / "runs" / "checkpoint.pt"
+    big.write_text("bob's")
+    env = {"HOMES": homes, "WHO_HOME": "bob", "BIG": big, "ARCHIVE": archive}
+    (homes / "bob" / "runs").rename(homes / "bob" / "runs.old")  # bob's swap, after the admin's find
+    (homes / "bob" / "runs").symlink_to(victim)
+    out = runbook("home-full", "move-aside", env, ok=False)
+    assert "refused:" in out and "moved" not in out and (victim / "checkpoint.pt").read_text() == "root's", out
+    assert not (archive / "bob" / "checkpoint.pt").exists()
+    (homes / "bob" / "runs").unlink()
+    (homes / "bob" / "runs.old").rename(homes / "bob" / "runs")  # the real file moves as before
+    out = runbook("home-full", "move-aside", env)
+    assert f"moved checkpoint.pt to {archive}/bob/" in out and not big.exists()
+    assert (archive / "bob" / "checkpoint.pt").read_text() == "bob's"
+
+
 def test_a_backup_restored_into_a_fresh_hub_then_its_database_upgraded_and_rolled_back(hub, users, tmp_path_factory):
     admin, alice = users["admin"], users["alice"]
     assert alice.start("gpu-1").status_code in (201, 202)  # a usage row and audit entries to find again

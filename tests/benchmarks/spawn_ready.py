@@ -44,7 +44,7 @@ def free_port() -> int:
 def own_start(hub: Hub, token: str, home: Path) -> float:
     """The server's own start-up: process start to its port accepting, run directly."""
     port = free_port()
-    env = dict(os.environ, HOME=str(home), JUPYTERHUB_API_TOKEN=token, JUPYTERHUB_API_URL=f"http://127.0.0.1:{hub.hub_port}/hub/api",
+    env = dict(os.environ, HOME=str(home), JUPYTERHUB_API_TOKEN=token, JUPYTERHUB_API_URL=f"http://{hub.users_reach_hub_at()}:{hub.hub_port}/hub/api",
                JUPYTERHUB_USER="alice", JUPYTERHUB_CLIENT_ID="jupyterhub-user-alice", JUPYTERHUB_SERVICE_PREFIX="/user/alice/",
                JUPYTERHUB_BASE_URL="/", JUPYTERHUB_OAUTH_CALLBACK_URL="/user/alice/oauth_callback",
                JUPYTERHUB_SERVICE_URL=f"http://127.0.0.1:{port}/user/alice/", JUPYTERHUB_SERVER_NAME="",

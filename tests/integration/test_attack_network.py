@@ -351,13 +351,37 @@ def test_users_reach_beyond_the_machine_and_nothing_beyond_reaches_them(hub):
         finally:
             server.kill()
             server.wait()
+        gateway = hub.users_reach_hub_at()  # the hub's side of the wall: its API listens there
         probe = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(f"""\
             import socket
-            s = socket.socket(); s.settimeout(5)
-            print(s.connect_ex(({a_addr!r}, {a_port})))
+            for where in (({a_addr!r}, {a_port}), ({gateway!r}, {hub.hub_port})):
+                s = socket.socket(); s.settimeout(5)
+                print(s.connect_ex(where))
         """)], capture_output=True, text=True, timeout=60)
-        assert probe.stdout.strip() not in ("", "0"), probe.stdout + probe.stderr  # her server: not reached
+        # neither her server nor the hub's internal port answers a host beyond the machine
+        assert len(probe.stdout.split()) == 2 and "0" not in probe.stdout.split(), probe.stdout + probe.stderr
     finally:
         subprocess.run(["ip", "link", "del", veth], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         alice.stop()
+
+
+def test_a_flushed_ruleset_is_put_back_when_the_next_user_arrives(hub):
+    """Debian's nftables.conf starts with `flush ruleset`: an admin's restart of the firewall
+    takes the wall's table away while forwarding stays on. The next user's set-up puts it back."""
+    import shutil
+
+    from gpuhub_spawner.local.user_network import Wall
+
+    if shutil.which("nft") is None:
+        pytest.skip("no nft (Debian's nftables)")
+    table = Wall.of(hub.user_network, hub.env["GPUHUB_ACCOUNT_PREFIX"]).table
+    subprocess.run(["nft", "delete", "table", "inet", table], check=True)
+    dave = hub.login("dave")
+    try:
+        assert dave.start("cpu").status_code in (201, 202)
+        dave.wait_ready(timeout=120)
+        assert subprocess.run(["nft", "list", "table", "inet", table], capture_output=True).returncode == 0
+        assert f"the nftables table {table} of the wall was gone; putting it back" in hub.log.read_text()
+    finally:
+        dave.stop()

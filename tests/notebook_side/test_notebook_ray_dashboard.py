@@ -142,6 +142,10 @@ def test_a_dashboard_action_from_another_site_is_refused(server, dashboard, clus
     for site in ("cross-site", "same-site"):
         r = requests.get(url, headers={**server.headers(), "Sec-Fetch-Site": site}, timeout=20)
         assert r.status_code == 403 and "dashboard's own page" in r.text, (site, r.status_code, r.text)
+    for sneaky in ("%2561pi/actors/kill", "api/actors/%256Bill", "x/%252E%252E/api/actors/kill"):  # decoded again upstream
+        r = requests.get(server.url + f"gpuhub/ray/mine/dashboard/{sneaky}?actor_id=abc",
+                         headers={**server.headers(), "Sec-Fetch-Site": "cross-site"}, timeout=20)
+        assert r.status_code in (400, 403), (sneaky, r.status_code, r.text)
     assert dashboard.requests == []
     r = requests.get(url, headers={**server.headers(), "Sec-Fetch-Site": "same-origin"}, timeout=20)
     assert r.status_code == 200 and len(dashboard.requests) == 1  # the dashboard's own button

@@ -280,7 +280,11 @@ class ServerCgroup:
         """Forks refused at the user group's limit as its own ``pids.events`` counts them (where
         the kernel counts there: cgroup v1 counts a refusal in the forking task's group only)."""
         d = self._pids_dir()
-        return _keyed(_read(d.parent / "pids.events")).get("max", 0) if d is not None and self._nested() else 0
+        if d is None or not self._nested():
+            return 0
+        # Linux >= 6.13 (v2): pids.events counts the hits of every limit below too; .local, this group's own
+        local = d.parent / "pids.events.local"
+        return _keyed(_read(local if local.exists() else d.parent / "pids.events")).get("max", 0)
 
     def remove_user_group_if_empty(self) -> None:
         """Remove the user's group once its last server or job group is gone (a busy one stays)."""

@@ -153,6 +153,11 @@ class Wall:
     def table(self) -> str:
         return f"gpuhub_{self.bridge}"
 
+    def _table_holds(self) -> bool:
+        out = subprocess.run(["nft", "list", "table", "inet", self.table], capture_output=True,
+                             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        return out.returncode == 0
+
     def _let_users_out(self) -> str | None:
         """Users reach the network beyond this machine (package indexes, datasets, DNS) as
         before the wall: the bridge forwards, nftables masquerades their addresses as the
@@ -175,6 +180,12 @@ class Wall:
             "  chain postrouting {\n"
             "    type nat hook postrouting priority srcnat; policy accept;\n"
             f'    ip saddr {self.network} oifname != "{self.bridge}" masquerade\n'
+            "  }\n"
+            "  chain input {\n"
+            "    type filter hook input priority filter; policy accept;\n"
+            # the hub's side (its API, MLflow) answers this machine and this hub's users only:
+            # Linux answers for a local address on any interface (the LAN, another hub's users)
+            f'    ip daddr {self.gateway} iifname != {{ "lo", "{self.bridge}" }} drop\n'
             "  }\n"
             "}\n")
         try:
@@ -246,6 +257,13 @@ class Wall:
         with self._lock:
             address = self._address_for(account)
             mine = self._user_locks.setdefault(account, threading.Lock())
+            if self.outside is None and not self._table_holds():
+                # someone flushed the ruleset (Debian's nftables.conf starts with `flush ruleset`):
+                # with forwarding on, the wall would stand at layer 2 only. Put it back.
+                log.warning("the nftables table %s of the wall was gone; putting it back", self.table)
+                self.outside = self._let_users_out()
+                if self.outside is not None:
+                    _sysctl(f"/proc/sys/net/ipv4/conf/{self.bridge}/forwarding", "0")
         with mine:
             ns = account
             path = NETNS_DIR / ns
@@ -260,13 +278,17 @@ class Wall:
                          f"link set {veth} master {self.bridge}",
                          f"link set dev {veth} type bridge_slave isolated on",  # no path to another user's port
                          f"link set {veth} up"]
-                _run([IP, "-batch", "-"], stdin="\n".join(host) + "\n")
-                _run([IP, "-n", ns, "-batch", "-"], stdin=(
-                    "link set eth0 addrgenmode none\n"
-                    f"addr replace {address}/{self.network.prefixlen} dev eth0\n"
-                    "link set lo up\n"
-                    "link set eth0 up\n"
-                    f"route replace default via {self.gateway} dev eth0\n"))
+                try:
+                    _run([IP, "-batch", "-"], stdin="\n".join(host) + "\n")
+                    _run([IP, "-n", ns, "-batch", "-"], stdin=(
+                        "link set eth0 addrgenmode none\n"
+                        f"addr replace {address}/{self.network.prefixlen} dev eth0\n"
+                        "link set lo up\n"
+                        "link set eth0 up\n"
+                        f"route replace default via {self.gateway} dev eth0\n"))
+                except WallError:  # half made (not isolated, no address): never left to look ready
+                    _run([IP, "link", "del", veth], check=False)
+                    raise
             elif not path.exists():
                 raise WallError(f"{veth} exists but the namespace {path} does not: remove {veth} (ip link del {veth})")
             net = UserNet(ns, address, self.gateway, resolver_for_users())

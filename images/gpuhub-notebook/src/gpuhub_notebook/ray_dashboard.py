@@ -131,6 +131,20 @@ async def dashboard_port(cluster: str, environ=None) -> tuple[int | None, str]:
     return port, ""
 
 
+def _decoded(path: str) -> str:
+    """``path`` as the dashboard's server will route it: percent-decoded until it stops changing
+    (``%2561pi`` is ``api`` there after tornado's one decoding here), dot segments resolved."""
+    from posixpath import normpath
+    from urllib.parse import unquote
+
+    for _ in range(5):
+        plain = unquote(path)
+        if plain == path:
+            break
+        path = plain
+    return normpath("/" + path).lstrip("/")
+
+
 class RayDashboardHandler(JupyterHandler):
     """The owner's dashboard, forwarded with the owner's Ray token (see the module docstring)."""
 
@@ -153,7 +167,7 @@ class RayDashboardHandler(JupyterHandler):
     async def _forward(self, cluster, path):
         if not PATH_OK.fullmatch(path or "") or ".." in path:
             raise web.HTTPError(400, "Bad path.")
-        if self.request.method == "GET" and ACTING_GETS.match(path or ""):
+        if self.request.method == "GET" and ACTING_GETS.search(_decoded(path or "")):
             site = self.request.headers.get("Sec-Fetch-Site")
             by_token = "Authorization" in self.request.headers
             if (site is not None and site not in ("same-origin", "none")) or (site is None and not by_token):

@@ -144,9 +144,11 @@ class Wall:
             _run([IP, "-batch", "-"], stdin=(
                 f"addr replace {self.gateway}/{self.network.prefixlen} dev {self.bridge}\n"
                 f"link set {self.bridge} up\n"))
-            self.outside = self._let_users_out()
+            # recorded before forwarding is turned on: another hub's last wall going away
+            # meanwhile then sees this one and leaves forwarding on
             self.registry.mkdir(parents=True, exist_ok=True, mode=0o700)
             (self.registry / WALL_FILE).write_text(json.dumps({"prefix": self.prefix, "network": str(self.network)}))
+            self.outside = self._let_users_out()
             self._bridge_up = True
 
     @property

@@ -57,17 +57,27 @@ def _keyed(text: str) -> dict[str, int]:
     return out
 
 
-def _mkdir_under(d: Path) -> None:
-    """``d`` and its parent (a user's group), made again if the user's last server removed
-    the parent between the two (``remove_user_group_if_empty`` on another thread)."""
+def _mkdir_under(d: Path, prepare_parent=None) -> None:
+    """``d`` and its parent (a user's group; ``prepare_parent`` sets it up), made again if the
+    user's last server removed the parent meanwhile (``remove_user_group_if_empty`` on another
+    thread)."""
     for _ in range(5):
-        d.parent.mkdir(exist_ok=True)
         try:
+            d.parent.mkdir(exist_ok=True)
+            if prepare_parent is not None:
+                prepare_parent(d.parent)
             d.mkdir(exist_ok=True)
             return
         except FileNotFoundError:
             continue
     d.mkdir(exist_ok=True)  # raises, saying where
+
+
+def _hand_down_controllers(up: Path) -> None:
+    """v2: a user's group hands memory, cpu and pids down, or its servers' groups have no limits."""
+    want = {"memory", "cpu", "pids"} & set(_read(up / "cgroup.controllers").split())
+    for c in sorted(want - set(_read(up / "cgroup.subtree_control").split())):
+        _write(up / "cgroup.subtree_control", f"+{c}")
 
 
 @dataclass
@@ -207,20 +217,7 @@ class ServerCgroup:
         if self.host.version == 2:
             self.host._v2_parent()
             d = self.paths["unified"]
-            for _ in range(5):  # the user's last server may be ending: its group goes, and comes again
-                try:
-                    if nested:
-                        up = d.parent
-                        up.mkdir(exist_ok=True)
-                        want = {"memory", "cpu", "pids"} & set(_read(up / "cgroup.controllers").split())
-                        for c in sorted(want - set(_read(up / "cgroup.subtree_control").split())):
-                            _write(up / "cgroup.subtree_control", f"+{c}")
-                    d.mkdir(exist_ok=True)
-                    break
-                except FileNotFoundError:
-                    continue
-            else:
-                d.mkdir(exist_ok=True)  # raises, saying where
+            _mkdir_under(d, _hand_down_controllers if nested else None)
             if nested:
                 self._set_pids(d.parent, user_pids)
             if memory:

@@ -76,26 +76,50 @@ _policy.domain_return_ok = _domain_return_ok
 # 2 cores (a fresh clone, `--durations=0`); files not listed follow in their usual order.
 SLOW_FIRST = {
     # added at stop 21, measured alone at load 10-20 (so roughly twice an idle machine's)
-    "integration/test_ray_cluster.py": 325, "integration/test_runbooks_restore.py": 234,
-    "integration/test_runbooks.py": 196, "integration/test_runbooks_mlflow.py": 145,
-    "integration/test_runbooks_gpu.py": 81, "integration/test_loadtest.py": 420, "images/test_image_env.py": 200,
-    "integration/test_cuda_refusal.py": 80, "kube/test_ray_manager.py": 60, "kube/test_ray_double.py": 30,
+    "integration/test_ray_cluster.py": 325,
+    "integration/test_runbooks_restore.py": 234,
+    "integration/test_runbooks.py": 196,
+    "integration/test_runbooks_mlflow.py": 145,
+    "integration/test_runbooks_gpu.py": 81,
+    "integration/test_loadtest.py": 420,
+    "images/test_image_env.py": 200,
+    "integration/test_cuda_refusal.py": 80,
+    "kube/test_ray_manager.py": 60,
+    "kube/test_ray_double.py": 30,
     # added this stop; seconds as their authors measured them alone on the loaded machine
-    "integration/test_mig_hub.py": 261, "integration/test_gpu_health_hub.py": 200,
-    "integration/test_browser_policy.py": 60, "integration/test_policy_changes.py": 40,
-    "integration/test_reclaim.py": 291, "integration/test_researcher_walk.py": 248,
-    "integration/test_culling.py": 211, "integration/test_usage.py": 171,
-    "integration/test_local_hub.py": 170, "integration/test_jobs.py": 151,
-    "integration/test_trust_boundaries.py": 145, "integration/test_crowd.py": 122,
-    "integration/test_isolation.py": 115, "integration/test_restart_and_timeout.py": 115,
-    "kube/test_hub_image.py": 95, "kube/test_hub_e2e.py": 90, "integration/test_attack_limits.py": 89,
-    "kube/test_reclaim_hub_e2e.py": 80, "integration/test_hub_restart_keeps_proxy.py": 75,
-    "kube/test_preemption.py": 70, "mlflow/test_mlflow_browser.py": 66, "kube/test_lifecycle.py": 65,
-    "mlflow/test_central_mlflow.py": 61, "kube/test_job_hub_e2e.py": 55,
-    "integration/test_attack_hosts.py": 53, "mlflow/test_mlflow_proxy_attacks.py": 53,
-    "integration/test_attack_launcher.py": 51, "mlflow/test_mlflow_ui_browser.py": 45,
-    "kube/test_kueue_real_vs_double.py": 40, "kube/test_capacity_hub_e2e.py": 67, "integration/test_researcher_server.py": 40,
-    "integration/test_browser_queue.py": 39, "integration/test_roles_reload.py": 35,
+    "integration/test_mig_hub.py": 261,
+    "integration/test_gpu_health_hub.py": 200,
+    "integration/test_browser_policy.py": 60,
+    "integration/test_policy_changes.py": 40,
+    "integration/test_reclaim.py": 291,
+    "integration/test_researcher_walk.py": 248,
+    "integration/test_culling.py": 211,
+    "integration/test_usage.py": 171,
+    "integration/test_local_hub.py": 170,
+    "integration/test_jobs.py": 151,
+    "integration/test_trust_boundaries.py": 145,
+    "integration/test_crowd.py": 122,
+    "integration/test_isolation.py": 115,
+    "integration/test_restart_and_timeout.py": 115,
+    "kube/test_hub_image.py": 95,
+    "kube/test_hub_e2e.py": 90,
+    "integration/test_attack_limits.py": 89,
+    "kube/test_reclaim_hub_e2e.py": 80,
+    "integration/test_hub_restart_keeps_proxy.py": 75,
+    "kube/test_preemption.py": 70,
+    "mlflow/test_mlflow_browser.py": 66,
+    "kube/test_lifecycle.py": 65,
+    "mlflow/test_central_mlflow.py": 61,
+    "kube/test_job_hub_e2e.py": 55,
+    "integration/test_attack_hosts.py": 53,
+    "mlflow/test_mlflow_proxy_attacks.py": 53,
+    "integration/test_attack_launcher.py": 51,
+    "mlflow/test_mlflow_ui_browser.py": 45,
+    "kube/test_kueue_real_vs_double.py": 40,
+    "kube/test_capacity_hub_e2e.py": 67,
+    "integration/test_researcher_server.py": 40,
+    "integration/test_browser_queue.py": 39,
+    "integration/test_roles_reload.py": 35,
     "mlflow/test_mlflow_viewer.py": 34,
     "integration/test_mig_isolation.py": 127,  # issue 25 (MIG /dev), alone as root
     "integration/test_attack_network.py": 130,  # issue 39 (the wall; two real Ray clusters): 65 s alone, quiet machine
@@ -124,8 +148,9 @@ def pytest_configure(config):
 def pytest_addoption(parser):
     from support.layers import LAYER_TESTS
 
-    parser.addoption("--layer", choices=sorted(LAYER_TESTS),
-                     help="run one layer's tests only (tests/support/layers.py; each under a minute)")
+    parser.addoption(
+        "--layer", choices=sorted(LAYER_TESTS), help="run one layer's tests only (tests/support/layers.py; each under a minute)"
+    )
 
 
 def pytest_ignore_collect(collection_path, config):

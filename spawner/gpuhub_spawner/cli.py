@@ -22,10 +22,7 @@ def _validate(args) -> int:
             for issue in e.issues:
                 print("  " + issue.format(path), file=sys.stderr)
             continue
-        print(
-            f"{path}: OK ({len(policy.teams)} teams, {len(policy.profiles)} profiles, "
-            f"{len(policy.flavors)} flavors)"
-        )
+        print(f"{path}: OK ({len(policy.teams)} teams, {len(policy.profiles)} profiles, {len(policy.flavors)} flavors)")
         for warning in _machine_warnings(policy, args):
             print(f"  warning: {warning}", file=sys.stderr)
     return status
@@ -82,8 +79,11 @@ def _run(args) -> int:
             f"  log in as alice or bob (Vision Lab), carol (NLP), dave (both), erin (Students),\n"
             f"  lena (Vision Lab's lead), victor (viewer), mallory (no team) or admin — password: {password}\n"
             f"  GPUs and queues: {url}/hub/gpuhub   usage: {url}/hub/gpuhub/usage\n"
-            + (f"  MLflow (runs of everyone's notebooks, with your hub login): {_mlflow_url(url)}\n"
-               if os.environ.get("GPUHUB_MLFLOW", "1") != "0" else ""),
+            + (
+                f"  MLflow (runs of everyone's notebooks, with your hub login): {_mlflow_url(url)}\n"
+                if os.environ.get("GPUHUB_MLFLOW", "1") != "0"
+                else ""
+            ),
             flush=True,
         )
     else:
@@ -170,18 +170,28 @@ def _main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check policy files; every error with its line:column")
     v.add_argument("files", nargs="+")
-    v.add_argument("--no-machine", dest="machine", action="store_false",
-                   help="skip the checks against this machine's GPUs (a policy for a Kubernetes cluster)")
-    v.add_argument("--activity-interval", type=float, default=300.0, metavar="SECONDS",
-                   help="JupyterHub's activity report interval the idle warnings are checked against (default 300)")
+    v.add_argument(
+        "--no-machine",
+        dest="machine",
+        action="store_false",
+        help="skip the checks against this machine's GPUs (a policy for a Kubernetes cluster)",
+    )
+    v.add_argument(
+        "--activity-interval",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="JupyterHub's activity report interval the idle warnings are checked against (default 300)",
+    )
     v.set_defaults(func=_validate)
     r = sub.add_parser("run", help="start the one-machine hub (demo users, virtual GPUs without NVML)")
     r.add_argument("--config", default="jupyterhub_config/jupyterhub_config.py")
     r.add_argument("--policy", default=None, help="policy file (default: profiles.yaml beside the config)")
     r.add_argument("--data-dir", default=os.environ.get("GPUHUB_DATA_DIR", "data"))
     r.add_argument("--port", type=int, default=int(os.environ.get("GPUHUB_PORT", 8000)))
-    r.add_argument("--site", default=os.environ.get("GPUHUB_SITE_CONFIG"),
-                   help="site file: login, HTTPS, accounts (docs/authentication.md)")
+    r.add_argument(
+        "--site", default=os.environ.get("GPUHUB_SITE_CONFIG"), help="site file: login, HTTPS, accounts (docs/authentication.md)"
+    )
     r.set_defaults(func=_run)
     if argv[:1] != ["validate"]:  # its module is not needed to validate a file
         from .local.service import add_parser as add_service_parser
@@ -191,8 +201,13 @@ def _main(argv: list[str]) -> int:
     sub.add_parser("job", help="batch jobs in your team's GPU queue: `gpuhub job submit job.yaml` (docs/jobs.md)")
     sub.add_parser("ray", help="Ray clusters in your team's GPU queue: `gpuhub ray up --gpus 2` (docs/ray.md)")
     sub.add_parser("usage", help="GPU-hours by team or user: `gpuhub usage --since 7d --by team` (docs/usage.md)")
-    sub.add_parser("policy", help="admins: `gpuhub policy diff | apply NEW.yaml`, `history`, `rollback N` (docs/policy-changes.md)")
-    sub.add_parser("loadtest", help="operators: N simulated researchers against a live hub, `gpuhub loadtest --hub-url URL --yes URL` (docs/loadtest.md)")
+    sub.add_parser(
+        "policy", help="admins: `gpuhub policy diff | apply NEW.yaml`, `history`, `rollback N` (docs/policy-changes.md)"
+    )
+    sub.add_parser(
+        "loadtest",
+        help="operators: N simulated researchers against a live hub, `gpuhub loadtest --hub-url URL --yes URL` (docs/loadtest.md)",
+    )
     sub.add_parser("gpu", help="admins: GPU health, `gpuhub gpu list | drain ID | uncordon ID` (docs/gpu-health.md)")
     args = parser.parse_args(argv)
     return args.func(args)

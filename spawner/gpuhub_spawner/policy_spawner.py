@@ -60,16 +60,16 @@ class PolicySpawnerMixin:
             if set(self.user_groups) & set(policy.roles.viewers):
                 # A viewer starts nothing: what they came for is usage (and MLflow's runs).
                 base = getattr(getattr(self, "hub", None), "base_url", "/hub/")
-                return ('<div class="alert alert-info" id="gpuhub-viewer">You are a <strong>viewer</strong> on this hub: '
-                        'you see every team\'s GPU usage and counts (and, in MLflow, their runs), and you start no '
-                        f'servers. <a class="btn btn-sm btn-primary" href="{html.escape(base)}gpuhub/usage">'
-                        'Open the usage page</a></div>')
+                return (
+                    '<div class="alert alert-info" id="gpuhub-viewer">You are a <strong>viewer</strong> on this hub: '
+                    "you see every team's GPU usage and counts (and, in MLflow, their runs), and you start no "
+                    f'servers. <a class="btn btn-sm btn-primary" href="{html.escape(base)}gpuhub/usage">'
+                    "Open the usage page</a></div>"
+                )
             return f'<div class="alert alert-warning" id="gpuhub-no-team">{html.escape(no_team_message(policy))}</div>'
         parts = ['<div id="gpuhub-profiles">']
         if len(teams) > 1:
-            opts = "".join(
-                f'<option value="{html.escape(t.name)}">{html.escape(t.label)}</option>' for t in teams
-            )
+            opts = "".join(f'<option value="{html.escape(t.name)}">{html.escape(t.label)}</option>' for t in teams)
             parts.append(
                 '<div class="mb-3"><label for="gpuhub-team" class="form-label">Team</label>'
                 f'<select class="form-select" name="team" id="gpuhub-team">{opts}</select>'
@@ -132,9 +132,7 @@ class PolicySpawnerMixin:
         resolved yet is left out: it is checked itself when it gets here, and resolution
         (below) happens without yielding, so concurrent starts are counted one by one.
         """
-        resolved = {
-            name for name, sp in getattr(self.user, "spawners", {}).items() if "profile" in (sp.user_options or {})
-        }
+        resolved = {name for name, sp in getattr(self.user, "spawners", {}).items() if "profile" in (sp.user_options or {})}
         profiles = active_profiles(self.policy, self.user)
         return [p for name, p in profiles.items() if name != self.name and name in resolved]
 
@@ -157,8 +155,14 @@ class PolicySpawnerMixin:
             check_user_caps(choice, self.held_profiles())
         except ChoiceError as e:
             self.log.warning("Refusing %s's server: %s", self.user.name, e.message)
-            usage.audit("refused", key=f"{self.user.name}/{self.name}", user=self.user.name,
-                        requested=preview(self.user_options or {}), reason=e.message, status=e.status)
+            usage.audit(
+                "refused",
+                key=f"{self.user.name}/{self.name}",
+                user=self.user.name,
+                requested=preview(self.user_options or {}),
+                reason=e.message,
+                status=e.status,
+            )
             raise web.HTTPError(e.status, e.message, reason=e.message) from None
         self.record_choice(choice)
         return choice

@@ -40,8 +40,8 @@ def _stat(path: str) -> tuple[str, int, int, int, int, int] | None:
             raw = f.read().decode(errors="replace")
     except OSError:
         return None
-    comm = raw[raw.index("(") + 1: raw.rindex(")")]
-    rest = raw[raw.rindex(")") + 2:].split()
+    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+    rest = raw[raw.rindex(")") + 2 :].split()
     # fields after comm: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14) ... starttime(19)
     return comm, int(rest[1]), int(rest[11]), int(rest[12]), int(rest[13]) + int(rest[14]), int(rest[19])
 
@@ -116,8 +116,12 @@ class CpuShare:
                 if pid not in below and st[1] in below:
                     below.add(pid)
                     grew = True
-        out = {"t": time.monotonic(), "machine": _machine_busy(), "self": sum(os.times()[:2]),
-               "loop wait": _run_delay(self.hub_pid)}
+        out = {
+            "t": time.monotonic(),
+            "machine": _machine_busy(),
+            "self": sum(os.times()[:2]),
+            "loop wait": _run_delay(self.hub_pid),
+        }
         self.running.append(_procs_running())
         hub = procs.get(self.hub_pid)
         if hub is not None:
@@ -164,10 +168,14 @@ class CpuShare:
         seconds = b["t"] - a["t"]
         busy = (b["machine"][0] - a["machine"][0]) / TICK
         total = (b["machine"][1] - a["machine"][1]) / TICK
-        out = {"window_s": seconds, "machine busy": busy, "machine capacity": total,
-               "loop waited for a CPU": b["loop wait"] - a["loop wait"],
-               "runnable threads (mean)": sum(self.running) / max(1, len(self.running)),
-               "benchmark (clients, probes)": b["self"] - a["self"]}
+        out = {
+            "window_s": seconds,
+            "machine busy": busy,
+            "machine capacity": total,
+            "loop waited for a CPU": b["loop wait"] - a["loop wait"],
+            "runnable threads (mean)": sum(self.running) / max(1, len(self.running)),
+            "benchmark (clients, probes)": b["self"] - a["self"],
+        }
         loop = other = 0
         for key, ticks in b["threads"].items():
             used = (ticks - a["threads"].get(key, 0)) / TICK

@@ -177,8 +177,9 @@ def clock_config(path: Path) -> str:
     return f"import sys; sys.path.insert(0, {str(HERE)!r}); import loop_clock; loop_clock.install({str(path)!r})\n"
 
 
-def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window: float,
-               stacks: str | None = None, cpu: bool = False) -> dict:
+def storm_once(
+    label: str, extra: str, env: dict, users: int, gpus: int, window: float, stacks: str | None = None, cpu: bool = False
+) -> dict:
     import cpu_share
     import loop_clock
 
@@ -187,10 +188,13 @@ def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window:
         clock = Path(tmp) / "launches.jsonl"
         sampler = ""
         if stacks:  # diagnosis: where the loop's time goes (stall_sampler.py), not for the figures
-            sampler = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import stall_sampler; "
-                       f"stall_sampler.install({stacks!r})\n")
-        hub = Hub(Path(tmp), policy(gpus), extra_config=users_config(names) + tiny_config() + extra
-                  + clock_config(clock) + sampler, env=env)
+            sampler = f"import sys; sys.path.insert(0, {str(HERE)!r}); import stall_sampler; stall_sampler.install({stacks!r})\n"
+        hub = Hub(
+            Path(tmp),
+            policy(gpus),
+            extra_config=users_config(names) + tiny_config() + extra + clock_config(clock) + sampler,
+            env=env,
+        )
         load0 = os.getloadavg()[0]
         hub.start()
         try:
@@ -225,10 +229,15 @@ def storm_once(label: str, extra: str, env: dict, users: int, gpus: int, window:
             probe.stop()
             if stacks:
                 time.sleep(6)  # its next flush
-            out = {"label": label, "answered_s": answered, "ready_s": ready,
-                   "codes": {c: codes.count(c) for c in sorted(set(codes))},
-                   "launches": loop_clock.read(str(clock)), "load": (load0, os.getloadavg()[0]),
-                   "cpu": cpu_used}
+            out = {
+                "label": label,
+                "answered_s": answered,
+                "ready_s": ready,
+                "codes": {c: codes.count(c) for c in sorted(set(codes))},
+                "launches": loop_clock.read(str(clock)),
+                "load": (load0, os.getloadavg()[0]),
+                "cpu": cpu_used,
+            }
             for where in ("public", "hub-port"):
                 idle, _ = probe.window(where, t_idle - 5, t_idle)
                 lat, errors = probe.window(where, t0, t1)
@@ -266,8 +275,14 @@ def storm(args):
     stock = f"stock spawner ({args.proxy} proxy)"
     monday = f"gpuhub, {args.gpus} GPUs ({args.proxy} proxy)"
     variants = [(monday, "", env, args.gpus)]
-    comparisons = [(f"Monday morning: {args.users} users, {args.gpus} GPUs (gpuhub starts {min(args.gpus, args.users)}, "
-                    f"queues the rest; stock starts all)", monday, stock)]
+    comparisons = [
+        (
+            f"Monday morning: {args.users} users, {args.gpus} GPUs (gpuhub starts {min(args.gpus, args.users)}, "
+            f"queues the rest; stock starts all)",
+            monday,
+            stock,
+        )
+    ]
     tmp_src = None
     if args.equal_work:
         equal = f"gpuhub, {args.users} GPUs ({args.proxy} proxy)"
@@ -280,8 +295,7 @@ def storm(args):
             env_before = dict(env, PYTHONPATH=old + os.pathsep + os.environ.get("PYTHONPATH", ""))
             # its servers in a group of their own: the CPU weight one version sets on its
             # servers' group (servers_cpu_weight) must not carry over to the other's
-            variants.append((before, f"c.IsolatedProcessSpawner.cgroup_group = {BEFORE_GROUP!r}\n", env_before,
-                             args.users))
+            variants.append((before, f"c.IsolatedProcessSpawner.cgroup_group = {BEFORE_GROUP!r}\n", env_before, args.users))
             comparisons.append(("equal work, before", before, stock))
             comparisons.append(("equal work, now vs before", equal, before))
     elif args.before:
@@ -293,24 +307,29 @@ def storm(args):
         for i in range(args.rounds):
             # ABBA: every other round runs the hubs in the reverse order, so no hub always
             # follows the same one (and what that one left the machine busy with)
-            for label, extra, env_v, gpus in (variants if i % 2 == 0 else variants[::-1]):
+            for label, extra, env_v, gpus in variants if i % 2 == 0 else variants[::-1]:
                 stacks = None
                 if args.stacks:
                     Path(args.stacks).mkdir(parents=True, exist_ok=True)
                     slug = "-".join("".join(c if c.isalnum() else " " for c in label.split(" (")[0]).split())
                     stacks = str(Path(args.stacks).resolve() / f"{slug}-r{i + 1}.txt")
-                runs[label].append(storm_once(label, extra, env_v, args.users, gpus, args.window, stacks,
-                                              cpu=args.cpu))
+                runs[label].append(storm_once(label, extra, env_v, args.users, gpus, args.window, stacks, cpu=args.cpu))
     finally:
         if tmp_src is not None:
             tmp_src.cleanup()
             remove_group(BEFORE_GROUP)
     load_end = os.getloadavg()
-    print(f"\nstorm: {args.users} users ask for one GPU at once; probes over the first {args.window:.0f}s "
-          f"of each storm; {args.rounds} round(s), the hubs alternating (ABBA); tiny servers; "
-          f"load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
-          f"(per hub run: " + "; ".join(f"{label.split(' (')[0]}: " + ", ".join(f"{r['load'][0]:.1f}-{r['load'][1]:.1f}" for r in rs)
-                                        for label, rs in runs.items()) + ")")
+    print(
+        f"\nstorm: {args.users} users ask for one GPU at once; probes over the first {args.window:.0f}s "
+        f"of each storm; {args.rounds} round(s), the hubs alternating (ABBA); tiny servers; "
+        f"load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
+        f"(per hub run: "
+        + "; ".join(
+            f"{label.split(' (')[0]}: " + ", ".join(f"{r['load'][0]:.1f}-{r['load'][1]:.1f}" for r in rs)
+            for label, rs in runs.items()
+        )
+        + ")"
+    )
     summary = {}
     for label, rs in runs.items():
         codes: dict = {}
@@ -319,8 +338,10 @@ def storm(args):
                 codes[c] = codes.get(c, 0) + n
         answered = ", ".join(f"{r['answered_s']:.1f}" for r in rs)
         ready = ", ".join(f"{r['ready_s']:.1f}" for r in rs)
-        print(f"{label}: spawn requests answered after {answered}s; servers it starts ready after {ready}s; "
-              f"POST codes {json.dumps(codes)}")
+        print(
+            f"{label}: spawn requests answered after {answered}s; servers it starts ready after {ready}s; "
+            f"POST codes {json.dumps(codes)}"
+        )
         for where in ("public", "hub-port"):
             idle = [x for r in rs for x in r[where]["idle"]]
             lat = [x for r in rs for x in r[where]["lat"]]
@@ -330,9 +351,11 @@ def storm(args):
             summary[label, where]["mean"] = statistics.fmean(lat) if lat else float("nan")
             summary[label, where]["answered"] = len(lat) / len(rs)
             mean = statistics.fmean(lat) * 1000 if lat else float("nan")
-            print(f"  {where:9} idle p99 {pct(idle, 99)*1000:5.0f}ms | storm mean {mean:5.0f}ms p50 {pct(lat, 50)*1000:5.0f}ms "
-                  f"p95 {pct(lat, 95)*1000:6.0f}ms p99 {pct(lat, 99)*1000:6.0f}ms (p99 per round: {per_round}) | "
-                  f"errors {len(errors)}/{len(lat) + len(errors)} {sorted(set(errors))}")
+            print(
+                f"  {where:9} idle p99 {pct(idle, 99) * 1000:5.0f}ms | storm mean {mean:5.0f}ms p50 {pct(lat, 50) * 1000:5.0f}ms "
+                f"p95 {pct(lat, 95) * 1000:6.0f}ms p99 {pct(lat, 99) * 1000:6.0f}ms (p99 per round: {per_round}) | "
+                f"errors {len(errors)}/{len(lat) + len(errors)} {sorted(set(errors))}"
+            )
         summary[label, "503"] = codes.get(503, 0) + sum(r["public"]["errors"].count(503) for r in rs)
         for kind, what in (("launch", "launch (the process's start)"), ("start", "whole start (queue + launch)")):
             rows = [x for r in rs for x in r["launches"] if x["kind"] == kind and x["outcome"] == "ok"]
@@ -342,35 +365,46 @@ def storm(args):
             cpu = [x["cpu_ms"] for x in rows]
             longest = [x["longest_ms"] for x in rows]
             summary[label, kind] = statistics.median(loop)
-            print(f"  loop held per {what}: median {_ms(loop, 50)} ms, p95 {_ms(loop, 95)}, max {max(loop):.1f} "
-                  f"(its CPU: median {_ms(cpu, 50)} ms); longest single step median {_ms(longest, 50)} ms; "
-                  f"{len(rows) / len(rs):.0f} per storm, {sum(loop) / len(rs) / 1000:.2f} s of loop per storm")
+            print(
+                f"  loop held per {what}: median {_ms(loop, 50)} ms, p95 {_ms(loop, 95)}, max {max(loop):.1f} "
+                f"(its CPU: median {_ms(cpu, 50)} ms); longest single step median {_ms(longest, 50)} ms; "
+                f"{len(rows) / len(rs):.0f} per storm, {sum(loop) / len(rs) / 1000:.2f} s of loop per storm"
+            )
         shares = [r["cpu"] for r in rs if r.get("cpu")]
         if shares:  # --cpu: CPU seconds over the window per kind of process, mean of the rounds
-            keys = sorted({k for c in shares for k in c} - set(cpu_share.NOT_CPU),
-                          key=lambda k: -sum(c.get(k, 0) for c in shares))
+            keys = sorted(
+                {k for c in shares for k in c} - set(cpu_share.NOT_CPU), key=lambda k: -sum(c.get(k, 0) for c in shares)
+            )
             mean = {k: sum(c.get(k, 0) for c in shares) / len(shares) for k in keys + list(cpu_share.NOT_CPU)}
-            print(f"  CPU over the {mean['window_s']:.0f}s window: machine busy {mean['machine busy']:.1f} of "
-                  f"{mean['machine capacity']:.1f} CPU-s ({mean['machine busy'] / mean['machine capacity']:.0%}), "
-                  f"{mean['runnable threads (mean)']:.1f} threads runnable on average; the hub's loop waited "
-                  f"{mean['loop waited for a CPU']:.1f} s for a CPU; CPU-s used: "
-                  + ", ".join(f"{k} {mean[k]:.1f}" for k in keys if abs(mean[k]) >= 0.05))
+            print(
+                f"  CPU over the {mean['window_s']:.0f}s window: machine busy {mean['machine busy']:.1f} of "
+                f"{mean['machine capacity']:.1f} CPU-s ({mean['machine busy'] / mean['machine capacity']:.0%}), "
+                f"{mean['runnable threads (mean)']:.1f} threads runnable on average; the hub's loop waited "
+                f"{mean['loop waited for a CPU']:.1f} s for a CPU; CPU-s used: "
+                + ", ".join(f"{k} {mean[k]:.1f}" for k in keys if abs(mean[k]) >= 0.05)
+            )
     print()
     for title, a, b in comparisons:
         parts = []
         for where in ("public", "hub-port"):
-            ratios = " ".join(f"{p if isinstance(p, str) else f'p{p}'} {summary[a, where][p] / summary[b, where][p]:.2f}x"
-                              for p in ("mean", 50, 95, 99, "answered"))
+            ratios = " ".join(
+                f"{p if isinstance(p, str) else f'p{p}'} {summary[a, where][p] / summary[b, where][p]:.2f}x"
+                for p in ("mean", 50, 95, 99, "answered")
+            )
             parts.append(f"{where}: {ratios}")
         launch = ""
         if (a, "launch") in summary and (b, "launch") in summary:
             launch = f"; loop per launch {summary[a, 'launch']:.1f} / {summary[b, 'launch']:.1f} ms"
         print(f"{title}, {a.split(' (')[0]} / {b.split(' (')[0]}: API " + " | ".join(parts) + launch)
     g = monday
-    print(f"API p99, public URL / hub's own port (the proxy's share), {g.split(' (')[0]}: "
-          f"{summary[g, 'public'][99] / summary[g, 'hub-port'][99]:.2f}x")
-    print("503s through the public URL (spawn requests and probes): "
-          + ", ".join(f"{label.split(' (')[0]} {summary[label, '503']}" for label in runs))
+    print(
+        f"API p99, public URL / hub's own port (the proxy's share), {g.split(' (')[0]}: "
+        f"{summary[g, 'public'][99] / summary[g, 'hub-port'][99]:.2f}x"
+    )
+    print(
+        "503s through the public URL (spawn requests and probes): "
+        + ", ".join(f"{label.split(' (')[0]} {summary[label, '503']}" for label in runs)
+    )
 
 
 # -- pages --------------------------------------------------------------------------------
@@ -450,13 +484,21 @@ def pages(args):
             before, err_b = probe.window("public", t_before - 10, t_before)
             during, err_d = probe.window("public", t_all_open, t_mid)
             print(f"\npages: {args.users} waiting users with their spawn page open ({args.proxy} proxy)")
-            print(f"spawn requests: {json.dumps({c: codes.count(c) for c in sorted(set(codes))})}; "
-                  f"all {len(opened)} pages open after {t_all_open - t_open:.1f}s; positions 1..{max(first.values())}")
-            print(f"API through the public URL, no pages open: p50 {pct(before, 50)*1000:.0f}ms p99 {pct(before, 99)*1000:.0f}ms errors {len(err_b)}")
-            print(f"API through the public URL, {len(opened)} pages open: p50 {pct(during, 50)*1000:.0f}ms p99 {pct(during, 99)*1000:.0f}ms errors {len(err_d)} "
-                  f"({pct(during, 99) / pct(before, 99):.2f}x)")
-            print(f"one GPU freed -> every open page shows its new state: median {statistics.median(seen)*1000:.0f}ms, "
-                  f"max {max(seen)*1000:.0f}ms (goal <= 1000ms)")
+            print(
+                f"spawn requests: {json.dumps({c: codes.count(c) for c in sorted(set(codes))})}; "
+                f"all {len(opened)} pages open after {t_all_open - t_open:.1f}s; positions 1..{max(first.values())}"
+            )
+            print(
+                f"API through the public URL, no pages open: p50 {pct(before, 50) * 1000:.0f}ms p99 {pct(before, 99) * 1000:.0f}ms errors {len(err_b)}"
+            )
+            print(
+                f"API through the public URL, {len(opened)} pages open: p50 {pct(during, 50) * 1000:.0f}ms p99 {pct(during, 99) * 1000:.0f}ms errors {len(err_d)} "
+                f"({pct(during, 99) / pct(before, 99):.2f}x)"
+            )
+            print(
+                f"one GPU freed -> every open page shows its new state: median {statistics.median(seen) * 1000:.0f}ms, "
+                f"max {max(seen) * 1000:.0f}ms (goal <= 1000ms)"
+            )
         finally:
             for p in opened:
                 p.close()
@@ -497,9 +539,9 @@ def handoff(args):
                     u[n].wait_gone()
             med = statistics.median
             print(f"\nhandoff over {args.rounds} rounds (tiny servers, {args.proxy} proxy)")
-            print(f"stop -> next user's page says Admitted: median {med(admitted)*1000:.0f}ms max {max(admitted)*1000:.0f}ms")
-            print(f"stop -> next user's server ready:       median {med(ready)*1000:.0f}ms")
-            print(f"a CPU spawn, request -> ready (baseline): median {med(stock)*1000:.0f}ms")
+            print(f"stop -> next user's page says Admitted: median {med(admitted) * 1000:.0f}ms max {max(admitted) * 1000:.0f}ms")
+            print(f"stop -> next user's server ready:       median {med(ready) * 1000:.0f}ms")
+            print(f"a CPU spawn, request -> ready (baseline): median {med(stock) * 1000:.0f}ms")
             print(f"handoff / plain spawn: {med(ready) / med(stock):.2f}x")
         finally:
             hub.stop()
@@ -539,15 +581,27 @@ def main():
     ap.add_argument("--rounds", type=int, help="default: 2 for storm, 3 otherwise")
     ap.add_argument("--window", type=float, default=40.0, help="storm: seconds of probes from the first request")
     ap.add_argument("--proxy", choices=sorted(PROXIES), default="node")
-    ap.add_argument("--equal-work", action="store_true",
-                    help="storm: also gpuhub with a GPU per user (as many launches as the stock hub)")
-    ap.add_argument("--stacks", default=None, metavar="DIR",
-                    help="storm: load stall_sampler.py into every hub and write where its loop's time went to DIR "
-                         "(diagnosis: it costs the hub CPU)")
-    ap.add_argument("--cpu", action="store_true",
-                    help="storm: also where the machine's CPU went over the window, per kind of process (cpu_share.py)")
-    ap.add_argument("--before", default=None, metavar="REV",
-                    help="storm --equal-work: also a gpuhub hub with the package at this git revision")
+    ap.add_argument(
+        "--equal-work", action="store_true", help="storm: also gpuhub with a GPU per user (as many launches as the stock hub)"
+    )
+    ap.add_argument(
+        "--stacks",
+        default=None,
+        metavar="DIR",
+        help="storm: load stall_sampler.py into every hub and write where its loop's time went to DIR "
+        "(diagnosis: it costs the hub CPU)",
+    )
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="storm: also where the machine's CPU went over the window, per kind of process (cpu_share.py)",
+    )
+    ap.add_argument(
+        "--before",
+        default=None,
+        metavar="REV",
+        help="storm --equal-work: also a gpuhub hub with the package at this git revision",
+    )
     args = ap.parse_args()
     if args.rounds is None:
         args.rounds = 2 if args.what == "storm" else 3

@@ -186,16 +186,29 @@ def populate(db_url: str, n: int, fake_port: int, batches: list[tuple[int, float
     db.close()
     started = (now - timedelta(days=8)).replace(tzinfo=timezone.utc).timestamp()
     ten_hours = (now - timedelta(hours=10)).replace(tzinfo=timezone.utc).timestamp()
-    records = {f"u{i:05d}/": {"started": ten_hours, "state": {}, "gpu_last_busy": time.time()}
-               for i in range(warned, n) if profiles[i % len(profiles)] != "cpu"}
+    records = {
+        f"u{i:05d}/": {"started": ten_hours, "state": {}, "gpu_last_busy": time.time()}
+        for i in range(warned, n)
+        if profiles[i % len(profiles)] != "cpu"
+    }
     i = 0
     for size, deadline in batches:
         for _ in range(size):
-            records[f"u{i:05d}/"] = {"started": started, "state": {
-                "warned_at": deadline - 900, "deadline": deadline, "reason": "it reached the maximum age of 7d",
-                "rule": "max-age", "idle_since": started, "snoozes": 0, "hard": True, "returned": 0}}
+            records[f"u{i:05d}/"] = {
+                "started": started,
+                "state": {
+                    "warned_at": deadline - 900,
+                    "deadline": deadline,
+                    "reason": "it reached the maximum age of 7d",
+                    "rule": "max-age",
+                    "idle_since": started,
+                    "snoozes": 0,
+                    "hard": True,
+                    "returned": 0,
+                },
+            }
             i += 1
-    Path(db_url[len("sqlite:///"):]).with_name("gpuhub-culling.json").write_text(json.dumps({"records": records}))
+    Path(db_url[len("sqlite:///") :]).with_name("gpuhub-culling.json").write_text(json.dumps({"records": records}))
 
 
 def thread_cpu(pid: int, tid: int | None = None) -> float:
@@ -214,24 +227,41 @@ class Design:
         self.data.mkdir(parents=True)
         port, hub_port, proxy_api = free_port(), free_port(), free_port()
         self.url, self.public = f"http://127.0.0.1:{port}/hub/api", f"http://127.0.0.1:{port}"
-        self.env = dict(os.environ, JUPYTERHUB_API_TOKEN=token,
-                        PYTHONPATH=os.pathsep.join([str(spawner_dir), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        self.env = dict(
+            os.environ,
+            JUPYTERHUB_API_TOKEN=token,
+            PYTHONPATH=os.pathsep.join([str(spawner_dir), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        )
         chp = REPO / ".venv" / "node" / "node_modules" / ".bin" / "configurable-http-proxy"
-        (work / "jupyterhub_config.py").write_text(HUB_CONFIG.format(
-            tests=str(REPO / "tests"), fake_port=fake_port, port=port, hub_port=hub_port, proxy_api=proxy_api,
-            chp=str(chp) if chp.exists() else "configurable-http-proxy", proxy_token=secrets.token_hex(16),
-            data=str(self.data), policy=str(REPO / "jupyterhub_config" / "profiles.yaml"), token=token,
-            page_size=args.page_size,
-        ))
+        (work / "jupyterhub_config.py").write_text(
+            HUB_CONFIG.format(
+                tests=str(REPO / "tests"),
+                fake_port=fake_port,
+                port=port,
+                hub_port=hub_port,
+                proxy_api=proxy_api,
+                chp=str(chp) if chp.exists() else "configurable-http-proxy",
+                proxy_token=secrets.token_hex(16),
+                data=str(self.data),
+                policy=str(REPO / "jupyterhub_config" / "profiles.yaml"),
+                token=token,
+                page_size=args.page_size,
+            )
+        )
         self.hub = self.worker = None
         self.passes: dict[str, list[dict]] = {}
         self.probe_rate = 0.0
 
     def start_hub(self) -> None:
         self.log_path = self.work / "hub.log"
-        self.hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(self.work / "jupyterhub_config.py")],
-                                    cwd=self.work, env=self.env, stdout=open(self.log_path, "wb"),
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.hub = subprocess.Popen(
+            [sys.executable, "-m", "jupyterhub", "-f", str(self.work / "jupyterhub_config.py")],
+            cwd=self.work,
+            env=self.env,
+            stdout=open(self.log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def adopted(self, n: int) -> bool:
         if self.hub.poll() is not None:
@@ -245,9 +275,14 @@ class Design:
         return self.log_path.read_text(errors="replace").count("Adding user") >= n
 
     def start_worker(self, args) -> None:
-        self.worker = subprocess.Popen([sys.executable, "-c", WORKER, self.url, str(args.page_size), str(args.concurrency)],
-                                       env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=open(self.work / "worker.log", "wb"), text=True)
+        self.worker = subprocess.Popen(
+            [sys.executable, "-c", WORKER, self.url, str(args.page_size), str(args.concurrency)],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.work / "worker.log", "wb"),
+            text=True,
+        )
         self.design = json.loads(self.worker.stdout.readline())["design"]
 
     def loop_cpu(self) -> float:
@@ -322,9 +357,11 @@ def still_running(d: Design, names: list[str]) -> int:
 
 def fmt(r: dict) -> str:
     stops = "" if not r.get("counts") else " (" + ", ".join(f"{n} {k}" for k, n in sorted(r["counts"].items())) + ")"
-    return (f"wall {r['wall']:6.2f} s  decide {r['decide'] or 0:5.2f} s  hub loop {r['loop']:5.2f} s "
-            f"(raw {r['loop_raw']:5.2f})  "
-            f"hub CPU {r['cpu']:5.2f} s  longest probe {r['stall'] * 1000:6.0f} ms  to stop {r['to_stop']}{stops}")
+    return (
+        f"wall {r['wall']:6.2f} s  decide {r['decide'] or 0:5.2f} s  hub loop {r['loop']:5.2f} s "
+        f"(raw {r['loop_raw']:5.2f})  "
+        f"hub CPU {r['cpu']:5.2f} s  longest probe {r['stall'] * 1000:6.0f} ms  to stop {r['to_stop']}{stops}"
+    )
 
 
 def main(argv=None) -> int:
@@ -333,10 +370,15 @@ def main(argv=None) -> int:
     ap.add_argument("--due", type=int, default=50, help="servers stopped in each pass with stops")
     ap.add_argument("--rounds", type=int, default=3, help="passes of each kind per design")
     ap.add_argument("--before", metavar="REV", help="also run the design at this git revision (interleaved)")
-    ap.add_argument("--due-in", type=float, default=900,
-                    help="seconds after the databases are written when the first batch comes due (covers the hubs' adoption)")
-    ap.add_argument("--gap", type=float, default=120,
-                    help="seconds between batches (longer than both designs' passes with stops)")
+    ap.add_argument(
+        "--due-in",
+        type=float,
+        default=900,
+        help="seconds after the databases are written when the first batch comes due (covers the hubs' adoption)",
+    )
+    ap.add_argument(
+        "--gap", type=float, default=120, help="seconds between batches (longer than both designs' passes with stops)"
+    )
     ap.add_argument("--concurrency", type=int, default=20, help="the culler's concurrent hub requests (the service runs with 20)")
     ap.add_argument("--page-size", type=int, default=200, help="users per page of idle-culler's listing (the baseline's)")
     args = ap.parse_args(argv)
@@ -347,8 +389,9 @@ def main(argv=None) -> int:
     fake = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, str(fake_port)])
     designs = [Design("this tree", REPO / "spawner", root / "after", args, token, fake_port)]
     if args.before:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.before], check=True,
-                             capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", args.before], check=True, capture_output=True, text=True
+        ).stdout.strip()
         src = root / "before-src"
         src.mkdir()
         archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "spawner"], check=True, capture_output=True).stdout
@@ -361,8 +404,7 @@ def main(argv=None) -> int:
     try:
         for d in designs:
             t0 = time.perf_counter()
-            populate(f"sqlite:///{d.data}/jupyterhub.sqlite", args.servers, fake_port,
-                     [(args.due, dl) for dl in deadlines], now)
+            populate(f"sqlite:///{d.data}/jupyterhub.sqlite", args.servers, fake_port, [(args.due, dl) for dl in deadlines], now)
             print(f"{d.label}: wrote {args.servers} users with running servers in {time.perf_counter() - t0:.1f} s", flush=True)
         t0 = time.perf_counter()
         for d in designs:
@@ -371,13 +413,18 @@ def main(argv=None) -> int:
             if time.perf_counter() - t0 > 1200:
                 raise SystemExit("the hubs did not adopt the servers within 20 minutes")
             time.sleep(2)
-        print(f"hubs adopted {args.servers} servers each and answer after {time.perf_counter() - t0:.1f} s "
-              f"({root}/*/hub.log)", flush=True)
+        print(
+            f"hubs adopted {args.servers} servers each and answer after {time.perf_counter() - t0:.1f} s ({root}/*/hub.log)",
+            flush=True,
+        )
         for d in designs:
             d.start_worker(args)
             d.probe_rate = asyncio.run(idle_probe_rate(d))
-            print(f"  {d.label}: the probe alone costs the idle hub's loop {d.probe_rate * 1000:.0f} ms/s "
-                  f"(subtracted from 'hub loop'; 'loop raw' keeps it)", flush=True)
+            print(
+                f"  {d.label}: the probe alone costs the idle hub's loop {d.probe_rate * 1000:.0f} ms/s "
+                f"(subtracted from 'hub loop'; 'loop raw' keeps it)",
+                flush=True,
+            )
         load = [os.getloadavg()[0]]
 
         def rounds(kind: str, r: int) -> None:
@@ -404,19 +451,24 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             rounds("none due, quiet", r)
 
-        print(f"\nculler passes over {args.servers} running servers, median of {args.rounds} "
-              f"(load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores):")
+        print(
+            f"\nculler passes over {args.servers} running servers, median of {args.rounds} "
+            f"(load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores):"
+        )
         kinds = list(designs[0].passes)
         for kind in kinds:
             for d in designs:
                 rs = d.passes.get(kind, [])
                 if not rs:
                     continue
-                med = {k: statistics.median(r[k] or 0 for r in rs)
-                       for k in ("wall", "decide", "loop", "loop_raw", "cpu", "stall")}
-                print(f"  {kind:<34} {d.label:<16} wall {med['wall']:6.2f} s  hub loop {med['loop']:5.2f} s "
-                      f"(raw {med['loop_raw']:5.2f})  hub CPU {med['cpu']:5.2f} s  decide {med['decide']:5.2f} s  "
-                      f"longest probe {med['stall'] * 1000:5.0f} ms")
+                med = {
+                    k: statistics.median(r[k] or 0 for r in rs) for k in ("wall", "decide", "loop", "loop_raw", "cpu", "stall")
+                }
+                print(
+                    f"  {kind:<34} {d.label:<16} wall {med['wall']:6.2f} s  hub loop {med['loop']:5.2f} s "
+                    f"(raw {med['loop_raw']:5.2f})  hub CPU {med['cpu']:5.2f} s  decide {med['decide']:5.2f} s  "
+                    f"longest probe {med['stall'] * 1000:5.0f} ms"
+                )
             if len(designs) == 2 and designs[1].passes.get(kind):
                 a, b = (statistics.median(r["wall"] for r in d.passes[kind]) for d in designs)
                 la, lb = (statistics.median(r["loop"] for r in d.passes[kind]) for d in designs)

@@ -21,11 +21,9 @@ import json
 import re
 import sys
 import tempfile
-import time
 from datetime import datetime
 from pathlib import Path
 
-import requests
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,16 +70,21 @@ def main(argv=None) -> int:
     work.chmod(0o755)  # as a pytest tmp dir: servers may run as their own Unix users
     nvml = work / "nvml.json"
     devices = [{"uuid": f"GPU-a100-{i}", "name": "NVIDIA Fake A100", "utilization": 0} for i in range(3)] + [
-        {"uuid": f"GPU-l4-{i}", "name": "NVIDIA Fake L4", "utilization": 0} for i in range(2)]
+        {"uuid": f"GPU-l4-{i}", "name": "NVIDIA Fake L4", "utilization": 0} for i in range(2)
+    ]
     nvml.write_text(json.dumps({"devices": devices}))
     every = max(1, round(60 / args.scale))
     sync = max(1, round(300 / args.scale))
     hub = Hub(
-        work, policy,
+        work,
+        policy,
         extra_config=f"c.JupyterHub.last_activity_interval = {sync}\n"
         f"c.Spawner.environment = dict(c.Spawner.environment, JUPYTERHUB_ACTIVITY_INTERVAL='{sync}')\n",
-        env={"PYTHONPATH": str(REPO / "tests" / "support" / "fake_nvml"), "GPUHUB_FAKE_NVML": str(nvml),
-             "GPUHUB_CULL_EVERY": str(every)},
+        env={
+            "PYTHONPATH": str(REPO / "tests" / "support" / "fake_nvml"),
+            "GPUHUB_FAKE_NVML": str(nvml),
+            "GPUHUB_CULL_EVERY": str(every),
+        },
     )
     print(f"example policy scaled 1/{args.scale:g}: 1x A100 rules {rules}; culler pass {every}s, activity sync {sync}s")
     hub.start()

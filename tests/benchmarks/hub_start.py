@@ -60,8 +60,12 @@ def main() -> None:
         versions = {"HEAD": {}}
         if args.before:
             old = extract(args.before, Path(tmp) / "before")
-            subprocess.run([sys.executable, "-m", "compileall", "-q", str(old)], check=True,
-                           stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONDONTWRITEBYTECODE=""))
+            subprocess.run(
+                [sys.executable, "-m", "compileall", "-q", str(old)],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONDONTWRITEBYTECODE=""),
+            )
             versions[args.before] = {"PYTHONPATH": str(old)}
         figures: dict[str, list[tuple[float, float]]] = {name: [] for name in versions}
         for r in range(args.rounds):
@@ -70,8 +74,10 @@ def main() -> None:
                 work = Path(tmp) / f"{name}-{r}"
                 work.mkdir()
                 figures[name].append(one_start(work, versions[name]))
-                print(f"round {r + 1} {name}: {figures[name][-1][0]:.2f} CPU-s, answered after {figures[name][-1][1]:.2f} s",
-                      flush=True)
+                print(
+                    f"round {r + 1} {name}: {figures[name][-1][0]:.2f} CPU-s, answered after {figures[name][-1][1]:.2f} s",
+                    flush=True,
+                )
     print()
     medians = {name: (statistics.median(c for c, _ in f), statistics.median(w for _, w in f)) for name, f in figures.items()}
     for name, (c, w) in medians.items():

@@ -61,8 +61,18 @@ def launcher_overhead(n: int = 20) -> tuple[float, float]:
     acct = ensure_account("launcher", prefix)
     home = tempfile.mkdtemp()
     os.chown(home, acct.uid, acct.gid)
-    spec = json.dumps({"uid": acct.uid, "gid": acct.gid, "home": home, "visible_home": home, "dev_dir": "/dev",
-                       "gpu_nodes": [], "cgroup_procs": [], "expose": [sys.base_prefix, sys.prefix]})
+    spec = json.dumps(
+        {
+            "uid": acct.uid,
+            "gid": acct.gid,
+            "home": home,
+            "visible_home": home,
+            "dev_dir": "/dev",
+            "gpu_nodes": [],
+            "cgroup_procs": [],
+            "expose": [sys.base_prefix, sys.prefix],
+        }
+    )
 
     def timed(cmd):
         t = []
@@ -150,8 +160,10 @@ def main() -> int:
     for label, t in first.items():
         print(f"  {label:22s} {statistics.median(t):6.2f} s   (all: {', '.join(f'{x:.2f}' for x in t)})")
     print(f"a user's namespace, veth pair, address and route made (Wall.ensure_user), median of 10: {netns_ms:.1f} ms")
-    print(f"sandbox launcher alone: /bin/true {direct * 1000:.1f} ms direct, {sandboxed * 1000:.1f} ms through it "
-          f"(+{(sandboxed - direct) * 1000:.0f} ms)")
+    print(
+        f"sandbox launcher alone: /bin/true {direct * 1000:.1f} ms direct, {sandboxed * 1000:.1f} ms through it "
+        f"(+{(sandboxed - direct) * 1000:.0f} ms)"
+    )
     print("SIGTERM -> hub exited (one server running, left running):")
     for label, s in stops.items():
         print(f"  {label:22s} {s:6.2f} s")

@@ -61,16 +61,37 @@ async def one(sp, steps: Steps):
     found = steps("GPU nodes (host_nodes)", sandbox.host_nodes, sp.device_dir, nodes)
     cg = sp.cgroup_host.server(sp._cgroup_leaf())
     steps("leftovers check (_clear_leftovers)", sp._clear_leftovers, cg)
-    steps("cgroup create + limits (cg.create)", cg.create, memory=2**28, cpu_millis=500,
-          device_rules=sp.device_rules(found), pids=sp.process_limit())
+    steps(
+        "cgroup create + limits (cg.create)",
+        cg.create,
+        memory=2**28,
+        cpu_millis=500,
+        device_rules=sp.device_rules(found),
+        pids=sp.process_limit(),
+    )
     steps("cgroup counters (oom_kills, pids.events)", lambda: (cg.oom_kills(), cg.pids_max_events()))
     oom_fd = steps("OOM eventfd (v1)", cg.oom_eventfd)
     tmp = steps("private /tmp (_private_tmp)", sp._private_tmp)
     expose = steps("software paths (server_software_paths)", server_software_paths)
-    spec = {"uid": sp._account.uid, "gid": sp._account.gid, "home": sp.home_dir, "visible_home": sp.visible_home,
-            "dev_dir": sp.device_dir, "gpu_nodes": nodes, "cgroup_procs": cg.procs_files(), "expose": expose, "tmp": tmp}
-    proc, wfd, payload = steps("launcher fork+exec (start_launcher)", sandbox.start_launcher, ["/bin/sleep", "300"],
-                               spec, env, dict(start_new_session=True))
+    spec = {
+        "uid": sp._account.uid,
+        "gid": sp._account.gid,
+        "home": sp.home_dir,
+        "visible_home": sp.visible_home,
+        "dev_dir": sp.device_dir,
+        "gpu_nodes": nodes,
+        "cgroup_procs": cg.procs_files(),
+        "expose": expose,
+        "tmp": tmp,
+    }
+    proc, wfd, payload = steps(
+        "launcher fork+exec (start_launcher)",
+        sandbox.start_launcher,
+        ["/bin/sleep", "300"],
+        spec,
+        env,
+        dict(start_new_session=True),
+    )
     steps("start time (/proc/pid/stat)", process_start_time, proc.pid)
     t0, c0 = time.perf_counter(), time.thread_time()
     await sandbox.hand_over(proc, wfd, payload)
@@ -106,22 +127,29 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for i in range(args.n):
-                sp = IsolatedProcessSpawner(user=SimpleNamespace(name=f"u{i % 4}", url="/", escaped_name=f"u{i % 4}"),
-                                            account_prefix=prefix, home_dir_template=tmp + "/{account}")
+                sp = IsolatedProcessSpawner(
+                    user=SimpleNamespace(name=f"u{i % 4}", url="/", escaped_name=f"u{i % 4}"),
+                    account_prefix=prefix,
+                    home_dir_template=tmp + "/{account}",
+                )
                 sp.cmd = ["/bin/sleep", "300"]
                 sp.get_env = lambda: {"PATH": "/usr/bin:/bin", "HOME": "/"}
                 asyncio.run(one(sp, steps))
         finally:
             lock.release()
             remove_isolation(prefix)
-    print(f"\none isolated launch, step by step: {args.n} launches (4 accounts, made on the first), this process "
-          f"~{args.ballast} MiB bigger; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\none isolated launch, step by step: {args.n} launches (4 accounts, made on the first), this process "
+        f"~{args.ballast} MiB bigger; load average {os.getloadavg()[0]:.1f}"
+    )
     total = 0.0
     for name, wall in steps.wall.items():
         cpu = steps.cpu[name]
         total += statistics.median(wall) if not name.startswith("stop") else 0.0
-        print(f"  {name:44} wall median {statistics.median(wall):7.2f} ms  p95 {pct(wall, 95):7.2f} | "
-              f"CPU median {statistics.median(cpu):6.2f} ms")
+        print(
+            f"  {name:44} wall median {statistics.median(wall):7.2f} ms  p95 {pct(wall, 95):7.2f} | "
+            f"CPU median {statistics.median(cpu):6.2f} ms"
+        )
     print(f"  sum of the start's medians: {total:.1f} ms (the stop's two steps apart)")
 
 

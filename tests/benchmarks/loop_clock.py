@@ -83,10 +83,17 @@ def _wrap(kind: str, cls, path: str):
             outcome = type(e).__name__
             raise
         finally:
-            row = {"kind": kind, "class": cls.__name__, "server": getattr(self, "_log_name", "?"),
-                   "loop_ms": round(clock.wall * 1000, 3), "cpu_ms": round(clock.cpu * 1000, 3),
-                   "steps": clock.steps, "longest_ms": round(clock.longest * 1000, 3), "outcome": outcome,
-                   "at": time.time()}
+            row = {
+                "kind": kind,
+                "class": cls.__name__,
+                "server": getattr(self, "_log_name", "?"),
+                "loop_ms": round(clock.wall * 1000, 3),
+                "cpu_ms": round(clock.cpu * 1000, 3),
+                "steps": clock.steps,
+                "longest_ms": round(clock.longest * 1000, 3),
+                "outcome": outcome,
+                "at": time.time(),
+            }
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 

@@ -98,8 +98,12 @@ def main() -> None:
 
 def request(port: int, method: str, path: str, token: str, body: dict | None = None) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    conn.request(
+        method,
+        path,
+        body=json.dumps(body) if body is not None else None,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     r = conn.getresponse()
     data = r.read()
     conn.close()

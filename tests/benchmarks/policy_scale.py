@@ -62,8 +62,10 @@ def validate(text, path):
     t0 = time.perf_counter()
     proc = subprocess.run([str(Path(sys.executable).parent / "gpuhub"), "validate", str(path)], capture_output=True, text=True)
     cli = time.perf_counter() - t0
-    print(f"validate: {new:.2f}s (pure-Python parser, twice: {before:.2f}s; {before / new:.1f}x faster); "
-          f"`gpuhub validate` end to end {cli:.2f}s, exit {proc.returncode} (goal <= 1 s)")
+    print(
+        f"validate: {new:.2f}s (pure-Python parser, twice: {before:.2f}s; {before / new:.1f}x faster); "
+        f"`gpuhub validate` end to end {cli:.2f}s, exit {proc.returncode} (goal <= 1 s)"
+    )
 
 
 async def stall_during_reload(path: Path, text: str, inline: bool) -> tuple[float, float]:
@@ -97,16 +99,24 @@ async def stall_during_reload(path: Path, text: str, inline: bool) -> tuple[floa
 
 def load_queue_module(rev: str):
     try:
-        src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:spawner/gpuhub_spawner/admission/queue.py"],
-                             capture_output=True, text=True, check=True).stdout
+        src = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{rev}:spawner/gpuhub_spawner/admission/queue.py"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (subprocess.CalledProcessError, FileNotFoundError):
         return None
     tmp = Path(tempfile.mkdtemp()) / "gpuhub_queue_before.py"
-    tmp.write_text(src.replace("from ..policy.model", "from gpuhub_spawner.policy.model").replace(
-        "from .quota", "from gpuhub_spawner.admission.quota").replace(
-        "from prometheus_client import Gauge, Histogram",  # its metrics in a registry of their own
-        "from functools import partial\nfrom prometheus_client import CollectorRegistry, Gauge, Histogram\n"
-        "_reg = CollectorRegistry()\nGauge, Histogram = partial(Gauge, registry=_reg), partial(Histogram, registry=_reg)"))
+    tmp.write_text(
+        src.replace("from ..policy.model", "from gpuhub_spawner.policy.model")
+        .replace("from .quota", "from gpuhub_spawner.admission.quota")
+        .replace(
+            "from prometheus_client import Gauge, Histogram",  # its metrics in a registry of their own
+            "from functools import partial\nfrom prometheus_client import CollectorRegistry, Gauge, Histogram\n"
+            "_reg = CollectorRegistry()\nGauge, Histogram = partial(Gauge, registry=_reg), partial(Histogram, registry=_reg)",
+        )
+    )
     spec = importlib.util.spec_from_file_location("gpuhub_queue_before", tmp)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up
@@ -154,9 +164,11 @@ async def main_async(args):
         validate(text, path)
         thread_stall, thread_took = await stall_during_reload(path, text, inline=False)
         inline_stall, inline_took = await stall_during_reload(path, text, inline=True)
-        print(f"hot reload: longest event-loop stall {thread_stall * 1000:.0f}ms with the reload in a thread "
-              f"(new policy in force after {thread_took:.2f}s) vs {inline_stall * 1000:.0f}ms inline "
-              f"({inline_stall / thread_stall:.0f}x; goal <= 50ms)")
+        print(
+            f"hot reload: longest event-loop stall {thread_stall * 1000:.0f}ms with the reload in a thread "
+            f"(new policy in force after {thread_took:.2f}s) vs {inline_stall * 1000:.0f}ms inline "
+            f"({inline_stall / thread_stall:.0f}x; goal <= 50ms)"
+        )
     policy = parse_policy(text)
     before = load_queue_module(args.before)
     rows = [("today", AdmissionQueue, Ticket)]
@@ -171,7 +183,9 @@ async def main_async(args):
             extra = f"; {waiting} submits took {submits:.2f}s" if waiting == args.waiting else ""
             print(f"  {label:22} {waiting:>5} waiting: {per_event * 1000:7.2f}ms per event{extra}")
     today = results["today", args.waiting]
-    print(f"  today, {args.waiting} vs 10 waiting: {today / results['today', 10]:.1f}x (O(all waiting) would be ~{args.waiting / 10:.0f}x)")
+    print(
+        f"  today, {args.waiting} vs 10 waiting: {today / results['today', 10]:.1f}x (O(all waiting) would be ~{args.waiting / 10:.0f}x)"
+    )
     if before is not None:
         print(f"  before / today at {args.waiting} waiting: {results[rows[1][0], args.waiting] / today:.0f}x")
 

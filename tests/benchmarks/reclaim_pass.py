@@ -58,8 +58,10 @@ def submits_seconds(n: int = 3000) -> float:
 
 def main() -> None:
     base, loaded = pass_seconds(False), pass_seconds(True)
-    print(f"reclaim pass, 5,000 waiting, 100 teams / 10 cohorts: nothing on loan {base * 1e3:.2f} ms (baseline); "
-          f"a loan in every cohort {loaded * 1e3:.1f} ms = {loaded / base:.0f}x baseline")
+    print(
+        f"reclaim pass, 5,000 waiting, 100 teams / 10 cohorts: nothing on loan {base * 1e3:.2f} ms (baseline); "
+        f"a loan in every cohort {loaded * 1e3:.1f} ms = {loaded / base:.0f}x baseline"
+    )
     with_check = min(submits_seconds() for _ in range(3))
     original = Q.may_borrow
     Q.may_borrow = lambda policy, team, ticket: True
@@ -67,8 +69,10 @@ def main() -> None:
         without = min(submits_seconds() for _ in range(3))
     finally:
         Q.may_borrow = original
-    print(f"3,000 submits: with the interactiveBorrowing check {with_check:.2f} s, without {without:.2f} s "
-          f"(ratio {with_check / without:.2f})")
+    print(
+        f"3,000 submits: with the interactiveBorrowing check {with_check:.2f} s, without {without:.2f} s "
+        f"(ratio {with_check / without:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -108,8 +108,7 @@ class Subject:
         self.data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         extra = ""
         if stacks:  # where the loop stalls: stall_sampler.py in the hub's process
-            extra = (f"\nimport sys; sys.path.insert(0, {str(HERE)!r}); import stall_sampler; "
-                     f"stall_sampler.install({stacks!r})\n")
+            extra = f"\nimport sys; sys.path.insert(0, {str(HERE)!r}); import stall_sampler; stall_sampler.install({stacks!r})\n"
         self.hub = Hub(workdir, text, extra_config=extra, mlflow=mlflow, env=env)
         self.edits = 0
         self.probe: Probe | None = None
@@ -130,8 +129,11 @@ class Subject:
     def count(self, what: str) -> int:
         """How many "Loaded policy" lines the log has, or policy_reloaded entries the audit trail
         (read on from where the last look stopped: the probe's requests fill the log)."""
-        path, needle = ((self.hub.log, b"Loaded policy ") if what == "loaded"
-                        else (self.hub.data / "gpuhub-audit.jsonl", b'"event": "policy_reloaded"'))
+        path, needle = (
+            (self.hub.log, b"Loaded policy ")
+            if what == "loaded"
+            else (self.hub.data / "gpuhub-audit.jsonl", b'"event": "policy_reloaded"')
+        )
         seen = self._seen[what]
         try:
             with open(path, "rb") as f:
@@ -177,21 +179,26 @@ class Subject:
         top, p99 = max(lat), sorted(lat)[int(0.99 * (len(lat) - 1))]
         if self.verbose:  # to match with --stacks' times: when the window's longest wait began
             at = next(a for a, v in self.probe.samples if t0 <= a < t0 + seconds and v == top)
-            print(f"  {self.label}: {'edit' if edit else 'idle'} window from {_clock(wall0)}, its longest "
-                  f"answer {top * 1000:.0f} ms sent at {_clock(wall0 + at - t0)}", flush=True)
+            print(
+                f"  {self.label}: {'edit' if edit else 'idle'} window from {_clock(wall0)}, its longest "
+                f"answer {top * 1000:.0f} ms sent at {_clock(wall0 + at - t0)}",
+                flush=True,
+            )
         if edit:
             if applied is None or audited is None:  # the hub is that slow: wait it out, say so
                 deadline = time.perf_counter() + 180
-                while (self.count("loaded") <= loaded or self.count("reloaded") <= reloaded) \
-                        and time.perf_counter() < deadline:
+                while (self.count("loaded") <= loaded or self.count("reloaded") <= reloaded) and time.perf_counter() < deadline:
                     time.sleep(0.2)
                 lat = self.probe.window(t0, time.perf_counter())
                 top = max(lat)
                 done = time.perf_counter() - t0
                 applied, audited = applied or done, audited or done
                 self.late += 1
-                print(f"  {self.label}: the edit took {done:.1f} s to be applied and audited (> the "
-                      f"{seconds:.0f} s window); its stall is taken over that time", flush=True)
+                print(
+                    f"  {self.label}: the edit took {done:.1f} s to be applied and audited (> the "
+                    f"{seconds:.0f} s window); its stall is taken over that time",
+                    flush=True,
+                )
             self.edit_max.append(top)
             self.edit_p99.append(p99)
             self.applied.append(applied)
@@ -220,19 +227,30 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=20.0, help="seconds per window (the edit must be applied in it)")
     ap.add_argument("--mlflow", action="store_true", help="also run the MLflow service (~450 MiB, ~10 s of CPU)")
     ap.add_argument("--before", default=None, help="a second hub with the package at this git revision")
-    ap.add_argument("--stacks", default=None, metavar="FILE",
-                    help="sample the hub's main thread (stall_sampler.py) and write where its stalls went to FILE")
+    ap.add_argument(
+        "--stacks",
+        default=None,
+        metavar="FILE",
+        help="sample the hub's main thread (stall_sampler.py) and write where its stalls went to FILE",
+    )
     ap.add_argument("--keep", default=None, metavar="DIR", help="run the hubs in DIR and keep it (their logs)")
     args = ap.parse_args()
     text = big_policy()
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
-    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
+    with contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory() as tmp:
         subjects = [Subject("now", Path(tmp) / "now", text, args.mlflow, {}, args.stacks)]
         if args.before:
             old = str(extract(args.before, Path(tmp) / "before-src"))
-            subjects.append(Subject(f"@{args.before}", Path(tmp) / "before", text, args.mlflow,
-                                    {"PYTHONPATH": old + os.pathsep + os.environ.get("PYTHONPATH", "")}))
+            subjects.append(
+                Subject(
+                    f"@{args.before}",
+                    Path(tmp) / "before",
+                    text,
+                    args.mlflow,
+                    {"PYTHONPATH": old + os.pathsep + os.environ.get("PYTHONPATH", "")},
+                )
+            )
         try:
             for s in subjects:
                 s.start()
@@ -245,10 +263,15 @@ def main() -> None:
                 random.shuffle(plan)
                 for s, edit in plan:
                     s.window(args.window, edit)
-                print(f"round {r + 1}: " + "; ".join(
-                    f"{s.label} edit max {s.edit_max[-1] * 1000:.0f} ms, idle max {s.idle_max[-1] * 1000:.0f} ms "
-                    f"(applied after {s.applied[-1]:.1f} s, audited after {s.audited[-1]:.1f} s)"
-                    for s in subjects), flush=True)
+                print(
+                    f"round {r + 1}: "
+                    + "; ".join(
+                        f"{s.label} edit max {s.edit_max[-1] * 1000:.0f} ms, idle max {s.idle_max[-1] * 1000:.0f} ms "
+                        f"(applied after {s.applied[-1]:.1f} s, audited after {s.audited[-1]:.1f} s)"
+                        for s in subjects
+                    ),
+                    flush=True,
+                )
         finally:
             if args.stacks:  # what the frozen objects hide (stall_sampler.py): before the hub stops
                 Path(args.stacks + ".leak").touch()
@@ -258,17 +281,23 @@ def main() -> None:
                 time.sleep(6)
             for s in subjects:
                 s.stop()
-    print(f"\nreload of a 500-team, 2,000-profile policy on a real hub, every listener on"
-          f"{' (MLflow too)' if args.mlflow else ''}; probe GET /hub/api/ every 5 ms; {args.rounds} rounds "
-          f"of {args.window:.0f} s windows ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end)")
+    print(
+        f"\nreload of a 500-team, 2,000-profile policy on a real hub, every listener on"
+        f"{' (MLflow too)' if args.mlflow else ''}; probe GET /hub/api/ every 5 ms; {args.rounds} rounds "
+        f"of {args.window:.0f} s windows ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end)"
+    )
     for s in subjects:
-        print(f"  {s.label:<10} longest stall with an edit: median {statistics.median(s.edit_max) * 1000:6.0f} ms "
-              f"(each: {ms(s.edit_max)}); without: median {statistics.median(s.idle_max) * 1000:4.0f} ms "
-              f"(each: {ms(s.idle_max)}); ratio {statistics.median(s.edit_max) / statistics.median(s.idle_max):.2f}x")
-        print(f"  {'':<10} p99 with an edit {statistics.median(s.edit_p99) * 1000:.0f} ms, without "
-              f"{statistics.median(s.idle_p99) * 1000:.0f} ms; write -> new policy in force "
-              f"{statistics.median(s.applied):.1f} s, -> its audit entry {statistics.median(s.audited):.1f} s (medians); "
-              f"probe errors {s.probe.errors}; edits later than the window {s.late}")
+        print(
+            f"  {s.label:<10} longest stall with an edit: median {statistics.median(s.edit_max) * 1000:6.0f} ms "
+            f"(each: {ms(s.edit_max)}); without: median {statistics.median(s.idle_max) * 1000:4.0f} ms "
+            f"(each: {ms(s.idle_max)}); ratio {statistics.median(s.edit_max) / statistics.median(s.idle_max):.2f}x"
+        )
+        print(
+            f"  {'':<10} p99 with an edit {statistics.median(s.edit_p99) * 1000:.0f} ms, without "
+            f"{statistics.median(s.idle_p99) * 1000:.0f} ms; write -> new policy in force "
+            f"{statistics.median(s.applied):.1f} s, -> its audit entry {statistics.median(s.audited):.1f} s (medians); "
+            f"probe errors {s.probe.errors}; edits later than the window {s.late}"
+        )
     print("goal: the longest stall with an edit <= 50 ms")
     if args.stacks:
         print(f"where the loop of 'now' stalled: {args.stacks}")

@@ -44,11 +44,21 @@ def free_port() -> int:
 def own_start(hub: Hub, token: str, home: Path) -> float:
     """The server's own start-up: process start to its port accepting, run directly."""
     port = free_port()
-    env = dict(os.environ, HOME=str(home), JUPYTERHUB_API_TOKEN=token, JUPYTERHUB_API_URL=f"http://{hub.users_reach_hub_at()}:{hub.hub_port}/hub/api",
-               JUPYTERHUB_USER="alice", JUPYTERHUB_CLIENT_ID="jupyterhub-user-alice", JUPYTERHUB_SERVICE_PREFIX="/user/alice/",
-               JUPYTERHUB_BASE_URL="/", JUPYTERHUB_OAUTH_CALLBACK_URL="/user/alice/oauth_callback",
-               JUPYTERHUB_SERVICE_URL=f"http://127.0.0.1:{port}/user/alice/", JUPYTERHUB_SERVER_NAME="",
-               JUPYTERHUB_OAUTH_SCOPES="[]", JUPYTERHUB_OAUTH_ACCESS_SCOPES="[]")
+    env = dict(
+        os.environ,
+        HOME=str(home),
+        JUPYTERHUB_API_TOKEN=token,
+        JUPYTERHUB_API_URL=f"http://{hub.users_reach_hub_at()}:{hub.hub_port}/hub/api",
+        JUPYTERHUB_USER="alice",
+        JUPYTERHUB_CLIENT_ID="jupyterhub-user-alice",
+        JUPYTERHUB_SERVICE_PREFIX="/user/alice/",
+        JUPYTERHUB_BASE_URL="/",
+        JUPYTERHUB_OAUTH_CALLBACK_URL="/user/alice/oauth_callback",
+        JUPYTERHUB_SERVICE_URL=f"http://127.0.0.1:{port}/user/alice/",
+        JUPYTERHUB_SERVER_NAME="",
+        JUPYTERHUB_OAUTH_SCOPES="[]",
+        JUPYTERHUB_OAUTH_ACCESS_SCOPES="[]",
+    )
     t0 = time.perf_counter()
     proc = subprocess.Popen([SINGLEUSER, "--allow-root"], env=env, cwd=home, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -102,13 +112,17 @@ def main() -> None:
         print(f"\nreal jupyterhub-singleuser, {n} interleaved rounds on {os.cpu_count()} cores (request -> ready)")
         for label, values in times.items():
             q = statistics.quantiles(values, n=10)
-            print(f"{label:34} median {statistics.median(values):.2f}s  p10 {q[0]:.2f}  p90 {q[-1]:.2f}  "
-                  f"{statistics.median(values) / base:.2f}x own start-up")
+            print(
+                f"{label:34} median {statistics.median(values):.2f}s  p10 {q[0]:.2f}  p90 {q[-1]:.2f}  "
+                f"{statistics.median(values) / base:.2f}x own start-up"
+            )
         for label in ("gpuhub, isolated + wall", "gpuhub, isolated, no wall", "gpuhub, no isolation"):
             listen, total = breakdown(hubs[label])
             if listen and total:
-                print(f"{label}: process start -> listening median {statistics.median(listen):.2f}s; "
-                      f"the hub's whole start (its log) median {statistics.median(total):.2f}s")
+                print(
+                    f"{label}: process start -> listening median {statistics.median(listen):.2f}s; "
+                    f"the hub's whole start (its log) median {statistics.median(total):.2f}s"
+                )
     finally:
         for h in hubs.values():
             h.stop()

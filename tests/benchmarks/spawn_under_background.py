@@ -56,8 +56,11 @@ def main() -> None:
     hubs = {}
     try:
         for w in weights:
-            h = Hub(Path(tempfile.mkdtemp(prefix="bench-bg-")), POLICY,
-                    extra_config=f"c.IsolatedProcessSpawner.servers_cpu_weight = {w!r}\n")
+            h = Hub(
+                Path(tempfile.mkdtemp(prefix="bench-bg-")),
+                POLICY,
+                extra_config=f"c.IsolatedProcessSpawner.servers_cpu_weight = {w!r}\n",
+            )
             hubs[w] = h.start()
         quiet = {w: [] for w in weights}
         loaded = {w: [] for w in weights}
@@ -73,15 +76,21 @@ def main() -> None:
                 for p in burners:
                     p.kill()
                     p.wait()
-            print(f"round {r + 1}: " + "  ".join(
-                f"weight {w:g}: quiet {quiet[w][-1]:.1f} s, beside nice-19 work {loaded[w][-1]:.1f} s" for w in weights),
-                flush=True)
+            print(
+                f"round {r + 1}: "
+                + "  ".join(
+                    f"weight {w:g}: quiet {quiet[w][-1]:.1f} s, beside nice-19 work {loaded[w][-1]:.1f} s" for w in weights
+                ),
+                flush=True,
+            )
         print(f"\n{a.burners} CPU-bound processes at nice 19 on {os.cpu_count()} CPUs, {a.rounds} rounds, spawn to ready:")
         for w in weights:
             q, l_ = statistics.median(quiet[w]), statistics.median(loaded[w])
             gave_up = sum(t >= GAVE_UP for t in loaded[w])
-            print(f"  servers_cpu_weight {w:g}: quiet {q:.1f} s, beside nice-19 work {l_:.1f} s ({l_ / q:.1f}x)"
-                  + (f"; {gave_up} of {a.rounds} not ready after {GAVE_UP:.0f} s" if gave_up else ""))
+            print(
+                f"  servers_cpu_weight {w:g}: quiet {q:.1f} s, beside nice-19 work {l_:.1f} s ({l_ / q:.1f}x)"
+                + (f"; {gave_up} of {a.rounds} not ready after {GAVE_UP:.0f} s" if gave_up else "")
+            )
     finally:
         for h in hubs.values():
             h.stop()

@@ -41,8 +41,22 @@ import threading
 import time
 import traceback
 
-_IDLE_NAMES = {"select", "poll", "wait", "_wait_for_tstate_lock", "sleep", "get", "_worker", "accept", "readinto",
-               "recv", "recv_into", "read", "_run_safe_shutdown_loop", "_do_waitpid"}
+_IDLE_NAMES = {
+    "select",
+    "poll",
+    "wait",
+    "_wait_for_tstate_lock",
+    "sleep",
+    "get",
+    "_worker",
+    "accept",
+    "readinto",
+    "recv",
+    "recv_into",
+    "read",
+    "_run_safe_shutdown_loop",
+    "_do_waitpid",
+}
 
 
 def _is_idle(frame) -> bool:
@@ -97,8 +111,15 @@ class Sampler:
             return
         t0 = self._gc_start.pop(ident, now)
         if now - t0 >= self.threshold / 5:
-            self.collections.append((time.time() - (now - t0), info.get("generation", -1), now - t0,
-                                     info.get("collected", 0), threading.current_thread().name))
+            self.collections.append(
+                (
+                    time.time() - (now - t0),
+                    info.get("generation", -1),
+                    now - t0,
+                    info.get("collected", 0),
+                    threading.current_thread().name,
+                )
+            )
 
     def _look(self) -> None:
         now = time.perf_counter()
@@ -121,14 +142,17 @@ class Sampler:
         self.looks += 1
         if frame is not None and not _is_idle(frame):
             self.busy += 1
-            self.inclusive.update({f[2:].split(":", 1)[0] + ":" + f.rsplit(" ", 1)[-1]
-                                   for f in _key(frame, depth=40) if f.startswith("*")})
+            self.inclusive.update(
+                {f[2:].split(":", 1)[0] + ":" + f.rsplit(" ", 1)[-1] for f in _key(frame, depth=40) if f.startswith("*")}
+            )
         if frame is None or _is_idle(frame):
             if self._run and now - self._run_start >= self.threshold:
-                ours = collections.Counter(next((f[2:] for f in k if f.startswith("*")), k[0][2:] if k else "?")
-                                           for k in self._run)
-                self.stalls.append((time.time() - (now - self._run_start), now - self._run_start,
-                                    ours.most_common(1)[0][0].rsplit("/", 1)[-1]))
+                ours = collections.Counter(
+                    next((f[2:] for f in k if f.startswith("*")), k[0][2:] if k else "?") for k in self._run
+                )
+                self.stalls.append(
+                    (time.time() - (now - self._run_start), now - self._run_start, ours.most_common(1)[0][0].rsplit("/", 1)[-1])
+                )
                 self.stacks.update(self._run)
             self._run = []
             return
@@ -138,31 +162,49 @@ class Sampler:
 
     def write(self) -> None:
         def when(t):
-            return time.strftime('%H:%M:%S', time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+            return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
 
-        lines = [f"stalls >= {self.threshold * 1000:.0f} ms of the main thread: {len(self.stalls)}; longest:"
-                 + "".join(f"\n  {s * 1000:.0f} ms at {when(t)} (mostly in {where})"
-                           for t, s, where in sorted(self.stalls, key=lambda x: -x[1])[:12])]
-        lines.append(f"looks >= {self.threshold * 1000:.0f} ms late (the GIL held by some thread): {len(self.starved)}; "
-                     "longest:" + "".join(f"\n  {s * 1000:.0f} ms at {when(t)} (busy: {b})"
-                                          for t, s, b in sorted(self.starved, key=lambda x: -x[1])[:10]))
-        lines.append(f"garbage collections >= {self.threshold * 200:.0f} ms: {len(self.collections)}; longest "
-                     + ", ".join(f"gen {g} {s * 1000:.0f} ms ({n} freed, {th}) at {when(t)}"
-                                 for t, g, s, n, th in sorted(self.collections, key=lambda x: -x[2])[:10]))
+        lines = [
+            f"stalls >= {self.threshold * 1000:.0f} ms of the main thread: {len(self.stalls)}; longest:"
+            + "".join(
+                f"\n  {s * 1000:.0f} ms at {when(t)} (mostly in {where})"
+                for t, s, where in sorted(self.stalls, key=lambda x: -x[1])[:12]
+            )
+        ]
+        lines.append(
+            f"looks >= {self.threshold * 1000:.0f} ms late (the GIL held by some thread): {len(self.starved)}; "
+            "longest:"
+            + "".join(
+                f"\n  {s * 1000:.0f} ms at {when(t)} (busy: {b})" for t, s, b in sorted(self.starved, key=lambda x: -x[1])[:10]
+            )
+        )
+        lines.append(
+            f"garbage collections >= {self.threshold * 200:.0f} ms: {len(self.collections)}; longest "
+            + ", ".join(
+                f"gen {g} {s * 1000:.0f} ms ({n} freed, {th}) at {when(t)}"
+                for t, g, s, n, th in sorted(self.collections, key=lambda x: -x[2])[:10]
+            )
+        )
         frozen = gc.get_freeze_count()
         if not self.frozen or self.frozen[-1][1] != frozen:
             self.frozen.append((time.time(), frozen))
-        lines.append("objects out of the collector's sight (gc.freeze), as it changed: "
-                     + ", ".join(f"{n} at {when(t)}" for t, n in self.frozen[-12:]))
+        lines.append(
+            "objects out of the collector's sight (gc.freeze), as it changed: "
+            + ", ".join(f"{n} at {when(t)}" for t, n in self.frozen[-12:])
+        )
         if self.leak:
-            lines.append("at the end: {} objects frozen; a full collection freed {}, and {} more once they were "
-                         "unfrozen (cycles that died while frozen): {}".format(*self.leak))
+            lines.append(
+                "at the end: {} objects frozen; a full collection freed {}, and {} more once they were "
+                "unfrozen (cycles that died while frozen): {}".format(*self.leak)
+            )
         span = time.perf_counter() - self._looks_since
         per_look = span / max(1, self.looks)
-        lines.append(f"looks at the main thread: {self.looks} in {span:.1f} s ({per_look * 1000:.1f} ms apart); the loop "
-                     f"busy in {self.busy} ({100 * self.busy / max(1, self.looks):.0f} %, ~{self.busy * per_look:.1f} s); "
-                     "busy looks by gpuhub or JupyterHub function on the stack (inclusive), most first:"
-                     + "".join(f"\n  {n:6d} looks ~{n * per_look:6.2f} s  {f}" for f, n in self.inclusive.most_common(25)))
+        lines.append(
+            f"looks at the main thread: {self.looks} in {span:.1f} s ({per_look * 1000:.1f} ms apart); the loop "
+            f"busy in {self.busy} ({100 * self.busy / max(1, self.looks):.0f} %, ~{self.busy * per_look:.1f} s); "
+            "busy looks by gpuhub or JupyterHub function on the stack (inclusive), most first:"
+            + "".join(f"\n  {n:6d} looks ~{n * per_look:6.2f} s  {f}" for f, n in self.inclusive.most_common(25))
+        )
         total = sum(self.stacks.values()) or 1
         for stack, n in self.stacks.most_common(12):
             lines.append(f"\n{n} looks ({100 * n / total:.0f} % of the stalls' looks), innermost first:")

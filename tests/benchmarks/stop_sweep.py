@@ -43,9 +43,17 @@ def one(servers: int, children: int) -> dict:
     leftovers = "sleep 300 & " * children
 
     def process(i: int) -> JobProcess:
-        sp = JobProcess(user_name=f"u{i}", job_id=f"j{uuid.uuid4().hex[:6]}", argv=[], env={}, devices=[],
-                        device_nodes=[], limits=(500, 2**28), account_prefix=prefix,
-                        home_dir_template=home + "/{account}")
+        sp = JobProcess(
+            user_name=f"u{i}",
+            job_id=f"j{uuid.uuid4().hex[:6]}",
+            argv=[],
+            env={},
+            devices=[],
+            device_nodes=[],
+            limits=(500, 2**28),
+            account_prefix=prefix,
+            home_dir_template=home + "/{account}",
+        )
         sp.cmd = ["/bin/sh", "-c", leftovers + "exec sleep 300"]
         return sp
 
@@ -110,16 +118,23 @@ def main() -> None:
                 if out.returncode != 0:
                     sys.exit(f"{name}: round failed\n{out.stderr[-2000:]}")
                 results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"{args.servers} isolated servers (each leaving {args.children} processes) stopped together, "
-          f"{args.rounds} interleaved rounds, load average {os.getloadavg()[0]:.1f} at the end")
+    print(
+        f"{args.servers} isolated servers (each leaving {args.children} processes) stopped together, "
+        f"{args.rounds} interleaved rounds, load average {os.getloadavg()[0]:.1f} at the end"
+    )
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()}
     for name, rs in results.items():
         each = ", ".join(f"{r['longest_gap_ms']:.0f}" for r in rs)
-        print(f"  {name:>12}  longest loop gap median {med[name]['longest_gap_ms']:7.1f} ms (each: {each}); "
-              f"stop-all wall {med[name]['wall_ms']:6.0f} ms; loop thread CPU {med[name]['loop_cpu_ms']:5.0f} ms")
+        print(
+            f"  {name:>12}  longest loop gap median {med[name]['longest_gap_ms']:7.1f} ms (each: {each}); "
+            f"stop-all wall {med[name]['wall_ms']:6.0f} ms; loop thread CPU {med[name]['loop_cpu_ms']:5.0f} ms"
+        )
     if args.before:
         b = med[f"@{args.before}"]
-        print("  now / before: " + ", ".join(f"{k} {med['now'][k] / b[k]:.2f}x" for k in ("longest_gap_ms", "wall_ms", "loop_cpu_ms")))
+        print(
+            "  now / before: "
+            + ", ".join(f"{k} {med['now'][k] / b[k]:.2f}x" for k in ("longest_gap_ms", "wall_ms", "loop_cpu_ms"))
+        )
 
 
 if __name__ == "__main__":

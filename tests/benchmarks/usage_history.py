@@ -53,9 +53,11 @@ async def main(n: int) -> None:
     with tempfile.TemporaryDirectory() as d:
         rec = UsageRecorder(db_url=f"sqlite:///{Path(d) / 'hub.sqlite'}", audit_file=str(Path(d) / "audit.jsonl"))
         q = AdmissionQueue(lambda: POLICY)
-        broker = SimpleNamespace(queue=q, devices=SimpleNamespace(devices=[], free_devices=lambda f: []),
-                                 store=SimpleNamespace(current=POLICY, on_change=lambda cb: None,
-                                                       status=PolicyStatus(path="")))
+        broker = SimpleNamespace(
+            queue=q,
+            devices=SimpleNamespace(devices=[], free_devices=lambda f: []),
+            store=SimpleNamespace(current=POLICY, on_change=lambda cb: None, status=PolicyStatus(path="")),
+        )
         rec.attach(broker)
         if rec._checker is not None:
             rec._checker.stop()
@@ -70,11 +72,12 @@ async def main(n: int) -> None:
         lines = sum(1 for _ in open(Path(d) / "audit.jsonl"))
     print(f"{events} queue events ({n} requests, 4 GPUs)")
     print(f"  bare queue:            {base / events * 1e6:8.1f} µs/event on the loop (baseline)")
-    print(f"  with history + audit:  {loop_time / events * 1e6:8.1f} µs/event on the loop "
-          f"({loop_time / base:.2f}× baseline)")
+    print(f"  with history + audit:  {loop_time / events * 1e6:8.1f} µs/event on the loop ({loop_time / base:.2f}× baseline)")
     print(f"  history thread drained {drain * 1000:.0f} ms after the storm; {len(rows)} rows, {lines} audit lines")
-    print(f"  reading and summarising the whole history: {read * 1000:.0f} ms "
-          f"({summary['totals']['crowd']['allocations']} allocations)")
+    print(
+        f"  reading and summarising the whole history: {read * 1000:.0f} ms "
+        f"({summary['totals']['crowd']['allocations']} allocations)"
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,12 @@ EXAMPLE = REPO / "jupyterhub_config" / "profiles.yaml"
 
 def compile_tree(package: Path) -> None:
     """Write the package's bytecode (as ``pip install`` does), quietly."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True, stdout=subprocess.DEVNULL,
-                   env=dict(os.environ, PYTHONDONTWRITEBYTECODE=""))
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(package)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env=dict(os.environ, PYTHONDONTWRITEBYTECODE=""),
+    )
 
 
 def timed(cmd: list[str], env: dict) -> tuple[float, float]:
@@ -97,18 +101,24 @@ def main() -> None:
                 wall, used = timed(*runs[name])
                 times[name].append(wall)
                 cpu[name].append(used)
-        print(f"`gpuhub validate` end to end, {args.rounds} interleaved rounds "
-              f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end)")
+        print(
+            f"`gpuhub validate` end to end, {args.rounds} interleaved rounds "
+            f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end)"
+        )
         for name, ts in times.items():
-            print(f"  {name:<40} median {statistics.median(ts):5.2f}s  p10 {pct(ts, 10):5.2f}  p90 {pct(ts, 90):5.2f}"
-                  f"   CPU median {statistics.median(cpu[name]):5.2f}s")
+            print(
+                f"  {name:<40} median {statistics.median(ts):5.2f}s  p10 {pct(ts, 10):5.2f}  p90 {pct(ts, 90):5.2f}"
+                f"   CPU median {statistics.median(cpu[name]):5.2f}s"
+            )
         med = {name: statistics.median(ts) for name, ts in times.items()}
         print(f"  500 teams / example: {med['validate 500 teams'] / med['validate example']:.2f}x (goal: 500 teams <= 1 s)")
         if args.before:
             b = f"validate 500 teams @{args.before}"
             e = f"validate example @{args.before}"
-            print(f"  now / @{args.before}: 500 teams {med['validate 500 teams'] / med[b]:.2f}x, "
-                  f"example {med['validate example'] / med[e]:.2f}x")
+            print(
+                f"  now / @{args.before}: 500 teams {med['validate 500 teams'] / med[b]:.2f}x, "
+                f"example {med['validate example'] / med[e]:.2f}x"
+            )
 
 
 if __name__ == "__main__":

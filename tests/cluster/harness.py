@@ -66,12 +66,16 @@ def kubectl_path() -> str | None:
 
 def skip_reason() -> str | None:
     if not os.environ.get("GPUHUB_CLUSTER"):
-        return ("real control plane tests are opt-in: set GPUHUB_CLUSTER=1 (tests/cluster/up.sh starts "
-                "etcd, kube-apiserver 1.36, kwok and Kueue v0.19.2 from binaries cached by tests/cluster/build.sh)")
+        return (
+            "real control plane tests are opt-in: set GPUHUB_CLUSTER=1 (tests/cluster/up.sh starts "
+            "etcd, kube-apiserver 1.36, kwok and Kueue v0.19.2 from binaries cached by tests/cluster/build.sh)"
+        )
     missing = [name for name, path in binaries().items() if not os.access(path, os.X_OK)]
     if missing:
-        return (f"real control plane binaries not cached in {CACHE} ({', '.join(missing)}): run "
-                "tests/cluster/build.sh once (Go >= 1.26 and the Go module proxy; about 55 min on 2 busy cores)")
+        return (
+            f"real control plane binaries not cached in {CACHE} ({', '.join(missing)}): run "
+            "tests/cluster/build.sh once (Go >= 1.26 and the Go module proxy; about 55 min on 2 busy cores)"
+        )
     if not kubectl_path():
         return "kubectl not found (set GPUHUB_KUBECTL)"
     return None
@@ -135,8 +139,12 @@ class RealCluster:
             r.raise_for_status()
 
     def patch(self, kind: str, ns: str | None, name: str, body: dict) -> None:
-        r = self.session.patch(self.url + self.path(kind, ns, name), data=json.dumps(body),
-                               headers={"Content-Type": "application/merge-patch+json"}, timeout=15)
+        r = self.session.patch(
+            self.url + self.path(kind, ns, name),
+            data=json.dumps(body),
+            headers={"Content-Type": "application/merge-patch+json"},
+            timeout=15,
+        )
         if r.status_code != 404:
             r.raise_for_status()
 
@@ -145,8 +153,13 @@ class RealCluster:
 
     # -- kubectl, as an operator --------------------------------------------------------------
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        p = subprocess.run([kubectl_path(), "--kubeconfig", str(self.kubeconfig), *args], input=input,
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [kubectl_path(), "--kubeconfig", str(self.kubeconfig), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if check and p.returncode != 0:
             raise RuntimeError(f"kubectl {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
         return p
@@ -156,14 +169,23 @@ class RealCluster:
         workdir.mkdir(parents=True, exist_ok=True)
         policy = workdir / "profiles.yaml"
         policy.write_text(policy_text)
-        rendered = subprocess.run([str(VENV_BIN / "gpuhub"), "render", "kueue", str(policy), "--namespace", namespace],
-                                  capture_output=True, text=True, check=True).stdout
+        rendered = subprocess.run(
+            [str(VENV_BIN / "gpuhub"), "render", "kueue", str(policy), "--namespace", namespace],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         (workdir / "kueue.yaml").write_text(rendered)
         return self.kubectl("apply", "--server-side", "--field-manager=gpuhub-tests", "-f", str(workdir / "kueue.yaml")).stdout
 
     def ensure_namespace(self, name: str) -> None:
-        self.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}))
+        self.kubectl(
+            "apply",
+            "--server-side",
+            "-f",
+            "-",
+            input=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}),
+        )
 
     def reset(self, namespace: str) -> None:
         """No pods, Workloads or Kueue queue objects left (finalizers removed as Kueue would)."""
@@ -207,32 +229,47 @@ def install_hub_identity(cluster: RealCluster, policy_file: Path, workdir: Path,
     Returns the kubeconfig's path: the API server, its CA and that token, nothing else."""
     workdir.mkdir(parents=True, exist_ok=True)
     cluster.ensure_namespace(HUB_NAMESPACE)
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(
-        {"apiVersion": "v1", "kind": "ServiceAccount",
-         "metadata": {"name": HUB_SERVICE_ACCOUNT, "namespace": HUB_NAMESPACE}}))
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=yaml.safe_dump(
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": HUB_SERVICE_ACCOUNT, "namespace": HUB_NAMESPACE}}
+        ),
+    )
     cluster.kubectl("apply", "-f", str(REPO / "helm-values" / "user-namespace.yaml"))
     sa = f"{HUB_NAMESPACE}:{HUB_SERVICE_ACCOUNT}"
     for what in (["capacity-rbac", str(policy_file)], ["policy-rbac"]):
-        rendered = subprocess.run([str(VENV_BIN / "gpuhub"), "render", *what, "--service-account", sa],
-                                  capture_output=True, text=True, check=True).stdout
+        rendered = subprocess.run(
+            [str(VENV_BIN / "gpuhub"), "render", *what, "--service-account", sa], capture_output=True, text=True, check=True
+        ).stdout
         cluster.kubectl("apply", "-f", "-", input=rendered)
     r = cluster.session.post(
         cluster.url + f"/api/v1/namespaces/{HUB_NAMESPACE}/serviceaccounts/{HUB_SERVICE_ACCOUNT}/token",
-        json={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-              "spec": {"expirationSeconds": hours * 3600}}, timeout=15)
+        json={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": hours * 3600}},
+        timeout=15,
+    )
     if r.status_code >= 400:
         raise RuntimeError(f"TokenRequest for {HUB_USER}: {r.status_code} {r.text}")
     token = r.json()["status"]["token"]
     admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    kc = {"apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
-          "users": [{"name": "hub", "user": {"token": token}}],
-          "contexts": [{"name": "hub", "context": {"cluster": admin["clusters"][0]["name"], "user": "hub"}}],
-          "current-context": "hub"}
+    kc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": admin["clusters"],
+        "users": [{"name": "hub", "user": {"token": token}}],
+        "contexts": [{"name": "hub", "context": {"cluster": admin["clusters"][0]["name"], "user": "hub"}}],
+        "current-context": "hub",
+    }
     path = workdir / "hub.kubeconfig"
     path.write_text(yaml.safe_dump(kc))
     path.chmod(0o600)
-    who = subprocess.run([kubectl_path(), "--kubeconfig", str(path), "auth", "whoami", "-o", "jsonpath={.status.userInfo.username}"],
-                         capture_output=True, text=True, timeout=60)
+    who = subprocess.run(
+        [kubectl_path(), "--kubeconfig", str(path), "auth", "whoami", "-o", "jsonpath={.status.userInfo.username}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert who.stdout.strip() == HUB_USER, (who.stdout, who.stderr)
     return path
 
@@ -247,8 +284,10 @@ def hub_requests(since: int = 0) -> list[dict]:
     audit log: up.sh's policy records that user's requests at the Metadata level), as
     ``{verb, group, resource, namespace, name, code}``, one per request (its last stage)."""
     if not AUDIT_LOG.exists():
-        raise AssertionError(f"no audit log at {AUDIT_LOG}: the control plane was started by an up.sh without "
-                             "the audit policy (tests/cluster/down.sh; up.sh)")
+        raise AssertionError(
+            f"no audit log at {AUDIT_LOG}: the control plane was started by an up.sh without "
+            "the audit policy (tests/cluster/down.sh; up.sh)"
+        )
     by_id: dict[str, dict] = {}
     with AUDIT_LOG.open("rb") as f:
         f.seek(since)
@@ -261,9 +300,15 @@ def hub_requests(since: int = 0) -> list[dict]:
                 continue
             ref = ev.get("objectRef") or {}
             resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
-            by_id[ev["auditID"]] = {"verb": ev["verb"], "group": ref.get("apiGroup", ""), "resource": resource,
-                                    "namespace": ref.get("namespace", ""), "name": ref.get("name", ""),
-                                    "code": (ev.get("responseStatus") or {}).get("code"), "uri": ev.get("requestURI", "")}
+            by_id[ev["auditID"]] = {
+                "verb": ev["verb"],
+                "group": ref.get("apiGroup", ""),
+                "resource": resource,
+                "namespace": ref.get("namespace", ""),
+                "name": ref.get("name", ""),
+                "code": (ev.get("responseStatus") or {}).get("code"),
+                "uri": ev.get("requestURI", ""),
+            }
     return list(by_id.values())
 
 
@@ -373,8 +418,7 @@ class StandInKubelet(threading.Thread):
         for key in list(self.processes):
             self._kill(key)
         for ns, name in self.logs_objects:
-            self.cluster.session.delete(f"{self.cluster.url}/apis/kwok.x-k8s.io/v1alpha1/namespaces/{ns}/logs/{name}",
-                                        timeout=15)
+            self.cluster.session.delete(f"{self.cluster.url}/apis/kwok.x-k8s.io/v1alpha1/namespaces/{ns}/logs/{name}", timeout=15)
 
     def _kill(self, key: str) -> None:
         proc = self.processes.pop(key, None)
@@ -400,8 +444,13 @@ class StandInKubelet(threading.Thread):
                 self._report_exit(pod, proc.returncode)
         for uid, pod in pods.items():
             status = pod.get("status") or {}
-            if (uid in self.processes or uid in self.exited or pod["metadata"].get("deletionTimestamp")
-                    or status.get("phase") != "Running" or not status.get("podIP")):
+            if (
+                uid in self.processes
+                or uid in self.exited
+                or pod["metadata"].get("deletionTimestamp")
+                or status.get("phase") != "Running"
+                or not status.get("podIP")
+            ):
                 continue
             self._start(pod)
 
@@ -414,19 +463,39 @@ class StandInKubelet(threading.Thread):
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         container = pod["spec"]["containers"][0]
         started = datetime.fromtimestamp(self.started_at.get(pod["metadata"]["name"], time.time()), timezone.utc)
-        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                      "startedAt": started.strftime("%Y-%m-%dT%H:%M:%SZ"), "finishedAt": now}
-        body = {"status": {
-            "phase": "Succeeded" if code == 0 else "Failed",
-            "conditions": [{"type": t, "status": "False", "lastTransitionTime": now, "reason": "PodCompleted"}
-                           for t in ("Ready", "ContainersReady")],
-            "containerStatuses": [{"name": container["name"], "image": container.get("image", ""), "imageID": "",
-                                   "ready": False, "restartCount": 0, "started": False,
-                                   "state": {"terminated": terminated}}]}}
+        terminated = {
+            "exitCode": code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "finishedAt": now,
+        }
+        body = {
+            "status": {
+                "phase": "Succeeded" if code == 0 else "Failed",
+                "conditions": [
+                    {"type": t, "status": "False", "lastTransitionTime": now, "reason": "PodCompleted"}
+                    for t in ("Ready", "ContainersReady")
+                ],
+                "containerStatuses": [
+                    {
+                        "name": container["name"],
+                        "image": container.get("image", ""),
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "started": False,
+                        "state": {"terminated": terminated},
+                    }
+                ],
+            }
+        }
         self.exited[pod["metadata"]["uid"]] = code
         r = self.cluster.session.patch(
             self.cluster.url + self.cluster.path("pods", pod["metadata"]["namespace"], pod["metadata"]["name"]) + "/status",
-            data=json.dumps(body), headers={"Content-Type": "application/strategic-merge-patch+json"}, timeout=15)
+            data=json.dumps(body),
+            headers={"Content-Type": "application/strategic-merge-patch+json"},
+            timeout=15,
+        )
         if r.status_code not in (200, 404):
             self.errors.append(f"status of {pod['metadata']['name']}: {r.status_code} {r.text[:300]}")
 
@@ -441,8 +510,11 @@ class StandInKubelet(threading.Thread):
             src = item.get("valueFrom") or {}
             if src.get("fieldRef"):
                 path = src["fieldRef"]["fieldPath"]
-                env[item["name"]] = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
-                                     "status.podIP": pod["status"]["podIP"]}.get(path, "")
+                env[item["name"]] = {
+                    "metadata.name": pod["metadata"]["name"],
+                    "metadata.namespace": pod["metadata"]["namespace"],
+                    "status.podIP": pod["status"]["podIP"],
+                }.get(path, "")
             elif src.get("secretKeyRef"):
                 ref = src["secretKeyRef"]
                 import base64
@@ -450,8 +522,9 @@ class StandInKubelet(threading.Thread):
                 secret = self.cluster.get(self.cluster.path("secrets", pod["metadata"]["namespace"], ref["name"]))
                 env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
             else:
-                env[item["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
-                                           item.get("value", ""))
+                env[item["name"]] = re.sub(
+                    r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), item.get("value", "")
+                )
         return env
 
     def _start(self, pod: dict) -> None:
@@ -464,8 +537,9 @@ class StandInKubelet(threading.Thread):
         home = self.workdir / pod["metadata"]["name"]
         home.mkdir(parents=True, exist_ok=True)
         env.setdefault("HOME", str(home))
-        proc = subprocess.Popen(argv, env=env, cwd=str(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=env, cwd=str(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         proc.copier = threading.Thread(target=self._copy_output, args=(proc, home), daemon=True)  # type: ignore[attr-defined]
         proc.copier.start()  # type: ignore[attr-defined]
         self.processes[pod["metadata"]["uid"]] = proc
@@ -492,9 +566,16 @@ class StandInKubelet(threading.Thread):
         ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
         url = f"{self.cluster.url}/apis/kwok.x-k8s.io/v1alpha1/namespaces/{ns}/logs"
         self.cluster.session.delete(f"{url}/{name}", timeout=15)  # a pod of the same name before
-        r = self.cluster.session.post(url, json={
-            "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Logs", "metadata": {"name": name, "namespace": ns},
-            "spec": {"logs": [{"containers": [container], "logsFile": str(path), "follow": True}]}}, timeout=15)
+        r = self.cluster.session.post(
+            url,
+            json={
+                "apiVersion": "kwok.x-k8s.io/v1alpha1",
+                "kind": "Logs",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"logs": [{"containers": [container], "logsFile": str(path), "follow": True}]},
+            },
+            timeout=15,
+        )
         if r.status_code >= 400:
             self.errors.append(f"kwok Logs for {name}: {r.status_code} {r.text[:300]}")
         self.logs_objects.add((ns, name))

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import yaml
 
-SELECTOR = {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "NotIn",
-                                  "values": ["kube-system", "kueue-system"]}]}
+SELECTOR = {
+    "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system", "kueue-system"]}]
+}
 
 
 def crds(module: Path, shared: Path | None, webhook_port: str, ca: str) -> list[dict]:
@@ -47,9 +48,13 @@ def crds(module: Path, shared: Path | None, webhook_port: str, ca: str) -> list[
         if shared and (shared / f"{plural}.yaml").exists():
             crd = yaml.safe_load((shared / f"{plural}.yaml").read_text())
         if crd["metadata"]["name"] in converted:
-            crd["spec"]["conversion"] = {"strategy": "Webhook", "webhook": {
-                "clientConfig": {"url": f"https://127.0.0.1:{webhook_port}/convert", "caBundle": ca},
-                "conversionReviewVersions": ["v1"]}}
+            crd["spec"]["conversion"] = {
+                "strategy": "Webhook",
+                "webhook": {
+                    "clientConfig": {"url": f"https://127.0.0.1:{webhook_port}/convert", "caBundle": ca},
+                    "conversionReviewVersions": ["v1"],
+                },
+            }
         out.append(crd)
     return out
 
@@ -78,11 +83,22 @@ def main(module: str, webhook_port: str, visibility_port: str, ca_file: str, sha
         out.append(doc)
     api = yaml.safe_load((cfg / "visibility" / "apiservice_v1beta2.yaml").read_text())
     api["spec"]["service"] = {"name": "kueue-visibility-server", "namespace": "kueue-system", "port": int(visibility_port)}
-    out.append({"apiVersion": "v1", "kind": "Service",
-                "metadata": {"name": "kueue-visibility-server", "namespace": "kueue-system",
-                             "labels": {"app.kubernetes.io/name": "kueue"}},
-                "spec": {"type": "ExternalName", "externalName": "localhost",
-                         "ports": [{"name": "https", "port": int(visibility_port), "protocol": "TCP"}]}})
+    out.append(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": "kueue-visibility-server",
+                "namespace": "kueue-system",
+                "labels": {"app.kubernetes.io/name": "kueue"},
+            },
+            "spec": {
+                "type": "ExternalName",
+                "externalName": "localhost",
+                "ports": [{"name": "https", "port": int(visibility_port), "protocol": "TCP"}],
+            },
+        }
+    )
     out.append(api)
     yaml.safe_dump_all(out, sys.stdout, sort_keys=False)
 

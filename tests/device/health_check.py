@@ -56,7 +56,8 @@ def no_gpu(results: dict, why: str) -> int:
     results["gpu"] = None
     results["skipped"] = why
     results["not_read"] = [f"{name} (every GPU)" for name in POLLED] + [
-        "XID / double-bit ECC event registration and nvmlEventSetWait"]
+        "XID / double-bit ECC event registration and nvmlEventSetWait"
+    ]
     write(results)
     print(f"HEALTH CHECK SKIPPED: {why}")
     return 0
@@ -85,8 +86,11 @@ def events_of(pynvml, handle) -> dict:
             # Not an error of this check: a real event was pending on this GPU. Say which.
             out["wait"] = {"event_type": hex(int(event.eventType)), "data": int(event.eventData)}
         except pynvml.NVMLError as e:
-            out["wait"] = {"error": str(e), "timed_out": e.value == pynvml.NVML_ERROR_TIMEOUT,
-                           "seconds": round(time.monotonic() - t0, 2)}
+            out["wait"] = {
+                "error": str(e),
+                "timed_out": e.value == pynvml.NVML_ERROR_TIMEOUT,
+                "seconds": round(time.monotonic() - t0, 2),
+            }
     except pynvml.NVMLError as e:
         out["error"] = str(e)
     finally:
@@ -119,8 +123,7 @@ def main() -> int:
         gpus = []
         for i in range(count):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            g: dict = {"index": i, "uuid": text(pynvml.nvmlDeviceGetUUID(handle)),
-                       "name": text(pynvml.nvmlDeviceGetName(handle))}
+            g: dict = {"index": i, "uuid": text(pynvml.nvmlDeviceGetUUID(handle)), "name": text(pynvml.nvmlDeviceGetName(handle))}
             try:
                 current, _pending = pynvml.nvmlDeviceGetEccMode(handle)
                 g["ecc_enabled"] = current == pynvml.NVML_FEATURE_ENABLED

@@ -52,16 +52,32 @@ print(json.dumps({"uid": os.getuid(), "count": n, "uuids": uuids, "nodes": nodes
 
 
 def sandboxed(account, home, nodes, cg, code, env_extra=None):
-    spec = {"uid": account.uid, "gid": account.gid, "home": home, "visible_home": home, "dev_dir": "/dev",
-            "gpu_nodes": nodes, "cgroup_procs": cg.procs_files() if cg else [],
-            "expose": [sys.base_prefix, sys.prefix, *SITE_DIRS]}
+    spec = {
+        "uid": account.uid,
+        "gid": account.gid,
+        "home": home,
+        "visible_home": home,
+        "dev_dir": "/dev",
+        "gpu_nodes": nodes,
+        "cgroup_procs": cg.procs_files() if cg else [],
+        "expose": [sys.base_prefix, sys.prefix, *SITE_DIRS],
+    }
     # torch is found where this script found it (a venv, a user site under /root, ...)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home, "PYTHONPATH": os.pathsep.join(SITE_DIRS),
-           **(env_extra or {})}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": home,
+        "PYTHONPATH": os.pathsep.join(SITE_DIRS),
+        **(env_extra or {}),
+    }
     if "LD_LIBRARY_PATH" in os.environ:
         env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
-    return subprocess.run([sys.executable, "-I", "-m", "gpuhub_spawner.local.sandbox", json.dumps(spec), "--",
-                           sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-I", "-m", "gpuhub_spawner.local.sandbox", json.dumps(spec), "--", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def main() -> int:
@@ -96,19 +112,32 @@ def main() -> int:
         if cg:
             found = host_nodes("/dev", nodes)
             try:
-                cg.create(memory=8 * 2**30, cpu_millis=2000,
-                          device_rules=STANDARD_DEVICE_RULES + [f"c {a}:{b} rwm" for a, b in found.values()])
+                cg.create(
+                    memory=8 * 2**30,
+                    cpu_millis=2000,
+                    device_rules=STANDARD_DEVICE_RULES + [f"c {a}:{b} rwm" for a, b in found.values()],
+                )
             except OSError as e:
                 check("cgroup_create", False, error=str(e))
                 cg = None
         r = sandboxed(account, home, nodes, cg, PROBE, {"CUDA_VISIBLE_DEVICES": target.uuid})
         got = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else {}
-        check("assigned_gpu_only_after_del_CUDA_VISIBLE_DEVICES",
-              got.get("count") == 1 and got.get("uuids", [""])[0].replace("GPU-", "") == target.uuid.replace("GPU-", "")
-              and got.get("matmul_ok") and got.get("uid") == account.uid,
-              assigned=target.uuid, seen=got, stderr=r.stderr[-2000:])
-        check("dev_holds_only_assigned_nodes", set(got.get("nodes", [])) <= set(nodes)
-              and target.nodes[0] in got.get("nodes", []), nodes=got.get("nodes"), allowed=nodes)
+        check(
+            "assigned_gpu_only_after_del_CUDA_VISIBLE_DEVICES",
+            got.get("count") == 1
+            and got.get("uuids", [""])[0].replace("GPU-", "") == target.uuid.replace("GPU-", "")
+            and got.get("matmul_ok")
+            and got.get("uid") == account.uid,
+            assigned=target.uuid,
+            seen=got,
+            stderr=r.stderr[-2000:],
+        )
+        check(
+            "dev_holds_only_assigned_nodes",
+            set(got.get("nodes", [])) <= set(nodes) and target.nodes[0] in got.get("nodes", []),
+            nodes=got.get("nodes"),
+            allowed=nodes,
+        )
         if cg:
             q = cg.cpu_quota()
             check("cpu_quota_in_cgroup", q == (200000, 100000), quota=q)
@@ -117,12 +146,16 @@ def main() -> int:
             cg.remove()
             cg.create(memory=256 * 2**20, cpu_millis=None, device_rules=None)
             r3 = sandboxed(account, home, [], cg, "x = bytearray(1024 * 2**20); x[::4096] = b'1' * len(x[::4096])")
-            check("over_memory_killed", r3.returncode != 0 and cg.oom_kills() >= 1, rc=r3.returncode,
-                  oom_kills=cg.oom_kills(), ran_plain=r2.returncode == 0)
+            check(
+                "over_memory_killed",
+                r3.returncode != 0 and cg.oom_kills() >= 1,
+                rc=r3.returncode,
+                oom_kills=cg.oom_kills(),
+                ran_plain=r2.returncode == 0,
+            )
         r4 = sandboxed(account, home, [], None, PROBE, {"CUDA_VISIBLE_DEVICES": target.uuid})
         got4 = json.loads(r4.stdout.strip().splitlines()[-1]) if r4.returncode == 0 and r4.stdout.strip() else {}
-        check("cpu_profile_sees_no_gpu", got4.get("count") == 0 and got4.get("nodes") == [], seen=got4,
-              stderr=r4.stderr[-1000:])
+        check("cpu_profile_sees_no_gpu", got4.get("count") == 0 and got4.get("nodes") == [], seen=got4, stderr=r4.stderr[-1000:])
     finally:
         if cg:
             cg.kill_all()

@@ -47,8 +47,12 @@ def image_env(tmp_path_factory):
     py = root / "bin" / "python"
 
     def pip(*args):
-        p = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
-                           capture_output=True, text=True, timeout=900)
+        p = subprocess.run(
+            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert p.returncode == 0, p.stdout + p.stderr
 
     pip(f"jupyterlab=={_pin('jupyterlab')}", "ipykernel")  # the base image's part
@@ -57,8 +61,13 @@ def image_env(tmp_path_factory):
 
 
 def run(env_root: Path, *cmd: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(env_root / "bin" / cmd[0]), *cmd[1:]], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, **(env or {}), PATH=f"{env_root / 'bin'}:{os.environ['PATH']}"))
+    return subprocess.run(
+        [str(env_root / "bin" / cmd[0]), *cmd[1:]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **(env or {}), PATH=f"{env_root / 'bin'}:{os.environ['PATH']}"),
+    )
 
 
 def test_the_lock_installs_consistently(image_env):
@@ -93,10 +102,17 @@ def test_an_mlflow_run_carries_the_servers_identity(image_env, tmp_path):
         "    mlflow.log_metric('loss', 0.5)\n"
         "print(json.dumps(mlflow.get_run(run.info.run_id).data.tags))\n"
     )
-    env = {"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "JUPYTERHUB_USER": "alice",
-           "GPUHUB_USER": "alice", "GPUHUB_TEAM": "vision", "GPUHUB_PROFILE": "a100-1",
-           "GPUHUB_GPU_FLAVOR": "a100", "GPUHUB_GPU_COUNT": "1", "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
-           "MLFLOW_ALLOW_FILE_STORE": "true"}  # a local store here; in a server it is the hub's MLflow
+    env = {
+        "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
+        "JUPYTERHUB_USER": "alice",
+        "GPUHUB_USER": "alice",
+        "GPUHUB_TEAM": "vision",
+        "GPUHUB_PROFILE": "a100-1",
+        "GPUHUB_GPU_FLAVOR": "a100",
+        "GPUHUB_GPU_COUNT": "1",
+        "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+    }  # a local store here; in a server it is the hub's MLflow
     p = run(image_env, "python", "-c", code, env=env)
     assert p.returncode == 0, p.stderr
     tags = json.loads(p.stdout.strip().splitlines()[-1])

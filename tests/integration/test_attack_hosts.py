@@ -56,8 +56,12 @@ def resolve_domain():
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, resolve_domain):
-    h = Hub(tmp_path_factory.mktemp("hosts"), POLICY, mlflow=True,  # MLflow: a service host to check
-            env={"GPUHUB_DOMAIN": DOMAIN})
+    h = Hub(
+        tmp_path_factory.mktemp("hosts"),
+        POLICY,
+        mlflow=True,  # MLflow: a service host to check
+        env={"GPUHUB_DOMAIN": DOMAIN},
+    )
     h.url = f"http://{DOMAIN}:{h.port}"
     h.start(timeout=120)
     yield h
@@ -76,8 +80,12 @@ def users(hub):
     deadline, last = time.time() + 300, None
     while time.time() < deadline:
         try:
-            r = requests.get(mlflow_public(hub) + API + "/experiments/search", params={"max_results": 1},
-                             headers={"Authorization": f"Bearer {clients['carol'].token}"}, timeout=200)
+            r = requests.get(
+                mlflow_public(hub) + API + "/experiments/search",
+                params={"max_results": 1},
+                headers={"Authorization": f"Bearer {clients['carol'].token}"},
+                timeout=200,
+            )
             if r.status_code == 200:
                 return clients
             last = (r.status_code, r.text[:200])
@@ -185,8 +193,11 @@ def _stolen_tokens(user) -> list:
 def _hub_cookies_on(context, host_origin: str) -> list:
     """Cookies the hub set on that host itself (host-only, under /hub)."""
     host = urlsplit(host_origin).hostname
-    return [c for c in context.cookies([host_origin + "/hub/", host_origin + "/hub/api/", host_origin + "/"])
-            if c["domain"] == host and c["path"].startswith("/hub")]
+    return [
+        c
+        for c in context.cookies([host_origin + "/hub/", host_origin + "/hub/api/", host_origin + "/"])
+        if c["domain"] == host and c["path"].startswith("/hub")
+    ]
 
 
 @pytest.mark.browser
@@ -265,14 +276,22 @@ def test_the_hubs_login_pages_api_and_static_files_are_refused_on_other_hosts(hu
             assert status == 404 and REFUSED in body, (host, path, status, body[:300])
             assert "set-cookie" not in headers, (host, path, headers)
         # carol's own token does not open the hub's API there either
-        status, headers, body = _get(hub.url + "/hub/api/users/carol/tokens", host=host, method="POST",
-                                     body=json.dumps({"note": "stolen-by-bob"}),
-                                     headers={"Authorization": f"token {carol.token}", "Content-Type": "application/json"})
+        status, headers, body = _get(
+            hub.url + "/hub/api/users/carol/tokens",
+            host=host,
+            method="POST",
+            body=json.dumps({"note": "stolen-by-bob"}),
+            headers={"Authorization": f"token {carol.token}", "Content-Type": "application/json"},
+        )
         assert status == 404 and "set-cookie" not in headers, (host, status, body[:300])
         # nor does a password posted to the login form
-        status, headers, body = _get(hub.url + "/hub/login", host=host, method="POST",
-                                     body=f"username=carol&password={PASSWORD}",
-                                     headers={"Content-Type": "application/x-www-form-urlencoded"})
+        status, headers, body = _get(
+            hub.url + "/hub/login",
+            host=host,
+            method="POST",
+            body=f"username=carol&password={PASSWORD}",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
         assert status == 404 and "set-cookie" not in headers, (host, status, body[:300])
     assert not _stolen_tokens(carol)
 
@@ -319,8 +338,12 @@ def test_the_hub_bobs_server_and_mlflow_still_work_each_on_its_own_host(hub, use
         assert status == 302 and headers["location"] == hub.url + "/hub/login", (name, headers)
     # MLflow, on its host: the API with a token, and the UI with single sign-on through the hub's host.
     public = mlflow_public(hub)
-    r = requests.get(public + API + "/experiments/search", params={"max_results": 1},
-                     headers={"Authorization": f"Bearer {carol.token}"}, timeout=200)
+    r = requests.get(
+        public + API + "/experiments/search",
+        params={"max_results": 1},
+        headers={"Authorization": f"Bearer {carol.token}"},
+        timeout=200,
+    )
     assert r.status_code == 200, r.text[:300]
     context = browser.new_context()
     try:
@@ -354,8 +377,9 @@ def test_cookie_host_prefix_follows_https_and_can_be_set_in_the_site_file(tmp_pa
         c.JupyterHub.hub_port = 8081
         if subdomains:
             c.JupyterHub.subdomain_host = "http://localhost:8000"
-        configure_site(c, parse_site(text), policy_file=str(tmp_path / "none.yaml"),
-                       public_url="http://127.0.0.1:8000", demo=lambda c: None)
+        configure_site(
+            c, parse_site(text), policy_file=str(tmp_path / "none.yaml"), public_url="http://127.0.0.1:8000", demo=lambda c: None
+        )
         serve_hub_only_on_its_host(c)
         return c
 

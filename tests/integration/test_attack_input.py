@@ -51,7 +51,7 @@ def alias_tree(levels: int = 7, width: int = 10) -> str:
 def costly_json(size: int) -> bytes:
     """The JSON that costs the most to decode per byte (an empty list every 3 bytes)."""
     pad = b"[]," * ((size - 40) // 3)
-    return b'{"spec": "profile: cpu", "pad": [' + pad + b'[]]}'
+    return b'{"spec": "profile: cpu", "pad": [' + pad + b"[]]}"
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +124,11 @@ def attack(hub: Hub, what: str, send, tries: int = TRIES) -> tuple[object, float
             user.stop()
             loop.stop()
         stalls.append(user.stall(t0, t2))
-        print(f"{what}: answered in {(t1 - t0) * 1000:.0f} ms; longest probe during it: through the proxy "
-              f"{stalls[-1] * 1000:.1f} ms (before: {user.before(t0)}), to the hub's port "
-              f"{loop.stall(t0, t2) * 1000:.1f} ms (before: {loop.before(t0)})")
+        print(
+            f"{what}: answered in {(t1 - t0) * 1000:.0f} ms; longest probe during it: through the proxy "
+            f"{stalls[-1] * 1000:.1f} ms (before: {user.before(t0)}), to the hub's port "
+            f"{loop.stall(t0, t2) * 1000:.1f} ms (before: {loop.before(t0)})"
+        )
     return result, sorted(stalls)[len(stalls) // 2]
 
 
@@ -169,7 +171,8 @@ def test_a_long_duration_is_refused_before_the_quadratic_match(hub, users):
     r, stall = attack(hub, "8,000-digit timeLimit (alice)", lambda: post(alice, "/gpuhub/jobs", json={"spec": spec}))
     assert status(r) == 400 and r.json()["issues"] == [
         "job.yaml:3:12: timeLimit: '11111111111111111111'... is not a duration (at most 32 characters; "
-        "examples: 90s, 15m, 1h30m, 2d)"]
+        "examples: 90s, 15m, 1h30m, 2d)"
+    ]
     assert stall < STALL_BOUND
 
 
@@ -183,8 +186,11 @@ def test_a_user_in_no_team_is_refused_before_the_file_is_read(hub, users):
 def test_an_oversized_submission_is_refused_before_it_is_decoded(hub, users):
     alice = users["alice"]
     body = costly_json(8 << 20)  # 8 MiB: ~1 s of json.loads on this machine
-    r, stall = attack(hub, "8 MiB JSON to the jobs API", lambda: post(
-        alice, "/gpuhub/jobs", data=body, headers={"Content-Type": "application/json"}))
+    r, stall = attack(
+        hub,
+        "8 MiB JSON to the jobs API",
+        lambda: post(alice, "/gpuhub/jobs", data=body, headers={"Content-Type": "application/json"}),
+    )
     # 413 from the hub's HTTP server (its body limit), else from the handler: never decoded.
     assert status(r) == 413 and "at most" in message(r), getattr(r, "text", r)
     assert stall < STALL_BOUND
@@ -199,10 +205,12 @@ def test_a_job_file_over_the_limits_is_refused_with_the_limit(hub, users):
     assert status(r) == 413 and message(r) == "A job file may have at most 65536 bytes."
     r = post(alice, "/gpuhub/jobs", json={"spec": "profile: cpu\ncommand: [" + "a," * 5000 + "]\n"})
     assert status(r) == 400 and r.json()["issues"] == [
-        "job.yaml:2:2001: command[995]: job files may hold at most 1000 values (keys, list items and values)"]
+        "job.yaml:2:2001: command[995]: job files may hold at most 1000 values (keys, list items and values)"
+    ]
     r = post(alice, "/gpuhub/jobs", json={"spec": "profile: cpu\ncommand: [x]\nretries: " + "1" * 5000 + "\n"})
     assert status(r) == 400 and r.json()["issues"] == [
-        "job.yaml:3:10: retries: a number may have at most 100 characters (quote it to make it text)"]
+        "job.yaml:3:10: retries: a number may have at most 100 characters (quote it to make it text)"
+    ]
 
 
 def test_loader_variables_are_refused_in_a_job_env_before_anything_queues(hub, users):
@@ -221,8 +229,11 @@ def test_loader_variables_are_refused_in_a_job_env_before_anything_queues(hub, u
 def test_an_oversized_snooze_is_refused_before_it_is_decoded(hub, users):
     alice = users["alice"]
     body = costly_json(8 << 20)
-    r, stall = attack(hub, "8 MiB JSON to the snooze API", lambda: post(
-        alice, "/gpuhub/culling/alice/snooze", data=body, headers={"Content-Type": "application/json"}))
+    r, stall = attack(
+        hub,
+        "8 MiB JSON to the snooze API",
+        lambda: post(alice, "/gpuhub/culling/alice/snooze", data=body, headers={"Content-Type": "application/json"}),
+    )
     assert status(r) == 413 and "at most" in message(r), getattr(r, "text", r)
     assert stall < STALL_BOUND
     r = post(alice, "/gpuhub/culling/alice/snooze", json={"server": ["not", "a", "name"]})
@@ -233,10 +244,18 @@ def test_huge_spawn_options_are_refused_short(hub, users):
     alice = users["alice"]
     # Printed, not asserted: a refused spawn costs the hub ~0.2-0.3 s on this machine
     # whatever its options (JupyterHub's spawn bookkeeping and database commits).
-    attack(hub, "a refused spawn with small options (mallory)", lambda: post(
-        users["mallory"], "/users/mallory/servers/small", json={"profile": "cpu"}), tries=1)
-    r, _ = attack(hub, "a spawn with a 200 KB option (alice)", lambda: post(
-        alice, "/users/alice/servers/big", json={"profile": "p" * 200_000}), tries=1)
+    attack(
+        hub,
+        "a refused spawn with small options (mallory)",
+        lambda: post(users["mallory"], "/users/mallory/servers/small", json={"profile": "cpu"}),
+        tries=1,
+    )
+    r, _ = attack(
+        hub,
+        "a spawn with a 200 KB option (alice)",
+        lambda: post(alice, "/users/alice/servers/big", json={"profile": "p" * 200_000}),
+        tries=1,
+    )
     assert status(r) == 400, getattr(r, "text", r)[:300]
     assert len(r.text) < 1000 and "may have at most 200 characters" in message(r), r.text[:300]
     r = post(alice, "/users/alice/servers/many", json={f"o{i}": "1" for i in range(10_000)})
@@ -253,14 +272,20 @@ def test_jupyterhubs_own_handlers_decode_bounded_bodies(hub, users):
     mallory = users["mallory"]  # in no team: any account can send these
     pad = lambda size: b'{"note": "x", "pad": [' + b"[]," * (size // 3 - 10) + b"[]]}"  # noqa: E731
     body = pad(8 << 20)
-    r, stall = attack(hub, "8 MiB JSON to JupyterHub's token API", lambda: post(
-        mallory, "/users/mallory/tokens", data=body, headers={"Content-Type": "application/json"}))
+    r, stall = attack(
+        hub,
+        "8 MiB JSON to JupyterHub's token API",
+        lambda: post(mallory, "/users/mallory/tokens", data=body, headers={"Content-Type": "application/json"}),
+    )
     assert status(r) == 413, getattr(r, "text", r)[:300]
     assert message(r) == "Request body too large: this hub accepts at most 262144 bytes."
     assert stall < STALL_BOUND
     body = pad(240 * 1024)  # under the limit
-    r, stall = attack(hub, "240 KiB of empty lists to JupyterHub's token API", lambda: post(
-        mallory, "/users/mallory/tokens", data=body, headers={"Content-Type": "application/json"}))
+    r, stall = attack(
+        hub,
+        "240 KiB of empty lists to JupyterHub's token API",
+        lambda: post(mallory, "/users/mallory/tokens", data=body, headers={"Content-Type": "application/json"}),
+    )
     assert stall < STALL_BOUND
 
 
@@ -271,27 +296,41 @@ def test_a_jobs_record_and_logs_show_no_host_paths_and_logs_come_in_bounded_chun
     r = post(alice, "/gpuhub/jobs", json={"spec": f"profile: cpu\ncommand: [{sys.executable}, -c, {json.dumps(code)}]\n"})
     assert status(r) == 201, r.text
     job_id = r.json()["id"]
-    rec = wait_for(lambda: (j := alice.api.get(alice.url(f"/gpuhub/jobs/{job_id}")).json())["state"] in ("succeeded", "failed") and j,
-                   90, "the job to end")
+    rec = wait_for(
+        lambda: (j := alice.api.get(alice.url(f"/gpuhub/jobs/{job_id}")).json())["state"] in ("succeeded", "failed") and j,
+        90,
+        "the job to end",
+    )
     assert rec["state"] == "succeeded", rec
     data_dir = str(hub.data.resolve())
     assert data_dir not in json.dumps(rec) and str(hub.data) not in json.dumps(rec)
     assert rec["attempts"][0]["log"] == "attempt-1.log"
     assert (hub.data / "jobs" / job_id / "attempt-1.log").exists()  # the record on disk keeps where it is
     e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
-    show = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "show", job_id],
-                          capture_output=True, text=True, env={**e, "GPUHUB_TOKEN": alice.token}, timeout=60)
+    show = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "show", job_id],
+        capture_output=True,
+        text=True,
+        env={**e, "GPUHUB_TOKEN": alice.token},
+        timeout=60,
+    )
     assert show.returncode == 0, show.stderr
     assert data_dir not in show.stdout and f"attempt-1.log (gpuhub job logs {job_id})" in show.stdout
     page = alice.session.get(f"{hub.url}/hub/gpuhub/jobs/{job_id}")
     assert page.status_code == 200 and data_dir not in page.text
     # 2 MiB of invalid UTF-8 in the log: each read is one bounded chunk (64 KiB, 192 KB of JSON).
-    r, stall = attack(hub, "log read of invalid UTF-8", lambda: alice.api.get(alice.url(f"/gpuhub/jobs/{job_id}/logs"), timeout=60))
+    r, stall = attack(
+        hub, "log read of invalid UTF-8", lambda: alice.api.get(alice.url(f"/gpuhub/jobs/{job_id}/logs"), timeout=60)
+    )
     assert r.status_code == 200 and r.json()["offset"] <= 64 * 1024, r.json()["offset"]
     print(f"log chunk: {r.json()['offset']} bytes read, {len(r.content)} bytes of JSON")
     assert stall < STALL_BOUND
     # `gpuhub job logs` reads on, chunk after chunk, to the end.
-    out = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "logs", job_id],
-                         capture_output=True, env={**e, "GPUHUB_TOKEN": alice.token}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "logs", job_id],
+        capture_output=True,
+        env={**e, "GPUHUB_TOKEN": alice.token},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.decode("utf-8", "replace").count("\ufffd") == 2 << 20

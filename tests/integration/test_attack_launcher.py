@@ -91,11 +91,14 @@ def hub(tmp_path_factory, python_under_tmp):
     h.prefix = h.env["GPUHUB_ACCOUNT_PREFIX"]
     # The road without a wall: the server's configured environment (carol's only).
     h.preload_for_carol = f"{h.data / 'home' / 'carol' / 'p.so'} /home/{h.prefix}carol/p.so"
-    h.config.write_text(h.config.read_text() + textwrap.dedent(f"""\
+    h.config.write_text(
+        h.config.read_text()
+        + textwrap.dedent(f"""\
         _preload = {{"carol": {h.preload_for_carol!r}}}
         c.Spawner.environment = dict(c.Spawner.environment,
                                      LD_PRELOAD=lambda spawner: _preload.get(spawner.user.name, ""))
-    """))
+    """)
+    )
     real = sys.executable
     sys.executable = python  # Hub.start runs [sys.executable, "-m", "jupyterhub", ...]
     try:
@@ -121,8 +124,13 @@ def run_job(user, spec: str, timeout: float = 120) -> tuple[dict, str]:
     r = submit(user, spec)
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
-    rec = wait_for(lambda: (j := user.api.get(user.url(f"/gpuhub/jobs/{job_id}")).json())["state"]
-                   in ("succeeded", "failed", "cancelled") and j, timeout, f"{job_id} to end")
+    rec = wait_for(
+        lambda: (
+            (j := user.api.get(user.url(f"/gpuhub/jobs/{job_id}")).json())["state"] in ("succeeded", "failed", "cancelled") and j
+        ),
+        timeout,
+        f"{job_id} to end",
+    )
     return rec, user.api.get(user.url(f"/gpuhub/jobs/{job_id}/logs")).json()["text"]
 
 
@@ -194,13 +202,13 @@ def test_a_library_in_the_servers_environment_never_runs_as_root(hub, users):
 
 def _strings(text: str, i: int) -> tuple[list[str], int]:
     """Parse strace's ``["a", "b\\n"]`` at ``text[i]``: the strings and the index after ``]``."""
-    assert text[i] == "[", text[i:i + 40]
+    assert text[i] == "[", text[i : i + 40]
     out, i = [], i + 1
     while text[i] != "]":
         if text[i] in ", ":
             i += 1
             continue
-        assert text[i] == '"', text[i:i + 40]
+        assert text[i] == '"', text[i : i + 40]
         i += 1
         buf = []
         while text[i] != '"':
@@ -210,7 +218,7 @@ def _strings(text: str, i: int) -> tuple[list[str], int]:
                     j = i + 1
                     while j < i + 4 and text[j] in "01234567":
                         j += 1
-                    buf.append(chr(int(text[i + 1:j], 8)))
+                    buf.append(chr(int(text[i + 1 : j], 8)))
                     i = j
                     continue
                 buf.append({"n": "\n", "t": "\t", "r": "\r", "v": "\v", "f": "\f"}.get(nxt, nxt))
@@ -253,8 +261,10 @@ def test_the_root_launcher_gets_a_fixed_environment_and_no_secret_on_argv(hub, u
     trace = tmp_path / "trace"
     trace.mkdir()
     err = open(tmp_path / "strace.err", "w+")
-    strace = subprocess.Popen(["strace", "-f", "-ff", "-v", "-s", "1048576", "-e", "trace=execve",
-                               "-o", str(trace / "t"), "-p", str(hub.proc.pid)], stderr=err)
+    strace = subprocess.Popen(
+        ["strace", "-f", "-ff", "-v", "-s", "1048576", "-e", "trace=execve", "-o", str(trace / "t"), "-p", str(hub.proc.pid)],
+        stderr=err,
+    )
     try:
         wait_for(lambda: "attached" in (tmp_path / "strace.err").read_text(), 30, "strace to attach to the hub")
         assert alice.start("cpu").status_code in (201, 202)
@@ -263,8 +273,11 @@ def test_the_root_launcher_gets_a_fixed_environment_and_no_secret_on_argv(hub, u
         marker = f"job-secret-{uuid.uuid4().hex}"
         r = submit(alice, job_file(["/bin/true"], env={"ALICE_SECRET": marker}))
         assert r.status_code == 201, r.text
-        wait_for(lambda: any(len(c) >= 2 and c[1][1].get("ALICE_SECRET") == marker for c in launches(trace)),
-                 120, "the job's execve in the trace")
+        wait_for(
+            lambda: any(len(c) >= 2 and c[1][1].get("ALICE_SECRET") == marker for c in launches(trace)),
+            120,
+            "the job's execve in the trace",
+        )
     finally:
         strace.terminate()  # detaches from the hub and its children
         try:
@@ -319,7 +332,9 @@ def test_a_link_planted_in_the_private_tmp_is_not_followed_by_root(hub, users, p
             os.chown(planted, account.uid, account.gid)
             os.symlink(victim, planted / "venv")
             os.lchown(planted / "venv", account.uid, account.gid)
-        look = f"import os\ntry:\n    print('VICTIM', sorted(os.listdir({victim!r})))\nexcept OSError as e:\n    print('VICTIM', e)"
+        look = (
+            f"import os\ntry:\n    print('VICTIM', sorted(os.listdir({victim!r})))\nexcept OSError as e:\n    print('VICTIM', e)"
+        )
         rec, log = run_job(lena, job_file([sys.executable, "-c", look]))
         assert os.listdir(victim) == [], f"root made {os.listdir(victim)} in {victim} through lena's link"
         assert "pyvenv.cfg" not in log, f"root mounted the venv over {victim} through lena's link:\n{log}"

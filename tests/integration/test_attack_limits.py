@@ -98,8 +98,11 @@ def server_pid(hub, name, server=""):
             cmd = Path(f"/proc/{pid}/cmdline").read_text()
         except OSError:
             continue
-        if env.get("JUPYTERHUB_USER") == name and env.get("JUPYTERHUB_SERVER_NAME", "") == server and \
-                "jupyterhub-singleuser" in cmd:
+        if (
+            env.get("JUPYTERHUB_USER") == name
+            and env.get("JUPYTERHUB_SERVER_NAME", "") == server
+            and "jupyterhub-singleuser" in cmd
+        ):
             return pid
     raise LookupError(name)
 
@@ -128,6 +131,7 @@ def answers(hub, user) -> bool:
 
 # -- (a) process limits ------------------------------------------------------------------------
 
+
 def test_a_fork_bomb_is_held_at_its_limit_others_still_start_and_the_user_is_told(hub, users):
     alice, bob, carol = users["alice"], users["bob"], users["carol"]
     assert alice.start("small-procs").status_code in (201, 202)
@@ -153,8 +157,11 @@ def test_a_fork_bomb_is_held_at_its_limit_others_still_start_and_the_user_is_tol
     assert (pids_dir(server_pid(hub, "bob")) / "pids.max").read_text().strip() == "300"  # defaults.maxProcesses
     assert before < 64, f"a server with a kernel ran {before} tasks: the documented minimum (64) is too low"
     # the hub's log says it (at its next poll of alice's server), and alice's server still works
-    wait_for(lambda: "Server alice reached its limit of 150 processes" in hub.log.read_text(), 60,
-             "the hub to log that alice's server reached its process limit")
+    wait_for(
+        lambda: "Server alice reached its limit of 150 processes" in hub.log.read_text(),
+        60,
+        "the hub to log that alice's server reached its process limit",
+    )
     k2 = session(hub, alice)
     try:
         assert k2.execute("print('still here')").strip() == "still here"
@@ -177,8 +184,13 @@ def test_a_fork_bomb_in_a_batch_job_is_held_at_its_profiles_limit(hub, users, tm
     spec.write_text(f"profile: small-procs\ncommand: [{sys.executable}, -c, {json.dumps(code)}]\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
     env["GPUHUB_TOKEN"] = dave.token
-    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
-                       capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().splitlines()[-1]
 
@@ -192,8 +204,11 @@ def test_a_fork_bomb_in_a_batch_job_is_held_at_its_profiles_limit(hub, users, tm
     result = json.loads(line)
     assert rec["state"] == "succeeded", (rec, text[-2000:])
     assert result["refused"] > 0 and result["spawned"] < 150, result  # the profile's limit, not the default 300
-    wait_for(lambda: f"Job {job_id} of dave reached its limit of 150 processes" in hub.log.read_text(), 30,
-             "the hub to log that the job reached its process limit")
+    wait_for(
+        lambda: f"Job {job_id} of dave reached its limit of 150 processes" in hub.log.read_text(),
+        30,
+        "the hub to log that the job reached its process limit",
+    )
 
 
 def test_one_users_many_jobs_together_are_held_at_the_users_limit(hub, users, tmp_path):
@@ -217,8 +232,13 @@ def test_one_users_many_jobs_together_are_held_at_the_users_limit(hub, users, tm
     env["GPUHUB_TOKEN"] = carol.token
     jobs = []
     for _ in range(4):
-        r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
-                           capture_output=True, text=True, env=env, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr
         jobs.append(r.stdout.strip().splitlines()[-1])
 
@@ -228,8 +248,11 @@ def test_one_users_many_jobs_together_are_held_at_the_users_limit(hub, users, tm
         return json.loads(line) if line else None
 
     try:
-        results = wait_for(lambda: all(rs := [result(j) for j in jobs]) and rs, 240,
-                           "each of carol's four jobs to print how many processes it got")
+        results = wait_for(
+            lambda: all(rs := [result(j) for j in jobs]) and rs,
+            240,
+            "each of carol's four jobs to print how many processes it got",
+        )
         spawned = [r["spawned"] for r in results]
         assert all(r["other"] is None for r in results), results
         assert sum(spawned) < 500, spawned  # her limit holds for all her jobs together
@@ -238,12 +261,21 @@ def test_one_users_many_jobs_together_are_held_at_the_users_limit(hub, users, tm
     finally:
         (hub.data / "home" / "carol" / release).write_text("")  # as root, on the host's side
         for job_id in jobs:
-            wait_for(lambda: carol.api.get(carol.url(f"/gpuhub/jobs/{job_id}")).json()["state"]
-                     in ("succeeded", "failed", "cancelled"), 120, f"job {job_id} to end")
+            wait_for(
+                lambda: (
+                    carol.api.get(carol.url(f"/gpuhub/jobs/{job_id}")).json()["state"] in ("succeeded", "failed", "cancelled")
+                ),
+                120,
+                f"job {job_id} to end",
+            )
     # Said when a job ends (as for a job's own limit): hers, not the job's, refused the forks.
-    wait_for(lambda: "with carol's other servers, jobs and Ray clusters, reached the user's limit of 500 processes"
-             in hub.log.read_text(), 60,
-             "the hub to say carol's servers and jobs together reached her limit")
+    wait_for(
+        lambda: (
+            "with carol's other servers, jobs and Ray clusters, reached the user's limit of 500 processes" in hub.log.read_text()
+        ),
+        60,
+        "the hub to say carol's servers and jobs together reached her limit",
+    )
 
 
 def test_all_servers_and_jobs_together_stay_below_the_machines_pid_max(hub, users):
@@ -262,6 +294,7 @@ def test_all_servers_and_jobs_together_stay_below_the_machines_pid_max(hub, user
 
 
 # -- (b) one hub per account prefix ------------------------------------------------------------
+
 
 class SamePrefixHub(Hub):
     """A hub that uses another hub's account prefix (the harness would give it its own)."""
@@ -318,14 +351,17 @@ def test_a_second_hub_with_the_same_prefix_refuses_to_start_and_touches_nothing(
         assert answers(hub, bob)
         assert refusal is not None, "a second hub with the same account prefix started"
         assert second.proc.returncode == 1
-        assert f"the account prefix {hub.prefix!r} is held by another hub on this machine (pid {hub.proc.pid}, " \
-               f"data dir {hub.data}, config {hub.config}" in refusal, refusal
+        assert (
+            f"the account prefix {hub.prefix!r} is held by another hub on this machine (pid {hub.proc.pid}, "
+            f"data dir {hub.data}, config {hub.config}" in refusal
+        ), refusal
     finally:
         second.cleanup()
     assert server_pid(hub, "bob") == pid and answers(hub, bob)
 
 
 # -- leftovers are killed only when provably the hub's ---------------------------------------------
+
 
 def test_a_process_in_a_servers_cgroup_that_is_not_the_accounts_is_not_killed(hub, users):
     lena = users["lena"]
@@ -334,8 +370,11 @@ def test_a_process_in_a_servers_cgroup_that_is_not_the_accounts_is_not_killed(hu
     if V2:
         dirs = [Path("/sys/fs/cgroup/gpuhub") / user_group / leaf]
     else:
-        dirs = [Path("/sys/fs/cgroup") / c / "gpuhub" / user_group / leaf for c in ("memory", "cpu", "devices", "pids")
-                if (Path("/sys/fs/cgroup") / c / "gpuhub").is_dir()]
+        dirs = [
+            Path("/sys/fs/cgroup") / c / "gpuhub" / user_group / leaf
+            for c in ("memory", "cpu", "devices", "pids")
+            if (Path("/sys/fs/cgroup") / c / "gpuhub").is_dir()
+        ]
     stranger = subprocess.Popen(["sleep", "300"])  # root's, not lena's account: not the hub's to kill
     try:
         for d in dirs:
@@ -370,6 +409,7 @@ def test_a_process_in_a_servers_cgroup_that_is_not_the_accounts_is_not_killed(hu
 
 
 # -- (c) the exit watcher acts on exits only -------------------------------------------------------
+
 
 def test_a_wake_up_of_the_exit_watcher_kills_nothing_of_a_live_server(tmp_path):
     """What both exit watchers (a server's pidfd, a job's) call on waking, while the process
@@ -409,12 +449,13 @@ def test_a_wake_up_of_the_exit_watcher_kills_nothing_of_a_live_server(tmp_path):
 
 # -- the lock dies with its hub --------------------------------------------------------------------
 
+
 def _ppid(pid: int) -> int | None:
     try:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
-    return int(raw[raw.rindex(b")") + 2:].split()[1])
+    return int(raw[raw.rindex(b")") + 2 :].split()[1])
 
 
 def test_a_hub_killed_hard_leaves_its_prefix_to_its_successor(hub, users):
@@ -424,8 +465,11 @@ def test_a_hub_killed_hard_leaves_its_prefix_to_its_successor(hub, users):
     bob.wait_ready()
     pid = server_pid(hub, "bob")
     servers = set(processes_with_env(f"GPUHUB_TEST_RUN={hub.run_id}"))
-    helpers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and int(p.name) not in servers
-               and _ppid(int(p.name)) == hub.proc.pid]  # its proxy and services, which a crashed unit loses too
+    helpers = [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and int(p.name) not in servers and _ppid(int(p.name)) == hub.proc.pid
+    ]  # its proxy and services, which a crashed unit loses too
     hub.proc.kill()  # no clean-up at all
     hub.proc.wait()
     for p in helpers:

@@ -19,7 +19,6 @@ import pwd
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 
 import pytest
@@ -140,8 +139,13 @@ def host_listening_ports() -> set[int]:
 def cli(hub, user, *args, timeout=600):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
     e.update(GPUHUB_TOKEN=user.token)
-    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", *args[:1], "--hub", hub.url, *args[1:]],
-                       capture_output=True, text=True, env=e, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", *args[:1], "--hub", hub.url, *args[1:]],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stdout + r.stderr + hub.tail(40)
     return r.stdout
 
@@ -187,14 +191,18 @@ def test_bob_reaches_none_of_alices_ports_and_carols_cluster_takes_ray_jobs(hub,
     out = cli(hub, alice, "ray", "up", "--gpus", "0", "--name", "walled")
     assert "Ray cluster walled: running" in out, out
     # alice's UDP canary: a socket on every address of her network, counting what arrives.
-    udp_port = int(a_k.execute(textwrap.dedent("""\
+    udp_port = int(
+        a_k.execute(
+            textwrap.dedent("""\
         import socket, threading
         canary = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         canary.bind(("0.0.0.0", 0))
         got = []
         threading.Thread(target=lambda: [got.append(canary.recvfrom(100)) for _ in iter(int, 1)], daemon=True).start()
         print(canary.getsockname()[1])
-    """)).strip())
+    """)
+        ).strip()
+    )
 
     uid = account(hub, "alice").pw_uid
 
@@ -209,10 +217,16 @@ def test_bob_reaches_none_of_alices_ports_and_carols_cluster_takes_ray_jobs(hub,
         ports = listeners_of(uid)
         return ports if {server_port, agent} <= set(ports) and any(v["pid"] == job_pid for v in ports.values()) else None
 
-    ports = wait_for(her_ports, 120, f"alice's server (port {server_port}), her job (pid {job_pid}) and her "
-                                     f"cluster's dashboard agent (port {agent}) to listen")
-    print(f"alice listens on {len(ports)} TCP ports: " + ", ".join(
-        f"{p} ({v['comm']} on {v['address']})" for p, v in sorted(ports.items())))
+    ports = wait_for(
+        her_ports,
+        120,
+        f"alice's server (port {server_port}), her job (pid {job_pid}) and her "
+        f"cluster's dashboard agent (port {agent}) to listen",
+    )
+    print(
+        f"alice listens on {len(ports)} TCP ports: "
+        + ", ".join(f"{p} ({v['comm']} on {v['address']})" for p, v in sorted(ports.items()))
+    )
 
     # alice reaches each of them from her own kernel: the list is real and the probe works.
     mine = [(v["address"] if v["address"] not in ("0.0.0.0", "::") else "127.0.0.1", p) for p, v in ports.items()]
@@ -226,8 +240,9 @@ def test_bob_reaches_none_of_alices_ports_and_carols_cluster_takes_ray_jobs(hub,
     b_k.execute(PROBE)
     host_ports = host_listening_ports()
     addresses = ["127.0.0.1", a_addr, wall.gateway] + machine_addresses()
-    targets = sorted({(addr, p) for addr in addresses for p in ports
-                      if not (addr not in ("127.0.0.1", a_addr) and p in host_ports)})
+    targets = sorted(
+        {(addr, p) for addr in addresses for p in ports if not (addr not in ("127.0.0.1", a_addr) and p in host_ports)}
+    )
     got = json.loads(b_k.execute(f"print(json.dumps(probe({targets!r})))", timeout=120))
     # On an address of the machine's own, what answers is the machine's: alice's sockets are in
     # her namespace. A port taken there meanwhile (another test worker's hub or server) is not hers.
@@ -235,16 +250,22 @@ def test_bob_reaches_none_of_alices_ports_and_carols_cluster_takes_ray_jobs(hub,
     got = [[a, p] for a, p in got if a in ("127.0.0.1", a_addr) or p not in now_host]
     assert got == [], f"bob reached alice's ports: {got}"
     # Nothing of bob's reaches alice's network at all: a closed port there does not even refuse.
-    closed = json.loads(b_k.execute(textwrap.dedent(f"""\
+    closed = json.loads(
+        b_k.execute(
+            textwrap.dedent(f"""\
         import socket
         s = socket.socket(); s.settimeout(4)
         print(json.dumps(s.connect_ex(({a_addr!r}, 1))))
-    """)))
+    """)
+        )
+    )
     import errno
 
     assert closed != errno.ECONNREFUSED, "bob's packets reach alice's network stack"
     # Ray's dashboard agent (no token check in Ray 2.52): bob's submission finds no agent.
-    attack = json.loads(b_k.execute(textwrap.dedent(f"""\
+    attack = json.loads(
+        b_k.execute(
+            textwrap.dedent(f"""\
         import urllib.request
         results = []
         for host in ("127.0.0.1", {a_addr!r}, {wall.gateway!r}):
@@ -259,10 +280,13 @@ def test_bob_reaches_none_of_alices_ports_and_carols_cluster_takes_ray_jobs(hub,
                 except OSError:
                     pass
         print(json.dumps(results))
-    """)))
+    """)
+        )
+    )
     assert attack == [], f"bob's agent submission got answers: {attack}"
     # UDP: bob's datagrams to alice's canary, on every address, never arrive.
-    b_k.execute(textwrap.dedent(f"""\
+    b_k.execute(
+        textwrap.dedent(f"""\
         import socket
         u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         for host in {addresses!r}:
@@ -270,11 +294,14 @@ def test_bob_reaches_none_of_alices_ports_and_carols_cluster_takes_ray_jobs(hub,
                 u.sendto(b"from bob", (host, {udp_port}))
             except OSError:
                 pass
-    """))
-    a_k.execute(textwrap.dedent(f"""\
+    """)
+    )
+    a_k.execute(
+        textwrap.dedent(f"""\
         u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         u.sendto(b"from alice", ("127.0.0.1", {udp_port}))
-    """))
+    """)
+    )
     wait_for(lambda: "from alice" in a_k.execute("print(got)"), 10, "alice's own datagram to reach her canary")
     assert "from bob" not in a_k.execute("print(got)")
 
@@ -283,7 +310,8 @@ def test_bob_reaches_none_of_alices_ports_and_carols_cluster_takes_ray_jobs(hub,
     assert "Ray cluster second: running" in out, out
     c_k = kernel(hub, carol)
     dash = carol.api.get(carol.url("/gpuhub/ray/second")).json()["dashboard_port"]
-    result = c_k.execute(textwrap.dedent(f"""\
+    result = c_k.execute(
+        textwrap.dedent(f"""\
         import os, time
         os.environ["RAY_AUTH_MODE"] = "token"
         from ray.job_submission import JobSubmissionClient, JobStatus
@@ -295,7 +323,9 @@ def test_bob_reaches_none_of_alices_ports_and_carols_cluster_takes_ray_jobs(hub,
                 break
             time.sleep(0.5)
         print(status, client.get_job_logs(sid))
-    """), timeout=360)
+    """),
+        timeout=360,
+    )
     assert "SUCCEEDED" in result and "walled-42" in result, result
     assert not any(p for p in (account(hub, "alice").pw_dir + "/pwned",) if os.path.exists(p))
     for user, name in ((alice, "walled"), (carol, "second")):
@@ -350,30 +380,56 @@ def test_users_reach_beyond_the_machine_and_nothing_beyond_reaches_them(hub):
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
         sh("ip", "-n", ns, "route", "add", hub.user_network, "via", here)  # as if the world knew the way
         server = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(f"""\
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-c",
+                textwrap.dedent(f"""\
                 import socket
                 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(({there!r}, 8080)); s.listen(); print("up", flush=True)
                 c, peer = s.accept(); c.sendall(b"hello from outside"); print("peer", peer[0], flush=True)
-            """)], stdout=subprocess.PIPE, text=True)
+            """),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert server.stdout.readline().strip() == "up"
-            got = k.execute(textwrap.dedent(f"""\
+            got = k.execute(
+                textwrap.dedent(f"""\
                 import socket
                 print(socket.create_connection(({there!r}, 8080), timeout=15).recv(100).decode())
-            """))
+            """)
+            )
             assert "hello from outside" in got, got
             assert server.stdout.readline().split() == ["peer", here]  # the machine's address, not hers
         finally:
             server.kill()
             server.wait()
         gateway = hub.users_reach_hub_at()  # the hub's side of the wall: its API listens there
-        probe = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(f"""\
+        probe = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-c",
+                textwrap.dedent(f"""\
             import socket
             for where in (({a_addr!r}, {a_port}), ({gateway!r}, {hub.hub_port})):
                 s = socket.socket(); s.settimeout(5)
                 print(s.connect_ex(where))
-        """)], capture_output=True, text=True, timeout=60)
+        """),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         # neither her server nor the hub's internal port answers a host beyond the machine
         assert len(probe.stdout.split()) == 2 and "0" not in probe.stdout.split(), probe.stdout + probe.stderr
     finally:

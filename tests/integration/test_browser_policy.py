@@ -47,7 +47,10 @@ def test_a_lead_previews_an_admin_applies_a_researcher_is_refused(hub, browser, 
     assert "nominal: 2" in lena.input_value("#gpuhub-policy-text")
 
     # a broken edit: the error at its line, with the line itself
-    lena.fill("#gpuhub-policy-text", EDIT.replace("a100: {nominal: 1}}}\n    perUser", "a100: {nominal: 1, lendingLimit: 3}}}\n    perUser"))
+    lena.fill(
+        "#gpuhub-policy-text",
+        EDIT.replace("a100: {nominal: 1}}}\n    perUser", "a100: {nominal: 1, lendingLimit: 3}}}\n    perUser"),
+    )
     lena.click("#gpuhub-policy-preview")
     err = lena.locator(".gpuhub-policy-error").first
     err.wait_for(timeout=15_000)

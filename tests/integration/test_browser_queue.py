@@ -71,10 +71,14 @@ def test_queue_message_on_the_spawn_page(hub, browser, tmp_path):
     hub.login("bob").stop()
 
 
-@pytest.mark.parametrize("last_word", [
-    {"progress": 100, "ready": True, "message": "Server ready at /user/bob/", "url": "/user/bob/"},
-    {"progress": 100, "failed": True, "message": "Spawn cancelled"},
-], ids=["ready", "cancelled"])
+@pytest.mark.parametrize(
+    "last_word",
+    [
+        {"progress": 100, "ready": True, "message": "Server ready at /user/bob/", "url": "/user/bob/"},
+        {"progress": 100, "failed": True, "message": "Spawn cancelled"},
+    ],
+    ids=["ready", "cancelled"],
+)
 def test_a_hub_going_down_does_not_end_the_waiting_page(hub, browser, last_word):
     """A hub shutting down (a restart) cancels the spawns in its queue, and JupyterHub's
     progress stream then says "ready" (the server's record outlives a cancelled spawn) or
@@ -99,8 +103,11 @@ def test_a_hub_going_down_does_not_end_the_waiting_page(hub, browser, last_word)
         route.fulfill(status=503, body="the hub is restarting")
 
     def last(route):
-        route.fulfill(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
-                      body=f"data: {json.dumps(last_word)}\n\n")
+        route.fulfill(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+            body=f"data: {json.dumps(last_word)}\n\n",
+        )
 
     ctx = browser.new_context()
     try:
@@ -161,8 +168,12 @@ def test_the_spawn_page_moves_to_jupyterlab_when_the_server_listens(hub, browser
     growing back-off (steps of 1.6-5 s by the time a server has started)."""
     carol = login(browser, hub, "carol")
     navigated: dict[str, float] = {}
-    carol.on("request", lambda r: navigated.setdefault("lab", time.monotonic())
-             if r.is_navigation_request() and "/user/carol/" in r.url else None)
+    carol.on(
+        "request",
+        lambda r: (
+            navigated.setdefault("lab", time.monotonic()) if r.is_navigation_request() and "/user/carol/" in r.url else None
+        ),
+    )
     seen: dict[str, float] = {}
     stop = threading.Event()
     watcher = threading.Thread(target=_listening_since, args=(hub.run_id, "carol", stop, seen), daemon=True)

@@ -273,8 +273,12 @@ def test_planned_restart_keeps_every_place(hub, crowd):
 def test_python_proxy_fallback_has_no_ten_stream_cap(tmp_path):
     """Where Node.js is missing the hub runs gpuhub-proxy: 12 open pages (> tornado's 10) starve nothing."""
     proxy = str(Path(sys.executable).parent / "gpuhub-proxy")
-    h = Hub(tmp_path, POLICY.replace(f"virtual: {GPUS}", "virtual: 1").replace(f"nominal: {GPUS}", "nominal: 1"),
-            extra_config=EXTRA, env={"GPUHUB_PROXY_COMMAND": proxy, "GPUHUB_SUBDOMAINS": "0"})
+    h = Hub(
+        tmp_path,
+        POLICY.replace(f"virtual: {GPUS}", "virtual: 1").replace(f"nominal: {GPUS}", "nominal: 1"),
+        extra_config=EXTRA,
+        env={"GPUHUB_PROXY_COMMAND": proxy, "GPUHUB_SUBDOMAINS": "0"},
+    )
     h.start()
     pages = []
     try:
@@ -297,8 +301,9 @@ def test_python_proxy_fallback_has_no_ten_stream_cap(tmp_path):
         for _ in range(5):
             assert requests.get(h.url + "/hub/login", timeout=60).status_code == 200
             assert one.api.get(one.url(f"/users/{one.name}"), timeout=60).status_code == 200
-            r = requests.get(h.server_url(one.server()["url"]) + "api/status",
-                             headers={"Authorization": f"token {one.token}"}, timeout=60)
+            r = requests.get(
+                h.server_url(one.server()["url"]) + "api/status", headers={"Authorization": f"token {one.token}"}, timeout=60
+            )
             assert r.status_code == 200
     finally:
         for p in pages:

@@ -38,18 +38,24 @@ profiles:
      gpu: {count: 1, flavor: a100, cuda: "12.0"}, teams: [vision]}
 """
 
-REFUSED = ("PyTorch (CUDA 12.8) needs CUDA 12.8, but this machine's NVIDIA driver 535.183.01 supports CUDA 12.2 at "
-           "most: its GPU code would fail to start. Choose another profile, or ask an admin to update the driver.")
+REFUSED = (
+    "PyTorch (CUDA 12.8) needs CUDA 12.8, but this machine's NVIDIA driver 535.183.01 supports CUDA 12.2 at "
+    "most: its GPU code would fail to start. Choose another profile, or ask an admin to update the driver."
+)
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     nvml = tmp_path_factory.mktemp("nvml") / "nvml.json"
-    nvml.write_text(json.dumps({
-        "devices": [{"uuid": "GPU-fake-0", "name": "NVIDIA Fake A100", "memory_total": 80 * 2**30, "utilization": 0}],
-        "driver": {"version": "535.183.01", "cuda": 12020}}))
-    h = Hub(tmp_path_factory.mktemp("cuda"), POLICY,
-            env=fake_nvml_env(nvml)).start()
+    nvml.write_text(
+        json.dumps(
+            {
+                "devices": [{"uuid": "GPU-fake-0", "name": "NVIDIA Fake A100", "memory_total": 80 * 2**30, "utilization": 0}],
+                "driver": {"version": "535.183.01", "cuda": 12020},
+            }
+        )
+    )
+    h = Hub(tmp_path_factory.mktemp("cuda"), POLICY, env=fake_nvml_env(nvml)).start()
     yield h
     h.stop()
 

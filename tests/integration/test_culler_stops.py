@@ -50,8 +50,7 @@ def culler_scopes() -> list[str]:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("culler-stops"), POLICY, extra_config=EXTRA_CONFIG,
-            env={"GPUHUB_CULL_EVERY": "3600"})
+    h = Hub(tmp_path_factory.mktemp("culler-stops"), POLICY, extra_config=EXTRA_CONFIG, env={"GPUHUB_CULL_EVERY": "3600"})
     h.start()
     yield h
     h.stop()
@@ -121,8 +120,9 @@ def test_only_what_the_answer_names_as_due_is_stopped(hub):
     erin = hub.login("erin")
     erin.start("cpu")
     server = erin.wait_ready()
-    answer = PassDecisions({"now": 0, "servers": 1, "decisions": {
-        "erin/": {"action": "warn", "deadline": 1e12, "started": started_of(server)}}})
+    answer = PassDecisions(
+        {"now": 0, "servers": 1, "decisions": {"erin/": {"action": "warn", "deadline": 1e12, "started": started_of(server)}}}
+    )
     assert answer.due == []
     import asyncio
 

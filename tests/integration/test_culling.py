@@ -179,8 +179,11 @@ class ComesBack(threading.Thread):
         try:
             self.first_warning = wait_for(lambda: warnings(self.client).get(""), 90, "a warning for alice's idle server")
             with Visits(self.hub, self.client):
-                self.withdrawn_while_visiting = bool(wait_for(
-                    lambda: warnings(self.client) == {} and self.client.server() is not None, 3 * PASS, "the warning to go"))
+                self.withdrawn_while_visiting = bool(
+                    wait_for(
+                        lambda: warnings(self.client) == {} and self.client.server() is not None, 3 * PASS, "the warning to go"
+                    )
+                )
                 wait_for(lambda: time.time() > self.first_warning["deadline"] + 2 * PASS, 60, "two passes past the old deadline")
                 self.seen.set()
                 self.leave.wait()
@@ -202,7 +205,9 @@ def scene(hub, gpus):
     carol.wait_ready()
     carol_gpu = device_of(hub, carol, "carol")
     # her server really claims it: 100 % on its own endpoint (and fresh activity every 5 s)
-    claim = requests.get(hub.server_url(carol.server()["url"]) + "gpuhub/activity", headers={"Authorization": f"token {carol.token}"})
+    claim = requests.get(
+        hub.server_url(carol.server()["url"]) + "gpuhub/activity", headers={"Authorization": f"token {carol.token}"}
+    )
     for n in ("alice", "erin", "mallory"):
         users[n].start("cpu")
     for n in ("alice", "erin", "mallory"):
@@ -271,11 +276,15 @@ def test_a_server_claiming_a_busy_gpu_is_culled_when_nvml_reads_idle_and_the_gpu
     assert queued.result().status_code in (201, 202)
     # the freed GPU went to the next in line (the hub's audit: dave's GPU idles too, and a
     # test run before this one may have waited long enough for the culler to take it back)
-    admitted = wait_for(lambda: [e for e in audit(hub) if e.get("event") == "admitted" and e.get("key") == "dave/"],
-                        60, "dave's admission")
+    admitted = wait_for(
+        lambda: [e for e in audit(hub) if e.get("event") == "admitted" and e.get("key") == "dave/"], 60, "dave's admission"
+    )
     assert admitted[0]["devices"] == [carol_gpu]
-    wait_for(lambda: any(e.get("event") == "started" and e.get("key") == "dave/" for e in audit(hub)), 120,
-             "dave's server to start on it")
+    wait_for(
+        lambda: any(e.get("event") == "started" and e.get("key") == "dave/" for e in audit(hub)),
+        120,
+        "dave's server to start on it",
+    )
     # bob's busy GPU kept his server well past its GPU-idle timeout, without a warning
     assert bob.server()["ready"] and warnings(bob) == {}
     assert "bob/" not in "".join(line for line in log.splitlines() if "Warning " in line)
@@ -289,9 +298,7 @@ def test_no_hub_token_reaches_a_user_server_during_many_passes(hub, scene):
     captured = [json.loads(line) for line in (hub.data / "home" / "mallory" / "captured.jsonl").read_text().splitlines()]
     assert any(mallory.token in json.dumps(c) for c in captured), "the header logger captured nothing"
     own = {mallory.token, mallory.server_env()["JUPYTERHUB_API_TOKEN"]}
-    culler = next(
-        _environ(pid) for pid in processes_with_env("JUPYTERHUB_SERVICE_NAME=gpuhub-culler")
-    )
+    culler = next(_environ(pid) for pid in processes_with_env("JUPYTERHUB_SERVICE_NAME=gpuhub-culler"))
     assert culler["JUPYTERHUB_API_TOKEN"] not in json.dumps(captured)
     for c in captured:
         auth = {k.lower(): v for k, v in c["headers"].items()}.get("authorization", "")
@@ -317,9 +324,13 @@ def test_only_the_culler_asks_for_decisions_and_only_the_owner_snoozes(hub, scen
 
 def test_metrics_count_warnings_culls_and_idle_gpu_time(hub, scene):
     admin = hub.login("admin")  # read:metrics
-    wanted = {'gpuhub_culls_total{rule="idle"}': 1, 'gpuhub_culls_total{rule="gpu-idle"}': 1,
-              'gpuhub_cull_warnings_total{rule="gpu-idle"}': 1, 'gpuhub_cull_snoozes_total{how="returned"}': 1,
-              'gpuhub_idle_gpu_seconds_total{team="nlp"}': 30}
+    wanted = {
+        'gpuhub_culls_total{rule="idle"}': 1,
+        'gpuhub_culls_total{rule="gpu-idle"}': 1,
+        'gpuhub_cull_warnings_total{rule="gpu-idle"}': 1,
+        'gpuhub_cull_snoozes_total{how="returned"}': 1,
+        'gpuhub_idle_gpu_seconds_total{team="nlp"}': 30,
+    }
 
     def values():
         out = {}
@@ -343,8 +354,12 @@ def test_a_pending_warning_and_its_snoozes_survive_a_hub_restart(tmp_path):
     """On a hub of its own: a restart would reset the counters the metrics test reads and cut
     the scene's users off mid-visit, whatever ran before or after (each test passes in any order)."""
     gpus = FakeGpus(tmp_path / "nvml.json", 1)  # reads 0 %: bob's GPU sits idle from the start
-    hub = Hub(tmp_path / "hub", POLICY, extra_config=EXTRA_CONFIG,
-              env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path), "GPUHUB_CULL_EVERY": str(PASS)})
+    hub = Hub(
+        tmp_path / "hub",
+        POLICY,
+        extra_config=EXTRA_CONFIG,
+        env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path), "GPUHUB_CULL_EVERY": str(PASS)},
+    )
     hub.start()
     try:
         erin, bob = hub.login("erin"), hub.login("bob")
@@ -368,7 +383,10 @@ def test_a_pending_warning_and_its_snoozes_survive_a_hub_restart(tmp_path):
         bob = hub.login("bob")
         after = warnings(bob)[""]
         assert (after["deadline"], after["snoozes_used"], after["warned_at"]) == (
-            before["deadline"], before["snoozes_used"], before["warned_at"])
+            before["deadline"],
+            before["snoozes_used"],
+            before["warned_at"],
+        )
         # and the history came back too: erin is still told what happened to her server
         erin = hub.login("erin")
         assert culling(erin)["culled"][""]["rule"] == "idle"
@@ -379,11 +397,17 @@ def test_a_pending_warning_and_its_snoozes_survive_a_hub_restart(tmp_path):
 
         def vision_gauges():
             lines = [ln for ln in admin.api.get(hub.url + "/hub/metrics").text.splitlines() if 'team="vision"' in ln]
-            return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines
-                    if ln.startswith(("gpuhub_admitted_resources{", "gpuhub_idle_gpus{"))}
+            return {
+                ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
+                for ln in lines
+                if ln.startswith(("gpuhub_admitted_resources{", "gpuhub_idle_gpus{"))
+            }
 
-        gauges = wait_for(lambda: (lambda g: g if g.get('gpuhub_idle_gpus{team="vision"}') == 0 else None)(vision_gauges()),
-                          3 * PASS, "the next pass after bob's stop")
+        gauges = wait_for(
+            lambda: (lambda g: g if g.get('gpuhub_idle_gpus{team="vision"}') == 0 else None)(vision_gauges()),
+            3 * PASS,
+            "the next pass after bob's stop",
+        )
         gpu = [v for k, v in gauges.items() if k.startswith("gpuhub_admitted_resources{") and "gpu/" in k]
         assert gpu and all(v == 0 for v in gpu), gauges
     finally:

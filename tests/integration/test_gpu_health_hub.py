@@ -62,8 +62,9 @@ def gpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gpus):
-    h = Hub(tmp_path_factory.mktemp("health"), POLICY, extra_config="c.PolicyStore.check_interval = 1\n",
-            env=fake_nvml_env(gpus.path))
+    h = Hub(
+        tmp_path_factory.mktemp("health"), POLICY, extra_config="c.PolicyStore.check_interval = 1\n", env=fake_nvml_env(gpus.path)
+    )
     h.start()
     yield h
     h.stop()
@@ -103,8 +104,13 @@ def held_by(admin, user) -> str:
 def gpuhub_cli(hub, client, *args) -> subprocess.CompletedProcess:
     env = dict(os.environ, GPUHUB_TOKEN=client.token)
     env.pop("JUPYTERHUB_API_TOKEN", None)
-    return subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "gpu", "--hub", hub.url, *args],
-                          env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "gpu", "--hub", hub.url, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def metric(admin, name, **labels) -> float | None:
@@ -133,8 +139,11 @@ def fresh(hub, users, gpus) -> float:
     for device, g in gpu_list(admin).items():
         if g["state"] != "healthy" or g["drained"]:  # (a counter's verdict goes by itself at the next poll)
             gpuhub_cli(hub, admin, "uncordon", device)
-    wait_for(lambda: all(g["state"] == "healthy" and g["usable"] and g["user"] is None
-                         for g in gpu_list(admin).values()), 15, "every GPU healthy and free")
+    wait_for(
+        lambda: all(g["state"] == "healthy" and g["usable"] and g["user"] is None for g in gpu_list(admin).values()),
+        15,
+        "every GPU healthy and free",
+    )
     return time.time()
 
 
@@ -214,12 +223,16 @@ def test_xid_79_on_alices_gpu_tells_her_and_nobody_gets_it(hub, users, gpus):
     alice.wait_gone()
     time.sleep(1.5)  # a scheduling pass and a poll: the released broken GPU must stay out
     waiting = next(w for w in status(admin)["waiting"] if w["user"] == "lena")
-    assert re.search(r"only 0 of the 1 usable on this machine are free \(1 of 3 A100 usable, 2 out of service since "
-                     r"\d\d:\d\d", waiting["reason"]), waiting["reason"]
+    assert re.search(
+        r"only 0 of the 1 usable on this machine are free \(1 of 3 A100 usable, 2 out of service since "
+        r"\d\d:\d\d",
+        waiting["reason"],
+    ), waiting["reason"]
     assert gpu_list(admin)[mine]["user"] is None
     events = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "gpu_health", "since": str(since)}).json()["entries"]
-    assert any(e["device"] == mine and e["state"] == "bad" and e.get("user") == "alice" and e.get("xid") == 79
-               for e in events), events
+    assert any(e["device"] == mine and e["state"] == "bad" and e.get("user") == "alice" and e.get("xid") == 79 for e in events), (
+        events
+    )
 
 
 def test_only_admins_drain_or_uncordon(hub, users, gpus):
@@ -316,11 +329,18 @@ def test_a_job_whose_gpu_fails_resumes_on_a_healthy_gpu_without_using_a_retry(hu
     # No retry of its own allowed, and 'failed' the only reason: were a GPU failure charged
     # as a failure, this job would end failed ('No retries left (0 allowed)').
     spec = tmp_path / "job.yaml"
-    spec.write_text(f"name: train\nprofile: gpu-1\ncommand: [{sys.executable}, -c, {json.dumps(TRAIN)}]\n"
-                    "retries: {limit: 0, reasons: [failed]}\n")
+    spec.write_text(
+        f"name: train\nprofile: gpu-1\ncommand: [{sys.executable}, -c, {json.dumps(TRAIN)}]\n"
+        "retries: {limit: 0, reasons: [failed]}\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
-    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
-                       env=dict(env, GPUHUB_TOKEN=bob.token), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
+        env=dict(env, GPUHUB_TOKEN=bob.token),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().splitlines()[-1]
     wait_for(lambda: "step 2" in job_log(bob, job_id), 90, "training to reach step 2")

@@ -107,6 +107,7 @@ def test_waiting_page_and_open_lab_survive_a_restart(hub, tmp_path):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:
+
             def login(name):
                 page = browser.new_context().new_page()
                 page.goto(hub.url + "/hub/login")
@@ -167,9 +168,14 @@ def _replace_proxy_with(hub, argv_of, env=None) -> int:
     os.kill(pid, signal.SIGTERM)
     wait_for(lambda: not alive(pid), 20, "the kept proxy to end")
     # detached (not this test's child, as a proxy left by an earlier hub is not the new hub's)
-    out = subprocess.run(["sh", "-c", '"$@" >/dev/null 2>&1 </dev/null & echo $!', "sh",
-                          *[a.decode() for a in argv_of(old)]],
-                         env=env, start_new_session=True, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["sh", "-c", '"$@" >/dev/null 2>&1 </dev/null & echo $!', "sh", *[a.decode() for a in argv_of(old)]],
+        env=env,
+        start_new_session=True,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     pid = int(out.stdout.strip())
     (hub.data / "proxy.pid").write_text(str(pid))
     return pid

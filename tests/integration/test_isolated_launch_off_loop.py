@@ -56,9 +56,17 @@ def job(prefix: str, tmp_path, name: str = "ada"):
 
     if not cgroup_host("/sys/fs/cgroup", "gpuhub").version:
         pytest.skip("no usable cgroups here")
-    sp = JobProcess(user_name=name, job_id=f"j{uuid.uuid4().hex[:6]}", argv=[], env={}, devices=[],
-                    device_nodes=[], limits=(500, 2**28), account_prefix=prefix,
-                    home_dir_template=str(tmp_path / "home" / "{account}"))
+    sp = JobProcess(
+        user_name=name,
+        job_id=f"j{uuid.uuid4().hex[:6]}",
+        argv=[],
+        env={},
+        devices=[],
+        device_nodes=[],
+        limits=(500, 2**28),
+        account_prefix=prefix,
+        home_dir_template=str(tmp_path / "home" / "{account}"),
+    )
     sp.cmd = ["/bin/sleep", "300"]
     return sp
 
@@ -206,7 +214,9 @@ def test_the_loop_runs_while_a_stopped_servers_group_is_swept(prefix, tmp_path, 
 
     pid, cg = asyncio.run(main())
     # (the stop's polls sweep the group once the process is gone; the stop sweeps again, finding nothing)
-    assert gate.seen and all(gate.seen), f"the event loop did not run for {GIVE_UP:.0f} s while the stopped server's cgroup was removed: {gate.seen}"
+    assert gate.seen and all(gate.seen), (
+        f"the event loop did not run for {GIVE_UP:.0f} s while the stopped server's cgroup was removed: {gate.seen}"
+    )
     assert not any(p.exists() for p in cg.paths.values()), "the cgroup is still there after the stop"
     assert sp.proc is None or sp.proc.poll() is not None, f"pid {pid} still runs after the stop"
     assert sp._cgroup is None
@@ -246,7 +256,9 @@ def test_the_loop_runs_while_a_group_is_swept_after_its_process_exited_on_its_ow
 
     ended, leftover, cg = asyncio.run(main())
     assert ended is True
-    assert gate.seen and all(gate.seen), f"the event loop did not run for {GIVE_UP:.0f} s while the exited process's cgroup was removed: {gate.seen}"
+    assert gate.seen and all(gate.seen), (
+        f"the event loop did not run for {GIVE_UP:.0f} s while the exited process's cgroup was removed: {gate.seen}"
+    )
     assert not any(p.exists() for p in cg.paths.values()), "the cgroup is still there after the sweep"
     gone = subprocess.run(["ps", "-o", "stat=", "-p", str(leftover)], capture_output=True, text=True).stdout.strip()
     assert gone in ("", "Z"), f"the process left in the group (pid {leftover}) still runs: {gone!r}"

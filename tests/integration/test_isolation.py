@@ -65,7 +65,8 @@ def hub(tmp_path_factory, dev_tree):
     from gpuhub_spawner.local.isolation import remove_isolation
 
     h = Hub(
-        tmp_path_factory.mktemp("iso"), POLICY,
+        tmp_path_factory.mktemp("iso"),
+        POLICY,
         extra_config=f"c.LocalGpuSpawner.device_dir = {str(dev_tree)!r}\n",
         env={"GPUHUB_TEST_HUB_SECRET": HUB_SECRET},
     )
@@ -88,8 +89,11 @@ def session(hub, user, server=""):
 def server_pid(hub, name, server=""):
     for pid in processes_with_env(f"GPUHUB_TEST_RUN={hub.run_id}"):
         env = dict(i.split("=", 1) for i in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in i)
-        if env.get("JUPYTERHUB_USER") == name and env.get("JUPYTERHUB_SERVER_NAME", "") == server and \
-                "jupyterhub-singleuser" in Path(f"/proc/{pid}/cmdline").read_text():
+        if (
+            env.get("JUPYTERHUB_USER") == name
+            and env.get("JUPYTERHUB_SERVER_NAME", "") == server
+            and "jupyterhub-singleuser" in Path(f"/proc/{pid}/cmdline").read_text()
+        ):
             return pid
     raise LookupError(name)
 
@@ -145,10 +149,16 @@ def test_each_user_has_an_account_and_cannot_read_others_or_the_hub(hub, users):
 
         a_pid = server_pid(hub, "alice")
         data = hub.data
-        res = try_open(kb, [
-            home_a / "diary.txt", f"/home/{hub.prefix}alice/diary.txt",
-            data / "jupyterhub.sqlite", data / "jupyterhub_cookie_secret", f"/proc/{a_pid}/environ",
-        ])
+        res = try_open(
+            kb,
+            [
+                home_a / "diary.txt",
+                f"/home/{hub.prefix}alice/diary.txt",
+                data / "jupyterhub.sqlite",
+                data / "jupyterhub_cookie_secret",
+                f"/proc/{a_pid}/environ",
+            ],
+        )
         assert res[str(home_a / "diary.txt")] in ("EACCES", "ENOENT"), res
         assert res[f"/home/{hub.prefix}alice/diary.txt"] in ("EACCES", "ENOENT"), res
         assert res[str(data / "jupyterhub.sqlite")] in ("EACCES", "ENOENT"), res
@@ -162,10 +172,14 @@ def test_each_user_has_an_account_and_cannot_read_others_or_the_hub(hub, users):
         ka.execute("open('/tmp/alice-notes.txt', 'w').write('alice only'); import os; os.chmod('/tmp/alice-notes.txt', 0o644)")
         assert try_open(kb, ["/tmp/alice-notes.txt"]) == {"/tmp/alice-notes.txt": "ENOENT"}
         assert try_open(ka, ["/tmp/alice-notes.txt"]) == {"/tmp/alice-notes.txt": "ok"}
-        listing = kb.execute(f"import os\ntry:\n    print(os.listdir({str(data)!r}))\nexcept OSError as e:\n    print('denied', e.errno)")
+        listing = kb.execute(
+            f"import os\ntry:\n    print(os.listdir({str(data)!r}))\nexcept OSError as e:\n    print('denied', e.errno)"
+        )
         assert listing.startswith("denied"), listing
         # nor can bob signal alice's server
-        signalled = kb.execute(f"import os, signal\ntry:\n    os.kill({a_pid}, signal.SIGTERM); print('killed')\nexcept OSError as e:\n    print('denied')")
+        signalled = kb.execute(
+            f"import os, signal\ntry:\n    os.kill({a_pid}, signal.SIGTERM); print('killed')\nexcept OSError as e:\n    print('denied')"
+        )
         assert signalled.strip() == "denied"
         assert alice.server()["ready"]
         # the hub's data directory is private from the first start
@@ -185,9 +199,24 @@ def test_server_environment_carries_nothing_of_the_hubs(hub, users):
     assert "GPUHUB_DEMO_PASSWORD" not in env and not any("test-password" in v for v in env.values())
     # nothing but what JupyterHub and gpuhub mean to give the server
     allowed_prefixes = ("JUPYTERHUB_", "JPY_", "GPUHUB_", "MLFLOW_")
-    allowed = {"CUDA_VISIBLE_DEVICES", "HOME", "USER", "LOGNAME", "SHELL", "PATH", "LANG", "LC_ALL", "VIRTUAL_ENV",
-               "PYTHONPATH", "LD_LIBRARY_PATH", "CONDA_ROOT", "CONDA_DEFAULT_ENV", "MEM_LIMIT", "CPU_LIMIT",
-               "RAY_AUTH_MODE"}  # gpuhub's: kernels join the user's Ray cluster with its token (docs/ray.md)
+    allowed = {
+        "CUDA_VISIBLE_DEVICES",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "PATH",
+        "LANG",
+        "LC_ALL",
+        "VIRTUAL_ENV",
+        "PYTHONPATH",
+        "LD_LIBRARY_PATH",
+        "CONDA_ROOT",
+        "CONDA_DEFAULT_ENV",
+        "MEM_LIMIT",
+        "CPU_LIMIT",
+        "RAY_AUTH_MODE",
+    }  # gpuhub's: kernels join the user's Ray cluster with its token (docs/ray.md)
     assert env.get("RAY_AUTH_MODE") in (None, "token")
     extra = sorted(k for k in env if k not in allowed and not k.startswith(allowed_prefixes))
     assert extra == [], extra
@@ -306,13 +335,30 @@ def test_over_memory_stops_the_server_says_why_and_the_gpu_goes_on(hub, users):
     k = session(hub, alice)
     assert k.execute("print('ready')").strip() == "ready"
     # a cell that allocates (and touches) 1 GiB; no reply is awaited: the kernel dies
-    k.ws.send(json.dumps({
-        "header": {"msg_id": uuid.uuid4().hex, "username": "alice", "session": uuid.uuid4().hex,
-                   "msg_type": "execute_request", "version": "5.3"},
-        "parent_header": {}, "metadata": {}, "channel": "shell",
-        "content": {"code": "x = bytearray(1024 * 2**20); x[::4096] = b'1' * len(x[::4096])", "silent": False,
-                    "store_history": False, "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
-    }))
+    k.ws.send(
+        json.dumps(
+            {
+                "header": {
+                    "msg_id": uuid.uuid4().hex,
+                    "username": "alice",
+                    "session": uuid.uuid4().hex,
+                    "msg_type": "execute_request",
+                    "version": "5.3",
+                },
+                "parent_header": {},
+                "metadata": {},
+                "channel": "shell",
+                "content": {
+                    "code": "x = bytearray(1024 * 2**20); x[::4096] = b'1' * len(x[::4096])",
+                    "silent": False,
+                    "store_history": False,
+                    "user_expressions": {},
+                    "allow_stdin": False,
+                    "stop_on_error": True,
+                },
+            }
+        )
+    )
     alice.wait_gone(timeout=120)  # (reclaim before the OOM kill can take a while on a loaded machine)
     bob.wait_ready()  # the GPU went to the next in line
     form = alice.session.get(hub.url + "/hub/spawn/alice").text

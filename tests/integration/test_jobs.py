@@ -102,8 +102,13 @@ def cli(hub, user, *args, env=None, check=True):
     """``gpuhub job ...`` from outside the hub, with a token from the token page."""
     e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
     e.update(GPUHUB_TOKEN=user.token, **(env or {}))
-    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
-                       capture_output=True, text=True, env=e, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=60,
+    )
     if check:
         assert r.returncode == 0, r.stderr
     return r
@@ -127,8 +132,9 @@ def record(user, job_id) -> dict:
 
 
 def wait_state(user, job_id, *states, timeout=60) -> dict:
-    return wait_for(lambda: (rec := record(user, job_id))["state"] in states and rec, timeout,
-                    f"{job_id} to be {'/'.join(states)}")
+    return wait_for(
+        lambda: (rec := record(user, job_id))["state"] in states and rec, timeout, f"{job_id} to be {'/'.join(states)}"
+    )
 
 
 def logs(user, job_id) -> str:
@@ -212,13 +218,18 @@ def test_job_from_outside_runs_as_its_user_with_a_full_record(hub, users, tmp_pa
     head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     subprocess.run(["chown", "-R", f"{account.uid}:{account.gid}", str(proj)], check=True)
 
-    job_id = submit(hub, bob, tmp_path, f"""\
+    job_id = submit(
+        hub,
+        bob,
+        tmp_path,
+        f"""\
 name: hello
 profile: cpu
 workingDir: proj
 command: [{sys.executable}, hello.py]
 env: {{SECRET_NAME: value-never-in-the-record}}
-""")
+""",
+    )
     rec = wait_state(bob, job_id, "succeeded", "failed")
     out = logs(bob, job_id)
     assert rec["state"] == "succeeded", out
@@ -252,14 +263,16 @@ def test_submit_from_a_notebook_terminal_with_the_servers_own_token(hub, users, 
     s = alice.wait_ready()
     k = KernelSession("", hub.server_url(s["url"]), alice.token, f"jobs-{uuid.uuid4().hex[:6]}.ipynb")
     try:
-        out = k.execute(textwrap.dedent(f"""\
+        out = k.execute(
+            textwrap.dedent(f"""\
             import os, subprocess, sys
             open("job.yaml", "w").write("profile: cpu\\ncommand: [{sys.executable}, -c, 'import os; print(os.getuid(), os.environ.get(\\"JUPYTERHUB_API_TOKEN\\", \\"none\\")[:6])']\\n")
             r = subprocess.run(["gpuhub", "job", "submit", "job.yaml"], capture_output=True, text=True)  # as typed in a terminal
             print(r.returncode, r.stderr)
             print(r.stdout.strip().splitlines()[-1])
             print(os.getuid(), os.environ["JUPYTERHUB_API_TOKEN"][:6])
-        """))
+        """)
+        )
     finally:
         k.close()
     rc_line, job_id, server_ident = [ln for ln in out.strip().splitlines() if ln.strip()][-3:]
@@ -280,7 +293,12 @@ def test_job_waits_behind_the_teams_quota_and_cancel_frees_its_gpu_at_once(hub, 
     # alice's server holds her one GPU: her GPU job is refused (servers and jobs share the cap).
     r = cli(hub, alice, "submit", job_file(tmp_path, "profile: gpu-1\ncommand: [true]\n"), check=False)
     assert "allows 1 GPU(s) per user; you hold 1" in r.stderr
-    job_id = submit(hub, bob, tmp_path, f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'import time; print(\"up\", flush=True); time.sleep(300)']\n")
+    job_id = submit(
+        hub,
+        bob,
+        tmp_path,
+        f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'import time; print(\"up\", flush=True); time.sleep(300)']\n",
+    )
     status = cli(hub, bob, "status", job_id).stdout
     assert status.startswith("queued: position 1 of 1 in Vision Lab's queue"), status
     assert "needs 1 Tesla GPU: your team Vision Lab is using 1 of the 1 it may hold" in status, status
@@ -298,12 +316,17 @@ def test_job_waits_behind_the_teams_quota_and_cancel_frees_its_gpu_at_once(hub, 
 
 def test_preempted_job_resumes_from_its_checkpoint_and_finishes_with_the_right_total(hub, users, tmp_path, train_script):
     alice, bob = users["alice"], users["bob"]
-    job_id = submit(hub, bob, tmp_path, f"""\
+    job_id = submit(
+        hub,
+        bob,
+        tmp_path,
+        f"""\
 name: train
 profile: gpu-1
 command: {train_script}
 retries: {{limit: 0, reasons: [preempted]}}
-""")
+""",
+    )
     wait_for(lambda: "step 2" in logs(bob, job_id), 60, "training to reach step 2")
     # An interactive server of the same team needs the GPU: it reclaims it from the job.
     assert alice.start("gpu-1").status_code in (201, 202)
@@ -327,12 +350,22 @@ retries: {{limit: 0, reasons: [preempted]}}
 
 def test_non_retryable_exit_is_not_retried_and_time_limit_stops_and_says_so(hub, users, tmp_path):
     carol = users["carol"]
-    failing = submit(hub, carol, tmp_path, f"""\
+    failing = submit(
+        hub,
+        carol,
+        tmp_path,
+        f"""\
 profile: cpu
 command: "{sys.executable} -c 'import sys; print(\\"boom\\"); sys.exit(3)'"
 retries: {{limit: 2, reasons: [preempted, 75]}}
-""")
-    slow = submit(hub, carol, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, 'import time; time.sleep(120)']\ntimeLimit: 3s\nretries: 2\n")
+""",
+    )
+    slow = submit(
+        hub,
+        carol,
+        tmp_path,
+        f"profile: cpu\ncommand: [{sys.executable}, -c, 'import time; time.sleep(120)']\ntimeLimit: 3s\nretries: 2\n",
+    )
     rec = wait_state(carol, failing, "failed", "succeeded")
     assert len(rec["attempts"]) == 1 and rec["attempts"][0]["exit_code"] == 3
     assert rec["status"] == "failed: exit code 3"
@@ -346,11 +379,16 @@ retries: {{limit: 2, reasons: [preempted, 75]}}
 
 def test_a_job_over_its_memory_is_stopped_says_why_and_is_retried_only_as_asked(hub, users, tmp_path):
     carol = users["carol"]
-    hog = submit(hub, carol, tmp_path, f"""\
+    hog = submit(
+        hub,
+        carol,
+        tmp_path,
+        f"""\
 profile: small
 command: [{sys.executable}, -c, "b = bytearray(600 * 2**20); print('survived')"]
 retries: {{limit: 1, reasons: [oom]}}
-""")
+""",
+    )
     rec = wait_state(carol, hog, "failed", "succeeded", timeout=60)
     assert [a["reason"] for a in rec["attempts"]] == ["oom", "oom"]  # one retry, as asked
     assert rec["attempts"][0]["message"].startswith("stopped: it used more than its memory limit of 300Mi (profile 'small')")
@@ -360,7 +398,9 @@ retries: {{limit: 1, reasons: [oom]}}
 
 def test_another_user_cannot_read_or_cancel_a_job(hub, users, tmp_path):
     bob, carol, admin = users["bob"], users["carol"], users["admin"]
-    job_id = submit(hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, 'import time; print(\"private\"); time.sleep(120)']\n")
+    job_id = submit(
+        hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, 'import time; print(\"private\"); time.sleep(120)']\n"
+    )
     wait_state(bob, job_id, "running")
     for method, path in (("GET", ""), ("GET", "/logs"), ("POST", "/cancel"), ("DELETE", "")):
         r = carol.api.request(method, carol.url(f"/gpuhub/jobs/{job_id}{path}"))
@@ -456,11 +496,13 @@ def test_mlflow_works_in_a_job_with_no_setup_and_every_run_carries_job_and_attem
     hub, mlflow = mlflow_hub
     bob = hub.login("bob")
     mlflow.wait_ready(bob.token)
-    code = ("import mlflow\\n"
-            "with mlflow.start_run(run_name='epoch') as run:\\n"
-            "    mlflow.log_metric('loss', 0.5)\\n"
-            "print('run', run.info.run_id)")
-    job_id = submit(hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, \"{code}\"]\n")
+    code = (
+        "import mlflow\\n"
+        "with mlflow.start_run(run_name='epoch') as run:\\n"
+        "    mlflow.log_metric('loss', 0.5)\\n"
+        "print('run', run.info.run_id)"
+    )
+    job_id = submit(hub, bob, tmp_path, f'profile: cpu\ncommand: [{sys.executable}, -c, "{code}"]\n')
     rec = wait_state(bob, job_id, "succeeded", "failed", timeout=120)
     out = logs(bob, job_id)
     assert rec["state"] == "succeeded", out
@@ -484,14 +526,19 @@ def test_a_cancelled_jobs_mlflow_run_is_ended_killed_not_left_running(mlflow_hub
     hub, mlflow = mlflow_hub
     bob = hub.login("bob")
     mlflow.wait_ready(bob.token)
-    code = ("import mlflow, time\\n"
-            "run = mlflow.start_run(run_name='long')\\n"
-            "mlflow.log_metric('loss', 0.9)\\n"
-            "print('run', run.info.run_id, flush=True)\\n"
-            "time.sleep(600)")
-    job_id = submit(hub, bob, tmp_path, f"profile: cpu\ncommand: [{sys.executable}, -c, \"{code}\"]\n")
-    run_id = wait_for(lambda: "run " in logs(bob, job_id) and logs(bob, job_id).split("run ")[-1].split()[0],
-                      120, "the job's MLflow run to start")
+    code = (
+        "import mlflow, time\\n"
+        "run = mlflow.start_run(run_name='long')\\n"
+        "mlflow.log_metric('loss', 0.9)\\n"
+        "print('run', run.info.run_id, flush=True)\\n"
+        "time.sleep(600)"
+    )
+    job_id = submit(hub, bob, tmp_path, f'profile: cpu\ncommand: [{sys.executable}, -c, "{code}"]\n')
+    run_id = wait_for(
+        lambda: "run " in logs(bob, job_id) and logs(bob, job_id).split("run ")[-1].split()[0],
+        120,
+        "the job's MLflow run to start",
+    )
     api = mlflow.api(bob.token)
     status = lambda: api.get(mlflow.direct + "/api/2.0/mlflow/runs/get", params={"run_id": run_id}).json()["run"]["info"]  # noqa: E731
     assert status()["status"] == "RUNNING"

@@ -61,8 +61,12 @@ def admin_token(hub, tmp_path_factory):
 
 
 def loadtest(hub, token_file, *extra, timeout=400):
-    return subprocess.run([GPUHUB, "loadtest", "--hub-url", hub.url, "--token-file", token_file, *extra],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [GPUHUB, "loadtest", "--hub-url", hub.url, "--token-file", token_file, *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def hub_users(hub, token_file) -> list[str]:
@@ -82,8 +86,9 @@ def test_without_yes_naming_the_hub_nothing_happens(hub, admin_token):
 
 def test_a_storm_over_the_teams_quota_reports_spawns_cells_queue_wait_and_cleans_up(hub, admin_token, tmp_path):
     first = tmp_path / "first.json"
-    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "4", "--mix", "load-team:gpu-1", "--idle", "1",
-                 "--json", str(first))
+    p = loadtest(
+        hub, admin_token, "--yes", hub.url, "--users", "4", "--mix", "load-team:gpu-1", "--idle", "1", "--json", str(first)
+    )
     print(p.stdout, p.stderr)
     assert p.returncode == 0, p.stdout + p.stderr + hub.tail()
     report = json.loads(first.read_text())
@@ -102,16 +107,16 @@ def test_a_storm_over_the_teams_quota_reports_spawns_cells_queue_wait_and_cleans
     assert requests.get(hub.url + "/hub/api/groups/load-team", headers={"Authorization": f"token {token}"}).status_code == 404
 
     # A second run compares itself with the first.
-    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "2", "--mix", "load-team:gpu-1", "--idle", "0",
-                 "--baseline", str(first))
+    p = loadtest(
+        hub, admin_token, "--yes", hub.url, "--users", "2", "--mix", "load-team:gpu-1", "--idle", "0", "--baseline", str(first)
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     row = next(line for line in p.stdout.splitlines() if "spawn_to_ready_seconds median" in line)
     assert row.rstrip().endswith("x") and "before" in p.stdout
 
 
 def test_a_profile_the_team_may_not_use_is_counted_as_failed_and_still_cleaned_up(hub, admin_token):
-    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "1", "--mix", "nobody-group:gpu-1", "--idle", "0",
-                 "--code", "")
+    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "1", "--mix", "nobody-group:gpu-1", "--idle", "0", "--code", "")
     assert p.returncode == 1
     assert "1 failed" in p.stdout and "loadtest-" in p.stdout  # the failure is named with its user
     assert not [n for n in hub_users(hub, admin_token) if n.startswith("loadtest-")]
@@ -124,9 +129,30 @@ def test_jobs_are_submitted_followed_reported_and_the_unfinished_one_cancelled(h
     spawn took 53 s here at a load average of 29 on 2 cores; the jobs come after the servers.)"""
     out = tmp_path / "jobs.json"
     command = 'case "$JUPYTERHUB_USER" in *-0000) sleep 1 ;; *) sleep 600 ;; esac'
-    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "2", "--mix", "load-team:gpu-1", "--idle", "0",
-                 "--code", "", "--jobs", "2", "--job-command", command, "--prefix", "ltjobs-", "--deadline", "180",
-                 "--json", str(out))
+    p = loadtest(
+        hub,
+        admin_token,
+        "--yes",
+        hub.url,
+        "--users",
+        "2",
+        "--mix",
+        "load-team:gpu-1",
+        "--idle",
+        "0",
+        "--code",
+        "",
+        "--jobs",
+        "2",
+        "--job-command",
+        command,
+        "--prefix",
+        "ltjobs-",
+        "--deadline",
+        "180",
+        "--json",
+        str(out),
+    )
     print(p.stdout, p.stderr)
     assert p.returncode == 1, p.stdout + p.stderr + hub.tail()  # the cancelled job is a failure of its user
     report = json.loads(out.read_text())
@@ -153,8 +179,24 @@ def test_a_failing_cell_still_stops_the_server_so_the_queue_moves(hub, admin_tok
     """Each user's cell fails: they still leave, so the two waiting behind the team's two GPUs get
     theirs within the run (a server left running would hold its GPU until the run's deadline)."""
     out = tmp_path / "failing.json"
-    p = loadtest(hub, admin_token, "--yes", hub.url, "--users", "4", "--mix", "load-team:gpu-1", "--idle", "0",
-                 "--code", "1/0", "--deadline", "300", "--json", str(out))
+    p = loadtest(
+        hub,
+        admin_token,
+        "--yes",
+        hub.url,
+        "--users",
+        "4",
+        "--mix",
+        "load-team:gpu-1",
+        "--idle",
+        "0",
+        "--code",
+        "1/0",
+        "--deadline",
+        "300",
+        "--json",
+        str(out),
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     report = json.loads(out.read_text())
     assert report["errors"]["failed_cells"] == 4, report["errors"]

@@ -46,13 +46,28 @@ c.DemoAuthenticator.demo_users = dict(c.DemoAuthenticator.demo_users, **{{name: 
 class Nvml:
     def __init__(self, path: Path):
         self.path = path
-        self.slices = [{"uuid": u, "name": "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "memory_total": 10 * 2**30,
-                        "gi": 9 + i, "ci": 0, "utilization": 0} for i, u in enumerate(SLICES)]
+        self.slices = [
+            {
+                "uuid": u,
+                "name": "NVIDIA H100 80GB HBM3 MIG 1g.10gb",
+                "memory_total": 10 * 2**30,
+                "gi": 9 + i,
+                "ci": 0,
+                "utilization": 0,
+            }
+            for i, u in enumerate(SLICES)
+        ]
         self.write()
 
     def write(self):
-        gpu = {"uuid": "GPU-h100-mig", "name": "NVIDIA H100 80GB HBM3", "memory_total": 80 * 2**30, "events": [],
-               "gpm": True, "mig": {"enabled": True, "devices": self.slices}}
+        gpu = {
+            "uuid": "GPU-h100-mig",
+            "name": "NVIDIA H100 80GB HBM3",
+            "memory_total": 80 * 2**30,
+            "events": [],
+            "gpm": True,
+            "mig": {"enabled": True, "devices": self.slices},
+        }
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"devices": [gpu]}))
         tmp.replace(self.path)
@@ -69,8 +84,12 @@ def nvml(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, nvml):
-    h = Hub(tmp_path_factory.mktemp("mig-gpm"), POLICY, extra_config=EXTRA_CONFIG,
-            env=fake_nvml_env(nvml.path, GPUHUB_CULL_EVERY=str(PASS)))
+    h = Hub(
+        tmp_path_factory.mktemp("mig-gpm"),
+        POLICY,
+        extra_config=EXTRA_CONFIG,
+        env=fake_nvml_env(nvml.path, GPUHUB_CULL_EVERY=str(PASS)),
+    )
     h.start()
     yield h
     h.stop()

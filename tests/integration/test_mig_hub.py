@@ -39,10 +39,25 @@ ServerWebApplication.last_activity = lambda self: datetime.datetime.now(datetime
 
 
 def nvml_devices():
-    slices = [{"uuid": f"MIG-5e1f0c2a-0000-4000-8000-00000000000{i}", "name": "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
-               "memory_total": 10 * 2**30, "gi": 7 + i, "ci": 0} for i in range(7)]
-    out = [{"uuid": "GPU-a100-mig", "name": "NVIDIA A100-SXM4-80GB", "memory_total": 80 * 2**30, "events": [],
-            "mig": {"enabled": True, "devices": slices}}]
+    slices = [
+        {
+            "uuid": f"MIG-5e1f0c2a-0000-4000-8000-00000000000{i}",
+            "name": "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
+            "memory_total": 10 * 2**30,
+            "gi": 7 + i,
+            "ci": 0,
+        }
+        for i in range(7)
+    ]
+    out = [
+        {
+            "uuid": "GPU-a100-mig",
+            "name": "NVIDIA A100-SXM4-80GB",
+            "memory_total": 80 * 2**30,
+            "events": [],
+            "mig": {"enabled": True, "devices": slices},
+        }
+    ]
     out += [{"uuid": f"GPU-a100-{i}", "name": "NVIDIA A100-SXM4-80GB", "utilization": 0, "events": []} for i in range(3)]
     out += [{"uuid": f"GPU-l4-{i}", "name": "NVIDIA L4", "utilization": 0, "events": []} for i in range(2)]
     return out
@@ -59,8 +74,12 @@ def example_policy() -> str:
 def hub(tmp_path_factory):
     nvml = tmp_path_factory.mktemp("nvml") / "nvml.json"
     nvml.write_text(json.dumps({"devices": nvml_devices()}))
-    h = Hub(tmp_path_factory.mktemp("mig"), example_policy(), extra_config=EXTRA_CONFIG,
-            env=fake_nvml_env(nvml, GPUHUB_CULL_EVERY=str(PASS)))
+    h = Hub(
+        tmp_path_factory.mktemp("mig"),
+        example_policy(),
+        extra_config=EXTRA_CONFIG,
+        env=fake_nvml_env(nvml, GPUHUB_CULL_EVERY=str(PASS)),
+    )
     d = h.data / "home" / "s1" / ".jupyter"
     d.mkdir(parents=True)
     (d / "jupyter_server_config.py").write_text(WORKING)

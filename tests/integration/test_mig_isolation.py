@@ -57,10 +57,19 @@ c.DemoAuthenticator.demo_users = dict(c.DemoAuthenticator.demo_users, **{{name: 
 
 
 def nvml_devices():
-    slices = [{"uuid": u, "name": "NVIDIA A100-SXM4-80GB MIG 1g.10gb", "memory_total": 10 * 2**30, "gi": gi, "ci": 0}
-              for u, (gi, _, _) in SLICES.items()]
-    return [{"uuid": "GPU-a100-mig", "name": "NVIDIA A100-SXM4-80GB", "memory_total": 80 * 2**30, "events": [],
-             "mig": {"enabled": True, "devices": slices}}]
+    slices = [
+        {"uuid": u, "name": "NVIDIA A100-SXM4-80GB MIG 1g.10gb", "memory_total": 10 * 2**30, "gi": gi, "ci": 0}
+        for u, (gi, _, _) in SLICES.items()
+    ]
+    return [
+        {
+            "uuid": "GPU-a100-mig",
+            "name": "NVIDIA A100-SXM4-80GB",
+            "memory_total": 80 * 2**30,
+            "events": [],
+            "mig": {"enabled": True, "devices": slices},
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +99,10 @@ def hub(tmp_path_factory, trees):
     nvml = tmp_path_factory.mktemp("nvml") / "nvml.json"
     nvml.write_text(json.dumps({"devices": nvml_devices()}))
     h = Hub(
-        tmp_path_factory.mktemp("mig-iso"), POLICY,
+        tmp_path_factory.mktemp("mig-iso"),
+        POLICY,
         extra_config=EXTRA_CONFIG + f"c.LocalGpuSpawner.device_dir = {str(dev)!r}\n"
-                     f"c.LocalBroker.nvidia_capabilities = {str(caps)!r}\n",
+        f"c.LocalBroker.nvidia_capabilities = {str(caps)!r}\n",
         env=fake_nvml_env(nvml),
     )
     prefix = h.env["GPUHUB_ACCOUNT_PREFIX"]
@@ -123,15 +133,17 @@ SCAN = (
 
 
 def try_open(k, paths) -> dict:
-    return json.loads(k.execute(
-        "import errno, json, os\nres = {}\n"
-        f"for p in {list(map(str, paths))!r}:\n"
-        "    try:\n"
-        "        open(p, 'rb').close(); res[p] = 'ok'\n"
-        "    except OSError as e:\n"
-        "        res[p] = errno.errorcode[e.errno]\n"
-        "print(json.dumps(res))"
-    ))
+    return json.loads(
+        k.execute(
+            "import errno, json, os\nres = {}\n"
+            f"for p in {list(map(str, paths))!r}:\n"
+            "    try:\n"
+            "        open(p, 'rb').close(); res[p] = 'ok'\n"
+            "    except OSError as e:\n"
+            "        res[p] = errno.errorcode[e.errno]\n"
+            "print(json.dumps(res))"
+        )
+    )
 
 
 def test_each_slice_server_sees_only_its_slices_gpu_and_capability_nodes(hub, trees):
@@ -147,7 +159,8 @@ def test_each_slice_server_sees_only_its_slices_gpu_and_capability_nodes(hub, tr
             _gi, gi_minor, ci_minor = SLICES[mine[name]]
             # the parent GPU, its slice's GI and CI capabilities and the control node: nothing else
             assert json.loads(k.execute(SCAN)) == {
-                "/dev/nvidia0": [NVIDIA, 0], "/dev/nvidiactl": [NVIDIA, 255],
+                "/dev/nvidia0": [NVIDIA, 0],
+                "/dev/nvidiactl": [NVIDIA, 255],
                 f"/dev/nvidia-caps/nvidia-cap{gi_minor}": [CAPS, gi_minor],
                 f"/dev/nvidia-caps/nvidia-cap{ci_minor}": [CAPS, ci_minor],
             }, name

@@ -98,7 +98,9 @@ def test_group_changes_at_the_idp_apply_at_the_next_login(idp_and_hub):
     try:
         s, r = oidc_login(hub, idp, "carol", "carol-pw")
         token = api_token(hub, s, "carol")
-        assert requests.get(f"{hub.url}/hub/api/user", headers={"Authorization": f"token {token}"}).json()["groups"] == ["vision-lab"]
+        assert requests.get(f"{hub.url}/hub/api/user", headers={"Authorization": f"token {token}"}).json()["groups"] == [
+            "vision-lab"
+        ]
     finally:  # the IdP as the other tests know it (any order)
         idp.users["carol"]["groups"] = ["nlp-group"]
 
@@ -121,8 +123,11 @@ def test_users_in_no_policy_group_and_bad_passwords_do_not_get_in(idp_and_hub):
     # the demo password is not a way in once the site picks OIDC
     s = requests.Session()
     s.get(hub.url + "/hub/login")
-    r = s.post(hub.url + "/hub/login", data={"username": "alice", "password": "test-password-123",
-                                             "_xsrf": s.cookies.get("_xsrf")}, allow_redirects=False)
+    r = s.post(
+        hub.url + "/hub/login",
+        data={"username": "alice", "password": "test-password-123", "_xsrf": s.cookies.get("_xsrf")},
+        allow_redirects=False,
+    )
     assert r.status_code != 302 or "oauth" in r.headers.get("Location", "")
 
 

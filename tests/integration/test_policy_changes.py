@@ -41,8 +41,11 @@ profiles:
 defaults:
   queueTimeout: 10m
 """
-EDIT = (POLICY.replace("a100: {nominal: 2}", "a100: {nominal: 1}").replace("maxGPUs: 2", "maxGPUs: 1")
-        .replace("  - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision]}\n", ""))
+EDIT = (
+    POLICY.replace("a100: {nominal: 2}", "a100: {nominal: 1}")
+    .replace("maxGPUs: 2", "maxGPUs: 1")
+    .replace("  - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision]}\n", "")
+)
 assert EDIT.count("nominal: 1") == 2 and "a100-2" not in EDIT
 LEAD_EDIT = EDIT.replace("hf-secret-123", "'***'")  # what a lead can send: the environment values masked
 
@@ -67,8 +70,13 @@ def busy(hub, users):
     assert alice.start("a100-2").status_code in (201, 202)
     alice.wait_ready()
     dave.start_background("a100-1", team="vision")
-    wait_for(lambda: any(w["user"] == "dave" for w in users["admin"].api.get(
-        users["admin"].url("/gpuhub/status")).json().get("waiting", [])), 30, "dave waiting")
+    wait_for(
+        lambda: any(
+            w["user"] == "dave" for w in users["admin"].api.get(users["admin"].url("/gpuhub/status")).json().get("waiting", [])
+        ),
+        30,
+        "dave waiting",
+    )
     yield
     for name in ("dave", "alice"):
         users[name].stop()
@@ -101,7 +109,10 @@ def test_the_admin_sees_who_the_edit_hits_then_applies_and_rolls_it_back(hub, us
     assert "nothing is stopped: it keeps running until its user stops it or it is culled" in running
     assert "alice's server runs profile 2× A100 (a100-2), which the new policy removes: it keeps running" in running
     (dave,) = [t for t in lines(rep, "waiting") if t.startswith("dave's server")]
-    assert "waits longer: Vision Lab may hold 1 A100 GPUs instead of 2; 2 of Vision Lab's GPUs in use (held by alice's server)" in dave
+    assert (
+        "waits longer: Vision Lab may hold 1 A100 GPUs instead of 2; 2 of Vision Lab's GPUs in use (held by alice's server)"
+        in dave
+    )
     assert "Profile 2× A100 (a100-2) is removed; 3 user(s) lose it: alice, dave, lena" in lines(rep, "profiles")[0]
     assert "admin" not in lines(rep, "profiles")[0] and "carol" not in lines(rep, "profiles")[0]  # not in Vision Lab
     assert lines(rep, "quotas") == ["Vision Lab: A100 GPUs quota 2 → 1 (-1); GPUs per user 2 → 1."]
@@ -167,7 +178,11 @@ def test_a_broken_edit_is_refused_at_its_line_and_changes_nothing(hub, users, bu
     r = post(admin, "apply", yaml=broken)
     assert r.status_code == 400
     (err,) = r.json()["errors"]
-    assert (err["line"], err["path"], err["message"]) == (13, "teams[0].quota.gpus.a100.lendingLimit", "lendingLimit 3 is above the nominal quota 1")
+    assert (err["line"], err["path"], err["message"]) == (
+        13,
+        "teams[0].quota.gpus.a100.lendingLimit",
+        "lendingLimit 3 is above the nominal quota 1",
+    )
     r = post(admin, "apply", yaml="a: &a [1]\nb: *a\n")
     assert r.status_code == 400 and "anchors and aliases are not accepted" in r.json()["errors"][0]["message"]
     r = admin.api.post(admin.url("/gpuhub/policy/apply"), data=b"{" * 300_000)
@@ -177,8 +192,9 @@ def test_a_broken_edit_is_refused_at_its_line_and_changes_nothing(hub, users, bu
 
 
 def _big(teams: int, profiles: int) -> str:
-    extra = "".join(f"  - {{name: t{i}, groups: [vision-lab, nlp-group], quota: {{gpus: {{a100: {{nominal: 0}}}}}}}}\n"
-                    for i in range(teams))
+    extra = "".join(
+        f"  - {{name: t{i}, groups: [vision-lab, nlp-group], quota: {{gpus: {{a100: {{nominal: 0}}}}}}}}\n" for i in range(teams)
+    )
     profs = "".join(f"  - {{slug: p{i}, displayName: P{i}, teams: '*'}}\n" for i in range(profiles))
     return LEAD_EDIT.replace("profiles:\n", extra + "profiles:\n" + profs)
 
@@ -213,8 +229,12 @@ def test_a_lead_never_reads_secrets_from_a_broken_file_nor_confirms_a_guess(hub,
     before = admin.api.get(admin.url("/gpuhub/policy")).json()["versions"]
     hub.policy.write_text(POLICY + "teams: [\n")
     try:
-        wait_for(lambda: admin.api.get(admin.url("/gpuhub/policy")).json()["status"].get("stale"), 20,
-                 "the broken file noticed", interval=0.5)
+        wait_for(
+            lambda: admin.api.get(admin.url("/gpuhub/policy")).json()["status"].get("stale"),
+            20,
+            "the broken file noticed",
+            interval=0.5,
+        )
         r = lena.api.get(lena.url("/gpuhub/policy"))
         assert r.status_code == 200 and "hf-secret-123" not in r.text
         state = r.json()
@@ -222,8 +242,12 @@ def test_a_lead_never_reads_secrets_from_a_broken_file_nor_confirms_a_guess(hub,
         assert "HF_TOKEN: '***'" in state["text"] and "nominal: 2" in state["text"]
     finally:
         hub.policy.write_text(POLICY)
-        wait_for(lambda: not admin.api.get(admin.url("/gpuhub/policy")).json()["status"].get("stale"), 20,
-                 "the file good again", interval=0.5)
+        wait_for(
+            lambda: not admin.api.get(admin.url("/gpuhub/policy")).json()["status"].get("stale"),
+            20,
+            "the file good again",
+            interval=0.5,
+        )
     # a guess of another team's secret: refused whether right or wrong, and nothing changes
     for guess in ("hf-secret-123", "hf-wrong-guess"):
         r = post(lena, "preview", yaml=POLICY.replace("hf-secret-123", guess))
@@ -253,7 +277,7 @@ def test_an_admin_applying_masked_text_keeps_the_secrets_and_leads_see_only_thei
     r = post(admin, "apply", yaml=nlp_down, summary="NLP Group down to no A100")
     assert r.status_code == 200, r.text
     applied = r.json()["version"]
-    assert "HF_TOKEN: \"hf-secret-123\"" in hub.policy.read_text() and "***" not in hub.policy.read_text()
+    assert 'HF_TOKEN: "hf-secret-123"' in hub.policy.read_text() and "***" not in hub.policy.read_text()
     history = {v["n"]: v for v in lena.api.get(lena.url("/gpuhub/policy")).json()["versions"]}
     assert set(history[applied["n"]]) == {"n", "hash", "by", "at", "source"}  # NLP's change: no summary
     vision_only = [v for v in history.values() if v.get("summary", "").startswith("Vision Lab: A100 GPUs quota 2 → 1")]
@@ -272,8 +296,13 @@ def test_the_same_through_the_gpuhub_policy_commands(hub, users, busy, tmp_path)
     env.pop("JUPYTERHUB_API_URL", None)
 
     def gpuhub(*args):
-        return subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "policy", *args, "--hub", hub.url],
-                              env=env, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "gpuhub_spawner.cli", "policy", *args, "--hub", hub.url],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     out = gpuhub("diff", str(new))
     assert out.returncode == 0, out.stderr
@@ -296,8 +325,12 @@ def test_the_same_through_the_gpuhub_policy_commands(hub, users, busy, tmp_path)
     out = gpuhub("apply", str(bad))
     assert out.returncode == 1 and f"{bad}:14:" in out.stderr and "per-user cap of 5 GPUs" in out.stderr
     assert hub.policy.read_text() == POLICY
-    offline = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "policy", "diff", str(new), "--against", str(hub.policy)],
-                             capture_output=True, text=True, timeout=60)
+    offline = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "policy", "diff", str(new), "--against", str(hub.policy)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert offline.returncode == 0 and "Vision Lab: A100 GPUs quota 2 → 1 (-1)" in offline.stdout
 
 
@@ -306,6 +339,7 @@ def test_an_edit_on_disk_keeps_working_and_is_recorded_as_such(hub, users):
     start = admin.api.get(admin.url("/gpuhub/policy")).json()
     hub.policy.write_text(POLICY.replace("queueTimeout: 10m", "queueTimeout: 15m"))
     try:
+
         def recorded():
             vs = admin.api.get(admin.url("/gpuhub/policy")).json()["versions"]
             return vs[0] if vs[0]["source"] == "edited on disk" and vs[0]["n"] > start["versions"][0]["n"] else None
@@ -316,5 +350,9 @@ def test_an_edit_on_disk_keeps_working_and_is_recorded_as_such(hub, users):
         assert v["summary"] == "edited on disk: the defaults change" and v["by"].startswith("file owner ")
     finally:  # the policy the other tests start from, in force again (each test passes in any order)
         hub.policy.write_text(POLICY)
-        wait_for(lambda: admin.api.get(admin.url("/gpuhub/policy")).json()["hash"] == start["hash"], 20,
-                 "the policy back as it was", interval=0.5)
+        wait_for(
+            lambda: admin.api.get(admin.url("/gpuhub/policy")).json()["hash"] == start["hash"],
+            20,
+            "the policy back as it was",
+            interval=0.5,
+        )

@@ -85,8 +85,9 @@ SECRET = "s3cr3t-token-value"
 
 
 def _with_env(text: str, value: str) -> str:
-    return text.replace("profiles:\n", "profiles:\n- slug: with-env\n  displayName: Env\n  teams: '*'\n"
-                        f"  env:\n    API_TOKEN: {value}\n", 1)
+    return text.replace(
+        "profiles:\n", f"profiles:\n- slug: with-env\n  displayName: Env\n  teams: '*'\n  env:\n    API_TOKEN: {value}\n", 1
+    )
 
 
 def test_a_large_policys_diff_made_in_a_child_is_the_diff_made_here():
@@ -113,8 +114,9 @@ def test_a_large_policys_reload_diff_made_in_a_child_is_the_one_made_here():
     from gpuhub_spawner.usage.policy_text import data_text, text_and_diff_beside, text_diff
 
     before = yaml.safe_load(_with_env(big_policy(teams=60, profiles=240), SECRET))
-    after = yaml.safe_load(_with_env(big_policy(teams=60, profiles=240).replace(
-        "displayName: Team 7\n", "displayName: Team Seven\n"), SECRET + "-2"))
+    after = yaml.safe_load(
+        _with_env(big_policy(teams=60, profiles=240).replace("displayName: Team 7\n", "displayName: Team Seven\n"), SECRET + "-2")
+    )
     old, new = data_text(before), data_text(after)
     assert SECRET not in old + new
     for known in (None, old):
@@ -129,8 +131,10 @@ def test_an_edit_on_disks_summary_and_diff_made_in_a_child_are_the_ones_made_her
     from gpuhub_spawner.usage.policy_versions import _summary_and_diff, _what_changed
 
     before = _with_env(big_policy(teams=60, profiles=240), SECRET)
-    after = _with_env(before.replace("gpus: {nominal: 2", "gpus: {nominal: 3").replace(
-        "displayName: Team 7\n", "displayName: Team Seven\n"), SECRET + "-2")
+    after = _with_env(
+        before.replace("gpus: {nominal: 2", "gpus: {nominal: 3").replace("displayName: Team 7\n", "displayName: Team Seven\n"),
+        SECRET + "-2",
+    )
     summary, diff = _summary_and_diff(before, after)
     assert (summary, diff) == (_what_changed(before, after), policy_diff(before, after))
     assert summary.startswith("edited on disk") and "+  displayName: Team Seven" in diff and SECRET not in diff

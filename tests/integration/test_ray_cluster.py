@@ -92,8 +92,13 @@ def cli(hub, user, *args, check=True, timeout=900):
     """``gpuhub ray ...`` from a laptop, with a token from the token page."""
     e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
     e.update(GPUHUB_TOKEN=user.token)
-    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "ray", "--hub", hub.url, *args],
-                       capture_output=True, text=True, env=e, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "ray", "--hub", hub.url, *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=timeout,
+    )
     if check:
         assert r.returncode == 0, r.stdout + r.stderr + hub.tail(40)
     return r
@@ -129,7 +134,8 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     # alice, in a notebook of her (CPU) server, asks for 2 GPUs the way a terminal would.
     s = alice.wait_ready()
     k = KernelSession("", hub.server_url(s["url"]), alice.token, f"ray-{uuid.uuid4().hex[:6]}.ipynb")
-    out = k.execute(textwrap.dedent("""\
+    out = k.execute(
+        textwrap.dedent("""\
         import subprocess
         up = subprocess.Popen(["gpuhub", "ray", "up", "--gpus", "2", "--name", "mine"],
                               stdout=open("ray-up.log", "w"), stderr=subprocess.STDOUT)
@@ -140,25 +146,30 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
             if "position" in text or "running" in text or "starting" in text:
                 break
         print(text)
-    """))
+    """)
+    )
     assert "Ray cluster mine: queued: position 1 of 1 in Vision Lab's queue; this Ray cluster" in out, out
     assert "2 Tesla GPU" in out, out  # the hub's own words for what it waits for
     # bob stops his: the GPUs go back to the queue, and alice's `up` (still running) gets them.
     assert "stopped: stopped by its owner" in cli(hub, bob, "down", "teammate").stdout
-    out = k.execute(textwrap.dedent("""\
+    out = k.execute(
+        textwrap.dedent("""\
         for _ in range(1600):  # Ray's head takes minutes to start on a loaded 2-core machine
             if up.poll() is not None:
                 break
             time.sleep(0.5)
         print(up.returncode)
         print(open("ray-up.log").read())
-    """), timeout=900)
+    """),
+        timeout=900,
+    )
     assert out.startswith("0\n"), out
     assert "Ray cluster mine: running: since" in out and "export RAY_ADDRESS=127.0.0.1:" in out, out
     address = re.search(r"export RAY_ADDRESS=(\S+)", out).group(1)
 
     # Her kernel joins the cluster and runs a task that asks for both GPUs.
-    out = k.execute(textwrap.dedent("""\
+    out = k.execute(
+        textwrap.dedent("""\
         import os, ray
         print("mode", os.environ.get("RAY_AUTH_MODE"))   # set in every server by the hub
         ray.init(log_to_driver=False)                    # no address: it finds her cluster
@@ -168,7 +179,9 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
             return ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.getuid()
         print("task", ray.get(where.remote(), timeout=450), os.getuid())
         ray.shutdown()
-    """), timeout=540)
+    """),
+        timeout=540,
+    )
     assert "mode token" in out and out.split("gcs ", 1)[1].split()[0].endswith(":" + address.rsplit(":", 1)[1]), out
     print("kernel:", out)
     m = re.search(r"task \((\[.*?\]), '([^']*)', (\d+)\) (\d+)", out)
@@ -185,8 +198,9 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     dash = mine["dashboard"] + "api/version"
     r = requests.get(dash, headers={"Authorization": f"token {alice.token}"}, timeout=60)
     assert r.status_code == 200 and r.json().get("ray_version") == ray.__version__, r.text[:300]
-    assert requests.get(dash, headers={"Authorization": f"token {bob.token}"}, timeout=60,
-                        allow_redirects=False).status_code == 403  # bob on alice's origin
+    assert (
+        requests.get(dash, headers={"Authorization": f"token {bob.token}"}, timeout=60, allow_redirects=False).status_code == 403
+    )  # bob on alice's origin
     assert requests.get(dash, timeout=60, allow_redirects=False).status_code in (302, 403)  # nobody logged in
     old = "/hub/gpuhub/ray/mine/dashboard/api/version"  # the hub's address only redirects, and only her
     assert bob.session.get(hub.url + old, allow_redirects=False).status_code == 404
@@ -196,8 +210,12 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     # around each user: her own network namespace); and one that did (put inside her network
     # here, as root) would be refused by Ray (no token).
     port = int(address.rsplit(":", 1)[1])
-    dash_port = int(re.search(r'"dashboard_port": (\d+)', (hub.data / "jobs").joinpath(
-        view(alice, "mine").json()["id"], "attempt-1.log").read_text()).group(1))
+    dash_port = int(
+        re.search(
+            r'"dashboard_port": (\d+)',
+            (hub.data / "jobs").joinpath(view(alice, "mine").json()["id"], "attempt-1.log").read_text(),
+        ).group(1)
+    )
     probe = textwrap.dedent(f"""\
         import os, sys, urllib.request, urllib.error
         try:
@@ -219,9 +237,14 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     her_net = f"/run/netns/{system_username('alice', hub.env['GPUHUB_ACCOUNT_PREFIX'])}"
     results = {}
     for where, prefix in (("outside", []), ("inside", ["nsenter", f"--net={her_net}"] if os.path.exists(her_net) else [])):
-        p = subprocess.Popen([*prefix, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                              "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
-                             env={"PATH": os.environ["PATH"], "HOME": "/nonexistent"})
+        p = subprocess.Popen(
+            [*prefix, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd="/",
+            env={"PATH": os.environ["PATH"], "HOME": "/nonexistent"},
+        )
         try:
             results[where], _ = p.communicate(timeout=40)
         except subprocess.TimeoutExpired:
@@ -236,8 +259,7 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     t_task = time.time()
 
     # Idle: virtual GPUs report no utilisation, so they count as idle: warned, then stopped.
-    warned = wait_for(lambda: "idle:" in (v := view(alice, "mine").json())["status"] and v, IDLE + 60,
-                      "the idle warning")
+    warned = wait_for(lambda: "idle:" in (v := view(alice, "mine").json())["status"] and v, IDLE + 60, "the idle warning")
     assert "its GPUs were idle for" in warned["status"] and "it will be stopped at" in warned["status"], warned
     ended = wait_for(lambda: (v := view(alice, "mine").json())["state"] == "stopped" and v, WARNING + 30, "the cull")
     assert ended["status"].startswith("stopped: stopped because it was idle: its GPUs were idle for"), ended
@@ -246,8 +268,11 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     alice.wait_gone()
 
     # The researcher timeline, from the hub's own log.
-    lines = [ln for ln in hub.log.read_text(errors="replace").splitlines()
-             if "Ray cluster" in ln or (("Admitted job:" in ln or "Released job:" in ln) and "team vision" in ln)]
+    lines = [
+        ln
+        for ln in hub.log.read_text(errors="replace").splitlines()
+        if "Ray cluster" in ln or (("Admitted job:" in ln or "Released job:" in ln) and "team vision" in ln)
+    ]
     (hub.workdir / "ray-timeline.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"walk took {time.time() - t0:.0f}s (task done at +{t_task - t0:.0f}s)")
@@ -260,13 +285,16 @@ def test_notebook_helper_with_a_worker_and_the_cluster_stops_with_the_server(hub
     assert alice.start("cpu").status_code in (201, 202)
     s = alice.wait_ready()
     k = KernelSession("", hub.server_url(s["url"]), alice.token, f"ray-{uuid.uuid4().hex[:6]}.ipynb")
-    out = k.execute(textwrap.dedent("""\
+    out = k.execute(
+        textwrap.dedent("""\
         import ray, gpuhub_notebook
         with gpuhub_notebook.ray_cluster(gpus=2, workers=1, name="helper", keep=True) as address:
             ray.init(address, log_to_driver=False)
             print("nodes", sorted(n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]))
             ray.shutdown()
-    """), timeout=900)
+    """),
+        timeout=900,
+    )
     assert "Ray cluster helper: queued" in out or "Ray cluster helper: starting" in out, out
     assert "Ray cluster helper: running: since" in out and "nodes [0.0, 2.0]" in out, out  # the worker holds both
     k.close()

@@ -82,8 +82,10 @@ def hold_down_ends(hub) -> float:
     """When the last hold-down the hub logged ends (0: none). A lender who withdraws a request
     that reclaimed (carol stopping her server soon after a reclaim, as every test's cleanup
     does) reclaims nothing more for one notice after that reclaim (issue 19)."""
-    ends = [datetime.strptime(m.group(2), "%Y-%m-%d %H:%M:%S").timestamp() + 1
-            for m in HOLD_DOWN.finditer(hub.log.read_text(errors="replace"))]
+    ends = [
+        datetime.strptime(m.group(2), "%Y-%m-%d %H:%M:%S").timestamp() + 1
+        for m in HOLD_DOWN.finditer(hub.log.read_text(errors="replace"))
+    ]
     return max(ends, default=0.0)
 
 
@@ -160,8 +162,10 @@ def test_a_lender_that_withdraws_reclaims_nothing_more_within_the_notice(hub, us
 
     carol.start_background("gpu-1")  # again, within the notice
     wait_for(lambda: carol.server() is not None, 30, "carol's request to be pending")
-    events = carol.progress(until=lambda e: any(s in e.get("message", "") for s in (
-        "nothing is taken back for you before", "being reclaimed")), timeout=30)
+    events = carol.progress(
+        until=lambda e: any(s in e.get("message", "") for s in ("nothing is taken back for you before", "being reclaimed")),
+        timeout=30,
+    )
     msg = events[-1]["message"]
     assert "nothing is taken back for you before" in msg and "bob" not in msg, msg
     assert warnings(bob)["servers"] == {}, "bob warned a second time within the notice"
@@ -225,12 +229,19 @@ def test_borrowing_job_is_preempted_at_once_and_requeued(hub, users, tmp_path):
     assert alice.start("gpu-1").status_code in (201, 202)
     alice.wait_ready()
     spec = tmp_path / "job.yaml"
-    spec.write_text(f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'import time; time.sleep(600)']\n"
-                    "retries: {limit: 0, reasons: [preempted]}\n")
+    spec.write_text(
+        f"profile: gpu-1\ncommand: [{sys.executable}, -c, 'import time; time.sleep(600)']\n"
+        "retries: {limit: 0, reasons: [preempted]}\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
     env["GPUHUB_TOKEN"] = bob.token
-    out = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
-                         capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip().splitlines()[-1]
 
@@ -264,6 +275,7 @@ def test_jupyterlab_and_the_spawn_page_in_chromium(hub, users):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:
+
             def login(name):
                 page = browser.new_context().new_page()
                 page.set_default_timeout(90_000)
@@ -290,9 +302,11 @@ def test_jupyterlab_and_the_spawn_page_in_chromium(hub, users):
             page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")  # poll now, not in 30 s
             toast = page.locator(".Toastify__toast", has_text="This server will be stopped")
             toast.wait_for()
-            assert re.search(r"This server will be stopped at \d\d:\d\d \(in \d+ s\): NLP Group needs back GPU \d "
-                             r"that your team Vision Lab borrowed\. Your files are kept\.",
-                             toast.inner_text()), toast.inner_text()
+            assert re.search(
+                r"This server will be stopped at \d\d:\d\d \(in \d+ s\): NLP Group needs back GPU \d "
+                r"that your team Vision Lab borrowed\. Your files are kept\.",
+                toast.inner_text(),
+            ), toast.inner_text()
             assert toast.get_by_role("button", name="Snooze").count() == 0
             if os.environ.get("GPUHUB_SCREENSHOT_DIR"):
                 page.screenshot(path=os.path.join(os.environ["GPUHUB_SCREENSHOT_DIR"], "reclaim-warning.png"))

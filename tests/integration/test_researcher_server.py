@@ -51,8 +51,7 @@ c.Spawner.environment = dict(c.Spawner.environment, JUPYTERHUB_ACTIVITY_INTERVAL
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("researcher"), POLICY, extra_config=EXTRA_CONFIG, mlflow=True,
-            env={"GPUHUB_CULL_EVERY": "5"})
+    h = Hub(tmp_path_factory.mktemp("researcher"), POLICY, extra_config=EXTRA_CONFIG, mlflow=True, env={"GPUHUB_CULL_EVERY": "5"})
     h.start(timeout=120)
     yield h
     h.stop()

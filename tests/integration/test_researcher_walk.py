@@ -48,7 +48,7 @@ def demo_policy() -> str:
     shipped = (REPO / "jupyterhub_config" / "profiles.yaml").read_text()
     block = re.search(r"(  - slug: a100-1\n(?:    .*\n)*?)    idle: \{[^}\n]*\}\n", shipped)
     assert block, "the shipped policy has no a100-1 profile with an idle rule"
-    return shipped[:block.start()] + block.group(1) + f"    idle: {IDLE_RULE}\n" + shipped[block.end():]
+    return shipped[: block.start()] + block.group(1) + f"    idle: {IDLE_RULE}\n" + shipped[block.end() :]
 
 
 EXTRA_CONFIG = """
@@ -78,8 +78,9 @@ def hub(tmp_path_factory):
         pytest.skip("no /usr/bin/chromium (run-tests.sh installs Debian's chromium as root)")
     if os.geteuid() != 0:
         pytest.skip("the demo isolates each server and job in its own Unix account: needs a hub running as root")
-    h = Hub(tmp_path_factory.mktemp("walk"), demo_policy(), extra_config=EXTRA_CONFIG, mlflow=True,
-            env={"GPUHUB_CULL_EVERY": "5"})
+    h = Hub(
+        tmp_path_factory.mktemp("walk"), demo_policy(), extra_config=EXTRA_CONFIG, mlflow=True, env={"GPUHUB_CULL_EVERY": "5"}
+    )
     try:
         h.start(timeout=120)
         yield h
@@ -148,8 +149,10 @@ def terminal_report(page, alice, server_url: str, lab_errors: list[str]) -> str:
     except Exception as e:  # noqa: BLE001 (a report: what could not be read says so)
         dom = f"unreadable: {e}"
     lines = [f"terminals in the page: {dom}", f"terminal_text(): {terminal_text(page)!r}"]
-    for what, url in (("the server's terminal settings", "lab/api/settings/@jupyterlab/terminal-extension:plugin"),
-                      ("the server's terminals", "api/terminals")):
+    for what, url in (
+        ("the server's terminal settings", "lab/api/settings/@jupyterlab/terminal-extension:plugin"),
+        ("the server's terminals", "api/terminals"),
+    ):
         try:
             r = alice.api.get(server_url + url, timeout=10)
             body = r.json().get("settings") if url.startswith("lab/") and r.ok else r.text[:500]
@@ -236,8 +239,7 @@ def test_a_new_researchers_first_session(hub, browser, tmp_path):
         # -- 4. a terminal: gpuhub job submit job.yaml prints the job id ------------------------
         alice = hub.login("alice")  # her API token: the job file goes in through the contents API
         server_url = hub.server_url(alice.server()["url"])
-        r = alice.api.put(f"{server_url}api/contents/job.yaml",
-                          json={"type": "file", "format": "text", "content": JOB_YAML})
+        r = alice.api.put(f"{server_url}api/contents/job.yaml", json={"type": "file", "format": "text", "content": JOB_YAML})
         assert r.status_code in (200, 201), r.text
         page.bring_to_front()
         # xterm draws on a canvas: Screen Reader Mode (Settings > Settings Editor) gives its text.
@@ -278,8 +280,10 @@ def test_a_new_researchers_first_session(hub, browser, tmp_path):
         on_terminal(lambda: re.search(r"alice@\S+:\S*[$#]", terminal_text(page)), "the terminal's prompt")
         term.click()
         page.keyboard.type("gpuhub job submit job.yaml\n")
-        job_id = on_terminal(lambda: (re.search(r"^\s*(job-[0-9a-z]+)\s*$", terminal_text(page), re.M) or [None, None])[1],
-                             "the job id in the terminal")
+        job_id = on_terminal(
+            lambda: (re.search(r"^\s*(job-[0-9a-z]+)\s*$", terminal_text(page), re.M) or [None, None])[1],
+            "the job id in the terminal",
+        )
         jobs = alice.api.get(alice.url("/gpuhub/jobs")).json()
         assert job_id in str(jobs), (job_id, jobs)
         timeline.step(f"4b. terminal shows the job id {job_id}")
@@ -288,14 +292,18 @@ def test_a_new_researchers_first_session(hub, browser, tmp_path):
         warning = page.locator(".Toastify__toast", has_text="This server will be stopped at")
         warning.wait_for(timeout=(GPU_IDLE + WARNING + 30) * 1000)
         text = warning.inner_text()
-        assert re.search(r"This server will be stopped at \d\d:\d\d \(in \d+ s\): its GPUs were idle for "
-                         rf"{format_duration(GPU_IDLE)}\. Your files are kept\.", text), text
+        assert re.search(
+            r"This server will be stopped at \d\d:\d\d \(in \d+ s\): its GPUs were idle for "
+            rf"{format_duration(GPU_IDLE)}\. Your files are kept\.",
+            text,
+        ), text
         timeline.step("5a. JupyterLab: 'This server will be stopped at …'")
         warning.get_by_role("button", name="Snooze").click()
         snoozed = page.locator(".Toastify__toast", has_text="Snoozed. This server will be stopped at")
         snoozed.wait_for()
-        assert re.search(r"Snoozed\. This server will be stopped at \d\d:\d\d \(in \d+ s\): its GPUs were idle",
-                         snoozed.inner_text()), snoozed.inner_text()
+        assert re.search(
+            r"Snoozed\. This server will be stopped at \d\d:\d\d \(in \d+ s\): its GPUs were idle", snoozed.inner_text()
+        ), snoozed.inner_text()
         assert snoozed.get_by_role("button", name="Snooze").count() == 0  # that was the only snooze
         screenshot(page, "walk-5-snoozed.png")
         timeline.step("5b. JupyterLab: 'Snoozed. This server will be stopped at …'")
@@ -319,9 +327,12 @@ def test_a_new_researchers_first_session(hub, browser, tmp_path):
         # The stale "will be stopped" warning (and its countdown) is replaced, not left beside it.
         page.locator(".Toastify__toast", has_text="will be stopped").wait_for(state="detached", timeout=15_000)
         text = stopped.inner_text()
-        assert re.search(rf"This server was stopped at \d\d:\d\d: its GPUs were idle for {format_duration(GPU_IDLE)}\. "
-                         r"Your files are kept; "
-                         r"start it again from the hub home page\.", text), text
+        assert re.search(
+            rf"This server was stopped at \d\d:\d\d: its GPUs were idle for {format_duration(GPU_IDLE)}\. "
+            r"Your files are kept; "
+            r"start it again from the hub home page\.",
+            text,
+        ), text
         screenshot(page, "walk-6-lab-stopped.png")
         dialogs = page.locator(".jp-Dialog").all_inner_texts()  # JupyterLab's own, if any (autosave failing, ...)
         print("[walk] JupyterLab dialogs after the stop:", [" ".join(d.split()) for d in dialogs])
@@ -331,8 +342,11 @@ def test_a_new_researchers_first_session(hub, browser, tmp_path):
         notice = home.locator("#gpuhub-culled .gpuhub-culled").first
         notice.wait_for()
         text = notice.inner_text()
-        assert re.search(r"Server \(default\) \(1× A100\) was stopped at .+ by the idle culler: its GPUs were idle for "
-                         rf"{format_duration(GPU_IDLE)}\. Your files are kept\.", text), text
+        assert re.search(
+            r"Server \(default\) \(1× A100\) was stopped at .+ by the idle culler: its GPUs were idle for "
+            rf"{format_duration(GPU_IDLE)}\. Your files are kept\.",
+            text,
+        ), text
         screenshot(home, "walk-6-home-culled.png")
         print("[walk] on the home page:", text)
         timeline.step("6b. hub home: 'was stopped … by the idle culler: its GPUs were idle …'")

@@ -105,6 +105,7 @@ def test_a_request_cancelled_while_it_waits_is_not_kept_for_the_next_restart(hub
 
 # -- finding 10 of issue 8: restart trusts the hub's own record, and the process's identity --
 
+
 def _stop_all(hub, names=("alice", "bob", "carol", "dave")):
     hub.stop_servers(*names)
 
@@ -115,7 +116,6 @@ def _holders(hub, user=None):
 
 def test_restart_ignores_what_a_user_writes_into_their_server_environment(hub):
     """The old restart read GPUHUB_DEVICES from /proc/<pid>/environ: a user can rewrite that."""
-    import json as _json
     import sys as _sys
     from pathlib import Path as _Path
 
@@ -188,9 +188,10 @@ def test_a_reused_pid_is_not_taken_for_the_server(hub):
     alice.wait_ready()
     gpu = alice.server_env()["CUDA_VISIBLE_DEVICES"]
     pid = next(
-        p for p in processes_with_env(f"GPUHUB_TEST_RUN={hub.run_id}")
-        if "jupyterhub-singleuser" in open(f"/proc/{p}/cmdline").read() and
-        f"JUPYTERHUB_USER=alice\0" in open(f"/proc/{p}/environ").read()
+        p
+        for p in processes_with_env(f"GPUHUB_TEST_RUN={hub.run_id}")
+        if "jupyterhub-singleuser" in open(f"/proc/{p}/cmdline").read()
+        and "JUPYTERHUB_USER=alice\0" in open(f"/proc/{p}/environ").read()
     )
     hub.stop(kill_servers=False)
     os.kill(pid, signal.SIGKILL)  # the server dies while the hub is down...

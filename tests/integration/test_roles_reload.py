@@ -88,8 +88,9 @@ def spawned_by_admin(hub, users):
     action = html.unescape(re.search(r'<form[^>]*id="spawn_form"[^>]*action="([^"]+)"', page.text, re.S).group(1))
     assert "_xsrf=" in action  # the form carries the page's XSRF token (JupyterHub's spawn.html)
     started = time.time()
-    r = admin.session.post(hub.url + action if action.startswith("/") else action, data={"profile": "gpu-1"},
-                           allow_redirects=False)
+    r = admin.session.post(
+        hub.url + action if action.startswith("/") else action, data={"profile": "gpu-1"}, allow_redirects=False
+    )
     assert r.status_code == 302 and "/hub/spawn-pending/alice" in r.headers["Location"], (r.status_code, r.text[:500])
     alice.wait_ready()
     alice.stop()
@@ -118,8 +119,9 @@ def test_a_group_added_to_viewers_sees_everyones_usage_at_once_and_loses_it_when
     view, text = _page_view(erin)
     assert view == "user" and "alice" not in text
 
-    edit_policy(hub, admin, policy(viewers="department-heads, students"),
-                {"granted": [["gpuhub-viewer", "students"]], "revoked": []})
+    edit_policy(
+        hub, admin, policy(viewers="department-heads, students"), {"granted": [["gpuhub-viewer", "students"]], "revoked": []}
+    )
     rep = _usage(erin)  # the same token, no new login
     everyone = [r["user"] for r in _usage(admin)["rows"]]  # alice's, and any a test before started (any order)
     assert rep["view"] == "viewer" and [r["user"] for r in rep["rows"]] == everyone and "alice" in everyone
@@ -141,8 +143,7 @@ def test_a_group_added_to_admins_gets_the_audit_trail_and_loses_it_when_removed(
     admin, erin = users["admin"], users["erin"]
 
     def erin_reads_audit():
-        return (erin.api.get(erin.url("/gpuhub/audit")).status_code,
-                erin.session.get(hub.url + "/hub/gpuhub/audit").status_code)
+        return (erin.api.get(erin.url("/gpuhub/audit")).status_code, erin.session.get(hub.url + "/hub/gpuhub/audit").status_code)
 
     assert erin_reads_audit() == (403, 403)
     edit_policy(hub, admin, policy(admins="platform-admins, students"), {"granted": [["gpuhub-admin", "students"]]})
@@ -158,8 +159,12 @@ def test_a_group_made_lead_sees_its_team_and_a_new_group_is_created_with_its_rol
     admin, erin = users["admin"], users["erin"]
     assert erin.api.get(erin.url("/gpuhub/status")).json()["view"] == "counts"
     assert admin.api.get(admin.url("/groups/auditors")).status_code == 404  # nobody with it has logged in
-    entry = edit_policy(hub, admin, policy(leads="vision-leads, students", viewers="department-heads, auditors"),
-                        {"granted": [["gpuhub-lead", "students"], ["gpuhub-viewer", "auditors"]]})
+    entry = edit_policy(
+        hub,
+        admin,
+        policy(leads="vision-leads, students", viewers="department-heads, auditors"),
+        {"granted": [["gpuhub-lead", "students"], ["gpuhub-viewer", "auditors"]]},
+    )
     assert entry["created_groups"] == ["auditors"]
     assert erin.api.get(erin.url("/gpuhub/status")).json()["view"] == "team"
     r = admin.api.get(admin.url("/groups/auditors"))

@@ -70,6 +70,7 @@ ray:
 
 # -- the runbooks, as text ---------------------------------------------------------------------
 
+
 def blocks(page: str) -> dict[str, str]:
     text = (RUNBOOKS / f"{page}.md").read_text()
     found = {}
@@ -95,9 +96,13 @@ def steps_run_by(module_file) -> set[tuple[str, str]]:
     for fn in ast.walk(ast.parse(Path(module_file).read_text())):
         if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_"):
             for node in ast.walk(fn):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "runbook"
-                        and len(node.args) >= 2 and all(isinstance(a, ast.Constant) and isinstance(a.value, str)
-                                                        for a in node.args[:2])):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id == "runbook"
+                    and len(node.args) >= 2
+                    and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args[:2])
+                ):
                     out.add((node.args[0].value, node.args[1].value))
     return out
 
@@ -124,6 +129,7 @@ def env_of(hub: Hub, admin, **more) -> dict:
 
 
 # -- the alert rules ---------------------------------------------------------------------------
+
 
 def test_alert_rules_pass_promtool_check_and_their_unit_tests():
     if not PROMTOOL:
@@ -162,6 +168,7 @@ def test_every_alert_links_a_runbook_that_names_it_and_every_page_has_its_sectio
 
 # -- a real hub, and a real Prometheus evaluating the rules ------------------------------------
 
+
 class Prometheus:
     def __init__(self, workdir: Path, hub: Hub, token: str):
         self.workdir, self.proc, self.url = workdir, None, None
@@ -180,9 +187,15 @@ class Prometheus:
             f"    static_configs: [{{targets: ['localhost:{hub.port}']}}]\n"
         )
         self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=open(workdir / "prom.log", "ab"), stderr=subprocess.STDOUT,
+            [
+                PROMETHEUS,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=open(workdir / "prom.log", "ab"),
+            stderr=subprocess.STDOUT,
         )
         self.url = f"http://127.0.0.1:{port}"
         wait_for(lambda: self.value('up{job="gpuhub"}') == 1.0, 30, "Prometheus to scrape the hub")
@@ -246,8 +259,11 @@ def test_hub_down_the_proxy_keeps_servers_and_the_runbook_brings_it_back(hub, us
     auth = {"Authorization": f"token {alice.token}"}
     assert requests.get(lab, headers=auth, timeout=10).status_code == 200
     if prometheus.url:  # the series GpuhubSpawnsFailing reads exists on a real hub (here: a success)
-        wait_for(lambda: prometheus.query('jupyterhub_server_spawn_duration_seconds_count{job="gpuhub",status="success"}'),
-                 15, "the spawn counted")
+        wait_for(
+            lambda: prometheus.query('jupyterhub_server_spawn_duration_seconds_count{job="gpuhub",status="success"}'),
+            15,
+            "the spawn counted",
+        )
 
     hub.proc.send_signal(signal.SIGKILL)  # the hub dies; its proxy and alice's server do not
     hub.proc.wait()
@@ -270,8 +286,11 @@ def test_hub_down_the_proxy_keeps_servers_and_the_runbook_brings_it_back(hub, us
     if prometheus.url:
         wait_for(lambda: prometheus.alert("GpuhubHubDown") is None, 15, "GpuhubHubDown to resolve")
         # the series GpuhubHubRestarting reads exists on a real hub, and counts the restart
-        wait_for(lambda: len(prometheus.query('changes(process_start_time_seconds{job="gpuhub"}[10m]) >= 1')) == 1,
-                 15, "the restart seen in process_start_time_seconds")
+        wait_for(
+            lambda: len(prometheus.query('changes(process_start_time_seconds{job="gpuhub"}[10m]) >= 1')) == 1,
+            15,
+            "the restart seen in process_start_time_seconds",
+        )
     stop_all(users)
 
 
@@ -282,9 +301,16 @@ def test_spawn_stuck_behind_a_full_quota(hub, users):
     bob.start_background("gpu-1")
     wait_for(lambda: bob.server() is not None and bob.server().get("pending") == "spawn", 30, "bob waiting")
     env = env_of(hub, admin, WHO="bob", HOLDER="alice")
-    out = wait_for(lambda: (lambda o: o if "bob (vision, gpu-1) waiting" in o else None)(runbook("spawns-stuck", "check", env)),
-                   20, "the check to show bob waiting")
-    assert re.search(r"^bob \(vision, gpu-1\) waiting .*, position 1: needs 1 Tesla GPU: your team Vision Lab is using 1 of the 1 it may hold", out, re.M | re.I), out
+    out = wait_for(
+        lambda: (lambda o: o if "bob (vision, gpu-1) waiting" in o else None)(runbook("spawns-stuck", "check", env)),
+        20,
+        "the check to show bob waiting",
+    )
+    assert re.search(
+        r"^bob \(vision, gpu-1\) waiting .*, position 1: needs 1 Tesla GPU: your team Vision Lab is using 1 of the 1 it may hold",
+        out,
+        re.M | re.I,
+    ), out
     assert "vision gpu: 1 of 1 in use, 1 usable" in out, out
     assert re.search(r"^\S+\s+gpu\s+\S+.*alice", out, re.M), out  # gpuhub gpu list: alice holds the GPU
     out = runbook("spawns-stuck", "fix", env)
@@ -354,8 +380,13 @@ def test_rotating_a_users_ray_token_stops_her_clusters_and_her_next_one_runs_wit
     def ray_cli(*args):
         e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
         e.update(GPUHUB_TOKEN=alice.token)
-        r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "ray", "--hub", hub.url, *args],
-                           capture_output=True, text=True, env=e, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-m", "gpuhub_spawner.cli", "ray", "--hub", hub.url, *args],
+            capture_output=True,
+            text=True,
+            env=e,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stdout + r.stderr + hub.tail(30)
         return r.stdout
 

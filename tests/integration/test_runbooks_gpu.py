@@ -62,8 +62,12 @@ def gpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gpus):
-    h = Hub(tmp_path_factory.mktemp("runbooks-gpu"), POLICY, extra_config=EXTRA_CONFIG,
-            env=fake_nvml_env(gpus.path, GPUHUB_CULL_EVERY=str(PASS)))
+    h = Hub(
+        tmp_path_factory.mktemp("runbooks-gpu"),
+        POLICY,
+        extra_config=EXTRA_CONFIG,
+        env=fake_nvml_env(gpus.path, GPUHUB_CULL_EVERY=str(PASS)),
+    )
     h.start()
     yield h
     h.stop()
@@ -134,8 +138,11 @@ def test_a_culled_server_leaves_its_evidence_where_the_runbook_looks(hub, users)
     bob.session.get(hub.url + "/hub/home")  # and he closes his browser: nothing is active
     wait_for(lambda: bob.server() is None, 90, "bob's idle server to be culled", interval=1)
     env = env_of(hub, admin, WHO="bob")
-    out = wait_for(lambda: (lambda o: o if " culled " in o else None)(runbook("cull-dispute", "evidence", env)),
-                   15, "the cull in the audit trail")
+    out = wait_for(
+        lambda: (lambda o: o if " culled " in o else None)(runbook("cull-dispute", "evidence", env)),
+        15,
+        "the cull in the audit trail",
+    )
     lines = out.splitlines()
     warned = next(i for i, ln in enumerate(lines) if re.search(rf" warned bob/ idle .*no activity for {TIMEOUT}s", ln))
     culled = next(i for i, ln in enumerate(lines) if re.search(r" culled bob/ idle ", ln))

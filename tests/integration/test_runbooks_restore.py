@@ -139,9 +139,13 @@ def test_a_backup_restored_into_a_fresh_hub_then_its_database_upgraded_and_rolle
 
     # An upgrade whose JupyterHub needs a newer schema than the database has: made here by
     # taking the restored database one revision back, which is what the older release had.
-    down = subprocess.run([sys.executable, "-m", "jupyterhub.dbutil", "alembic", "downgrade", "-1"], cwd=fresh.data,
-                          env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"),
-                          capture_output=True, text=True)
+    down = subprocess.run(
+        [sys.executable, "-m", "jupyterhub.dbutil", "alembic", "downgrade", "-1"],
+        cwd=fresh.data,
+        env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"),
+        capture_output=True,
+        text=True,
+    )
     assert down.returncode == 0, down.stdout + down.stderr
     fenv = env_of(fresh, admin)
     old = re.search(r"^database schema: (\w+)$", runbook("upgrade-rollback", "check-db", fenv), re.M).group(1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

@@ -83,8 +83,10 @@ SLACK = 1.0  # seconds: rounding of timestamps between the test's clock and the 
 class FakeGpus:
     def __init__(self, path: Path, n: int):
         self.path = path
-        self.devices = [{"uuid": f"GPU-fake-{i}", "name": "NVIDIA Fake T1", "memory_total": 16 * 2**30,
-                         "memory_used": 0, "utilization": 80} for i in range(n)]
+        self.devices = [
+            {"uuid": f"GPU-fake-{i}", "name": "NVIDIA Fake T1", "memory_total": 16 * 2**30, "memory_used": 0, "utilization": 80}
+            for i in range(n)
+        ]
         self.write()
 
     def write(self):
@@ -140,9 +142,15 @@ class PrometheusRun:
             f"    static_configs: [{{targets: ['localhost:{hub.port}']}}]\n"
         )
         self.proc = subprocess.Popen(
-            [self.binary, f"--config.file={self.workdir / 'prometheus.yml'}", f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=open(self.workdir / "prom.log", "ab"), stderr=subprocess.STDOUT,
+            [
+                self.binary,
+                f"--config.file={self.workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=open(self.workdir / "prom.log", "ab"),
+            stderr=subprocess.STDOUT,
         )
         self.url = f"http://127.0.0.1:{port}"
         wait_for(lambda: self._up(), 30, "Prometheus to scrape the hub")
@@ -170,8 +178,12 @@ class PrometheusRun:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gpus, prometheus):
-    h = Hub(tmp_path_factory.mktemp("usage"), POLICY, extra_config=EXTRA_CONFIG,
-            env=fake_nvml_env(gpus.path, GPUHUB_CULL_EVERY=str(PASS)))
+    h = Hub(
+        tmp_path_factory.mktemp("usage"),
+        POLICY,
+        extra_config=EXTRA_CONFIG,
+        env=fake_nvml_env(gpus.path, GPUHUB_CULL_EVERY=str(PASS)),
+    )
     h.start()
     yield h
     prometheus.stop()
@@ -221,17 +233,21 @@ def day(hub, users, gpus, prometheus):
         u[name].wait_gone()
         clock[name]["gone"] = time.time()
 
-    start("alice"); ready("alice")
-    start("carol"); ready("carol")
+    start("alice")
+    ready("alice")
+    start("carol")
+    ready("carol")
     start("dave", team="nlp")  # NLP's one GPU is carol's: dave waits
     wait_for(lambda: any(e["user"] == "dave" for e in audit(u["admin"], event="queued")), 30, "dave queued")
-    start("bob"); ready("bob")
+    start("bob")
+    ready("bob")
     gpus.set(device_of(hub, u["admin"], "bob"), 0)  # bob's GPU idles from now on
     snoozed = threading.Event()
 
     def snooze_once():  # bob, watching his notifications, snoozes the warning once
         def warned():
             return u["bob"].api.get(u["bob"].url("/gpuhub/culling/bob")).json()["servers"]
+
         wait_for(warned, 90, "bob's warning", interval=0.3)
         r = u["bob"].api.post(u["bob"].url("/gpuhub/culling/bob/snooze"), json={"server": ""})
         assert r.status_code == 200, r.text
@@ -241,8 +257,10 @@ def day(hub, users, gpus, prometheus):
     watcher.start()
     clock["_all_held"] = {"at": time.time()}
     if prometheus.url:  # Prometheus has seen the three held GPUs, then a few more scrapes for rate()
+
         def held():
             return sum(float(s["value"][1]) for s in prometheus.query("gpuhub_gpus_in_use"))
+
         wait_for(lambda: held() == 3, 30, "Prometheus to see the 3 held GPUs", interval=0.5)
     time.sleep(2)
     clock["_all_held"]["scraped"] = time.time()
@@ -300,8 +318,10 @@ def test_history_matches_the_days_own_clock(day, users):
     rows = {r["user"]: r for r in rep["rows"]}
     assert set(rows) == {"alice", "bob", "carol", "dave"}
     assert {u: (r["end_reason"], r["stopped_by"]) for u, r in rows.items()} == {
-        "alice": ("stopped", "lena"), "bob": ("culled", "gpuhub-culler"),
-        "carol": ("stopped", "carol"), "dave": ("stopped", "admin"),
+        "alice": ("stopped", "lena"),
+        "bob": ("culled", "gpuhub-culler"),
+        "carol": ("stopped", "carol"),
+        "dave": ("stopped", "admin"),
     }
     bounds = {}
     for name in ("alice", "carol", "dave", "bob"):
@@ -339,8 +359,9 @@ def test_history_survives_a_hub_restart(day, hub, users):
     admin = hub.login("admin")
     users["admin"] = admin
     after = _rows(admin)["rows"]
-    assert [(r["user"], r["start"], r["end"], r["end_reason"]) for r in after] == \
-        [(r["user"], r["start"], r["end"], r["end_reason"]) for r in before]
+    assert [(r["user"], r["start"], r["end"], r["end_reason"]) for r in after] == [
+        (r["user"], r["start"], r["end"], r["end_reason"]) for r in before
+    ]
 
 
 def test_the_csv_matches_the_page(day, users):
@@ -361,12 +382,17 @@ def test_the_cli_answers_by_team_and_user(day, hub, users):
     def run(client, *args):
         env = dict(os.environ, JUPYTERHUB_API_URL=hub.url + "/hub/api", JUPYTERHUB_API_TOKEN=client.token)
         env.pop("GPUHUB_TOKEN", None)
-        return subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "usage", *args], env=env,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "gpuhub_spawner.cli", "usage", *args], env=env, capture_output=True, text=True, timeout=60
+        )
 
     out = run(users["victor"], "--since", "7d", "--by", "team")
     assert out.returncode == 0, out.stderr
-    assert "view: viewer" in out.stdout and re.search(r"^vision\s+\d", out.stdout, re.M) and re.search(r"^nlp\s+\d", out.stdout, re.M)
+    assert (
+        "view: viewer" in out.stdout
+        and re.search(r"^vision\s+\d", out.stdout, re.M)
+        and re.search(r"^nlp\s+\d", out.stdout, re.M)
+    )
     out = run(users["victor"], "--since", "7d", "--by", "user", "--csv")
     assert sorted(row["user"] for row in csv.DictReader(io.StringIO(out.stdout))) == ["alice", "bob", "carol", "dave"]
     out = run(users["carol"], "--since", "7d", "--by", "user", "--csv")  # a researcher: herself only
@@ -411,7 +437,10 @@ def test_forged_requests_are_refused(day, hub, users):
         narrow = {"Authorization": f"token {r.json()['token']}"}
         for path in ("/hub/api/gpuhub/usage", "/hub/api/gpuhub/audit", "/hub/api/gpuhub/usage.csv"):
             assert requests.get(hub.url + path, headers=narrow).status_code == 403, path
-        assert requests.get(hub.url + "/hub/api/gpuhub/usage.csv", headers={"Authorization": f"token {admin.token}"}).status_code == 200
+        assert (
+            requests.get(hub.url + "/hub/api/gpuhub/usage.csv", headers={"Authorization": f"token {admin.token}"}).status_code
+            == 200
+        )
         assert requests.post(hub.url + "/hub/api/gpuhub/servers/carol/stop", headers=narrow).status_code == 403
         # A cookie-authenticated POST without the XSRF token is refused (cross-site forgery).
         r = lena.session.post(hub.url + "/hub/api/gpuhub/servers/alice/stop")
@@ -451,8 +480,10 @@ def test_status_page_by_role(day, hub, users, gpus):
     carol.wait_ready()
     pending = dave.start_background("gpu-1", team="nlp")  # NLP's one GPU is carol's: dave waits
     try:
+
         def dave_waits():
             return [w for w in admin.api.get(admin.url("/gpuhub/status")).json()["waiting"] if w["user"] == "dave"]
+
         (waiting,) = wait_for(dave_waits, 30, "dave in the admin's waiting list")
         assert waiting["team"] == "nlp" and waiting["position"] == 1 and waiting["since"] <= time.time()
         # Nobody but the admin sees who waits; the lead of Vision Lab does not see NLP's queue.
@@ -498,11 +529,22 @@ def test_the_audit_trail_holds_the_day_in_order(day, hub, users):
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
     def events(key):
-        return [e["event"] for e in entries if e.get("key") == key and e["event"] in
-                ("requested", "queued", "admitted", "started", "warned", "snoozed", "culled", "released", "acted_on_server")]
+        return [
+            e["event"]
+            for e in entries
+            if e.get("key") == key
+            and e["event"]
+            in ("requested", "queued", "admitted", "started", "warned", "snoozed", "culled", "released", "acted_on_server")
+        ]
 
     # (alice's idle GPU may be warned about before her lead stops it: both are in the trail)
-    assert [e for e in events("alice/") if e != "warned"][:5] == ["requested", "admitted", "started", "acted_on_server", "released"]
+    assert [e for e in events("alice/") if e != "warned"][:5] == [
+        "requested",
+        "admitted",
+        "started",
+        "acted_on_server",
+        "released",
+    ]
     assert events("dave/")[:4] == ["requested", "queued", "admitted", "started"]
     assert events("bob/")[:7] == ["requested", "admitted", "started", "warned", "snoozed", "culled", "released"]
     released = {e["key"]: e for e in entries if e["event"] == "released"}
@@ -579,18 +621,26 @@ def test_prometheus_scrapes_the_hub_and_every_dashboard_query_returns_series(day
     dash = json.loads(DASHBOARD.read_text())
     targets = [(p["title"], t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
     assert len(targets) >= 10
-    if 'gpuhub_gpu_xid_total{' not in _metrics(users["admin"]):
+    if "gpuhub_gpu_xid_total{" not in _metrics(users["admin"]):
         gpus.xid("GPU-fake-2", 13)  # an application XID (the GPU stays): the XID panel has a series
     wait_for(lambda: prometheus.query("increase(gpuhub_gpu_xid_total[1h])"), 30, "Prometheus to scrape an XID count twice")
     at = day["_all_held"]["scraped"]
     for title, expr in targets:
-        q = expr.replace("$__rate_interval", "5m").replace("$__range_s", "3600").replace("$__range", "1h").replace("$team", ".*").replace("$flavor", ".*")
+        q = (
+            expr.replace("$__rate_interval", "5m")
+            .replace("$__range_s", "3600")
+            .replace("$__range", "1h")
+            .replace("$team", ".*")
+            .replace("$flavor", ".*")
+        )
         # While four servers held or waited (utilisation, in use, waiting) or at the end (culls).
         series = prometheus.query(q, at) or prometheus.query(q)
         assert series, f"panel {title!r}: {q} returned no series"
+
     # The NLP picture at the end: nothing in use, nothing waiting; Vision's lead culled once.
     def in_use():  # the latest scrape (1 s apart) after the last servers stopped
         return {s["metric"]["team"]: float(s["value"][1]) for s in prometheus.query('gpuhub_gpus_in_use{flavor="gpu"}')}
+
     wait_for(lambda: in_use() == {"vision": 0, "nlp": 0}, 10, f"Prometheus to see no GPU in use ({in_use()})")
     assert {s["metric"]["team"]: float(s["value"][1]) for s in prometheus.query("gpuhub_team_waiting")} == {"vision": 0, "nlp": 0}
     assert prometheus.query("gpuhub_gpu_utilization_percent") == []  # nothing held: the series are gone
@@ -632,11 +682,13 @@ def test_the_usage_page_renders_its_charts_for_each_role(day, hub, tmp_path):
                     svg = page.locator(f"svg#gpuhub-chart-{chart}")
                     assert svg.is_visible() and svg.bounding_box()["height"] > 100, (name, chart)
                 series = page.locator("svg#gpuhub-chart-allocation path.gpuhub-series").evaluate_all(
-                    "els => els.map(e => e.dataset.name)")
+                    "els => els.map(e => e.dataset.name)"
+                )
                 labels = {"vision": "Vision Lab", "nlp": "NLP Group"}
                 assert set(series) == {labels[t] for t in teams}, (name, series)
                 bars = page.locator("svg#gpuhub-chart-idle rect.gpuhub-bar[data-part=idle_gpu_hours]").evaluate_all(
-                    "els => els.map(e => [e.dataset.group, parseFloat(e.dataset.value)])")
+                    "els => els.map(e => [e.dataset.group, parseFloat(e.dataset.value)])"
+                )
                 assert {g for g, _ in bars} == {labels[t] for t in teams}
                 users_shown = set(page.locator("tr.gpuhub-usage-row td:first-child").all_inner_texts())
                 assert users_shown == who, (name, users_shown)

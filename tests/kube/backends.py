@@ -50,10 +50,13 @@ configure_ledger(c)
 
 # The double's pods share this machine's network (pod IP 127.0.0.1): one port per pod. On the
 # real plane each pod has its own loopback IP from its kwok node's podCIDR, and port 8888.
-DOUBLE_ONLY_CONFIG = pod_port_hook() + """
+DOUBLE_ONLY_CONFIG = (
+    pod_port_hook()
+    + """
 c.KubeSpawner.ip = "127.0.0.1"
 c.KubeSpawner.pre_spawn_hook = _own_port
 """
+)
 
 BACKENDS = ["double", "real"]
 
@@ -82,8 +85,11 @@ class DoubleBackend:
         apply_policy(self.double, policy)
 
     def pods(self, user: str | None = None) -> list[dict]:
-        return [p for p in self.double.list("pods", NAMESPACE)
-                if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user]
+        return [
+            p
+            for p in self.double.list("pods", NAMESPACE)
+            if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user
+        ]
 
     def workloads(self) -> list[dict]:
         return self.double.list("workloads", NAMESPACE)
@@ -133,12 +139,17 @@ class RealBackend:
         # docs/install-kubernetes.md step 1, run as written: keep Kueue's webhooks away from
         # the hub's namespace (idempotent here: only when "gpuhub" is not excluded yet), with
         # this checkout's `gpuhub` on PATH as the guide's CLI step installs it.
-        hooks = self.cluster.kubectl("get", "validatingwebhookconfiguration", "kueue-validating-webhook-configuration",
-                                     "-o", "json").stdout
+        hooks = self.cluster.kubectl(
+            "get", "validatingwebhookconfiguration", "kueue-validating-webhook-configuration", "-o", "json"
+        ).stdout
         if '"gpuhub"' not in hooks:
-            out = subprocess.run(["bash", "-c", real.guide_block("for kind in mutating validating")], capture_output=True,
-                                 text=True, timeout=120, env=dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig),
-                                                                  PATH=f"{real.VENV_BIN}:{os.environ['PATH']}"))
+            out = subprocess.run(
+                ["bash", "-c", real.guide_block("for kind in mutating validating")],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=dict(os.environ, KUBECONFIG=str(self.cluster.kubeconfig), PATH=f"{real.VENV_BIN}:{os.environ['PATH']}"),
+            )
             print(f"\n[real] install guide webhook exclusion:\n{out.stdout}{out.stderr}")
             assert out.returncode == 0, out.stderr
         out = self.cluster.apply_policy(policy, NAMESPACE, workdir / "policy")
@@ -150,8 +161,12 @@ class RealBackend:
         config_dir = workdir / "image-jupyter-config"
         config_dir.mkdir(parents=True, exist_ok=True)
         (config_dir / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"allow_root": True}}))
-        node_env = {"PATH": f"{real.VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1",
-                    "LANG": "C.UTF-8", "JUPYTER_CONFIG_DIR": str(config_dir)}
+        node_env = {
+            "PATH": f"{real.VENV_BIN}:/usr/local/bin:/usr/bin:/bin",
+            "PYTHONUNBUFFERED": "1",
+            "LANG": "C.UTF-8",
+            "JUPYTER_CONFIG_DIR": str(config_dir),
+        }
         pods_dir = workdir / "pods"
         pods_dir.mkdir(parents=True, exist_ok=True)
         pods_dir.chmod(0o755)
@@ -159,8 +174,11 @@ class RealBackend:
         self.kubelet.start()
 
     def pods(self, user: str | None = None) -> list[dict]:
-        return [p for p in self.cluster.list("pods", NAMESPACE)
-                if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user]
+        return [
+            p
+            for p in self.cluster.list("pods", NAMESPACE)
+            if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user
+        ]
 
     def workloads(self) -> list[dict]:
         return self.cluster.list("workloads", NAMESPACE)
@@ -198,14 +216,19 @@ class RealBackend:
         calls = [c for c in self.hub_calls() if c["resource"]]  # not discovery (non-resource URLs)
         scope = {NAMESPACE: rights.USERS, real.HUB_NAMESPACE: rights.HUB, "": rights.CLUSTER}
         refused = [c for c in calls if c["code"] == 403]
-        unlisted = [c for c in calls if (scope.get(c["namespace"], c["namespace"]), c["group"], c["resource"], c["verb"])
-                    not in rights.needed()]
+        unlisted = [
+            c
+            for c in calls
+            if (scope.get(c["namespace"], c["namespace"]), c["group"], c["resource"], c["verb"]) not in rights.needed()
+        ]
         counts: dict[tuple, int] = {}
         for c in calls:
             key = (c["verb"], c["resource"] + (f".{c['group']}" if c["group"] else ""), c["namespace"] or "-", c["code"])
             counts[key] = counts.get(key, 0) + 1
-        print(f"\n[real] the hub's requests as {real.HUB_USER} (audit log): "
-              + ", ".join(f"{v} {r} in {ns} -> {code} x{n}" for (v, r, ns, code), n in sorted(counts.items(), key=str)))
+        print(
+            f"\n[real] the hub's requests as {real.HUB_USER} (audit log): "
+            + ", ".join(f"{v} {r} in {ns} -> {code} x{n}" for (v, r, ns, code), n in sorted(counts.items(), key=str))
+        )
         assert refused == [], f"the API server refused the hub (RBAC): {refused}"
         assert unlisted == [], f"the hub made requests kube/rights.py does not list: {unlisted}"
         return calls

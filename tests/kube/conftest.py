@@ -21,7 +21,13 @@ import pytest_asyncio
 sys.path.insert(0, str(Path(__file__).parent))
 
 from double.harness import (  # noqa: E402  (sets $KUBECONFIG before kubernetes_asyncio loads)
-    KUBECONFIG, NAMESPACE, POLICY, VENV_BIN, WORK, MockHub, MockUser,
+    KUBECONFIG,
+    NAMESPACE,
+    POLICY,
+    VENV_BIN,
+    WORK,
+    MockHub,
+    MockUser,
 )
 from double.schemas import shared_schemas  # noqa: E402
 from double.server import KubeDouble  # noqa: E402
@@ -50,8 +56,12 @@ def double(schemas_dir):
     config_dir = work / "image-jupyter-config"
     config_dir.mkdir(exist_ok=True)
     (config_dir / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"allow_root": True}}))
-    node_env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8",
-                "JUPYTER_CONFIG_DIR": str(config_dir)}
+    node_env = {
+        "PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin",
+        "PYTHONUNBUFFERED": "1",
+        "LANG": "C.UTF-8",
+        "JUPYTER_CONFIG_DIR": str(config_dir),
+    }
     # Kueue's pod webhook narrowed to the user namespace, as docs/install-kubernetes.md says.
     server = KubeDouble(work, node_env=node_env, webhook_namespaces={NAMESPACE}).start()
     KUBECONFIG.write_text(server.kubeconfig())
@@ -138,9 +148,14 @@ def make_spawner(kube):
         for key, value in traits.items():
             setattr(cfg.KueueSpawner, key, value)
         owner = next((s.user for s in made if s.user.name == user), None) or MockUser(user, groups)
-        spawner = KueueSpawner(config=cfg, user=owner, hub=MockHub(kube.url), api_token="test-token",
-                               oauth_client_id=f"jupyterhub-user-{user}",
-                               **({"orm_spawner": SimpleNamespace(name=server_name, server=None)} if server_name else {}))
+        spawner = KueueSpawner(
+            config=cfg,
+            user=owner,
+            hub=MockHub(kube.url),
+            api_token="test-token",
+            oauth_client_id=f"jupyterhub-user-{user}",
+            **({"orm_spawner": SimpleNamespace(name=server_name, server=None)} if server_name else {}),
+        )
         spawner.user_options = {"profile": profile} if profile else {}
         owner.spawners[server_name] = spawner
         made.append(spawner)

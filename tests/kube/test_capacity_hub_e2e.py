@@ -28,8 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 pytestmark = pytest.mark.integration
 
 NODE = "kwok-gpu-l4-1"
-L4_NODE = next(n for n in yaml.safe_load_all((Path(__file__).resolve().parents[1] / "cluster" / "nodes.yaml").read_text())
-               if n["metadata"]["name"] == NODE)
+L4_NODE = next(
+    n
+    for n in yaml.safe_load_all((Path(__file__).resolve().parents[1] / "cluster" / "nodes.yaml").read_text())
+    if n["metadata"]["name"] == NODE
+)
 
 POLICY = """\
 apiVersion: gpuhub/v1
@@ -68,7 +71,9 @@ def l4_node(allocatable: int) -> dict:
 
 def vision_l4_quota(double) -> str:
     cq = next(q for q in double.list("clusterqueues", None) if q["metadata"]["name"] == "vision")
-    return next(f for g in cq["spec"]["resourceGroups"] for f in g["flavors"] if f["name"] == "l4")["resources"][0]["nominalQuota"]
+    return next(f for g in cq["spec"]["resourceGroups"] for f in g["flavors"] if f["name"] == "l4")["resources"][0][
+        "nominalQuota"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +81,7 @@ def capacity_hub(double, tmp_path_factory):
     double.reset()
     apply_policy(double, POLICY)
     double.put_node(l4_node(4))
-    hub = Hub(tmp_path_factory.mktemp("capacity-hub"), POLICY, extra_config=KUBE_CONFIG,
-              env={"KUBECONFIG": str(KUBECONFIG)})
+    hub = Hub(tmp_path_factory.mktemp("capacity-hub"), POLICY, extra_config=KUBE_CONFIG, env={"KUBECONFIG": str(KUBECONFIG)})
     try:
         hub.start()
         yield hub
@@ -99,11 +103,16 @@ def test_a_gpu_out_of_service_makes_a_waiting_user_told_and_its_return_starts_hi
     pending = bob.start_background("l4-1")
     events: list[dict] = []
     pool = ThreadPoolExecutor(1)
-    reading = pool.submit(bob.progress, until=lambda e: events.append(e) or bool(e.get("ready") or e.get("failed")),
-                          timeout=3 * WAIT)
+    reading = pool.submit(
+        bob.progress, until=lambda e: events.append(e) or bool(e.get("ready") or e.get("failed")), timeout=3 * WAIT
+    )
     pool.shutdown(wait=False)
-    waiting = until(lambda: next((e["message"] for e in list(events) if "out of service" in e.get("message", "")), None),
-                    WAIT, "bob told GPUs are out of service", hub=capacity_hub)
+    waiting = until(
+        lambda: next((e["message"] for e in list(events) if "out of service" in e.get("message", "")), None),
+        WAIT,
+        "bob told GPUs are out of service",
+        hub=capacity_hub,
+    )
     assert "1 of 4 L4 24GB GPUs on the cluster is out of service (failed or drained)." in waiting, events
     [bob_pod] = pods(double, "bob")
     assert bob_pod["spec"].get("schedulingGates"), "bob's pod should wait in Kueue while the quota is lowered"

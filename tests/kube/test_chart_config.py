@@ -70,9 +70,13 @@ def run_chart_config(docs, root: Path) -> Config:
     config_py = root / "code" / "jupyterhub_config.py"
     config_py.write_text(cm["data"]["jupyterhub_config.py"].replace(MOUNT, mount))
     c = Config()
-    env = {"HUB_SERVICE_PORT": "8081", "PROXY_API_SERVICE_PORT": "8001", "POD_NAMESPACE": HUB_NAMESPACE,
-           # what the Secrets named in mlflow-values.yaml put into the hub container
-           "GPUHUB_MLFLOW_BACKEND_STORE_URI": "postgresql://mlflow:pw@postgres/mlflow"}
+    env = {
+        "HUB_SERVICE_PORT": "8081",
+        "PROXY_API_SERVICE_PORT": "8001",
+        "POD_NAMESPACE": HUB_NAMESPACE,
+        # what the Secrets named in mlflow-values.yaml put into the hub container
+        "GPUHUB_MLFLOW_BACKEND_STORE_URI": "postgresql://mlflow:pw@postgres/mlflow",
+    }
     from tornado.httpclient import AsyncHTTPClient
 
     from tornado.httpserver import HTTPServer
@@ -107,8 +111,20 @@ def test_helm_renders_the_real_chart_with_valid_objects(rendered):
     assert obj(rendered, "ServiceAccount", "hub")
     assert obj(rendered, "Deployment", "hub")["spec"]["template"]["spec"]["serviceAccountName"] == "hub"
     for doc in rendered:
-        if doc["kind"] in ("Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "Ingress", "Role",
-                           "RoleBinding", "DaemonSet", "Job", "ServiceAccount", "PersistentVolumeClaim"):
+        if doc["kind"] in (
+            "Deployment",
+            "Service",
+            "ConfigMap",
+            "Secret",
+            "NetworkPolicy",
+            "Ingress",
+            "Role",
+            "RoleBinding",
+            "DaemonSet",
+            "Job",
+            "ServiceAccount",
+            "PersistentVolumeClaim",
+        ):
             kubernetes_validate.validate(doc, "1.30", strict=True)
     hub = obj(rendered, "Deployment", "hub")["spec"]["template"]["spec"]["containers"][0]
     assert hub["image"] == "registry.example.com/gpuhub/hub:4.4.0-gpuhub-0.1.0"
@@ -176,7 +192,8 @@ def test_effective_config_selects_kueue_spawner_in_the_user_namespace(chart_conf
     # z2jh sets c.KubeSpawner.environment from singleuser.extraEnv; that section is the one
     # a KubeSpawner subclass reads, so MLflow's settings must be there (issue 12 item 2).
     assert c.KubeSpawner.environment["MLFLOW_TRACKING_URI"] == (
-        f"http://hub.{HUB_NAMESPACE}.svc.cluster.local:10101/services/mlflow")
+        f"http://hub.{HUB_NAMESPACE}.svc.cluster.local:10101/services/mlflow"
+    )
 
 
 @pytest.fixture
@@ -192,8 +209,13 @@ def spawner_for(double, chart_config):
     PolicyStore.clear_instance()
 
     def make(user, groups, profile):
-        spawner = KueueSpawner(config=c, user=MockUser(user, groups), hub=MockHub(double.url), api_token="t",
-                               oauth_client_id=f"jupyterhub-user-{user}")
+        spawner = KueueSpawner(
+            config=c,
+            user=MockUser(user, groups),
+            hub=MockHub(double.url),
+            api_token="t",
+            oauth_client_id=f"jupyterhub-user-{user}",
+        )
         spawner.user_options = {"profile": profile}
         return spawner
 
@@ -247,17 +269,23 @@ def test_image_pullers_prepull_gpuhubs_images_on_gpu_nodes(rendered):
 
 def test_hub_and_proxy_reach_user_pods_in_their_namespace(rendered):
     def allows_users(rule):
-        return any(((t.get("namespaceSelector") or {}).get("matchLabels") or {}).get("kubernetes.io/metadata.name") == NAMESPACE
-                   and any(p["port"] == 8888 for p in rule.get("ports") or []) for t in rule.get("to") or [])
+        return any(
+            ((t.get("namespaceSelector") or {}).get("matchLabels") or {}).get("kubernetes.io/metadata.name") == NAMESPACE
+            and any(p["port"] == 8888 for p in rule.get("ports") or [])
+            for t in rule.get("to") or []
+        )
 
     for name in ("hub", "proxy"):
         egress = obj(rendered, "NetworkPolicy", name)["spec"]["egress"]
         assert any(allows_users(r) for r in egress), name
     hub_ingress = obj(rendered, "NetworkPolicy", "hub")["spec"]["ingress"]
     # interNamespaceAccessLabels: accept -> labelled pods of any namespace may reach the hub
-    assert any(src.get("namespaceSelector") == {"matchLabels": {}} and src.get("podSelector") ==
-               {"matchLabels": {"hub.jupyter.org/network-access-hub": "true"}}
-               for rule in hub_ingress for src in rule.get("from") or [])
+    assert any(
+        src.get("namespaceSelector") == {"matchLabels": {}}
+        and src.get("podSelector") == {"matchLabels": {"hub.jupyter.org/network-access-hub": "true"}}
+        for rule in hub_ingress
+        for src in rule.get("from") or []
+    )
 
 
 def test_user_namespace_file_is_valid_and_names_its_namespaces_as_its_comment_says():
@@ -271,8 +299,7 @@ def test_user_namespace_file_is_valid_and_names_its_namespaces_as_its_comment_sa
     from gpuhub_spawner.kube import rights
 
     role = next(d for d in docs if d["kind"] == "Role")
-    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     assert granted == {(g, r, v) for s, g, r, v in rights.needed() if s == rights.USERS}
     assert ("kueue.x-k8s.io", "workloads", "patch") in granted and ("", "pods/log", "get") in granted  # issue 40
 
@@ -317,9 +344,12 @@ def test_no_privileged_init_container_in_user_pods(chart_config):
 
 
 def _as_pod(name: str, template: dict) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": dict(template["metadata"].get("labels") or {})},
-            "spec": template["spec"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": dict(template["metadata"].get("labels") or {})},
+        "spec": template["spec"],
+    }
 
 
 async def _gpuhub_pods(spawner_for) -> dict[str, dict]:
@@ -337,13 +367,23 @@ async def _gpuhub_pods(spawner_for) -> dict[str, dict]:
     policy = PolicyStore.instance().policy
     policy = policy.model_copy(update={"ray": policy.ray.model_copy(update={"enabled": True})})
     choice = resolve_choice(policy, ["vision-lab"], {"profile": "a100-1"})
-    job = job_manifest("job-psa", "alice", JobSpec.model_validate({"profile": "a100-1", "command": ["sleep", "1"]}),
-                       policy, choice, gpu, namespace=NAMESPACE)
+    job = job_manifest(
+        "job-psa",
+        "alice",
+        JobSpec.model_validate({"profile": "a100-1", "command": ["sleep", "1"]}),
+        policy,
+        choice,
+        gpu,
+        namespace=NAMESPACE,
+    )
     rc = ray_cluster_manifest("ray-psa", "alice", policy, choice, gpu, [WorkerGroup("gpu", 1, 1)], namespace=NAMESPACE)
-    return {"server-gpu": _as_pod("psa-server-gpu", gpu), "server-cpu": _as_pod("psa-server-cpu", cpu),
-            "job": _as_pod("psa-job", job["spec"]["template"]),
-            "ray-head": _as_pod("psa-ray-head", rc["spec"]["headGroupSpec"]["template"]),
-            "ray-worker": _as_pod("psa-ray-worker", rc["spec"]["workerGroupSpecs"][0]["template"])}
+    return {
+        "server-gpu": _as_pod("psa-server-gpu", gpu),
+        "server-cpu": _as_pod("psa-server-cpu", cpu),
+        "job": _as_pod("psa-job", job["spec"]["template"]),
+        "ray-head": _as_pod("psa-ray-head", rc["spec"]["headGroupSpec"]["template"]),
+        "ray-worker": _as_pod("psa-ray-worker", rc["spec"]["workerGroupSpecs"][0]["template"]),
+    }
 
 
 SKIP_REAL = _real.skip_reason()
@@ -353,7 +393,8 @@ SKIP_REAL = _real.skip_reason()
 @pytest.mark.skipif(bool(SKIP_REAL), reason=SKIP_REAL or "")
 @pytest.mark.asyncio(loop_scope="function")
 async def test_the_real_api_server_admits_gpuhubs_pods_under_pod_security_and_refuses_z2jhs_init_container(
-        spawner_for, real_cluster, tmp_path):
+    spawner_for, real_cluster, tmp_path
+):
     """On the real kube-apiserver 1.36 (its PodSecurity admission plugin), in gpuhub-users as
     user-namespace.yaml labels it: every pod gpuhub makes is admitted (server-side dry run:
     the whole admission chain, Kueue's webhooks included) with no `restricted` warning; the
@@ -394,8 +435,13 @@ async def test_the_real_api_server_admits_gpuhubs_pods_under_pod_security_and_re
     c.PolicyStore.policy_file = str(POLICY)
     PolicyStore.clear_instance()
     try:
-        spawner = KueueSpawner(config=c, user=MockUser("carol", ["vision-lab"]), hub=MockHub("http://127.0.0.1:1"),
-                               api_token="t", oauth_client_id="jupyterhub-user-carol")
+        spawner = KueueSpawner(
+            config=c,
+            user=MockUser("carol", ["vision-lab"]),
+            hub=MockHub("http://127.0.0.1:1"),
+            api_token="t",
+            oauth_client_id="jupyterhub-user-carol",
+        )
         spawner.user_options = {"profile": "cpu"}
         pod = _as_pod("psa-z2jh-default", await pod_of(spawner))
     finally:

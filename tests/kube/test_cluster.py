@@ -20,7 +20,9 @@ import pytest
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.asyncio(loop_scope="function"),
-    pytest.mark.skipif(not os.environ.get("GPUHUB_TEST_KUBECONFIG"), reason="set GPUHUB_TEST_KUBECONFIG to run against a real cluster"),
+    pytest.mark.skipif(
+        not os.environ.get("GPUHUB_TEST_KUBECONFIG"), reason="set GPUHUB_TEST_KUBECONFIG to run against a real cluster"
+    ),
 ]
 
 NAMESPACE = os.environ.get("GPUHUB_TEST_NAMESPACE", "gpuhub-test")

@@ -28,23 +28,43 @@ TAINT = {"key": "gpuhub-test/cuda", "value": "only", "effect": "NoSchedule"}
 
 def node(name: str, cuda: str, cidr: str) -> dict:
     major, minor = cuda.split(".")
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
-                         "labels": {"kubernetes.io/hostname": name, "type": "kwok",
-                                    "nvidia.com/cuda.runtime-version.major": major,
-                                    "nvidia.com/cuda.runtime-version.minor": minor,
-                                    "nvidia.com/cuda.runtime-version.full": cuda}},
-            "spec": {"taints": [TAINT], "podCIDR": cidr, "podCIDRs": [cidr]},
-            "status": {"capacity": {"cpu": "8", "memory": "32Gi", "pods": "10"},
-                       "allocatable": {"cpu": "8", "memory": "32Gi", "pods": "10"}}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake"},
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "type": "kwok",
+                "nvidia.com/cuda.runtime-version.major": major,
+                "nvidia.com/cuda.runtime-version.minor": minor,
+                "nvidia.com/cuda.runtime-version.full": cuda,
+            },
+        },
+        "spec": {"taints": [TAINT], "podCIDR": cidr, "podCIDRs": [cidr]},
+        "status": {
+            "capacity": {"cpu": "8", "memory": "32Gi", "pods": "10"},
+            "allocatable": {"cpu": "8", "memory": "32Gi", "pods": "10"},
+        },
+    }
 
 
 def pod(name: str, major: int, minor: int) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS},
-            "spec": {"containers": [{"name": "notebook", "image": "registry.example.com/torch:cu128"}],
-                     "tolerations": [{"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}],
-                     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                         "nodeSelectorTerms": cuda_node_terms(major, minor)}}}}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "containers": [{"name": "notebook", "image": "registry.example.com/torch:cu128"}],
+            "tolerations": [{"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": cuda_node_terms(major, minor)}
+                }
+            },
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +100,9 @@ def test_a_cuda_no_node_runs_stays_pending_with_the_schedulers_reason(cluster):
     deadline = time.monotonic() + 60
     reason = ""
     while time.monotonic() < deadline and "affinity" not in reason:
-        events = json.loads(cluster.kubectl("-n", NS, "get", "events", "--field-selector",
-                                            "involvedObject.name=needs-13-0", "-o", "json").stdout)["items"]
+        events = json.loads(
+            cluster.kubectl("-n", NS, "get", "events", "--field-selector", "involvedObject.name=needs-13-0", "-o", "json").stdout
+        )["items"]
         reason = " ".join(e.get("message", "") for e in events if e.get("reason") == "FailedScheduling")
         time.sleep(0.3)
     assert "didn't match Pod's node affinity/selector" in reason, reason

@@ -79,20 +79,45 @@ class Backend:
         return l4["resources"][0]["nominalQuota"], (cq["metadata"].get("annotations") or {}).get("gpuhub.io/gpus-out-of-service")
 
     def pod(self, name: str) -> None:
-        self.api.create("pods", NAMESPACE, {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE,
-                         "labels": {"kueue.x-k8s.io/queue-name": "vision", "kueue.x-k8s.io/priority-class": "interactive"}},
-            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                     "containers": [{"name": "notebook", "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
-                                     "command": ["sleep", "600"],
-                                     "resources": {"requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"},
-                                                   "limits": {"nvidia.com/gpu": "1"}}}]}})
+        self.api.create(
+            "pods",
+            NAMESPACE,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": NAMESPACE,
+                    "labels": {"kueue.x-k8s.io/queue-name": "vision", "kueue.x-k8s.io/priority-class": "interactive"},
+                },
+                "spec": {
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 1,
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "containers": [
+                        {
+                            "name": "notebook",
+                            "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                            "command": ["sleep", "600"],
+                            "resources": {
+                                "requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"},
+                                "limits": {"nvidia.com/gpu": "1"},
+                            },
+                        }
+                    ],
+                },
+            },
+        )
 
     def quota_reserved(self, pod_name: str) -> dict | None:
-        wl = next((w for w in self.api.list("workloads", NAMESPACE)
-                   if any(o["name"] == pod_name for o in w["metadata"].get("ownerReferences", []))), None)
+        wl = next(
+            (
+                w
+                for w in self.api.list("workloads", NAMESPACE)
+                if any(o["name"] == pod_name for o in w["metadata"].get("ownerReferences", []))
+            ),
+            None,
+        )
         return next((c for c in (wl or {}).get("status", {}).get("conditions", []) if c["type"] == "QuotaReserved"), None)
 
     def admitted(self, pod_name: str) -> bool:
@@ -124,12 +149,16 @@ def backend(request, tmp_path):
         def set_node(allocatable, taint, cordoned):
             want = node_object(allocatable, taint, cordoned)
             # What a kubelet reports (status subresource) and what kubectl taint/cordon write.
-            r = cluster.session.patch(cluster.url + f"/api/v1/nodes/{NODE}/status",
-                                      json={"status": {"allocatable": want["status"]["allocatable"]}},
-                                      headers={"Content-Type": "application/merge-patch+json"}, timeout=15)
+            r = cluster.session.patch(
+                cluster.url + f"/api/v1/nodes/{NODE}/status",
+                json={"status": {"allocatable": want["status"]["allocatable"]}},
+                headers={"Content-Type": "application/merge-patch+json"},
+                timeout=15,
+            )
             r.raise_for_status()
-            cluster.patch("nodes", None, NODE, {"spec": {"taints": want["spec"]["taints"],
-                                                         "unschedulable": True if cordoned else None}})
+            cluster.patch(
+                "nodes", None, NODE, {"spec": {"taints": want["spec"]["taints"], "unschedulable": True if cordoned else None}}
+            )
 
         b = Backend("real", cluster, cluster.kubeconfig, set_node)
         yield b
@@ -143,8 +172,12 @@ def backend(request, tmp_path):
 
         double = request.getfixturevalue("double")
         apply_policy(double, POLICY)
-        b = Backend("double", real.RealCluster.for_double(double.url, TOKEN), DOUBLE_KUBECONFIG,
-                    lambda *a: double.put_node(node_object(*a)))
+        b = Backend(
+            "double",
+            real.RealCluster.for_double(double.url, TOKEN),
+            DOUBLE_KUBECONFIG,
+            lambda *a: double.put_node(node_object(*a)),
+        )
         b.node()
         yield b
         double.reset()
@@ -224,25 +257,53 @@ def test_the_keeper_runs_as_the_hubs_service_account_with_only_the_rendered_rbac
     (tmp_path / "profiles.yaml").write_text(POLICY)
     cluster.kubectl("create", "namespace", "gpuhub", check=False)
     cluster.kubectl("-n", "gpuhub", "create", "serviceaccount", "hub", check=False)
-    rendered = subprocess.run([str(real.VENV_BIN / "gpuhub"), "render", "capacity-rbac", str(tmp_path / "profiles.yaml"),
-                               "--service-account", "gpuhub:hub"], capture_output=True, text=True, check=True).stdout
+    rendered = subprocess.run(
+        [
+            str(real.VENV_BIN / "gpuhub"),
+            "render",
+            "capacity-rbac",
+            str(tmp_path / "profiles.yaml"),
+            "--service-account",
+            "gpuhub:hub",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     sa = "--as=system:serviceaccount:gpuhub:hub"
     try:
         cluster.kubectl("apply", "-f", "-", input=rendered)
         answers = {}
-        for question in ["list nodes", "watch nodes", "get nodes/kwok-gpu-l4-1", "patch nodes/kwok-gpu-l4-1",
-                         "delete nodes/kwok-gpu-l4-1", "get clusterqueues.kueue.x-k8s.io/vision",
-                         "patch clusterqueues.kueue.x-k8s.io/vision", "update clusterqueues.kueue.x-k8s.io/vision",
-                         "delete clusterqueues.kueue.x-k8s.io/vision", "patch clusterqueues.kueue.x-k8s.io/nlp",
-                         "list clusterqueues.kueue.x-k8s.io", "patch resourceflavors.kueue.x-k8s.io/l4"]:
+        for question in [
+            "list nodes",
+            "watch nodes",
+            "get nodes/kwok-gpu-l4-1",
+            "patch nodes/kwok-gpu-l4-1",
+            "delete nodes/kwok-gpu-l4-1",
+            "get clusterqueues.kueue.x-k8s.io/vision",
+            "patch clusterqueues.kueue.x-k8s.io/vision",
+            "update clusterqueues.kueue.x-k8s.io/vision",
+            "delete clusterqueues.kueue.x-k8s.io/vision",
+            "patch clusterqueues.kueue.x-k8s.io/nlp",
+            "list clusterqueues.kueue.x-k8s.io",
+            "patch resourceflavors.kueue.x-k8s.io/l4",
+        ]:
             out = cluster.kubectl("auth", "can-i", *question.split(), sa, check=False).stdout.strip()
             answers[question] = out
         assert answers == {
-            "list nodes": "yes", "watch nodes": "no", "get nodes/kwok-gpu-l4-1": "no", "patch nodes/kwok-gpu-l4-1": "no",
-            "delete nodes/kwok-gpu-l4-1": "no", "get clusterqueues.kueue.x-k8s.io/vision": "yes",
-            "patch clusterqueues.kueue.x-k8s.io/vision": "yes", "update clusterqueues.kueue.x-k8s.io/vision": "no",
-            "delete clusterqueues.kueue.x-k8s.io/vision": "no", "patch clusterqueues.kueue.x-k8s.io/nlp": "no",
-            "list clusterqueues.kueue.x-k8s.io": "no", "patch resourceflavors.kueue.x-k8s.io/l4": "no"}, answers
+            "list nodes": "yes",
+            "watch nodes": "no",
+            "get nodes/kwok-gpu-l4-1": "no",
+            "patch nodes/kwok-gpu-l4-1": "no",
+            "delete nodes/kwok-gpu-l4-1": "no",
+            "get clusterqueues.kueue.x-k8s.io/vision": "yes",
+            "patch clusterqueues.kueue.x-k8s.io/vision": "yes",
+            "update clusterqueues.kueue.x-k8s.io/vision": "no",
+            "delete clusterqueues.kueue.x-k8s.io/vision": "no",
+            "patch clusterqueues.kueue.x-k8s.io/nlp": "no",
+            "list clusterqueues.kueue.x-k8s.io": "no",
+            "patch resourceflavors.kueue.x-k8s.io/l4": "no",
+        }, answers
 
         # The keeper with the service account's own token (no admin rights behind it).
         token = cluster.kubectl("-n", "gpuhub", "create", "token", "hub", "--duration=10m").stdout.strip()
@@ -253,17 +314,23 @@ def test_the_keeper_runs_as_the_hubs_service_account_with_only_the_rendered_rbac
         sa_kubeconfig = tmp_path / "hub-sa.kubeconfig"
         sa_kubeconfig.write_text(json.dumps(kc))
         b = Backend("real-as-hub", cluster, sa_kubeconfig, None)
-        r = cluster.session.patch(cluster.url + f"/api/v1/nodes/{NODE}/status",
-                                  json={"status": {"allocatable": {"nvidia.com/gpu": "3"}}},
-                                  headers={"Content-Type": "application/merge-patch+json"}, timeout=15)
+        r = cluster.session.patch(
+            cluster.url + f"/api/v1/nodes/{NODE}/status",
+            json={"status": {"allocatable": {"nvidia.com/gpu": "3"}}},
+            headers={"Content-Type": "application/merge-patch+json"},
+            timeout=15,
+        )
         r.raise_for_status()
         out = keeper_pass(b)
         assert (out.total, out.out) == (4, 1)
         assert b.l4_quota() == ("3", f"l4=1: {NODE}: 1 unhealthy (allocatable 3 of 4)")
     finally:
-        r = cluster.session.patch(cluster.url + f"/api/v1/nodes/{NODE}/status",
-                                  json={"status": {"allocatable": {"nvidia.com/gpu": "4"}}},
-                                  headers={"Content-Type": "application/merge-patch+json"}, timeout=15)
+        r = cluster.session.patch(
+            cluster.url + f"/api/v1/nodes/{NODE}/status",
+            json={"status": {"allocatable": {"nvidia.com/gpu": "4"}}},
+            headers={"Content-Type": "application/merge-patch+json"},
+            timeout=15,
+        )
     out = keeper_pass(b)
     assert out.out == 0 and b.l4_quota() == ("4", None)
     cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=rendered)

@@ -47,8 +47,11 @@ from test_hub_e2e import KUBE_CONFIG, WAIT
 pytestmark = pytest.mark.integration
 
 NODE = "double-node-1"  # the double's kubelet binds every pod to this node
-L4_NODE = next(n for n in yaml.safe_load_all((Path(__file__).resolve().parents[1] / "cluster" / "nodes.yaml").read_text())
-               if n["metadata"]["name"] == "kwok-gpu-l4-1")
+L4_NODE = next(
+    n
+    for n in yaml.safe_load_all((Path(__file__).resolve().parents[1] / "cluster" / "nodes.yaml").read_text())
+    if n["metadata"]["name"] == "kwok-gpu-l4-1"
+)
 TAINT = {"key": "nvidia.com/gpu-error", "value": "XID79", "effect": "NoSchedule"}
 
 POLICY = """\
@@ -82,9 +85,12 @@ health:
     syncInterval: 1s
 """
 
-HUB_EXTRA = KUBE_CONFIG + """
+HUB_EXTRA = (
+    KUBE_CONFIG
+    + """
 c.KubeJobManager.poll_interval = 0.3   # production: 10 s
 """
+)
 
 TRAIN = textwrap.dedent("""\
     import json, os, time
@@ -116,8 +122,7 @@ def health_hub(double, tmp_path_factory):
     double.reset()
     apply_policy(double, POLICY)
     double.put_node(l4_node())
-    hub = Hub(tmp_path_factory.mktemp("gpu-health-kube-hub"), POLICY, extra_config=HUB_EXTRA,
-              env={"KUBECONFIG": str(KUBECONFIG)})
+    hub = Hub(tmp_path_factory.mktemp("gpu-health-kube-hub"), POLICY, extra_config=HUB_EXTRA, env={"KUBECONFIG": str(KUBECONFIG)})
     try:
         hub.start()
         yield hub
@@ -152,8 +157,13 @@ def home(user) -> str:
 def cli(hub, user, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
     env["GPUHUB_TOKEN"] = user.token
-    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
-                       capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr + hub.tail(40)
     return r.stdout
 
@@ -169,11 +179,13 @@ def submit(hub, user, tmp_path, retries: str) -> tuple[str, Path]:
     script.write_text(TRAIN)
     ckpt = tmp_path / "ckpt"
     job_file = tmp_path / "job.yaml"
-    job_file.write_text(f"name: train\nprofile: l4-1\ncommand: [{sys.executable}, {script}]\ncheckpointDir: {ckpt}\n"
-                        f"retries: {retries}\n")
+    job_file.write_text(
+        f"name: train\nprofile: l4-1\ncommand: [{sys.executable}, {script}]\ncheckpointDir: {ckpt}\nretries: {retries}\n"
+    )
     job_id = cli(hub, user, "submit", str(job_file)).strip().splitlines()[-1]
-    wait_for(lambda: (ckpt / "state.json").exists() and '"step": 1' in (ckpt / "state.json").read_text(), WAIT,
-             "the job's step 1")
+    wait_for(
+        lambda: (ckpt / "state.json").exists() and '"step": 1' in (ckpt / "state.json").read_text(), WAIT, "the job's step 1"
+    )
     return job_id, ckpt
 
 
@@ -189,7 +201,8 @@ def one_attempt_per_pod(rec: dict) -> str:
 
 
 def test_the_holder_of_a_server_on_a_node_whose_gpu_failed_is_told_in_jupyterlab_and_on_the_home_page(
-        health_hub, double, healthy_node):
+    health_hub, double, healthy_node
+):
     alice, bob = health_hub.login("alice"), health_hub.login("bob")
     assert alice.start("l4-1").status_code in (201, 202)
     assert bob.start("cpu").status_code in (201, 202)
@@ -207,7 +220,8 @@ def test_the_holder_of_a_server_on_a_node_whose_gpu_failed_is_told_in_jupyterlab
     # Woken by the change, as a rule; a poll that ran out first (the keeper's pass came after
     # its 25 s on a loaded machine) answers what it started with, and JupyterLab polls again.
     entry = answer["gpu_failed"].get("") or wait_for(
-        lambda: answer.update(culling(alice, wait=25)) or answer["gpu_failed"].get(""), WAIT, "alice told")
+        lambda: answer.update(culling(alice, wait=25)) or answer["gpu_failed"].get(""), WAIT, "alice told"
+    )
     assert entry["devices"] == [f"node {NODE}"] and entry["xid"] is None, entry
     assert entry["reason"] == f"node {NODE}: nvidia.com/gpu-error=XID79", entry
     assert isinstance(entry["since"], (int, float)) and answer["gpu_wait"] == 25, answer
@@ -236,21 +250,24 @@ def test_the_holder_of_a_server_on_a_node_whose_gpu_failed_is_told_in_jupyterlab
 
 
 def test_a_job_on_a_node_whose_gpu_failed_ends_gpu_failed_and_resumes_from_its_checkpoint_without_a_retry(
-        health_hub, double, healthy_node, tmp_path):
+    health_hub, double, healthy_node, tmp_path
+):
     bob = health_hub.login("bob")
     job_id, ckpt = submit(health_hub, bob, tmp_path, "{limit: 0, reasons: [failed]}")
     [first_pod] = [p["metadata"]["name"] for p in double.pods_of_job(NAMESPACE, job_id)]
 
     double.put_node(l4_node(TAINT))
-    rec = wait_for(lambda: (r := record(bob, job_id))["attempts"][0].get("reason") == "gpu-failed" and r, WAIT,
-                   "attempt 1 ended gpu-failed")
+    rec = wait_for(
+        lambda: (r := record(bob, job_id))["attempts"][0].get("reason") == "gpu-failed" and r, WAIT, "attempt 1 ended gpu-failed"
+    )
     first = rec["attempts"][0]
     assert first["account"] == first_pod and first["devices"] == [NODE], first
     assert first["message"].startswith(f"its node's GPUs went out of service (node {NODE}: nvidia.com/gpu-error=XID79)"), first
     assert "not counted against its retries" in first["message"], first
     # Kueue suspended the Job (its pod deleted, not a failure) and the job waits while the node is out.
-    wait_for(lambda: (double.get("jobs", NAMESPACE, job_id) or {}).get("spec", {}).get("suspend") is True, WAIT,
-             "the Job suspended")
+    wait_for(
+        lambda: (double.get("jobs", NAMESPACE, job_id) or {}).get("spec", {}).get("suspend") is True, WAIT, "the Job suspended"
+    )
     rec = wait_for(lambda: (r := record(bob, job_id))["state"] == "queued" and r, WAIT, "the job queued again")
     assert '"step": 8' not in (ckpt / "state.json").read_text()  # caught mid-run
     wl = next(w for w in double.list("workloads", NAMESPACE) if job_id in w["metadata"]["name"])
@@ -283,8 +300,7 @@ def test_a_job_evicted_by_a_noexecute_taint_ends_that_attempt_gpu_failed(health_
     # can act on the taint itself.
     evicted = double.taint_node(l4_node({**TAINT, "effect": "NoExecute"}))
     assert evicted == [f"{NAMESPACE}/{first_pod}"], evicted
-    rec = wait_for(lambda: (r := record(bob, job_id))["attempts"][0].get("reason") and r, WAIT,
-                   "attempt 1 ended")
+    rec = wait_for(lambda: (r := record(bob, job_id))["attempts"][0].get("reason") and r, WAIT, "attempt 1 ended")
     first = rec["attempts"][0]
     assert first["account"] == first_pod and first["reason"] == "gpu-failed", rec["attempts"]
     assert first["message"].startswith(f"its node's GPUs went out of service (node {NODE}: nvidia.com/gpu-error=XID79)")

@@ -26,17 +26,26 @@ def node(name: str, *taints: dict, unschedulable: bool = False) -> dict:
     spec = {"taints": list(taints)} if taints else {}
     if unschedulable:
         spec["unschedulable"] = True
-    return {"metadata": {"name": name}, "spec": spec,
-            "status": {"capacity": {"nvidia.com/gpu": "4"}, "allocatable": {"nvidia.com/gpu": "4"}}}
+    return {
+        "metadata": {"name": name},
+        "spec": spec,
+        "status": {"capacity": {"nvidia.com/gpu": "4"}, "allocatable": {"nvidia.com/gpu": "4"}},
+    }
 
 
-def pod(name: str, user: str, node_name: str, gpus: int = 1, server: str = "", phase: str = "Running",
-        labels: dict | None = None) -> dict:
+def pod(
+    name: str, user: str, node_name: str, gpus: int = 1, server: str = "", phase: str = "Running", labels: dict | None = None
+) -> dict:
     limits = {"nvidia.com/gpu": str(gpus)} if gpus else {"cpu": "1"}
-    return {"metadata": {"name": name, "labels": labels or {},
-                         "annotations": {"hub.jupyter.org/username": user, "hub.jupyter.org/servername": server}},
-            "spec": {"nodeName": node_name, "containers": [{"name": "notebook", "resources": {"limits": limits}}]},
-            "status": {"phase": phase}}
+    return {
+        "metadata": {
+            "name": name,
+            "labels": labels or {},
+            "annotations": {"hub.jupyter.org/username": user, "hub.jupyter.org/servername": server},
+        },
+        "spec": {"nodeName": node_name, "containers": [{"name": "notebook", "resources": {"limits": limits}}]},
+        "status": {"phase": phase},
+    }
 
 
 def test_a_health_taint_that_keeps_pods_off_is_a_failed_node_and_anything_else_is_not():

@@ -63,7 +63,9 @@ def untaint(cluster) -> None:
 
 def vision_l4_quota(cluster) -> str:
     cq = cluster.get("/apis/kueue.x-k8s.io/v1beta2/clusterqueues/vision")
-    return next(f for g in cq["spec"]["resourceGroups"] for f in g["flavors"] if f["name"] == "l4")["resources"][0]["nominalQuota"]
+    return next(f for g in cq["spec"]["resourceGroups"] for f in g["flavors"] if f["name"] == "l4")["resources"][0][
+        "nominalQuota"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +75,12 @@ def real(real_cluster, tmp_path_factory):
     untaint(real_cluster)
     backend = RealBackend(real_cluster)
     backend.setup(POLICY, work)
-    hub = Hub(work / "hub", POLICY, extra_config=backend.hub_config("c.KubeJobManager.poll_interval = 0.3\n"),
-              env={"KUBECONFIG": str(backend.kubeconfig)})
+    hub = Hub(
+        work / "hub",
+        POLICY,
+        extra_config=backend.hub_config("c.KubeJobManager.poll_interval = 0.3\n"),
+        env={"KUBECONFIG": str(backend.kubeconfig)},
+    )
     try:
         hub.start()
         yield backend, hub
@@ -125,15 +131,18 @@ def test_a_job_ends_gpu_failed_and_resumes_on_the_real_control_plane(real, tmp_p
     assert first_pod["spec"]["nodeName"] == NODE
 
     cluster.kubectl("taint", "nodes", NODE, TAINT)
-    rec = wait_for(lambda: (r := record(bob, job_id))["attempts"][0].get("reason") == "gpu-failed" and r, WAIT,
-                   "attempt 1 ended gpu-failed")
+    rec = wait_for(
+        lambda: (r := record(bob, job_id))["attempts"][0].get("reason") == "gpu-failed" and r, WAIT, "attempt 1 ended gpu-failed"
+    )
     assert rec["attempts"][0]["account"] == first_pod["metadata"]["name"], rec["attempts"]
     wait_for(lambda: (backend.job(job_id) or {}).get("spec", {}).get("suspend") is True, WAIT, "the Job suspended by Kueue")
     wait_for(lambda: record(bob, job_id)["state"] == "queued", WAIT, "the job queued again")
     assert '"step": 8' not in (ckpt / "state.json").read_text()
     wl = next(w for w in backend.workloads() if job_id in w["metadata"]["name"])
-    print(f"\n[real] evictions after the taint: {wl['status'].get('schedulingStats')}; "
-          f"conditions: {[(c['type'], c['status'], c['reason']) for c in wl['status'].get('conditions', [])]}")
+    print(
+        f"\n[real] evictions after the taint: {wl['status'].get('schedulingStats')}; "
+        f"conditions: {[(c['type'], c['status'], c['reason']) for c in wl['status'].get('conditions', [])]}"
+    )
     assert {e["reason"] for e in wl["status"]["schedulingStats"]["evictions"]} == {"Deactivated"}, wl["status"]
 
     untaint(cluster)
@@ -146,7 +155,13 @@ def test_a_job_ends_gpu_failed_and_resumes_on_the_real_control_plane(real, tmp_p
     assert "from step 0" in out and "total 36" in out, out
     assert "from step 0" not in [ln for ln in out.splitlines() if ln.startswith("attempt")][-1], out
     t0 = rec["attempts"][0]["queued"]
-    print("[real job timeline] " + "; ".join(
-        f"attempt {a['number']}: admitted {(a.get('admitted') or t0) - t0:.1f}s, ended {(a.get('finished') or t0) - t0:.1f}s "
-        f"({a['reason']})" for a in rec["attempts"]), file=sys.stderr)
+    print(
+        "[real job timeline] "
+        + "; ".join(
+            f"attempt {a['number']}: admitted {(a.get('admitted') or t0) - t0:.1f}s, ended {(a.get('finished') or t0) - t0:.1f}s "
+            f"({a['reason']})"
+            for a in rec["attempts"]
+        ),
+        file=sys.stderr,
+    )
     backend.healthy()

@@ -92,5 +92,7 @@ def test_the_rename_checklist_names_every_value_that_names_a_namespace():
     assert set(found) == set(checklist), f"files naming {NAMES}: {sorted(found)}; the guide's checklist: {sorted(checklist)}"
     for name, places in found.items():
         if name != "helm-values/user-namespace.yaml":
-            assert places == checklist[name], f"{name}: values naming {NAMES}: {sorted(places)}; the checklist says {sorted(checklist[name])}"
+            assert places == checklist[name], (
+                f"{name}: values naming {NAMES}: {sorted(places)}; the checklist says {sorted(checklist[name])}"
+            )
     assert found["helm-values/mlflow-values.yaml"]  # the file the checklist once missed

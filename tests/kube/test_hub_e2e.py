@@ -112,21 +112,28 @@ def users(kube_hub):
 
 
 def pods(double, user: str | None = None) -> list[dict]:
-    return [p for p in double.list("pods", NAMESPACE)
-            if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user]
+    return [
+        p
+        for p in double.list("pods", NAMESPACE)
+        if user is None or p["metadata"]["labels"].get("hub.jupyter.org/username") == user
+    ]
 
 
 def reach(client, server: str = "") -> requests.Response:
     """The user's own server through the hub's proxy, with the user's token."""
     s = client.server(server)
     assert s and s.get("ready"), s
-    return requests.get(client.hub.server_url(s["url"]) + "api/status",
-                        headers={"Authorization": f"token {client.token}"}, timeout=10)
+    return requests.get(
+        client.hub.server_url(s["url"]) + "api/status", headers={"Authorization": f"token {client.token}"}, timeout=10
+    )
 
 
 def wait_pending(client, server: str = "") -> dict:
-    return until(lambda: (client.server(server) or {}).get("pending") == "spawn" and client.server(server),
-                 what=f"{client.name}'s spawn pending", hub=client.hub)
+    return until(
+        lambda: (client.server(server) or {}).get("pending") == "spawn" and client.server(server),
+        what=f"{client.name}'s spawn pending",
+        hub=client.hub,
+    )
 
 
 def test_the_hub_runs_with_the_charts_proxy_version(kube_hub):
@@ -134,7 +141,9 @@ def test_the_hub_runs_with_the_charts_proxy_version(kube_hub):
     test in this module (host routing per user included) goes through it."""
     if kube_hub.chart_proxy_version is None:
         pytest.skip("npm cannot install configurable-http-proxy here; the hub used its default proxy")
-    tag = yaml.safe_load((require_shared("charts", "jupyterhub-4.4.0") / "values.yaml").read_text())["proxy"]["chp"]["image"]["tag"]
+    tag = yaml.safe_load((require_shared("charts", "jupyterhub-4.4.0") / "values.yaml").read_text())["proxy"]["chp"]["image"][
+        "tag"
+    ]
     assert kube_hub.chart_proxy_version == str(tag)
     assert requests.get(kube_hub.url + "/hub/api", timeout=10).status_code == 200  # through that proxy
 
@@ -195,11 +204,16 @@ def test_queue_admission_and_stop_through_the_hub(kube_hub, double, users):
     events: list[dict] = []
     reading = stream.submit(bob.progress, until=lambda e: events.append(e) or False, timeout=WAIT)
     stream.shutdown(wait=False)
-    waiting = until(lambda: next((e["message"] for e in list(events) if "1st of 1" in e.get("message", "")), None),
-                    what="the queue position in bob's progress stream", hub=kube_hub)
+    waiting = until(
+        lambda: next((e["message"] for e in list(events) if "1st of 1" in e.get("message", "")), None),
+        what="the queue position in bob's progress stream",
+        hub=kube_hub,
+    )
     # In the hub's own words (kube/ledger.py's view of Kueue), as on one machine: who uses the quota.
-    assert ("Your server needs 1 L4 24GB GPU: your team Vision Lab is using 1 of the 1 it may hold; it waits "
-            "until one of your team's servers or jobs stops.") in waiting, events
+    assert (
+        "Your server needs 1 L4 24GB GPU: your team Vision Lab is using 1 of the 1 it may hold; it waits "
+        "until one of your team's servers or jobs stops."
+    ) in waiting, events
     assert "You are 1st of 1 in the Vision Lab queue." in waiting, events
     [bob_pod] = pods(double, "bob")
     assert bob_pod["spec"]["schedulingGates"] == [{"name": "kueue.x-k8s.io/admission"}]
@@ -280,9 +294,17 @@ def test_queue_timeout_withdraws_the_server_and_says_so(kube_hub, double, users)
         assert r.status_code in (202, 503), r.text
         until(lambda: bob.server() is None, what="bob's withdrawn spawn cleared", hub=kube_hub)
         until(lambda: pods(double, "bob") == [], what="bob's pod withdrawn")
-        until(lambda: [w for w in double.list("workloads", NAMESPACE)  # collected after its pod
-                       if w["spec"]["podSets"][0]["template"]["metadata"]["labels"].get("hub.jupyter.org/username") == "bob"] == [],
-              what="bob's Workload collected")
+        until(
+            lambda: (
+                [
+                    w
+                    for w in double.list("workloads", NAMESPACE)  # collected after its pod
+                    if w["spec"]["podSets"][0]["template"]["metadata"]["labels"].get("hub.jupyter.org/username") == "bob"
+                ]
+                == []
+            ),
+            what="bob's Workload collected",
+        )
         # The timeout was told on the spawn page's progress; no stale "stopped" note follows it.
         assert 'id="gpuhub-stop-reason"' not in bob.session.get(kube_hub.url + "/hub/spawn").text
     finally:
@@ -357,9 +379,14 @@ def test_hub_restart_keeps_waiting_servers_in_their_place(kube_hub, double, user
     # the page is open before bob stops, as a user's would be (opened after, it shows only "ready").
     seen = []
     with ThreadPoolExecutor(1) as pool:
-        follow = pool.submit(dave.progress, until=lambda e: seen.append(e) or bool(e.get("ready") or e.get("failed")), timeout=WAIT)
-        until(lambda: any("in the Vision Lab queue" in e["message"] for e in seen) or follow.done(),
-              what="dave's progress stream showing his place", hub=kube_hub)
+        follow = pool.submit(
+            dave.progress, until=lambda e: seen.append(e) or bool(e.get("ready") or e.get("failed")), timeout=WAIT
+        )
+        until(
+            lambda: any("in the Vision Lab queue" in e["message"] for e in seen) or follow.done(),
+            what="dave's progress stream showing his place",
+            hub=kube_hub,
+        )
         assert not follow.done(), seen
         assert bob.stop().status_code in (202, 204)
         bob.wait_gone()

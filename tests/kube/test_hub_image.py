@@ -78,10 +78,16 @@ def test_build_refuses_a_base_that_is_not_k8s_hub_4_4_0(tmp_path):
     stand-in image through their installed metadata."""
     lines = _instructions()
     runs = [l for l in lines if l.startswith("RUN ")]
-    check = runs[0][len("RUN "):]
+    check = runs[0][len("RUN ") :]
     assert "HUB_BASE_DIGEST" in check and lines.index(runs[0]) < lines.index("USER 0")
-    chart_image = {"jupyterhub": "5.5.0", "jupyterhub-kubespawner": "7.0.0", "jupyterhub-idle-culler": "1.4.0",
-                   "oauthenticator": "17.4.0", "psycopg2": "2.9.12", "pycurl": "7.46.0"}  # z2jh 4.4.0 images/hub/requirements.txt
+    chart_image = {
+        "jupyterhub": "5.5.0",
+        "jupyterhub-kubespawner": "7.0.0",
+        "jupyterhub-idle-culler": "1.4.0",
+        "oauthenticator": "17.4.0",
+        "psycopg2": "2.9.12",
+        "pycurl": "7.46.0",
+    }  # z2jh 4.4.0 images/hub/requirements.txt
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     # The stand-in image's python: this interpreter without its own site-packages (-S), so it
@@ -156,10 +162,21 @@ print(sys.version_info[:2], sorted(eps), hub.spawner_class.__name__, md.version(
 """
     done = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["(3,", "12)", "['gpuhub-kube',", "'gpuhub-local',", "'gpuhub-local-simple']",
-                                   "KueueSpawner", "6.1.1", "7.1.0"]
-    cli = subprocess.run([str(venv / "bin" / "gpuhub"), "render", "kueue", str(REPO / "jupyterhub_config" / "profiles.yaml")],
-                         capture_output=True, text=True)
+    assert done.stdout.split() == [
+        "(3,",
+        "12)",
+        "['gpuhub-kube',",
+        "'gpuhub-local',",
+        "'gpuhub-local-simple']",
+        "KueueSpawner",
+        "6.1.1",
+        "7.1.0",
+    ]
+    cli = subprocess.run(
+        [str(venv / "bin" / "gpuhub"), "render", "kueue", str(REPO / "jupyterhub_config" / "profiles.yaml")],
+        capture_output=True,
+        text=True,
+    )
     assert cli.returncode == 0 and "kind: ClusterQueue" in cli.stdout, cli.stderr
 
 
@@ -170,7 +187,9 @@ def test_install_guide_names_the_database_migrations_of_the_upgrade():
 
     script = ScriptDirectory.from_config(_alembic_config(AlembicConfig, Path(jupyterhub.__file__).parent / "alembic"))
     head = script.get_current_head()
-    chain = [rev.revision for rev in script.iterate_revisions(head, CHART_JUPYTERHUB_HEAD) if rev.revision != CHART_JUPYTERHUB_HEAD]
+    chain = [
+        rev.revision for rev in script.iterate_revisions(head, CHART_JUPYTERHUB_HEAD) if rev.revision != CHART_JUPYTERHUB_HEAD
+    ]
     assert chain, "JupyterHub 6.1 adds migrations over 5.5"
     guide = (REPO / "docs" / "install-kubernetes.md").read_text()
     for revision in chain + [CHART_JUPYTERHUB_HEAD]:

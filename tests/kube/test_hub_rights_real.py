@@ -46,12 +46,19 @@ health:
 """
 # What the hub never does: each must be refused.
 NEVER = [
-    (USERS_NS, ["get", "pods"]), (USERS_NS, ["update", "workloads.kueue.x-k8s.io"]),
-    (USERS_NS, ["delete", "workloads.kueue.x-k8s.io"]), (USERS_NS, ["create", "pods", "--subresource=exec"]),
-    (USERS_NS, ["get", "secrets"]), (USERS_NS, ["create", "rolebindings.rbac.authorization.k8s.io"]),
-    ("default", ["create", "pods"]), ("default", ["patch", "workloads.kueue.x-k8s.io"]),
-    (real.HUB_NAMESPACE, ["get", "configmaps/kube-root-ca.crt"]), (real.HUB_NAMESPACE, ["get", "secrets"]),
-    (None, ["watch", "nodes"]), (None, ["patch", "nodes"]), (None, ["patch", "clusterqueues.kueue.x-k8s.io/other"]),
+    (USERS_NS, ["get", "pods"]),
+    (USERS_NS, ["update", "workloads.kueue.x-k8s.io"]),
+    (USERS_NS, ["delete", "workloads.kueue.x-k8s.io"]),
+    (USERS_NS, ["create", "pods", "--subresource=exec"]),
+    (USERS_NS, ["get", "secrets"]),
+    (USERS_NS, ["create", "rolebindings.rbac.authorization.k8s.io"]),
+    ("default", ["create", "pods"]),
+    ("default", ["patch", "workloads.kueue.x-k8s.io"]),
+    (real.HUB_NAMESPACE, ["get", "configmaps/kube-root-ca.crt"]),
+    (real.HUB_NAMESPACE, ["get", "secrets"]),
+    (None, ["watch", "nodes"]),
+    (None, ["patch", "nodes"]),
+    (None, ["patch", "clusterqueues.kueue.x-k8s.io/other"]),
     (None, ["create", "namespaces"]),
 ]
 
@@ -88,15 +95,20 @@ def test_the_authorizer_grants_every_right_the_code_uses_and_nothing_named_outsi
         for verb in right.verbs:
             ns, args = question(right, verb)
             answers[(ns, " ".join(args))] = can_i(cluster, ns, args)
-    print("\n[real] kubectl auth can-i --as=" + real.HUB_USER + ":\n" +
-          "\n".join(f"  {a} {'-n ' + ns if ns else '(cluster)'}: {v}" for (ns, a), v in answers.items()))
+    print(
+        "\n[real] kubectl auth can-i --as="
+        + real.HUB_USER
+        + ":\n"
+        + "\n".join(f"  {a} {'-n ' + ns if ns else '(cluster)'}: {v}" for (ns, a), v in answers.items())
+    )
     assert {k: v for k, v in answers.items() if v != "yes"} == {}
     # issue 40's two, asked as the guide's section 5 asks them
     assert answers[(USERS_NS, "patch workloads.kueue.x-k8s.io")] == "yes"
     assert answers[(USERS_NS, "get pods --subresource=log")] == "yes"
     refused = {(ns, " ".join(a)): can_i(cluster, ns, a) for ns, a in NEVER}
-    print("[real] and refused:\n" + "\n".join(f"  {a} {'-n ' + ns if ns else '(cluster)'}: {v}"
-                                             for (ns, a), v in refused.items()))
+    print(
+        "[real] and refused:\n" + "\n".join(f"  {a} {'-n ' + ns if ns else '(cluster)'}: {v}" for (ns, a), v in refused.items())
+    )
     assert {k: v for k, v in refused.items() if v != "no"} == {}
 
 
@@ -104,23 +116,37 @@ def test_the_role_before_issue_40_fails_the_same_check_and_the_audit_log_shows_t
     cluster, kubeconfig = identity
     docs = [d for d in yaml.safe_load_all((REPO / "helm-values" / "user-namespace.yaml").read_text()) if d]
     role = next(d for d in docs if d["kind"] == "Role")
-    old = dict(role, rules=[dict(r, verbs=[v for v in r["verbs"] if v != "patch"]) if "workloads" in r["resources"] else r
-                            for r in role["rules"] if r["resources"] != ["pods/log"]])
+    old = dict(
+        role,
+        rules=[
+            dict(r, verbs=[v for v in r["verbs"] if v != "patch"]) if "workloads" in r["resources"] else r
+            for r in role["rules"]
+            if r["resources"] != ["pods/log"]
+        ],
+    )
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(old))
     assert can_i(cluster, USERS_NS, ["patch", "workloads.kueue.x-k8s.io"]) == "no"
     assert can_i(cluster, USERS_NS, ["get", "pods", "--subresource=log"]) == "no"
     # The hub's own token: the ledger's merge patch of spec.active is refused before Kueue sees it.
     mark = real.audit_mark()
     token = yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"]
-    r = requests.patch(cluster.url + f"/apis/kueue.x-k8s.io/v1beta2/namespaces/{USERS_NS}/workloads/no-such-workload",
-                       data='{"spec": {"active": false}}', verify=cluster.session.verify, timeout=15,
-                       headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
+    r = requests.patch(
+        cluster.url + f"/apis/kueue.x-k8s.io/v1beta2/namespaces/{USERS_NS}/workloads/no-such-workload",
+        data='{"spec": {"active": false}}',
+        verify=cluster.session.verify,
+        timeout=15,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"},
+    )
     assert r.status_code == 403, (r.status_code, r.text)
     seen = real.hub_requests(mark)
     assert [(c["verb"], c["resource"], c["code"]) for c in seen] == [("patch", "workloads", 403)], seen
     cluster.kubectl("apply", "-f", str(REPO / "helm-values" / "user-namespace.yaml"))
     assert can_i(cluster, USERS_NS, ["patch", "workloads.kueue.x-k8s.io"]) == "yes"
-    r = requests.patch(cluster.url + f"/apis/kueue.x-k8s.io/v1beta2/namespaces/{USERS_NS}/workloads/no-such-workload",
-                       data='{"spec": {"active": false}}', verify=cluster.session.verify, timeout=15,
-                       headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
+    r = requests.patch(
+        cluster.url + f"/apis/kueue.x-k8s.io/v1beta2/namespaces/{USERS_NS}/workloads/no-such-workload",
+        data='{"spec": {"active": false}}',
+        verify=cluster.session.verify,
+        timeout=15,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"},
+    )
     assert r.status_code == 404, (r.status_code, r.text)  # allowed now; there is no such Workload

@@ -119,7 +119,9 @@ def test_follow_the_guide_against_the_double(kube, tmp_path):
                 kubernetes_validate.validate(doc, "1.30", strict=True)
         elif words[:3] == ["kubectl", "create", "configmap"] and "gpuhub-policy" in words:
             args = [w for w in words if w not in ("--dry-run=client", "-o", "yaml")]
-            out = run([str(kubectl_binary())] + args[1:] + ["--dry-run=client", "-o", "yaml"], env={"KUBECONFIG": str(KUBECONFIG)})
+            out = run(
+                [str(kubectl_binary())] + args[1:] + ["--dry-run=client", "-o", "yaml"], env={"KUBECONFIG": str(KUBECONFIG)}
+            )
             kubernetes_validate.validate(yaml.safe_load(out), "1.30", strict=True)
         elif words[:3] == ["kubectl", "get", "localqueues"]:
             live = {"apiVersion": "v1", "kind": "List", "items": kube.list("localqueues", NAMESPACE)}
@@ -150,12 +152,25 @@ def test_follow_the_guide_against_the_double(kube, tmp_path):
 def _pending_pod(kube):
     """A vision pod that cannot fit (3 A100 > nominal 2 + borrowing 1 in use) so the queue has one entry."""
     for i in range(4):
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": f"jupyter-u{i}", "labels": {"kueue.x-k8s.io/queue-name": "vision",
-                                                               "component": "singleuser-server"}},
-               "spec": {"containers": [{"name": "notebook", "image": "x", "command": ["sleep", "600"],
-                                        "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}}}],
-                        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"jupyter-u{i}",
+                "labels": {"kueue.x-k8s.io/queue-name": "vision", "component": "singleuser-server"},
+            },
+            "spec": {
+                "containers": [
+                    {
+                        "name": "notebook",
+                        "image": "x",
+                        "command": ["sleep", "600"],
+                        "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}},
+                    }
+                ],
+                "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
+            },
+        }
         code, _ = kube.create("pods", NAMESPACE, pod)
         assert code == 201
     import time
@@ -163,8 +178,13 @@ def _pending_pod(kube):
     deadline = time.time() + 20
     while time.time() < deadline:
         gated = [p for p in kube.list("pods", NAMESPACE) if p["spec"].get("schedulingGates")]
-        wl = [w for w in kube.list("workloads", NAMESPACE)
-              if any(c["type"] == "QuotaReserved" and c["status"] == "False" for c in (w.get("status") or {}).get("conditions") or [])]
+        wl = [
+            w
+            for w in kube.list("workloads", NAMESPACE)
+            if any(
+                c["type"] == "QuotaReserved" and c["status"] == "False" for c in (w.get("status") or {}).get("conditions") or []
+            )
+        ]
         if gated and wl:
             return
         time.sleep(0.1)
@@ -180,17 +200,25 @@ from gpuhub_spawner.kube.webhooks import webhooks_covering  # noqa: E402
 # The guide's steps that do not run on the real control plane, and why. Nothing else may be
 # only read: the real-cluster test fails on a command it has no way to run.
 NOT_ON_REAL = [
-    (r"kubectl apply --server-side -f https://github\.com/kubernetes-sigs/kueue/releases/",
-     "fetches Kueue's release manifests from GitHub (no network here); tests/cluster/up.sh applies the same objects, "
-     "made from the Kueue v0.19.2 module, with each webhook's Service swapped for a local URL (Kueue runs as a process)"),
-    (r"kubectl -n kueue-system rollout (status|restart) deploy kueue-controller-manager",
-     "Kueue runs as a process, not a Deployment; the test restarts that process with the edited ConfigMap instead"),
-    (r"kubectl -n gpuhub logs deploy/hub",
-     "kwok runs no container, so the hub pod has no log; the hub's own start is run for real in test_real_cluster_e2e.py"),
+    (
+        r"kubectl apply --server-side -f https://github\.com/kubernetes-sigs/kueue/releases/",
+        "fetches Kueue's release manifests from GitHub (no network here); tests/cluster/up.sh applies the same objects, "
+        "made from the Kueue v0.19.2 module, with each webhook's Service swapped for a local URL (Kueue runs as a process)",
+    ),
+    (
+        r"kubectl -n kueue-system rollout (status|restart) deploy kueue-controller-manager",
+        "Kueue runs as a process, not a Deployment; the test restarts that process with the edited ConfigMap instead",
+    ),
+    (
+        r"kubectl -n gpuhub logs deploy/hub",
+        "kwok runs no container, so the hub pod has no log; the hub's own start is run for real in test_real_cluster_e2e.py",
+    ),
     (r"helm repo add kuberay ", "reaches KubeRay's Helm repository (no network here)"),
-    (r"helm install kuberay-operator ",
-     "installs KubeRay from its chart (no network here); tests/cluster/up.sh applies the CRDs of the KubeRay v1.5.0 "
-     "module and runs the operator built from it as a process"),
+    (
+        r"helm install kuberay-operator ",
+        "installs KubeRay from its chart (no network here); tests/cluster/up.sh applies the CRDs of the KubeRay v1.5.0 "
+        "module and runs the operator built from it as a process",
+    ),
     (r"HUB_DIGEST=\$\(crane digest ", "reads a registry"),
     (r"docker (build|push) ", "an image build or push (no container runtime or registry here)"),
 ]
@@ -201,8 +229,9 @@ def not_on_real(cmd: str) -> str | None:
 
 
 def test_the_only_read_list_is_what_the_real_control_plane_cannot_run():
-    assert only_read_in_testing_doc() == [c for c in guide_commands() if not_on_real(c)], \
+    assert only_read_in_testing_doc() == [c for c in guide_commands() if not_on_real(c)], (
         "docs/kubernetes-testing.md's list of steps only read must be the guide's commands in NOT_ON_REAL"
+    )
     assert all(any(re.match(p, c) for c in guide_commands()) for p, _ in NOT_ON_REAL), "a NOT_ON_REAL entry matches no step"
 
 
@@ -219,9 +248,23 @@ class Operator:
 
         self.cluster, self.tmp = cluster, tmp
         self.checkout = tmp / "gpuhub"
-        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "pyproject.toml", "README.md",
-                                "spawner", "helm-values", "jupyterhub_config"], cwd=REPO, capture_output=True,
-                               text=True, check=True).stdout.split()
+        files = subprocess.run(
+            [
+                "git",
+                "ls-files",
+                "-co",
+                "--exclude-standard",
+                "pyproject.toml",
+                "README.md",
+                "spawner",
+                "helm-values",
+                "jupyterhub_config",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         for name in files:
             src, dst = REPO / name, self.checkout / name
             if src.is_file():
@@ -233,19 +276,30 @@ class Operator:
         (tools / "helm").symlink_to(helm_binary())
         home = tmp / "home"
         home.mkdir()
-        self.env = dict(os.environ, HOME=str(home), KUBECONFIG=str(cluster.kubeconfig),
-                        PATH=f"{tools}:/usr/local/bin:/usr/bin:/bin",
-                        PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip")),
-                        HELM_CONFIG_HOME=str(tmp / "helm-config"), HELM_CACHE_HOME=str(tmp / "helm-cache"),
-                        HELM_DATA_HOME=str(tmp / "helm-data"))
+        self.env = dict(
+            os.environ,
+            HOME=str(home),
+            KUBECONFIG=str(cluster.kubeconfig),
+            PATH=f"{tools}:/usr/local/bin:/usr/bin:/bin",
+            PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip")),
+            HELM_CONFIG_HOME=str(tmp / "helm-config"),
+            HELM_CACHE_HOME=str(tmp / "helm-cache"),
+            HELM_DATA_HOME=str(tmp / "helm-data"),
+        )
         for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
             self.env.pop(key, None)
         self.log: list[str] = []
 
     def sh(self, cmd: str, timeout: int = 180) -> str:
         t0 = time.time()
-        done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=self.checkout, env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            ["bash", "-o", "pipefail", "-c", cmd],
+            cwd=self.checkout,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         self.log.append(f"$ {cmd}   [{time.time() - t0:.1f}s, rc={done.returncode}]\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
         assert done.returncode == 0, f"{cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done.stdout
@@ -265,8 +319,12 @@ def chart_repository(tmp: Path) -> tuple[str, subprocess.Popen]:
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
     subprocess.run([helm, "repo", "index", str(repo), "--url", url], check=True, capture_output=True)
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=repo,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=repo,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(50):
         try:
             if requests.get(url + "index.yaml", timeout=1).ok:
@@ -353,11 +411,26 @@ def empty_cluster(cluster: real.RealCluster) -> None:
 def stand_in_volume(cluster: real.RealCluster, tmp: Path) -> None:
     """What a cluster's storage provisioner does for the chart's hub-db-dir claim (no
     StorageClass exists here): a volume it can bind to."""
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "gpuhub-guide-hub-db"},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
-                 "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": str(tmp / "hub-db")},
-                 "claimRef": {"namespace": HUB_NS, "name": "hub-db-dir"}}}))
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": "gpuhub-guide-hub-db"},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "",
+                    "persistentVolumeReclaimPolicy": "Delete",
+                    "hostPath": {"path": str(tmp / "hub-db")},
+                    "claimRef": {"namespace": HUB_NS, "name": "hub-db-dir"},
+                },
+            }
+        ),
+    )
 
 
 def fill_the_vision_queue(op: Operator) -> list[str]:
@@ -365,13 +438,32 @@ def fill_the_vision_queue(op: Operator) -> list[str]:
     each, until one waits in Kueue (vision may hold 2 + 1 borrowed)."""
     names = []
     for i in range(4):
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": f"jupyter-guide-{i}", "namespace": USERS_NS,
-                            "labels": {"kueue.x-k8s.io/queue-name": "vision", "component": "singleuser-server"}},
-               "spec": {"containers": [{"name": "notebook", "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
-                                        "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}}}]}}
-        out = subprocess.run(["kubectl", "create", "-f", "-", f"--as={HUB_SA}"], input=json.dumps(pod), env=op.env,
-                             capture_output=True, text=True, cwd=op.checkout)
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"jupyter-guide-{i}",
+                "namespace": USERS_NS,
+                "labels": {"kueue.x-k8s.io/queue-name": "vision", "component": "singleuser-server"},
+            },
+            "spec": {
+                "containers": [
+                    {
+                        "name": "notebook",
+                        "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                        "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}},
+                    }
+                ]
+            },
+        }
+        out = subprocess.run(
+            ["kubectl", "create", "-f", "-", f"--as={HUB_SA}"],
+            input=json.dumps(pod),
+            env=op.env,
+            capture_output=True,
+            text=True,
+            cwd=op.checkout,
+        )
         assert out.returncode == 0, out.stderr
         names.append(pod["metadata"]["name"])
     deadline = time.time() + 60
@@ -379,8 +471,13 @@ def fill_the_vision_queue(op: Operator) -> list[str]:
         pods = {p["metadata"]["name"]: p for p in op.cluster.list("pods", USERS_NS)}
         gated = [n for n, p in pods.items() if p["spec"].get("schedulingGates")]
         running = [n for n, p in pods.items() if (p.get("status") or {}).get("phase") == "Running"]
-        if len(gated) == 1 and len(running) == 3 and op.cluster.get(
-                f"/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/{USERS_NS}/localqueues/vision/pendingworkloads")["items"]:
+        if (
+            len(gated) == 1
+            and len(running) == 3
+            and op.cluster.get(
+                f"/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/{USERS_NS}/localqueues/vision/pendingworkloads"
+            )["items"]
+        ):
             return names
         time.sleep(0.5)
     pytest.fail(f"vision's queue did not fill as expected: gated {gated}, running {running}")
@@ -396,8 +493,21 @@ def guide_cluster(real_cluster):
     # the stand-in volume.
     from support.helm import helm_binary
 
-    subprocess.run([str(helm_binary()), "--kubeconfig", str(cluster.kubeconfig), "uninstall", HUB_NS, "-n", HUB_NS,
-                    "--ignore-not-found", "--wait"], capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            str(helm_binary()),
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+            "uninstall",
+            HUB_NS,
+            "-n",
+            HUB_NS,
+            "--ignore-not-found",
+            "--wait",
+        ],
+        capture_output=True,
+        timeout=300,
+    )
     cluster.kubectl("delete", "persistentvolume", "gpuhub-guide-hub-db", "--ignore-not-found", "--wait=false")
     # Kueue's webhooks as installed again (the guide's step narrowed them; other tests start
     # from Kueue's manifests), as up.sh applies them.
@@ -413,18 +523,34 @@ def test_follow_the_guide_on_the_real_control_plane(guide_cluster, tmp_path):
     empty_cluster(cluster)
     op = Operator(cluster, tmp_path)
     (op.checkout / "your-auth-values.yaml").write_text(
-        "hub:\n  config:\n    JupyterHub:\n      authenticator_class: dummy\n")  # the operator's own file
+        "hub:\n  config:\n    JupyterHub:\n      authenticator_class: dummy\n"
+    )  # the operator's own file
     url, server = chart_repository(tmp_path)
     # "Another team's" Kueue: the default configuration without the pod integration, so that
     # the guide's edit has something to do (Kueue still runs with the default until restarted).
-    default = cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")["data"]["controller_manager_config.yaml"]
+    default = cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")["data"][
+        "controller_manager_config.yaml"
+    ]
     narrowed = yaml.safe_load(default)
     narrowed["integrations"]["frameworks"].remove("pod")
     narrowed.pop("waitForPodsReady", None)  # none in Kueue's default file (an earlier run of this test left the guide's)
     others = list(narrowed["integrations"]["frameworks"])
-    cluster.kubectl("apply", "-f", "-", input=cluster.kubectl(
-        "-n", "kueue-system", "create", "configmap", "kueue-manager-config", "--dry-run=client", "-o", "yaml",
-        f"--from-literal=controller_manager_config.yaml={yaml.safe_dump(narrowed, sort_keys=False)}").stdout)
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=cluster.kubectl(
+            "-n",
+            "kueue-system",
+            "create",
+            "configmap",
+            "kueue-manager-config",
+            "--dry-run=client",
+            "-o",
+            "yaml",
+            f"--from-literal=controller_manager_config.yaml={yaml.safe_dump(narrowed, sort_keys=False)}",
+        ).stdout,
+    )
     assert "pod" not in kueue_frameworks(cluster)
 
     ran, only_read = [], []
@@ -451,13 +577,26 @@ def test_follow_the_guide_on_the_real_control_plane(guide_cluster, tmp_path):
                 assert "STATUS: deployed" in out
                 # The chart's RBAC is off (values.yaml rbac.create: false, issue 40): in its own
                 # namespace the hub may touch its policy ConfigMap and nothing else.
-                roles = [r["metadata"]["name"] for r in cluster.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{HUB_NS}/roles")["items"]]
+                roles = [
+                    r["metadata"]["name"]
+                    for r in cluster.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{HUB_NS}/roles")["items"]
+                ]
                 assert roles == ["gpuhub-policy-writer"], roles
-                for question, want in (("create pods", "no"), ("get secrets", "no"), ("create persistentvolumeclaims", "no"),
-                                       ("create services", "no"), ("list pods", "no"),
-                                       ("patch configmaps/gpuhub-policy", "yes")):
-                    got = subprocess.run(["kubectl", "-n", HUB_NS, "auth", "can-i", *question.split(), f"--as={HUB_SA}"],
-                                         env=op.env, capture_output=True, text=True, cwd=op.checkout).stdout.strip()
+                for question, want in (
+                    ("create pods", "no"),
+                    ("get secrets", "no"),
+                    ("create persistentvolumeclaims", "no"),
+                    ("create services", "no"),
+                    ("list pods", "no"),
+                    ("patch configmaps/gpuhub-policy", "yes"),
+                ):
+                    got = subprocess.run(
+                        ["kubectl", "-n", HUB_NS, "auth", "can-i", *question.split(), f"--as={HUB_SA}"],
+                        env=op.env,
+                        capture_output=True,
+                        text=True,
+                        cwd=op.checkout,
+                    ).stdout.strip()
                     assert got == want, (question, got)
             elif cmd.startswith("kubectl -n gpuhub get pods -l component=hub"):
                 deadline = time.time() + 90
@@ -498,7 +637,9 @@ def check_step(cmd: str, out: str, op: Operator, others: list[str]) -> None:
         assert set(kueue_frameworks(cluster)) == set(others) | {"pod"}
     elif cmd.startswith("for kind in mutating validating"):
         for kind in ("mutating", "validating"):
-            cfg = json.loads(cluster.kubectl("get", f"{kind}webhookconfiguration", f"kueue-{kind}-webhook-configuration", "-o", "json").stdout)
+            cfg = json.loads(
+                cluster.kubectl("get", f"{kind}webhookconfiguration", f"kueue-{kind}-webhook-configuration", "-o", "json").stdout
+            )
             assert webhooks_covering(cfg, HUB_NS) == [] and webhooks_covering(cfg, USERS_NS)
     elif cmd.startswith("kubectl apply -f helm-values/user-namespace.yaml"):
         assert "networkpolicy.networking.k8s.io/gpuhub-singleuser created" in out
@@ -521,14 +662,24 @@ def check_step(cmd: str, out: str, op: Operator, others: list[str]) -> None:
         assert out.strip() == "yes", out
         # cluster-wide, only what the GPU capacity keeper uses: reading the node list, not changing nodes
         for other in ("watch nodes", "patch nodes", "delete nodes", "list clusterqueues.kueue.x-k8s.io"):
-            done = subprocess.run(["kubectl", "auth", "can-i", *other.split(), f"--as={HUB_SA}"], env=op.env,
-                                  capture_output=True, text=True, cwd=op.checkout)
+            done = subprocess.run(
+                ["kubectl", "auth", "can-i", *other.split(), f"--as={HUB_SA}"],
+                env=op.env,
+                capture_output=True,
+                text=True,
+                cwd=op.checkout,
+            )
             assert done.stdout.strip() == "no", (other, done.stdout + done.stderr)
     elif "auth can-i" in cmd:
         assert out.strip() == "yes", out
         # ... and nothing cluster-wide: the same question outside gpuhub-users is refused
-        other = subprocess.run(["bash", "-c", cmd.replace("-n gpuhub-users", "-n default")], env=op.env,
-                               capture_output=True, text=True, cwd=op.checkout)
+        other = subprocess.run(
+            ["bash", "-c", cmd.replace("-n gpuhub-users", "-n default")],
+            env=op.env,
+            capture_output=True,
+            text=True,
+            cwd=op.checkout,
+        )
         assert other.stdout.strip() == "no", other.stdout + other.stderr
     elif cmd.startswith("kubectl get namespace gpuhub-users"):
         labels = json.loads(out.strip())

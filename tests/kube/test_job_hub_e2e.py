@@ -68,8 +68,12 @@ backend = backend_fixture(POLICY)
 
 @pytest.fixture(scope="module")
 def kube_hub(backend, tmp_path_factory):
-    hub = Hub(tmp_path_factory.mktemp(f"kube-jobs-{backend.name}"), POLICY, extra_config=backend.hub_config(KUBE_CONFIG),
-              env={"KUBECONFIG": str(backend.kubeconfig)})
+    hub = Hub(
+        tmp_path_factory.mktemp(f"kube-jobs-{backend.name}"),
+        POLICY,
+        extra_config=backend.hub_config(KUBE_CONFIG),
+        env={"KUBECONFIG": str(backend.kubeconfig)},
+    )
     try:
         hub.start()
         yield hub
@@ -80,8 +84,13 @@ def kube_hub(backend, tmp_path_factory):
 def cli(hub, user, *args, check=True):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
     env["GPUHUB_TOKEN"] = user.token
-    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
-                       capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     if check:
         assert r.returncode == 0, r.stderr + hub.tail(40)
     return r
@@ -125,9 +134,14 @@ def test_a_job_submitted_to_the_kube_hub_is_a_suspended_job_that_kueue_admits_pr
     rec = wait_for(lambda: (r := record(bob, job_id))["state"] == "succeeded" and r, 120, "the job to finish")
     assert [a["reason"] for a in rec["attempts"]] == ["preempted", "succeeded"], rec["attempts"]
     t0 = rec["attempts"][0]["queued"]
-    print(f"\n[job timeline, {backend.name}] " + "; ".join(
-        f"attempt {a['number']}: queued {a['queued'] - t0:.1f}s, admitted {(a.get('admitted') or t0) - t0:.1f}s, "
-        f"ended {(a.get('finished') or t0) - t0:.1f}s ({a['reason']}: {a.get('message')!r})" for a in rec["attempts"]))
+    print(
+        f"\n[job timeline, {backend.name}] "
+        + "; ".join(
+            f"attempt {a['number']}: queued {a['queued'] - t0:.1f}s, admitted {(a.get('admitted') or t0) - t0:.1f}s, "
+            f"ended {(a.get('finished') or t0) - t0:.1f}s ({a['reason']}: {a.get('message')!r})"
+            for a in rec["attempts"]
+        )
+    )
     # The hub's copies of each pod's log (pods/log: the double's kubelet, or kwok serving the
     # stand-in process's output through the API server), the preempted attempt's included.
     out = cli(kube_hub, bob, "logs", job_id).stdout
@@ -163,5 +177,8 @@ def test_refusals_and_cancel_on_the_kube_hub(kube_hub, backend, tmp_path):
     assert walls[f"{job_id}-out"]["spec"]["podSelector"]["matchLabels"]["hub.jupyter.org/username"] == "bob"
     assert cli(kube_hub, bob, "cancel", job_id).stdout.startswith("cancelled")
     wait_for(lambda: backend.job(job_id) is None and not backend.pods_of_job(job_id), 60, "the Job and its pods gone")
-    wait_for(lambda: not [p for p in backend.network_policies() if p["metadata"]["name"].startswith(job_id)], 60,
-             "the job's NetworkPolicies collected with it")
+    wait_for(
+        lambda: not [p for p in backend.network_policies() if p["metadata"]["name"].startswith(job_id)],
+        60,
+        "the job's NetworkPolicies collected with it",
+    )

@@ -42,10 +42,14 @@ async def test_job_is_the_users_server_pod_with_the_jobs_command_suspended_in_th
     policy = policy_store.policy
     spec = parse_job(JOB)
     choice = resolve_choice(policy, ["vision-lab"], {"profile": "a100-1"})
-    job = job_manifest("job-0123456789", "alice", spec, policy, choice, pod, job_priority_class="batch", namespace=spawner.namespace)
+    job = job_manifest(
+        "job-0123456789", "alice", spec, policy, choice, pod, job_priority_class="batch", namespace=spawner.namespace
+    )
     validate(job)  # kubernetes-validate, strict: unknown fields are errors
     meta, js = job["metadata"], job["spec"]
-    assert meta["namespace"] == "gpuhub-users" and js["suspend"] is True and meta["labels"][QUEUE_LABEL] == choice.team.local_queue
+    assert (
+        meta["namespace"] == "gpuhub-users" and js["suspend"] is True and meta["labels"][QUEUE_LABEL] == choice.team.local_queue
+    )
     assert meta["labels"][PRIORITY_LABEL] == "batch"
     tmpl = js["template"]
     # Kueue manages the Job; its pods must not join the plain-pod integration too.
@@ -124,8 +128,9 @@ print("total", state["total"], flush=True)
 
 
 def _post_job(double, job):
-    r = _requests.post(f"{double.url}/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=job,
-                       headers={"Authorization": f"Bearer {TOKEN}"})
+    r = _requests.post(
+        f"{double.url}/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=job, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
     assert r.status_code == 201, r.text
     return r.json()
 
@@ -158,39 +163,70 @@ async def _student_job(make_spawner, policy_store, text, job_id, user="erin"):
 
 
 async def test_the_double_admits_the_suspended_job_and_a_preemption_resumes_it_from_its_checkpoint(
-        kube, make_spawner, policy_store, tmp_path):
+    kube, make_spawner, policy_store, tmp_path
+):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     ckpt = tmp_path / "ckpt"
-    job, server = await _student_job(make_spawner, policy_store, (
-        f"profile: l4-1\ncommand: [{_sys.executable}, {script}]\ncheckpointDir: {ckpt}\n"
-        "retries: {limit: 0, reasons: [preempted]}\n"), "job-00000000b1")
+    job, server = await _student_job(
+        make_spawner,
+        policy_store,
+        (
+            f"profile: l4-1\ncommand: [{_sys.executable}, {script}]\ncheckpointDir: {ckpt}\n"
+            "retries: {limit: 0, reasons: [preempted]}\n"
+        ),
+        "job-00000000b1",
+    )
     _post_job(kube, job)
-    _until(lambda: (ckpt / "state.json").exists() and _json.loads((ckpt / "state.json").read_text())["step"] >= 2, 30,
-           "training to reach step 2")
+    _until(
+        lambda: (ckpt / "state.json").exists() and _json.loads((ckpt / "state.json").read_text())["step"] >= 2,
+        30,
+        "training to reach step 2",
+    )
     first = kube.pods_of_job(NAMESPACE, "job-00000000b1")
     assert len(first) == 1 and QUEUE_LABEL not in first[0]["metadata"]["labels"]  # the Job is the managed object
     assert "schedulingGates" not in first[0]["spec"]
     # An interactive server of the same team needs the GPU; Kueue preempts the batch job for it.
-    blocker = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": "erin-interactive", "namespace": NAMESPACE,
-                            "labels": {**server["metadata"]["labels"], PRIORITY_LABEL: "interactive"}},
-               "spec": {**server["spec"], "containers": [{**server["spec"]["containers"][0],
-                                                          "command": [_sys.executable, "-c", "import time; time.sleep(120)"],
-                                                          "args": []}]}}
+    blocker = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "erin-interactive",
+            "namespace": NAMESPACE,
+            "labels": {**server["metadata"]["labels"], PRIORITY_LABEL: "interactive"},
+        },
+        "spec": {
+            **server["spec"],
+            "containers": [
+                {
+                    **server["spec"]["containers"][0],
+                    "command": [_sys.executable, "-c", "import time; time.sleep(120)"],
+                    "args": [],
+                }
+            ],
+        },
+    }
     status, _ = kube.create("pods", NAMESPACE, blocker)
     assert status == 201
     # (the double applies the ClusterQueue's withinClusterQueue: LowerPriority, tests/kube/test_preemption.py)
-    _until(lambda: "schedulingGates" not in (kube.get("pods", NAMESPACE, "erin-interactive") or {"spec": {"schedulingGates": 1}})["spec"],
-           10, "the server to be admitted")
+    _until(
+        lambda: (
+            "schedulingGates" not in (kube.get("pods", NAMESPACE, "erin-interactive") or {"spec": {"schedulingGates": 1}})["spec"]
+        ),
+        10,
+        "the server to be admitted",
+    )
     j = kube.get("jobs", NAMESPACE, "job-00000000b1")
     assert j["spec"]["suspend"] is True and not j["status"].get("failed")  # suspended, nothing counted
     [wl] = [w for w in kube.list("workloads", NAMESPACE) if w["metadata"]["name"].startswith("job-job-00000000b1")]
     assert _cond(wl, "Evicted")["reason"] == "Preempted" and _cond(wl, "QuotaReserved")["status"] == "False"
     # The server ends; the job is admitted again and its new pod continues from the checkpoint.
     kube.delete("pods", NAMESPACE, "erin-interactive")
-    done = _until(lambda: (j := kube.get("jobs", NAMESPACE, "job-00000000b1")) and _cond(j, "Complete").get("status") == "True" and j,
-                  60, "the job to complete")
+    done = _until(
+        lambda: (j := kube.get("jobs", NAMESPACE, "job-00000000b1")) and _cond(j, "Complete").get("status") == "True" and j,
+        60,
+        "the job to complete",
+    )
     assert done["status"]["succeeded"] == 1 and not done["status"].get("failed")
     pods = kube.pods_of_job(NAMESPACE, "job-00000000b1")
     assert len(pods) == 1  # the preempted pod was deleted; this is the second attempt's
@@ -203,17 +239,30 @@ async def test_the_double_admits_the_suspended_job_and_a_preemption_resumes_it_f
 
 async def test_the_double_applies_the_jobs_failure_policy(kube, make_spawner, policy_store):
     code = "import sys; sys.exit(int(sys.argv[1]))"
-    fatal, _ = await _student_job(make_spawner, policy_store, (
-        f"profile: l4-1\ncommand: [{_sys.executable}, -c, '{code}', '3']\nretries: {{limit: 2, reasons: [preempted, 75]}}\n"),
-        "job-00000000c1")
+    fatal, _ = await _student_job(
+        make_spawner,
+        policy_store,
+        (f"profile: l4-1\ncommand: [{_sys.executable}, -c, '{code}', '3']\nretries: {{limit: 2, reasons: [preempted, 75]}}\n"),
+        "job-00000000c1",
+    )
     _post_job(kube, fatal)
-    j = _until(lambda: (j := kube.get("jobs", NAMESPACE, "job-00000000c1")) and _cond(j, "Failed").get("status") == "True" and j,
-               30, "the job to fail")
+    j = _until(
+        lambda: (j := kube.get("jobs", NAMESPACE, "job-00000000c1")) and _cond(j, "Failed").get("status") == "True" and j,
+        30,
+        "the job to fail",
+    )
     assert _cond(j, "Failed")["reason"] == "PodFailurePolicy" and j["status"]["failed"] == 1  # not retried
-    retried, _ = await _student_job(make_spawner, policy_store, (
-        f"profile: l4-1\ncommand: [{_sys.executable}, -c, '{code}', '75']\nretries: {{limit: 1, reasons: [75]}}\n"),
-        "job-00000000c2", user="erin2")
+    retried, _ = await _student_job(
+        make_spawner,
+        policy_store,
+        (f"profile: l4-1\ncommand: [{_sys.executable}, -c, '{code}', '75']\nretries: {{limit: 1, reasons: [75]}}\n"),
+        "job-00000000c2",
+        user="erin2",
+    )
     _post_job(kube, retried)
-    j = _until(lambda: (j := kube.get("jobs", NAMESPACE, "job-00000000c2")) and _cond(j, "Failed").get("status") == "True" and j,
-               30, "the retried job to give up")
+    j = _until(
+        lambda: (j := kube.get("jobs", NAMESPACE, "job-00000000c2")) and _cond(j, "Failed").get("status") == "True" and j,
+        30,
+        "the retried job to give up",
+    )
     assert _cond(j, "Failed")["reason"] == "BackoffLimitExceeded" and j["status"]["failed"] == 2  # 1 retry

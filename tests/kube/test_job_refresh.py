@@ -65,12 +65,19 @@ async def submit(kube, make_spawner, policy, tmp_path) -> dict:
     pod = ApiClient().sanitize_for_serialization(await spawner.get_pod_manifest())
     program = tmp_path / "program.py"
     program.write_text(PROGRAM)
-    spec = parse_job(f"profile: cpu\ncommand: [{sys.executable}, {program}, {tmp_path / 'first'}, {tmp_path / 'go'}]\n"
-                     "retries: {limit: 1, reasons: [failed]}\n")
-    manifest = job_manifest(JOB_ID, "alice", spec, policy, resolve_choice(policy, ["vision-lab"], {"profile": "cpu"}), pod,
-                            namespace=NAMESPACE)
-    r = requests.post(f"{kube.url}/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=manifest,
-                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    spec = parse_job(
+        f"profile: cpu\ncommand: [{sys.executable}, {program}, {tmp_path / 'first'}, {tmp_path / 'go'}]\n"
+        "retries: {limit: 1, reasons: [failed]}\n"
+    )
+    manifest = job_manifest(
+        JOB_ID, "alice", spec, policy, resolve_choice(policy, ["vision-lab"], {"profile": "cpu"}), pod, namespace=NAMESPACE
+    )
+    r = requests.post(
+        f"{kube.url}/apis/batch/v1/namespaces/{NAMESPACE}/jobs",
+        json=manifest,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=10,
+    )
     assert r.status_code == 201, r.text
     return r.json()
 
@@ -78,11 +85,26 @@ async def submit(kube, make_spawner, policy, tmp_path) -> dict:
 def record(job: dict) -> R.JobRecord:
     """The record ``KubeJobManager.submit`` keeps for the Job it created."""
     return R.JobRecord(
-        id=JOB_ID, user="alice", team="vision", profile={"slug": "cpu"}, priority_class=None, priority=0,
-        policy_sha256="", image="", image_digest="", command=[], working_dir="", checkpoint_dir="", env_names=[],
-        experiment=None, time_limit=None, retries={"limit": 0, "reasons": ["failed"]},
-        spec={"namespace": NAMESPACE, "uid": job["metadata"]["uid"]}, backend="kubernetes",
-        attempts=[R.Attempt(number=1, queued=time.time())])
+        id=JOB_ID,
+        user="alice",
+        team="vision",
+        profile={"slug": "cpu"},
+        priority_class=None,
+        priority=0,
+        policy_sha256="",
+        image="",
+        image_digest="",
+        command=[],
+        working_dir="",
+        checkpoint_dir="",
+        env_names=[],
+        experiment=None,
+        time_limit=None,
+        retries={"limit": 0, "reasons": ["failed"]},
+        spec={"namespace": NAMESPACE, "uid": job["metadata"]["uid"]},
+        backend="kubernetes",
+        attempts=[R.Attempt(number=1, queued=time.time())],
+    )
 
 
 async def read_together(manager: KubeJobManager, rec: R.JobRecord, n: int = 4) -> None:
@@ -98,7 +120,8 @@ def phase(kube, pod: str) -> str | None:
 
 
 async def test_reads_of_a_job_that_overlap_give_each_pod_one_attempt_and_every_attempt_an_end(
-        kube, make_spawner, policy_store, tmp_path):
+    kube, make_spawner, policy_store, tmp_path
+):
     rec = record(await submit(kube, make_spawner, policy_store.policy, tmp_path))
     manager = KubeJobManager(data_dir=str(tmp_path / "data"))
 
@@ -115,12 +138,18 @@ async def test_reads_of_a_job_that_overlap_give_each_pod_one_attempt_and_every_a
     assert rec.state == R.RUNNING
 
     (tmp_path / "go").touch()  # the second pod succeeds and the Job controller completes the Job
-    await until(lambda: any(c["type"] == "Complete" and c["status"] == "True"
-                            for c in (kube.get("jobs", NAMESPACE, JOB_ID) or {}).get("status", {}).get("conditions") or []),
-                "the Job complete")
+    await until(
+        lambda: any(
+            c["type"] == "Complete" and c["status"] == "True"
+            for c in (kube.get("jobs", NAMESPACE, JOB_ID) or {}).get("status", {}).get("conditions") or []
+        ),
+        "the Job complete",
+    )
     await read_together(manager, rec)
     assert rec.state == R.SUCCEEDED, rec
-    assert [(a.number, a.account, a.reason) for a in rec.attempts] == [(1, first, "failed"), (2, second, "succeeded")], rec.attempts
+    assert [(a.number, a.account, a.reason) for a in rec.attempts] == [(1, first, "failed"), (2, second, "succeeded")], (
+        rec.attempts
+    )
     assert all(a.finished is not None and a.devices == ["double-node-1"] for a in rec.attempts), rec.attempts
     assert kube.invalid == [] and kube.errors == []
 

@@ -57,11 +57,16 @@ async def test_a_request_beyond_the_team_capacity_says_pick_a_smaller_profile(ku
         message = await asyncio.wait_for(status_until(spawner, lambda m: "never start" in m), WAIT)
         # pkg/scheduler/flavorassigner/flavorassigner.go (fitsResourceQuota), Assignment.Message()
         cond = quota_reserved(kube, spawner.pod_name)
-        assert (cond["status"], cond["reason"], cond["message"]) == ("False", "Pending",
+        assert (cond["status"], cond["reason"], cond["message"]) == (
+            "False",
+            "Pending",
             "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu in flavor l4, "
-            "previously considered podsets requests (0) + current podset request (1) > maximum capacity (0)")
-        assert ("This server can never start in team Students's queue: 1 L4 24GB GPU requested but the team can hold "
-                "at most 0 L4 24GB GPUs. Pick a smaller profile.") in message
+            "previously considered podsets requests (0) + current podset request (1) > maximum capacity (0)",
+        )
+        assert (
+            "This server can never start in team Students's queue: 1 L4 24GB GPU requested but the team can hold "
+            "at most 0 L4 24GB GPUs. Pick a smaller profile."
+        ) in message
     finally:
         start.cancel()
         await asyncio.gather(start, return_exceptions=True)
@@ -128,15 +133,34 @@ async def test_workload_is_the_one_owned_by_this_pods_uid(kube, make_spawner):
         await asyncio.wait_for(status_until(waiter, lambda m: "more needed" in m), WAIT)
         real = kube.workload_for(NAMESPACE, waiter.pod_name)
         stale = copy.deepcopy(real)
-        stale["metadata"] = {"name": real["metadata"]["name"] + "-old", "namespace": NAMESPACE,
-                             "creationTimestamp": "2999-01-01T00:00:00Z",  # newest by name order
-                             "ownerReferences": [{**real["metadata"]["ownerReferences"][0], "uid": "0000-old-pod"}]}
-        stale["status"] = {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Inadmissible",
-                                           "message": "LocalQueue students doesn't exist", "lastTransitionTime": "2999-01-01T00:00:00Z"},
-                                          {"type": "Finished", "status": "True", "reason": "Failed", "message": "old pod",
-                                           "lastTransitionTime": "2999-01-01T00:00:00Z"}]}
+        stale["metadata"] = {
+            "name": real["metadata"]["name"] + "-old",
+            "namespace": NAMESPACE,
+            "creationTimestamp": "2999-01-01T00:00:00Z",  # newest by name order
+            "ownerReferences": [{**real["metadata"]["ownerReferences"][0], "uid": "0000-old-pod"}],
+        }
+        stale["status"] = {
+            "conditions": [
+                {
+                    "type": "QuotaReserved",
+                    "status": "False",
+                    "reason": "Inadmissible",
+                    "message": "LocalQueue students doesn't exist",
+                    "lastTransitionTime": "2999-01-01T00:00:00Z",
+                },
+                {
+                    "type": "Finished",
+                    "status": "True",
+                    "reason": "Failed",
+                    "message": "old pod",
+                    "lastTransitionTime": "2999-01-01T00:00:00Z",
+                },
+            ]
+        }
         kube.call(lambda: kube._write("workloads", NAMESPACE, stale, "ADDED"))
-        await asyncio.wait_for(until(lambda: waiter.workload_reflector.resources.get(f"{NAMESPACE}/{stale['metadata']['name']}")), WAIT)
+        await asyncio.wait_for(
+            until(lambda: waiter.workload_reflector.resources.get(f"{NAMESPACE}/{stale['metadata']['name']}")), WAIT
+        )
         await asyncio.sleep(0.3)
         message = waiter.queue_status()["message"]
         assert "1 L4 24GB GPU more needed" in message and "not accepting" not in message
@@ -147,9 +171,12 @@ async def test_workload_is_the_one_owned_by_this_pods_uid(kube, make_spawner):
         await blocker.stop(now=True)
 
 
-HUB_POD = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": "hub-0", "labels": {"component": "hub"}},
-           "spec": {"containers": [{"name": "hub", "image": "quay.io/jupyterhub/k8s-hub:4.4.0", "command": SLEEPER}]}}
+HUB_POD = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "hub-0", "labels": {"component": "hub"}},
+    "spec": {"containers": [{"name": "hub", "image": "quay.io/jupyterhub/k8s-hub:4.4.0", "command": SLEEPER}]},
+}
 
 
 async def test_kueue_down_the_hub_namespace_still_creates_pods_and_users_are_told(kube, make_spawner):
@@ -198,8 +225,9 @@ async def test_stop_while_kueue_is_down_returns_and_the_finalizer_is_released_la
 
 async def test_ephemeral_storage_from_a_limitrange_is_admitted(kube, make_spawner):
     """A LimitRange's default request reaches the pod; Kueue counts it, so it must be covered."""
-    spawner = make_spawner(user="ivy", groups=("students",), profile="cpu", cmd=SLEEPER,
-                           extra_resource_guarantees={"ephemeral-storage": "1Gi"})
+    spawner = make_spawner(
+        user="ivy", groups=("students",), profile="cpu", cmd=SLEEPER, extra_resource_guarantees={"ephemeral-storage": "1Gi"}
+    )
     await asyncio.wait_for(spawner.start(), WAIT)
     wl = kube.workload_for(NAMESPACE, spawner.pod_name)
     assert wl["status"]["admission"]["podSetAssignments"][0]["flavors"]["ephemeral-storage"] == "gpuhub-default"
@@ -207,8 +235,14 @@ async def test_ephemeral_storage_from_a_limitrange_is_admitted(kube, make_spawne
 
 
 async def test_a_resource_no_cluster_queue_lists_is_explained(kube, make_spawner):
-    spawner = make_spawner(user="jay", groups=("students",), profile="cpu", queue_timeout=600.0,
-                           extra_resource_guarantees={"hugepages-2Mi": "64Mi"}, extra_resource_limits={"hugepages-2Mi": "64Mi"})
+    spawner = make_spawner(
+        user="jay",
+        groups=("students",),
+        profile="cpu",
+        queue_timeout=600.0,
+        extra_resource_guarantees={"hugepages-2Mi": "64Mi"},
+        extra_resource_limits={"hugepages-2Mi": "64Mi"},
+    )
     start = spawner.start()
     try:
         message = await asyncio.wait_for(status_until(spawner, lambda m: "never start" in m), WAIT)

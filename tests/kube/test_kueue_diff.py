@@ -18,7 +18,8 @@ profiles:
 def test_a_lowered_quota_changes_only_that_teams_clusterqueue():
     new = OLD.replace("a100: {nominal: 2}", "a100: {nominal: 1}")
     assert kueue_changes(parse_policy(OLD), parse_policy(new)) == [
-        ("ClusterQueue vision changes (resourceGroups).", frozenset({"vision"}))]
+        ("ClusterQueue vision changes (resourceGroups).", frozenset({"vision"}))
+    ]
     assert kueue_changes(parse_policy(OLD), parse_policy(OLD)) == []
 
 
@@ -27,8 +28,11 @@ def test_a_renamed_team_that_keeps_its_queue_name_is_refused_by_kueue_first():
     changes = kueue_changes(parse_policy(OLD), parse_policy(renamed))
     assert changes[0][0].startswith("Kueue refuses this change: LocalQueue gpuhub-users/nlp points at ClusterQueue 'nlp'")
     assert "field is immutable" in changes[0][0]
-    assert [c[0] for c in changes[1:]] == ["ClusterQueue nlp is deleted.", "ClusterQueue nlp2 is created.",
-                                           "LocalQueue gpuhub-users/nlp changes (clusterQueue)."]
+    assert [c[0] for c in changes[1:]] == [
+        "ClusterQueue nlp is deleted.",
+        "ClusterQueue nlp2 is created.",
+        "LocalQueue gpuhub-users/nlp changes (clusterQueue).",
+    ]
 
 
 def test_a_new_flavor_concerns_every_team():

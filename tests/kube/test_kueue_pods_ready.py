@@ -78,9 +78,22 @@ def restart_kueue() -> None:
 
 
 def set_config(cluster: real.RealCluster, text: str) -> None:
-    cluster.kubectl("apply", "-f", "-", input=cluster.kubectl(
-        "-n", "kueue-system", "create", "configmap", "kueue-manager-config", "--dry-run=client", "-o", "yaml",
-        f"--from-literal=controller_manager_config.yaml={text}").stdout)
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=cluster.kubectl(
+            "-n",
+            "kueue-system",
+            "create",
+            "configmap",
+            "kueue-manager-config",
+            "--dry-run=client",
+            "-o",
+            "yaml",
+            f"--from-literal=controller_manager_config.yaml={text}",
+        ).stdout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +102,8 @@ def kueue_with_the_guides_config(real_cluster, tmp_path_factory):
 
     cluster = real_cluster
     before = cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")["data"][
-        "controller_manager_config.yaml"]
+        "controller_manager_config.yaml"
+    ]
     cfg = yaml.safe_load(before)
     if "pod" not in cfg["integrations"]["frameworks"]:
         cfg["integrations"]["frameworks"].append("pod")
@@ -112,8 +126,14 @@ def kueue_with_the_guides_config(real_cluster, tmp_path_factory):
 
 
 def workload_of(cluster, kind: str, name: str) -> dict | None:
-    return next((w for w in cluster.list("workloads", NS)
-                 if any(o["kind"] == kind and o["name"] == name for o in w["metadata"].get("ownerReferences", []))), None)
+    return next(
+        (
+            w
+            for w in cluster.list("workloads", NS)
+            if any(o["kind"] == kind and o["name"] == name for o in w["metadata"].get("ownerReferences", []))
+        ),
+        None,
+    )
 
 
 def cond(obj: dict | None, ctype: str) -> dict | None:
@@ -132,41 +152,75 @@ def get_job(cluster, name: str) -> dict:
 
 def gpus_used(cluster) -> int:
     cq = cluster.get(cluster.path("clusterqueues", None, "vision"))
-    return sum(int(r.get("total", 0)) for f in (cq.get("status") or {}).get("flavorsUsage") or []
-               for r in f["resources"] if r["name"] == "nvidia.com/gpu")
+    return sum(
+        int(r.get("total", 0))
+        for f in (cq.get("status") or {}).get("flavorsUsage") or []
+        for r in f["resources"]
+        if r["name"] == "nvidia.com/gpu"
+    )
 
 
 def pod_spec() -> dict:
-    return {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1, "nodeSelector": dict(NEVER),
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "containers": [{"name": "main", "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
-                            "command": ["sleep", "600"],
-                            "resources": {"requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"},
-                                          "limits": {"nvidia.com/gpu": "1"}}}]}
+    return {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 1,
+        "nodeSelector": dict(NEVER),
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [
+            {
+                "name": "main",
+                "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                "command": ["sleep", "600"],
+                "resources": {
+                    "requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"},
+                    "limits": {"nvidia.com/gpu": "1"},
+                },
+            }
+        ],
+    }
 
 
 @pytest.mark.cluster
 def test_a_job_that_can_never_start_is_evicted_requeued_then_deactivated(kueue_with_the_guides_config):
     cluster, w = kueue_with_the_guides_config
-    job = {"apiVersion": "batch/v1", "kind": "Job",
-           "metadata": {"name": "train-never", "namespace": NS, "labels": {"kueue.x-k8s.io/queue-name": "vision"}},
-           "spec": {"parallelism": 1, "completions": 1, "backoffLimit": 0, "template": {"spec": pod_spec()}}}
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "train-never", "namespace": NS, "labels": {"kueue.x-k8s.io/queue-name": "vision"}},
+        "spec": {"parallelism": 1, "completions": 1, "backoffLimit": 0, "template": {"spec": pod_spec()}},
+    }
     r = cluster.session.post(job_url(cluster), json=job, timeout=15)
     assert r.status_code == 201, r.text
     t0 = time.time()
 
     # Admitted on vision's L4 quota, the Job unsuspended, its pod created and never scheduled
-    until(lambda: (c := cond(workload_of(cluster, "Job", "train-never"), "Admitted")) and c["status"] == "True",
-          60, "the Job admitted")
+    until(
+        lambda: (c := cond(workload_of(cluster, "Job", "train-never"), "Admitted")) and c["status"] == "True",
+        60,
+        "the Job admitted",
+    )
     until(lambda: get_job(cluster, "train-never")["spec"].get("suspend") is False, 30, "the Job unsuspended")
-    until(lambda: [p for p in cluster.list("pods", NS, labelSelector="job-name=train-never")
-                   if (cond(p, "PodScheduled") or {}).get("reason") == "Unschedulable"], 30, "its pod unschedulable")
+    until(
+        lambda: [
+            p
+            for p in cluster.list("pods", NS, labelSelector="job-name=train-never")
+            if (cond(p, "PodScheduled") or {}).get("reason") == "Unschedulable"
+        ],
+        30,
+        "its pod unschedulable",
+    )
     until(lambda: gpus_used(cluster) == 1, 30, "one L4 of vision's quota held by the unstartable pod")
 
     # timeout: evicted with PodsReadyTimeout, the Job suspended, the quota given back
-    wl = until(lambda: (x := workload_of(cluster, "Job", "train-never")) and
-               (cond(x, "Evicted") or {}).get("reason") == K.EVICTED_BY_PODS_READY_TIMEOUT and x, TIMEOUT_S + 30,
-               "eviction by PodsReadyTimeout")
+    wl = until(
+        lambda: (
+            (x := workload_of(cluster, "Job", "train-never"))
+            and (cond(x, "Evicted") or {}).get("reason") == K.EVICTED_BY_PODS_READY_TIMEOUT
+            and x
+        ),
+        TIMEOUT_S + 30,
+        "eviction by PodsReadyTimeout",
+    )
     evicted_after = time.time() - t0
     # counted from admission (Kueue's condition times are whole seconds): not before the timeout
     assert evicted_after >= TIMEOUT_S - 1, evicted_after
@@ -175,8 +229,11 @@ def test_a_job_that_can_never_start_is_evicted_requeued_then_deactivated(kueue_w
 
     # requeued after the backoff, admitted again; after backoffLimitCount requeues, deactivated
     limit = w["requeuingStrategy"]["backoffLimitCount"]
-    seen_requeued = until(lambda: (c := cond(workload_of(cluster, "Job", "train-never"), "Requeued")) and
-                          c["status"] == "True" and c, 60, "requeued")
+    seen_requeued = until(
+        lambda: (c := cond(workload_of(cluster, "Job", "train-never"), "Requeued")) and c["status"] == "True" and c,
+        60,
+        "requeued",
+    )
     assert seen_requeued
     counts = set()
 
@@ -193,28 +250,44 @@ def test_a_job_that_can_never_start_is_evicted_requeued_then_deactivated(kueue_w
     assert get_job(cluster, "train-never")["spec"].get("suspend") is True
     # nothing held any more: vision's L4 usage is back to 0
     until(lambda: gpus_used(cluster) == 0, 30, "vision's L4 quota released")
-    print(f"\n[measure] evicted {evicted_after:.1f}s after creation; deactivated after {limit} requeues "
-          f"({time.time() - t0:.1f}s)")
+    print(
+        f"\n[measure] evicted {evicted_after:.1f}s after creation; deactivated after {limit} requeues ({time.time() - t0:.1f}s)"
+    )
     cluster.session.delete(job_url(cluster, "train-never"), json={"propagationPolicy": "Background"}, timeout=15)
 
 
 @pytest.mark.cluster
 def test_a_server_pod_that_can_never_start_is_deleted_and_the_user_told_why(kueue_with_the_guides_config):
     cluster, _ = kueue_with_the_guides_config
-    cluster.create("pods", NS, {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "jupyter-carol", "namespace": NS,
-                     "labels": {"kueue.x-k8s.io/queue-name": "vision", "component": "singleuser-server"}},
-        "spec": pod_spec()})
-    until(lambda: (c := cond(workload_of(cluster, "Pod", "jupyter-carol"), "Admitted")) and c["status"] == "True",
-          60, "the server admitted")
+    cluster.create(
+        "pods",
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "jupyter-carol",
+                "namespace": NS,
+                "labels": {"kueue.x-k8s.io/queue-name": "vision", "component": "singleuser-server"},
+            },
+            "spec": pod_spec(),
+        },
+    )
+    until(
+        lambda: (c := cond(workload_of(cluster, "Pod", "jupyter-carol"), "Admitted")) and c["status"] == "True",
+        60,
+        "the server admitted",
+    )
     # What the hub's pod reflector and Workload mirror last see. The pod as KubeSpawner's reflector
     # sees it: a watch, every change up to its deletion (a poll every 0.2 s missed the moment
     # between Kueue marking the pod and deleting it, stop 38); the Workload read at each change.
     last_pod, last_wl, deleted = None, None, False
-    with cluster.session.get(f"{cluster.url}{cluster.path('pods', NS)}", stream=True, timeout=TIMEOUT_S + 60,
-                             params={"watch": "1", "fieldSelector": "metadata.name=jupyter-carol",
-                                     "timeoutSeconds": str(TIMEOUT_S + 40)}) as r:
+    with cluster.session.get(
+        f"{cluster.url}{cluster.path('pods', NS)}",
+        stream=True,
+        timeout=TIMEOUT_S + 60,
+        params={"watch": "1", "fieldSelector": "metadata.name=jupyter-carol", "timeoutSeconds": str(TIMEOUT_S + 40)},
+    ) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line:

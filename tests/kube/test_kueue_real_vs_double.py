@@ -65,19 +65,44 @@ class Backend:
         self.name, self.api, self._apply, self._reset = name, api, apply, reset
 
     def pod(self, name: str, queue: str, priority: str, gpus: int = 1) -> dict:
-        return self.api.create("pods", NAMESPACE, {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE,
-                         "labels": {"kueue.x-k8s.io/queue-name": queue, "kueue.x-k8s.io/priority-class": priority}},
-            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-                     "containers": [{"name": "notebook", "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
-                                     "command": ["sleep", "600"],
-                                     "resources": {"requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": str(gpus)},
-                                                   "limits": {"nvidia.com/gpu": str(gpus)}}}]}})
+        return self.api.create(
+            "pods",
+            NAMESPACE,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": NAMESPACE,
+                    "labels": {"kueue.x-k8s.io/queue-name": queue, "kueue.x-k8s.io/priority-class": priority},
+                },
+                "spec": {
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [
+                        {
+                            "name": "notebook",
+                            "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                            "command": ["sleep", "600"],
+                            "resources": {
+                                "requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": str(gpus)},
+                                "limits": {"nvidia.com/gpu": str(gpus)},
+                            },
+                        }
+                    ],
+                },
+            },
+        )
 
     def workload_of(self, pod_name: str) -> dict | None:
-        return next((w for w in self.api.list("workloads", NAMESPACE)
-                     if any(o["name"] == pod_name for o in w["metadata"].get("ownerReferences", []))), None)
+        return next(
+            (
+                w
+                for w in self.api.list("workloads", NAMESPACE)
+                if any(o["name"] == pod_name for o in w["metadata"].get("ownerReferences", []))
+            ),
+            None,
+        )
 
     def condition(self, pod_name: str, ctype: str) -> dict | None:
         wl = self.workload_of(pod_name) or {}
@@ -95,8 +120,11 @@ class Backend:
         return {p["metadata"]["name"]: p for p in self.api.list("pods", NAMESPACE)}
 
     def events(self, pod_name: str) -> list[tuple]:
-        return [(e.get("reportingComponent") or (e.get("source") or {}).get("component"), e["type"], e["reason"], e["message"])
-                for e in self.api.list("events", NAMESPACE) if e["involvedObject"]["name"] == pod_name]
+        return [
+            (e.get("reportingComponent") or (e.get("source") or {}).get("component"), e["type"], e["reason"], e["message"])
+            for e in self.api.list("events", NAMESPACE)
+            if e["involvedObject"]["name"] == pod_name
+        ]
 
     def delete_pod(self, name: str) -> None:
         self.api.delete("pods", NAMESPACE, name, grace=1)
@@ -151,14 +179,17 @@ def test_n2_a_lenders_own_quota_request_goes_before_a_higher_priority_borrower(r
     first = until(lambda: next((p for p in ("vision-2", "nlp-2") if backend.admitted(p)), None), what="one admitted")
     time.sleep(2)
     both = {p: backend.admitted(p) for p in ("vision-2", "nlp-2")}
-    print(f"\n[{backend.name}] N2: admitted first: {first}; after 2 s: {both}; "
-          f"nlp-2 QuotaReserved: {json.dumps(backend.condition('nlp-2', 'QuotaReserved'))}")
+    print(
+        f"\n[{backend.name}] N2: admitted first: {first}; after 2 s: {both}; "
+        f"nlp-2 QuotaReserved: {json.dumps(backend.condition('nlp-2', 'QuotaReserved'))}"
+    )
     assert first == "vision-2", both
     # Either nlp-2 fitted when the cycle began (by borrowing) and lost the L4 to vision-2 within
     # it, or the cycle began after vision-2's admission: both are seen on the real controller.
     assert backend.condition("nlp-2", "QuotaReserved")["message"] in (
         "Workload no longer fits after processing another workload",
-        "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor l4, 1 more needed")
+        "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor l4, 1 more needed",
+    )
 
 
 def test_n3_later_waiters_of_the_same_shape_get_no_message_in_a_cycle(request, backend):
@@ -212,11 +243,15 @@ def test_n4_n5_pod_events_and_preemption_cause(request, backend):
         evicted()
         time.sleep(0.1)
     wl_status = (seen.get("workload") or {}).get("status") or {}  # the double may delete it within one poll
-    print(f"[{backend.name}] N5: preempted Workload conditions: "
-          f"{json.dumps([c for c in wl_status.get('conditions', []) if c['type'] in ('Evicted', 'Preempted', 'Requeued')])}")
+    print(
+        f"[{backend.name}] N5: preempted Workload conditions: "
+        f"{json.dumps([c for c in wl_status.get('conditions', []) if c['type'] in ('Evicted', 'Preempted', 'Requeued')])}"
+    )
     print(f"[{backend.name}] N5: preempted Workload schedulingStats: {json.dumps(wl_status.get('schedulingStats'))}")
-    print(f"[{backend.name}] N5: preempted pod conditions: "
-          f"{json.dumps([c for c in ((seen.get('pod') or {}).get('status') or {}).get('conditions', []) if c['type'] == 'TerminationTarget'])}")
+    print(
+        f"[{backend.name}] N5: preempted pod conditions: "
+        f"{json.dumps([c for c in ((seen.get('pod') or {}).get('status') or {}).get('conditions', []) if c['type'] == 'TerminationTarget'])}"
+    )
     print(f"[{backend.name}] N5: preempted pod events: {backend.events('vision-low')}")
     until(lambda: backend.admitted("vision-high"), what="vision-high admitted")
     assert kueue_events and all(e[0] == "pod-kueue-controller" for e in kueue_events), kueue_events
@@ -230,15 +265,18 @@ def test_the_renderers_unlimited_cpu_placeholder_admits(request, backend):
     ``1Pi``). Real Kueue admits against it; the double's admission loop raised on ``100k``
     (its ``_amount`` parses quotas with the policy's CPU parser, which takes only plain
     and milli cores), so nothing was admitted at all."""
-    text = POLICY.replace("    quota: {cpu: 4, memory: 8Gi, gpus: {l4: {nominal: 1}}}\n", "    quota: {gpus: {l4: {nominal: 1}}}\n")
+    text = POLICY.replace(
+        "    quota: {cpu: 4, memory: 8Gi, gpus: {l4: {nominal: 1}}}\n", "    quota: {gpus: {l4: {nominal: 1}}}\n"
+    )
     assert "100k" not in text and text != POLICY
     if backend.name == "real":
         backend.api.reset(NAMESPACE)
         out = backend.api.apply_policy(text, NAMESPACE, Path(request.getfixturevalue("tmp_path")) / "placeholder")
         print(out)
         cq = backend.api.get("/apis/kueue.x-k8s.io/v1beta2/clusterqueues/vision")
-        assert any(r.get("nominalQuota") == "100k" for g in cq["spec"]["resourceGroups"]
-                   for f in g["flavors"] for r in f["resources"]), cq["spec"]
+        assert any(
+            r.get("nominalQuota") == "100k" for g in cq["spec"]["resourceGroups"] for f in g["flavors"] for r in f["resources"]
+        ), cq["spec"]
     else:
         from double.harness import apply_policy
 

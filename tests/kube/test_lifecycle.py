@@ -182,8 +182,12 @@ async def test_api_faults_recover_without_leaking_pods(kube, make_spawner):
 
     # A pod left over with the same name (a crashed hub): KubeSpawner gets 409, deletes it, retries.
     waiter = make_spawner(user="ida", groups=("students",), profile="l4-1", cmd=SLEEPER)
-    stale = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": waiter.pod_name, "labels": {"component": "singleuser-server"}},
-             "spec": {"containers": [{"name": "notebook", "image": "stale:1", "command": SLEEPER}]}}
+    stale = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": waiter.pod_name, "labels": {"component": "singleuser-server"}},
+        "spec": {"containers": [{"name": "notebook", "image": "stale:1", "command": SLEEPER}]},
+    }
     kube.call(kube._create_pod, NAMESPACE, stale)
     kube.fail("GET", r"pendingworkloads", 500, times=3)  # the queue position is briefly unavailable
     start = waiter.start()
@@ -208,11 +212,13 @@ async def test_api_calls_stay_bounded_with_100_waiting_spawns(kube, make_spawner
     await asyncio.wait_for(blocker.start(), WAIT)
     before = dict(kube.calls)
     # The double validates every pod against Kubernetes' schema on one thread; give 100 creates time.
-    spawners = [make_spawner(user=f"s{i:03d}", groups=("students",), profile="l4-1", status_interval=0.5,
-                             k8s_api_request_timeout=60) for i in range(100)]
+    spawners = [
+        make_spawner(user=f"s{i:03d}", groups=("students",), profile="l4-1", status_interval=0.5, k8s_api_request_timeout=60)
+        for i in range(100)
+    ]
     starts, progresses = [], []
     for i in range(0, len(spawners), 20):  # users arrive in waves; each new pod must show in the watch
-        wave = spawners[i:i + 20]          # within KubeSpawner's 10 s, which 100 at once miss on a loaded machine
+        wave = spawners[i : i + 20]  # within KubeSpawner's 10 s, which 100 at once miss on a loaded machine
         starts += [s.start() for s in wave]
         progresses += [Progress(s) for s in wave]
         await asyncio.wait_for(until(lambda: all(s.pod_reflector.pods.get(f"{NAMESPACE}/{s.pod_name}") for s in wave)), WAIT)

@@ -75,13 +75,16 @@ async def test_switching_profiles_does_not_leak_gpu_settings(make_spawner):
     assert "nvidia.com/gpu.product" not in (cpu_pod["spec"].get("nodeSelector") or {})
 
 
-@pytest.mark.parametrize("groups,options,status", [
-    (("students",), {"profile": "a100-1"}, 403),  # another team's profile
-    (("vision-lab",), {"profile": "a100-1", "team": "nlp"}, 403),  # a team the user is not in
-    (("vision-lab",), {"profile": "cpu", "cpu_limit": "64"}, 400),  # raw KubeSpawner overrides
-    (("vision-lab",), {"profile": "does-not-exist"}, 400),
-    (("nobody",), {"profile": "cpu"}, 403),
-])
+@pytest.mark.parametrize(
+    "groups,options,status",
+    [
+        (("students",), {"profile": "a100-1"}, 403),  # another team's profile
+        (("vision-lab",), {"profile": "a100-1", "team": "nlp"}, 403),  # a team the user is not in
+        (("vision-lab",), {"profile": "cpu", "cpu_limit": "64"}, 400),  # raw KubeSpawner overrides
+        (("vision-lab",), {"profile": "does-not-exist"}, 400),
+        (("nobody",), {"profile": "cpu"}, 403),
+    ],
+)
 async def test_forged_choices_are_refused_before_any_pod(kube, make_spawner, groups, options, status):
     spawner = make_spawner(groups=groups, profile=None)
     spawner.user_options = options

@@ -83,8 +83,13 @@ def server_pods(policy_file: Path, users: list[str]) -> list[dict]:
                 cfg = Config()
                 cfg.KueueSpawner.namespace = NS
                 cfg.KueueSpawner.cmd = ["jupyterhub-singleuser"]
-                spawner = KueueSpawner(config=cfg, user=MockUser(user, ["students"]), hub=MockHub("http://127.0.0.1:8081"),
-                                       api_token="test-token", oauth_client_id=f"jupyterhub-user-{user}")
+                spawner = KueueSpawner(
+                    config=cfg,
+                    user=MockUser(user, ["students"]),
+                    hub=MockHub("http://127.0.0.1:8081"),
+                    api_token="test-token",
+                    oauth_client_id=f"jupyterhub-user-{user}",
+                )
                 spawner.user_options = {"profile": "mig-1g"}
                 await spawner.load_user_options()
                 pod = api.sanitize_for_serialization(await spawner.get_pod_manifest())
@@ -105,8 +110,14 @@ def cond(obj: dict | None, ctype: str) -> dict | None:
 
 
 def workload_of(cluster, pod_name: str) -> dict | None:
-    return next((w for w in cluster.list("workloads", NS)
-                 if any(o["kind"] == "Pod" and o["name"] == pod_name for o in w["metadata"].get("ownerReferences") or [])), None)
+    return next(
+        (
+            w
+            for w in cluster.list("workloads", NS)
+            if any(o["kind"] == "Pod" and o["name"] == pod_name for o in w["metadata"].get("ownerReferences") or [])
+        ),
+        None,
+    )
 
 
 def get_pod(cluster, name: str) -> dict | None:
@@ -129,15 +140,22 @@ def admitted_and_bound(cluster, name: str, t0: float, timeline: dict) -> dict:
     the seconds since ``t0`` of each go into ``timeline[name]``."""
     until(lambda: (c := cond(workload_of(cluster, name), K.ADMITTED)) and c["status"] == "True", 60, f"{name} admitted")
     admitted = time.monotonic() - t0
-    pod = until(lambda: (p := get_pod(cluster, name)) and p["spec"].get("nodeName")
-                and (p.get("status") or {}).get("phase") == "Running" and p, 60, f"{name} bound and Running")
+    pod = until(
+        lambda: (
+            (p := get_pod(cluster, name))
+            and p["spec"].get("nodeName")
+            and (p.get("status") or {}).get("phase") == "Running"
+            and p
+        ),
+        60,
+        f"{name} bound and Running",
+    )
     timeline[name] = (admitted, time.monotonic() - t0)
     return pod
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_seven_students_get_a_1g_slice_on_the_mig_node_and_the_eighth_waits_for_one(strategy, mig_plane, tmp_path,
-                                                                                     monkeypatch):
+def test_seven_students_get_a_1g_slice_on_the_mig_node_and_the_eighth_waits_for_one(strategy, mig_plane, tmp_path, monkeypatch):
     cluster = mig_plane
     policy_text, resource = STRATEGIES[strategy]
     node = real.mig_nodes()[strategy]
@@ -148,10 +166,15 @@ def test_seven_students_get_a_1g_slice_on_the_mig_node_and_the_eighth_waits_for_
     assert int(live["status"]["allocatable"][resource]) > QUOTA, live["status"]["allocatable"]
 
     cluster.reset(NS)
-    print(f"\n[real, {strategy}] kubectl apply --server-side of `gpuhub render kueue`:\n"
-          + cluster.apply_policy(policy_text, NS, tmp_path / "policy"))
-    until(lambda: (c := cond(cluster.get(cluster.path("clusterqueues", None, "students")), "Active")) and c["status"] == "True",
-          60, "ClusterQueue students Active")
+    print(
+        f"\n[real, {strategy}] kubectl apply --server-side of `gpuhub render kueue`:\n"
+        + cluster.apply_policy(policy_text, NS, tmp_path / "policy")
+    )
+    until(
+        lambda: (c := cond(cluster.get(cluster.path("clusterqueues", None, "students")), "Active")) and c["status"] == "True",
+        60,
+        "ClusterQueue students Active",
+    )
     flavor = cluster.get(cluster.path("resourceflavors", None, "a100-1g"))
     if strategy == "single":
         assert flavor["spec"]["nodeLabels"] == {"nvidia.com/gpu.product": SINGLE_PRODUCT}
@@ -191,8 +214,11 @@ def test_seven_students_get_a_1g_slice_on_the_mig_node_and_the_eighth_waits_for_
     eighth = names[QUOTA]
     t8 = time.monotonic()
     cluster.create("pods", NS, pods[QUOTA])
-    reserved = until(lambda: (c := cond(workload_of(cluster, eighth), K.QUOTA_RESERVED)) and c.get("message") and c, 60,
-                     f"{eighth}'s Workload has Kueue's QuotaReserved condition")
+    reserved = until(
+        lambda: (c := cond(workload_of(cluster, eighth), K.QUOTA_RESERVED)) and c.get("message") and c,
+        60,
+        f"{eighth}'s Workload has Kueue's QuotaReserved condition",
+    )
     kueue_says = reserved["message"]
     waited = time.monotonic() - t8
     assert reserved["status"] == "False", reserved
@@ -212,15 +238,21 @@ def test_seven_students_get_a_1g_slice_on_the_mig_node_and_the_eighth_waits_for_
     bound = admitted_and_bound(cluster, eighth, t_stop, timeline)
     assert bound["spec"]["nodeName"] == node_name
 
-    print(f"\n[real, {strategy}] node {node_name}: allocatable {resource}={live['status']['allocatable'][resource]}, "
-          f"labels nvidia.com/mig.strategy={strategy} nvidia.com/gpu.product={live['metadata']['labels']['nvidia.com/gpu.product']}")
+    print(
+        f"\n[real, {strategy}] node {node_name}: allocatable {resource}={live['status']['allocatable'][resource]}, "
+        f"labels nvidia.com/mig.strategy={strategy} nvidia.com/gpu.product={live['metadata']['labels']['nvidia.com/gpu.product']}"
+    )
     for name in names[:QUOTA]:
         a, b = timeline[name]
-        print(f"  {name}: admitted by Kueue {a:.2f}s after the seven pods were created, bound to {node_name} and Running {b:.2f}s")
+        print(
+            f"  {name}: admitted by Kueue {a:.2f}s after the seven pods were created, bound to {node_name} and Running {b:.2f}s"
+        )
     print(f"  all seven bound in {all_seven:.2f}s")
     print(f"  {eighth}: Kueue's QuotaReserved=False after {waited:.2f}s: {kueue_says!r}")
     print(f"  the hub's words: {words!r}")
     a, b = timeline[eighth]
-    print(f"  {names[0]} deleted, its pod gone in {gone:.2f}s; {eighth} admitted {a:.2f}s and bound to {node_name} "
-          f"{b:.2f}s after the delete")
+    print(
+        f"  {names[0]} deleted, its pod gone in {gone:.2f}s; {eighth} admitted {a:.2f}s and bound to {node_name} "
+        f"{b:.2f}s after the delete"
+    )
     cluster.reset(NS)

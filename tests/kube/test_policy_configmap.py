@@ -47,8 +47,12 @@ def cluster():
     rbac = yaml.safe_dump_all(policy_rbac(f"{NS}:hub"))
     cluster.kubectl("apply", "-f", "-", input=rbac)
     for name, text in (("gpuhub-policy", POLICY_A), ("someone-elses", "secret: 1\n")):
-        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": NS},
-              "data": {"profiles.yaml": text}}
+        cm = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": NS},
+            "data": {"profiles.yaml": text},
+        }
         cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(cm))
     yield cluster
     cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=false", check=False)
@@ -116,8 +120,9 @@ async def scenario(core, edit, text_of, tmp_path):
     mounted = tmp_path / "mount" / "profiles.yaml"  # what the kubelet mounted at the pod's start
     mounted.parent.mkdir()
     mounted.write_text(POLICY_A)
-    mirror = PolicyMirror(ConfigMapPolicy("gpuhub-policy", NS, core_api=core), tmp_path / "live" / "profiles.yaml",
-                          retry_seconds=0.2)
+    mirror = PolicyMirror(
+        ConfigMapPolicy("gpuhub-policy", NS, core_api=core), tmp_path / "live" / "profiles.yaml", retry_seconds=0.2
+    )
     mirror.seed(mounted)
     assert mirror.path.read_text() == POLICY_A
     mirror.start()
@@ -157,8 +162,12 @@ async def test_apply_edit_and_conflict_through_the_configmap_on_the_double(doubl
     from double.server import TOKEN
 
     double.reset()
-    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gpuhub-policy", "namespace": NS},
-          "data": {"profiles.yaml": POLICY_A}}
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "gpuhub-policy", "namespace": NS},
+        "data": {"profiles.yaml": POLICY_A},
+    }
     status, _ = double.create("configmaps", NS, cm)
     assert status == 201
     conf = client.Configuration()

@@ -23,7 +23,7 @@ from double.harness import NAMESPACE, POLICY
 from double.server import TOKEN
 from gpuhub_spawner.kube.job_manifest import job_manifest
 from gpuhub_spawner.jobs.spec import parse_job
-from gpuhub_spawner.kube.kueue import PRIORITY_LABEL, QUEUE_LABEL, pod_is_gated
+from gpuhub_spawner.kube.kueue import PRIORITY_LABEL, pod_is_gated
 from gpuhub_spawner.kube.render import render_objects
 from gpuhub_spawner.policy import parse_policy
 from gpuhub_spawner.policy.access import resolve_choice
@@ -72,10 +72,15 @@ async def job(kube, make_spawner, policy, user, team, profile, job_id) -> dict:
     await spawner.load_user_options()
     pod = ApiClient().sanitize_for_serialization(await spawner.get_pod_manifest())
     spec = parse_job(f"profile: {profile}\ncommand: [{sys.executable}, -c, 'import time; time.sleep(600)']\n")
-    manifest = job_manifest(job_id, user, spec, policy, resolve_choice(policy, list(GROUPS[team]), {"profile": profile}), pod,
-                            namespace=NAMESPACE)
-    r = requests.post(f"{kube.url}/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=manifest,
-                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    manifest = job_manifest(
+        job_id, user, spec, policy, resolve_choice(policy, list(GROUPS[team]), {"profile": profile}), pod, namespace=NAMESPACE
+    )
+    r = requests.post(
+        f"{kube.url}/apis/batch/v1/namespaces/{NAMESPACE}/jobs",
+        json=manifest,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=10,
+    )
     assert r.status_code == 201, r.text
     return r.json()
 
@@ -85,8 +90,14 @@ def pod_workload(kube, pod) -> dict | None:
 
 
 def job_workload(kube, name) -> dict | None:
-    return next((w for w in kube.list("workloads", NAMESPACE)
-                 if any(ref["kind"] == "Job" and ref["name"] == name for ref in w["metadata"]["ownerReferences"])), None)
+    return next(
+        (
+            w
+            for w in kube.list("workloads", NAMESPACE)
+            if any(ref["kind"] == "Job" and ref["name"] == name for ref in w["metadata"]["ownerReferences"])
+        ),
+        None,
+    )
 
 
 def running_job_pod(kube, name):
@@ -105,23 +116,31 @@ async def admitted(kube, pod=None, job_name=None) -> dict:
 
 async def waiting(kube, pod) -> dict:
     """The Workload once the scheduler has looked at it and left it pending (its decision made)."""
-    return await until(lambda: (w := pod_workload(kube, pod)) and cond(w, "QuotaReserved").get("status") == "False" and w,
-                       f"{pod['metadata']['name']} to be considered")
+    return await until(
+        lambda: (w := pod_workload(kube, pod)) and cond(w, "QuotaReserved").get("status") == "False" and w,
+        f"{pod['metadata']['name']} to be considered",
+    )
 
 
 def admitted_long_ago(kube, wl):
     """As if this Workload got its quota an hour ago (two admissions in one test share a second)."""
+
     def do():
         obj = kube.objects[("workloads", NAMESPACE, wl["metadata"]["name"])]
         cond(obj, "QuotaReserved")["lastTransitionTime"] = AN_HOUR_AGO
+
     kube.call(do)
 
 
 def ever_said(kube, wl, text) -> bool:
     """True if any version of this Workload's QuotaReserved message contained ``text``."""
     name = wl["metadata"]["name"]
-    return kube.call(lambda: any(p == "workloads" and o["metadata"]["name"] == name and text in cond(o, "QuotaReserved").get("message", "")
-                                 for _, _, p, o in kube.history))
+    return kube.call(
+        lambda: any(
+            p == "workloads" and o["metadata"]["name"] == name and text in cond(o, "QuotaReserved").get("message", "")
+            for _, _, p, o in kube.history
+        )
+    )
 
 
 def shipped_with(replace: tuple[str, str] | None = None):
@@ -145,8 +164,14 @@ async def vision_borrows_with_jobs(kube, make_spawner, policy):
     admitted_long_ago(kube, old)
     await job(kube, make_spawner, policy, "ann", "vision", "a100-1", "job-0000000new")
     await admitted(kube, job_name="job-0000000new")
-    assert sum(1 for w in kube.list("workloads", NAMESPACE) if holds_quota(w)
-                         and w["status"]["admission"]["podSetAssignments"][0]["flavors"].get("nvidia.com/gpu") == "a100") == 3
+    assert (
+        sum(
+            1
+            for w in kube.list("workloads", NAMESPACE)
+            if holds_quota(w) and w["status"]["admission"]["podSetAssignments"][0]["flavors"].get("nvidia.com/gpu") == "a100"
+        )
+        == 3
+    )
     return alice
 
 
@@ -158,8 +183,11 @@ async def test_a_borrowing_job_is_preempted_at_once_when_the_lender_asks_within_
     bob_wl = await admitted(kube, bob)  # NLP's own A100, at once
     assert bob_wl["status"]["admission"]["podSetAssignments"][0]["flavors"]["nvidia.com/gpu"] == "a100"
     # Preemption first (the pass that found it could not fit), admission in a later pass.
-    assert ever_said(kube, bob_wl, "insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed. "
-                                   "Pending the preemption of 1 workload(s)")
+    assert ever_said(
+        kube,
+        bob_wl,
+        "insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed. Pending the preemption of 1 workload(s)",
+    )
 
     # Just enough, in Kueue's order: the lowest priority, then the most recently admitted.
     new = kube.get("jobs", NAMESPACE, "job-0000000new")
@@ -167,17 +195,26 @@ async def test_a_borrowing_job_is_preempted_at_once_when_the_lender_asks_within_
     assert cond(new, "Suspended")["status"] == "True"
     assert kube.pods_of_job(NAMESPACE, "job-0000000new") == []
     wl = job_workload(kube, "job-0000000new")
-    message = (f"Preempted to accommodate a workload (UID: {bob_wl['metadata']['uid']}, JobUID: {bob['metadata']['uid']}) "
-               "due to reclamation within the cohort; preemptor path: /research/nlp; preemptee path: /research/vision")
-    assert (cond(wl, "Evicted")["status"], cond(wl, "Evicted")["reason"], cond(wl, "Evicted")["message"]) == ("True", "Preempted", message)
+    message = (
+        f"Preempted to accommodate a workload (UID: {bob_wl['metadata']['uid']}, JobUID: {bob['metadata']['uid']}) "
+        "due to reclamation within the cohort; preemptor path: /research/nlp; preemptee path: /research/vision"
+    )
+    assert (cond(wl, "Evicted")["status"], cond(wl, "Evicted")["reason"], cond(wl, "Evicted")["message"]) == (
+        "True",
+        "Preempted",
+        message,
+    )
     assert (cond(wl, "Preempted")["status"], cond(wl, "Preempted")["reason"]) == ("True", "InCohortReclamation")
     assert (cond(wl, "Requeued")["status"], cond(wl, "Requeued")["reason"]) == ("True", "Preempted")
     assert cond(wl, "Admitted")["status"] == "False" and "admission" not in wl["status"]
     # Re-queued: it waits for quota again (vision is at its nominal quota, NLP uses its own).
-    wl = await until(lambda: (w := job_workload(kube, "job-0000000new")) and "more needed" in cond(w, "QuotaReserved")["message"] and w,
-                     "the preempted job to wait again")
+    wl = await until(
+        lambda: (w := job_workload(kube, "job-0000000new")) and "more needed" in cond(w, "QuotaReserved")["message"] and w,
+        "the preempted job to wait again",
+    )
     assert cond(wl, "QuotaReserved")["message"] == (
-        "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed")
+        "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed"
+    )
 
     assert holds_quota(job_workload(kube, "job-0000000old")) and running_job_pod(kube, "job-0000000old")
     assert kube.get("jobs", NAMESPACE, "job-0000000old")["spec"]["suspend"] is False
@@ -192,8 +229,7 @@ async def test_a_borrowing_job_is_preempted_at_once_when_the_lender_asks_within_
     assert cond(wl, "Evicted")["message"] == f"Previously: {message}"
     # The count survives the reset: how the hub knows an attempt was preempted (kube/job_manager.py).
     # Kueue v0.19.2 leaves the cause of a preemption empty (preemption.go: Evict(..., "", ...)).
-    assert wl["status"]["schedulingStats"]["evictions"] == [
-        {"reason": "Preempted", "underlyingCause": "", "count": 1}]
+    assert wl["status"]["schedulingStats"]["evictions"] == [{"reason": "Preempted", "underlyingCause": "", "count": 1}]
 
 
 async def test_a_borrowing_server_of_equal_priority_is_not_preempted_and_the_lender_waits(kube, make_spawner):
@@ -209,7 +245,8 @@ async def test_a_borrowing_server_of_equal_priority_is_not_preempted_and_the_len
     # (NLP's GPU group lists its L4 flavor too, which the A100 pod's node selector rules out.)
     assert cond(wl, "QuotaReserved")["message"] == (
         "couldn't assign flavors to pod set main: flavor l4 doesn't match node affinity, "
-        "insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed")
+        "insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed"
+    )
     for pod in (alice, amy, ada):
         assert holds_quota(pod_workload(kube, pod)) and not cond(pod_workload(kube, pod), "Evicted")
         assert kube.get("pods", NAMESPACE, pod["metadata"]["name"])
@@ -221,8 +258,12 @@ async def test_a_borrowing_server_of_equal_priority_is_not_preempted_and_the_len
 
 
 async def test_a_team_that_does_not_reclaim_never_preempts(kube, make_spawner, policy_store):
-    policy = shipped_with(("    groups: [nlp-group]\n    cohort: research\n",
-                           "    groups: [nlp-group]\n    cohort: research\n    reclaim: {enabled: false}\n"))
+    policy = shipped_with(
+        (
+            "    groups: [nlp-group]\n    cohort: research\n",
+            "    groups: [nlp-group]\n    cohort: research\n    reclaim: {enabled: false}\n",
+        )
+    )
     nlp = cluster_queue(policy, "nlp")
     assert nlp["spec"]["preemption"]["reclaimWithinCohort"] == "Never"
     kube.apply([nlp])
@@ -265,8 +306,10 @@ async def test_within_the_team_a_higher_priority_server_preempts_a_lower_one(kub
     [stop] = [c for c in gone["status"]["conditions"] if c["type"] == "TerminationTarget"]
     assert stop["reason"] == "WorkloadEvictedDueToPreempted"
     last = kube.last_written("workloads", NAMESPACE, erin_wl["metadata"]["name"])
-    message = (f"Preempted to accommodate a workload (UID: {fay_wl['metadata']['uid']}, JobUID: {fay['metadata']['uid']}) "
-               "due to prioritization in the ClusterQueue; preemptor path: /students; preemptee path: /students")
+    message = (
+        f"Preempted to accommodate a workload (UID: {fay_wl['metadata']['uid']}, JobUID: {fay['metadata']['uid']}) "
+        "due to prioritization in the ClusterQueue; preemptor path: /students; preemptee path: /students"
+    )
     assert (cond(last, "Preempted")["reason"], cond(last, "Preempted")["message"]) == ("InClusterQueue", message)
     assert stop["message"] == message
     assert cond(last, "Requeued")["status"] == "False"  # a pod's Workload is not re-queued (SkipReassignmentForPodOwnedWorkloads)
@@ -320,9 +363,13 @@ async def test_a_borrowing_request_preempts_lower_borrowers_up_to_the_threshold(
         await admitted(kube, ben)
         wl = job_workload(kube, "job-00000000mid")
         assert (cond(wl, "Preempted")["reason"], kube.get("jobs", NAMESPACE, "job-00000000mid")["spec"]["suspend"]) == (
-            "InCohortReclaimWhileBorrowing", True)
-        assert "due to reclamation within the cohort while borrowing; preemptor path: /pool/nlp; preemptee path: /pool/vision" in (
-            cond(wl, "Evicted")["message"])
+            "InCohortReclaimWhileBorrowing",
+            True,
+        )
+        assert (
+            "due to reclamation within the cohort while borrowing; preemptor path: /pool/nlp; preemptee path: /pool/vision"
+            in (cond(wl, "Evicted")["message"])
+        )
     else:
         await waiting(kube, ben)
         wl = job_workload(kube, "job-00000000mid")
@@ -347,7 +394,8 @@ async def test_only_the_preemptions_needed_are_made(kube, make_spawner, policy_s
     assert kube.get("jobs", NAMESPACE, "job-00000000big")["spec"]["suspend"] is True
     assert cond(wl, "Preempted")["message"] == (
         f"Preempted to accommodate a workload (UID: {alice_wl['metadata']['uid']}, JobUID: {alice['metadata']['uid']}) "
-        "due to prioritization in the ClusterQueue; preemptor path: /research/vision; preemptee path: /research/vision")
+        "due to prioritization in the ClusterQueue; preemptor path: /research/vision; preemptee path: /research/vision"
+    )
     small = job_workload(kube, "job-0000000small")
     assert holds_quota(small) and not cond(small, "Evicted") and running_job_pod(kube, "job-0000000small")
     assert ever_said(kube, alice_wl, "Pending the preemption of 1 workload(s)")
@@ -365,7 +413,8 @@ async def test_a_team_within_its_quota_keeps_it_even_from_a_higher_priority_borr
     ada = await server(kube, make_spawner, "ada", "vision", "a100-1")
     wl = await waiting(kube, ada)
     assert cond(wl, "QuotaReserved")["message"] == (
-        "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed")
+        "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed"
+    )
     nlp = job_workload(kube, "job-0000000nlp")
     assert holds_quota(nlp) and not cond(nlp, "Evicted") and running_job_pod(kube, "job-0000000nlp")
     assert kube.invalid == [] and kube.errors == []
@@ -391,7 +440,8 @@ async def test_reclaim_any_would_delete_a_borrowing_server_without_notice(kube, 
     last = kube.last_written("workloads", NAMESPACE, amy_wl["metadata"]["name"])
     assert cond(last, "Preempted")["reason"] == "InCohortReclamation"
     assert cond(last, "Preempted")["message"].endswith(
-        "due to reclamation within the cohort; preemptor path: /research/nlp; preemptee path: /research/vision")
+        "due to reclamation within the cohort; preemptor path: /research/nlp; preemptee path: /research/vision"
+    )
     for pod in (alice, ada):
         assert holds_quota(pod_workload(kube, pod))
     assert kube.invalid == [] and kube.errors == []
@@ -408,9 +458,13 @@ async def test_a_request_that_needs_preemption_but_finds_none_keeps_its_quota_fr
     amy = await server(kube, make_spawner, "amy", "vision", "a100-2")
     await waiting(kube, amy)
     await job(kube, make_spawner, policy_store.policy, "ann", "vision", "a100-1", "job-000000small")
-    wl = await until(lambda: (w := job_workload(kube, "job-000000small")) and cond(w, "QuotaReserved").get("status") == "False" and w,
-                     "the job to be considered")
-    assert cond(wl, "QuotaReserved")["message"].endswith("insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed")
+    wl = await until(
+        lambda: (w := job_workload(kube, "job-000000small")) and cond(w, "QuotaReserved").get("status") == "False" and w,
+        "the job to be considered",
+    )
+    assert cond(wl, "QuotaReserved")["message"].endswith(
+        "insufficient unused quota for nvidia.com/gpu in flavor a100, 1 more needed"
+    )
     kube.delete("pods", NAMESPACE, bob["metadata"]["name"])
     amy_wl = await admitted(kube, amy)
     assert amy_wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]["nvidia.com/gpu"] == "2"
@@ -426,20 +480,34 @@ async def test_lower_or_newer_equal_priority_takes_an_equal_only_if_it_was_creat
     from double.server import _Holder, _preemption_targets, _Quotas
 
     gpu = ("l4", "nvidia.com/gpu")
-    cq = {"metadata": {"name": "t"}, "spec": {
-        "preemption": {"withinClusterQueue": "LowerOrNewerEqualPriority"},
-        "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"],
-                            "flavors": [{"name": "l4", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "1"}]}]}]}}
+    cq = {
+        "metadata": {"name": "t"},
+        "spec": {
+            "preemption": {"withinClusterQueue": "LowerOrNewerEqualPriority"},
+            "resourceGroups": [
+                {
+                    "coveredResources": ["nvidia.com/gpu"],
+                    "flavors": [{"name": "l4", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "1"}]}],
+                }
+            ],
+        },
+    }
     quotas = _Quotas({("clusterqueues", None, "t"): cq})
 
     def workload(name, created, priority=100):
-        return {"metadata": {"uid": name, "namespace": NAMESPACE, "name": name, "creationTimestamp": created},
-                "spec": {"priority": priority},
-                "status": {"conditions": [{"type": "QuotaReserved", "status": "True", "lastTransitionTime": created}]}}
+        return {
+            "metadata": {"uid": name, "namespace": NAMESPACE, "name": name, "creationTimestamp": created},
+            "spec": {"priority": priority},
+            "status": {"conditions": [{"type": "QuotaReserved", "status": "True", "lastTransitionTime": created}]},
+        }
 
     preemptor = workload("p", "2026-11-30T10:00:10Z")
-    for created, priority, taken in (("2026-11-30T10:00:11Z", 100, True), ("2026-11-30T10:00:10Z", 100, False),
-                                     ("2026-11-30T10:00:09Z", 100, False), ("2026-11-30T10:00:09Z", 99, True)):
+    for created, priority, taken in (
+        ("2026-11-30T10:00:11Z", 100, True),
+        ("2026-11-30T10:00:10Z", 100, False),
+        ("2026-11-30T10:00:09Z", 100, False),
+        ("2026-11-30T10:00:09Z", 99, True),
+    ):
         holder = _Holder(workload("h", created, priority), "t", {gpu: 1})
         used = defaultdict(int, {("t", *gpu): 1})
         targets = _preemption_targets(preemptor, "t", {gpu: 1}, {gpu}, used, {"t": [holder]}, quotas)

@@ -36,8 +36,14 @@ def _until(check, timeout, what):
 
 
 def _wl(double, name):
-    return next((w for w in double.list("workloads", NAMESPACE)
-                 if any(o["kind"] == "RayCluster" and o["name"] == name for o in w["metadata"].get("ownerReferences", []))), None)
+    return next(
+        (
+            w
+            for w in double.list("workloads", NAMESPACE)
+            if any(o["kind"] == "RayCluster" and o["name"] == name for o in w["metadata"].get("ownerReferences", []))
+        ),
+        None,
+    )
 
 
 def _cond(obj, ctype):
@@ -66,20 +72,28 @@ async def test_over_quota_waits_suspended_and_is_admitted_when_the_holder_goes(k
     assert [p["name"] for p in wl["spec"]["podSets"]] == ["head", "gpu"] and wl["spec"]["podSets"][1]["count"] == 2
     assert [a["name"] for a in wl["status"]["admission"]["podSetAssignments"]] == ["head", "gpu"]
     assert wl["status"]["admission"]["podSetAssignments"][1]["resourceUsage"]["nvidia.com/gpu"] == "2"
-    pods = _until(lambda: len(double.pods_of_ray(NAMESPACE, "ray-first")) == 3 and double.pods_of_ray(NAMESPACE, "ray-first"),
-                  10, "head and 2 workers")
+    pods = _until(
+        lambda: len(double.pods_of_ray(NAMESPACE, "ray-first")) == 3 and double.pods_of_ray(NAMESPACE, "ray-first"),
+        10,
+        "head and 2 workers",
+    )
     kinds = sorted(p["metadata"]["labels"]["ray.io/node-type"] for p in pods)
     assert kinds == ["head", "worker", "worker"]
     rc = requests.get(_url(double, "ray-first"), headers=H).json()
     assert rc["spec"]["suspend"] is False and rc["status"]["state"] == "ready"
     # the flavor's node labels on the GPU group's template only (the head stays off GPU nodes)
-    assert rc["spec"]["workerGroupSpecs"][0]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
+    assert (
+        rc["spec"]["workerGroupSpecs"][0]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
+    )
     assert "nvidia.com/gpu.product" not in (rc["spec"]["headGroupSpec"]["template"]["spec"].get("nodeSelector") or {})
 
     r = requests.post(_url(double), json=second, headers=H)
     assert r.status_code == 201, r.text
-    wl2 = _until(lambda: _cond(_wl(double, "ray-second"), "QuotaReserved").get("message") and _wl(double, "ray-second"),
-                 10, "ray-second pending")
+    wl2 = _until(
+        lambda: _cond(_wl(double, "ray-second"), "QuotaReserved").get("message") and _wl(double, "ray-second"),
+        10,
+        "ray-second pending",
+    )
     msg = _cond(wl2, "QuotaReserved")["message"]
     assert msg.startswith("couldn't assign flavors to pod set gpu: ") and "nvidia.com/gpu in flavor a100" in msg, msg
     assert not double.pods_of_ray(NAMESPACE, "ray-second")
@@ -102,15 +116,24 @@ async def test_kueues_webhook_on_autoscaling_and_preemption_suspends(kube, make_
     r = requests.post(_url(double), json=rc, headers=H)
     assert r.status_code == 201, r.text
     assert {"name": ELASTIC_GATE} in r.json()["spec"]["headGroupSpec"]["template"]["spec"]["schedulingGates"]
-    before = {p["metadata"]["name"] for p in _until(lambda: len(double.pods_of_ray(NAMESPACE, "ray-elastic")) == 2
-                                                    and double.pods_of_ray(NAMESPACE, "ray-elastic"), 10, "its pods")}
+    before = {
+        p["metadata"]["name"]
+        for p in _until(
+            lambda: len(double.pods_of_ray(NAMESPACE, "ray-elastic")) == 2 and double.pods_of_ray(NAMESPACE, "ray-elastic"),
+            10,
+            "its pods",
+        )
+    }
     # Preempted: suspended, its pods deleted, its Workload requeued; with the quota free it is
     # admitted again at once and gets new pods.
     double.preempt_ray(NAMESPACE, "ray-elastic")
     wl = _wl(double, "ray-elastic")
     assert [e["reason"] for e in wl["status"]["schedulingStats"]["evictions"]] == [K.EVICTED_BY_PREEMPTION]
-    after = _until(lambda: len(double.pods_of_ray(NAMESPACE, "ray-elastic")) == 2 and double.pods_of_ray(NAMESPACE, "ray-elastic"),
-                   10, "new pods after re-admission")
+    after = _until(
+        lambda: len(double.pods_of_ray(NAMESPACE, "ray-elastic")) == 2 and double.pods_of_ray(NAMESPACE, "ray-elastic"),
+        10,
+        "new pods after re-admission",
+    )
     assert not before & {p["metadata"]["name"] for p in after}
     double.set_kueue(False)
     try:

@@ -72,8 +72,7 @@ async def test_queue_cap_stop_and_kueues_words(manager, make_spawner, kube):
     rc = double.get("rayclusters", NAMESPACE, view.id)
     assert rc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "vision"
     assert rc["spec"]["workerGroupSpecs"][0]["replicas"] == 2
-    await _until(lambda: manager.status("train", "alice").state == RUNNING,
-                 10, manager=manager, what="alice's cluster running")
+    await _until(lambda: manager.status("train", "alice").state == RUNNING, 10, manager=manager, what="alice's cluster running")
     assert "head" in manager.status("train", "alice").status and manager.status("train", "alice").address
 
     # alice's cap (perUser maxGPUs: 2) counts her cluster like a server of that profile
@@ -83,8 +82,12 @@ async def test_queue_cap_stop_and_kueues_words(manager, make_spawner, kube):
     # bob: over vision's quota (2 held of 2 nominal + 1 borrowable): queued with Kueue's reason
     bview = await manager.start(bob, ["vision-lab"], RayRequest(user="bob", gpus=2, workers=1))
     try:
-        words = await _until(lambda: (s := manager.status(bview.id, "bob")) and "couldn't" not in s.status and "A100" in s.status
-                             and s.status, 10, "bob's waiting words", manager)
+        words = await _until(
+            lambda: (s := manager.status(bview.id, "bob")) and "couldn't" not in s.status and "A100" in s.status and s.status,
+            10,
+            "bob's waiting words",
+            manager,
+        )
     except AssertionError:
         raise AssertionError(f"bob's status: {manager.status(bview.id, 'bob')}; workload {manager.workloads.get(bview.id)}")
     assert words.startswith("queued: ") and "Vision Lab" in words, words
@@ -92,8 +95,12 @@ async def test_queue_cap_stop_and_kueues_words(manager, make_spawner, kube):
 
     stopped = await manager.stop("train", user_name="alice")
     assert stopped.state == STOPPED and double.get("rayclusters", NAMESPACE, view.id) is None
-    await _until(lambda: manager.status(bview.id, "bob").state == RUNNING,
-                 10, manager=manager, what="bob's cluster admitted once alice's is gone")
+    await _until(
+        lambda: manager.status(bview.id, "bob").state == RUNNING,
+        10,
+        manager=manager,
+        what="bob's cluster admitted once alice's is gone",
+    )
     await manager.stop(bview.id)
 
 
@@ -101,8 +108,7 @@ async def test_an_idle_cluster_is_warned_then_deleted(manager, make_spawner, kub
     double = kube
     alice = _user(make_spawner, "alice")
     view = await manager.start(alice, ["vision-lab"], RayRequest(user="alice", gpus=1, workers=1, name="idle"))
-    await _until(lambda: manager.status("idle", "alice").state == RUNNING,
-                 10, manager=manager, what="running")
+    await _until(lambda: manager.status("idle", "alice").state == RUNNING, 10, manager=manager, what="running")
     rules = policy_store.policy.idle_rules(policy_store.policy.profile("a100-1"))
     started = manager.status("idle", "alice").started
     first_rule = min(r for r in (rules.timeout, rules.gpu_idle_timeout, rules.max_age) if r)
@@ -178,10 +184,12 @@ async def test_the_ledger_counts_a_clusters_gpus_in_its_teams_usage(manager, mak
     ledger.queue.on_release.append(lambda a: ended.append(a.key))
 
     def read():  # what the shared reflectors hold: the double's Workloads and pods, by namespace/name
-        ledger._workloads = SimpleNamespace(resources={f"{NAMESPACE}/{w['metadata']['name']}": w
-                                                       for w in double.list("workloads", NAMESPACE)}, gone=OrderedDict())
-        ledger._pods = SimpleNamespace(resources={f"{NAMESPACE}/{p['metadata']['name']}": p
-                                                  for p in double.list("pods", NAMESPACE)}, gone=OrderedDict())
+        ledger._workloads = SimpleNamespace(
+            resources={f"{NAMESPACE}/{w['metadata']['name']}": w for w in double.list("workloads", NAMESPACE)}, gone=OrderedDict()
+        )
+        ledger._pods = SimpleNamespace(
+            resources={f"{NAMESPACE}/{p['metadata']['name']}": p for p in double.list("pods", NAMESPACE)}, gone=OrderedDict()
+        )
         ledger.sync()
         return ledger.queue
 
@@ -197,8 +205,13 @@ async def test_the_ledger_counts_a_clusters_gpus_in_its_teams_usage(manager, mak
         assert q.usage()["vision"]["gpu/a100"] == 2
 
         bview = await manager.start(bob, ["vision-lab"], RayRequest(user="bob", gpus=2, workers=1, name="wait"))
-        await _until(lambda: any(w["metadata"].get("ownerReferences", [{}])[0].get("name") == bview.id
-                                 for w in double.list("workloads", NAMESPACE)), 10, "bob's Workload")
+        await _until(
+            lambda: any(
+                w["metadata"].get("ownerReferences", [{}])[0].get("name") == bview.id for w in double.list("workloads", NAMESPACE)
+            ),
+            10,
+            "bob's Workload",
+        )
         q = read()
         (ticket,) = [t for t in q.waiting if t.key == f"job:{bview.id}"]
         assert (ticket.user, ticket.team, ticket.demand.get("gpu/a100")) == ("bob", "vision", 2)
@@ -208,7 +221,8 @@ async def test_the_ledger_counts_a_clusters_gpus_in_its_teams_usage(manager, mak
         assert key in ended
         rows = [r for r in UsageRecorder.instance().history.rows(0, user="alice") if r.profile == "a100-2"]
         assert [(r.kind, r.team, r.gpus, r.end_reason, r.stopped_by) for r in rows] == [
-            ("job", "vision", 2, "stopped", "alice")], rows  # a Ray cluster is a job's GPU time, as on one machine
+            ("job", "vision", 2, "stopped", "alice")
+        ], rows  # a Ray cluster is a job's GPU time, as on one machine
         await manager.stop(bview.id)
     finally:
         for cls in (KueueLedger, UsageRecorder, CullBoard):

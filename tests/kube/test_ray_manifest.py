@@ -17,7 +17,13 @@ from kubernetes_asyncio.client import ApiClient
 from double.schemas import InvalidObject, kuberay_crds, validate, validate_core
 from gpuhub_spawner.kube.kueue import PRIORITY_LABEL, QUEUE_LABEL
 from gpuhub_spawner.kube.ray_manifest import (
-    ELASTIC_ANNOTATION, MAX_POD_SETS, MAX_WORKER_GROUPS, WorkerGroup, pod_set_counts, ray_cluster_manifest, workload_for,
+    ELASTIC_ANNOTATION,
+    MAX_POD_SETS,
+    MAX_WORKER_GROUPS,
+    WorkerGroup,
+    pod_set_counts,
+    ray_cluster_manifest,
+    workload_for,
 )
 from gpuhub_spawner.policy.access import resolve_choice
 
@@ -46,8 +52,12 @@ async def _cluster(make_spawner, policy_store, autoscaling=False, workers=(Worke
     pod = await server_pod(spawner)
     policy = _with_ray(policy_store.policy, autoscaling=autoscaling, **rules)
     choice = resolve_choice(policy, ["vision-lab"], {"profile": "a100-1"})
-    return policy, choice, pod, ray_cluster_manifest("ray-alice-1", "alice", policy, choice, pod, list(workers),
-                                                     namespace=spawner.namespace)
+    return (
+        policy,
+        choice,
+        pod,
+        ray_cluster_manifest("ray-alice-1", "alice", policy, choice, pod, list(workers), namespace=spawner.namespace),
+    )
 
 
 async def test_head_is_cpu_only_and_workers_carry_the_profiles_gpus_in_the_teams_queue(make_spawner, policy_store):
@@ -62,7 +72,10 @@ async def test_head_is_cpu_only_and_workers_carry_the_profiles_gpus_in_the_teams
     head = spec["headGroupSpec"]["template"]
     hc = head["spec"]["containers"][0]
     sc = pod["spec"]["containers"][0]
-    assert hc["resources"] == {"requests": {"cpu": "1", "memory": str(2 * 2**30)}, "limits": {"cpu": "1", "memory": str(2 * 2**30)}}
+    assert hc["resources"] == {
+        "requests": {"cpu": "1", "memory": str(2 * 2**30)},
+        "limits": {"cpu": "1", "memory": str(2 * 2**30)},
+    }
     flavor = policy.flavor(choice.flavor)
     assert not set(flavor.node_labels) & set((head["spec"].get("nodeSelector") or {}))  # not pinned to GPU nodes
     henv = {e["name"]: e.get("value") for e in hc["env"]}
@@ -108,8 +121,11 @@ async def test_autoscaling_only_where_the_policy_allows_it(make_spawner, policy_
 async def test_worker_groups_are_bounded_by_kueues_pod_sets(make_spawner, policy_store, schemas_dir):
     policy, choice, pod, _ = await _cluster(make_spawner, policy_store)
     # The limit is the Workload CRD's own (v0.19.2: 18 pod sets), the head one of them.
-    wl_crd = yaml.safe_load((schemas_dir / "kueue-v0.19.2" / "kueue.x-k8s.io_workloads.yaml").read_text()) \
-        if (schemas_dir / "kueue-v0.19.2" / "kueue.x-k8s.io_workloads.yaml").exists() else None
+    wl_crd = (
+        yaml.safe_load((schemas_dir / "kueue-v0.19.2" / "kueue.x-k8s.io_workloads.yaml").read_text())
+        if (schemas_dir / "kueue-v0.19.2" / "kueue.x-k8s.io_workloads.yaml").exists()
+        else None
+    )
     if wl_crd is not None:
         v = next(v for v in wl_crd["spec"]["versions"] if v["name"] == "v1beta2")
         assert v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["podSets"]["maxItems"] == MAX_POD_SETS
@@ -126,8 +142,12 @@ async def test_policy_image_and_head_resources(make_spawner, policy_store):
     _crds_or_skip()
     from gpuhub_spawner.policy.model import RayHeadResources
 
-    _, _, _, rc = await _cluster(make_spawner, policy_store, image="rayproject/ray:2.49.0-gpu",
-                                 head_resources=RayHeadResources(cpu="500m", memory=3 * 2**30))
+    _, _, _, rc = await _cluster(
+        make_spawner,
+        policy_store,
+        image="rayproject/ray:2.49.0-gpu",
+        head_resources=RayHeadResources(cpu="500m", memory=3 * 2**30),
+    )
     validate(rc)
     hc = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     wc = rc["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
@@ -138,11 +158,20 @@ async def test_policy_image_and_head_resources(make_spawner, policy_store):
 
 def test_the_crd_check_is_strict():
     _crds_or_skip()
-    bad = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "x", "namespace": "n"},
-           "spec": {"headGroupSpec": {"template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}},
-                    "workerGroupSpecs": [{"groupName": "w", "replicas": 1}], "notAField": 1}}
+    bad = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {"name": "x", "namespace": "n"},
+        "spec": {
+            "headGroupSpec": {"template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}},
+            "workerGroupSpecs": [{"groupName": "w", "replicas": 1}],
+            "notAField": 1,
+        },
+    }
     with pytest.raises(InvalidObject) as e:
         validate(bad)
     assert "notAField" in str(e.value) and "minReplicas" in str(e.value)
     with pytest.raises(InvalidObject):
-        validate_core({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "imag": "i"}]}})
+        validate_core(
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "imag": "i"}]}}
+        )

@@ -76,8 +76,14 @@ def get_rc(cluster, name: str) -> dict | None:
 
 
 def workload_of(cluster, name: str) -> dict | None:
-    return next((w for w in cluster.list("workloads", NS)
-                 if any(o["kind"] == "RayCluster" and o["name"] == name for o in w["metadata"].get("ownerReferences", []))), None)
+    return next(
+        (
+            w
+            for w in cluster.list("workloads", NS)
+            if any(o["kind"] == "RayCluster" and o["name"] == name for o in w["metadata"].get("ownerReferences", []))
+        ),
+        None,
+    )
 
 
 def cond(obj: dict | None, ctype: str) -> dict | None:
@@ -123,7 +129,8 @@ async def _manifest(make_spawner, policy_store, name, workers, autoscaling=False
 
 
 async def test_over_quota_waits_suspended_with_kueues_message_and_is_admitted_when_the_holder_goes(
-        ray_cluster_plane, make_spawner, policy_store):
+    ray_cluster_plane, make_spawner, policy_store
+):
     cluster, up_s = ray_cluster_plane
     timeline: dict[str, float] = {}
     policy, choice, first = await _manifest(make_spawner, policy_store, "ray-first", [WorkerGroup("gpu", 2, 1)])
@@ -156,8 +163,11 @@ async def test_over_quota_waits_suspended_with_kueues_message_and_is_admitted_wh
     t1 = time.time()
     r = cluster.session.post(rc_url(cluster), json=second, timeout=15)
     assert r.status_code == 201, r.text
-    wl2 = until(lambda: (x := workload_of(cluster, "ray-second")) and (cond(x, "QuotaReserved") or {}).get("message") and x,
-                60, "ray-second's Workload with Kueue's pending message")
+    wl2 = until(
+        lambda: (x := workload_of(cluster, "ray-second")) and (cond(x, "QuotaReserved") or {}).get("message") and x,
+        60,
+        "ray-second's Workload with Kueue's pending message",
+    )
     msg = cond(wl2, "QuotaReserved")["message"]
     print("\n[kueue] ray-second:", msg)
     assert "couldn't assign flavors to pod set gpu" in msg and "nvidia.com/gpu" in msg, msg
@@ -171,7 +181,9 @@ async def test_over_quota_waits_suspended_with_kueues_message_and_is_admitted_wh
     t2 = time.time()
     r = cluster.session.delete(rc_url(cluster, "ray-first"), timeout=15)
     assert r.status_code in (200, 202), r.text
-    until(lambda: (c := cond(workload_of(cluster, "ray-second"), "Admitted")) and c["status"] == "True", 90, "ray-second admitted")
+    until(
+        lambda: (c := cond(workload_of(cluster, "ray-second"), "Admitted")) and c["status"] == "True", 90, "ray-second admitted"
+    )
     timeline["second admitted after the delete"] = time.time() - t2
     until(lambda: running_on_nodes(cluster, "ray-second", 3), 90, "ray-second's pods running")
     timeline["second's 3 pods running after the delete"] = time.time() - t2
@@ -225,8 +237,7 @@ async def test_the_kube_ray_manager_against_real_kuberay_and_kueue(ray_cluster_p
     def spawner_for(user, name):
         return make_spawner(user=user.name, groups=[g.name for g in user.groups], profile=None, server_name=name)
 
-    m = KubeRayManager(namespace=NS, poll_interval=0.5, spawner_for=spawner_for, api=lambda: api,
-                       users_with_servers=lambda: None)
+    m = KubeRayManager(namespace=NS, poll_interval=0.5, spawner_for=spawner_for, api=lambda: api, users_with_servers=lambda: None)
     alice = make_spawner(user="alice", groups=("vision-lab",), profile="cpu").user
     bob = make_spawner(user="bob", groups=("vision-lab",), profile="cpu").user
 
@@ -246,8 +257,11 @@ async def test_the_kube_ray_manager_against_real_kuberay_and_kueue(ray_cluster_p
         await until_async(lambda: m.status("train", "alice").state == RUNNING, 90, "alice's cluster running (KubeRay: ready)")
         running_s = time.time() - t0
         b = await m.start(bob, ["vision-lab"], RayRequest(user="bob", gpus=2, workers=1, name="eval"))
-        words = await until_async(lambda: (v := m.status("eval", "bob")).state == QUEUED and "A100" in v.status and v.status,
-                                  60, "bob's cluster queued with Kueue's reason")
+        words = await until_async(
+            lambda: (v := m.status("eval", "bob")).state == QUEUED and "A100" in v.status and v.status,
+            60,
+            "bob's cluster queued with Kueue's reason",
+        )
         print("\n[gpuhub ray list, bob]", words)
         t1 = time.time()
         assert (await m.stop("train", user_name="alice")).state == STOPPED
@@ -263,21 +277,30 @@ async def test_the_kube_ray_manager_against_real_kuberay_and_kueue(ray_cluster_p
             ds = dict(await m.cull_pass(now=ds[b.id].deadline + 1))
         assert m.status("eval", "bob").reason == IDLE
         until(lambda: get_rc(cluster, b.id) is None and not pods_of(cluster, b.id), 60, "bob's RayCluster and pods deleted")
-        print(f"[measure] manager: alice's cluster running {running_s:.1f}s after start; bob's running "
-              f"{handover_s:.1f}s after alice's stop")
+        print(
+            f"[measure] manager: alice's cluster running {running_s:.1f}s after start; bob's running "
+            f"{handover_s:.1f}s after alice's stop"
+        )
         assert a.id != b.id
         calls = real.hub_requests(mark)
         summary = sorted({(c["verb"], c["resource"], c["code"]) for c in calls})
         print(f"[real] the Ray manager's requests as {real.HUB_USER}: {summary}")
         assert [c for c in calls if c["code"] == 403] == [], calls
-        assert {("create", "rayclusters"), ("list", "rayclusters"), ("patch", "rayclusters"),
-                ("delete", "rayclusters"), ("list", "workloads")} <= {(v, r) for v, r, _ in summary}, summary
+        assert {
+            ("create", "rayclusters"),
+            ("list", "rayclusters"),
+            ("patch", "rayclusters"),
+            ("delete", "rayclusters"),
+            ("list", "workloads"),
+        } <= {(v, r) for v, r, _ in summary}, summary
     finally:
         cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=false", check=False)
         await api_client.close()
 
 
-async def test_a_batch_priority_cluster_is_suspended_by_kueue_for_an_interactive_one(ray_cluster_plane, make_spawner, policy_store):
+async def test_a_batch_priority_cluster_is_suspended_by_kueue_for_an_interactive_one(
+    ray_cluster_plane, make_spawner, policy_store
+):
     """Kueue's preemption of a RayCluster (vision's withinClusterQueue: LowerPriority): the
     batch-priority cluster is suspended, KubeRay deletes its pods, its Workload waits again;
     the interactive one is admitted in its place."""
@@ -293,17 +316,28 @@ async def test_a_batch_priority_cluster_is_suspended_by_kueue_for_an_interactive
         t0 = time.time()
         r = cluster.session.post(rc_url(cluster), json=high, timeout=15)
         assert r.status_code == 201, r.text
-        until(lambda: (c := cond(workload_of(cluster, "ray-interactive"), "Admitted")) and c["status"] == "True", 90,
-              "the interactive cluster admitted")
+        until(
+            lambda: (c := cond(workload_of(cluster, "ray-interactive"), "Admitted")) and c["status"] == "True",
+            90,
+            "the interactive cluster admitted",
+        )
         admitted_s = time.time() - t0
         wl = workload_of(cluster, "ray-batch")
-        print("\n[kueue] ray-batch:", (cond(wl, "Preempted") or {}).get("message"), "|", (cond(wl, "QuotaReserved") or {}).get("message"))
+        print(
+            "\n[kueue] ray-batch:",
+            (cond(wl, "Preempted") or {}).get("message"),
+            "|",
+            (cond(wl, "QuotaReserved") or {}).get("message"),
+        )
         assert (cond(wl, "Preempted") or {}).get("status") == "True" or any(
-            e.get("reason") == "Preempted" for e in ((wl.get("status") or {}).get("schedulingStats") or {}).get("evictions") or [])
+            e.get("reason") == "Preempted" for e in ((wl.get("status") or {}).get("schedulingStats") or {}).get("evictions") or []
+        )
         assert get_rc(cluster, "ray-batch")["spec"]["suspend"] is True
         until(lambda: not pods_of(cluster, "ray-batch"), 60, "the batch cluster's pods deleted by KubeRay")
         until(lambda: running_on_nodes(cluster, "ray-interactive", 3), 90, "the interactive cluster's pods running")
-        print(f"[measure] preemption: interactive admitted {admitted_s:.1f}s after creation, its pods running "
-              f"{time.time() - t0:.1f}s after")
+        print(
+            f"[measure] preemption: interactive admitted {admitted_s:.1f}s after creation, its pods running "
+            f"{time.time() - t0:.1f}s after"
+        )
     finally:
         cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=false", check=False)

@@ -88,8 +88,9 @@ def hub(backend, tmp_path_factory):
 def reach(client) -> requests.Response:
     s = client.server()
     assert s and s.get("ready"), s
-    return requests.get(client.hub.server_url(s["url"]) + "api/status",
-                        headers={"Authorization": f"token {client.token}"}, timeout=10)
+    return requests.get(
+        client.hub.server_url(s["url"]) + "api/status", headers={"Authorization": f"token {client.token}"}, timeout=10
+    )
 
 
 def latest_message(client, needle: str, timeout: float = WAIT) -> str:
@@ -143,9 +144,11 @@ def test_two_servers_on_a_gpu_node_a_third_waits_a_stop_admits_it(backend, hub):
     # Kueue v0.19.2 orders same-priority Workloads created in the same second by UID (N11:
     # random to us), so lena asks only once the second of dave's Workload is over: then he is
     # first by creation time on both control planes, as the assertions below expect.
-    dave_wl = until(lambda: next((w for w in backend.workloads()
-                                  if w["metadata"]["ownerReferences"][0]["name"] == "jupyter-dave"), None),
-                    what="dave's Workload", hub=hub)
+    dave_wl = until(
+        lambda: next((w for w in backend.workloads() if w["metadata"]["ownerReferences"][0]["name"] == "jupyter-dave"), None),
+        what="dave's Workload",
+        hub=hub,
+    )
     until(lambda: time.time() >= creation_second(dave_wl) + 1, what="the second after dave's Workload was created", hub=hub)
     lena.start_background("l4-1")
     until(lambda: backend.pods("lena"), what="lena's gated pod", hub=hub)
@@ -158,14 +161,20 @@ def test_two_servers_on_a_gpu_node_a_third_waits_a_stop_admits_it(backend, hub):
         owner = wl["metadata"]["ownerReferences"][0]["name"]
         qr = next((c for c in wl.get("status", {}).get("conditions", []) if c["type"] == "QuotaReserved"), None)
         quota_reserved[owner] = qr
-        mark(f"Workload of {owner}: QuotaReserved={qr and qr['status']} reason={qr and qr.get('reason')} "
-             f"message={qr and qr.get('message')!r}")
+        mark(
+            f"Workload of {owner}: QuotaReserved={qr and qr['status']} reason={qr and qr.get('reason')} "
+            f"message={qr and qr.get('message')!r}"
+        )
     # What the hub's explanation for dave is built from: Kueue's own condition on his Workload.
     assert "insufficient unused quota for nvidia.com/gpu in flavor l4" in quota_reserved["jupyter-dave"]["message"]
 
-    assert "You are 1st of 2 in the Vision Lab queue." in dave_msg or "You are 1st of 1 in the Vision Lab queue." in dave_msg, dave_msg
-    assert ("Your server needs 1 L4 24GB GPU: your team Vision Lab is using 2 of the 2 it may hold; it waits "
-            "until one of your team's servers or jobs stops.") in dave_msg, dave_msg
+    assert "You are 1st of 2 in the Vision Lab queue." in dave_msg or "You are 1st of 1 in the Vision Lab queue." in dave_msg, (
+        dave_msg
+    )
+    assert (
+        "Your server needs 1 L4 24GB GPU: your team Vision Lab is using 2 of the 2 it may hold; it waits "
+        "until one of your team's servers or jobs stops."
+    ) in dave_msg, dave_msg
     assert "You are 2nd of 2 in the Vision Lab queue." in lena_msg, lena_msg
     for m in (dave_msg, lena_msg):
         assert not any(raw in m for raw in RAW), m
@@ -179,15 +188,19 @@ def test_two_servers_on_a_gpu_node_a_third_waits_a_stop_admits_it(backend, hub):
     if backend.name == "real":  # where alice-stop -> dave-ready goes (docs/kubernetes-testing.md)
         [wl] = [w for w in backend.workloads() if w["metadata"]["ownerReferences"][0]["name"] == "jupyter-dave"]
         admitted = next(c for c in wl["status"]["conditions"] if c["type"] == "QuotaReserved")["lastTransitionTime"]
-        mark(f"  of which: dave's Workload got quota at {admitted} (whole seconds, UTC); "
-             f"his pod's process started at {backend.kubelet.started_at['jupyter-dave'] - t0:.2f}s")
+        mark(
+            f"  of which: dave's Workload got quota at {admitted} (whole seconds, UTC); "
+            f"his pod's process started at {backend.kubelet.started_at['jupyter-dave'] - t0:.2f}s"
+        )
         log = backend.kubelet.log_of("jupyter-dave")
         listening = [ln for ln in log.splitlines() if "Jupyter Server" in ln and "is running at" in ln]
         mark(f"  jupyterhub-singleuser listening: {listening[:1]}")
     assert reach(dave).status_code == 200
     assert backend.pods("lena") and (backend.pods("lena")[0]["spec"].get("schedulingGates") or [])
-    events = [(e.get("reportingComponent") or e.get("source", {}).get("component"), e["reason"], e["message"])
-              for e in backend.events(backend.pods("dave")[0]["metadata"]["name"])]
+    events = [
+        (e.get("reportingComponent") or e.get("source", {}).get("component"), e["reason"], e["message"])
+        for e in backend.events(backend.pods("dave")[0]["metadata"]["name"])
+    ]
     mark(f"dave's pod events: {events}")
 
     for user in (bob, dave, lena):

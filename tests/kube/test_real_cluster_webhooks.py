@@ -34,15 +34,25 @@ CONFIGS = {"mutating": "kueue-mutating-webhook-configuration", "validating": "ku
 
 def objects(ns: str) -> list[dict]:
     """What the chart creates in its namespace: a Deployment (hub, proxy), a hook Job, a pod."""
-    template = {"metadata": {"labels": {"app": "probe"}},
-                "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "registry.example.com/probe:1"}]}}
+    template = {
+        "metadata": {"labels": {"app": "probe"}},
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "registry.example.com/probe:1"}]},
+    }
     always = yaml.safe_load(yaml.safe_dump(template))
     always["spec"]["restartPolicy"] = "Always"
     return [
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "hub", "namespace": ns},
-         "spec": {"selector": {"matchLabels": {"app": "probe"}}, "template": always}},
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "hook-image-awaiter", "namespace": ns},
-         "spec": {"template": template}},
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "hub", "namespace": ns},
+            "spec": {"selector": {"matchLabels": {"app": "probe"}}, "template": always},
+        },
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "hook-image-awaiter", "namespace": ns},
+            "spec": {"template": template},
+        },
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "proxy", "namespace": ns}, "spec": template["spec"]},
     ]
 
@@ -64,8 +74,10 @@ def cluster(real_cluster):
 
 
 def test_a_kueue_outage_leaves_the_hub_namespace_deployable_after_the_guides_step(cluster):
-    configs = {kind: json.loads(cluster.kubectl("get", f"{kind}webhookconfiguration", name, "-o", "json").stdout)
-               for kind, name in CONFIGS.items()}
+    configs = {
+        kind: json.loads(cluster.kubectl("get", f"{kind}webhookconfiguration", name, "-o", "json").stdout)
+        for kind, name in CONFIGS.items()
+    }
     covering = {kind: webhooks_covering(cfg, HUB_NS) for kind, cfg in configs.items()}
     print(f"\nKueue's webhooks covering {HUB_NS!r} as installed: {json.dumps(covering)}")
     assert covering["mutating"] and covering["validating"]
@@ -76,16 +88,26 @@ def test_a_kueue_outage_leaves_the_hub_namespace_deployable_after_the_guides_ste
     print(f"Kueue stopped; the hub's namespace before the step: {json.dumps(before, indent=1)}")
     assert all("failed calling webhook" in err for err in before.values()), before
 
-    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig),
-               PATH=f"{Path(real.kubectl_path()).parent}:{real.VENV_BIN}:{os.environ['PATH']}")
-    step = subprocess.run(["bash", "-euo", "pipefail", "-c", real.guide_block("for kind in mutating validating")], env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = dict(
+        os.environ,
+        KUBECONFIG=str(cluster.kubeconfig),
+        PATH=f"{Path(real.kubectl_path()).parent}:{real.VENV_BIN}:{os.environ['PATH']}",
+    )
+    step = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", real.guide_block("for kind in mutating validating")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     print(f"the guide's step: rc={step.returncode}\n{step.stdout}{step.stderr}")
     assert step.returncode == 0
     after = {o["kind"]: dry_run_create(cluster, o) for o in objects(HUB_NS)}
     users = {o["kind"]: dry_run_create(cluster, o) for o in objects(USERS_NS)}
-    print(f"after the step ({time.time() - t0:.1f}s with Kueue down): hub namespace {json.dumps(after)}; "
-          f"users' namespace: {json.dumps(users, indent=1)}")
+    print(
+        f"after the step ({time.time() - t0:.1f}s with Kueue down): hub namespace {json.dumps(after)}; "
+        f"users' namespace: {json.dumps(users, indent=1)}"
+    )
     assert after == {"Deployment": "", "Job": "", "Pod": ""}
     assert "failed calling webhook" in users["Pod"]  # no server pod is created behind Kueue's back
     for kind, name in CONFIGS.items():
@@ -95,7 +117,11 @@ def test_a_kueue_outage_leaves_the_hub_namespace_deployable_after_the_guides_ste
 
     t1 = time.time()
     subprocess.run(["bash", str(real.HERE / "up.sh")], check=True, timeout=600, capture_output=True)
-    reset = {kind: webhooks_covering(json.loads(cluster.kubectl("get", f"{kind}webhookconfiguration", name, "-o", "json").stdout), HUB_NS)
-             for kind, name in CONFIGS.items()}
+    reset = {
+        kind: webhooks_covering(
+            json.loads(cluster.kubectl("get", f"{kind}webhookconfiguration", name, "-o", "json").stdout), HUB_NS
+        )
+        for kind, name in CONFIGS.items()
+    }
     print(f"Kueue restarted with its install objects in {time.time() - t1:.1f}s; covering {HUB_NS!r} again: {json.dumps(reset)}")
     assert reset["mutating"], "re-applying Kueue's manifests resets the selectors (the guide says to re-run the step)"

@@ -76,8 +76,12 @@ backend = backend_fixture(POLICY)
 @pytest.fixture(scope="module")
 def hub(backend, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"kube-reclaim-{backend.name}")
-    h = Hub(work, POLICY, extra_config=backend.hub_config("\nc.KubeJobManager.poll_interval = 0.5   # production: 10 s\n"),
-            env={"KUBECONFIG": str(backend.kubeconfig), "GPUHUB_CULL_EVERY": "5"})
+    h = Hub(
+        work,
+        POLICY,
+        extra_config=backend.hub_config("\nc.KubeJobManager.poll_interval = 0.5   # production: 10 s\n"),
+        env={"KUBECONFIG": str(backend.kubeconfig), "GPUHUB_CULL_EVERY": "5"},
+    )
     try:
         h.start()
         yield h
@@ -117,16 +121,24 @@ def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_ad
     # An earlier test's servers are gone from the hub before Kueue's view of them ends (the
     # ledger hears of the Workload's deletion a moment later, and then audits the release):
     # wait for it, so that the audit read below is this test's.
-    until(lambda: admin.api.get(admin.url("/gpuhub/status")).json()["devices"] == [],
-          what="no GPU held in the hub's view", hub=hub)
+    until(
+        lambda: admin.api.get(admin.url("/gpuhub/status")).json()["devices"] == [], what="no GPU held in the hub's view", hub=hub
+    )
     # The log and the audit of earlier tests (bob's other servers) are not this one's.
     log_start, began = len(hub.log.read_text(errors="replace").splitlines()), time.time()
     for client in (alice, bob):  # alice holds vision's own L4; bob, admitted later, borrows NLP's
         assert client.start("l4-1").status_code in (201, 202)
         client.wait_ready()
-    until(lambda: next(t for t in admin.api.get(admin.url("/gpuhub/status")).json()["teams"]
-                       if t["name"] == "vision")["gpus"]["l4"]["borrowed"] == 1, what="vision borrowing in the status",
-          hub=hub)
+    until(
+        lambda: (
+            next(t for t in admin.api.get(admin.url("/gpuhub/status")).json()["teams"] if t["name"] == "vision")["gpus"]["l4"][
+                "borrowed"
+            ]
+            == 1
+        ),
+        what="vision borrowing in the status",
+        hub=hub,
+    )
     status = admin.api.get(admin.url("/gpuhub/status")).json()
     vision = next(t for t in status["teams"] if t["name"] == "vision")
     assert vision["gpus"]["l4"]["nominal"] == 1
@@ -173,14 +185,20 @@ def test_a_borrowing_server_is_warned_then_stopped_after_the_notice_and_kueue_ad
         r.raise_for_status()
         return r.json()
 
-    data = until(lambda: (d := rows()) and any(a["user"] == "carol" for a in d["rows"]) and d,
-                 what="carol's allocation in the usage history", hub=hub)
+    data = until(
+        lambda: (d := rows()) and any(a["user"] == "carol" for a in d["rows"]) and d,
+        what="carol's allocation in the usage history",
+        hub=hub,
+    )
     ended = {a["user"]: a for a in data["rows"]}
     assert ended["bob"]["end_reason"] == "reclaimed", ended["bob"]
     assert ended["alice"]["end"] is None and ended["carol"]["team"] == "nlp"
     audit = admin.api.get(admin.url(f"/gpuhub/audit?since={began}")).json()["entries"]
-    assert [e["event"] for e in audit if e.get("key") == "bob/" and e["event"] in ("admitted", "reclaimed", "released")] \
-        == ["admitted", "reclaimed", "released"]
+    assert [e["event"] for e in audit if e.get("key") == "bob/" and e["event"] in ("admitted", "reclaimed", "released")] == [
+        "admitted",
+        "reclaimed",
+        "released",
+    ]
     for client in (alice, carol):
         client.stop()
         client.wait_gone()
@@ -211,10 +229,14 @@ def test_a_team_whose_servers_may_not_borrow_waits_for_its_own_quota(hub, backen
     alice, bob = users["alice"], users["bob"]
     original = hub.policy.read_text()
     loads = hub.log.read_text(errors="replace").count("Loaded policy")
-    hub.policy.write_text(original.replace(
-        "    jobPriority: batch\n    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 1}}}\n  - name: nlp",
-        "    jobPriority: batch\n    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 1}}}\n"
-        "    reclaim: {interactiveBorrowing: false}\n  - name: nlp", 1))
+    hub.policy.write_text(
+        original.replace(
+            "    jobPriority: batch\n    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 1}}}\n  - name: nlp",
+            "    jobPriority: batch\n    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 1}}}\n"
+            "    reclaim: {interactiveBorrowing: false}\n  - name: nlp",
+            1,
+        )
+    )
     assert hub.policy.read_text() != original
     try:
         until(lambda: hub.log.read_text(errors="replace").count("Loaded policy") > loads, what="the policy reload", hub=hub)
@@ -255,12 +277,18 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
         assert alice.start("l4-1").status_code in (201, 202)
         alice.wait_ready()
         spec = tmp_path / "job.yaml"
-        spec.write_text("profile: l4-1\ncommand: [python3, -c, 'import time; time.sleep(600)']\n"
-                        "retries: {limit: 0, reasons: [preempted]}\n")
+        spec.write_text(
+            "profile: l4-1\ncommand: [python3, -c, 'import time; time.sleep(600)']\nretries: {limit: 0, reasons: [preempted]}\n"
+        )
         env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
         env["GPUHUB_TOKEN"] = bob.token
-        out = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
-                             capture_output=True, text=True, env=env, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, "submit", str(spec)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr + hub.tail(40)
         job_id = out.stdout.strip().splitlines()[-1]
 
@@ -282,9 +310,15 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
             return wl
 
         # reactivated by the hub's next mirror pass: it waits for quota like any other
-        wl = until(lambda: (w := workload())["spec"].get("active", True) is True
-                   and "gpuhub/reclaimed-at" not in (w["metadata"].get("annotations") or {}) and w,
-                   what="the job's Workload reactivated", hub=hub)
+        wl = until(
+            lambda: (
+                (w := workload())["spec"].get("active", True) is True
+                and "gpuhub/reclaimed-at" not in (w["metadata"].get("annotations") or {})
+                and w
+            ),
+            what="the job's Workload reactivated",
+            hub=hub,
+        )
         reasons = {e["reason"] for e in wl["status"]["schedulingStats"]["evictions"]}
         assert reasons == {"Deactivated"}, wl["status"]
         # Taken back once: not reactivated while carol still waited (else the older job re-queues
@@ -300,8 +334,11 @@ def test_a_borrowing_job_of_the_servers_priority_is_taken_back_at_once_and_reque
         assert entries[-1]["reason"] == "reclaimed", entries
         calls = backend.hub_calls()
         if calls is not None:  # real: the API server's audit log says who patched the Workload
-            patches = [(c["verb"], c["name"], c["code"]) for c in calls
-                       if c["resource"] == "workloads" and c["verb"] == "patch" and job_id in c["name"]]
+            patches = [
+                (c["verb"], c["name"], c["code"])
+                for c in calls
+                if c["resource"] == "workloads" and c["verb"] == "patch" and job_id in c["name"]
+            ]
             print(f"\n[real] Workload patches by the hub's service account: {patches}")
             assert len(patches) == 2 and {code for *_, code in patches} == {200}, patches  # deactivate, reactivate
     finally:
@@ -330,7 +367,9 @@ def test_roles_follow_a_policy_edit_here_too(hub, users):
         return r.json()["view"]
 
     def applied(kind: str, since: float):
-        entries = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "roles_applied", "since": str(since)}).json()["entries"]
+        entries = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "roles_applied", "since": str(since)}).json()[
+            "entries"
+        ]
         return [e for e in entries if ["gpuhub-viewer", "students"] in e.get(kind, [])]
 
     assert carol.start("l4-1").status_code in (201, 202)  # one allocation in NLP's history for a viewer to see

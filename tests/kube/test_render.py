@@ -10,7 +10,12 @@ import yaml
 from double.schemas import InvalidObject, validate
 from double.harness import POLICY
 from gpuhub_spawner.kube.render import (
-    UNLIMITED_CPU, UNLIMITED_EPHEMERAL, UNLIMITED_MEMORY, localqueue_conflicts, main, render_objects,
+    UNLIMITED_CPU,
+    UNLIMITED_EPHEMERAL,
+    UNLIMITED_MEMORY,
+    localqueue_conflicts,
+    main,
+    render_objects,
 )
 from gpuhub_spawner.policy import load_policy, parse_policy
 
@@ -65,40 +70,63 @@ def test_objects_match_the_policy(policy):
     cpu_group, gpu_group = vision["resourceGroups"]
     assert cpu_group["coveredResources"] == ["cpu", "memory", "ephemeral-storage"]
     assert cpu_group["flavors"][0]["resources"] == [
-        {"name": "cpu", "nominalQuota": "16"}, {"name": "memory", "nominalQuota": "64Gi"},
-        {"name": "ephemeral-storage", "nominalQuota": UNLIMITED_EPHEMERAL, "lendingLimit": "0"}]
+        {"name": "cpu", "nominalQuota": "16"},
+        {"name": "memory", "nominalQuota": "64Gi"},
+        {"name": "ephemeral-storage", "nominalQuota": UNLIMITED_EPHEMERAL, "lendingLimit": "0"},
+    ]
     assert vision["queueingStrategy"] == "BestEffortFIFO"
-    assert gpu_group == {"coveredResources": ["nvidia.com/gpu"], "flavors": [
-        {"name": "a100", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "2", "borrowingLimit": "1", "lendingLimit": "1"}]}]}
+    assert gpu_group == {
+        "coveredResources": ["nvidia.com/gpu"],
+        "flavors": [
+            {
+                "name": "a100",
+                "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "2", "borrowingLimit": "1", "lendingLimit": "1"}],
+            }
+        ],
+    }
     nlp_gpu = cqs["nlp"]["spec"]["resourceGroups"][1]
     assert [f["name"] for f in nlp_gpu["flavors"]] == ["a100", "l4"]
     # Interactive (top priority) servers are never preempted: only strictly lower priority is.
     assert vision["preemption"] == {
-        "withinClusterQueue": "LowerPriority", "reclaimWithinCohort": "LowerPriority",
-        "borrowWithinCohort": {"policy": "LowerPriority", "maxPriorityThreshold": 100}}
+        "withinClusterQueue": "LowerPriority",
+        "reclaimWithinCohort": "LowerPriority",
+        "borrowWithinCohort": {"policy": "LowerPriority", "maxPriorityThreshold": 100},
+    }
 
     lqs = by_kind(objs, "LocalQueue")
     assert {n: (q["metadata"]["namespace"], q["spec"]["clusterQueue"]) for n, q in lqs.items()} == {
-        "vision": ("research-hub", "vision"), "nlp": ("research-hub", "nlp"), "students": ("research-hub", "students")}
+        "vision": ("research-hub", "vision"),
+        "nlp": ("research-hub", "nlp"),
+        "students": ("research-hub", "students"),
+    }
 
 
 def test_team_without_cpu_memory_quota_is_still_covered():
-    text = POLICY.read_text().replace("      cpu: 8\n      memory: 32Gi\n", "").replace(
-        "    quota:\n      cpu: 16\n      memory: 64Gi\n      gpus:\n        a100: {nominal: 2",
-        "    quota:\n      gpus:\n        a100: {nominal: 2")
+    text = (
+        POLICY.read_text()
+        .replace("      cpu: 8\n      memory: 32Gi\n", "")
+        .replace(
+            "    quota:\n      cpu: 16\n      memory: 64Gi\n      gpus:\n        a100: {nominal: 2",
+            "    quota:\n      gpus:\n        a100: {nominal: 2",
+        )
+    )
     policy = parse_policy(text)
     assert policy.team("students").quota.cpu is None and policy.team("vision").quota.cpu is None
     cqs = by_kind(render_objects(policy), "ClusterQueue")
     for obj in cqs.values():
         validate(obj)
     students = cqs["students"]["spec"]["resourceGroups"][0]["flavors"][0]["resources"]
-    assert students == [{"name": "cpu", "nominalQuota": UNLIMITED_CPU}, {"name": "memory", "nominalQuota": UNLIMITED_MEMORY},
-                        {"name": "ephemeral-storage", "nominalQuota": UNLIMITED_EPHEMERAL}]
+    assert students == [
+        {"name": "cpu", "nominalQuota": UNLIMITED_CPU},
+        {"name": "memory", "nominalQuota": UNLIMITED_MEMORY},
+        {"name": "ephemeral-storage", "nominalQuota": UNLIMITED_EPHEMERAL},
+    ]
     vision = cqs["vision"]["spec"]["resourceGroups"][0]["flavors"][0]["resources"]
     assert vision == [  # in a cohort, the placeholder quota never lends
         {"name": "cpu", "nominalQuota": UNLIMITED_CPU, "lendingLimit": "0"},
         {"name": "memory", "nominalQuota": UNLIMITED_MEMORY, "lendingLimit": "0"},
-        {"name": "ephemeral-storage", "nominalQuota": UNLIMITED_EPHEMERAL, "lendingLimit": "0"}]
+        {"name": "ephemeral-storage", "nominalQuota": UNLIMITED_EPHEMERAL, "lendingLimit": "0"},
+    ]
 
 
 def test_strict_fifo_from_the_policy_is_rendered():
@@ -157,10 +185,19 @@ def test_cli_output_is_deterministic_yaml(capsys, tmp_path):
     second = capsys.readouterr().out
     docs = list(yaml.safe_load_all(first))
     assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
-        ("ResourceFlavor", "a100"), ("ResourceFlavor", "a100-1g"), ("ResourceFlavor", "gpuhub-default"), ("ResourceFlavor", "l4"),
-        ("WorkloadPriorityClass", "batch"), ("WorkloadPriorityClass", "interactive"),
-        ("ClusterQueue", "nlp"), ("ClusterQueue", "students"), ("ClusterQueue", "vision"),
-        ("LocalQueue", "nlp"), ("LocalQueue", "students"), ("LocalQueue", "vision")]
+        ("ResourceFlavor", "a100"),
+        ("ResourceFlavor", "a100-1g"),
+        ("ResourceFlavor", "gpuhub-default"),
+        ("ResourceFlavor", "l4"),
+        ("WorkloadPriorityClass", "batch"),
+        ("WorkloadPriorityClass", "interactive"),
+        ("ClusterQueue", "nlp"),
+        ("ClusterQueue", "students"),
+        ("ClusterQueue", "vision"),
+        ("LocalQueue", "nlp"),
+        ("LocalQueue", "students"),
+        ("LocalQueue", "vision"),
+    ]
     assert all(d["metadata"].get("namespace") in (None, "ml") for d in docs)
     # GPU flavor order inside a ClusterQueue is Kueue's try-order, so it follows the policy file.
     strip = lambda text: [d for d in yaml.safe_load_all(text) if d["kind"] != "ClusterQueue"]

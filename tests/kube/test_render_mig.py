@@ -15,8 +15,7 @@ pytestmark = pytest.mark.usefixtures("schemas_dir")
 
 EXAMPLE = (Path(__file__).resolve().parents[2] / "jupyterhub_config" / "profiles.yaml").read_text()
 MIXED = "mig: {profile: 1g.10gb, strategy: mixed}"
-SINGLE = ("mig: {profile: 1g.10gb, strategy: single}\n"
-          "    nodeLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB-MIG-1g.10gb}")
+SINGLE = "mig: {profile: 1g.10gb, strategy: single}\n    nodeLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB-MIG-1g.10gb}"
 
 
 def objects(text):
@@ -27,9 +26,13 @@ def objects(text):
 
 
 def gpu_groups(cq):
-    return {tuple(g["coveredResources"]): [(f["name"], [(r["name"], r["nominalQuota"]) for r in f["resources"]])
-                                           for f in g["flavors"]]
-            for g in cq["spec"]["resourceGroups"] if "cpu" not in g["coveredResources"]}
+    return {
+        tuple(g["coveredResources"]): [
+            (f["name"], [(r["name"], r["nominalQuota"]) for r in f["resources"]]) for f in g["flavors"]
+        ]
+        for g in cq["spec"]["resourceGroups"]
+        if "cpu" not in g["coveredResources"]
+    }
 
 
 def test_mixed_strategy_slices_are_their_own_covered_resource():
@@ -50,7 +53,8 @@ def test_single_strategy_slices_are_nvidia_gpu_on_a_flavor_keyed_on_the_product_
         ("nvidia.com/gpu",): [("l4", [("nvidia.com/gpu", "1")]), ("a100-1g", [("nvidia.com/gpu", "7")])],
     }
     assert objs["ResourceFlavor", "a100-1g"]["spec"]["nodeLabels"] == {
-        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb"}
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb"
+    }
     # a whole A100 and a slice never share a flavor: different product labels
     assert objs["ResourceFlavor", "a100"]["spec"]["nodeLabels"]["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
 
@@ -95,10 +99,14 @@ def cpu_group(cq):
 
 def test_memory_counted_slices_render_a_transformation_and_both_queues_cover_both_resources():
     policy = parse_policy(MIXED_SHAPES, "profiles.yaml")
-    assert kueue_config(policy) == {"resources": {"transformations": [
-        {"input": "nvidia.com/mig-1g.10gb", "strategy": "Retain", "outputs": {"gpuhub.io/mig-memory": "10Gi"}},
-        {"input": "nvidia.com/mig-3g.40gb", "strategy": "Retain", "outputs": {"gpuhub.io/mig-memory": "40Gi"}},
-    ]}}
+    assert kueue_config(policy) == {
+        "resources": {
+            "transformations": [
+                {"input": "nvidia.com/mig-1g.10gb", "strategy": "Retain", "outputs": {"gpuhub.io/mig-memory": "10Gi"}},
+                {"input": "nvidia.com/mig-3g.40gb", "strategy": "Retain", "outputs": {"gpuhub.io/mig-memory": "40Gi"}},
+            ]
+        }
+    }
     objs = objects(MIXED_SHAPES)  # every object against the v0.19.2 CRDs
     lab, students, vision = (objs["ClusterQueue", n] for n in ("lab", "students", "vision"))
     covered, res = cpu_group(lab)
@@ -110,8 +118,13 @@ def test_memory_counted_slices_render_a_transformation_and_both_queues_cover_bot
         ("nvidia.com/mig-1g.10gb",): [("a100-1g", [("nvidia.com/mig-1g.10gb", "10k")])],
         ("nvidia.com/mig-3g.40gb",): [("a100-3g", [("nvidia.com/mig-3g.40gb", "10k")])],
     }
-    assert all(r.get("lendingLimit") == "0" for g in lab["spec"]["resourceGroups"] for f in g["flavors"]
-               for r in f["resources"] if r["name"].startswith("nvidia.com/mig-"))
+    assert all(
+        r.get("lendingLimit") == "0"
+        for g in lab["spec"]["resourceGroups"]
+        for f in g["flavors"]
+        for r in f["resources"]
+        if r["name"].startswith("nvidia.com/mig-")
+    )
     # the students count 1g slices: the memory Kueue adds to their workloads is covered, never limited nor lent
     covered, res = cpu_group(students)
     assert covered[-1] == "gpuhub.io/mig-memory" and res["gpuhub.io/mig-memory"] == {"nominalQuota": "1Pi", "lendingLimit": "0"}
@@ -124,11 +137,13 @@ def test_the_example_policy_needs_no_kueue_configuration_and_the_command_says_so
     assert kueue_config(parse_policy(EXAMPLE, "profiles.yaml")) == {}
     f = tmp_path / "p.yaml"
     f.write_text(MIXED_SHAPES)
-    out = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "render", "kueue-config", str(f)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "render", "kueue-config", str(f)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout) == kueue_config(parse_policy(MIXED_SHAPES, "p.yaml"))
     f.write_text(EXAMPLE)
-    out = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "render", "kueue-config", str(f)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "render", "kueue-config", str(f)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and out.stdout == "" and "needs nothing" in out.stderr

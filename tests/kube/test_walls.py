@@ -52,8 +52,15 @@ async def _pods(make_spawner, policy_store) -> dict[str, tuple[str, dict]]:
         rc = ray_cluster_manifest(f"ray-{user}", user, policy, choice, pod, [WorkerGroup("gpu", 1, 1)], namespace=NS)
         out[f"{user}-ray-head"] = (NS, rc["spec"]["headGroupSpec"]["template"]["metadata"]["labels"])
         out[f"{user}-ray-worker"] = (NS, rc["spec"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"])
-        job = job_manifest(f"job-{user}", user, JobSpec.model_validate({"profile": "a100-1", "command": ["sleep", "1"]}),
-                           policy, choice, pod, namespace=NS)
+        job = job_manifest(
+            f"job-{user}",
+            user,
+            JobSpec.model_validate({"profile": "a100-1", "command": ["sleep", "1"]}),
+            policy,
+            choice,
+            pod,
+            namespace=NS,
+        )
         out[f"{user}-job"] = (NS, job["spec"]["template"]["metadata"]["labels"])
     out["hub"] = (HUB_NS, {"component": "hub", "app": "jupyterhub"})
     out["proxy"] = (HUB_NS, {"component": "proxy", "app": "jupyterhub"})
@@ -63,8 +70,10 @@ async def _pods(make_spawner, policy_store) -> dict[str, tuple[str, dict]]:
 
 def _walls(pods) -> dict[str, list[dict]]:
     server = pods["alice-server"][1]
-    return {"ray": wall("ray-alice", NS, {RAY_LABEL: "ray-alice"}, server, HUB_NS),
-            "job": wall("job-alice", NS, {JOB_LABEL: "job-alice"}, server, HUB_NS)}
+    return {
+        "ray": wall("ray-alice", NS, {RAY_LABEL: "ray-alice"}, server, HUB_NS),
+        "job": wall("job-alice", NS, {JOB_LABEL: "job-alice"}, server, HUB_NS),
+    }
 
 
 ALICE = {"alice-server", "alice-job", "alice-ray-head", "alice-ray-worker"}
@@ -100,8 +109,9 @@ async def test_the_walls_validate_and_select_exactly_the_owners_pods_and_the_hub
             validate_core(p)  # kubernetes-validate 1.30, strict
         targets = {n for n, (ns, labels) in pods.items() if ns == NS and selects(inbound["spec"]["podSelector"], labels)}
         assert targets == EXPECTED_TARGETS[kind]
-        allowed = set().union(*(_peer_matches(peer, pods, NS, _ns_labels) for rule in inbound["spec"]["ingress"]
-                                for peer in rule["from"]))
+        allowed = set().union(
+            *(_peer_matches(peer, pods, NS, _ns_labels) for rule in inbound["spec"]["ingress"] for peer in rule["from"])
+        )
         assert allowed == EXPECTED_IN[kind], (kind, sorted(allowed))
         assert not allowed & {"bob-server", "bob-job", "bob-ray-head", "bob-ray-worker", "proxy", "hub-elsewhere"}
         senders = {n for n, (ns, labels) in pods.items() if ns == NS and selects(outbound["spec"]["podSelector"], labels)}
@@ -130,7 +140,10 @@ async def test_job_and_ray_pods_get_the_servers_way_out_without_the_metadata_add
     selected = {n for n, (ns, labels) in pods.items() if ns == NS and selects(policy["spec"]["podSelector"], labels)}
     assert selected == BATCH_PODS
     assert {labels["component"] for n, (ns, labels) in pods.items() if n in BATCH_PODS} == {
-        "gpuhub-job", "gpuhub-ray-head", "gpuhub-ray-worker"}
+        "gpuhub-job",
+        "gpuhub-ray-head",
+        "gpuhub-ray-worker",
+    }
     assert policy["spec"]["policyTypes"] == ["Egress"]
     blocks = [p["ipBlock"] for rule in policy["spec"]["egress"] for p in rule.get("to") or [] if "ipBlock" in p]
     assert blocks == [{"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.169.254/32"]}]
@@ -158,28 +171,55 @@ async def test_on_the_real_api_server_each_selector_selects_exactly_the_owners_p
             # Only the labels matter to a selector; Kueue's queue labels are left off so no
             # Workload is made (the pods are stand-ins, not servers).
             labels = {k: v for k, v in labels.items() if not k.startswith("kueue.x-k8s.io/")}
-            cluster.create("pods", ns, {"apiVersion": "v1", "kind": "Pod",
-                                        "metadata": {"name": f"wall-{name}", "labels": labels},
-                                        "spec": {"containers": [{"name": "c", "image": "registry.example.com/stand-in:1"}],
-                                                 "nodeSelector": {"gpuhub.io/no-such-node": "true"}}})
+            cluster.create(
+                "pods",
+                ns,
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": f"wall-{name}", "labels": labels},
+                    "spec": {
+                        "containers": [{"name": "c", "image": "registry.example.com/stand-in:1"}],
+                        "nodeSelector": {"gpuhub.io/no-such-node": "true"},
+                    },
+                },
+            )
             made.append((ns, f"wall-{name}"))
         # A real Job owns the policies, as the hub makes them (suspended: no pod of its own).
-        owner = cluster.create("jobs", NS, {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "wall-owner"},
-                                            "spec": {"suspend": True, "template": {"spec": {
-                                                "restartPolicy": "Never",
-                                                "containers": [{"name": "c", "image": "registry.example.com/stand-in:1"}]}}}})
+        owner = cluster.create(
+            "jobs",
+            NS,
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": "wall-owner"},
+                "spec": {
+                    "suspend": True,
+                    "template": {
+                        "spec": {
+                            "restartPolicy": "Never",
+                            "containers": [{"name": "c", "image": "registry.example.com/stand-in:1"}],
+                        }
+                    },
+                },
+            },
+        )
         api_ns = {n["metadata"]["name"]: n["metadata"].get("labels") or {} for n in cluster.list("namespaces")}
         report = []
         for kind, policies in _walls(pods).items():
             for p in policies:
                 p = copy.deepcopy(p)
-                p["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": "wall-owner",
-                                                     "uid": owner["metadata"]["uid"]}]
-                r = cluster.session.post(cluster.url + f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies",
-                                         json=p, timeout=15)
+                p["metadata"]["ownerReferences"] = [
+                    {"apiVersion": "batch/v1", "kind": "Job", "name": "wall-owner", "uid": owner["metadata"]["uid"]}
+                ]
+                r = cluster.session.post(
+                    cluster.url + f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies", json=p, timeout=15
+                )
                 assert r.status_code == 201, r.text  # the API server's own validation
-            inbound, outbound = [cluster.get(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{p['metadata']['name']}")
-                                 for p in policies]
+            inbound, outbound = [
+                cluster.get(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{p['metadata']['name']}")
+                for p in policies
+            ]
 
             def asked(selector: dict, namespaces: list[str]) -> set[str]:
                 """The pods the API server returns for ``selector`` in ``namespaces`` (stand-ins only)."""
@@ -187,7 +227,7 @@ async def test_on_the_real_api_server_each_selector_selects_exactly_the_owners_p
                 for ns in namespaces:
                     for pod in cluster.list("pods", ns, labelSelector=label_selector(selector)):
                         if pod["metadata"]["name"].startswith("wall-"):
-                            out.add(pod["metadata"]["name"][len("wall-"):])
+                            out.add(pod["metadata"]["name"][len("wall-") :])
                 return out
 
             def peer_pods(peer: dict) -> set[str]:
@@ -202,29 +242,48 @@ async def test_on_the_real_api_server_each_selector_selects_exactly_the_owners_p
             allowed = set().union(*(peer_pods(peer) for rule in inbound["spec"]["ingress"] for peer in rule["from"]))
             senders = asked(outbound["spec"]["podSelector"], [NS])
             receivers = set().union(*(peer_pods(peer) for rule in outbound["spec"]["egress"] for peer in rule["to"]))
-            report.append(f"  {kind}: selects {sorted(targets)}; lets in {sorted(allowed)}; "
-                          f"lets {sorted(senders)} out to {sorted(receivers)}")
+            report.append(
+                f"  {kind}: selects {sorted(targets)}; lets in {sorted(allowed)}; "
+                f"lets {sorted(senders)} out to {sorted(receivers)}"
+            )
             assert targets == EXPECTED_TARGETS[kind]
             assert allowed == EXPECTED_IN[kind], (kind, sorted(allowed))
             assert senders == EXPECTED_OUT_FROM and receivers == EXPECTED_TARGETS[kind]
             # the same answer as the selector logic the no-cluster test uses
-            assert allowed == set().union(*(_peer_matches(peer, pods, NS, lambda ns: api_ns.get(ns, {}))
-                                            for rule in inbound["spec"]["ingress"] for peer in rule["from"]))
+            assert allowed == set().union(
+                *(
+                    _peer_matches(peer, pods, NS, lambda ns: api_ns.get(ns, {}))
+                    for rule in inbound["spec"]["ingress"]
+                    for peer in rule["from"]
+                )
+            )
         ray_policy = _ray_egress_policy()
-        ray_selected = {p["metadata"]["name"][len("wall-"):] for p in cluster.list(
-            "pods", NS, labelSelector=label_selector(ray_policy["spec"]["podSelector"])) if p["metadata"]["name"].startswith("wall-")}
+        ray_selected = {
+            p["metadata"]["name"][len("wall-") :]
+            for p in cluster.list("pods", NS, labelSelector=label_selector(ray_policy["spec"]["podSelector"]))
+            if p["metadata"]["name"].startswith("wall-")
+        }
         report.append(f"  gpuhub-batch (egress): selects {sorted(ray_selected)}")
         assert ray_selected == BATCH_PODS
         print("\n[real] NetworkPolicy selectors asked of the API server:\n" + "\n".join(report))
         # Owned by the Job: the real garbage collector deletes them with it.
-        cluster.session.delete(cluster.url + f"/apis/batch/v1/namespaces/{NS}/jobs/wall-owner",
-                               json={"propagationPolicy": "Background"}, timeout=15).raise_for_status()
+        cluster.session.delete(
+            cluster.url + f"/apis/batch/v1/namespaces/{NS}/jobs/wall-owner", json={"propagationPolicy": "Background"}, timeout=15
+        ).raise_for_status()
         names = [f"networkpolicy/{p['metadata']['name']}" for ps in _walls(pods).values() for p in ps]
         cluster.kubectl("-n", NS, "wait", "--for=delete", *names, "--timeout=60s")
     finally:
         for ns, name in made:
             cluster.delete("pods", ns, name, grace=0)
-        cluster.kubectl("-n", NS, "delete", "networkpolicy", "-l", "app.kubernetes.io/managed-by=gpuhub,gpuhub/wall-of",
-                        "--ignore-not-found", check=False)
+        cluster.kubectl(
+            "-n",
+            NS,
+            "delete",
+            "networkpolicy",
+            "-l",
+            "app.kubernetes.io/managed-by=gpuhub,gpuhub/wall-of",
+            "--ignore-not-found",
+            check=False,
+        )
         cluster.kubectl("-n", NS, "delete", "job", "wall-owner", "--ignore-not-found", check=False)
         cluster.kubectl("delete", "namespace", OTHER_NS, "--ignore-not-found", "--wait=false", check=False)

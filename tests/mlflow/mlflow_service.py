@@ -87,8 +87,9 @@ class MlflowEndpoint:
         last = None
         while time.time() < deadline:
             try:
-                r = self.api(token).get(self.direct + "/api/2.0/mlflow/experiments/search",
-                                        params={"max_results": 1}, timeout=200)
+                r = self.api(token).get(
+                    self.direct + "/api/2.0/mlflow/experiments/search", params={"max_results": 1}, timeout=200
+                )
                 if r.status_code == 200:
                     return time.perf_counter() - t0
                 last = f"{r.status_code} {r.text[:200]}"
@@ -96,5 +97,3 @@ class MlflowEndpoint:
                 last = repr(e)
             time.sleep(0.5)
         raise TimeoutError(f"MLflow service not ready: {last}\n{self.hub.tail(80)}")
-
-

@@ -20,10 +20,21 @@ API = "/api/2.0/mlflow"
 
 
 def _git(cwd, *args):
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True,
-                          env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org",
-                               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.org",
-                               "PATH": "/usr/bin:/bin", "HOME": str(cwd)}).stdout.strip()
+    return subprocess.run(
+        ["git", *args],
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@example.org",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@example.org",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(cwd),
+        },
+    ).stdout.strip()
 
 
 def _until(check, timeout: float, what: str):
@@ -85,11 +96,7 @@ def alice_notebook(hub, users):
 @pytest.fixture(scope="module")
 def alice_run(alice_notebook):
     kernel, commit = alice_notebook
-    out = kernel.execute(
-        "import mlflow\n"
-        "mlflow.log_metric('loss', 0.1)\n"
-        "print(mlflow.last_active_run().info.run_id)\n"
-    )
+    out = kernel.execute("import mlflow\nmlflow.log_metric('loss', 0.1)\nprint(mlflow.last_active_run().info.run_id)\n")
     return out.strip().splitlines()[-1], commit
 
 
@@ -118,9 +125,11 @@ def test_notebook_run_is_owned_by_the_user_and_tagged(mlflow, users, alice_run):
     assert tags["gpuhub.git.dirty"] == "true"
     assert tags["gpuhub.notebook"].endswith("train.ipynb")
     assert [m for m in run["data"]["metrics"] if m["key"] == "loss"][0]["value"] == 0.1
-    exp = mlflow.api(users["alice"].token).get(
-        mlflow.direct + API + "/experiments/get", params={"experiment_id": run["info"]["experiment_id"]}
-    ).json()["experiment"]
+    exp = (
+        mlflow.api(users["alice"].token)
+        .get(mlflow.direct + API + "/experiments/get", params={"experiment_id": run["info"]["experiment_id"]})
+        .json()["experiment"]
+    )
     assert exp["name"] == "users/alice"
 
 
@@ -172,12 +181,21 @@ def test_notebook_environment_holds_no_mlflow_credential(mlflow, users, alice_ru
 
     env = users["alice"].server_env()
     secrets = Passwords(load_or_create_key(mlflow.data / "service"))
-    forbidden = {secrets.user("alice"), secrets.admin(), secrets.user("bob"),
-                 (mlflow.data / "service" / "service.key").read_text().strip()}
+    forbidden = {
+        secrets.user("alice"),
+        secrets.admin(),
+        secrets.user("bob"),
+        (mlflow.data / "service" / "service.key").read_text().strip(),
+    }
     assert not forbidden & set(env.values())
     assert not any(f in v for f in forbidden for v in env.values())
-    for key in ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_TOKEN",
-                "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"):
+    for key in (
+        "MLFLOW_TRACKING_PASSWORD",
+        "MLFLOW_TRACKING_USERNAME",
+        "MLFLOW_TRACKING_TOKEN",
+        "MLFLOW_AUTH_ADMIN_PASSWORD",
+        "MLFLOW_FLASK_SERVER_SECRET_KEY",
+    ):
         assert key not in env
     assert env["MLFLOW_TRACKING_URI"] == mlflow.direct
 
@@ -186,8 +204,9 @@ def test_teammate_can_read_but_not_write(mlflow, users, alice_run):
     run_id, _ = alice_run
     bob = mlflow.api(users["bob"].token)
     assert get_run(mlflow, users["bob"].token, run_id).status_code == 200
-    r = bob.post(mlflow.direct + API + "/runs/log-metric",
-                 json={"run_id": run_id, "key": "loss", "value": 9.9, "timestamp": 0, "step": 1})
+    r = bob.post(
+        mlflow.direct + API + "/runs/log-metric", json={"run_id": run_id, "key": "loss", "value": 9.9, "timestamp": 0, "step": 1}
+    )
     assert r.status_code == 403, r.text
     r = bob.post(mlflow.direct + API + "/runs/delete", json={"run_id": run_id})
     assert r.status_code == 403, r.text
@@ -200,8 +219,9 @@ def test_other_team_can_neither_read_nor_write(mlflow, users, alice_run):
     exp_id = get_run(mlflow, users["alice"].token, run_id).json()["run"]["info"]["experiment_id"]
     r = carol.post(mlflow.direct + API + "/runs/create", json={"experiment_id": exp_id, "start_time": 0})
     assert r.status_code == 403, r.text
-    r = carol.post(mlflow.direct + API + "/runs/log-metric",
-                   json={"run_id": run_id, "key": "loss", "value": 9.9, "timestamp": 0, "step": 1})
+    r = carol.post(
+        mlflow.direct + API + "/runs/log-metric", json={"run_id": run_id, "key": "loss", "value": 9.9, "timestamp": 0, "step": 1}
+    )
     assert r.status_code == 403, r.text
     r = carol.post(mlflow.direct + API + "/experiments/delete", json={"experiment_id": exp_id})
     assert r.status_code == 403, r.text
@@ -213,8 +233,7 @@ def test_anonymous_and_bad_tokens_are_refused(mlflow, where, alice_run):
     run_id, _ = alice_run
     r = requests.get(base + API + "/runs/get", params={"run_id": run_id})
     assert r.status_code == 401, r.text
-    r = requests.get(base + API + "/runs/get", params={"run_id": run_id},
-                     headers={"Authorization": "Bearer not-a-hub-token"})
+    r = requests.get(base + API + "/runs/get", params={"run_id": run_id}, headers={"Authorization": "Bearer not-a-hub-token"})
     assert r.status_code in (401, 403), r.text
     # MLflow basic auth is not accepted from outside: only the service holds passwords.
     r = requests.get(base + API + "/experiments/search", params={"max_results": 1}, auth=("alice", "guess"))
@@ -240,9 +259,11 @@ def test_ui_single_sign_on_with_the_hub_login(hub, mlflow, users, alice_run):
     r = browser.get(mlflow.public + "/ajax-api/2.0/mlflow/runs/get", params={"run_id": run_id})
     assert r.status_code == 200 and r.json()["run"]["info"]["user_id"] == "alice"
     # A cookie-authenticated write from another site is refused.
-    r = browser.post(mlflow.public + "/ajax-api/2.0/mlflow/runs/set-tag",
-                     json={"run_id": run_id, "key": "x", "value": "y"},
-                     headers={"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"})
+    r = browser.post(
+        mlflow.public + "/ajax-api/2.0/mlflow/runs/set-tag",
+        json={"run_id": run_id, "key": "x", "value": "y"},
+        headers={"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"},
+    )
     assert r.status_code == 403
 
 
@@ -264,10 +285,15 @@ def test_run_owner_cannot_be_spoofed(mlflow, users):
         r = alice.post(mlflow.direct + API + "/experiments/create", json={"name": "users/alice/spoof"})
         assert r.status_code == 200, r.text
         exp_id = r.json()["experiment_id"]
-    r = alice.post(mlflow.direct + API + "/runs/create", json={
-        "experiment_id": exp_id, "user_id": "bob", "start_time": 0,
-        "tags": [{"key": "mlflow.user", "value": "bob"}],
-    })
+    r = alice.post(
+        mlflow.direct + API + "/runs/create",
+        json={
+            "experiment_id": exp_id,
+            "user_id": "bob",
+            "start_time": 0,
+            "tags": [{"key": "mlflow.user", "value": "bob"}],
+        },
+    )
     assert r.status_code == 200, r.text
     run = r.json()["run"]
     run_id = run["info"]["run_id"]

@@ -4,7 +4,6 @@ reached from the hub's home page (no second password)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -15,8 +14,7 @@ from support.browser import ARGS, CHROMIUM
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 
-CELL = ("import mlflow\nwith mlflow.start_run() as run:\n    mlflow.log_metric('loss', 0.1)\n"
-        "print('RUN', run.info.run_id)")
+CELL = "import mlflow\nwith mlflow.start_run() as run:\n    mlflow.log_metric('loss', 0.1)\nprint('RUN', run.info.run_id)"
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +40,14 @@ def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
     r = user.start("cpu", team="vision")
     assert r.status_code in (201, 202), r.text
     server = user.wait_ready()
-    notebook = {"cells": [{"cell_type": "code", "source": CELL, "metadata": {}, "outputs": [], "execution_count": None}],
-                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-                "nbformat": 4, "nbformat_minor": 5}
+    notebook = {
+        "cells": [{"cell_type": "code", "source": CELL, "metadata": {}, "outputs": [], "execution_count": None}],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
     server_url = hub.server_url(server["url"])  # its own origin (<user>.localhost) with subdomains
-    r = user.api.put(f"{server_url}api/contents/log-run.ipynb",
-                     json={"type": "notebook", "format": "json", "content": notebook})
+    r = user.api.put(f"{server_url}api/contents/log-run.ipynb", json={"type": "notebook", "format": "json", "content": notebook})
     assert r.status_code in (200, 201), r.text
 
     ctx = browser.new_context()

@@ -66,8 +66,12 @@ def test_extra_config_configures_the_service(monkeypatch, tmp_path):
     # User pods live in gpuhub-users: the hub Service by its namespaced name.
     assert c.Spawner.environment["MLFLOW_TRACKING_URI"] == f"http://hub.gpuhub.svc.cluster.local:{port}/services/mlflow"
     ingress = merged["hub"]["networkPolicy"]["ingress"]
-    assert any(p["port"] == port for rule in ingress for p in rule["ports"]
-               if any("gpuhub-users" in str(src.get("namespaceSelector")) for src in rule["from"]))
+    assert any(
+        p["port"] == port
+        for rule in ingress
+        for p in rule["ports"]
+        if any("gpuhub-users" in str(src.get("namespaceSelector")) for src in rule["from"])
+    )
     user_ns = list(yaml.safe_load_all((REPO / "helm-values" / "user-namespace.yaml").read_text()))
     netpol = next(d for d in user_ns if d and d["kind"] == "NetworkPolicy")
     assert any(p["port"] == port for rule in netpol["spec"]["egress"] for p in rule.get("ports") or [])
@@ -89,8 +93,12 @@ def _selects(selector: dict | None, labels: dict) -> bool:
         return False
     for expr in selector.get("matchExpressions") or []:
         key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and key in labels and labels[key] in values) \
-                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+        if (
+            (op == "In" and labels.get(key) not in values)
+            or (op == "NotIn" and key in labels and labels[key] in values)
+            or (op == "Exists" and key not in labels)
+            or (op == "DoesNotExist" and key in labels)
+        ):
             return False
     return True
 
@@ -109,7 +117,9 @@ def _allowing(rules: list[dict], side: str, port: int, policy_ns: str, pod: dict
             elif not peer:
                 out.append(peer)  # no peers: everyone
             elif "namespaceSelector" in peer:
-                if _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": ns}) and _selects(peer.get("podSelector"), pod):
+                if _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": ns}) and _selects(
+                    peer.get("podSelector"), pod
+                ):
                     out.append(peer)
             elif ns == policy_ns and _selects(peer.get("podSelector"), pod):
                 out.append(peer)
@@ -138,14 +148,18 @@ def rendered():
 
 
 def _pod_labels(docs, name: str) -> dict:
-    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)["spec"]["template"]["metadata"]["labels"]
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)["spec"]["template"]["metadata"][
+        "labels"
+    ]
 
 
 def test_only_the_proxy_and_user_pods_reach_mlflow_on_the_hub_by_selector(rendered):
     netpols = {d["metadata"]["name"]: d for d in rendered if d["kind"] == "NetworkPolicy"}
     for netpol in netpols.values():
         kubernetes_validate.validate(netpol, "1.30", strict=True)
-    port = next(p for p in yaml.safe_load(MLFLOW_VALUES.read_text())["hub"]["service"]["extraPorts"] if p["name"] == "mlflow")["port"]
+    port = next(p for p in yaml.safe_load(MLFLOW_VALUES.read_text())["hub"]["service"]["extraPorts"] if p["name"] == "mlflow")[
+        "port"
+    ]
     hub, proxy = _pod_labels(rendered, "hub"), _pod_labels(rendered, "proxy")
     hub_pol, proxy_pol = netpols["hub"], netpols["proxy"]
     assert _selects(hub_pol["spec"]["podSelector"], hub) and _selects(proxy_pol["spec"]["podSelector"], proxy)
@@ -153,8 +167,9 @@ def test_only_the_proxy_and_user_pods_reach_mlflow_on_the_hub_by_selector(render
     # proxy -> hub:port, both ends by selectors that match the pods the chart renders
     egress = _allowing(proxy_pol["spec"]["egress"], "to", port, HUB_NS, hub, HUB_NS)
     assert any("podSelector" in p for p in egress), "the proxy's egress names the hub pod on the MLflow port"
-    assert not [p for p in egress if _covers_private(p)], \
+    assert not [p for p in egress if _covers_private(p)], (
         f"the proxy reaches the hub's MLflow port through private IP ranges: {[p for p in egress if _covers_private(p)]}"
+    )
     ingress = _allowing(hub_pol["spec"]["ingress"], "from", port, HUB_NS, proxy, HUB_NS)
     assert ingress and all("podSelector" in p and "ipBlock" not in p for p in ingress), ingress
     # No ipBlock opening a private range to any port is left in the proxy's egress (DNS aside).
@@ -165,8 +180,11 @@ def test_only_the_proxy_and_user_pods_reach_mlflow_on_the_hub_by_selector(render
     # notebooks in the user namespace reach it too (the API); nothing else does
     user_pod = {"component": "singleuser-server", "hub.jupyter.org/network-access-hub": "true"}
     assert _allowing(hub_pol["spec"]["ingress"], "from", port, HUB_NS, user_pod, USERS_NS)
-    others = [({**proxy, "release": "other"}, HUB_NS),  # another release's proxy in the namespace
-              ({"hub.jupyter.org/network-access-hub": "true", "app": "anything"}, HUB_NS),  # any pod the hub's API admits
-              (user_pod, "default"), (proxy, USERS_NS)]
+    others = [
+        ({**proxy, "release": "other"}, HUB_NS),  # another release's proxy in the namespace
+        ({"hub.jupyter.org/network-access-hub": "true", "app": "anything"}, HUB_NS),  # any pod the hub's API admits
+        (user_pod, "default"),
+        (proxy, USERS_NS),
+    ]
     for labels, ns in others:
         assert not _allowing(hub_pol["spec"]["ingress"], "from", port, HUB_NS, labels, ns), (labels, ns)

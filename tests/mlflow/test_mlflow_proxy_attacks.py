@@ -34,8 +34,9 @@ MiB = 2**20
 @pytest.fixture(scope="module")
 def mlflow_hub(tmp_path_factory):
     port = free_port()
-    hub = Hub(tmp_path_factory.mktemp("mlflow-attacks"), POLICY,
-              extra_config=mlflow_extra_config(port, {"max_upload_size": MAX_UPLOAD}))
+    hub = Hub(
+        tmp_path_factory.mktemp("mlflow-attacks"), POLICY, extra_config=mlflow_extra_config(port, {"max_upload_size": MAX_UPLOAD})
+    )
     hub.start(timeout=90)
     try:
         yield hub, MlflowEndpoint(hub, port)
@@ -56,8 +57,15 @@ def users(mlflow_hub, mlflow):
     return clients
 
 
-def raw(base: str, method: str, path: str, token: str | None = None, body: bytes | None = None,
-        headers: dict | None = None, cookies: str | None = None) -> tuple[int, bytes]:
+def raw(
+    base: str,
+    method: str,
+    path: str,
+    token: str | None = None,
+    body: bytes | None = None,
+    headers: dict | None = None,
+    cookies: str | None = None,
+) -> tuple[int, bytes]:
     """One request with ``path`` sent exactly as written (no normalisation)."""
     u = urlsplit(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
@@ -105,8 +113,11 @@ def own_run(mlflow, user) -> tuple[str, str]:
 def test_encoded_experiments_create_cannot_squat_a_personal_experiment(mlflow, users, route):
     base = routes(mlflow)[route]
     body = json.dumps({"name": "users/erin"}).encode()
-    for path in (f"{PREFIX}{API}/%65xperiments/create", f"{PREFIX}/ajax-api/2.0/mlflow/experiments/%63reate",
-                 f"{PREFIX}/api/2.0/mlflow/experiments/create"):
+    for path in (
+        f"{PREFIX}{API}/%65xperiments/create",
+        f"{PREFIX}/ajax-api/2.0/mlflow/experiments/%63reate",
+        f"{PREFIX}/api/2.0/mlflow/experiments/create",
+    ):
         status, data = raw(base, "POST", path, users["bob"].token, body)
         assert status == 403, (path, status, data[:300])
         assert b"reserved for hub user erin" in data
@@ -117,8 +128,9 @@ def test_encoded_experiments_create_cannot_squat_a_personal_experiment(mlflow, u
 def test_encoded_runs_create_cannot_record_another_user(mlflow, users, route):
     base = routes(mlflow)[route]
     exp_id, _ = own_run(mlflow, users["bob"])
-    body = json.dumps({"experiment_id": exp_id, "user_id": "alice", "start_time": 0,
-                       "tags": [{"key": "mlflow.user", "value": "alice"}]}).encode()
+    body = json.dumps(
+        {"experiment_id": exp_id, "user_id": "alice", "start_time": 0, "tags": [{"key": "mlflow.user", "value": "alice"}]}
+    ).encode()
     status, data = raw(base, "POST", f"{PREFIX}{API}/runs/%63reate", users["bob"].token, body)
     assert status == 200, data[:300]
     run = json.loads(data)["run"]
@@ -237,9 +249,11 @@ def test_large_upload_and_download_are_streamed_within_bounded_memory(mlflow, us
             n += len(chunk)
         conn.close()
     assert r.status == 200 and n == size and got.hexdigest() == digest.hexdigest()
-    print(f"\nproxy RSS for a {size // MiB} MiB artifact: before {up.before / MiB:.0f} MiB, "
-          f"peak during upload {up.peak / MiB:.0f} MiB, after {up.after / MiB:.0f} MiB; "
-          f"peak during download {down.peak / MiB:.0f} MiB")
+    print(
+        f"\nproxy RSS for a {size // MiB} MiB artifact: before {up.before / MiB:.0f} MiB, "
+        f"peak during upload {up.peak / MiB:.0f} MiB, after {up.after / MiB:.0f} MiB; "
+        f"peak during download {down.peak / MiB:.0f} MiB"
+    )
     assert up.peak - up.before < 64 * MiB, (up.before, up.peak)
     assert down.peak - down.before < 64 * MiB, (down.before, down.peak)
 
@@ -269,8 +283,14 @@ def test_upload_into_another_users_run_is_refused_by_mlflow(mlflow, users):
     exp_id, run_id = own_run(mlflow, users["alice"])
     path = f"{PREFIX}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/planted.bin"
     size = 8 * MiB
-    status, data = raw(mlflow.direct.rsplit(PREFIX, 1)[0], "PUT", path, users["carol"].token,
-                       body=b"".join(_blocks(size)), headers={"Content-Type": "application/octet-stream"})
+    status, data = raw(
+        mlflow.direct.rsplit(PREFIX, 1)[0],
+        "PUT",
+        path,
+        users["carol"].token,
+        body=b"".join(_blocks(size)),
+        headers={"Content-Type": "application/octet-stream"},
+    )
     assert status == 403, data[:300]
     files = mlflow.api(users["alice"].token).get(mlflow.direct + API + "/artifacts/list", params={"run_id": run_id}).json()
     assert "planted.bin" not in {f["path"] for f in files.get("files", [])}
@@ -295,8 +315,13 @@ def test_json_bodies_the_proxy_reads_are_limited_too(mlflow, users):
     filler = b" " * MiB
     chunks = [b'{"run_id": "' + run_id.encode() + b'", "params": [{"key": "big", "value": "1"}]}']
     chunks += [filler] * 17  # JSON allows trailing whitespace: valid, just too large
-    conn.request("POST", path, body=iter(chunks), encode_chunked=True,
-                 headers={"Authorization": f"Bearer {users['alice'].token}", "Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        path,
+        body=iter(chunks),
+        encode_chunked=True,
+        headers={"Authorization": f"Bearer {users['alice'].token}", "Content-Type": "application/json"},
+    )
     r = conn.getresponse()
     data = r.read()
     conn.close()
@@ -309,8 +334,7 @@ def test_json_bodies_the_proxy_reads_are_limited_too(mlflow, users):
 def test_users_list_shows_only_the_caller(mlflow, users):
     for name in ("bob", "carol"):  # make sure several accounts exist
         mlflow.api(users[name].token).get(mlflow.direct + API + "/experiments/search", params={"max_results": 1})
-    for path in (f"{PREFIX}{API}/users/list", f"{PREFIX}/ajax-api/2.0/mlflow/users/list",
-                 f"{PREFIX}{API}/users/%6cist"):
+    for path in (f"{PREFIX}{API}/users/list", f"{PREFIX}/ajax-api/2.0/mlflow/users/list", f"{PREFIX}{API}/users/%6cist"):
         status, data = raw(mlflow.direct.rsplit(PREFIX, 1)[0], "GET", path, users["bob"].token)
         if status == 200:
             assert [u["username"] for u in json.loads(data)["users"]] == ["bob"], data[:300]
@@ -337,11 +361,13 @@ def test_roles_are_not_enumerable(mlflow, users):
     every = admin.get(admin.base + "/api/3.0/mlflow/roles/list").json()["roles"]
     assert len(every) > len(own)  # other teams' roles exist and stay hidden
     other = next(role for role in every if role["id"] not in own)
-    for path, params in (("/api/3.0/mlflow/roles/get", {"role_id": other["id"]}),
-                         ("/api/3.0/mlflow/roles/users/list", {"role_id": other["id"]}),
-                         ("/api/3.0/mlflow/roles/permissions/list", {"role_id": other["id"]}),
-                         ("/api/3.0/mlflow/users/roles/list", {"username": "carol"}),
-                         ("/api/2.0/mlflow/users/get", {"username": "carol"})):
+    for path, params in (
+        ("/api/3.0/mlflow/roles/get", {"role_id": other["id"]}),
+        ("/api/3.0/mlflow/roles/users/list", {"role_id": other["id"]}),
+        ("/api/3.0/mlflow/roles/permissions/list", {"role_id": other["id"]}),
+        ("/api/3.0/mlflow/users/roles/list", {"username": "carol"}),
+        ("/api/2.0/mlflow/users/get", {"username": "carol"}),
+    ):
         r = bob.get(mlflow.direct + path, params=params)
         assert r.status_code == 403, (path, r.status_code, r.text[:300])
 
@@ -377,9 +403,13 @@ def alice_browser(mlflow, users):
     r = session.get(mlflow.public + "/")
     assert r.status_code == 200 and r.url.startswith(mlflow.public), (r.status_code, r.url)
     host = urlsplit(mlflow.public).hostname
-    return "; ".join(f"{c.name}={c.value}" for c in session.cookies
-                     if host == c.domain.lstrip(".") or host.endswith(c.domain if c.domain.startswith(".") else "." + c.domain)
-                     or c.domain in ("localhost", ".localhost", host))
+    return "; ".join(
+        f"{c.name}={c.value}"
+        for c in session.cookies
+        if host == c.domain.lstrip(".")
+        or host.endswith(c.domain if c.domain.startswith(".") else "." + c.domain)
+        or c.domain in ("localhost", ".localhost", host)
+    )
 
 
 def test_cookie_writes_without_same_origin_proof_are_refused(mlflow, users, alice_browser):
@@ -403,8 +433,9 @@ def test_cookie_writes_without_same_origin_proof_are_refused(mlflow, users, alic
     # A form post of text/plain to upload-artifact: what a cross-site <form> can send.
     upload = f"{PREFIX}/ajax-api/2.0/mlflow/upload-artifact?run_uuid={run_id}&path=evil.txt"
     for headers in ({"Origin": "null"}, {}, {"Origin": bob_origin, "Sec-Fetch-Site": "same-site"}):
-        status, data = raw(base, "POST", upload, body=b"owned=1",
-                           headers={"Content-Type": "text/plain", **headers}, cookies=alice_browser)
+        status, data = raw(
+            base, "POST", upload, body=b"owned=1", headers={"Content-Type": "text/plain", **headers}, cookies=alice_browser
+        )
         assert status == 403, (headers, status, data[:300])
     run = mlflow.api(users["alice"].token).get(mlflow.direct + API + "/runs/get", params={"run_id": run_id}).json()["run"]
     assert "csrf" not in {t["key"] for t in run["data"].get("tags", [])}
@@ -412,8 +443,14 @@ def test_cookie_writes_without_same_origin_proof_are_refused(mlflow, users, alic
     assert "evil.txt" not in {f["path"] for f in files.get("files", [])}
 
     # The same write from the service's own origin works, and so does a token without any.
-    status, data = raw(base, "POST", set_tag, body=body, cookies=alice_browser,
-                       headers={"Origin": mlflow.origin, "Sec-Fetch-Site": "same-origin"})
+    status, data = raw(
+        base,
+        "POST",
+        set_tag,
+        body=body,
+        cookies=alice_browser,
+        headers={"Origin": mlflow.origin, "Sec-Fetch-Site": "same-origin"},
+    )
     assert status == 200, data[:300]
     status, data = raw(base, "POST", set_tag, body=body, cookies=alice_browser, headers={"Sec-Fetch-Site": "same-origin"})
     assert status == 200, data[:300]
@@ -424,9 +461,11 @@ def test_cookie_writes_without_same_origin_proof_are_refused(mlflow, users, alic
 # -- issue 19, item 6: a viewer is judged on what a request does, not its method -------------
 LIST_ARTIFACTS = 'query Files { mlflowListArtifacts(input: {runId: "%s"}) { files { path } } }'
 # The MLflow UI's run-page query (MLflow 3.17.2's bundle, trimmed): what a viewer may send.
-UI_GET_RUN = ('query GetRun($data: MlflowGetRunInput!) @component(name: "MLflow.ExperimentRunTracking") '
-              '{ mlflowGetRun(input: $data) { apiError { code message } run { info { runUuid artifactUri } '
-              'data { metrics { key value } } } } }')
+UI_GET_RUN = (
+    'query GetRun($data: MlflowGetRunInput!) @component(name: "MLflow.ExperimentRunTracking") '
+    "{ mlflowGetRun(input: $data) { apiError { code message } run { info { runUuid artifactUri } "
+    "data { metrics { key value } } } } }"
+)
 
 
 @pytest.fixture(scope="module")
@@ -434,11 +473,15 @@ def carols_artifact(mlflow, users):
     """A run of carol's (NLP) with an artifact: what the viewer victor must not list."""
     exp_id, run_id = own_run(mlflow, users["carol"])
     s = mlflow.api(users["carol"].token)
-    r = s.put(f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/nlp-weights.txt",
-              data=b"nlp secret", headers={"Content-Type": "application/octet-stream"})
+    r = s.put(
+        f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/nlp-weights.txt",
+        data=b"nlp secret",
+        headers={"Content-Type": "application/octet-stream"},
+    )
     assert r.status_code == 200, r.text
-    r = s.post(mlflow.direct + API + "/runs/log-metric", json={"run_id": run_id, "key": "loss", "value": 0.5,
-                                                               "timestamp": 0, "step": 1})
+    r = s.post(
+        mlflow.direct + API + "/runs/log-metric", json={"run_id": run_id, "key": "loss", "value": 0.5, "timestamp": 0, "step": 1}
+    )
     assert r.status_code == 200, r.text
     return exp_id, run_id
 
@@ -463,11 +506,20 @@ def test_a_viewer_cannot_list_another_teams_artifacts_through_graphql(mlflow_hub
         "POST": ("POST", graphql, {"query": listing}),
         "POST with a query string": ("POST", graphql + "?" + urlencode({"query": "{ __typename }"}), {"query": listing}),
         "POST, aliased next to an allowed field": (
-            "POST", graphql, {"query": "query { r: %s f: %s }" % (allowed_run, listing.split("{", 1)[1].rsplit("}", 1)[0])}),
+            "POST",
+            graphql,
+            {"query": "query { r: %s f: %s }" % (allowed_run, listing.split("{", 1)[1].rsplit("}", 1)[0])},
+        ),
         "POST, through a fragment": (
-            "POST", graphql, {"query": "query Q { ...F } fragment F on Query { %s }" % listing.split("{", 1)[1].rsplit("}", 1)[0]}),
+            "POST",
+            graphql,
+            {"query": "query Q { ...F } fragment F on Query { %s }" % listing.split("{", 1)[1].rsplit("}", 1)[0]},
+        ),
         "POST, a second operation beside the named one": (
-            "POST", graphql, {"query": "query Ok { %s } %s" % (allowed_run, listing), "operationName": "Files"}),
+            "POST",
+            graphql,
+            {"query": "query Ok { %s } %s" % (allowed_run, listing), "operationName": "Files"},
+        ),
     }
     seen = {}
     for what, (method, path, payload) in attacks.items():
@@ -485,9 +537,13 @@ def test_a_viewer_cannot_list_another_teams_artifacts_through_graphql(mlflow_hub
     assert status == 200, data[:300]
     assert [f["path"] for f in json.loads(data)["data"]["mlflowListArtifacts"]["files"]] == ["nlp-weights.txt"]
     # And the viewer may open the run the way the MLflow UI does (issue 20): metrics, no files.
-    status, data = raw(base, "POST", graphql, victor.token,
-                       json.dumps({"query": UI_GET_RUN, "operationName": "GetRun",
-                                   "variables": {"data": {"runId": run_id}}}).encode())
+    status, data = raw(
+        base,
+        "POST",
+        graphql,
+        victor.token,
+        json.dumps({"query": UI_GET_RUN, "operationName": "GetRun", "variables": {"data": {"runId": run_id}}}).encode(),
+    )
     assert status == 200, data[:300]
     run = json.loads(data)["data"]["mlflowGetRun"]["run"]
     assert run["info"]["runUuid"] == run_id and [m["key"] for m in run["data"]["metrics"]] == ["loss"]

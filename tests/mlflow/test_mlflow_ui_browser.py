@@ -48,20 +48,30 @@ def carols_run(mlflow_hub):
     r = s.post(mlflow.direct + API + "/experiments/create", json={"name": "users/carol/ui-viewer"})
     assert r.status_code == 200, r.text
     exp_id = r.json()["experiment_id"]
-    r = s.post(mlflow.direct + API + "/runs/create", json={"experiment_id": exp_id, "start_time": 1_700_000_000_000,
-                                                            "run_name": "carol-bert-finetune"})
+    r = s.post(
+        mlflow.direct + API + "/runs/create",
+        json={"experiment_id": exp_id, "start_time": 1_700_000_000_000, "run_name": "carol-bert-finetune"},
+    )
     assert r.status_code == 200, r.text
     run = r.json()["run"]["info"]
-    r = s.post(mlflow.direct + API + "/runs/log-batch", json={
-        "run_id": run["run_id"],
-        "metrics": [{"key": METRIC, "value": 0.8125, "timestamp": 1_700_000_000_000 + i, "step": i} for i in range(3)],
-        "params": [{"key": "learning_rate", "value": "0.0003"}]})
+    r = s.post(
+        mlflow.direct + API + "/runs/log-batch",
+        json={
+            "run_id": run["run_id"],
+            "metrics": [{"key": METRIC, "value": 0.8125, "timestamp": 1_700_000_000_000 + i, "step": i} for i in range(3)],
+            "params": [{"key": "learning_rate", "value": "0.0003"}],
+        },
+    )
     assert r.status_code == 200, r.text
-    r = s.put(f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run['run_id']}/artifacts/{ARTIFACT}",
-              data=b"secret weights", headers={"Content-Type": "application/octet-stream"})
+    r = s.put(
+        f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run['run_id']}/artifacts/{ARTIFACT}",
+        data=b"secret weights",
+        headers={"Content-Type": "application/octet-stream"},
+    )
     assert r.status_code == 200, r.text
-    r = s.post(mlflow.direct + API + "/runs/update", json={"run_id": run["run_id"], "status": "FINISHED",
-                                                            "end_time": 1_700_000_100_000})
+    r = s.post(
+        mlflow.direct + API + "/runs/update", json={"run_id": run["run_id"], "status": "FINISHED", "end_time": 1_700_000_100_000}
+    )
     assert r.status_code == 200, r.text
     return exp_id, run["run_id"], run["run_name"]
 
@@ -160,8 +170,10 @@ def test_the_ui_page_loads_the_hubs_ui_defaults_from_its_own_origin(mlflow_hub):
     # What a browser that cached MLflow's own page (before this hub added the script) sends.
     admin = mlflow.admin()
     theirs_etag = admin.get(admin.base + "/").headers["ETag"]
-    r = s.get(mlflow.direct + "/", headers={"If-None-Match": theirs_etag, "Accept-Encoding": "gzip",
-                                           "If-Modified-Since": "Sat, 01 Jan 2100 00:00:00 GMT"})
+    r = s.get(
+        mlflow.direct + "/",
+        headers={"If-None-Match": theirs_etag, "Accept-Encoding": "gzip", "If-Modified-Since": "Sat, 01 Jan 2100 00:00:00 GMT"},
+    )
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html"), (r.status_code, r.headers)
     page = r.text
     ours, theirs = page.find('<script src="gpuhub/ui-defaults.js"></script>'), page.find("static-files/static/js/main.")
@@ -170,8 +182,13 @@ def test_the_ui_page_loads_the_hubs_ui_defaults_from_its_own_origin(mlflow_hub):
     r = s.get(mlflow.direct + "/gpuhub/ui-defaults.js")
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/javascript"), r.headers
     assert r.headers["X-Content-Type-Options"] == "nosniff"
-    for key in ("mlflow.workflowType_v1", "machine_learning", "mlflow.settings.telemetry.enabled_v1",
-                "mlflow.telemetry.info.alert.dismissed_v1", "mlflow.detectIssues.guidanceShown_v1"):
+    for key in (
+        "mlflow.workflowType_v1",
+        "machine_learning",
+        "mlflow.settings.telemetry.enabled_v1",
+        "mlflow.telemetry.info.alert.dismissed_v1",
+        "mlflow.detectIssues.guidanceShown_v1",
+    ):
         assert key in r.text, key
     # Not anonymous: the page and the script need the hub login like everything else here.
     assert mlflow.api(None).get(mlflow.direct + "/gpuhub/ui-defaults.js", allow_redirects=False).status_code in (302, 401)

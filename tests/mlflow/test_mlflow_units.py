@@ -35,7 +35,11 @@ def test_configure_merges_into_existing_config(tmp_path):
     assert sorted(r["name"] for r in c.JupyterHub.load_roles) == ["culler", "gpuhub-mlflow-service", "server"]
     assert c.JupyterHub.extra_user_scopes == {"read:groups", "access:services!service=mlflow"}
     assert c.Spawner.server_token_scopes == [
-        "users:activity!user", "access:servers!server", "read:users:name!user", "access:services!service=mlflow"]
+        "users:activity!user",
+        "access:servers!server",
+        "read:users:name!user",
+        "access:services!service=mlflow",
+    ]
     env = c.Spawner.environment
     assert env["GPUHUB_TEST_RUN"] == "1"
     assert env["MLFLOW_TRACKING_URI"] == env["GPUHUB_MLFLOW_TRACKING_URI"] == "http://127.0.0.1:12345/services/mlflow"
@@ -43,15 +47,23 @@ def test_configure_merges_into_existing_config(tmp_path):
     assert callable(env["MLFLOW_EXPERIMENT_NAME"])
     assert c.JupyterHub.template_vars["other"] == 1
     assert c.JupyterHub.template_vars["gpuhub_links"] == [
-        {"name": "GPUs", "url": "/hub/gpuhub"}, {"name": "MLflow", "url": "/services/mlflow/", "service": "mlflow"}]
+        {"name": "GPUs", "url": "/hub/gpuhub"},
+        {"name": "MLflow", "url": "/services/mlflow/", "service": "mlflow"},
+    ]
     # Nothing secret in the hub config: no password, no key.
     assert "password" not in json.dumps(c.JupyterHub.services).lower()
 
 
 def test_configure_defaults_keep_the_server_role_scopes(tmp_path):
     c = Config()
-    configure(c, data_dir=str(tmp_path), token_env=True, tracking_uri="http://proxy-public/services/mlflow",
-              backend_store_uri="postgresql://mlflow:pw@db/mlflow", bind_ip="0.0.0.0")
+    configure(
+        c,
+        data_dir=str(tmp_path),
+        token_env=True,
+        tracking_uri="http://proxy-public/services/mlflow",
+        backend_store_uri="postgresql://mlflow:pw@db/mlflow",
+        bind_ip="0.0.0.0",
+    )
     svc = c.JupyterHub.services[0]
     assert "postgresql://mlflow:pw@db/mlflow" not in " ".join(svc["command"])  # the hub logs commands
     assert svc["environment"]["GPUHUB_MLFLOW_BACKEND_STORE_URI"] == "postgresql://mlflow:pw@db/mlflow"
@@ -83,9 +95,12 @@ def test_every_feature_adds_to_the_server_token_and_none_replaces(tmp_path):
     stock = set(next(r for r in get_default_roles() if r["name"] == "server")["scopes"])
     for order in ("scopes-first", "mlflow-first"):
         c = Config()
-        steps = [lambda: configure_scopes(c), lambda: configure(c, data_dir=str(tmp_path / order)),
-                 lambda: configure_jobs(c, tmp_path / order)]
-        for step in (steps if order == "scopes-first" else [steps[1], steps[0], steps[2]]):
+        steps = [
+            lambda: configure_scopes(c),
+            lambda: configure(c, data_dir=str(tmp_path / order)),
+            lambda: configure_jobs(c, tmp_path / order),
+        ]
+        for step in steps if order == "scopes-first" else [steps[1], steps[0], steps[2]]:
             step()
         assert "server_token_scopes" not in c.Spawner
         [server] = [r for r in c.JupyterHub.load_roles if r["name"] == "server"]
@@ -96,13 +111,18 @@ def test_every_feature_adds_to_the_server_token_and_none_replaces(tmp_path):
 def test_printed_run_links_use_the_public_address():
     from gpuhub_notebook.mlflow_context import public_link
 
-    env = {"GPUHUB_MLFLOW_TRACKING_URI": "http://127.0.0.1:10101/services/mlflow",
-           "GPUHUB_MLFLOW_UI_URL": "http://mlflow--service.localhost:8000/services/mlflow/"}
-    printed = ("🏃 View run calm-owl at: http://127.0.0.1:10101/services/mlflow/#/experiments/1/runs/abc\n"
-               "🧪 View experiment at: http://127.0.0.1:10101/services/mlflow/#/experiments/1\n")
+    env = {
+        "GPUHUB_MLFLOW_TRACKING_URI": "http://127.0.0.1:10101/services/mlflow",
+        "GPUHUB_MLFLOW_UI_URL": "http://mlflow--service.localhost:8000/services/mlflow/",
+    }
+    printed = (
+        "🏃 View run calm-owl at: http://127.0.0.1:10101/services/mlflow/#/experiments/1/runs/abc\n"
+        "🧪 View experiment at: http://127.0.0.1:10101/services/mlflow/#/experiments/1\n"
+    )
     assert public_link(printed, env) == (
         "🏃 View run calm-owl at: http://mlflow--service.localhost:8000/services/mlflow/#/experiments/1/runs/abc\n"
-        "🧪 View experiment at: http://mlflow--service.localhost:8000/services/mlflow/#/experiments/1\n")
+        "🧪 View experiment at: http://mlflow--service.localhost:8000/services/mlflow/#/experiments/1\n"
+    )
     # No public address known (no per-user origins): MLflow's own output, unchanged.
     assert public_link(printed, {**env, "GPUHUB_MLFLOW_UI_URL": ""}) == printed
     # A tracking URI the user chose elsewhere is not touched.
@@ -111,26 +131,37 @@ def test_printed_run_links_use_the_public_address():
 
 
 def test_run_owner_is_forced_to_the_hub_user():
-    body = json.dumps({"experiment_id": "1", "user_id": "bob",
-                       "tags": [{"key": "mlflow.user", "value": "bob"}, {"key": "k", "value": "v"}]}).encode()
+    body = json.dumps(
+        {"experiment_id": "1", "user_id": "bob", "tags": [{"key": "mlflow.user", "value": "bob"}, {"key": "k", "value": "v"}]}
+    ).encode()
     out = json.loads(rewrite_request("api/2.0/mlflow/runs/create", "POST", body, "alice"))
     assert out["user_id"] == "alice"
     assert {t["key"]: t["value"] for t in out["tags"]} == {"mlflow.user": "alice", "k": "v"}
-    out = json.loads(rewrite_request("ajax-api/2.0/mlflow/runs/set-tag", "POST",
-                                     b'{"run_id": "r", "key": "mlflow.user", "value": "bob"}', "alice"))
+    out = json.loads(
+        rewrite_request(
+            "ajax-api/2.0/mlflow/runs/set-tag", "POST", b'{"run_id": "r", "key": "mlflow.user", "value": "bob"}', "alice"
+        )
+    )
     assert out["value"] == "alice"
-    out = json.loads(rewrite_request("api/2.0/mlflow/runs/log-batch", "POST",
-                                     b'{"run_id": "r", "tags": [{"key": "mlflow.user", "value": "bob"}]}', "alice"))
+    out = json.loads(
+        rewrite_request(
+            "api/2.0/mlflow/runs/log-batch", "POST", b'{"run_id": "r", "tags": [{"key": "mlflow.user", "value": "bob"}]}', "alice"
+        )
+    )
     assert out["tags"] == [{"key": "mlflow.user", "value": "alice"}]
-    out = json.loads(rewrite_request("ajax-api/2.0/mlflow/runs/create-promptlab-run", "POST",
-                                     b'{"experiment_id": "1", "user_id": "bob"}', "alice"))
+    out = json.loads(
+        rewrite_request(
+            "ajax-api/2.0/mlflow/runs/create-promptlab-run", "POST", b'{"experiment_id": "1", "user_id": "bob"}', "alice"
+        )
+    )
     assert out["user_id"] == "alice"
     # Unrelated requests pass byte for byte.
     assert rewrite_request("api/2.0/mlflow/runs/log-metric", "POST", b'{"a":1}', "alice") == b'{"a":1}'
 
 
-@pytest.mark.parametrize("path,field", [("api/2.0/mlflow/experiments/create", "name"),
-                                        ("ajax-api/2.0/mlflow/experiments/update", "new_name")])
+@pytest.mark.parametrize(
+    "path,field", [("api/2.0/mlflow/experiments/create", "name"), ("ajax-api/2.0/mlflow/experiments/update", "new_name")]
+)
 def test_personal_experiment_names_are_reserved(path, field):
     with pytest.raises(Refused):
         rewrite_request(path, "POST", json.dumps({field: "users/alice/x", "experiment_id": "1"}).encode(), "bob")
@@ -138,18 +169,36 @@ def test_personal_experiment_names_are_reserved(path, field):
     rewrite_request(path, "POST", json.dumps({field: "team-vision/x", "experiment_id": "1"}).encode(), "bob")
 
 
-@pytest.mark.parametrize("path", ["signup", "api/2.0/mlflow/users/create", "ajax-api/2.0/mlflow/users/update-password",
-                                  "api/2.0/mlflow/users/update-admin", "api/2.0/mlflow/users/delete",
-                                  "api/2.0/mlflow/users/create-ui", "api/3.0/mlflow/roles/assign",
-                                  "ajax-api/3.0/mlflow/roles/permissions/add", "api/3.0/mlflow/roles/get",
-                                  "api/3.0/mlflow/roles/users/list", "api/3.0/mlflow/roles/permissions/list",
-                                  "api/9.9/mlflow/users/anything-new"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "signup",
+        "api/2.0/mlflow/users/create",
+        "ajax-api/2.0/mlflow/users/update-password",
+        "api/2.0/mlflow/users/update-admin",
+        "api/2.0/mlflow/users/delete",
+        "api/2.0/mlflow/users/create-ui",
+        "api/3.0/mlflow/roles/assign",
+        "ajax-api/3.0/mlflow/roles/permissions/add",
+        "api/3.0/mlflow/roles/get",
+        "api/3.0/mlflow/roles/users/list",
+        "api/3.0/mlflow/roles/permissions/list",
+        "api/9.9/mlflow/users/anything-new",
+    ],
+)
 def test_account_administration_is_blocked(path):
     assert account_route(path) == "block"
 
 
-@pytest.mark.parametrize("path", ["api/2.0/mlflow/users/current", "ajax-api/3.0/mlflow/users/permissions/grant",
-                                  "ajax-api/3.0/mlflow/users/current/permissions", "api/3.0/mlflow/users/roles/list"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "api/2.0/mlflow/users/current",
+        "ajax-api/3.0/mlflow/users/permissions/grant",
+        "ajax-api/3.0/mlflow/users/current/permissions",
+        "api/3.0/mlflow/users/roles/list",
+    ],
+)
 def test_self_service_account_routes_pass(path):
     assert account_route(path) == "allow"
 
@@ -161,22 +210,33 @@ def test_listings_are_filtered_and_other_routes_untouched():
     assert account_route("api/2.0/mlflow-artifacts/artifacts/users/list") is None
 
 
-@pytest.mark.parametrize("raw", [
-    "/services/mlflow/api/2.0/mlflow/experiments%2Fcreate", "/services/mlflow/api/2.0/mlflow/experiments%2fcreate",
-    "/services/mlflow/api/2.0/mlflow/x/../experiments/create", "/services/mlflow/api/2.0/mlflow/x/%2e%2E/experiments/create",
-    "/services/mlflow/api/2.0/mlflow/./runs/create", "/services/mlflow/api/2.0/mlflow/%2E/runs/create",
-    "/services/mlflow/api/2.0//mlflow/runs/create", "/services/mlflow/api/2.0/mlflow/runs\\create",
-    "/services/mlflow/api/2.0/mlflow/runs%5Ccreate", "/services/mlflow/api/2.0/mlflow/%2565xperiments/create",
-    "/services/mlflow/api/2.0/mlflow/runs/create%00", "/services/mlflow/api/2.0/mlflow/%ff/create",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "/services/mlflow/api/2.0/mlflow/experiments%2Fcreate",
+        "/services/mlflow/api/2.0/mlflow/experiments%2fcreate",
+        "/services/mlflow/api/2.0/mlflow/x/../experiments/create",
+        "/services/mlflow/api/2.0/mlflow/x/%2e%2E/experiments/create",
+        "/services/mlflow/api/2.0/mlflow/./runs/create",
+        "/services/mlflow/api/2.0/mlflow/%2E/runs/create",
+        "/services/mlflow/api/2.0//mlflow/runs/create",
+        "/services/mlflow/api/2.0/mlflow/runs\\create",
+        "/services/mlflow/api/2.0/mlflow/runs%5Ccreate",
+        "/services/mlflow/api/2.0/mlflow/%2565xperiments/create",
+        "/services/mlflow/api/2.0/mlflow/runs/create%00",
+        "/services/mlflow/api/2.0/mlflow/%ff/create",
+    ],
+)
 def test_ambiguous_paths_are_refused(raw):
     with pytest.raises(AmbiguousPath):
         decode_path(raw)
 
 
 def test_paths_are_decoded_like_mlflow_and_reencoded_canonically():
-    assert decode_path("/services/mlflow/api/2.0/mlflow/%65xperiments/create") == \
-        "/services/mlflow/api/2.0/mlflow/experiments/create"
+    assert (
+        decode_path("/services/mlflow/api/2.0/mlflow/%65xperiments/create")
+        == "/services/mlflow/api/2.0/mlflow/experiments/create"
+    )
     assert decode_path("/services/mlflow/api/2.0/mlflow/runs/%63reate") == "/services/mlflow/api/2.0/mlflow/runs/create"
     assert decode_path("/services/mlflow/") == "/services/mlflow/"
     name = "/services/mlflow/api/2.0/mlflow-artifacts/artifacts/1/r/artifacts/a b?#100%.txt"
@@ -248,12 +308,24 @@ def test_tags_from_identity_and_a_real_git_repo(tmp_path):
     from gpuhub_notebook import gitinfo, identity
     from gpuhub_notebook.mlflow_context import tags_for
 
-    env = {"GPUHUB_USER": "alice", "GPUHUB_TEAM": "vision", "GPUHUB_PROFILE": "a100-1",
-           "GPUHUB_IMAGE": "registry/img@sha256:abc", "GPUHUB_GPU_COUNT": "1", "GPUHUB_GPU_FLAVOR": "a100",
-           "GPUHUB_SERVER_NAME": "exp"}
+    env = {
+        "GPUHUB_USER": "alice",
+        "GPUHUB_TEAM": "vision",
+        "GPUHUB_PROFILE": "a100-1",
+        "GPUHUB_IMAGE": "registry/img@sha256:abc",
+        "GPUHUB_GPU_COUNT": "1",
+        "GPUHUB_GPU_FLAVOR": "a100",
+        "GPUHUB_SERVER_NAME": "exp",
+    }
     ident = identity.current(env)
-    genv = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@e", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    genv = {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@e",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@e",
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+    }
     run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, env=genv, check=True, capture_output=True, text=True)
     (tmp_path / "f.py").write_text("1\n")
     run("init", "-q")
@@ -319,11 +391,14 @@ def test_service_settings_are_traitlets(monkeypatch, tmp_path):
     assert app.public_origins == ["http://mlflow--service.localhost:8000"]  # from the hub's env
     # What configure(service_options=...) writes:
     c = Config()
-    configure(c, data_dir=str(tmp_path), service_options={"max_upload_size": 5 * 2**20,
-                                                          "public_origins": ["https://Hub.example.org:443/x"]})
+    configure(
+        c,
+        data_dir=str(tmp_path),
+        service_options={"max_upload_size": 5 * 2**20, "public_origins": ["https://Hub.example.org:443/x"]},
+    )
     command = c.JupyterHub.services[0]["command"]
     app = MlflowService()
-    app.initialize(command[command.index("--data-dir"):])
+    app.initialize(command[command.index("--data-dir") :])
     assert app.max_upload_size == 5 * 2**20
     assert app.public_origins == ["https://hub.example.org"]
     with pytest.raises(TraitError):

@@ -30,11 +30,15 @@ def carols_run(mlflow_hub):
     exp_id = r.json()["experiment_id"]
     r = s.post(mlflow.direct + API + "/runs/create", json={"experiment_id": exp_id, "start_time": 0})
     run_id = r.json()["run"]["info"]["run_id"]
-    r = s.post(mlflow.direct + API + "/runs/log-metric", json={"run_id": run_id, "key": "loss", "value": 0.25,
-                                                               "timestamp": 0, "step": 1})
+    r = s.post(
+        mlflow.direct + API + "/runs/log-metric", json={"run_id": run_id, "key": "loss", "value": 0.25, "timestamp": 0, "step": 1}
+    )
     assert r.status_code == 200, r.text
-    r = s.put(f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/weights.txt",
-              data=b"secret weights", headers={"Content-Type": "application/octet-stream"})
+    r = s.put(
+        f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/weights.txt",
+        data=b"secret weights",
+        headers={"Content-Type": "application/octet-stream"},
+    )
     assert r.status_code == 200, r.text
     return exp_id, run_id
 
@@ -74,8 +78,12 @@ def test_a_viewer_reads_metrics_but_no_artifacts_and_changes_nothing(mlflow_hub,
         status, body = raw_get(base, path, victor.token)
         assert status in (400, 403) and b"secret weights" not in body, (path, status, body[:200])
     # No writes: metrics, new experiments, deletions.
-    assert v.post(mlflow.direct + API + "/runs/log-metric", json={"run_id": run_id, "key": "loss", "value": 9,
-                                                                  "timestamp": 0}).status_code == 403
+    assert (
+        v.post(
+            mlflow.direct + API + "/runs/log-metric", json={"run_id": run_id, "key": "loss", "value": 9, "timestamp": 0}
+        ).status_code
+        == 403
+    )
     assert v.post(mlflow.direct + API + "/experiments/create", json={"name": "victors"}).status_code == 403
     assert v.post(mlflow.direct + API + "/runs/delete", json={"run_id": run_id}).status_code == 403
     s = mlflow.api(hub.login("carol").token)
@@ -94,17 +102,28 @@ def test_a_viewer_gets_the_ui_trace_aggregates_but_no_trace_write(mlflow_hub, ca
     hub, mlflow = mlflow_hub
     exp_id, run_id = carols_run
     v = mlflow.api(hub.login("victor").token)
-    query = {"experiment_ids": [exp_id], "view_type": "TRACES", "metric_name": "trace_count",
-             "aggregations": [{"aggregation_type": "COUNT"}],
-             "filters": [f'trace.metadata.`mlflow.sourceRun` = "{run_id}"']}
+    query = {
+        "experiment_ids": [exp_id],
+        "view_type": "TRACES",
+        "metric_name": "trace_count",
+        "aggregations": [{"aggregation_type": "COUNT"}],
+        "filters": [f'trace.metadata.`mlflow.sourceRun` = "{run_id}"'],
+    }
     for api in ("/api/3.0/mlflow", "/ajax-api/3.0/mlflow"):
         r = v.post(mlflow.direct + api + "/traces/metrics", json=query)
         assert r.status_code == 200, (api, r.status_code, r.text)
         assert "data_points" in r.json() or r.json() == {}, r.text
-    for method, path in (("DELETE", "/traces/metrics"), ("PUT", "/traces/metrics"),
-                         ("POST", "/traces/delete-traces"), ("POST", "/traces/link-to-run")):
-        r = v.request(method, mlflow.direct + "/api/3.0/mlflow" + path,
-                      json={"experiment_id": exp_id, "max_traces": 10, "request_ids": ["x"], "run_id": run_id})
+    for method, path in (
+        ("DELETE", "/traces/metrics"),
+        ("PUT", "/traces/metrics"),
+        ("POST", "/traces/delete-traces"),
+        ("POST", "/traces/link-to-run"),
+    ):
+        r = v.request(
+            method,
+            mlflow.direct + "/api/3.0/mlflow" + path,
+            json={"experiment_id": exp_id, "max_traces": 10, "request_ids": ["x"], "run_id": run_id},
+        )
         assert r.status_code == 403, (method, path, r.status_code, r.text)
     # mallory (no team, no role) is refused by MLflow itself: no read-everything grant.
     r = mlflow.api(hub.login("mallory").token).post(mlflow.direct + "/api/3.0/mlflow/traces/metrics", json=query)
@@ -120,10 +139,14 @@ def log_run_with_artifact(mlflow, token: str, experiment: str, content: bytes) -
     r = s.post(mlflow.direct + API + "/experiments/create", json={"name": experiment})
     assert r.status_code == 200, r.text
     exp_id = r.json()["experiment_id"]
-    run_id = s.post(mlflow.direct + API + "/runs/create", json={"experiment_id": exp_id, "start_time": 0}
-                    ).json()["run"]["info"]["run_id"]
-    r = s.put(f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/weights.txt",
-              data=content, headers={"Content-Type": "application/octet-stream"})
+    run_id = s.post(mlflow.direct + API + "/runs/create", json={"experiment_id": exp_id, "start_time": 0}).json()["run"]["info"][
+        "run_id"
+    ]
+    r = s.put(
+        f"{mlflow.direct}/api/2.0/mlflow-artifacts/artifacts/{exp_id}/{run_id}/artifacts/weights.txt",
+        data=content,
+        headers={"Content-Type": "application/octet-stream"},
+    )
     assert r.status_code == 200, r.text
     return exp_id, run_id
 
@@ -142,8 +165,12 @@ def edit_policy(hub, text: str) -> None:
 
     loaded = hub.log.read_text(errors="replace").count("Loaded policy")
     hub.policy.write_text(text)
-    wait_for(lambda: hub.log.read_text(errors="replace").count("Loaded policy") > loaded, 30,
-             "the hub to reload the policy", interval=0.3)
+    wait_for(
+        lambda: hub.log.read_text(errors="replace").count("Loaded policy") > loaded,
+        30,
+        "the hub to reload the policy",
+        interval=0.3,
+    )
 
 
 def test_a_viewer_moved_into_a_team_keeps_no_read_everything_grant_and_back(mlflow_hub, carols_run):
@@ -155,8 +182,7 @@ def test_a_viewer_moved_into_a_team_keeps_no_read_everything_grant_and_back(mlfl
     the team role and the viewer rules return."""
     hub, mlflow = mlflow_hub
     carol_exp, carol_run = carols_run
-    alice_exp, alice_run = log_run_with_artifact(mlflow, hub.login("alice").token, "users/alice/revocation",
-                                                 b"alice weights")
+    alice_exp, alice_run = log_run_with_artifact(mlflow, hub.login("alice").token, "users/alice/revocation", b"alice weights")
     victor = hub.login("victor")  # one login: the same token throughout
     base = mlflow.direct.rsplit(PREFIX, 1)[0]
 
@@ -176,8 +202,9 @@ def test_a_viewer_moved_into_a_team_keeps_no_read_everything_grant_and_back(mlfl
     assert VIEWER_ROLE in mlflow_roles(mlflow, "victor")
 
     original = hub.policy.read_text()
-    moved = (original.replace("viewers: [department-heads]", "viewers: []")
-             .replace("groups: [vision-lab]", "groups: [vision-lab, department-heads]"))
+    moved = original.replace("viewers: [department-heads]", "viewers: []").replace(
+        "groups: [vision-lab]", "groups: [vision-lab, department-heads]"
+    )
     assert moved.count("department-heads") == 1
     try:
         edit_policy(hub, moved)
@@ -201,4 +228,3 @@ def test_a_viewer_moved_into_a_team_keeps_no_read_everything_grant_and_back(mlfl
     finally:
         if hub.policy.read_text() != original:
             edit_policy(hub, original)
-

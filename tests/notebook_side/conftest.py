@@ -23,9 +23,14 @@ def nb_server(tmp_path_factory, fake_nvml, hub_stand_in):
     """What a gpuhub GPU server looks like: hub env, two of three GPUs, a named server."""
     server = NotebookServer(
         tmp_path_factory.mktemp("nbserver"),
-        {"GPUHUB_FAKE_NVML": str(fake_nvml.path), "CUDA_VISIBLE_DEVICES": VISIBLE,
-         "JUPYTERHUB_API_URL": hub_stand_in.api_url, "JUPYTERHUB_API_TOKEN": HUB_TOKEN,
-         "JUPYTERHUB_USER": USER, "JUPYTERHUB_SERVER_NAME": SERVER_NAME},
+        {
+            "GPUHUB_FAKE_NVML": str(fake_nvml.path),
+            "CUDA_VISIBLE_DEVICES": VISIBLE,
+            "JUPYTERHUB_API_URL": hub_stand_in.api_url,
+            "JUPYTERHUB_API_TOKEN": HUB_TOKEN,
+            "JUPYTERHUB_USER": USER,
+            "JUPYTERHUB_SERVER_NAME": SERVER_NAME,
+        },
         base_url=f"/user/{USER}/{SERVER_NAME}/",
     ).start()
     yield server

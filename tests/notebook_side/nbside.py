@@ -78,22 +78,34 @@ class HubStandIn:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
                 with stand_in.lock:
-                    stand_in.requests.append({"method": method, "path": self.path,
-                                              "auth": self.headers.get("Authorization"),
-                                              "body": json.loads(raw) if raw else None})
+                    stand_in.requests.append(
+                        {
+                            "method": method,
+                            "path": self.path,
+                            "auth": self.headers.get("Authorization"),
+                            "body": json.loads(raw) if raw else None,
+                        }
+                    )
                     if self.headers.get("Authorization") != f"token {HUB_TOKEN}":
                         return self._reply(403, {"message": "bad token"})
                     prefix = "/hub/api/gpuhub/culling/"
                     path = self.path.split("?")[0]  # ?gpu_wait= (a long poll): this stand-in answers at once
                     if not path.startswith(prefix):
                         return self._reply(404, {"message": "Not Found"})
-                    rest = path[len(prefix):].split("/")
+                    rest = path[len(prefix) :].split("/")
                     if unquote(rest[0]) != USER:
                         return self._reply(403, {"message": "not your servers"})
                     if method == "GET" and len(rest) == 1:
                         # It answers at once: gpu_wait 0, as a hub that does not hold the long poll.
-                        return self._reply(200, {"servers": dict(stand_in.warnings), "culled": {},
-                                                 "gpu_failed": dict(stand_in.gpu_failed), "gpu_wait": 0})
+                        return self._reply(
+                            200,
+                            {
+                                "servers": dict(stand_in.warnings),
+                                "culled": {},
+                                "gpu_failed": dict(stand_in.gpu_failed),
+                                "gpu_wait": 0,
+                            },
+                        )
                     if method == "POST" and rest[1:] == ["snooze"]:
                         name = json.loads(raw)["server"]
                         w = stand_in.warnings.get(name)
@@ -117,11 +129,22 @@ class HubStandIn:
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
-    def warn(self, server: str = SERVER_NAME, minutes: float = 10, reason: str = "GPU idle for 30 min",
-             snoozes_left: int = 2, snooze_seconds: float = 1800) -> dict:
+    def warn(
+        self,
+        server: str = SERVER_NAME,
+        minutes: float = 10,
+        reason: str = "GPU idle for 30 min",
+        snoozes_left: int = 2,
+        snooze_seconds: float = 1800,
+    ) -> dict:
         now = time.time()
-        w = {"deadline": now + minutes * 60, "reason": reason, "snoozes_left": snoozes_left,
-             "snooze_seconds": snooze_seconds, "warned_at": now}
+        w = {
+            "deadline": now + minutes * 60,
+            "reason": reason,
+            "snoozes_left": snoozes_left,
+            "snooze_seconds": snooze_seconds,
+            "warned_at": now,
+        }
         with self.lock:
             self.warnings[server] = w
         return w
@@ -151,7 +174,9 @@ class NotebookServer:
             (workdir / d).mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "JPY_", "CUDA_", "GPUHUB_"))}
         env.update(
-            PYTHONPATH=os.pathsep.join([str(FAKE_NVML_DIR)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+            PYTHONPATH=os.pathsep.join(
+                [str(FAKE_NVML_DIR)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+            ),
             # Isolated user dirs; the sys.prefix config (where the package put its JSON) still applies.
             JUPYTER_CONFIG_DIR=str(workdir / "config"),
             JUPYTER_DATA_DIR=str(workdir / "data"),
@@ -174,10 +199,23 @@ class NotebookServer:
             self.url = f"http://127.0.0.1:{self.port}{self.base_url}"
             log = open(self.log_path, "ab")
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jupyter_server", "--no-browser", f"--port={self.port}",
-                 "--ServerApp.port_retries=0", "--allow-root", "--ip=127.0.0.1", f"--ServerApp.base_url={self.base_url}",
-                 f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.workdir / 'root'}"],
-                env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                [
+                    sys.executable,
+                    "-m",
+                    "jupyter_server",
+                    "--no-browser",
+                    f"--port={self.port}",
+                    "--ServerApp.port_retries=0",
+                    "--allow-root",
+                    "--ip=127.0.0.1",
+                    f"--ServerApp.base_url={self.base_url}",
+                    f"--IdentityProvider.token={self.token}",
+                    f"--ServerApp.root_dir={self.workdir / 'root'}",
+                ],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
             )
             deadline = time.time() + timeout
             while time.time() < deadline and self.proc.poll() is None:
@@ -216,5 +254,3 @@ class NotebookServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-
-

@@ -76,8 +76,9 @@ def test_kernel_busy_and_idle_and_terminals(nb_server):
     kid = r.json()["id"]
     term = None
     try:
-        idle = _wait(nb_server, lambda b: b["kernels"]["count"] == 1 and b["kernels"]["busy"] == 0
-                     and b["kernels"]["last_activity"])
+        idle = _wait(
+            nb_server, lambda b: b["kernels"]["count"] == 1 and b["kernels"]["busy"] == 0 and b["kernels"]["last_activity"]
+        )
         assert idle["kernels"]["count"] == 1 and idle["kernels"]["busy"] == 0, idle
         started = datetime.fromisoformat(idle["kernels"]["last_activity"].replace("Z", "+00:00"))
 
@@ -131,13 +132,16 @@ def _read(tmp_path, visible, devices=DEVICES, nvml=True):
     return json.loads(r.stdout)
 
 
-@pytest.mark.parametrize("visible, ids", [
-    (None, ["GPU-fake-0", "GPU-fake-1", "GPU-fake-2"]),  # unset: every NVML device
-    ("", []),  # empty: none (a CPU server on a GPU node)
-    ("1", ["1"]),
-    ("GPU-fake-1,GPU-fake-0", ["GPU-fake-1", "GPU-fake-0"]),
-    ("2,NoDevFiles,0", ["2"]),  # CUDA stops at the first entry it cannot parse
-])
+@pytest.mark.parametrize(
+    "visible, ids",
+    [
+        (None, ["GPU-fake-0", "GPU-fake-1", "GPU-fake-2"]),  # unset: every NVML device
+        ("", []),  # empty: none (a CPU server on a GPU node)
+        ("1", ["1"]),
+        ("GPU-fake-1,GPU-fake-0", ["GPU-fake-1", "GPU-fake-0"]),
+        ("2,NoDevFiles,0", ["2"]),  # CUDA stops at the first entry it cannot parse
+    ],
+)
 def test_visible_devices(tmp_path, visible, ids):
     body = _read(tmp_path, visible)
     assert [g["id"] for g in body["gpus"]] == ids
@@ -158,8 +162,9 @@ def test_a_busy_silent_kernel_keeps_its_server_active(tmp_path, fake_nvml):
     from jupyter_client import BlockingKernelClient
     from nbside import NotebookServer
 
-    server = NotebookServer(tmp_path / "busy", {"GPUHUB_FAKE_NVML": str(fake_nvml.path), "JUPYTERHUB_ACTIVITY_INTERVAL": "2"},
-                            base_url="/").start()
+    server = NotebookServer(
+        tmp_path / "busy", {"GPUHUB_FAKE_NVML": str(fake_nvml.path), "JUPYTERHUB_ACTIVITY_INTERVAL": "2"}, base_url="/"
+    ).start()
     try:
         kid = server.post("api/kernels", json={"name": "python3"}).json()["id"]
         kc = BlockingKernelClient()

@@ -40,8 +40,11 @@ def test_warning_notification_and_snooze(nb_server, stand_in, browser, tmp_path)
         toast = page.locator(".Toastify__toast", has_text="This server will be stopped at")
         toast.wait_for()
         text = toast.inner_text()
-        assert re.search(r"This server will be stopped at \d\d:\d\d \(in 1[12] min\): GPU idle for 30 min\. "
-                         r"Your files are kept\.", text), text
+        assert re.search(
+            r"This server will be stopped at \d\d:\d\d \(in 1[12] min\): GPU idle for 30 min\. "
+            r"Your files are kept\.",
+            text,
+        ), text
         # What the extension relies on to tell a shown toast from one the user closed.
         assert toast.evaluate("el => !!el.id && document.getElementById(el.id) === el && !!el.closest('.Toastify')")
         # Same warning, new reading: the toast on screen is updated in place (one toast, not two).
@@ -99,8 +102,13 @@ def test_after_the_stop_the_warning_is_replaced_by_what_happened(fake_nvml, stan
 
     server = NotebookServer(
         tmp_path / "doomed",
-        {"GPUHUB_FAKE_NVML": str(fake_nvml.path), "JUPYTERHUB_API_URL": stand_in.api_url,
-         "JUPYTERHUB_API_TOKEN": HUB_TOKEN, "JUPYTERHUB_USER": USER, "JUPYTERHUB_SERVER_NAME": SERVER_NAME},
+        {
+            "GPUHUB_FAKE_NVML": str(fake_nvml.path),
+            "JUPYTERHUB_API_URL": stand_in.api_url,
+            "JUPYTERHUB_API_TOKEN": HUB_TOKEN,
+            "JUPYTERHUB_USER": USER,
+            "JUPYTERHUB_SERVER_NAME": SERVER_NAME,
+        },
         base_url=f"/user/{USER}/{SERVER_NAME}/",
     ).start()
     stand_in.warn(SERVER_NAME, minutes=0.05, reason="its GPUs were idle for 30m", snoozes_left=0)
@@ -117,8 +125,11 @@ def test_after_the_stop_the_warning_is_replaced_by_what_happened(fake_nvml, stan
         toast = page.locator(".Toastify__toast", has_text="This server was stopped")
         toast.wait_for()
         text = toast.inner_text()
-        assert re.search(r"This server was stopped at \d\d:\d\d: its GPUs were idle for 30m\. Your files are kept; "
-                         r"start it again from the hub home page\.", text), text
+        assert re.search(
+            r"This server was stopped at \d\d:\d\d: its GPUs were idle for 30m\. Your files are kept; "
+            r"start it again from the hub home page\.",
+            text,
+        ), text
         assert toast.get_by_role("button", name="Hub home").count() == 1
         # the stale warning (and its Snooze) is gone, not left beside the notice
         page.locator(".Toastify__toast", has_text="will be stopped").wait_for(state="detached")

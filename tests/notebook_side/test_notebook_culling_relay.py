@@ -71,9 +71,15 @@ def test_relay_needs_the_users_authentication(nb_server, stand_in):
 def test_hub_unreachable_is_a_502_not_a_hang(tmp_path, stand_in):
     from nbside import NotebookServer, free_port
 
-    server = NotebookServer(tmp_path, {"JUPYTERHUB_API_URL": f"http://127.0.0.1:{free_port()}/hub/api",
-                                       "JUPYTERHUB_API_TOKEN": HUB_TOKEN, "JUPYTERHUB_USER": USER},
-                            base_url="/").start()
+    server = NotebookServer(
+        tmp_path,
+        {
+            "JUPYTERHUB_API_URL": f"http://127.0.0.1:{free_port()}/hub/api",
+            "JUPYTERHUB_API_TOKEN": HUB_TOKEN,
+            "JUPYTERHUB_USER": USER,
+        },
+        base_url="/",
+    ).start()
     try:
         r = server.get("gpuhub/culling")
         assert r.status_code == 502 and "unreachable" in r.json()["error"]
@@ -87,6 +93,6 @@ def test_outside_a_hub_the_relay_is_disabled():
     from gpuhub_notebook.server_extension import hub_environment
 
     assert hub_environment({}) is None
-    assert hub_environment({"JUPYTERHUB_API_URL": "http://hub/hub/api/", "JUPYTERHUB_API_TOKEN": "t",
-                            "JUPYTERHUB_USER": "bob"}) == {
-        "url": "http://hub/hub/api", "token": "t", "user": "bob", "server": "", "ssl": {}}
+    assert hub_environment(
+        {"JUPYTERHUB_API_URL": "http://hub/hub/api/", "JUPYTERHUB_API_TOKEN": "t", "JUPYTERHUB_USER": "bob"}
+    ) == {"url": "http://hub/hub/api", "token": "t", "user": "bob", "server": "", "ssl": {}}

@@ -24,8 +24,16 @@ def test_committed_build_output_is_complete():
     assert (BUILT / meta["jupyterlab"]["_build"]["load"]).is_file()
     bundle = "".join(p.read_text() for p in (BUILT / "static").glob("*.js"))
     # The bundle is the current source, not an empty or older build.
-    for text in ("This server will be stopped ", "This server was stopped", "Hub home", "Your files are kept.", "Snooze", "gpuhub", "culling",
-                 "gpuhub-notebook:cull-warning"):
+    for text in (
+        "This server will be stopped ",
+        "This server was stopped",
+        "Hub home",
+        "Your files are kept.",
+        "Snooze",
+        "gpuhub",
+        "culling",
+        "gpuhub-notebook:cull-warning",
+    ):
         assert text in bundle, text
     assert not (BUILT / "static" / "node_modules").exists()
     total = sum(p.stat().st_size for p in BUILT.rglob("*") if p.is_file())
@@ -43,8 +51,9 @@ def test_installed_copy_matches_the_committed_build():
 
 
 def test_jupyter_labextension_list_shows_it_enabled():
-    r = subprocess.run([str(Path(sys.executable).parent / "jupyter"), "labextension", "list"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "jupyter"), "labextension", "list"], capture_output=True, text=True, timeout=120
+    )
     out = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     assert r.returncode == 0, out
     assert re.search(r"gpuhub-notebook v0\.1\.0 enabled\s+OK \(python, gpuhub-notebook\)", out), out
@@ -66,8 +75,12 @@ def test_wheel_carries_lab_extension_and_server_config(tmp_path):
     """What the images install (a plain, non-editable install): no npm, files land in the prefix."""
     import zipfile
 
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(PKG)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(PKG)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("gpuhub_notebook-*.whl")
     with zipfile.ZipFile(wheel) as z:

@@ -39,8 +39,7 @@ class Recorder:
             def _do(self, method):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                recorder.requests.append({"method": method, "path": self.path, "headers": dict(self.headers),
-                                          "body": body})
+                recorder.requests.append({"method": method, "path": self.path, "headers": dict(self.headers), "body": body})
                 status, reply, extra = handle(method, self.path, self.headers)
                 data = json.dumps(reply).encode()
                 self.send_response(status)
@@ -68,8 +67,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def dashboard():
-    d = Recorder(lambda method, path, headers: (200, {"ray_version": "stand-in", "path": path},
-                                                {"Set-Cookie": "ray=1; Path=/"}))
+    d = Recorder(lambda method, path, headers: (200, {"ray_version": "stand-in", "path": path}, {"Set-Cookie": "ray=1; Path=/"}))
     yield d
     d.close()
 
@@ -85,7 +83,7 @@ def hub(clusters):
         if headers.get("Authorization") != f"token {HUB_TOKEN}":
             return 403, {"message": "bad token"}, {}
         prefix = "/hub/api/gpuhub/ray/"
-        name = path.split("?")[0][len(prefix):] if path.startswith(prefix) else None
+        name = path.split("?")[0][len(prefix) :] if path.startswith(prefix) else None
         if method != "GET" or name not in clusters:
             return 404, {"message": "No such Ray cluster."}, {}
         return 200, clusters[name], {}
@@ -100,9 +98,16 @@ def server(tmp_path_factory, hub):
     workdir = tmp_path_factory.mktemp("raydash")
     (workdir / ".ray").mkdir()
     (workdir / ".ray" / "auth_token").write_text(RAY_TOKEN + "\n")  # where the cluster writes it
-    s = NotebookServer(workdir, {"JUPYTERHUB_API_URL": f"http://127.0.0.1:{hub.port}/hub/api",
-                                 "JUPYTERHUB_API_TOKEN": HUB_TOKEN, "JUPYTERHUB_USER": USER,
-                                 "RAY_AUTH_TOKEN": None}, base_url=f"/user/{USER}/").start()
+    s = NotebookServer(
+        workdir,
+        {
+            "JUPYTERHUB_API_URL": f"http://127.0.0.1:{hub.port}/hub/api",
+            "JUPYTERHUB_API_TOKEN": HUB_TOKEN,
+            "JUPYTERHUB_USER": USER,
+            "RAY_AUTH_TOKEN": None,
+        },
+        base_url=f"/user/{USER}/",
+    ).start()
     yield s
     s.stop()
 
@@ -128,8 +133,10 @@ def test_nobody_else_reaches_it(server, dashboard, hub, clusters):
     dashboard.requests.clear()
     url = server.url + "gpuhub/ray/mine/dashboard/api/version"
     assert requests.get(url, timeout=20, allow_redirects=False).status_code in (302, 403)  # not logged in
-    assert requests.get(url, headers={"Authorization": "token someone-elses"}, timeout=20,
-                        allow_redirects=False).status_code in (302, 403)
+    assert requests.get(url, headers={"Authorization": "token someone-elses"}, timeout=20, allow_redirects=False).status_code in (
+        302,
+        403,
+    )
     assert requests.post(url, timeout=20).status_code == 403
     assert dashboard.requests == []
 
@@ -143,14 +150,20 @@ def test_a_dashboard_action_from_another_site_is_refused(server, dashboard, clus
         r = requests.get(url, headers={**server.headers(), "Sec-Fetch-Site": site}, timeout=20)
         assert r.status_code == 403 and "dashboard's own page" in r.text, (site, r.status_code, r.text)
     for sneaky in ("%2561pi/actors/kill", "api/actors/%256Bill", "x/%252E%252E/api/actors/kill"):  # decoded again upstream
-        r = requests.get(server.url + f"gpuhub/ray/mine/dashboard/{sneaky}?actor_id=abc",
-                         headers={**server.headers(), "Sec-Fetch-Site": "cross-site"}, timeout=20)
+        r = requests.get(
+            server.url + f"gpuhub/ray/mine/dashboard/{sneaky}?actor_id=abc",
+            headers={**server.headers(), "Sec-Fetch-Site": "cross-site"},
+            timeout=20,
+        )
         assert r.status_code in (400, 403), (sneaky, r.status_code, r.text)
     assert dashboard.requests == []
     r = requests.get(url, headers={**server.headers(), "Sec-Fetch-Site": "same-origin"}, timeout=20)
     assert r.status_code == 200 and len(dashboard.requests) == 1  # the dashboard's own button
-    r = requests.get(server.url + "gpuhub/ray/mine/dashboard/api/version", headers={**server.headers(),
-                     "Sec-Fetch-Site": "cross-site"}, timeout=20)
+    r = requests.get(
+        server.url + "gpuhub/ray/mine/dashboard/api/version",
+        headers={**server.headers(), "Sec-Fetch-Site": "cross-site"},
+        timeout=20,
+    )
     assert r.status_code == 200  # reading is not acting
 
 
@@ -168,11 +181,17 @@ def test_only_the_callers_running_clusters(server, dashboard, clusters):
 def test_a_port_another_account_listens_on_gets_nothing(server, clusters):
     """If the dashboard died and another account took its port, the owner's token and requests
     must not go there: the kernel's socket table names the listener's account."""
-    probe = ("import socket,sys,time\ns=socket.socket()\ns.bind(('127.0.0.1',0))\ns.listen(8)\n"
-             "print(s.getsockname()[1],flush=True)\ns.settimeout(30)\n"
-             "try:\n  c,_=s.accept();print('CONNECTED',flush=True)\nexcept OSError:\n  pass\n")
-    p = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe],
-                         stdout=subprocess.PIPE, text=True, cwd="/")
+    probe = (
+        "import socket,sys,time\ns=socket.socket()\ns.bind(('127.0.0.1',0))\ns.listen(8)\n"
+        "print(s.getsockname()[1],flush=True)\ns.settimeout(30)\n"
+        "try:\n  c,_=s.accept();print('CONNECTED',flush=True)\nexcept OSError:\n  pass\n"
+    )
+    p = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
     try:
         port = int(p.stdout.readline())
         clusters["stolen"] = running(port)
@@ -202,11 +221,13 @@ def test_listening_uids_reads_the_kernels_table(tmp_path):
         "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
         "   0: 0100007F:2049 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1001        0 1\n"
         "   1: 0100007F:2049 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1002        0 2\n"
-        "   2: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3\n")
+        "   2: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3\n"
+    )
     (tmp_path / "tcp6").write_text(
         "  sl  local_address                         remote_address                        st ...\n"
         "   0: 00000000000000000000000000000000:2049 00000000000000000000000000000000:0000 0A "
-        "00000000:00000000 00:00000000 00000000  1003        0 4\n")
+        "00000000:00000000 00:00000000 00000000  1003        0 4\n"
+    )
     assert listening_uids(0x2049, str(tmp_path)) == {1001, 1003}  # the established one (1002) is no listener
     assert listening_uids(8080, str(tmp_path)) == {0}
     assert listening_uids(1, str(tmp_path)) == set()

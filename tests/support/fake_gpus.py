@@ -19,8 +19,17 @@ def fake_nvml_env(nvml_file, **extra: str) -> dict[str, str]:
 class FakeGpus:
     def __init__(self, path: Path, n: int, utilization: int = 0):
         self.path = path
-        self.devices = [{"uuid": f"GPU-fake-{i}", "name": "NVIDIA Fake A100", "memory_total": 80 * 2**30,
-                         "memory_used": 0, "utilization": utilization, "events": []} for i in range(n)]
+        self.devices = [
+            {
+                "uuid": f"GPU-fake-{i}",
+                "name": "NVIDIA Fake A100",
+                "memory_total": 80 * 2**30,
+                "memory_used": 0,
+                "utilization": utilization,
+                "events": [],
+            }
+            for i in range(n)
+        ]
         self._event = 0
         self.write()
 

@@ -122,8 +122,9 @@ def _from_layer(name: str) -> Path:
     return target
 
 
-def helm_template(chart: Path, values: list[Path], release: str = "gpuhub", namespace: str = "gpuhub",
-                  extra: list[str] | None = None) -> list[dict]:
+def helm_template(
+    chart: Path, values: list[Path], release: str = "gpuhub", namespace: str = "gpuhub", extra: list[str] | None = None
+) -> list[dict]:
     """``helm template`` (which validates the merged values against the chart's schema)."""
     chart = renderable_chart(Path(chart))
     cmd = [str(helm_binary()), "template", release, str(chart), "--namespace", namespace]
@@ -209,8 +210,11 @@ def chart_proxy_command(chart: Path) -> tuple[list[str], str] | None:
         if not (shutil.which("npm") and shutil.which("node")):
             return None
         prefix.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(prefix),
-                               f"configurable-http-proxy@{tag}"], capture_output=True, text=True)
+        done = subprocess.run(
+            ["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(prefix), f"configurable-http-proxy@{tag}"],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0 or not binary.exists():
             return None
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True).stdout.strip()

@@ -65,8 +65,16 @@ def browser_like_session() -> requests.Session:
     from requests.adapters import HTTPAdapter
     from urllib3.util.retry import Retry
 
-    retry = Retry(total=2, connect=2, read=2, status=0, other=0, backoff_factor=0.1,
-                  allowed_methods=frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"}), raise_on_status=False)
+    retry = Retry(
+        total=2,
+        connect=2,
+        read=2,
+        status=0,
+        other=0,
+        backoff_factor=0.1,
+        allowed_methods=frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"}),
+        raise_on_status=False,
+    )
     s = requests.Session()
     adapter = HTTPAdapter(max_retries=retry)
     s.mount("http://", adapter)
@@ -88,8 +96,11 @@ def user_network() -> str:
     index = int(worker[2:]) % 8 if worker.startswith("gw") and worker[2:].isdigit() else 0
     try:
         shown = json.loads(subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True).stdout or "[]")
-        used = [ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False)
-                for link in shown for a in link.get("addr_info", [])]
+        used = [
+            ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False)
+            for link in shown
+            for a in link.get("addr_info", [])
+        ]
     except (OSError, ValueError, KeyError):
         used = []
     for _ in range(32):
@@ -102,9 +113,7 @@ def user_network() -> str:
 
 
 class Hub:
-    def __init__(
-        self, workdir: Path, policy_text: str, extra_config: str = "", mlflow: bool = False, env: dict | None = None
-    ):
+    def __init__(self, workdir: Path, policy_text: str, extra_config: str = "", mlflow: bool = False, env: dict | None = None):
         self.mlflow = mlflow  # the MLflow service costs ~450 MiB and ~10 s of CPU per hub
         self.extra_env = dict(env or {})
         self.workdir = Path(workdir)
@@ -167,7 +176,10 @@ class Hub:
         logf = open(self.log, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterhub", "-f", str(self.config)],
-            cwd=self.workdir, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
+            cwd=self.workdir,
+            env=self.env,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -318,7 +330,9 @@ class UserClient:
             if s and s.get("ready"):
                 return s
             time.sleep(0.2)
-        raise TimeoutError(f"{self.name}'s server {server!r} not ready after {timeout}s: {self.server(server)}\n{self.hub.tail()}")
+        raise TimeoutError(
+            f"{self.name}'s server {server!r} not ready after {timeout}s: {self.server(server)}\n{self.hub.tail()}"
+        )
 
     def wait_gone(self, server: str = "", timeout: float = 60) -> None:
         deadline = time.time() + timeout

@@ -19,10 +19,15 @@ class KernelSession:
         self.token = token
         self.http = requests.Session()
         self.http.headers["Authorization"] = f"token {token}"
-        r = self.http.post(self.base + "api/sessions", json={
-            "path": notebook_path, "name": notebook_path.rsplit("/", 1)[-1], "type": "notebook",
-            "kernel": {"name": "python3"},
-        })
+        r = self.http.post(
+            self.base + "api/sessions",
+            json={
+                "path": notebook_path,
+                "name": notebook_path.rsplit("/", 1)[-1],
+                "type": "notebook",
+                "kernel": {"name": "python3"},
+            },
+        )
         r.raise_for_status()
         self.session = r.json()
         self.kernel_id = self.session["kernel"]["id"]
@@ -32,13 +37,30 @@ class KernelSession:
     def execute(self, code: str, timeout: float = 120) -> str:
         """Run ``code``; return its stdout; raise with the traceback if it failed."""
         msg_id = uuid.uuid4().hex
-        self.ws.send(json.dumps({
-            "header": {"msg_id": msg_id, "username": "test", "session": uuid.uuid4().hex,
-                       "msg_type": "execute_request", "version": "5.3"},
-            "parent_header": {}, "metadata": {}, "channel": "shell",
-            "content": {"code": code, "silent": False, "store_history": False,
-                        "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
-        }))
+        self.ws.send(
+            json.dumps(
+                {
+                    "header": {
+                        "msg_id": msg_id,
+                        "username": "test",
+                        "session": uuid.uuid4().hex,
+                        "msg_type": "execute_request",
+                        "version": "5.3",
+                    },
+                    "parent_header": {},
+                    "metadata": {},
+                    "channel": "shell",
+                    "content": {
+                        "code": code,
+                        "silent": False,
+                        "store_history": False,
+                        "user_expressions": {},
+                        "allow_stdin": False,
+                        "stop_on_error": True,
+                    },
+                }
+            )
+        )
         out, error, done_reply, idle = [], None, False, False
         deadline = time.monotonic() + timeout
         while not (done_reply and idle):
@@ -46,8 +68,9 @@ class KernelSession:
             try:
                 msg = json.loads(self.ws.recv())
             except websocket.WebSocketConnectionClosedException as e:
-                raise ConnectionError(f"the kernel's websocket closed while it ran the code ({self.state()}); "
-                                      f"output so far: {''.join(out)!r}") from e
+                raise ConnectionError(
+                    f"the kernel's websocket closed while it ran the code ({self.state()}); output so far: {''.join(out)!r}"
+                ) from e
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             kind = msg["header"]["msg_type"]

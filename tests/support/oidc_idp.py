@@ -68,26 +68,46 @@ class OidcProvider:
                 q = {k: v[0] for k, v in parse_qs(u.query).items()}
                 idp.log.append(f"GET {u.path}")
                 if u.path == "/.well-known/openid-configuration":
-                    return self._send(200, {
-                        "issuer": idp.url, "authorization_endpoint": idp.url + "/authorize",
-                        "token_endpoint": idp.url + "/token", "userinfo_endpoint": idp.url + "/userinfo",
-                        "code_challenge_methods_supported": ["S256"], "response_types_supported": ["code"],
-                    })
+                    return self._send(
+                        200,
+                        {
+                            "issuer": idp.url,
+                            "authorization_endpoint": idp.url + "/authorize",
+                            "token_endpoint": idp.url + "/token",
+                            "userinfo_endpoint": idp.url + "/userinfo",
+                            "code_challenge_methods_supported": ["S256"],
+                            "response_types_supported": ["code"],
+                        },
+                    )
                 if u.path == "/authorize":
                     if q.get("client_id") != idp.client_id or q.get("redirect_uri") != idp.redirect_uri:
-                        return self._send(400, {"error": "invalid_request", "error_description": "unknown client or redirect_uri"})
+                        return self._send(
+                            400, {"error": "invalid_request", "error_description": "unknown client or redirect_uri"}
+                        )
                     if q.get("response_type") != "code" or q.get("code_challenge_method") != "S256":
                         return self._send(400, {"error": "invalid_request"})
-                    hidden = "".join(f'<input type="hidden" name="{html.escape(k)}" value="{html.escape(v)}">' for k, v in q.items())
-                    return self._send(200, f'<form method="post" action="/authorize">{hidden}'
-                                           '<input name="username"><input name="password" type="password"></form>')
+                    hidden = "".join(
+                        f'<input type="hidden" name="{html.escape(k)}" value="{html.escape(v)}">' for k, v in q.items()
+                    )
+                    return self._send(
+                        200,
+                        f'<form method="post" action="/authorize">{hidden}'
+                        '<input name="username"><input name="password" type="password"></form>',
+                    )
                 if u.path == "/userinfo":
                     auth = self.headers.get("Authorization", "")
                     name = idp.tokens.get(auth.removeprefix("Bearer ").strip()) if auth.startswith("Bearer ") else None
                     if name is None:
                         return self._send(401, {"error": "invalid_token"})
-                    return self._send(200, {"sub": f"sub-{name}", "preferred_username": name,
-                                            "email": f"{name}@example.org", "groups": idp.users[name]["groups"]})
+                    return self._send(
+                        200,
+                        {
+                            "sub": f"sub-{name}",
+                            "preferred_username": name,
+                            "email": f"{name}@example.org",
+                            "groups": idp.users[name]["groups"],
+                        },
+                    )
                 return self._send(404, {"error": "not_found"})
 
             def do_POST(self):
@@ -99,14 +119,24 @@ class OidcProvider:
                     if user is None or not secrets.compare_digest(user["password"], f.get("password", "")):
                         return self._send(401, "<p>wrong username or password</p>")
                     code = secrets.token_urlsafe(16)
-                    idp.codes[code] = {"user": f["username"], "challenge": f["code_challenge"],
-                                       "redirect_uri": f["redirect_uri"], "at": time.time()}
-                    return self._send(302, "", {"Location": f"{f['redirect_uri']}?{urlencode({'code': code, 'state': f['state']})}"})
+                    idp.codes[code] = {
+                        "user": f["username"],
+                        "challenge": f["code_challenge"],
+                        "redirect_uri": f["redirect_uri"],
+                        "at": time.time(),
+                    }
+                    return self._send(
+                        302, "", {"Location": f"{f['redirect_uri']}?{urlencode({'code': code, 'state': f['state']})}"}
+                    )
                 if u.path == "/token":
                     if f.get("client_id") != idp.client_id or f.get("client_secret") != idp.client_secret:
                         return self._send(401, {"error": "invalid_client"})
                     grant = idp.codes.pop(f.get("code", ""), None)  # one use only
-                    if grant is None or f.get("grant_type") != "authorization_code" or f.get("redirect_uri") != grant["redirect_uri"]:
+                    if (
+                        grant is None
+                        or f.get("grant_type") != "authorization_code"
+                        or f.get("redirect_uri") != grant["redirect_uri"]
+                    ):
                         return self._send(400, {"error": "invalid_grant"})
                     verifier = f.get("code_verifier", "")
                     challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
@@ -114,7 +144,9 @@ class OidcProvider:
                         return self._send(400, {"error": "invalid_grant", "error_description": "PKCE verification failed"})
                     token = secrets.token_urlsafe(24)
                     idp.tokens[token] = grant["user"]
-                    return self._send(200, {"access_token": token, "token_type": "Bearer", "expires_in": 3600, "scope": "openid profile groups"})
+                    return self._send(
+                        200, {"access_token": token, "token_type": "Bearer", "expires_in": 3600, "scope": "openid profile groups"}
+                    )
                 return self._send(404, {"error": "not_found"})
 
         return Handler

@@ -44,8 +44,7 @@ _WORKER_KEY = "gpuhub_test_order"
 def default_seed(tests_dir: Path) -> tuple[str, str]:
     """The seed a run takes unless told one, and where it came from."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD:./"], cwd=tests_dir, capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(["git", "rev-parse", "HEAD:./"], cwd=tests_dir, capture_output=True, text=True, timeout=30)
         tree = out.stdout.strip()
         if out.returncode == 0 and tree:
             return tree[:8], f"the git tree of {tests_dir.name}/ at HEAD"
@@ -77,7 +76,7 @@ def _below_module(item) -> list:
     chain = item.listchain()
     for i in range(len(chain) - 1, -1, -1):
         if isinstance(chain[i], pytest.Module):
-            return chain[i + 1:]
+            return chain[i + 1 :]
     return [item]
 
 
@@ -121,8 +120,7 @@ class OrderCheck:
     shuffles the files under those folders of tests_dir; ``keep`` names files (relative to
     tests_dir) left in their written order, each with the reason, printed with the seed."""
 
-    def __init__(self, tests_dir: Path, folders: Iterable[str], env: dict | None = None,
-                 keep: dict[str, str] | None = None):
+    def __init__(self, tests_dir: Path, folders: Iterable[str], env: dict | None = None, keep: dict[str, str] | None = None):
         self.tests_dir = tests_dir.resolve()
         self.folders = tuple(folders)
         self.env = env
@@ -157,8 +155,10 @@ class OrderCheck:
         kept = "".join(f"; kept as written: {self.tests_dir.name}/{f} ({why})" for f, why in sorted(self.keep.items()))
         if self.mode == "reversed":
             return f"test order: each file of {where} backwards ({ENV}=reversed){kept}"
-        return (f"test order: shuffled within each file of {where}, seed {self.seed} ({self.origin}); "
-                f"{ENV}={self.seed} repeats it, =file keeps each file's order, =reversed runs each backwards{kept}")
+        return (
+            f"test order: shuffled within each file of {where}, seed {self.seed} ({self.origin}); "
+            f"{ENV}={self.seed} repeats it, =file keeps each file's order, =reversed runs each backwards{kept}"
+        )
 
     def pytest_report_header(self, config):
         return self.describe()
@@ -177,4 +177,5 @@ class OrderCheck:
             terminalreporter.write_line(
                 f"A test that fails in this order but passes alone relies on an earlier test's state. "
                 f"{ENV}={value} .venv/bin/python -m pytest -p no:xdist tests/<file> runs that file in the same order "
-                f"(a file alone or any part of it keeps its tests' order: it comes from the seed and each test's id).")
+                f"(a file alone or any part of it keeps its tests' order: it comes from the seed and each test's id)."
+            )

@@ -76,7 +76,7 @@ def reserve(count: int) -> range:
     if i + count > len(_BLOCK):
         i = 0
     _next = i + count
-    return _BLOCK[i:i + count]
+    return _BLOCK[i : i + count]
 
 
 def pod_port_hook(count: int = 200) -> str:

@@ -144,14 +144,22 @@ def test_no_upward_import():
 
 
 def test_backends_import_nothing_of_each_other():
-    crossing = [f"{a} -> {b}" for a, targets in sorted(_graph().items()) for b in sorted(targets)
-                if _area(a) in BACKENDS and _area(b) in BACKENDS and _area(a) != _area(b)]
+    crossing = [
+        f"{a} -> {b}"
+        for a, targets in sorted(_graph().items())
+        for b in sorted(targets)
+        if _area(a) in BACKENDS and _area(b) in BACKENDS and _area(a) != _area(b)
+    ]
     assert crossing == []
 
 
 def test_nothing_imports_the_composition_root():
-    into = [f"{a} -> {b}" for a, targets in sorted(_graph().items()) for b in sorted(targets)
-            if _area(b) in ("wiring", "cli") and _area(a) not in ("wiring", "cli")]
+    into = [
+        f"{a} -> {b}"
+        for a, targets in sorted(_graph().items())
+        for b in sorted(targets)
+        if _area(b) in ("wiring", "cli") and _area(a) not in ("wiring", "cli")
+    ]
     assert into == []
 
 

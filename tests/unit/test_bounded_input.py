@@ -45,9 +45,11 @@ def test_the_reported_alias_tree_is_refused_at_its_first_anchor_with_line_and_co
 def test_an_alias_anywhere_is_refused_where_it_is():
     # An anchor in a key's value, an alias in a list, a merge key: all refused, located.
     assert issues("profile: cpu\ncommand: &c [x]\n") == [
-        "job.yaml:2:10: command: YAML anchors and aliases are not accepted in job files"]
+        "job.yaml:2:10: command: YAML anchors and aliases are not accepted in job files"
+    ]
     assert issues("profile: cpu\ncommand: [x]\nenv:\n  A: '1'\n  B: *nowhere\n")[0].startswith(
-        "job.yaml:5:6: env.B: YAML anchors and aliases are not accepted")
+        "job.yaml:5:6: env.B: YAML anchors and aliases are not accepted"
+    )
 
 
 def test_size_values_and_depth_are_bounded_before_composing():
@@ -56,37 +58,45 @@ def test_size_values_and_depth_are_bounded_before_composing():
     many = "profile: cpu\ncommand: [" + "a," * 5000 + "]\n"  # a valid job file, were it not for its size
     assert issues(many) == ["job.yaml:2:2001: command[995]: job files may hold at most 1000 values (keys, list items and values)"]
     deep = "profile: cpu\ncommand: [x]\nretries: " + "[" * 40 + "]" * 40 + "\n"
-    assert issues(deep) == ["job.yaml:3:25: retries[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]: "
-                            "job files may nest lists and mappings at most 16 levels deep"]
+    assert issues(deep) == [
+        "job.yaml:3:25: retries[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]: "
+        "job files may nest lists and mappings at most 16 levels deep"
+    ]
 
 
 def test_numbers_that_cost_more_than_they_say_are_refused():
     # A 5,000-digit integer raised a bare ValueError (an HTTP 500) and a base-60 integer
     # of 30,000 parts took ~0.2 s to build; both are refused at their position.
     assert issues("profile: cpu\ncommand: [x]\nretries: " + "1" * 5000 + "\n") == [
-        "job.yaml:3:10: retries: a number may have at most 100 characters (quote it to make it text)"]
+        "job.yaml:3:10: retries: a number may have at most 100 characters (quote it to make it text)"
+    ]
     assert issues("profile: cpu\ncommand: [1" + ":0" * 30000 + "]\n") == [
-        "job.yaml:2:11: command[0]: a number may have at most 100 characters (quote it to make it text)"]
+        "job.yaml:2:11: command[0]: a number may have at most 100 characters (quote it to make it text)"
+    ]
 
 
 def test_text_that_is_not_utf8_is_refused():
     # JSON's "\ud800" decodes to a lone surrogate; libyaml's encoder raised (an HTTP 500).
     assert issues('profile: cpu\ncommand: ["\ud800"]\n') == [
-        "job.yaml: (top level): job files must be UTF-8 text (character 25 is not)"]
+        "job.yaml: (top level): job files must be UTF-8 text (character 25 is not)"
+    ]
 
 
 def test_a_long_duration_string_is_refused_before_it_is_matched():
     # parse_duration's regex backtracks quadratically on a run of digits: 4,000 took 0.9 s,
     # 64 KiB would take minutes. A duration is a few characters.
     out = issues("profile: cpu\ncommand: [x]\ntimeLimit: '" + "1" * 8_000 + "'\n")
-    assert out == ["job.yaml:3:12: timeLimit: '11111111111111111111'... is not a duration "
-                   "(at most 32 characters; examples: 90s, 15m, 1h30m, 2d)"]
+    assert out == [
+        "job.yaml:3:12: timeLimit: '11111111111111111111'... is not a duration "
+        "(at most 32 characters; examples: 90s, 15m, 1h30m, 2d)"
+    ]
     assert parse_job("profile: cpu\ncommand: [x]\ntimeLimit: 1h30m\n").time_limit == 5400
 
 
 def test_only_core_yaml_tags():
     assert issues("profile: cpu\ncommand: [x]\nname: !!binary aGVsbG8=\n") == [
-        "job.yaml:3:7: name: the YAML tag '!!binary' is not accepted in job files (plain values, lists and mappings only)"]
+        "job.yaml:3:7: name: the YAML tag '!!binary' is not accepted in job files (plain values, lists and mappings only)"
+    ]
     assert parse_job("profile: cpu\ncommand: [x, !!str 75]\n").argv == ["x", "75"]
 
 
@@ -116,9 +126,28 @@ def test_the_worst_job_files_within_the_limits_cost_milliseconds():
 
 
 # -- env names the loader or libc honour -----------------------------------------------------------
-@pytest.mark.parametrize("name", ["LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "LD_BIND_NOW", "GCONV_PATH", "GETCONF_DIR",
-                                  "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE",
-                                  "MALLOC_ARENA_MAX", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "LD_AUDIT",
+        "LD_BIND_NOW",
+        "GCONV_PATH",
+        "GETCONF_DIR",
+        "GLIBC_TUNABLES",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "MALLOC_TRACE",
+        "MALLOC_ARENA_MAX",
+        "NIS_PATH",
+        "NLSPATH",
+        "RESOLV_HOST_CONF",
+        "RES_OPTIONS",
+        "TZDIR",
+    ],
+)
 def test_loader_and_libc_names_are_refused_in_job_env_at_their_key(name):
     out = issues(f"profile: cpu\ncommand: [x]\nenv:\n  OK: '1'\n  {name}: /home/me/evil\n")
     assert len(out) == 1 and out[0].startswith(f"job.yaml:5:3: env.{name}: {name!r} ")
@@ -131,8 +160,10 @@ def test_tmpdir_and_ordinary_names_stay_allowed():
 
 
 def test_a_profiles_env_refuses_the_same_names_located():
-    policy = ("teams:\n  - {name: a, groups: [g]}\nprofiles:\n  - slug: cpu\n    displayName: C\n    teams: '*'\n"
-              "    env:\n      OMP_NUM_THREADS: '4'\n      LD_PRELOAD: /opt/x.so\n")
+    policy = (
+        "teams:\n  - {name: a, groups: [g]}\nprofiles:\n  - slug: cpu\n    displayName: C\n    teams: '*'\n"
+        "    env:\n      OMP_NUM_THREADS: '4'\n      LD_PRELOAD: /opt/x.so\n"
+    )
     with pytest.raises(PolicyError) as e:
         parse_policy(policy, "p.yaml")
     assert str(e.value).startswith("p.yaml:8:7: profiles[0].env: 'LD_PRELOAD' is read by the dynamic loader")

@@ -32,13 +32,14 @@ def test_a_cancel_that_comes_as_the_spec_is_written_is_not_lost():
     async def main():
         r, w = os.pipe()
         try:
+
             async def launch():
                 await hand_over(Launcher(), w, b"{}" * 100)  # done at once: the pipe has room
                 await asyncio.sleep(3600)  # then the start waits for its server to listen
 
             start = asyncio.ensure_future(launch())
             await asyncio.sleep(0)  # the start writes its spec ...
-            start.cancel()          # ... and the user leaves in that same turn of the loop
+            start.cancel()  # ... and the user leaves in that same turn of the loop
             await asyncio.wait({start}, timeout=2)
             assert start.cancelled(), "the start went on after the user left"
             assert os.read(r, 1000) == b"{}" * 100  # the spec was written, the pipe closed
@@ -55,7 +56,7 @@ def test_a_cancel_that_comes_as_the_server_listens_is_not_lost():
         await asyncio.sleep(0)
         (waiter,) = watcher.waiters
         waiter.future.set_result("listening")  # the server listens ...
-        start.cancel()                          # ... as the user leaves
+        start.cancel()  # ... as the user leaves
         with pytest.raises(asyncio.CancelledError):
             await start
         assert watcher.waiters == []

@@ -87,8 +87,16 @@ async def test_event_driven_updates_match_a_full_recompute():
             team = rng.choice("absd")
             demand = rng.choice(shapes)
             try:
-                q.submit(Ticket(key=f"k{step}/", user=f"u{step}", team=team, profile="g1", demand=dict(demand),
-                                priority=rng.choice([0, 0, 5])))
+                q.submit(
+                    Ticket(
+                        key=f"k{step}/",
+                        user=f"u{step}",
+                        team=team,
+                        profile="g1",
+                        demand=dict(demand),
+                        priority=rng.choice([0, 0, 5]),
+                    )
+                )
             except Exception:
                 pass  # can never fit: refused, fine
         elif op < 0.75 and q.admitted:

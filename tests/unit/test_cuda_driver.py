@@ -44,9 +44,11 @@ def test_the_refusal_names_the_need_the_driver_and_what_to_do():
     torch, plain = parse_policy(POLICY).profiles
     old = D.Driver("535.183.01", (12, 2))
     words = D.cuda_refusal(torch, old)
-    assert words == ("PyTorch CUDA 12.8 needs CUDA 12.8, but this machine's NVIDIA driver 535.183.01 supports CUDA "
-                     "12.2 at most: its GPU code would fail to start. Choose another profile, or ask an admin to "
-                     "update the driver.")
+    assert words == (
+        "PyTorch CUDA 12.8 needs CUDA 12.8, but this machine's NVIDIA driver 535.183.01 supports CUDA "
+        "12.2 at most: its GPU code would fail to start. Choose another profile, or ask an admin to "
+        "update the driver."
+    )
     assert D.cuda_refusal(torch, D.Driver("570.86.15", (12, 8))) is None  # exactly enough
     assert D.cuda_refusal(torch, D.Driver("580.95.05", (13, 0))) is None  # a newer major
     assert D.cuda_refusal(plain, old) is None  # the profile says nothing
@@ -63,8 +65,9 @@ def test_the_driver_is_read_from_nvml(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
     assert D.read_driver() == D.Driver("535.183.01", (12, 2))
     calls = []
-    table = D.DeviceTable(lambda: parse_policy(POLICY), discover=lambda: [],
-                          driver=lambda: calls.append(1) or D.Driver("x", (12, 2)))
+    table = D.DeviceTable(
+        lambda: parse_policy(POLICY), discover=lambda: [], driver=lambda: calls.append(1) or D.Driver("x", (12, 2))
+    )
     assert table.driver() == table.driver() and len(calls) == 1  # read once per DRIVER_TTL
 
 
@@ -72,8 +75,13 @@ def test_kubernetes_pods_go_only_to_nodes_whose_driver_supports_the_cuda():
     terms = cuda_node_terms(12, 8)
     assert terms == [
         {"matchExpressions": [{"key": "nvidia.com/cuda.runtime-version.major", "operator": "Gt", "values": ["12"]}]},
-        {"matchExpressions": [{"key": "nvidia.com/cuda.runtime-version.major", "operator": "In", "values": ["12"]},
-                              {"key": "nvidia.com/cuda.runtime-version.minor", "operator": "Gt", "values": ["7"]}]}]
+        {
+            "matchExpressions": [
+                {"key": "nvidia.com/cuda.runtime-version.major", "operator": "In", "values": ["12"]},
+                {"key": "nvidia.com/cuda.runtime-version.minor", "operator": "Gt", "values": ["7"]},
+            ]
+        },
+    ]
 
     def fits(labels: dict) -> bool:  # the scheduler's reading of required node affinity
         def ok(e):
@@ -81,20 +89,29 @@ def test_kubernetes_pods_go_only_to_nodes_whose_driver_supports_the_cuda():
             if value is None:
                 return False
             return int(value) > int(e["values"][0]) if e["operator"] == "Gt" else value in e["values"]
+
         return any(all(ok(e) for e in t["matchExpressions"]) for t in terms)
 
-    node = lambda major, minor: {"nvidia.com/cuda.runtime-version.major": major,  # noqa: E731
-                                 "nvidia.com/cuda.runtime-version.minor": minor}
+    node = lambda major, minor: {
+        "nvidia.com/cuda.runtime-version.major": major,  # noqa: E731
+        "nvidia.com/cuda.runtime-version.minor": minor,
+    }
     assert fits(node("12", "8")) and fits(node("12", "9")) and fits(node("13", "0"))
     assert not fits(node("12", "4")) and not fits(node("11", "8")) and not fits({})
-    assert cuda_node_terms(13, 0)[1] == {"matchExpressions": [
-        {"key": "nvidia.com/cuda.runtime-version.major", "operator": "In", "values": ["13"]}]}
+    assert cuda_node_terms(13, 0)[1] == {
+        "matchExpressions": [{"key": "nvidia.com/cuda.runtime-version.major", "operator": "In", "values": ["13"]}]
+    }
     # Configured terms (OR'ed) AND the CUDA terms: every pair.
     zone = [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]
     both = and_terms(zone, terms)
     assert len(both) == 2 and all(t["matchExpressions"][0]["key"] == "zone" for t in both)
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
-           "spec": {"containers": [{"name": "c", "image": "i"}],
-                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
-                                                  {"nodeSelectorTerms": both}}}}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p"},
+        "spec": {
+            "containers": [{"name": "c", "image": "i"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": both}}},
+        },
+    }
     kubernetes_validate.validate(pod, "1.33", strict=True)

@@ -95,8 +95,14 @@ def test_a_pod_is_read_through_dcgm_and_a_local_server_through_its_devices(confi
     from gpuhub_spawner.hub.culling_api import view_of
 
     orm = SimpleNamespace(started=datetime(2026, 1, 1), last_activity=None)
-    pod = SimpleNamespace(ready=True, orm_spawner=orm, user=SimpleNamespace(name="alice"), name="",
-                          pod_name="jupyter-alice", namespace="gpuhub-users")
+    pod = SimpleNamespace(
+        ready=True,
+        orm_spawner=orm,
+        user=SimpleNamespace(name="alice"),
+        name="",
+        pod_name="jupyter-alice",
+        namespace="gpuhub-users",
+    )
     v = view_of(pod, None)
     assert v.pod == ("gpuhub-users", "jupyter-alice") and v.devices == []
     local = SimpleNamespace(ready=True, orm_spawner=orm, user=SimpleNamespace(name="bob"), name="gpu", devices=["GPU-1"])

@@ -7,7 +7,9 @@ start, last activity, last trusted busy GPU reading.
 from gpuhub_spawner.culling.rules import GPU_IDLE, MAX_AGE, TIMEOUT, CullState, Signals, decide, snooze
 from gpuhub_spawner.policy.model import IdleRules
 
-GPU = IdleRules(timeout=3600, gpu_idle_timeout=1800, gpu_busy_threshold=5, max_age=7 * 86400, warning=900, snooze=3600, max_snoozes=2)
+GPU = IdleRules(
+    timeout=3600, gpu_idle_timeout=1800, gpu_busy_threshold=5, max_age=7 * 86400, warning=900, snooze=3600, max_snoozes=2
+)
 CPU = IdleRules(timeout=8 * 3600, warning=900, max_snoozes=0)
 
 

@@ -43,8 +43,15 @@ def test_nothing_due_means_one_request_and_no_stop():
 
 
 def test_only_what_the_hub_named_is_stopped_with_the_start_it_decided_about():
-    culler = Recorder(answer(**{"b/": {"action": "cull", "started": 10.0}, "c/": {"action": "warn", "deadline": 1030.0},
-                                "d/x": {"action": "cull", "started": 20.0}}))
+    culler = Recorder(
+        answer(
+            **{
+                "b/": {"action": "cull", "started": 10.0},
+                "c/": {"action": "warn", "deadline": 1030.0},
+                "d/x": {"action": "cull", "started": 20.0},
+            }
+        )
+    )
     assert asyncio.run(culler.cull_pass()) == {STOPPED: 2}
     assert sorted(culler.stopped) == [("b/", 10.0), ("d/x", 20.0)]
 

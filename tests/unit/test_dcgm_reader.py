@@ -17,20 +17,44 @@ import pytest
 
 from gpuhub_spawner.culling.gpu import DcgmPrometheusReader, parse_dcgm_vector
 
-EXPORTER = {"gpu": "0", "UUID": "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52", "device": "nvidia0",
-            "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "gpu-node-1", "DCGM_FI_DRIVER_VERSION": "550.54.15"}
+EXPORTER = {
+    "gpu": "0",
+    "UUID": "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52",
+    "device": "nvidia0",
+    "modelName": "NVIDIA H100 80GB HBM3",
+    "Hostname": "gpu-node-1",
+    "DCGM_FI_DRIVER_VERSION": "550.54.15",
+}
 
 
 def answer(*series):
-    return {"status": "success", "data": {"resultType": "vector", "result": [
-        {"metric": labels, "value": [1764489600.0, value]} for labels, value in series]}}
+    return {
+        "status": "success",
+        "data": {
+            "resultType": "vector",
+            "result": [{"metric": labels, "value": [1764489600.0, value]} for labels, value in series],
+        },
+    }
 
 
 def test_workload_labels_win_over_the_exporters_own():
     body = answer(
-        ({"__name__": "DCGM_FI_DEV_GPU_UTIL", **EXPORTER, "namespace": "gpu-operator", "pod": "nvidia-dcgm-exporter-x7k2p",
-          "exported_namespace": "gpuhub-users", "exported_pod": "jupyter-alice", "exported_container": "notebook"}, "87"),
-        ({**EXPORTER, "gpu": "1", "UUID": "GPU-2", "namespace": "gpuhub-users", "pod": "jupyter-bob", "container": "notebook"}, "0"),
+        (
+            {
+                "__name__": "DCGM_FI_DEV_GPU_UTIL",
+                **EXPORTER,
+                "namespace": "gpu-operator",
+                "pod": "nvidia-dcgm-exporter-x7k2p",
+                "exported_namespace": "gpuhub-users",
+                "exported_pod": "jupyter-alice",
+                "exported_container": "notebook",
+            },
+            "87",
+        ),
+        (
+            {**EXPORTER, "gpu": "1", "UUID": "GPU-2", "namespace": "gpuhub-users", "pod": "jupyter-bob", "container": "notebook"},
+            "0",
+        ),
         ({**EXPORTER, "gpu": "2", "UUID": "GPU-3", "namespace": "gpu-operator", "pod": "nvidia-dcgm-exporter-x7k2p"}, "0"),
     )
     values = parse_dcgm_vector(body)
@@ -67,8 +91,20 @@ def test_reader_queries_prometheus_and_unreachable_means_no_reading():
     class Prometheus(BaseHTTPRequestHandler):
         def do_GET(self):
             seen["query"] = parse_qs(urlparse(self.path).query)["query"][0]
-            body = json.dumps(answer(({**EXPORTER, "exported_namespace": "u", "exported_pod": "jupyter-alice",
-                                        "namespace": "gpu-operator", "pod": "dcgm"}, "55"))).encode()
+            body = json.dumps(
+                answer(
+                    (
+                        {
+                            **EXPORTER,
+                            "exported_namespace": "u",
+                            "exported_pod": "jupyter-alice",
+                            "namespace": "gpu-operator",
+                            "pod": "dcgm",
+                        },
+                        "55",
+                    )
+                )
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.end_headers()

@@ -27,7 +27,9 @@ def test_a_server_gets_exactly_its_gpus_nodes_and_none_for_none():
     devices = [
         NvmlDevice(0, "GPU-a", "NVIDIA A100", 80, ("nvidia0",)),
         NvmlDevice(1, "GPU-b", "NVIDIA A100", 80, ("nvidia1",)),
-        NvmlDevice(3, "MIG-c", "NVIDIA A100 MIG 1g.10gb", 10, ("nvidia3", "nvidia-caps/nvidia-cap21", "nvidia-caps/nvidia-cap22")),
+        NvmlDevice(
+            3, "MIG-c", "NVIDIA A100 MIG 1g.10gb", 10, ("nvidia3", "nvidia-caps/nvidia-cap21", "nvidia-caps/nvidia-cap22")
+        ),
     ]
     policy = parse_policy(POLICY)
     table = DeviceTable(lambda: policy, discover=lambda: devices)

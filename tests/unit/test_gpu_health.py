@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuhub_spawner.admission import AdmissionQueue, Ticket
-from gpuhub_spawner.admission.health import (BAD, HEALTHY, SUSPECT, Counters, HealthBook, classify_counters,
-                                             classify_xid)
+from gpuhub_spawner.admission.health import BAD, HEALTHY, SUSPECT, Counters, HealthBook, classify_counters, classify_xid
 from gpuhub_spawner.local.devices import DeviceTable, NvmlDevice
 from gpuhub_spawner.policy import PolicyError, parse_policy
 from gpuhub_spawner.policy.model import HealthRules
@@ -57,13 +56,16 @@ def test_health_defaults_are_the_device_plugins():
 def test_health_mistakes_are_located():
     lines = POLICY.count("\n")
     assert _issues(POLICY + "health:\n  pollInterval: 0.5s\n") == [
-        f"p.yaml:{lines + 2}:17: health.pollInterval: must be between 1s and 1h (got 0.5s)"]
+        f"p.yaml:{lines + 2}:17: health.pollInterval: must be between 1s and 1h (got 0.5s)"
+    ]
     issues = _issues(POLICY + "health:\n  criticalXids: [79, 13, 79]\n")
-    assert any(i.startswith(f"p.yaml:{lines + 2}:") and "health.criticalXids[1]: XID 13 is also in applicationXids" in i
-               for i in issues), issues
+    assert any(
+        i.startswith(f"p.yaml:{lines + 2}:") and "health.criticalXids[1]: XID 13 is also in applicationXids" in i for i in issues
+    ), issues
     assert any("health.criticalXids[2]: XID 79 is listed twice" in i for i in issues), issues
     assert _issues(POLICY + "health: {criticalXids: sometimes}\n") == [
-        f"p.yaml:{lines + 1}:24: health.criticalXids: must be 'all' or a list of XID numbers (got 'sometimes')"]
+        f"p.yaml:{lines + 1}:24: health.criticalXids: must be 'all' or a list of XID numbers (got 'sometimes')"
+    ]
     assert "health.applicationXids[0]: must be at least 1 (got 0)" in _issues(POLICY + "health: {applicationXids: [0]}\n")[0]
     assert "did you mean 'pollInterval'" in _issues(POLICY + "health: {pollIntervall: 5s}\n")[0]
 
@@ -92,7 +94,8 @@ def test_counters():
     assert classify_counters(Counters(ecc_uncorrected=2))[0][0] == BAD
     assert classify_counters(Counters(remap_failure=True))[0][0] == BAD
     assert classify_counters(Counters(remap_pending=True)) == [
-        (SUSPECT, "a memory row remapping is pending (applied at the next GPU reset)")]
+        (SUSPECT, "a memory row remapping is pending (applied at the next GPU reset)")
+    ]
     assert classify_counters(Counters(retired_pages_pending=True))[0][0] == SUSPECT
     assert classify_counters(Counters(recovery_action=1)) == [(BAD, "the driver asks for a GPU reset")]
     assert classify_counters(Counters(recovery_action=3))[0][0] == SUSPECT
@@ -142,9 +145,11 @@ def test_a_bad_gpu_is_never_handed_out_and_the_wait_says_why():
         assert [t.admission.devices for t in got[:2]] == [["GPU-1"], ["GPU-2"]]
         waiting = got[2]
         assert waiting.admission is None
-        assert re.search(r"only 0 of the 2 usable on this machine are free \(2 of 3 A100 usable, "
-                         r"1 out of service since \d\d:\d\d \(XID 79: GPU has fallen off the bus\)\)",
-                         waiting.status.message), waiting.status.message
+        assert re.search(
+            r"only 0 of the 2 usable on this machine are free \(2 of 3 A100 usable, "
+            r"1 out of service since \d\d:\d\d \(XID 79: GPU has fallen off the bus\)\)",
+            waiting.status.message,
+        ), waiting.status.message
         queue.release("u0/")
         assert waiting.admission.devices == ["GPU-1"]  # the freed healthy one, never GPU-0
         # uncordoned: back in admission
@@ -180,15 +185,32 @@ def test_read_counters_from_the_fake(tmp_path, monkeypatch):
     fake = _load_fake()
     state = tmp_path / "nvml.json"
     monkeypatch.setenv("GPUHUB_FAKE_NVML", str(state))
-    state.write_text(json.dumps({"devices": [
-        {"uuid": "GPU-0", "ecc_uncorrected_volatile": 1, "remapped_rows": [0, 1, 1, 0], "retired_pages_pending": 1,
-         "recovery_action": 1},
-        {"uuid": "GPU-1", "not_supported": ["ecc", "remapped_rows", "retired_pages", "recovery_action"]},
-        {"uuid": "GPU-2", "lost": True}]}))
+    state.write_text(
+        json.dumps(
+            {
+                "devices": [
+                    {
+                        "uuid": "GPU-0",
+                        "ecc_uncorrected_volatile": 1,
+                        "remapped_rows": [0, 1, 1, 0],
+                        "retired_pages_pending": 1,
+                        "recovery_action": 1,
+                    },
+                    {"uuid": "GPU-1", "not_supported": ["ecc", "remapped_rows", "retired_pages", "recovery_action"]},
+                    {"uuid": "GPU-2", "lost": True},
+                ]
+            }
+        )
+    )
     fake.nvmlInit()
     c0, c1, c2 = (read_counters(fake, fake.nvmlDeviceGetHandleByIndex(i)) for i in range(3))
     assert (c0.ecc_uncorrected, c0.remap_pending, c0.remap_failure, c0.retired_pages_pending, c0.recovery_action) == (
-        1, True, False, True, 1)
+        1,
+        True,
+        False,
+        True,
+        1,
+    )
     assert c1 == Counters()
     assert c2.lost == "GPU is lost"
     fake.nvmlShutdown()
@@ -255,8 +277,10 @@ def test_the_monitor_turns_events_and_polls_into_admission(tmp_path, monkeypatch
 
     async def run():
         broker = Broker()
-        broker.devices = DeviceTable(lambda: broker.store.current, discover=lambda: [
-            NvmlDevice(i, f"GPU-{i}", "NVIDIA A100-SXM4-80GB", 80) for i in range(3)])
+        broker.devices = DeviceTable(
+            lambda: broker.store.current,
+            discover=lambda: [NvmlDevice(i, f"GPU-{i}", "NVIDIA A100-SXM4-80GB", 80) for i in range(3)],
+        )
         broker.queue = AdmissionQueue(lambda: broker.store.current, broker.devices)
         monitor = gpu_health.GpuHealthMonitor(broker, str(tmp_path / "gpu-health.json"))
         monitor.start()

@@ -62,8 +62,12 @@ print(c.Spawner.default_url, "jupyterlab" in sys.modules)
 def test_servers_open_jupyterlab_when_it_is_installed_and_the_hub_does_not_import_it(tmp_path):
     if importlib.util.find_spec("jupyterlab") is None:
         pytest.skip("JupyterLab is not installed here (the lab extra)")
-    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "data"), str(REPO / "jupyterhub_config" / "profiles.yaml")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tmp_path / "data"), str(REPO / "jupyterhub_config" / "profiles.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     default_url, imported = out.stdout.split()[-2:]
     assert default_url == "/lab"

@@ -44,8 +44,11 @@ def issues(gpu_idle="{}", cpu_idle="{}", defaults_idle="{timeout: 8h, warning: 1
 
 
 def test_sane_rules_pass():
-    text = POLICY.format(gpu_idle="{timeout: 1h, gpuIdleTimeout: 30m}", cpu_idle="{timeout: 8h}",
-                         defaults_idle="{timeout: 8h, warning: 15m, snooze: 1h, maxSnoozes: 2}")
+    text = POLICY.format(
+        gpu_idle="{timeout: 1h, gpuIdleTimeout: 30m}",
+        cpu_idle="{timeout: 8h}",
+        defaults_idle="{timeout: 8h, warning: 15m, snooze: 1h, maxSnoozes: 2}",
+    )
     parse_policy(text, "p.yaml")
 
 
@@ -67,9 +70,11 @@ def test_defaults_themselves_are_checked():
 
 
 def test_snoozes_without_a_length_and_a_zero_busy_threshold_and_gpu_rule_on_cpu():
-    found = issues(gpu_idle="{gpuIdleTimeout: 30m, gpuBusyThreshold: 0}",
-                   cpu_idle="{gpuIdleTimeout: 1h}",
-                   defaults_idle="{timeout: 8h, warning: 15m, maxSnoozes: 2}")
+    found = issues(
+        gpu_idle="{gpuIdleTimeout: 30m, gpuBusyThreshold: 0}",
+        cpu_idle="{gpuIdleTimeout: 1h}",
+        defaults_idle="{timeout: 8h, warning: 15m, maxSnoozes: 2}",
+    )
     text = "\n".join(found)
     assert "maxSnoozes is 2 but no snooze length is set" in text
     assert "profiles[0].idle.gpuBusyThreshold: gpuBusyThreshold 0 counts every GPU as busy" in text

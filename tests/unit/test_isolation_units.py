@@ -29,8 +29,17 @@ def _fake_v2(root):
 
     def mkdir(self, *a, **k):  # the kernel populates a new group's interface files
         real_mkdir(self, *a, **k)
-        for f in ("cgroup.procs", "cgroup.controllers", "cgroup.subtree_control", "memory.max", "memory.swap.max",
-                  "memory.oom.group", "cpu.max", "memory.events", "cgroup.kill"):
+        for f in (
+            "cgroup.procs",
+            "cgroup.controllers",
+            "cgroup.subtree_control",
+            "memory.max",
+            "memory.swap.max",
+            "memory.oom.group",
+            "cpu.max",
+            "memory.events",
+            "cgroup.kill",
+        ):
             (self / f).touch()
         (self / "cgroup.controllers").write_text("cpu memory pids\n")
 

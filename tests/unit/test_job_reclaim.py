@@ -47,9 +47,25 @@ def run_job(m, job_id, team, profile="gpu-1", priority=100, started=None):
     demand = demand_for(policy, policy.profile(profile))
     m.broker.queue.submit(Ticket(key=KEY_PREFIX + job_id, user="u", team=team, profile=profile, demand=demand, priority=priority))
     assert KEY_PREFIX + job_id in m.broker.queue.admitted
-    rec = R.JobRecord(id=job_id, user="u", team=team, profile={"slug": profile}, priority_class="batch", priority=priority,
-                      policy_sha256="", image="", image_digest="", command=["x"], working_dir="", checkpoint_dir="",
-                      env_names=[], experiment=None, time_limit=None, retries={}, spec={})
+    rec = R.JobRecord(
+        id=job_id,
+        user="u",
+        team=team,
+        profile={"slug": profile},
+        priority_class="batch",
+        priority=priority,
+        policy_sha256="",
+        image="",
+        image_digest="",
+        command=["x"],
+        working_dir="",
+        checkpoint_dir="",
+        env_names=[],
+        experiment=None,
+        time_limit=None,
+        retries={},
+        spec={},
+    )
     rec.attempts.append(R.Attempt(number=1, queued=time.time(), started=started or time.time()))
     m.jobs[job_id] = rec
     m._live[job_id] = _Live(launcher=object(), demand=demand)
@@ -89,8 +105,9 @@ def test_jobs_never_preempt_and_higher_priority_jobs_are_kept(manager):
     # A waiting *job* reclaims nothing, whatever its priority.
     manager.broker.queue.cancel("alice/")
     demand = demand_for(manager.policy, manager.policy.profile("gpu-1"))
-    manager.broker.queue.submit(Ticket(key=KEY_PREFIX + "job-000000000d", user="u", team="vision", profile="gpu-1",
-                                       demand=demand, priority=9000))
+    manager.broker.queue.submit(
+        Ticket(key=KEY_PREFIX + "job-000000000d", user="u", team="vision", profile="gpu-1", demand=demand, priority=9000)
+    )
     assert manager.victims() == []
 
 

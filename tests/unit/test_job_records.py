@@ -7,10 +7,25 @@ from gpuhub_spawner.local.job_manager import _git_evidence
 
 
 def make(job_id="job-0123456789"):
-    rec = R.JobRecord(id=job_id, user="bob", team="vision", profile={"slug": "gpu-1"}, priority_class="batch", priority=100,
-                      policy_sha256="ab" * 32, image="img@sha256:x", image_digest="sha256:x", command=["python", "t.py"],
-                      working_dir="proj", checkpoint_dir=".gpuhub/checkpoints/x", env_names=["SECRET"], experiment=None,
-                      time_limit=60.0, retries={"limit": 1, "reasons": ["preempted"]}, spec={"env": ["SECRET"]})
+    rec = R.JobRecord(
+        id=job_id,
+        user="bob",
+        team="vision",
+        profile={"slug": "gpu-1"},
+        priority_class="batch",
+        priority=100,
+        policy_sha256="ab" * 32,
+        image="img@sha256:x",
+        image_digest="sha256:x",
+        command=["python", "t.py"],
+        working_dir="proj",
+        checkpoint_dir=".gpuhub/checkpoints/x",
+        env_names=["SECRET"],
+        experiment=None,
+        time_limit=60.0,
+        retries={"limit": 1, "reasons": ["preempted"]},
+        spec={"env": ["SECRET"]},
+    )
     rec.attempts.append(R.Attempt(number=1, queued=1.0, admitted=2.0, started=3.0, finished=4.0, exit_code=0, reason="succeeded"))
     return rec
 

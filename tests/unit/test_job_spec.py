@@ -64,7 +64,9 @@ def test_yaml_pitfalls_are_explained():
     assert errors("profile: cpu\ncommand: [x]\nretries: {limit: 1, on: [oom]}\n") == [
         "job.yaml:3:10: retries: YAML reads the key 'on' (or yes/no) as a boolean; list retryable reasons under 'reasons'"
     ]
-    assert errors("profile: cpu\ncommand: 5\n") == ["job.yaml:2:10: command: must be a list of strings or one shell command string"]
+    assert errors("profile: cpu\ncommand: 5\n") == [
+        "job.yaml:2:10: command: must be a list of strings or one shell command string"
+    ]
     assert errors("profile: cpu\ncommand: []\n")[0].endswith("command: must not be empty (give the program and its arguments)")
     assert errors("profile: cpu\nprofile: gpu\ncommand: [x]\n") == [
         "job.yaml:2:1: profile: key 'profile' appears twice; the second would silently win"

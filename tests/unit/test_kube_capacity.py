@@ -25,10 +25,14 @@ health:
 
 
 def node(name, product, gpus, allocatable=None, taints=(), cordoned=False):
-    return {"metadata": {"name": name, "labels": {"nvidia.com/gpu.product": product}},
-            "spec": {"taints": list(taints), **({"unschedulable": True} if cordoned else {})},
-            "status": {"capacity": {"nvidia.com/gpu": str(gpus), "cpu": "32"},
-                       "allocatable": {"nvidia.com/gpu": str(gpus if allocatable is None else allocatable), "cpu": "32"}}}
+    return {
+        "metadata": {"name": name, "labels": {"nvidia.com/gpu.product": product}},
+        "spec": {"taints": list(taints), **({"unschedulable": True} if cordoned else {})},
+        "status": {
+            "capacity": {"nvidia.com/gpu": str(gpus), "cpu": "32"},
+            "allocatable": {"nvidia.com/gpu": str(gpus if allocatable is None else allocatable), "cpu": "32"},
+        },
+    }
 
 
 def test_what_the_cluster_says_is_counted_per_flavor():
@@ -67,33 +71,51 @@ def test_the_designated_queue_gives_up_what_is_out_and_gets_it_back():
 def test_the_waiting_message_says_capacity_is_out_of_service():
     policy = parse_policy(POLICY)
     choice = resolve_choice(policy, ["v"], {"profile": "l4-1"})
-    wl = {"metadata": {"name": "w"}, "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
-          "message": "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor l4, 1 more needed"}]}}
+    wl = {
+        "metadata": {"name": "w"},
+        "status": {
+            "conditions": [
+                {
+                    "type": "QuotaReserved",
+                    "status": "False",
+                    "reason": "Pending",
+                    "message": "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor l4, 1 more needed",
+                }
+            ]
+        },
+    }
     text = waiting_message(policy, choice, wl, None, None, None, (5, 12))
     assert "5 of 12 L4 GPUs on the cluster are out of service (failed or drained)." in text
     assert "out of service" not in waiting_message(policy, choice, wl, None, None, None, (0, 12))
     # the designated queue lowered to 0: Kueue says it can never fit; the hub says until when
     wl["status"]["conditions"][0]["message"] = (
         "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu in flavor l4, previously "
-        "considered podsets requests (0) + current podset request (1) > maximum capacity (0)")
+        "considered podsets requests (0) + current podset request (1) > maximum capacity (0)"
+    )
     assert "Pick a smaller profile" in waiting_message(policy, choice, wl, None, None, None, None)
     text = waiting_message(policy, choice, wl, None, None, None, (4, 4))
-    assert text == ("Waiting: 4 of 4 L4 GPUs on the cluster are out of service (failed or drained), so team "
-                    "Vision Lab's queue cannot fit this server until they are back."), text
+    assert text == (
+        "Waiting: 4 of 4 L4 GPUs on the cluster are out of service (failed or drained), so team "
+        "Vision Lab's queue cannot fit this server until they are back."
+    ), text
 
 
-@pytest.mark.parametrize("designation, error", [
-    ("{l4: nlp}", "health.kubernetes.capacityQueue.l4: unknown team 'nlp'"),
-    ("{h100: shared}", "health.kubernetes.capacityQueue.h100: unknown flavor 'h100'"),
-    ("{a100: shared}", "health.kubernetes.capacityQueue.a100: team 'shared' has no quota for 'a100'"),
-])
+@pytest.mark.parametrize(
+    "designation, error",
+    [
+        ("{l4: nlp}", "health.kubernetes.capacityQueue.l4: unknown team 'nlp'"),
+        ("{h100: shared}", "health.kubernetes.capacityQueue.h100: unknown flavor 'h100'"),
+        ("{a100: shared}", "health.kubernetes.capacityQueue.a100: team 'shared' has no quota for 'a100'"),
+    ],
+)
 def test_a_wrong_designation_is_refused_where_it_is(designation, error):
     text = POLICY.replace("capacityQueue: {l4: shared}", f"capacityQueue: {designation}")
     with pytest.raises(PolicyError) as e:
         parse_policy(text)
     line = text.splitlines().index(f"    capacityQueue: {designation}") + 1
-    assert any(error in i.format("p.yaml") and i.format("p.yaml").startswith(f"p.yaml:{line}:") for i in e.value.issues), \
-        [i.format("p.yaml") for i in e.value.issues]
+    assert any(error in i.format("p.yaml") and i.format("p.yaml").startswith(f"p.yaml:{line}:") for i in e.value.issues), [
+        i.format("p.yaml") for i in e.value.issues
+    ]
 
 
 class _Recorder:
@@ -122,8 +144,13 @@ class _Recorder:
 
 def _allowed(rules, verb, resource, name):
     res, _, group = resource.partition(".")
-    return any(verb in r["verbs"] and res in r["resources"] and group in r["apiGroups"]
-               and (not r.get("resourceNames") or name in r["resourceNames"]) for r in rules)
+    return any(
+        verb in r["verbs"]
+        and res in r["resources"]
+        and group in r["apiGroups"]
+        and (not r.get("resourceNames") or name in r["resourceNames"])
+        for r in rules
+    )
 
 
 def test_the_rendered_rbac_is_exactly_what_the_keeper_asks_for():
@@ -145,8 +172,11 @@ def test_the_rendered_rbac_is_exactly_what_the_keeper_asks_for():
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
         {"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"], "resourceNames": ["shared"], "verbs": ["get", "patch"]},
     ]
-    cqs = {o["metadata"]["name"]: dict(o, metadata=dict(o["metadata"], resourceVersion="1"))
-           for o in render_objects(policy) if o["kind"] == "ClusterQueue"}
+    cqs = {
+        o["metadata"]["name"]: dict(o, metadata=dict(o["metadata"], resourceVersion="1"))
+        for o in render_objects(policy)
+        if o["kind"] == "ClusterQueue"
+    }
     api = _Recorder([node("l4-a", "NVIDIA-L4", 4, allocatable=3)], cqs)
     keeper = CapacityKeeper(lambda: policy, core_api=api, custom_api=api)
     asyncio.run(keeper.sync_once())

@@ -16,7 +16,7 @@ import pytest
 from traitlets.config import Config
 
 from gpuhub_spawner.culling.board import CullBoard
-from gpuhub_spawner.kube.ledger import KueueLedger, WorkloadQueue, admitted_demand
+from gpuhub_spawner.kube.ledger import KueueLedger, admitted_demand
 from gpuhub_spawner.policy import PolicyStore
 from gpuhub_spawner.usage.recorder import UsageRecorder
 
@@ -36,27 +36,58 @@ NS = "gpuhub-users"
 
 
 def pod(user: str, team: str, uid: str) -> dict:
-    return {"metadata": {"name": f"jupyter-{user}", "namespace": NS, "uid": uid,
-                         "labels": {"gpuhub/team": team, "gpuhub/profile": "l4-1", "hub.jupyter.org/username": user},
-                         "annotations": {"hub.jupyter.org/username": user}}}
+    return {
+        "metadata": {
+            "name": f"jupyter-{user}",
+            "namespace": NS,
+            "uid": uid,
+            "labels": {"gpuhub/team": team, "gpuhub/profile": "l4-1", "hub.jupyter.org/username": user},
+            "annotations": {"hub.jupyter.org/username": user},
+        }
+    }
 
 
 def workload(user: str, team: str, uid: str, admitted_at: str | None, priority: int = 1000, created="2026-11-30T10:00:00Z"):
-    wl = {"metadata": {"name": f"pod-jupyter-{user}-{uid[:5]}", "namespace": NS, "creationTimestamp": created,
-                       "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": f"jupyter-{user}", "uid": uid, "controller": True}]},
-          "spec": {"queueName": team, "priority": priority,
-                   "podSets": [{"name": "main", "count": 1, "template": {"metadata": {"labels": {"gpuhub/team": team}}}}]},
-          "status": {"conditions": []}}
+    wl = {
+        "metadata": {
+            "name": f"pod-jupyter-{user}-{uid[:5]}",
+            "namespace": NS,
+            "creationTimestamp": created,
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": f"jupyter-{user}", "uid": uid, "controller": True}],
+        },
+        "spec": {
+            "queueName": team,
+            "priority": priority,
+            "podSets": [{"name": "main", "count": 1, "template": {"metadata": {"labels": {"gpuhub/team": team}}}}],
+        },
+        "status": {"conditions": []},
+    }
     if admitted_at:
-        wl["status"]["admission"] = {"clusterQueue": team, "podSetAssignments": [{
-            "name": "main", "count": 1, "flavors": {"cpu": "default", "memory": "default", "nvidia.com/gpu": "l4"},
-            "resourceUsage": {"cpu": "1", "memory": "2Gi", "nvidia.com/gpu": "1"}}]}
+        wl["status"]["admission"] = {
+            "clusterQueue": team,
+            "podSetAssignments": [
+                {
+                    "name": "main",
+                    "count": 1,
+                    "flavors": {"cpu": "default", "memory": "default", "nvidia.com/gpu": "l4"},
+                    "resourceUsage": {"cpu": "1", "memory": "2Gi", "nvidia.com/gpu": "1"},
+                }
+            ],
+        }
         wl["status"]["conditions"] = [
             {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "lastTransitionTime": admitted_at},
-            {"type": "Admitted", "status": "True", "reason": "Admitted", "lastTransitionTime": admitted_at}]
+            {"type": "Admitted", "status": "True", "reason": "Admitted", "lastTransitionTime": admitted_at},
+        ]
     else:
-        wl["status"]["conditions"] = [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
-                                       "message": "couldn't assign flavors", "lastTransitionTime": created}]
+        wl["status"]["conditions"] = [
+            {
+                "type": "QuotaReserved",
+                "status": "False",
+                "reason": "Pending",
+                "message": "couldn't assign flavors",
+                "lastTransitionTime": created,
+            }
+        ]
     return wl
 
 
@@ -116,8 +147,15 @@ def test_events_follow_the_workloads_and_usage_is_per_team(ledger):
     ledger._workloads.delete(f"{NS}/pod-jupyter-carol-u3")  # she gave up waiting
     ledger._workloads.delete(f"{NS}/pod-jupyter-bob-u2")  # bob stopped
     ledger.sync()
-    assert seen == [("requested", "alice/"), ("admitted", "alice/"), ("requested", "bob/"), ("admitted", "bob/"),
-                    ("requested", "carol/"), ("released", "bob/"), ("left", "carol/")]
+    assert seen == [
+        ("requested", "alice/"),
+        ("admitted", "alice/"),
+        ("requested", "bob/"),
+        ("admitted", "bob/"),
+        ("requested", "carol/"),
+        ("released", "bob/"),
+        ("left", "carol/"),
+    ]
     assert q.usage() == {"vision": {"cpu": 1000, "memory": 2 * 1024**3, "gpu/l4": 1}}
 
 
@@ -127,7 +165,8 @@ def test_a_workload_kueue_preempted_is_recorded_as_reclaimed(ledger):
     ledger.sync()
     wl["status"]["conditions"] += [
         {"type": "Evicted", "status": "True", "reason": "Preempted", "lastTransitionTime": "2026-11-30T10:01:00Z"},
-        {"type": "Preempted", "status": "True", "reason": "InCohortReclamation", "lastTransitionTime": "2026-11-30T10:01:00Z"}]
+        {"type": "Preempted", "status": "True", "reason": "InCohortReclamation", "lastTransitionTime": "2026-11-30T10:01:00Z"},
+    ]
     ledger._workloads.delete(f"{NS}/{wl['metadata']['name']}")
     ledger.sync()
     [row] = rec.history.rows(0)
@@ -156,11 +195,13 @@ async def test_the_reclaimer_warns_the_newest_borrower_when_the_lender_waits(led
 
 def test_a_batch_jobs_workload_is_keyed_by_its_job(ledger):
     wl = workload("bob", "vision", "u9", "2026-11-30T10:00:06Z", priority=100)
-    wl["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": "job-0a1b2c3d4e",
-                                          "uid": "u9", "controller": True}]
+    wl["metadata"]["ownerReferences"] = [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": "job-0a1b2c3d4e", "uid": "u9", "controller": True}
+    ]
     wl["spec"]["podSets"][0]["template"]["metadata"] = {
         "labels": {"gpuhub/team": "vision", "gpuhub/profile": "l4-1", "gpuhub/job": "job-0a1b2c3d4e"},
-        "annotations": {"hub.jupyter.org/username": "bob"}}
+        "annotations": {"hub.jupyter.org/username": "bob"},
+    }
     ledger._workloads.resources[f"{NS}/job-job-0a1b2c3d4e"] = wl
     stray = workload("eve", "vision", "u8", "2026-11-30T10:00:06Z")  # a pod this hub did not make
     ledger._workloads.resources[f"{NS}/{stray['metadata']['name']}"] = stray
@@ -179,11 +220,13 @@ async def test_a_job_taken_back_is_deactivated_once_while_kueue_evicts_it(ledger
 
     wl = workload("bob", "vision", "u9", "2026-11-30T10:00:06Z")
     wl["metadata"]["name"] = "job-job-0a1b2c3d4e"
-    wl["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": "job-0a1b2c3d4e",
-                                          "uid": "u9", "controller": True}]
+    wl["metadata"]["ownerReferences"] = [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": "job-0a1b2c3d4e", "uid": "u9", "controller": True}
+    ]
     wl["spec"]["podSets"][0]["template"]["metadata"] = {
         "labels": {"gpuhub/team": "vision", "gpuhub/profile": "l4-1", "gpuhub/job": "job-0a1b2c3d4e"},
-        "annotations": {"hub.jupyter.org/username": "bob"}}
+        "annotations": {"hub.jupyter.org/username": "bob"},
+    }
     ledger._workloads.resources[f"{NS}/job-job-0a1b2c3d4e"] = wl
     ledger.sync()
     sent, fail = [], [False]
@@ -192,6 +235,7 @@ async def test_a_job_taken_back_is_deactivated_once_while_kueue_evicts_it(ledger
         sent.append((where, body["spec"]["active"]))
         if fail[0]:
             ledger._taken_back.pop(where, None)  # what _patch does when the API server refuses it
+
     monkeypatch.setattr(ledger, "_patch", patch)
     for _ in range(5):  # five reclaimer passes before Kueue evicts it
         assert ledger.preempt_job("job:job-0a1b2c3d4e", "NLP needs it back") is True
@@ -200,8 +244,15 @@ async def test_a_job_taken_back_is_deactivated_once_while_kueue_evicts_it(ledger
     # Kueue evicted it: the hub reactivates it once, and a later reclaim may take it back again.
     wl["spec"]["active"] = False
     wl["metadata"]["annotations"] = {RECLAIM_ANNOTATION: "1"}
-    wl["status"]["conditions"] = [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": "",
-                                   "lastTransitionTime": "2026-11-30T10:00:09Z"}]
+    wl["status"]["conditions"] = [
+        {
+            "type": "QuotaReserved",
+            "status": "False",
+            "reason": "Pending",
+            "message": "",
+            "lastTransitionTime": "2026-11-30T10:00:09Z",
+        }
+    ]
     ledger._reactivate()
     await asyncio.sleep(0)
     assert sent[-1] == ((NS, "job-job-0a1b2c3d4e"), True) and not ledger._taken_back
@@ -217,8 +268,15 @@ async def test_a_job_taken_back_is_deactivated_once_while_kueue_evicts_it(ledger
     await asyncio.sleep(0)
     wl["spec"]["active"] = False
     wl["metadata"]["annotations"] = {RECLAIM_ANNOTATION: "2"}
-    wl["status"]["conditions"] = [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": "",
-                                   "lastTransitionTime": "2026-11-30T10:00:12Z"}]
+    wl["status"]["conditions"] = [
+        {
+            "type": "QuotaReserved",
+            "status": "False",
+            "reason": "Pending",
+            "message": "",
+            "lastTransitionTime": "2026-11-30T10:00:12Z",
+        }
+    ]
     before = len(sent)
     ledger._reactivate()
     await asyncio.sleep(0)

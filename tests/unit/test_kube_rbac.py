@@ -119,15 +119,20 @@ def _calls_of(path: Path, module: dict | None) -> set[tuple[str, str, str, str, 
             group = _eval(params.values[[k.value for k in params.keys].index("group")], module)
             add(*_parse_path(raw.replace("{group}", group).replace("{version}", "v"), http), node.lineno)
         elif isinstance(node, ast.ClassDef) and any("Reflector" in ast.unparse(b) for b in node.bases):
-            attrs = {t.targets[0].id: t.value.value for t in node.body if isinstance(t, ast.Assign)
-                     and isinstance(t.targets[0], ast.Name) and isinstance(t.value, ast.Constant)}
+            attrs = {
+                t.targets[0].id: t.value.value
+                for t in node.body
+                if isinstance(t, ast.Assign) and isinstance(t.targets[0], ast.Name) and isinstance(t.value, ast.Constant)
+            }
             if "kind" in attrs:
                 # KubeSpawner's reflectors list, then watch, their kind in the spawner's namespace;
                 # the group of a custom kind is the one its list call names (below).
-                found.add(("reflector", attrs.get("api_group_name", "CoreV1Api"), attrs["kind"], "watch",
-                           f"{path.name}:{node.lineno}"))
-                found.add(("reflector", attrs.get("api_group_name", "CoreV1Api"), attrs["kind"], "list",
-                           f"{path.name}:{node.lineno}"))
+                found.add(
+                    ("reflector", attrs.get("api_group_name", "CoreV1Api"), attrs["kind"], "watch", f"{path.name}:{node.lineno}")
+                )
+                found.add(
+                    ("reflector", attrs.get("api_group_name", "CoreV1Api"), attrs["kind"], "list", f"{path.name}:{node.lineno}")
+                )
     return found
 
 
@@ -138,8 +143,9 @@ def _code_rights() -> dict[tuple[str, str, str, str], set[str]]:
         uses |= _calls_of(f, vars(mod) if mod else None)
     ks = Path(kubespawner.__file__).parent
     for f in ("spawner.py",):
-        uses |= {(s, g, r, v, f"kubespawner/{w}") for s, g, r, v, w in _calls_of(ks / f, None)
-                 if (g, r) not in rights.NOT_USED}  # settings gpuhub leaves off (checked below)
+        uses |= {
+            (s, g, r, v, f"kubespawner/{w}") for s, g, r, v, w in _calls_of(ks / f, None) if (g, r) not in rights.NOT_USED
+        }  # settings gpuhub leaves off (checked below)
     out: dict[tuple[str, str, str, str], set[str]] = {}
     custom_groups = {r: g for s, g, r, v, w in uses if s != "reflector" and g}
     for scope, group, resource, verb, where in uses:
@@ -228,8 +234,7 @@ def test_the_shipped_manifests_grant_every_right_the_hub_uses():
 
 def test_the_users_namespace_role_grants_nothing_the_hub_does_not_use():
     role, _ = _user_role()
-    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     used = {(g, r, v) for s, g, r, v in rights.needed() if s == rights.USERS}
     assert sorted(granted - used) == []
     assert "*" not in {x for t in granted for x in t}
@@ -239,8 +244,11 @@ def test_the_users_namespace_role_grants_nothing_the_hub_does_not_use():
 def test_a_right_taken_out_of_the_role_fails_the_check(call):
     """The check can fail: the Role as it was before issue 40 refuses the two calls."""
     role, _ = _user_role()
-    old = [dict(r, verbs=[v for v in r["verbs"] if v != "patch"]) if "workloads" in r["resources"] else r
-           for r in role["rules"] if r["resources"] != ["pods/log"]]
+    old = [
+        dict(r, verbs=[v for v in r["verbs"] if v != "patch"]) if "workloads" in r["resources"] else r
+        for r in role["rules"]
+        if r["resources"] != ["pods/log"]
+    ]
     if call == "patch_namespaced_custom_object":
         assert not rights.grants(old, "kueue.x-k8s.io", "workloads", "patch")
     else:

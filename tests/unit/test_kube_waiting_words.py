@@ -18,7 +18,9 @@ WHY = "waits for 1 L4 24GB GPU: Vision Lab uses 1 of its 1"
 
 
 def workload(message=None):
-    conds = [] if message is None else [{"type": K.QUOTA_RESERVED, "status": "False", "reason": K.REASON_PENDING, "message": message}]
+    conds = (
+        [] if message is None else [{"type": K.QUOTA_RESERVED, "status": "False", "reason": K.REASON_PENDING, "message": message}]
+    )
     return {"metadata": {"name": "pod-x"}, "status": {"conditions": conds}}
 
 
@@ -28,20 +30,26 @@ def words(wl, why=None, position=None, length=None):
 
 
 def test_the_head_of_the_queue_gets_kueues_shortage_in_the_hubs_words():
-    short = K.MSG_ASSIGN_PREFIX.format(podset="main") + K.MSG_UNUSED_QUOTA.format(resource="nvidia.com/gpu", flavor="l4", more="1")
+    short = K.MSG_ASSIGN_PREFIX.format(podset="main") + K.MSG_UNUSED_QUOTA.format(
+        resource="nvidia.com/gpu", flavor="l4", more="1"
+    )
     assert words(workload(short), WHY, 0, 3) == f"Your server {WHY}. You are 1st of 3 in the Vision Lab queue."
     assert words(workload(short)) == "Waiting for quota: team Vision Lab has no free capacity; 1 L4 24GB GPU more needed."
 
 
 def test_a_later_waiter_without_any_kueue_condition_is_still_told_why():
     assert words(workload(None), WHY, 2, 3) == f"Your server {WHY}. You are 3rd of 3 in the Vision Lab queue."
-    assert words(workload(None), None, 2, 3) == "Waiting for quota in team Vision Lab's queue. You are 3rd of 3 in the Vision Lab queue."
+    assert (
+        words(workload(None), None, 2, 3)
+        == "Waiting for quota in team Vision Lab's queue. You are 3rd of 3 in the Vision Lab queue."
+    )
 
 
 def test_a_request_another_took_the_quota_from_in_the_same_cycle():
     assert words(workload(K.MSG_NO_LONGER_FITS), WHY) == f"Your server {WHY}."
     assert words(workload(K.MSG_NO_LONGER_FITS)) == (
-        "Waiting for quota: another request was admitted to the capacity team Vision Lab could use.")
+        "Waiting for quota: another request was admitted to the capacity team Vision Lab could use."
+    )
 
 
 def test_a_server_evicted_for_not_starting_in_time_is_told_so_in_plain_words():
@@ -51,8 +59,11 @@ def test_a_server_evicted_for_not_starting_in_time_is_told_so_in_plain_words():
     from gpuhub_spawner.kube.messages import eviction_message
 
     wl = {"status": {"conditions": [{"type": "Evicted", "status": "True", "reason": K.EVICTED_BY_PODS_READY_TIMEOUT}]}}
-    pod = {"status": {"conditions": [{"type": K.POD_TERMINATION_TARGET, "status": "True",
-                                      "reason": "WorkloadEvictedDueToPodsReadyTimeout"}]}}
+    pod = {
+        "status": {
+            "conditions": [{"type": K.POD_TERMINATION_TARGET, "status": "True", "reason": "WorkloadEvictedDueToPodsReadyTimeout"}]
+        }
+    }
     for words in (eviction_message(wl, None), eviction_message(None, pod)):
         assert words.startswith("Your server was stopped because it did not start in time after the queue gave it its GPUs")
         assert "Start it again" in words and "PodsReadyTimeout" not in words

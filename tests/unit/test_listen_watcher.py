@@ -23,10 +23,12 @@ def free_port() -> int:
 
 def server(port: int, delay: float) -> subprocess.Popen:
     """A process that listens on ``port`` after ``delay`` seconds, from a child of its own."""
-    code = (f"import socket, time, os\ntime.sleep({delay})\n"
-            "if os.fork() == 0:\n"
-            f"    s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)\n"
-            "else:\n    os.wait()\n")
+    code = (
+        f"import socket, time, os\ntime.sleep({delay})\n"
+        "if os.fork() == 0:\n"
+        f"    s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)\n"
+        "else:\n    os.wait()\n"
+    )
     return subprocess.Popen([sys.executable, "-c", code])
 
 
@@ -235,8 +237,9 @@ def test_servers_can_be_given_ports_of_a_range_that_skips_what_something_else_ho
         book = PortBook()
         with pytest.raises(RuntimeError, match=f"no free port in {taken}-{taken}"):
             book.take("u00", span)  # another process listens there
-    free = next((range(low, low + 3) for low in range(21000, 30000, 10)
-                 if all(port_is_free(p) for p in range(low, low + 3))), None)  # three ports nothing holds now
+    free = next(
+        (range(low, low + 3) for low in range(21000, 30000, 10) if all(port_is_free(p) for p in range(low, low + 3))), None
+    )  # three ports nothing holds now
     assert free is not None
     book = PortBook()
     got = [book.take(f"u{i}", free) for i in range(3)]

@@ -18,8 +18,15 @@ from gpuhub_spawner.ops import loadtest as L
 
 
 def args(**kw):
-    base = dict(users=4, jobs=2, mix=[L.Mix("load-team", "gpu-1")], job_profile=None, job_command="sleep 1",
-                deadline=60.0, cleanup_timeout=30.0)
+    base = dict(
+        users=4,
+        jobs=2,
+        mix=[L.Mix("load-team", "gpu-1")],
+        job_profile=None,
+        job_command="sleep 1",
+        deadline=60.0,
+        cleanup_timeout=30.0,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -30,7 +37,9 @@ def test_the_job_file_is_one_a_researcher_could_submit_with_a_time_limit_past_th
     assert [u.job is not None for u in users] == [True, True, False, False]  # the first --jobs users
     assert users[0].job.profile == "gpu-1"
     spec = parse_job(L.job_spec(users[0], a, 42.7))
-    assert spec.profile == "gpu-1" and spec.argv == ["/bin/sh", "-c", "sleep 1"] and spec.time_limit == 42 + 30 + 60  # the deadline, the cleanup, a minute
+    assert (
+        spec.profile == "gpu-1" and spec.argv == ["/bin/sh", "-c", "sleep 1"] and spec.time_limit == 42 + 30 + 60
+    )  # the deadline, the cleanup, a minute
     assert L.plan(args(prefix="lt-", job_profile="cpu"))[1].job.profile == "cpu"
 
 
@@ -44,8 +53,15 @@ def test_command_line_problems_are_named_before_anything_is_sent():
 
 def test_figures_come_from_the_hubs_record():
     job = L.JobRun("gpu-1")
-    L.job_figures(job, {"state": "succeeded", "submitted": 100.0, "finished": 130.0, "attempts": [
-        {"started": 110.0, "reason": "preempted"}, {"started": 120.0, "reason": "succeeded"}]})
+    L.job_figures(
+        job,
+        {
+            "state": "succeeded",
+            "submitted": 100.0,
+            "finished": 130.0,
+            "attempts": [{"started": 110.0, "reason": "preempted"}, {"started": 120.0, "reason": "succeeded"}],
+        },
+    )
     assert (job.queue_seconds, job.run_seconds, job.attempts, job.preempted) == (10.0, 20.0, 2, 1)
     queued = L.JobRun("gpu-1")
     L.job_figures(queued, {"state": "queued", "submitted": 100.0, "attempts": [{"queued": 100.0}]})
@@ -54,16 +70,40 @@ def test_figures_come_from_the_hubs_record():
 
 
 def report(jobs: dict | None, run_median: float | None) -> dict:
-    return {"users": 2, "shape": "storm", "hub": "http://h", "wall_seconds": 9.0, "completed": 2,
-            "errors": {"http": {}, "timeouts": 0, "connection": 0, "failed_spawns": 0, "failed_cells": 0,
-                       "users_failed": 0, "first_failures": []},
-            "job_run_seconds": {"n": 2, "median": run_median, "p95": run_median, "max": run_median} if run_median else None,
-            "jobs": jobs}
+    return {
+        "users": 2,
+        "shape": "storm",
+        "hub": "http://h",
+        "wall_seconds": 9.0,
+        "completed": 2,
+        "errors": {
+            "http": {},
+            "timeouts": 0,
+            "connection": 0,
+            "failed_spawns": 0,
+            "failed_cells": 0,
+            "users_failed": 0,
+            "first_failures": [],
+        },
+        "job_run_seconds": {"n": 2, "median": run_median, "p95": run_median, "max": run_median} if run_median else None,
+        "jobs": jobs,
+    }
 
 
-JOBS = {"requested": 2, "command": "sleep 1", "profiles": ["gpu-1"], "submitted": 2, "refused": 0, "succeeded": 2,
-        "failed": 0, "cancelled": 0, "cancelled_at_deadline": 0, "preempted_attempts": 0,
-        "http_errors": {"503 POST /hub/api/gpuhub/jobs": 1}, "transport_errors": 0}
+JOBS = {
+    "requested": 2,
+    "command": "sleep 1",
+    "profiles": ["gpu-1"],
+    "submitted": 2,
+    "refused": 0,
+    "succeeded": 2,
+    "failed": 0,
+    "cancelled": 0,
+    "cancelled_at_deadline": 0,
+    "preempted_attempts": 0,
+    "http_errors": {"503 POST /hub/api/gpuhub/jobs": 1},
+    "transport_errors": 0,
+}
 
 
 def test_the_table_shows_job_figures_and_compares_them_with_a_baseline():
@@ -104,8 +144,15 @@ class FakeJobs:
                 fake.specs.append(parse_job(json.loads(self.request.body)["spec"]))
                 job_id = f"job-{len(fake.jobs):010x}"
                 t = time.time()
-                fake.jobs[job_id] = {"id": job_id, "user": "lt-0000", "state": "running", "submitted": t,
-                                     "finished": None, "attempts": [{"started": t + 0.1}], "status": "running"}
+                fake.jobs[job_id] = {
+                    "id": job_id,
+                    "user": "lt-0000",
+                    "state": "running",
+                    "submitted": t,
+                    "finished": None,
+                    "attempts": [{"started": t + 0.1}],
+                    "status": "running",
+                }
                 self.set_status(201)
                 self.finish(fake.record(job_id))
 
@@ -122,8 +169,13 @@ class FakeJobs:
                 fake.jobs[job_id].update(state="cancelled", finished=time.time(), status="cancelled: by its owner")
                 self.finish(fake.record(job_id))
 
-        return web.Application([(r"/hub/api/gpuhub/jobs", Jobs), (r"/hub/api/gpuhub/jobs/(job-[0-9a-f]+)", Job),
-                                (r"/hub/api/gpuhub/jobs/(job-[0-9a-f]+)/cancel", Cancel)])
+        return web.Application(
+            [
+                (r"/hub/api/gpuhub/jobs", Jobs),
+                (r"/hub/api/gpuhub/jobs/(job-[0-9a-f]+)", Job),
+                (r"/hub/api/gpuhub/jobs/(job-[0-9a-f]+)/cancel", Cancel),
+            ]
+        )
 
 
 async def against(fake: FakeJobs, deadline_in: float, poll: float = 0.2):

@@ -66,7 +66,11 @@ def test_a_single_strategy_slice_is_nvidia_gpu_keyed_on_the_product_label():
     assert len(errs) == 1 and "flavors[1]" in errs[0] and "nvidia.com/gpu.product tells shapes apart" in errs[0]
     wrong = "    nodeLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}\n"
     errs = errors(strategy=", strategy: single", labels=wrong)
-    assert len(errs) == 1 and "p.yaml:8:42: flavors[1].nodeLabels.nvidia.com/gpu.product" in errs[0] and "is not a 1g.10gb node" in errs[0]
+    assert (
+        len(errs) == 1
+        and "p.yaml:8:42: flavors[1].nodeLabels.nvidia.com/gpu.product" in errs[0]
+        and "is not a 1g.10gb node" in errs[0]
+    )
 
 
 def test_mig_names_and_resources_are_checked():
@@ -137,14 +141,14 @@ def test_slices_are_found_by_uuid_with_parent_and_shape_and_only_their_nodes(fak
         caps(tmp_path, 1, 7 + i, 100 + 2 * i)
     found = discover_nvml(capabilities=str(tmp_path))
     assert [(d.uuid, d.mig_profile, d.parent) for d in found] == [("GPU-whole", None, "")] + [
-        (f"MIG-s{i}", "1g.10gb", "GPU-split") for i in range(7)]
+        (f"MIG-s{i}", "1g.10gb", "GPU-split") for i in range(7)
+    ]
     p = policy()
     table = DeviceTable(lambda: p, discover=lambda: found)
     # the whole-GPU flavor does not take slices even though 'A100' is in their names, and vice versa
     assert [d.id for d in table.free_devices("a100")] == ["GPU-whole"]
     assert [d.id for d in table.free_devices("a100-1g")] == [f"MIG-s{i}" for i in range(7)]
-    assert table.nodes_for(["MIG-s2"]) == ["nvidia-caps/nvidia-cap104", "nvidia-caps/nvidia-cap105", "nvidia1",
-                                           *CONTROL_NODES]
+    assert table.nodes_for(["MIG-s2"]) == ["nvidia-caps/nvidia-cap104", "nvidia-caps/nvidia-cap105", "nvidia1", *CONTROL_NODES]
     demand = demand_for(p, p.profile("mig-1g"))
     held = [table.allocate(f"student{i}/", demand) for i in range(7)]
     assert sorted(h[0] for h in held) == [f"MIG-s{i}" for i in range(7)]
@@ -240,16 +244,29 @@ from gpuhub_spawner.culling.gpu import read_nvml  # noqa: E402
 
 
 def h100(uuid, slices):
-    return {"uuid": uuid, "name": "NVIDIA H100 80GB HBM3", "memory_total": 80 * 2**30, "events": [], "gpm": True,
-            "mig": {"enabled": True, "devices": slices}}
+    return {
+        "uuid": uuid,
+        "name": "NVIDIA H100 80GB HBM3",
+        "memory_total": 80 * 2**30,
+        "events": [],
+        "gpm": True,
+        "mig": {"enabled": True, "devices": slices},
+    }
 
 
 def test_a_hopper_slice_is_read_through_gpm_an_a100_slice_is_unread(fake, monkeypatch):
-    h = [dict(slice_("MIG-h-busy", "1g.10gb", gi=7), utilization=83),
-         dict(slice_("MIG-h-idle", "1g.10gb", gi=8), utilization=0),
-         slice_("MIG-h-none", "1g.10gb", gi=9)]  # GPM, but no reading for this one
-    fake.write([h100("GPU-h100", h), a100("GPU-a100", [dict(slice_("MIG-a", gi=7), utilization=90)]),
-                {"uuid": "GPU-whole", "name": "NVIDIA L4", "utilization": 41, "events": []}])
+    h = [
+        dict(slice_("MIG-h-busy", "1g.10gb", gi=7), utilization=83),
+        dict(slice_("MIG-h-idle", "1g.10gb", gi=8), utilization=0),
+        slice_("MIG-h-none", "1g.10gb", gi=9),
+    ]  # GPM, but no reading for this one
+    fake.write(
+        [
+            h100("GPU-h100", h),
+            a100("GPU-a100", [dict(slice_("MIG-a", gi=7), utilization=90)]),
+            {"uuid": "GPU-whole", "name": "NVIDIA L4", "utilization": 41, "events": []},
+        ]
+    )
     ids = ["MIG-h-busy", "MIG-h-idle", "MIG-h-none", "MIG-a", "GPU-whole", "MIG-gone"]
     waits = []
     monkeypatch.setattr("gpuhub_spawner.culling.gpu.time.sleep", waits.append)
@@ -278,7 +295,9 @@ def test_the_gpm_samples_are_freed_and_taken_of_the_slices_gpu_instance(fake, mo
 
 
 def test_a_busy_gpm_slice_is_kept_and_an_idle_one_warned_by_the_gpu_rule_not_the_unread_rule(fake, monkeypatch):
-    fake.write([h100("GPU-h100", [dict(slice_("MIG-busy", gi=7), utilization=70), dict(slice_("MIG-idle", gi=8), utilization=1)])])
+    fake.write(
+        [h100("GPU-h100", [dict(slice_("MIG-busy", gi=7), utilization=70), dict(slice_("MIG-idle", gi=8), utilization=1)])]
+    )
     monkeypatch.setattr("gpuhub_spawner.culling.gpu.time.sleep", lambda s: None)
     rules = IdleRules(timeout=3600, gpu_idle_timeout=1800, warning=600, gpu_unread="activity")
     readings = read_nvml(["MIG-busy", "MIG-idle"])
@@ -326,8 +345,10 @@ def test_a_team_mixing_shapes_counts_their_memory_and_waits_with_words_naming_th
     assert check_fit(p, held, lab, small).fits
     fit = check_fit(p, held, lab, large)
     assert not fit.fits and fit.never is None
-    assert fit.shortages[0].reason == ("needs 40Gi of MIG slice memory (1 A100 3g.40gb slice): your team Lab is using "
-                                       "50Gi of the 60Gi it may hold; it waits until one of your team's servers or jobs stops")
+    assert fit.shortages[0].reason == (
+        "needs 40Gi of MIG slice memory (1 A100 3g.40gb slice): your team Lab is using "
+        "50Gi of the 60Gi it may hold; it waits until one of your team's servers or jobs stops"
+    )
     # the students count 1g slices, as before: their slices' memory is not limited
     used = {"students": {"gpu/a100-1g": 2, GPU_MEMORY: 20 * 2**30}}
     assert check_fit(p, used, students, small).fits
@@ -368,8 +389,9 @@ def test_gpu_memory_quota_mistakes_are_explained_where_they_are():
     both = errs(MIXED_SHAPES.replace("quota: {gpus: {a100: 1}, gpuMemory", "quota: {gpus: {a100: 1, a100-1g: 2}, gpuMemory"))
     assert len(both) == 1 and "teams[0].quota.gpus.a100-1g" in both[0] and "cannot also have a quota in slices" in both[0]
     single = MIXED_SHAPES.replace(
-        "mig: {profile: 3g.40gb}", "mig: {profile: 3g.40gb, strategy: single}, "
-        "nodeLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB-MIG-3g.40gb}")
+        "mig: {profile: 3g.40gb}",
+        "mig: {profile: 3g.40gb, strategy: single}, nodeLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB-MIG-3g.40gb}",
+    )
     e = errs(single)
     assert len(e) == 1 and "flavors[1]" in e[0] and "single strategy, where every slice is nvidia.com/gpu" in e[0]
     e = errs(MIXED_SHAPES.replace("{nominal: 60Gi, flavors: [a100-1g, a100-3g]}", "{nominal: 30Gi, flavors: [a100-1g, a100-3g]}"))
@@ -381,8 +403,10 @@ def test_a_lower_gpu_memory_quota_is_previewed_in_memory_words():
 
     old = parse_policy(MIXED_SHAPES, "p.yaml")
     new = parse_policy(MIXED_SHAPES.replace("{nominal: 60Gi,", "{nominal: 40Gi,"), "p.yaml")
-    held = [Holding("a/", "a", "lab", "large", demand_for(old, old.profile("large")), since=1.0),
-            Holding("b/", "b", "lab", "small", demand_for(old, old.profile("small")), since=2.0)]
+    held = [
+        Holding("a/", "a", "lab", "large", demand_for(old, old.profile("large")), since=1.0),
+        Holding("b/", "b", "lab", "small", demand_for(old, old.profile("small")), since=2.0),
+    ]
     imp = impact(old, new, (), held, (), None, now=10.0)
     quotas = [ln.text for ln in imp.section("quotas")]
     assert quotas == ["Lab: MIG slice memory quota 60Gi → 40Gi."], quotas
@@ -394,8 +418,9 @@ def test_a_slice_made_on_a_gpu_marked_bad_is_bad_too_and_one_on_a_drained_gpu_dr
     from gpuhub_spawner.local.devices import NvmlDevice
 
     def mig(uuid, parent, index):
-        return NvmlDevice(index, uuid, "NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10, (f"nvidia{index}",), "1g.10gb",
-                          parent, "NVIDIA A100-SXM4-80GB")
+        return NvmlDevice(
+            index, uuid, "NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10, (f"nvidia{index}",), "1g.10gb", parent, "NVIDIA A100-SXM4-80GB"
+        )
 
     p = policy()
     layout = [mig("MIG-a0", "GPU-a", 0), mig("MIG-a1", "GPU-a", 0), mig("MIG-b0", "GPU-b", 1), mig("MIG-c0", "GPU-c", 2)]
@@ -419,11 +444,16 @@ def test_kueues_shortage_messages_name_slices_and_slice_memory_on_the_spawn_page
     from gpuhub_spawner.kube.messages import shortages
 
     p = parse_policy(MIXED_SHAPES, "p.yaml")
-    said = ", ".join([K.MSG_UNUSED_QUOTA.format(resource="nvidia.com/mig-1g.10gb", flavor="a100-1g", more="1"),
-                      K.MSG_UNUSED_QUOTA.format(resource="gpuhub.io/mig-memory", flavor="gpuhub-default", more="10Gi")])
+    said = ", ".join(
+        [
+            K.MSG_UNUSED_QUOTA.format(resource="nvidia.com/mig-1g.10gb", flavor="a100-1g", more="1"),
+            K.MSG_UNUSED_QUOTA.format(resource="gpuhub.io/mig-memory", flavor="gpuhub-default", more="10Gi"),
+        ]
+    )
     short, never = shortages(p, said)
     assert short == ["1 A100 1g.10gb slice", "10Gi of MIG slice memory"] and never == []
-    said = K.MSG_MAX_CAPACITY.format(resource="gpuhub.io/mig-memory", flavor="gpuhub-default", previous="0",
-                                     request="40Gi", capacity="30Gi")
+    said = K.MSG_MAX_CAPACITY.format(
+        resource="gpuhub.io/mig-memory", flavor="gpuhub-default", previous="0", request="40Gi", capacity="30Gi"
+    )
     assert shortages(p, said)[1] == ["40Gi of MIG slice memory requested but the team can hold at most 30Gi of MIG slice memory"]
     assert shortages(p, K.MSG_UNUSED_QUOTA.format(resource="nvidia.com/gpu", flavor="a100", more="2"))[0] == ["2 A100 GPUs"]

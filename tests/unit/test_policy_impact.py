@@ -34,11 +34,22 @@ profiles:
 defaults:
   queueTimeout: 5m
 """
-NEW = (OLD.replace("a100: {nominal: 2}", "a100: {nominal: 1}").replace("maxGPUs: 2", "maxGPUs: 1")
-       .replace("  - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision], idle: {timeout: 1h, gpuIdleTimeout: 30m}}\n", ""))
+NEW = (
+    OLD.replace("a100: {nominal: 2}", "a100: {nominal: 1}")
+    .replace("maxGPUs: 2", "maxGPUs: 1")
+    .replace(
+        "  - {slug: a100-2, displayName: 2× A100, gpu: {count: 2, flavor: a100}, teams: [vision], idle: {timeout: 1h, gpuIdleTimeout: 30m}}\n",
+        "",
+    )
+)
 
-PEOPLE = [Person("alice", ("vision-lab",)), Person("bob", ("vision-lab",)), Person("carol", ("nlp-group",)),
-          Person("dave", ("nlp-group", "vision-lab")), Person("erin", ("students",))]
+PEOPLE = [
+    Person("alice", ("vision-lab",)),
+    Person("bob", ("vision-lab",)),
+    Person("carol", ("nlp-group",)),
+    Person("dave", ("nlp-group", "vision-lab")),
+    Person("erin", ("students",)),
+]
 NOW = time.time()
 DEMAND2 = {"cpu": 1000, "memory": 2 << 30, "gpu/a100": 2}
 DEMAND1 = {"cpu": 1000, "memory": 2 << 30, "gpu/a100": 1}
@@ -70,16 +81,22 @@ def test_lowering_a_quota_and_removing_a_profile_names_who_it_hits_and_what_gpuh
     assert {"alice loses 2× A100 (a100-2).", "bob loses 2× A100 (a100-2).", "dave loses 2× A100 (a100-2)."} <= set(profiles)
     assert not any(t.startswith(("carol", "erin")) for t in profiles)
     assert texts(imp, "quotas") == ["Vision Lab: A100 GPUs quota 2 → 1 (-1); GPUs per user 2 → 1."]
-    assert texts(imp, "culling") == ["alice's server (profile a100-2): idle timeout 1h → 8h; GPU-idle timeout 30m → does not apply."]
+    assert texts(imp, "culling") == [
+        "alice's server (profile a100-2): idle timeout 1h → 8h; GPU-idle timeout 30m → does not apply."
+    ]
     assert imp.touched_teams == {"vision"} and imp.global_changes == []
 
 
 def test_raising_the_quota_admits_the_waiting_request_at_once_and_nothing_else_changes():
-    raised = OLD.replace("a100: {nominal: 2}", "a100: {nominal: 3}").replace("a100: {nominal: 1}}}\nprofiles", "a100: {nominal: 0}}}\nprofiles")
+    raised = OLD.replace("a100: {nominal: 2}", "a100: {nominal: 3}").replace(
+        "a100: {nominal: 1}}}\nprofiles", "a100: {nominal: 0}}}\nprofiles"
+    )
     held = [Holding("alice/", "alice", "vision", "a100-2", DEMAND2, since=NOW - 600)]
     waiting = [Request("dave/", "dave", "vision", "a100-1", DEMAND1, created=NOW - 60)]
     imp = impact(parse_policy(OLD), parse_policy(raised), PEOPLE, held, waiting, {"gpu/a100": 1}, now=NOW)
-    assert texts(imp, "waiting") == [f"dave's server (1 A100 GPU, waiting since {time.strftime('%H:%M', time.localtime(NOW - 60))}) would be admitted at once."]
+    assert texts(imp, "waiting") == [
+        f"dave's server (1 A100 GPU, waiting since {time.strftime('%H:%M', time.localtime(NOW - 60))}) would be admitted at once."
+    ]
     assert texts(imp, "running") == [] and texts(imp, "profiles") == []
     # ... unless the machine has no free device: then it does not say "at once"
     imp = impact(parse_policy(OLD), parse_policy(raised), PEOPLE, held, waiting, {"gpu/a100": 0}, now=NOW)
@@ -97,11 +114,18 @@ def test_a_request_that_can_never_fit_is_said_to_wait_for_its_queue_timeout_not_
 
 def test_a_borrowing_holder_in_a_cohort_is_said_to_be_reclaimable_after_the_lenders_notice():
     cohort = OLD.replace("groups: [vision-lab]\n", "groups: [vision-lab]\n    cohort: research\n").replace(
-        "groups: [nlp-group]\n", "groups: [nlp-group]\n    cohort: research\n")
-    lowered = cohort.replace("a100: {nominal: 2}", "a100: {nominal: 1}").replace("maxGPUs: 2", "maxGPUs: 1").replace(
-        "teams: [vision], idle", "teams: [nlp], idle").replace("quota: {gpus: {a100: {nominal: 1}}}\nprofiles",
-                                                               "quota: {gpus: {a100: {nominal: 2}}}\nprofiles")
-    held = [Holding("alice/", "alice", "vision", "a100-1", DEMAND1, since=NOW), Holding("bob/", "bob", "vision", "a100-1", DEMAND1, since=NOW)]
+        "groups: [nlp-group]\n", "groups: [nlp-group]\n    cohort: research\n"
+    )
+    lowered = (
+        cohort.replace("a100: {nominal: 2}", "a100: {nominal: 1}")
+        .replace("maxGPUs: 2", "maxGPUs: 1")
+        .replace("teams: [vision], idle", "teams: [nlp], idle")
+        .replace("quota: {gpus: {a100: {nominal: 1}}}\nprofiles", "quota: {gpus: {a100: {nominal: 2}}}\nprofiles")
+    )
+    held = [
+        Holding("alice/", "alice", "vision", "a100-1", DEMAND1, since=NOW),
+        Holding("bob/", "bob", "vision", "a100-1", DEMAND1, since=NOW),
+    ]
     imp = impact(parse_policy(cohort), parse_policy(lowered), PEOPLE, held, [], None, now=NOW)
     running = " ".join(texts(imp, "running"))
     assert "counted as borrowed from the research cohort: kept until NLP Group need their own quota back" in running
@@ -112,18 +136,23 @@ def test_a_lead_sees_only_their_teams_lines_and_global_changes_are_named():
     imp = scenario()
     assert imp.only_teams({"nlp"}).lines == []
     assert len(imp.only_teams({"vision"}).lines) == len(imp.lines)
-    _, everyone = impact(parse_policy(OLD), parse_policy(OLD.replace("queueTimeout: 5m", "queueTimeout: 10m"))).touched_teams, \
-        impact(parse_policy(OLD), parse_policy(OLD.replace("queueTimeout: 5m", "queueTimeout: 10m"))).global_changes
+    _, everyone = (
+        impact(parse_policy(OLD), parse_policy(OLD.replace("queueTimeout: 5m", "queueTimeout: 10m"))).touched_teams,
+        impact(parse_policy(OLD), parse_policy(OLD.replace("queueTimeout: 5m", "queueTimeout: 10m"))).global_changes,
+    )
     assert everyone == ["the defaults change, which apply to every team"]
 
 
 def test_an_invalid_candidate_gives_the_loaders_located_errors_and_an_alias_bomb_is_refused_before_parsing():
-    policy, errors = read_candidate(NEW.replace("a100: {nominal: 1}}}\n    perUser", "a100: {nominal: 1, lendingLimit: 3}}}\n    perUser"))
+    policy, errors = read_candidate(
+        NEW.replace("a100: {nominal: 1}}}\n    perUser", "a100: {nominal: 1, lendingLimit: 3}}}\n    perUser")
+    )
     assert policy is None
     assert errors[0]["line"] == 11 and errors[0]["path"] == "teams[0].quota.gpus.a100.lendingLimit"
     assert errors[0]["message"] == "lendingLimit 3 is above the nominal quota 1"
-    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
-                                                          for p, c in zip("abcdefgh", "bcdefghi"))
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi")
+    )
     t0 = time.perf_counter()
     policy, errors = read_candidate(bomb)
     assert policy is None and "anchors and aliases are not accepted" in errors[0]["message"] and errors[0]["line"] == 1
@@ -152,7 +181,10 @@ def test_versions_record_apply_atomically_and_find_by_number_or_hash(tmp_path):
     assert third["summary"].startswith("edited on disk: Vision Lab: A100 GPUs quota 1 → 2 (+1)")
     # a fresh store reads the same history back
     assert [v["source"] for v in PolicyVersions(tmp_path / "versions", str(path)).versions()] == [
-        "loaded at start", "applied", "edited on disk"]
+        "loaded at start",
+        "applied",
+        "edited on disk",
+    ]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -209,8 +241,9 @@ def test_the_diff_masks_profile_environment_values():
 # -- the security review of issue 26 -------------------------------------------------------------------
 def _big(teams: int, profiles: int) -> str:
     """Every team in everyone's groups, every profile for every team: the review's stall."""
-    extra = "".join(f"  - {{name: t{i}, groups: [vision-lab, nlp-group], quota: {{gpus: {{a100: {{nominal: 0}}}}}}}}\n"
-                    for i in range(teams))
+    extra = "".join(
+        f"  - {{name: t{i}, groups: [vision-lab, nlp-group], quota: {{gpus: {{a100: {{nominal: 0}}}}}}}}\n" for i in range(teams)
+    )
     profs = "".join(f"  - {{slug: p{i}, displayName: P{i}, teams: '*'}}\n" for i in range(profiles))
     return OLD.replace("profiles:\n", extra + "profiles:\n" + profs)
 
@@ -229,7 +262,7 @@ def test_the_impact_of_many_teams_times_many_profiles_takes_linear_time():
 def test_a_guessed_secret_or_a_cohort_or_an_added_group_touches_the_other_teams():
     from gpuhub_spawner.admission.impact import touched_teams
 
-    secret = OLD.replace("teams: \"*\", default: true}", "teams: \"*\", default: true, env: {HF_TOKEN: right}}")
+    secret = OLD.replace('teams: "*", default: true}', 'teams: "*", default: true, env: {HF_TOKEN: right}}')
     old = parse_policy(secret)
     # the lead's candidate carries the right value: equal to the policy in force, yet a change of the profile
     assert touched_teams(old, parse_policy(secret), {"cpu"})[0] == {"vision", "nlp"}
@@ -253,7 +286,10 @@ def test_a_lead_sees_people_outside_their_teams_counted_not_named():
     words = " ".join(ln.text for ln in lead.lines)
     assert "carol" not in words and "erin" not in words
     assert "1 person outside your teams would join Vision Lab; would gain 2× A100 (a100-2)." in words  # carol
-    assert "1 person outside your teams would join Vision Lab; would gain 1× A100 (a100-1), 2× A100 (a100-2), CPU only (cpu)." in words
+    assert (
+        "1 person outside your teams would join Vision Lab; would gain 1× A100 (a100-1), 2× A100 (a100-2), CPU only (cpu)."
+        in words
+    )
     assert not any(ln.users - {"alice", "bob", "dave"} for ln in lead.lines)
 
 
@@ -270,9 +306,9 @@ def test_masked_text_never_returns_a_text_it_cannot_parse_and_masks_every_env():
 def test_masked_values_sent_back_keep_the_values_in_force():
     from gpuhub_spawner.hub.policy_api import unmask_text
 
-    secret = OLD.replace("teams: \"*\", default: true}", "teams: \"*\", default: true, env: {HF_TOKEN: \"ab'c\\\"d\", B: x}}")
+    secret = OLD.replace('teams: "*", default: true}', 'teams: "*", default: true, env: {HF_TOKEN: "ab\'c\\"d", B: x}}')
     current = parse_policy(secret)
-    sent = secret.replace("HF_TOKEN: \"ab'c\\\"d\"", "HF_TOKEN: '***'").replace("B: x", "B: y") + "# a comment\n"
+    sent = secret.replace('HF_TOKEN: "ab\'c\\"d"', "HF_TOKEN: '***'").replace("B: x", "B: y") + "# a comment\n"
     written = unmask_text(sent, current)
     assert parse_policy(written).profile("cpu").env == {"HF_TOKEN": "ab'c\"d", "B": "y"}
     assert "'***'" not in written and written.endswith("# a comment\n")
@@ -305,8 +341,10 @@ def test_a_leads_history_from_the_terminal_has_every_version_and_only_the_summar
 
     from gpuhub_spawner.usage import policy_cli
 
-    versions = [{"n": 2, "hash": "b" * 12, "by": "admin", "at": NOW, "source": "applied"},
-                {"n": 1, "hash": "a" * 12, "by": "admin", "at": NOW, "source": "applied", "summary": "Vision Lab: quota"}]
+    versions = [
+        {"n": 2, "hash": "b" * 12, "by": "admin", "at": NOW, "source": "applied"},
+        {"n": 1, "hash": "a" * 12, "by": "admin", "at": NOW, "source": "applied", "summary": "Vision Lab: quota"},
+    ]
     monkeypatch.setattr(policy_cli, "call", lambda *a, **k: {"role": "lead", "version": versions[0], "versions": versions})
     assert policy_cli._history(SimpleNamespace(hub="http://hub.example")) == 0
     out = capsys.readouterr().out

@@ -59,8 +59,11 @@ def test_apply_grants_creates_and_revokes_only_gpuhubs_role_groups():
     assert roles.apply(db, policy()) == {"granted": [], "revoked": [], "created_groups": []}
 
     changed = roles.apply(db, policy(admins="ops, students", viewers="auditors", leads="vision-leads, deputies"))
-    assert sorted(changed["granted"]) == [["gpuhub-admin", "students"], ["gpuhub-lead", "deputies"],
-                                          ["gpuhub-viewer", "auditors"]]
+    assert sorted(changed["granted"]) == [
+        ["gpuhub-admin", "students"],
+        ["gpuhub-lead", "deputies"],
+        ["gpuhub-viewer", "auditors"],
+    ]
     assert changed["revoked"] == [["gpuhub-viewer", "heads"]]
     assert sorted(changed["created_groups"]) == ["auditors", "deputies", "students"]
     assert groups_of(db, "gpuhub-admin") == ["ops", "site-admins", "students"]
@@ -68,8 +71,11 @@ def test_apply_grants_creates_and_revokes_only_gpuhubs_role_groups():
 
     # Back to the first policy: everything it did not name is revoked, except the site's own group.
     changed = roles.apply(db, policy())
-    assert sorted(changed["revoked"]) == [["gpuhub-admin", "students"], ["gpuhub-lead", "deputies"],
-                                          ["gpuhub-viewer", "auditors"]]
+    assert sorted(changed["revoked"]) == [
+        ["gpuhub-admin", "students"],
+        ["gpuhub-lead", "deputies"],
+        ["gpuhub-viewer", "auditors"],
+    ]
     assert groups_of(db, "gpuhub-admin") == ["ops", "site-admins"]
     assert groups_of(db, "gpuhub-viewer") == ["heads"] and groups_of(db, "gpuhub-lead") == ["vision-leads"]
     assert [r.name for r in other.roles] == ["admin"]

@@ -60,7 +60,10 @@ def test_unknown_key_suggests_the_right_one():
 def test_wrong_type_negative_and_fractional_gpu_counts():
     assert ":14:18: profiles[0].gpu.count: must be at least 0 (got -1)" in errors(BASE.replace("count: 1", "count: -1"))[0]
     assert "profiles[0].gpu.count: must be a whole number (got 1.5)" in errors(BASE.replace("count: 1", "count: 1.5"))[0]
-    assert "teams[0].quota.gpus.a100.nominal: must be a whole number (got 'two')" in errors(BASE.replace("nominal: 2", "nominal: two"))[0]
+    assert (
+        "teams[0].quota.gpus.a100.nominal: must be a whole number (got 'two')"
+        in errors(BASE.replace("nominal: 2", "nominal: two"))[0]
+    )
 
 
 def test_dangling_references():
@@ -96,7 +99,11 @@ def test_borrowing_needs_cohort_and_lending_within_nominal():
 
 
 def test_quantities_and_durations():
-    p = parse_policy(BASE.replace("    teams: [vision]\n", "    teams: [vision]\n    cpu: 500m\n    memory: 16Gi\n    idle: {timeout: 1h30m}\n"))
+    p = parse_policy(
+        BASE.replace(
+            "    teams: [vision]\n", "    teams: [vision]\n    cpu: 500m\n    memory: 16Gi\n    idle: {timeout: 1h30m}\n"
+        )
+    )
     prof = p.profile("gpu")
     assert (prof.cpu, prof.memory, prof.idle.timeout) == (500, 16 * 2**30, 5400.0)
     assert "is not a quantity" in errors(BASE.replace("    teams: [vision]\n", "    teams: [vision]\n    memory: lots\n"))[0]
@@ -113,15 +120,18 @@ def test_cli_exit_codes_and_output(tmp_path):
     assert f"{bad}:14:18: profiles[0].gpu.count: must be at least 0 (got -1)" in out.stderr
 
 
-@pytest.mark.parametrize("text", [
-    EXAMPLE.read_text(),
-    BASE,
-    # what the direct build hands to PyYAML's constructor: anchors, merge keys, int keys, dates
-    BASE + "defaults: &d {queueTimeout: 1h}\nx: *d\n",
-    "a: &m {b: 1}\nc:\n  <<: *m\n  d: 2\n",
-    "a: {1: one, 2.5: two}\nb: 2026-01-02\nc: [~, true, 0x1F, 1e3, .inf, '1', \"x\"]\n",
-    "a: 1\nb: {c: 1, c: 2}\na: [3]\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        EXAMPLE.read_text(),
+        BASE,
+        # what the direct build hands to PyYAML's constructor: anchors, merge keys, int keys, dates
+        BASE + "defaults: &d {queueTimeout: 1h}\nx: *d\n",
+        "a: &m {b: 1}\nc:\n  <<: *m\n  d: 2\n",
+        "a: {1: one, 2.5: two}\nb: 2026-01-02\nc: [~, true, 0x1F, 1e3, .inf, '1', \"x\"]\n",
+        "a: 1\nb: {c: 1, c: 2}\na: [3]\n",
+    ],
+)
 def test_the_direct_build_gives_what_pyyamls_constructor_gives(text):
     """The loader builds a policy's data straight from libyaml's nodes (docs/benchmarks.md)
     and finds duplicate keys in the same walk; it must give what yaml.safe_load gives, and

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpuhub_spawner.local.cgroups import CgroupHost, ServerCgroup
+from gpuhub_spawner.local.cgroups import CgroupHost
 from gpuhub_spawner.local.service import PrefixHeld, hold_account_prefix, hold_prefix_at_hub_start
 from gpuhub_spawner.policy import PolicyError, parse_policy
 from gpuhub_spawner.policy.model import DEFAULT_MAX_PROCESSES
@@ -37,6 +37,7 @@ def errors(text):
 
 # -- the policy field ------------------------------------------------------------------------
 
+
 def test_process_limit_comes_from_the_profile_else_the_defaults():
     p = parse_policy(POLICY)
     assert p.process_limit(p.profile("loaders")) == 8192
@@ -48,16 +49,21 @@ def test_process_limit_comes_from_the_profile_else_the_defaults():
 
 def test_process_limit_mistakes_are_located():
     assert errors(POLICY.replace("maxProcesses: 8192", "maxProcesses: 10")) == [
-        "p.yaml:5:74: profiles[1].maxProcesses: must be at least 64 (got 10)"]
+        "p.yaml:5:74: profiles[1].maxProcesses: must be at least 64 (got 10)"
+    ]
     assert errors(POLICY.replace("maxProcesses: 8192", "maxProcesses: many")) == [
-        "p.yaml:5:74: profiles[1].maxProcesses: must be a whole number (got 'many')"]
+        "p.yaml:5:74: profiles[1].maxProcesses: must be a whole number (got 'many')"
+    ]
     assert errors(POLICY + "defaults: {maxProcesses: 100.5}\n") == [
-        "p.yaml:6:26: defaults.maxProcesses: must be a whole number (got 100.5)"]
+        "p.yaml:6:26: defaults.maxProcesses: must be a whole number (got 100.5)"
+    ]
     assert errors(POLICY.replace("maxProcesses:", "maxProcess:"))[0].endswith(
-        "profiles[1].maxProcess: unknown key 'maxProcess' (did you mean 'maxProcesses'?)")
+        "profiles[1].maxProcess: unknown key 'maxProcess' (did you mean 'maxProcesses'?)"
+    )
 
 
 # -- the cgroup files ------------------------------------------------------------------------
+
 
 def _fake_v2(root):
     (root / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids rdma misc\n")
@@ -66,8 +72,17 @@ def _fake_v2(root):
 
     def mkdir(self, *a, **k):  # the kernel populates a new group's interface files
         real_mkdir(self, *a, **k)
-        for f in ("cgroup.procs", "cgroup.subtree_control", "memory.max", "memory.oom.group", "cpu.max",
-                  "memory.events", "pids.max", "pids.current", "pids.events"):
+        for f in (
+            "cgroup.procs",
+            "cgroup.subtree_control",
+            "memory.max",
+            "memory.oom.group",
+            "cpu.max",
+            "memory.events",
+            "pids.max",
+            "pids.current",
+            "pids.events",
+        ):
             (self / f).touch()
         (self / "cgroup.controllers").write_text("cpu memory pids\n")
 
@@ -141,6 +156,7 @@ def test_v1_pids_hierarchy_gets_the_limit(tmp_path):
 
 # -- the user's message ----------------------------------------------------------------------
 
+
 class FakeGroup:
     def __init__(self, limit=150, user_limit=None, peak=None):
         self.events, self.limit, self.killed, self.removed = 0, limit, 0, 0
@@ -211,8 +227,9 @@ def test_reaching_the_limit_is_logged_once_and_becomes_the_stop_reason(caplog):
         cg.events = 900
         assert sp._check_process_limit(cg)
     said = [r.getMessage() for r in caplog.records if "reached its limit" in r.getMessage()]
-    assert said == ["Server alice reached its limit of 150 processes (pids.max; threads count too): "
-                    "5 new processes or threads refused so far"]
+    assert said == [
+        "Server alice reached its limit of 150 processes (pids.max; threads count too): 5 new processes or threads refused so far"
+    ]
     assert sp.stop_reason is None  # while it runs nothing is stopped
     proc = subprocess.Popen(["true"])
     proc.wait()
@@ -235,6 +252,7 @@ def test_a_reused_groups_old_count_is_not_this_servers():
 
 
 # -- the exit watcher acts only on a real exit ------------------------------------------------
+
 
 def test_a_wake_up_while_the_server_runs_kills_nothing():
     sp = spawner()
@@ -298,8 +316,10 @@ def test_a_second_holder_is_refused_naming_the_first_and_the_lock_dies_with_it(t
         with pytest.raises(PrefixHeld) as e:
             hold_account_prefix("t1-", data_dir="/srv/second", lock_dir=str(lock_dir))
         msg = str(e.value)
-        assert f"the account prefix 't1-' is held by another hub on this machine (pid {p.pid}, " \
-               "data dir /srv/first-hub, config /etc/first/jupyterhub_config.py, since " in msg
+        assert (
+            f"the account prefix 't1-' is held by another hub on this machine (pid {p.pid}, "
+            "data dir /srv/first-hub, config /etc/first/jupyterhub_config.py, since " in msg
+        )
         assert "give this one a prefix of its own" in msg
         # overlapping prefixes name the same accounts (t1- + "x-alice" == t1-x- + "alice")
         with pytest.raises(PrefixHeld, match="overlaps the prefix 't1-'"):

@@ -29,7 +29,10 @@ class FormOnly(PolicySpawnerMixin):
 
 
 def radios(html):
-    return re.findall(r'<input class="form-check-input" type="radio" name="profile" id="[^"]+" value="([^"]+)" data-team="([^"]+)"( checked)?', html)
+    return re.findall(
+        r'<input class="form-check-input" type="radio" name="profile" id="[^"]+" value="([^"]+)" data-team="([^"]+)"( checked)?',
+        html,
+    )
 
 
 def test_only_team_profiles_and_default_preselected():

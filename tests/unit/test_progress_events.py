@@ -104,9 +104,11 @@ async def test_a_start_that_borrows_says_so_when_it_is_admitted():
     assert ticket.admission is not None and ticket.admission.borrowed == {"gpu/gpu": 1}
     [event] = [e async for e in QueuedGpuMixin.progress(SimpleNamespace(_ticket=ticket, broker=broker))]
     assert event["gpuhub"]["borrowed"] == {"gpu/gpu": 1}
-    assert ("Borrowed: 1 Tesla GPU of this is other teams' unused quota (NLP Group), beyond Vision Lab's own. "
-            "If a lending team needs it back, one of your team's borrowing servers is warned and stopped after "
-            "at least 10m, the most recently started first; your files are kept.") in event["message"], event["message"]
+    assert (
+        "Borrowed: 1 Tesla GPU of this is other teams' unused quota (NLP Group), beyond Vision Lab's own. "
+        "If a lending team needs it back, one of your team's borrowing servers is warned and stopped after "
+        "at least 10m, the most recently started first; your files are kept."
+    ) in event["message"], event["message"]
     # a start within the team's own quota says nothing of the kind
     [plain] = [e async for e in QueuedGpuMixin.progress(SimpleNamespace(_ticket=own, broker=broker))]
     assert "Borrowed" not in plain["message"]

@@ -27,8 +27,16 @@ def hub(path, policy):
 
 
 def t(key, team="a", priority=0, **kw):
-    return Ticket(key=key, user=key.split("/")[0], team=team, profile="g1", demand={"gpu/gpu": 1},
-                  priority=priority, user_options={"profile": "g1", "team": team}, **kw)
+    return Ticket(
+        key=key,
+        user=key.split("/")[0],
+        team=team,
+        profile="g1",
+        demand={"gpu/gpu": 1},
+        priority=priority,
+        user_options={"profile": "g1", "team": team},
+        **kw,
+    )
 
 
 async def test_waiting_requests_come_back_in_order_and_admitted_ones_do_not(tmp_path):

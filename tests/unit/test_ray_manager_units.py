@@ -39,14 +39,30 @@ class FakeJobs:
 
 def cluster(tmp_path, started=1000.0):
     log = tmp_path / "attempt-1.log"
-    log.write_text("[gpuhub] admitted\n" + M.READY + json.dumps(
-        {"address": "10.0.0.1:6379", "dashboard_port": 8265, "virtual": True}) + "\n")
+    log.write_text(
+        "[gpuhub] admitted\n" + M.READY + json.dumps({"address": "10.0.0.1:6379", "dashboard_port": 8265, "virtual": True}) + "\n"
+    )
     rec = R.JobRecord(
-        id="job-0123456789", user="alice", team="vision",
+        id="job-0123456789",
+        user="alice",
+        team="vision",
         profile={"slug": "gpu-2", "gpu": {"count": 2, "flavor": "gpu"}, "cpu": 1000, "memory": 1},
-        priority_class=None, priority=0, policy_sha256="", image="", image_digest="",
-        command=["python", "--workers", "0"], working_dir="", checkpoint_dir="", env_names=[], experiment=None,
-        time_limit=None, retries={}, spec={"env": [M.MARK]}, name="mine", state=R.RUNNING)
+        priority_class=None,
+        priority=0,
+        policy_sha256="",
+        image="",
+        image_digest="",
+        command=["python", "--workers", "0"],
+        working_dir="",
+        checkpoint_dir="",
+        env_names=[],
+        experiment=None,
+        time_limit=None,
+        retries={},
+        spec={"env": [M.MARK]},
+        name="mine",
+        state=R.RUNNING,
+    )
     rec.attempts.append(R.Attempt(number=1, queued=started - 5, started=started, devices=["0", "1"], log=str(log)))
     return rec
 

@@ -41,8 +41,10 @@ def test_defaults_are_off_and_documented_values():
 
 
 def test_section_reads_camel_case_and_quantities():
-    ray = parse_policy(BASE + "ray:\n  enabled: true\n  stopWithServer: false\n  maxWorkers: 7\n"
-                              "  headResources: {cpu: 500m, memory: 4Gi}\n  image: ghcr.io/lab/ray:2.52\n").ray
+    ray = parse_policy(
+        BASE + "ray:\n  enabled: true\n  stopWithServer: false\n  maxWorkers: 7\n"
+        "  headResources: {cpu: 500m, memory: 4Gi}\n  image: ghcr.io/lab/ray:2.52\n"
+    ).ray
     assert (ray.enabled, ray.stop_with_server, ray.max_workers) == (True, False, 7)
     assert (ray.head_resources.cpu, ray.head_resources.memory, ray.image) == (500, 4 * 2**30, "ghcr.io/lab/ray:2.52")
 
@@ -50,7 +52,8 @@ def test_section_reads_camel_case_and_quantities():
 def test_mistakes_are_located():
     assert errors(BASE + "ray: {enabled: true, maxWorkers: 8}\n") == ["p.yaml:19:34: ray.maxWorkers: must be at most 7 (got 8)"]
     assert errors(BASE + "ray:\n  stopwithServer: false\n") == [
-        "p.yaml:20:3: ray.stopwithServer: unknown key 'stopwithServer' (did you mean 'stopWithServer'?)"]
+        "p.yaml:20:3: ray.stopwithServer: unknown key 'stopwithServer' (did you mean 'stopWithServer'?)"
+    ]
     (msg,) = errors(BASE + "ray:\n  headResources: {cpu: lots}\n")
     assert msg.startswith("p.yaml:20:24: ray.headResources.cpu: 'lots' is not a quantity")
 
@@ -62,7 +65,11 @@ def test_request_picks_the_profile_by_gpu_count_and_checks_the_section():
     refused = {
         "off": (parse_policy(BASE), RayRequest(user="ada", gpus=1), "Ray clusters are not enabled on this hub"),
         "workers": (on, RayRequest(user="ada", gpus=1, workers=3), "at most 2 workers"),
-        "count": (on, RayRequest(user="ada", gpus=3), "No profile of your team(s) has 3 GPU(s); the counts you may ask for are 1, 2"),
+        "count": (
+            on,
+            RayRequest(user="ada", gpus=3),
+            "No profile of your team(s) has 3 GPU(s); the counts you may ask for are 1, 2",
+        ),
         "mismatch": (on, RayRequest(user="ada", gpus=2, profile="gpu"), "Profile 'gpu' has 1 GPU(s), not 2"),
         "name": (on, RayRequest(user="ada", gpus=1, name="Bad Name"), "is not a cluster name"),
     }
@@ -88,8 +95,9 @@ def test_jobs_and_clusters_are_capped_by_gpus_not_by_servers():
     ``maxServers: 1`` reached) does not refuse a cluster, the GPU cap still does."""
     from gpuhub_spawner.policy.access import check_job_caps, check_user_caps, resolve_choice
 
-    policy = parse_policy(BASE.replace("        a100: {nominal: 2}\n",
-                                       "        a100: {nominal: 2}\n    perUser: {maxServers: 1, maxGPUs: 2}\n"))
+    policy = parse_policy(
+        BASE.replace("        a100: {nominal: 2}\n", "        a100: {nominal: 2}\n    perUser: {maxServers: 1, maxGPUs: 2}\n")
+    )
     choice = resolve_choice(policy, ["vision-lab"], {"profile": "gpu"})
     notebook = [None]  # a server with no GPU: the one server the team allows
     with pytest.raises(ChoiceError, match="allows 1 server"):

@@ -69,8 +69,7 @@ def test_the_planner_reclaims_nothing_for_a_held_down_lender():
     assert out.reclaim == {} and out.covered == {} and out.held == ["carol/"]
     # Another member of the same team is not held down by carol's withdrawal.
     dave = Request("dave/", "nlp", {K: 1}, "dave")
-    assert plan(POLICY, usage, holders, [carol, dave], {K: 0}, held_down={"carol"}).reclaim == {
-        "vision-job": ("nlp", "dave/")}
+    assert plan(POLICY, usage, holders, [carol, dave], {K: 0}, held_down={"carol"}).reclaim == {"vision-job": ("nlp", "dave/")}
     # A held-down lender's request that fits without any reclaim is planned as usual.
     out = plan(POLICY, {"vision": {K: 1}}, holders[1:], [carol], {K: 1}, held_down={"carol"})
     assert out.held == [] and out.reclaim == {}
@@ -88,8 +87,9 @@ def config(tmp_path):
 
 def hub(config, preempt=None):
     q = AdmissionQueue(lambda: POLICY, DeviceTable(lambda: POLICY, discover=lambda: []))
-    broker = SimpleNamespace(queue=q, store=SimpleNamespace(current=POLICY), devices=q.allocator, config=config,
-                             preempt_job=preempt)
+    broker = SimpleNamespace(
+        queue=q, store=SimpleNamespace(current=POLICY), devices=q.allocator, config=config, preempt_job=preempt
+    )
     return q, Reclaimer(broker)
 
 

@@ -41,9 +41,12 @@ def test_lender_within_nominal_takes_back_from_the_borrower():
 def test_lowest_priority_first_then_most_recent():
     p = policy()
     usage = {"vision": {K: 4}}
-    holders = [H("v/job-old", "vision", priority=100, admitted=1, job=True),
-               H("v/job-new", "vision", priority=100, admitted=5, job=True),
-               H("v/srv-newest", "vision", priority=1000, admitted=9), H("v/srv", "vision", admitted=2)]
+    holders = [
+        H("v/job-old", "vision", priority=100, admitted=1, job=True),
+        H("v/job-new", "vision", priority=100, admitted=5, job=True),
+        H("v/srv-newest", "vision", priority=1000, admitted=9),
+        H("v/srv", "vision", admitted=2),
+    ]
     out = plan(p, usage, holders, [Request("n/a", "nlp", {K: 1})], free_devices={K: 0})
     assert list(out.reclaim) == ["v/job-new"]
     out = plan(p, usage, holders, [Request("n/a", "nlp", {K: 2})], free_devices={K: 0})

@@ -6,7 +6,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 
 from gpuhub_spawner.cli import main
 
@@ -17,8 +16,24 @@ def test_install_service_writes_a_valid_unit(tmp_path, capsys):
     site = tmp_path / "site.yaml"
     site.write_text("auth: {kind: pam, admin_groups: [wheel]}\n")
     out = tmp_path / "gpuhub.service"
-    assert main(["install-service", "--config", str(REPO / "jupyterhub_config" / "jupyterhub_config.py"),
-                 "--site", str(site), "--data-dir", str(tmp_path / "data"), "--port", "8443", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "install-service",
+                "--config",
+                str(REPO / "jupyterhub_config" / "jupyterhub_config.py"),
+                "--site",
+                str(site),
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--port",
+                "8443",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "systemctl daemon-reload && systemctl enable --now gpuhub" in capsys.readouterr().out
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.read(out)
@@ -44,11 +59,35 @@ def test_missing_files_are_named_not_written(tmp_path, capsys):
 def test_a_bad_site_file_is_refused_with_its_line(tmp_path, capsys):
     site = tmp_path / "site.yaml"
     site.write_text("auth:\n  kind: oidc\n  client_id: x\n  clinet_secret_file: /etc/secret\n")
-    rc = main(["run", "--site", str(site), "--data-dir", str(tmp_path / "d"),
-               "--config", str(REPO / "jupyterhub_config" / "jupyterhub_config.py")])
+    rc = main(
+        [
+            "run",
+            "--site",
+            str(site),
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--config",
+            str(REPO / "jupyterhub_config" / "jupyterhub_config.py"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and f"{site}:4:3: auth.clinet_secret_file: unknown key" in err
     site.write_text("auth:\n  kind: oidc\n  client_id: x\n")
-    assert main(["run", "--site", str(site), "--data-dir", str(tmp_path / "d"),
-                 "--config", str(REPO / "jupyterhub_config" / "jupyterhub_config.py")]) == 1
-    assert f"{site}:2:3: auth: auth kind 'oidc' needs client_secret_file, authorize_url, token_url, userinfo_url" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "run",
+                "--site",
+                str(site),
+                "--data-dir",
+                str(tmp_path / "d"),
+                "--config",
+                str(REPO / "jupyterhub_config" / "jupyterhub_config.py"),
+            ]
+        )
+        == 1
+    )
+    assert (
+        f"{site}:2:3: auth: auth kind 'oidc' needs client_secret_file, authorize_url, token_url, userinfo_url"
+        in capsys.readouterr().err
+    )

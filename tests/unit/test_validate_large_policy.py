@@ -23,7 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
 from bigpolicy import big_policy  # noqa: E402
 
-from gpuhub_spawner.cli import main  # noqa: E402
 from gpuhub_spawner.policy import parse_policy  # noqa: E402
 from gpuhub_spawner.policy.model import IdleRules, ReclaimRules  # noqa: E402
 
@@ -40,11 +39,11 @@ def gpuhub_validate(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """``gpuhub validate ARGS`` in its own process, on a machine whose NVML sees no GPU."""
     state = tmp_path / "nvml.json"
     state.write_text(json.dumps({"devices": []}))
-    env = dict(os.environ, GPUHUB_FAKE_NVML=str(state),
-               PYTHONPATH=os.pathsep.join([str(FAKE_NVML_DIR), str(REPO / "spawner")]))
+    env = dict(os.environ, GPUHUB_FAKE_NVML=str(state), PYTHONPATH=os.pathsep.join([str(FAKE_NVML_DIR), str(REPO / "spawner")]))
     env.pop("PYDANTIC_DISABLE_PLUGINS", None)
-    return subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "validate", *args],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "validate", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def line_of(text: str, needle: str, after: str = "") -> int:
@@ -75,14 +74,17 @@ def test_mistakes_deep_in_the_large_policy_are_each_located(tmp_path, big):
     # team-417: a bad memory quantity; the same bad quantity again in profile-1998 (one parse
     # per distinct string must not swallow the second); profile-1999: a key written twice and
     # a misspelt one.
-    text = big.replace("- name: team-417\n  displayName: Team 417\n",
-                       "- name: team-417\n  displayName: Team 417\n  perUzer: {}\n")
+    text = big.replace(
+        "- name: team-417\n  displayName: Team 417\n", "- name: team-417\n  displayName: Team 417\n  perUzer: {}\n"
+    )
     text = text.replace("    memory: 256Gi\n", "    memory: 256Gx\n", 418)  # the 418th: team-417's
     text = text.replace("    memory: 256Gx\n", "    memory: 256Gi\n", 417)
     at = text.index("- slug: profile-1998\n")
     text = text[:at] + text[at:].replace("  memory: 16Gi\n", "  memory: 256Gx\n", 1)
-    text = text.replace("- slug: profile-1999\n  displayName: Profile 1999\n",
-                        "- slug: profile-1999\n  displayName: Profile 1999\n  displayName: Twice\n")
+    text = text.replace(
+        "- slug: profile-1999\n  displayName: Profile 1999\n",
+        "- slug: profile-1999\n  displayName: Profile 1999\n  displayName: Twice\n",
+    )
     f = tmp_path / "bad.yaml"
     f.write_text(text)
     out = gpuhub_validate(tmp_path, str(f))
@@ -125,27 +127,29 @@ def test_a_validate_inside_another_program_leaves_its_garbage_collector_as_it_wa
     f = tmp_path / "big.yaml"
     f.write_text(big_policy(teams=20, profiles=40))
     env = dict(os.environ, PYTHONPATH=str(REPO / "spawner"))
-    out = subprocess.run([sys.executable, "-c", LIBRARY_CALL, str(f)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", LIBRARY_CALL, str(f)], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "after, collector on: True frozen added: 0\n" in out.stdout, out.stdout
     assert "after, collector off: False\n" in out.stdout, out.stdout
 
 
 def test_a_profiles_idle_rules_are_its_own_over_the_policys_defaults(big):
-    policy = parse_policy(big_policy(teams=4, profiles=4).replace(
-        "- slug: profile-0001\n", "- slug: profile-0001\n  idle: {timeout: 2h, maxSnoozes: 0}\n"))
+    policy = parse_policy(
+        big_policy(teams=4, profiles=4).replace(
+            "- slug: profile-0001\n", "- slug: profile-0001\n  idle: {timeout: 2h, maxSnoozes: 0}\n"
+        )
+    )
     plain, own = policy.profile("profile-0000"), policy.profile("profile-0001")
     defaults = policy.defaults.idle
     assert policy.idle_rules(plain) == defaults
     rules = policy.idle_rules(own)
     assert (rules.timeout, rules.max_snoozes) == (7200.0, 0)  # its own, 0 included
-    assert (rules.warning, rules.gpu_idle_timeout, rules.snooze) == (defaults.warning, defaults.gpu_idle_timeout,
-                                                                     defaults.snooze)
+    assert (rules.warning, rules.gpu_idle_timeout, rules.snooze) == (defaults.warning, defaults.gpu_idle_timeout, defaults.snooze)
     # A copy of the policy with other defaults (the hub's policy editor copies policies): its
     # answer follows its own defaults, not what the original answered before.
-    other = policy.model_copy(update={"defaults": policy.defaults.model_copy(
-        update={"idle": IdleRules(timeout=60.0, warning=30.0)})})
+    other = policy.model_copy(
+        update={"defaults": policy.defaults.model_copy(update={"idle": IdleRules(timeout=60.0, warning=30.0)})}
+    )
     assert other.idle_rules(plain) == IdleRules(timeout=60.0, warning=30.0)
     assert other.idle_rules(own).timeout == 7200.0 and other.idle_rules(own).warning == 30.0
     assert policy.idle_rules(own) == rules  # the original unchanged

@@ -152,9 +152,16 @@ class GpuHealth:
         return "healthy"
 
     def as_dict(self) -> dict:
-        return {"state": self.state, "reason": self.reason, "since": self.since, "xid": self.xid,
-                "drained": self.drained, "drained_at": self.drained_at, "usable": self.usable,
-                "summary": self.summary()}
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "since": self.since,
+            "xid": self.xid,
+            "drained": self.drained,
+            "drained_at": self.drained_at,
+            "usable": self.usable,
+            "summary": self.summary(),
+        }
 
 
 class HealthBook:
@@ -211,14 +218,18 @@ class HealthBook:
 
     # -- persistence (drains and marks survive a hub restart) ---------------------------------
     def to_json(self) -> dict:
-        return {dev: {"marks": [m.__dict__ for m in h.marks], "drained": h.drained, "drained_at": h.drained_at}
-                for dev, h in self.devices.items() if h.marks or h.drained}
+        return {
+            dev: {"marks": [m.__dict__ for m in h.marks], "drained": h.drained, "drained_at": h.drained_at}
+            for dev, h in self.devices.items()
+            if h.marks or h.drained
+        }
 
     def load(self, data: dict, now: float | None = None) -> None:
         now = time.time() if now is None else now
         for dev, d in (data or {}).items():
             h = self._entry(str(dev))
-            h.marks = [Mark(m["state"], m["reason"], float(m["at"]), m.get("xid")) for m in d.get("marks", [])
-                       if m.get("state") in RANK]
+            h.marks = [
+                Mark(m["state"], m["reason"], float(m["at"]), m.get("xid")) for m in d.get("marks", []) if m.get("state") in RANK
+            ]
             h.drained, h.drained_at = d.get("drained"), d.get("drained_at")
             h._recompute(now)

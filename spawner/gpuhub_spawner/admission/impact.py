@@ -105,8 +105,13 @@ class Line:
     anon: str = ""  # the same without the user's name ("would join Vision Lab"), for a lead who may not see them
 
     def as_dict(self) -> dict:
-        return {"section": self.section, "text": self.text, "teams": sorted(self.teams),
-                "users": sorted(self.users), "keys": sorted(self.keys)}
+        return {
+            "section": self.section,
+            "text": self.text,
+            "teams": sorted(self.teams),
+            "users": sorted(self.users),
+            "keys": sorted(self.keys),
+        }
 
 
 @dataclass
@@ -173,8 +178,7 @@ class Impact:
 
     def as_dict(self) -> dict:
         return {
-            "sections": [{"name": s, "title": TITLES[s], "lines": [ln.as_dict() for ln in self.section(s)]}
-                         for s in SECTIONS],
+            "sections": [{"name": s, "title": TITLES[s], "lines": [ln.as_dict() for ln in self.section(s)]} for s in SECTIONS],
             "touched_teams": sorted(self.touched_teams),
             "global_changes": list(self.global_changes),
             "summary": self.summary(),
@@ -187,7 +191,9 @@ class Impact:
             if lines:
                 out.append(f"{TITLES[s]}:")
                 out += [f"  - {ln.text}" for ln in lines]
-        return "\n".join(out) if out else "No change for anyone: no profile, quota, running server or waiting request is affected."
+        return (
+            "\n".join(out) if out else "No change for anyone: no profile, quota, running server or waiting request is affected."
+        )
 
 
 # -- words -----------------------------------------------------------------------------------------
@@ -330,9 +336,13 @@ def touched_teams(old: Policy, new: Policy, literal_env: Iterable[str] = ()) -> 
         teams.update(old_t)
         teams.update(new_t)
     everyone = []
-    for name, label in (("flavors", "the GPU flavors"), ("priority_classes", "the priority classes"),
-                        ("defaults", "the defaults"), ("roles", "the roles (admins, viewers)"),
-                        ("health", "the GPU health rules")):
+    for name, label in (
+        ("flavors", "the GPU flavors"),
+        ("priority_classes", "the priority classes"),
+        ("defaults", "the defaults"),
+        ("roles", "the roles (admins, viewers)"),
+        ("health", "the GPU health rules"),
+    ):
         if getattr(old, name) != getattr(new, name):
             everyone.append(f"{label} change, which apply to every team")
     return teams, everyone
@@ -411,9 +421,13 @@ def _profiles(out: Impact, old: Policy, new: Policy, people: list[Person]) -> No
     for slug in [p.slug for p in old.profiles if new.profile(p.slug) is None]:
         users = [u.name for u in people if slug in mine[u.name][2]]
         p = old.profile(slug)
-        out.add("profiles", f"Profile {p.display_name} ({slug}) is removed"
-                + (f"; {len(users)} user(s) lose it: {', '.join(users)}." if users else "."),
-                teams=[t.name for t in old.teams if p.usable_by(t.name)], users=users)
+        out.add(
+            "profiles",
+            f"Profile {p.display_name} ({slug}) is removed"
+            + (f"; {len(users)} user(s) lose it: {', '.join(users)}." if users else "."),
+            teams=[t.name for t in old.teams if p.usable_by(t.name)],
+            users=users,
+        )
     changed: dict[str, bool] = {}
 
     def slugs_changed(t: str) -> bool:
@@ -491,15 +505,21 @@ def _quotas(out: Impact, old: Policy, new: Policy) -> None:
 
 
 def _reclaim_words(new: Policy, team: Team, key: str) -> str:
-    lenders = [m for m in new.cohort_members(team) if m.name != team.name and new.reclaim_rules(m).enabled
-               and (lim := limits(m, key)) is not None and lim.lendable > 0]
+    lenders = [
+        m
+        for m in new.cohort_members(team)
+        if m.name != team.name and new.reclaim_rules(m).enabled and (lim := limits(m, key)) is not None and lim.lendable > 0
+    ]
     if not lenders:
-        return (f"no other team of the {team.cohort} cohort takes quota back (reclaim disabled or nothing lent): "
-                "kept until stopped")
+        return (
+            f"no other team of the {team.cohort} cohort takes quota back (reclaim disabled or nothing lent): kept until stopped"
+        )
     notices = sorted({format_duration(new.reclaim_rules(m).notice or 0) for m in lenders})
-    return (f"counted as borrowed from the {team.cohort} cohort: kept until {', '.join(m.label for m in lenders)} "
-            f"need their own quota back; then a server is warned and stopped after {' or '.join(notices)}, a job "
-            "is stopped at once and re-queued (lowest priority, newest first)")
+    return (
+        f"counted as borrowed from the {team.cohort} cohort: kept until {', '.join(m.label for m in lenders)} "
+        f"need their own quota back; then a server is warned and stopped after {' or '.join(notices)}, a job "
+        "is stopped at once and re-queued (lowest priority, newest first)"
+    )
 
 
 def _running(out: Impact, old: Policy, new: Policy, holdings: list[Holding]) -> None:
@@ -511,10 +531,15 @@ def _running(out: Impact, old: Policy, new: Policy, holdings: list[Holding]) -> 
         team = new.team_or_none(team_name)
         if team is None:
             for h in held:
-                out.add("running", f"{_owner(h)} ({_demand_words(old, h.demand)}) belongs to team {team_name}, "
-                        "which the new policy removes: it keeps running until it is stopped (nothing is reclaimed "
-                        "from a team that is not in the policy), and it cannot be started again in that team.",
-                        teams=[team_name], users=[h.user], keys=[h.key])
+                out.add(
+                    "running",
+                    f"{_owner(h)} ({_demand_words(old, h.demand)}) belongs to team {team_name}, "
+                    "which the new policy removes: it keeps running until it is stopped (nothing is reclaimed "
+                    "from a team that is not in the policy), and it cannot be started again in that team.",
+                    teams=[team_name],
+                    users=[h.user],
+                    keys=[h.key],
+                )
             continue
         used = usage.get(team_name, {})
         for key in sorted(used):
@@ -527,8 +552,10 @@ def _running(out: Impact, old: Policy, new: Policy, holdings: list[Holding]) -> 
             if old_lim is not None and amount > old_lim.nominal and old_lim.nominal <= own.nominal:
                 continue  # already over before the edit, and not more so: nothing new
             holders = [h for h in held if h.demand.get(key)]
-            names = ", ".join(f"{_owner(h)} ({_amount(new, key, h.demand[key])}, profile {h.profile}, since {_clock(h.since)})"
-                              for h in sorted(holders, key=lambda h: h.since))
+            names = ", ".join(
+                f"{_owner(h)} ({_amount(new, key, h.demand[key])}, profile {h.profile}, since {_clock(h.since)})"
+                for h in sorted(holders, key=lambda h: h.since)
+            )
             over = amount - own.nominal
             if key.startswith("gpu/") and team.cohort:
                 fate = _reclaim_words(new, team, key)
@@ -536,12 +563,18 @@ def _running(out: Impact, old: Policy, new: Policy, holdings: list[Holding]) -> 
                 fate = "nothing is stopped: it keeps running until its user stops it or it is culled"
             else:
                 fate = "nothing is stopped: kept until its user stops it or it is culled (only GPUs are ever reclaimed)"
-            out.add("running", f"{team.label} holds {_amount(new, key, amount)} {_resource(new, key)} and its new quota is "
-                    f"{_amount(new, key, own.nominal)} ({_amount(new, key, over) if key.startswith('gpu/') else 'over'}"
-                    f"{' over' if key.startswith('gpu/') else ''}): {names}. What gpuhub does: {fate}; "
-                    f"{team.label}'s requests for {_resource(new, key)} wait until its use leaves room within the quota"
-                    + (" or the cohort lends" if team.cohort else "") + ".",
-                    teams=[team_name], users=[h.user for h in holders], keys=[h.key for h in holders])
+            out.add(
+                "running",
+                f"{team.label} holds {_amount(new, key, amount)} {_resource(new, key)} and its new quota is "
+                f"{_amount(new, key, own.nominal)} ({_amount(new, key, over) if key.startswith('gpu/') else 'over'}"
+                f"{' over' if key.startswith('gpu/') else ''}): {names}. What gpuhub does: {fate}; "
+                f"{team.label}'s requests for {_resource(new, key)} wait until its use leaves room within the quota"
+                + (" or the cohort lends" if team.cohort else "")
+                + ".",
+                teams=[team_name],
+                users=[h.user for h in holders],
+                keys=[h.key for h in holders],
+            )
         # per-user caps: servers and GPUs per user, as check_user_caps counts them at a start
         per_user: dict[str, list[Holding]] = {}
         for h in held:
@@ -551,29 +584,47 @@ def _running(out: Impact, old: Policy, new: Policy, holdings: list[Holding]) -> 
             servers = sum(1 for h in hs if not h.job)
             gpus = sum(v for h in hs for k, v in h.demand.items() if k.startswith("gpu/"))
             over = []
-            if caps.max_servers is not None and servers > caps.max_servers and not (
-                    old_caps.max_servers is not None and servers > old_caps.max_servers):
+            if (
+                caps.max_servers is not None
+                and servers > caps.max_servers
+                and not (old_caps.max_servers is not None and servers > old_caps.max_servers)
+            ):
                 over.append(f"{servers} servers, new cap {caps.max_servers}")
-            if caps.max_gpus is not None and gpus > caps.max_gpus and not (
-                    old_caps.max_gpus is not None and gpus > old_caps.max_gpus):
+            if (
+                caps.max_gpus is not None
+                and gpus > caps.max_gpus
+                and not (old_caps.max_gpus is not None and gpus > old_caps.max_gpus)
+            ):
                 over.append(f"{gpus} GPUs, new cap {caps.max_gpus}")
             if over:
-                out.add("running", f"{user} is over {team.label}'s new per-user caps ({'; '.join(over)}): what is "
-                        "running keeps running (caps are checked when a server or job starts); "
-                        f"{user} cannot start another {team.label} server or GPU job until back under the cap.",
-                        teams=[team_name], users=[user], keys=[h.key for h in hs])
+                out.add(
+                    "running",
+                    f"{user} is over {team.label}'s new per-user caps ({'; '.join(over)}): what is "
+                    "running keeps running (caps are checked when a server or job starts); "
+                    f"{user} cannot start another {team.label} server or GPU job until back under the cap.",
+                    teams=[team_name],
+                    users=[user],
+                    keys=[h.key for h in hs],
+                )
         for h in held:
             if old.profile(h.profile) is not None and new.profile(h.profile) is None:
                 if h.job:
                     fate = "it runs to its end with the GPUs it has; a re-queue after a preemption keeps its resources"
                 else:
                     idle = new.defaults.idle
-                    fate = ("it keeps running and keeps its GPUs until it is stopped; it cannot be started again with "
-                            f"that profile; idle culling then uses the defaults' rules (no activity for "
-                            f"{format_duration(idle.timeout or 0)}, at most {format_duration(idle.max_age or 0)} old) and "
-                            "no longer the GPU-idle rule (the hub no longer knows the profile's GPUs)")
-                out.add("running", f"{_owner(h)} runs profile {_profile_words(old, h.profile)}, which the new policy "
-                        f"removes: {fate}.", teams=[team_name], users=[h.user], keys=[h.key])
+                    fate = (
+                        "it keeps running and keeps its GPUs until it is stopped; it cannot be started again with "
+                        f"that profile; idle culling then uses the defaults' rules (no activity for "
+                        f"{format_duration(idle.timeout or 0)}, at most {format_duration(idle.max_age or 0)} old) and "
+                        "no longer the GPU-idle rule (the hub no longer knows the profile's GPUs)"
+                    )
+                out.add(
+                    "running",
+                    f"{_owner(h)} runs profile {_profile_words(old, h.profile)}, which the new policy removes: {fate}.",
+                    teams=[team_name],
+                    users=[h.user],
+                    keys=[h.key],
+                )
 
 
 def _order(policy: Policy, usage, reqs: list[Request]) -> list[Request]:
@@ -589,8 +640,9 @@ def _fits_devices(free: dict[str, int] | None, demand: Mapping[str, int]) -> boo
     return free is None or all(free.get(k, 0) >= v for k, v in demand.items() if k.startswith("gpu/") and v)
 
 
-def _waiting(out: Impact, old: Policy, new: Policy, holdings: list[Holding], waiting: list[Request],
-             free_devices: Mapping[str, int] | None) -> None:
+def _waiting(
+    out: Impact, old: Policy, new: Policy, holdings: list[Holding], waiting: list[Request], free_devices: Mapping[str, int] | None
+) -> None:
     base = _usage(holdings)
     trial = {t: dict(u) for t, u in base.items()}
     free = dict(free_devices) if free_devices is not None else None
@@ -599,8 +651,14 @@ def _waiting(out: Impact, old: Policy, new: Policy, holdings: list[Holding], wai
         team = new.team_or_none(r.team)
         label = f"{_owner(r)} ({_demand_words(new, r.demand)}, waiting since {_clock(r.created)})"
         if team is None:
-            out.add("waiting", f"{label} waits in team {r.team}, which the new policy removes: it is never admitted "
-                    f"and is withdrawn at its queue timeout ({timeout}).", teams=[r.team], users=[r.user], keys=[r.key])
+            out.add(
+                "waiting",
+                f"{label} waits in team {r.team}, which the new policy removes: it is never admitted "
+                f"and is withdrawn at its queue timeout ({timeout}).",
+                teams=[r.team],
+                users=[r.user],
+                keys=[r.key],
+            )
             continue
         may = _may_borrow(new, team, r)
         fit = check_fit(new, trial, team, dict(r.demand), may)
@@ -614,28 +672,57 @@ def _waiting(out: Impact, old: Policy, new: Policy, holdings: list[Holding], wai
         never = [k for k, v in r.demand.items() if k.startswith("gpu/") and v > (ceiling(new, team, k, may) or v)]
         if never:
             k = never[0]
-            out.add("waiting", f"{label} can never be admitted under the new policy: {team.label} may hold at most "
-                    f"{ceiling(new, team, k, may)} {_resource(new, k)}. It is not refused: it waits until its queue "
-                    f"timeout ({timeout}) withdraws it.", teams=[team.name], users=[r.user], keys=[r.key])
+            out.add(
+                "waiting",
+                f"{label} can never be admitted under the new policy: {team.label} may hold at most "
+                f"{ceiling(new, team, k, may)} {_resource(new, k)}. It is not refused: it waits until its queue "
+                f"timeout ({timeout}) withdraws it.",
+                teams=[team.name],
+                users=[r.user],
+                keys=[r.key],
+            )
             continue
         old_team = old.team_or_none(r.team)
         gap_old = _gap(old, base, old_team, r) if old_team else None
         gap_new = _gap(new, base, team, r)
         tops = "; ".join(
             f"{team.label} may hold {ceiling(new, team, k, may)} {_resource(new, k)}"
-            + (f" instead of {ceiling(old, old_team, k, may)}" if old_team and ceiling(old, old_team, k, may) != ceiling(new, team, k, may) else "")
-            for k in sorted(r.demand) if k.startswith("gpu/") and r.demand[k])
-        held_by = sorted({_owner(h) for h in holdings if h.team == team.name
-                          and any(h.demand.get(k) for k in r.demand if k.startswith("gpu/"))})
+            + (
+                f" instead of {ceiling(old, old_team, k, may)}"
+                if old_team and ceiling(old, old_team, k, may) != ceiling(new, team, k, may)
+                else ""
+            )
+            for k in sorted(r.demand)
+            if k.startswith("gpu/") and r.demand[k]
+        )
+        held_by = sorted(
+            {
+                _owner(h)
+                for h in holdings
+                if h.team == team.name and any(h.demand.get(k) for k in r.demand if k.startswith("gpu/"))
+            }
+        )
         who = f" (held by {', '.join(held_by)})" if held_by else ""
         if gap_old is not None and gap_new != gap_old:
-            out.add("waiting", f"{label} {'waits longer' if gap_new > gap_old else 'waits less'}: {tops}; "
-                    f"{gap_new} of {team.label}'s GPUs in use{who} must be freed before it fits (today {gap_old}).",
-                    teams=[team.name], users=[r.user], keys=[r.key])
+            out.add(
+                "waiting",
+                f"{label} {'waits longer' if gap_new > gap_old else 'waits less'}: {tops}; "
+                f"{gap_new} of {team.label}'s GPUs in use{who} must be freed before it fits (today {gap_old}).",
+                teams=[team.name],
+                users=[r.user],
+                keys=[r.key],
+            )
 
 
-_RULES = (("timeout", "idle timeout"), ("gpu_idle_timeout", "GPU-idle timeout"), ("max_age", "maximum age"),
-          ("warning", "warning"), ("snooze", "snooze"), ("max_snoozes", "snoozes"), ("gpu_busy_threshold", "GPU busy threshold"))
+_RULES = (
+    ("timeout", "idle timeout"),
+    ("gpu_idle_timeout", "GPU-idle timeout"),
+    ("max_age", "maximum age"),
+    ("warning", "warning"),
+    ("snooze", "snooze"),
+    ("max_snoozes", "snoozes"),
+    ("gpu_busy_threshold", "GPU busy threshold"),
+)
 
 
 def _rules(policy: Policy, slug: str) -> tuple[IdleRules, bool]:
@@ -669,15 +756,28 @@ def _culling(out: Impact, old: Policy, new: Policy, holdings: list[Holding], now
             continue
         due = ""
         if b.max_age and h.since and now - h.since >= b.max_age and not (a.max_age and now - h.since >= a.max_age):
-            due = (f" It is already older than the new maximum age ({format_duration(b.max_age)}): warned at the "
-                   f"culler's next pass and stopped {format_duration(b.warning or 0)} later, with no snooze.")
-        elif b.timeout and h.last_activity and now - h.last_activity >= b.timeout and not (
-                a.timeout and now - h.last_activity >= a.timeout):
-            due = (f" It has been idle longer than the new idle timeout ({format_duration(b.timeout)}): warned at the "
-                   f"culler's next pass and stopped {format_duration(b.warning or 0)} later unless used.")
+            due = (
+                f" It is already older than the new maximum age ({format_duration(b.max_age)}): warned at the "
+                f"culler's next pass and stopped {format_duration(b.warning or 0)} later, with no snooze."
+            )
+        elif (
+            b.timeout
+            and h.last_activity
+            and now - h.last_activity >= b.timeout
+            and not (a.timeout and now - h.last_activity >= a.timeout)
+        ):
+            due = (
+                f" It has been idle longer than the new idle timeout ({format_duration(b.timeout)}): warned at the "
+                f"culler's next pass and stopped {format_duration(b.warning or 0)} later unless used."
+            )
         team = h.team
-        out.add("culling", f"{_owner(h)} (profile {h.profile}): " + "; ".join(changes) + "." + due,
-                teams=[team], users=[h.user], keys=[h.key])
+        out.add(
+            "culling",
+            f"{_owner(h)} (profile {h.profile}): " + "; ".join(changes) + "." + due,
+            teams=[team],
+            users=[h.user],
+            keys=[h.key],
+        )
 
 
 # -- a candidate's text ------------------------------------------------------------------------------
@@ -698,16 +798,36 @@ def read_candidate(text: str, filename: str = "new policy") -> tuple[Policy | No
     import yaml
 
     if not isinstance(text, str):
-        return None, [{"line": None, "column": None, "path": "", "message": "the policy must be YAML text",
-                       "text": f"{filename}: the policy must be YAML text"}]
+        return None, [
+            {
+                "line": None,
+                "column": None,
+                "path": "",
+                "message": "the policy must be YAML text",
+                "text": f"{filename}: the policy must be YAML text",
+            }
+        ]
     try:
-        scan_yaml(text, what="a policy sent to the hub", max_bytes=MAX_POLICY_BYTES, max_nodes=MAX_POLICY_NODES,
-                  max_depth=MAX_POLICY_DEPTH)
+        scan_yaml(
+            text,
+            what="a policy sent to the hub",
+            max_bytes=MAX_POLICY_BYTES,
+            max_nodes=MAX_POLICY_NODES,
+            max_depth=MAX_POLICY_DEPTH,
+        )
         return parse_policy(text, filename), []
     except InputRefused as e:
         where = f"{filename}:{e.line}:{e.column}" if e.line else filename
-        return None, [{"line": e.line, "column": e.column, "path": e.path, "message": e.message,
-                       "text": f"{where}: {e.path or '(top level)'}: {e.message}", "status": e.status}]
+        return None, [
+            {
+                "line": e.line,
+                "column": e.column,
+                "path": e.path,
+                "message": e.message,
+                "text": f"{where}: {e.path or '(top level)'}: {e.message}",
+                "status": e.status,
+            }
+        ]
     except yaml.YAMLError:
         try:
             parse_policy(text, filename)  # the loader's located syntax error
@@ -719,5 +839,6 @@ def read_candidate(text: str, filename: str = "new policy") -> tuple[Policy | No
 
 
 def _issues(e) -> list[dict]:
-    return [{"line": i.line, "column": i.column, "path": i.path, "message": i.message, "text": i.format(e.filename)}
-            for i in e.issues]
+    return [
+        {"line": i.line, "column": i.column, "path": i.path, "message": i.message, "text": i.format(e.filename)} for i in e.issues
+    ]

@@ -60,9 +60,13 @@ class QueueJournal:
             try:
                 tickets.append(
                     Ticket(
-                        key=e["key"], user=e["user"], team=e["team"], profile=e["profile"],
+                        key=e["key"],
+                        user=e["user"],
+                        team=e["team"],
+                        profile=e["profile"],
                         demand={str(k): int(v) for k, v in e["demand"].items()},
-                        priority=int(e.get("priority", 0)), created=float(e["created"]),
+                        priority=int(e.get("priority", 0)),
+                        created=float(e["created"]),
                         user_options=dict(e.get("options") or {}),
                     )
                 )
@@ -73,9 +77,16 @@ class QueueJournal:
     # -- the Journal protocol of the admission queue ---------------------------------------
     def waiting(self, ticket: Ticket) -> None:
         entry = {
-            "op": "wait", "key": ticket.key, "user": ticket.user, "team": ticket.team,
-            "profile": ticket.profile, "demand": ticket.demand, "priority": ticket.priority,
-            "created": ticket.created, "seq": ticket.seq, "options": ticket.user_options,
+            "op": "wait",
+            "key": ticket.key,
+            "user": ticket.user,
+            "team": ticket.team,
+            "profile": ticket.profile,
+            "demand": ticket.demand,
+            "priority": ticket.priority,
+            "created": ticket.created,
+            "seq": ticket.seq,
+            "options": ticket.user_options,
         }
         self._live[ticket.key] = entry
         self._append(entry)

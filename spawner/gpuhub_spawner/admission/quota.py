@@ -145,8 +145,11 @@ def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand, may_borr
             result.never = (
                 f"{describe(key, amount, policy)} is more than team {team.name!r} can ever hold "
                 f"({describe(key, ceiling, policy)} "
-                + ("including what it may borrow)." if may_borrow or not team.cohort else
-                   "of its own quota: its servers may not borrow; a batch job may).")
+                + (
+                    "including what it may borrow)."
+                    if may_borrow or not team.cohort
+                    else "of its own quota: its servers may not borrow; a batch job may)."
+                )
             )
         if not fits_now:
             result.fits = False
@@ -172,9 +175,7 @@ def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand, may_borr
                     f"your team {team.label} uses its quota of {n(own.nominal)} and the {team.cohort} cohort "
                     f"has {n(max(0, pool_free))} free to lend (the other teams use their own quota)"
                 )
-            result.shortages.append(
-                Shortage(key, amount, used, own.nominal, max(0, pool_free), f"needs {what}: {why}")
-            )
+            result.shortages.append(Shortage(key, amount, used, own.nominal, max(0, pool_free), f"needs {what}: {why}"))
     return result
 
 

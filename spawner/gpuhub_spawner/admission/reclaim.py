@@ -213,4 +213,3 @@ def _take(usage: dict, free: dict | None, team: str, demand: Mapping[str, int]) 
         for k, v in demand.items():
             if k.startswith("gpu/"):
                 free[k] = free.get(k, 0) - v
-

@@ -70,8 +70,15 @@ class ServerRecord:
     def kept_until(self, rules, has_gpus: bool, last_activity: float | None, now: float) -> bool:
         """Whether no rule can fire before ``next_due`` (> now) on what changed since."""
         b = self.basis
-        return (self.next_due is not None and now < self.next_due and self.state.deadline is None
-                and b is not None and b[0] is rules and b[1] == has_gpus and (last_activity or 0.0) >= b[3])
+        return (
+            self.next_due is not None
+            and now < self.next_due
+            and self.state.deadline is None
+            and b is not None
+            and b[0] is rules
+            and b[1] == has_gpus
+            and (last_activity or 0.0) >= b[3]
+        )
 
 
 @dataclass
@@ -100,9 +107,7 @@ class CullBoard(SingletonConfigurable):
     state_file = Unicode("", help="Where warnings, snoozes and cull history persist (JSON, 0600); empty: memory only.").tag(
         config=True
     )
-    pass_interval = Integer(60, help="Seconds between culler passes (for idle GPU-seconds and the DCGM window).").tag(
-        config=True
-    )
+    pass_interval = Integer(60, help="Seconds between culler passes (for idle GPU-seconds and the DCGM window).").tag(config=True)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -131,8 +136,11 @@ class CullBoard(SingletonConfigurable):
                 )
             self.history = {u: list(h) for u, h in data.get("history", {}).items()}
             self.reclaims = {k: dict(v) for k, v in data.get("reclaims", {}).items()}  # deadlines survive a restart
-            log.info("Culling state restored: %d servers tracked, %d pending stops", len(self.records),
-                     sum(1 for r in self.records.values() if r.state.deadline))
+            log.info(
+                "Culling state restored: %d servers tracked, %d pending stops",
+                len(self.records),
+                sum(1 for r in self.records.values() if r.state.deadline),
+            )
         except (OSError, ValueError, TypeError, KeyError) as e:
             # A damaged file must not stop the hub; keep it for inspection.
             log.error("Cannot read culling state %s (%s); starting empty, file kept as .bad", self.state_file, e)
@@ -146,8 +154,11 @@ class CullBoard(SingletonConfigurable):
             return
         # Only records a restart needs (a pending warning, a busy GPU reading): a server
         # with neither gets the same fresh record again, so 5,000 quiet servers cost nothing.
-        data = {"records": {k: v.to_json() for k, v in self.records.items() if v.worth_keeping},
-                "history": self.history, "reclaims": self.reclaims}
+        data = {
+            "records": {k: v.to_json() for k, v in self.records.items() if v.worth_keeping},
+            "history": self.history,
+            "reclaims": self.reclaims,
+        }
         path = Path(self.state_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".culling-", suffix=".tmp")  # mode 0600
@@ -290,9 +301,16 @@ class CullBoard(SingletonConfigurable):
             elapsed = min(now - self._last_pass, 3 * self.pass_interval)
             for team, n in idle_gpus.items():
                 metrics.IDLE_GPU_SECONDS.labels(team=team).inc(n * max(0.0, elapsed))
-            usage.gpu_pass(gpu_readings, max(0.0, elapsed),
-                           {d: gpu_readings[v.key][1] for v in views if v.key in gpu_readings
-                            and gpu_readings[v.key][1] is not None for d in v.devices})
+            usage.gpu_pass(
+                gpu_readings,
+                max(0.0, elapsed),
+                {
+                    d: gpu_readings[v.key][1]
+                    for v in views
+                    if v.key in gpu_readings and gpu_readings[v.key][1] is not None
+                    for d in v.devices
+                },
+            )
         self._last_pass = now
         metrics.IDLE_GPUS_BY_TEAM.publish(idle_gpus, {t.name for t in policy.teams})
         self.save() if self._dirty else None
@@ -304,14 +322,18 @@ class CullBoard(SingletonConfigurable):
     def _account(self, v: ServerView, rec: ServerRecord, d: Decision, before, util, now: float) -> None:
         if d.action == "keep" and before[0] is None:
             return  # nothing happened to it: no words to build
-        if (d.action == "warn" and before[0] is not None and before[0] == rec.state.deadline
-                and before[1] == rec.state.snoozes):
+        if d.action == "warn" and before[0] is not None and before[0] == rec.state.deadline and before[1] == rec.state.snoozes:
             return  # a warning standing as it was
         fmt = lambda s: "n/a" if s is None else format_duration(max(0.0, s))  # noqa: E731
         slug = v.profile.slug if v.profile else "?"
-        gpu_text = "" if not v.has_gpus else (
-            f", GPU {util:.0f}%" if util is not None else
-            f", GPU unread ({'activity only' if self.rules_for(v.profile).gpu_unread == 'activity' else 'counts as idle'})"
+        gpu_text = (
+            ""
+            if not v.has_gpus
+            else (
+                f", GPU {util:.0f}%"
+                if util is not None
+                else f", GPU unread ({'activity only' if self.rules_for(v.profile).gpu_unread == 'activity' else 'counts as idle'})"
+            )
         )
         idle_text = (
             f"inactive {fmt(now - (v.last_activity or v.started))}, "
@@ -329,10 +351,14 @@ class CullBoard(SingletonConfigurable):
             usage.note_end(v.key, "culled", by="gpuhub-culler")
             usage.audit("culled", key=v.key, user=v.user, team=v.team, profile=slug, rule=d.rule, reason=d.reason)
             entry = {
-                "server": v.server, "profile": slug,
+                "server": v.server,
+                "profile": slug,
                 "profile_name": v.profile.display_name if v.profile else None,
-                "at": now, "reason": d.reason, "rule": d.rule,
-                "idle_since": d.idle_since, "started": v.started,
+                "at": now,
+                "reason": d.reason,
+                "rule": d.rule,
+                "idle_since": d.idle_since,
+                "started": v.started,
             }
             self.history.setdefault(v.user, []).append(entry)
             del self.history[v.user][:-HISTORY_PER_USER]
@@ -343,22 +369,37 @@ class CullBoard(SingletonConfigurable):
             self._dirty = True
         if before[0] is None:
             metrics.WARNINGS.labels(rule=d.rule or "?").inc()
-            usage.audit("warned", key=v.key, user=v.user, team=v.team, profile=slug, rule=d.rule, reason=d.reason,
-                        stops_at=rec.state.deadline)
+            usage.audit(
+                "warned",
+                key=v.key,
+                user=v.user,
+                team=v.team,
+                profile=slug,
+                rule=d.rule,
+                reason=d.reason,
+                stops_at=rec.state.deadline,
+            )
             log.info("Warning %s (profile %s): stops in %s: %s; %s", v.key, slug, fmt(d.remaining), d.reason, idle_text)
         elif rec.state.snoozes > before[1] and d.rule == GPU_IDLE:
             metrics.SNOOZES.labels(how="returned").inc()
             usage.audit("snoozed", key=v.key, user=v.user, how="returned", stops_at=rec.state.deadline)
-            log.info("Snoozed %s: the user came back (snooze %d); stops in %s unless its GPUs are used",
-                     v.key, rec.state.snoozes, fmt(d.remaining))
+            log.info(
+                "Snoozed %s: the user came back (snooze %d); stops in %s unless its GPUs are used",
+                v.key,
+                rec.state.snoozes,
+                fmt(d.remaining),
+            )
 
     # -- users ----------------------------------------------------------------------------
     def snooze(self, key: str, profile: Profile | None, now: float | None = None) -> tuple[bool, str, float | None]:
         now = time.time() if now is None else now
         if key in self.reclaims:
             r = self.reclaims[key]
-            return False, (f"This server cannot be snoozed: its GPU was borrowed and {r['needed_by']} "
-                           "needs it back."), r["deadline"]
+            return (
+                False,
+                (f"This server cannot be snoozed: its GPU was borrowed and {r['needed_by']} needs it back."),
+                r["deadline"],
+            )
         rec = self.records.get(key)
         if rec is None:
             return False, "This server has no pending stop to snooze.", None
@@ -377,9 +418,17 @@ class CullBoard(SingletonConfigurable):
         for server, profile in profiles.items():
             reclaim = self.reclaims.get(f"{user}/{server}")
             if reclaim is not None:  # a borrowed GPU going back: hard, wins over an idle warning
-                out[server] = {"deadline": reclaim["deadline"], "reason": reclaim["reason"], "rule": "reclaim",
-                               "warned_at": reclaim["warned_at"], "snoozes_used": 0, "snoozes_left": 0,
-                               "snooze_seconds": 0, "devices": reclaim["devices"], "needed_by": reclaim["needed_by"]}
+                out[server] = {
+                    "deadline": reclaim["deadline"],
+                    "reason": reclaim["reason"],
+                    "rule": "reclaim",
+                    "warned_at": reclaim["warned_at"],
+                    "snoozes_used": 0,
+                    "snoozes_left": 0,
+                    "snooze_seconds": 0,
+                    "devices": reclaim["devices"],
+                    "needed_by": reclaim["needed_by"],
+                }
                 continue
             rec = self.records.get(f"{user}/{server}")
             if rec is None or rec.state.deadline is None:
@@ -420,8 +469,18 @@ class CullBoard(SingletonConfigurable):
         self.reclaims.pop(key, None)
         user, _, server = key.partition("/")
         self.history.setdefault(user, []).append(
-            {"server": server, "profile": None, "profile_name": None, "at": time.time(), "reason": reason,
-             "rule": "reclaim", "idle_since": None, "started": None, "warned_at": warned_at})
+            {
+                "server": server,
+                "profile": None,
+                "profile_name": None,
+                "at": time.time(),
+                "reason": reason,
+                "rule": "reclaim",
+                "idle_since": None,
+                "started": None,
+                "warned_at": warned_at,
+            }
+        )
         del self.history[user][:-HISTORY_PER_USER]
         self.records.pop(key, None)
         self._dirty = True

@@ -54,9 +54,7 @@ def read_nvml(device_ids: list[str], gpm_window: float = GPM_WINDOW) -> dict[str
     try:
         for dev in device_ids:
             try:
-                handle = (
-                    pynvml.nvmlDeviceGetHandleByIndex(int(dev)) if dev.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(dev)
-                )
+                handle = pynvml.nvmlDeviceGetHandleByIndex(int(dev)) if dev.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(dev)
             except pynvml.NVMLError as e:
                 log.debug("Cannot read GPU %s: %s", dev, e)
                 continue
@@ -179,8 +177,7 @@ class DcgmPrometheusReader(LoggingConfigurable):
         "", help="Prometheus base URL (e.g. http://prometheus-operated.monitoring:9090); empty: no GPU readings."
     ).tag(config=True)
     query = Unicode(
-        "max by (namespace, pod, exported_namespace, exported_pod) "
-        "(max_over_time(DCGM_FI_DEV_GPU_UTIL[{window}s]))",
+        "max by (namespace, pod, exported_namespace, exported_pod) (max_over_time(DCGM_FI_DEV_GPU_UTIL[{window}s]))",
         help="PromQL giving percent utilisation per pod; {window} is the culler's pass interval. "
         "For MIG slices use DCGM_FI_PROF_GR_ENGINE_ACTIVE (a ratio) with metric_scale=100.",
     ).tag(config=True)

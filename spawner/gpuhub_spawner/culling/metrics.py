@@ -23,7 +23,7 @@ class TeamGauge:
         self.seen: set[str] = set()
 
     def publish(self, values: dict[str, float], teams: set[str]) -> None:
-        for team in (self.seen | teams | set(values)):
+        for team in self.seen | teams | set(values):
             self.gauge.labels(team=team).set(values.get(team, 0))
         self.seen |= set(values) | teams
 

@@ -113,8 +113,13 @@ class Reclaimer:
         until = self.hold.withdrawn(key, time.time())
         if until is None:
             return
-        log.warning("Reclaim: %s withdrew %s, for which borrowed GPUs were reclaimed; nothing more is "
-                    "reclaimed for %s before %s", user, key, user, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(until)))
+        log.warning(
+            "Reclaim: %s withdrew %s, for which borrowed GPUs were reclaimed; nothing more is reclaimed for %s before %s",
+            user,
+            key,
+            user,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(until)),
+        )
         try:  # re-plan when it ends (the safety pass would, up to 15 s later)
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -200,13 +205,17 @@ class Reclaimer:
             if mine:
                 by = max(n.deadline for n in mine)
                 what = ", ".join(describe(k, v, policy) for k, v in t.demand.items() if k.startswith("gpu/"))
-                notes[t.key] = (f"needs {what}: {team.label}'s GPU is on loan to another team; it is being "
-                                f"reclaimed and will be yours by {_by(by)} at the latest")
+                notes[t.key] = (
+                    f"needs {what}: {team.label}'s GPU is on loan to another team; it is being "
+                    f"reclaimed and will be yours by {_by(by)} at the latest"
+                )
             elif t.key in p.held:
                 what = ", ".join(describe(k, v, policy) for k, v in t.demand.items() if k.startswith("gpu/"))
-                notes[t.key] = (f"needs {what}: {team.label}'s GPU is on loan to another team, and a request of "
-                                f"yours that had it taken back was withdrawn, so nothing is taken back for you "
-                                f"before {_clock_s(held[t.user])}; it waits until then or until a GPU is free")
+                notes[t.key] = (
+                    f"needs {what}: {team.label}'s GPU is on loan to another team, and a request of "
+                    f"yours that had it taken back was withdrawn, so nothing is taken back for you "
+                    f"before {_clock_s(held[t.user])}; it waits until then or until a GPU is free"
+                )
         changed = set()
         for k in set(queue.notes) | set(notes):
             if queue.notes.get(k) != notes.get(k) and queue.ticket(k) is not None:
@@ -262,9 +271,15 @@ class Reclaimer:
         n = Notice(key, adm.team, for_team, warned_at, deadline, reason, list(adm.devices), adm.since)
         self.notices[key] = n
         self._board_set(n)
-        log.warning("Reclaim: warning %s (team %s, devices %s): %s needs it back; stops at %s (notice %s)",
-                    key, adm.team, adm.devices, for_team, time.strftime("%H:%M:%S", time.localtime(n.deadline)),
-                    format_duration(notice or 0))
+        log.warning(
+            "Reclaim: warning %s (team %s, devices %s): %s needs it back; stops at %s (notice %s)",
+            key,
+            adm.team,
+            adm.devices,
+            for_team,
+            time.strftime("%H:%M:%S", time.localtime(n.deadline)),
+            format_duration(notice or 0),
+        )
         self._arm(n)
 
     def _arm(self, n: Notice) -> None:
@@ -309,8 +324,10 @@ class Reclaimer:
                 return
             usage.note_end(n.key, "reclaimed", by="gpuhub-reclaim")
             usage.audit("reclaimed", key=n.key, user=name, team=n.team, for_team=n.for_team, devices=n.devices)
-            spawner.stop_reason = (f"Your server was stopped at {_clock(time.time())}: {n.reason}. Your files are kept; "
-                                   "start it again when GPUs are free (within your own team's quota it cannot be taken back).")
+            spawner.stop_reason = (
+                f"Your server was stopped at {_clock(time.time())}: {n.reason}. Your files are kept; "
+                "start it again when GPUs are free (within your own team's quota it cannot be taken back)."
+            )
             self._board_done(n)
             spawner._stop_pending = True
             try:
@@ -337,9 +354,19 @@ class Reclaimer:
     def _board_set(self, n: Notice) -> None:
         board = self._board()
         if board is not None:
-            board.set_reclaim(n.key, {"deadline": n.deadline, "reason": n.reason, "warned_at": n.warned_at,
-                                      "devices": n.devices, "team": n.team, "needed_by": self._label(n.for_team),
-                                      "for_team": n.for_team, "since": n.since})
+            board.set_reclaim(
+                n.key,
+                {
+                    "deadline": n.deadline,
+                    "reason": n.reason,
+                    "warned_at": n.warned_at,
+                    "devices": n.devices,
+                    "team": n.team,
+                    "needed_by": self._label(n.for_team),
+                    "for_team": n.for_team,
+                    "since": n.since,
+                },
+            )
 
     def _board_clear(self, key: str) -> None:
         board = self._board()

@@ -57,10 +57,15 @@ class Signals:
         """Whether the GPU rules apply (not for an unread GPU under gpuUnread: activity)."""
         return self.has_gpus and self.gpu_unread != "activity"
 
-UNREAD_IDLE = ("it reports no GPU utilisation (a MIG slice of a GPU without GPM, such as an A100, or a virtual GPU), "
-               "which the policy counts as idle (gpuUnread: idle)")
-UNREAD_ACTIVITY = ("it reports no GPU utilisation (a MIG slice of a GPU without GPM, such as an A100, or a virtual "
-                   "GPU), so the policy judges it by activity only (gpuUnread: activity)")
+
+UNREAD_IDLE = (
+    "it reports no GPU utilisation (a MIG slice of a GPU without GPM, such as an A100, or a virtual GPU), "
+    "which the policy counts as idle (gpuUnread: idle)"
+)
+UNREAD_ACTIVITY = (
+    "it reports no GPU utilisation (a MIG slice of a GPU without GPM, such as an A100, or a virtual "
+    "GPU), so the policy judges it by activity only (gpuUnread: activity)"
+)
 
 
 @dataclass
@@ -97,15 +102,21 @@ def due_rules(rules: IdleRules, s: Signals) -> list[tuple[float, str, float, str
     if s.has_gpus and s.gpu_unread:
         unread = f"; {UNREAD_ACTIVITY if s.gpu_unread == 'activity' else UNREAD_IDLE}"
     if rules.max_age:
-        out.append((s.started + rules.max_age, MAX_AGE, s.started, f"it reached the maximum age of {format_duration(rules.max_age)}"))
+        out.append(
+            (s.started + rules.max_age, MAX_AGE, s.started, f"it reached the maximum age of {format_duration(rules.max_age)}")
+        )
     if rules.timeout:
         since = max(activity, gpu_busy) if gpus else activity
         what = "no activity and no busy GPU" if gpus else "no activity"
         out.append((since + rules.timeout, TIMEOUT, since, f"{what} for {format_duration(rules.timeout)}{unread}"))
     if gpus and rules.gpu_idle_timeout:
         out.append(
-            (gpu_busy + rules.gpu_idle_timeout, GPU_IDLE, gpu_busy,
-             f"its GPUs were idle for {format_duration(rules.gpu_idle_timeout)}{unread}")
+            (
+                gpu_busy + rules.gpu_idle_timeout,
+                GPU_IDLE,
+                gpu_busy,
+                f"its GPUs were idle for {format_duration(rules.gpu_idle_timeout)}{unread}",
+            )
         )
     return sorted(out)
 

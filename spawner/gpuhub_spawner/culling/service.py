@@ -46,7 +46,14 @@ from traitlets import Bool
 
 #: outcomes of one stop, as counted in the pass's log line
 STOPPED, STOPPING, GONE, RESTARTED, NOT_READY, SKIPPED, FAILED = (
-    "stopped", "stopping", "gone", "restarted", "not ready", "skipped", "failed")
+    "stopped",
+    "stopping",
+    "gone",
+    "restarted",
+    "not ready",
+    "skipped",
+    "failed",
+)
 
 
 class PassDecisions:
@@ -174,9 +181,14 @@ class GpuHubCuller(IdleCuller):
             return None  # nothing is stopped on a failed answer
         counts = await self.stop_due(decisions) if decisions.to_cull else {}
         log = self.log.info if decisions.to_cull else self.log.debug
-        log("Pass: %d servers decided, %d warned, %d to stop%s (%.2fs)", decisions.servers, decisions.warned,
+        log(
+            "Pass: %d servers decided, %d warned, %d to stop%s (%.2fs)",
+            decisions.servers,
+            decisions.warned,
             decisions.to_cull,
-            "".join(f", {n} {what}" for what, n in sorted(counts.items())), time.perf_counter() - t0)
+            "".join(f", {n} {what}" for what, n in sorted(counts.items())),
+            time.perf_counter() - t0,
+        )
         return counts
 
     def configure_client(self) -> None:
@@ -185,12 +197,12 @@ class GpuHubCuller(IdleCuller):
         if self.ssl_enabled:
             loc = self.internal_certs_location
             defaults["ssl_options"] = make_ssl_context(
-                f"{loc}/hub-internal/hub-internal.key", f"{loc}/hub-internal/hub-internal.crt", f"{loc}/hub-ca/hub-ca.crt")
+                f"{loc}/hub-internal/hub-internal.key", f"{loc}/hub-internal/hub-internal.crt", f"{loc}/hub-ca/hub-ca.crt"
+            )
         # room for every concurrent stop plus the next pass's decision request
         max_clients = max(10, (self.concurrency or 1) + 2)
         try:
-            AsyncHTTPClient.configure("tornado.curl_httpclient.CurlAsyncHTTPClient", max_clients=max_clients,
-                                      defaults=defaults)
+            AsyncHTTPClient.configure("tornado.curl_httpclient.CurlAsyncHTTPClient", max_clients=max_clients, defaults=defaults)
         except ImportError:
             AsyncHTTPClient.configure(None, max_clients=max_clients, defaults=defaults)
 

@@ -111,8 +111,14 @@ def configure_site(c, site: Site, *, policy_file: str, public_url: str, demo) ->
         # answers only on its own host (origins.serve_hub_only_on_its_host), so it must be this one.
         domain = os.environ.get("GPUHUB_DOMAIN")
         if domain and domain.lower() != urlsplit(site.public_url).hostname:
-            raise PolicyError("site", [PolicyIssue("public_url", None, None,
-                              f"its host is not GPUHUB_DOMAIN={domain}; set one of them, or both the same")])
+            raise PolicyError(
+                "site",
+                [
+                    PolicyIssue(
+                        "public_url", None, None, f"its host is not GPUHUB_DOMAIN={domain}; set one of them, or both the same"
+                    )
+                ],
+            )
         origin = c.JupyterHub.subdomain_host = site.public_url
     if site.https is not None:
         for f in (site.https.certfile, site.https.keyfile):
@@ -144,9 +150,27 @@ def _cookie_host_prefix(c, site: Site) -> None:
     https = origin.startswith("https://")
     wanted = site.cookie_host_prefix
     if wanted and not origin:
-        raise PolicyError("site", [PolicyIssue("cookie_host_prefix", None, None,
-                          "needs per-user origins: __Host- cookies are set on path /, so servers on the hub's host would receive the hub's login cookie")])
+        raise PolicyError(
+            "site",
+            [
+                PolicyIssue(
+                    "cookie_host_prefix",
+                    None,
+                    None,
+                    "needs per-user origins: __Host- cookies are set on path /, so servers on the hub's host would receive the hub's login cookie",
+                )
+            ],
+        )
     if wanted and not https:
-        raise PolicyError("site", [PolicyIssue("cookie_host_prefix", None, None,
-                          "needs HTTPS (https, or an https public_url): browsers refuse __Host- cookies over plain HTTP")])
+        raise PolicyError(
+            "site",
+            [
+                PolicyIssue(
+                    "cookie_host_prefix",
+                    None,
+                    None,
+                    "needs HTTPS (https, or an https public_url): browsers refuse __Host- cookies over plain HTTP",
+                )
+            ],
+        )
     c.JupyterHub.cookie_host_prefix_enabled = https if wanted is None else wanted

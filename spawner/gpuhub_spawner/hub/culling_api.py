@@ -45,8 +45,9 @@ MAX_DECISIONS_BODY_BYTES = 256 * 1024  # {"servers": ["user/name", ...]}: ~10,00
 def _json_object(handler, *, max_bytes: int, max_nodes: int) -> dict:
     """The request's JSON object, bounded before and while it is decoded."""
     try:
-        body = loads_json(handler.request.body, max_bytes=max_bytes, max_depth=3, max_nodes=max_nodes,
-                          max_containers=16, empty={})
+        body = loads_json(
+            handler.request.body, max_bytes=max_bytes, max_depth=3, max_nodes=max_nodes, max_containers=16, empty={}
+        )
     except InputRefused as e:
         raise web.HTTPError(e.status, e.message) from None
     if not isinstance(body, dict):
@@ -163,8 +164,13 @@ class CullDecisionsHandler(_Base):
             spawner = dict.get(user.spawners, name) or user.spawners[name]
             orm_spawner = spawner.orm_spawner
             c = cache.get(ident)
-            if (c is None or c.spawner is not spawner or c.started != orm_spawner.started or c.policy is not policy
-                    or c.user != user.orm_user.name):
+            if (
+                c is None
+                or c.spawner is not spawner
+                or c.started != orm_spawner.started
+                or c.policy is not policy
+                or c.user != user.orm_user.name
+            ):
                 c = None
             alive.add(c.view.key if c is not None else f"{user.name}/{name}")
             if not spawner.ready:  # waiting in the queue, starting or stopping: never culled
@@ -260,8 +266,13 @@ class CullDecisionsHandler(_Base):
                 continue
             warned += d.action == "warn"
             if d.action in actions:
-                out[v.key] = {"action": d.action, "reason": d.reason, "rule": d.rule, "deadline": d.deadline,
-                              "started": v.started}
+                out[v.key] = {
+                    "action": d.action,
+                    "reason": d.reason,
+                    "rule": d.rule,
+                    "deadline": d.deadline,
+                    "started": v.started,
+                }
         self.write(json.dumps({"now": now, "servers": len(views), "warned": warned, "decisions": out}))
 
 
@@ -303,8 +314,7 @@ class CullWarningsHandler(_Base):
 
             monitor = health_monitor(self.config)
             mine = _gpu_waiters.get(user.name, 0)
-            if (monitor is None or mine >= MAX_GPU_WAITERS_PER_USER
-                    or sum(_gpu_waiters.values()) >= MAX_GPU_WAITERS):
+            if monitor is None or mine >= MAX_GPU_WAITERS_PER_USER or sum(_gpu_waiters.values()) >= MAX_GPU_WAITERS:
                 wait = 0.0
             else:
                 _gpu_waiters[user.name] = mine + 1
@@ -387,9 +397,15 @@ def template_vars(config) -> dict:
         out = []
         for name, profile in active_profiles(policy, user).items():
             spawner = user.spawners[name]
-            entry = {"server": name, "profile": profile.display_name if profile else "(no profile)",
-                     "team": (spawner.user_options or {}).get("team") or "", "gpus": [], "borrowed": False,
-                     "idle": "", "ready": bool(spawner.ready)}
+            entry = {
+                "server": name,
+                "profile": profile.display_name if profile else "(no profile)",
+                "team": (spawner.user_options or {}).get("team") or "",
+                "gpus": [],
+                "borrowed": False,
+                "idle": "",
+                "ready": bool(spawner.ready),
+            }
             team = policy.team_or_none(entry["team"]) if entry["team"] else None
             entry["team"] = team.label if team else entry["team"]
             adm = getattr(spawner, "_admission", None)
@@ -403,8 +419,11 @@ def template_vars(config) -> dict:
                 if rules.timeout:
                     words.append(f"no use for {format_duration(rules.timeout)}")
                 if words:
-                    entry["idle"] = ("stopped after " + " or ".join(words)
-                                     + (f", with {format_duration(rules.warning)} warning" if rules.warning else ""))
+                    entry["idle"] = (
+                        "stopped after "
+                        + " or ".join(words)
+                        + (f", with {format_duration(rules.warning)} warning" if rules.warning else "")
+                    )
                 if rules.max_age:
                     entry["idle"] += ("; " if entry["idle"] else "") + f"at most {format_duration(rules.max_age)} old"
             out.append(entry)

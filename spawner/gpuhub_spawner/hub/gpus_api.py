@@ -53,9 +53,13 @@ class GpuActionHandler(APIHandler):
         h = monitor.book.of(device)
         if action == "drain":
             holder = monitor.table.owner.get(device)
-            message = (f"{device} was already drained" if not changed else
-                       f"{device} drained: {holder} keeps it until it stops, then nobody gets it" if holder else
-                       f"{device} drained: nobody gets it until it is uncordoned")
+            message = (
+                f"{device} was already drained"
+                if not changed
+                else f"{device} drained: {holder} keeps it until it stops, then nobody gets it"
+                if holder
+                else f"{device} drained: nobody gets it until it is uncordoned"
+            )
         elif h.state == BAD:
             message = f"{device} is uncordoned but still out of service: {h.reason}"
         else:
@@ -87,8 +91,15 @@ def gpu_failures_of(config, user_name: str) -> list[dict]:
         bad = [(d, monitor.book.of(d)) for d in adm.devices if monitor.book.of(d).state == BAD]
         if bad:
             first = min((h for _, h in bad), key=lambda h: h.since or 0)
-            out.append({"server": adm.key.partition("/")[2], "devices": [d for d, _ in bad],
-                        "since": first.since, "reason": (first.reason or "")[:MAX_REASON], "xid": first.xid})
+            out.append(
+                {
+                    "server": adm.key.partition("/")[2],
+                    "devices": [d for d, _ in bad],
+                    "since": first.since,
+                    "reason": (first.reason or "")[:MAX_REASON],
+                    "xid": first.xid,
+                }
+            )
     return out
 
 

@@ -142,8 +142,15 @@ class JobsHandler(_JobsMixin, APIHandler):
         # is refused before their job file is parsed: it could never run.
         try:
             # A job file's flow lists and mappings ([a, b], {A: 1}) count as brackets too.
-            body = loads_json(self.request.body, what="A job submission", max_bytes=MAX_JOB_BODY_BYTES,
-                              max_depth=4, max_nodes=64, max_containers=MAX_JOB_FILE_NODES + 16, empty={})
+            body = loads_json(
+                self.request.body,
+                what="A job submission",
+                max_bytes=MAX_JOB_BODY_BYTES,
+                max_depth=4,
+                max_nodes=64,
+                max_containers=MAX_JOB_FILE_NODES + 16,
+                empty={},
+            )
         except InputRefused as e:
             raise web.HTTPError(e.status, e.message) from None
         policy = PolicyStore.instance(config=self.config).policy  # re-read if the file changed
@@ -161,10 +168,15 @@ class JobsHandler(_JobsMixin, APIHandler):
             spec = parse_job(text, filename)
         except PolicyError as e:
             self.set_status(400)
-            self.write(json.dumps({
-                "status": 400, "message": f"{filename}: {len(e.issues)} error(s)",
-                "issues": [i.format(filename) for i in e.issues],
-            }))
+            self.write(
+                json.dumps(
+                    {
+                        "status": 400,
+                        "message": f"{filename}: {len(e.issues)} error(s)",
+                        "issues": [i.format(filename) for i in e.issues],
+                    }
+                )
+            )
             return
         try:
             rec = self.manager.submit(user, [g.name for g in user.groups], spec)
@@ -223,10 +235,18 @@ class JobLogsHandler(_JobsMixin, APIHandler):
                     out += f.read(MAX_LOG_CHUNK - len(out))
             pos += size
         end = max(offset, min(pos, offset + len(out)))
-        self.write(json.dumps({
-            "text": out.decode(errors="replace"), "offset": end, "state": rec.state,
-            "done": rec.state in FINAL and end >= pos, "status": _scrub(self.manager.status_line(rec), self._host_paths(rec)),
-        }, ensure_ascii=False))
+        self.write(
+            json.dumps(
+                {
+                    "text": out.decode(errors="replace"),
+                    "offset": end,
+                    "state": rec.state,
+                    "done": rec.state in FINAL and end >= pos,
+                    "status": _scrub(self.manager.status_line(rec), self._host_paths(rec)),
+                },
+                ensure_ascii=False,
+            )
+        )
 
 
 class JobsPageHandler(_JobsMixin, BaseHandler):

@@ -87,7 +87,7 @@ def proc_start_time(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
@@ -122,21 +122,24 @@ class KeptProxy(ConfigurableHTTPProxy):
     """JupyterHub's ``ConfigurableHTTPProxy`` that keeps a running proxy across hub restarts."""
 
     keep_running_proxy = Bool(
-        True, config=True,
+        True,
+        config=True,
         help="Adopt a still-running proxy this hub started before (see the module's docstring) "
-             "instead of killing it; False is JupyterHub's behaviour.",
+        "instead of killing it; False is JupyterHub's behaviour.",
     )
     auth_token_file = Unicode(
-        "", config=True,
+        "",
+        config=True,
         help="Where the proxy's auth token is kept (0600), so a restarted hub can still talk "
-             "to the proxy it adopts. Empty: a new token every start (JupyterHub's default); "
-             "CONFIGPROXY_AUTH_TOKEN, when set, wins.",
+        "to the proxy it adopts. Empty: a new token every start (JupyterHub's default); "
+        "CONFIGPROXY_AUTH_TOKEN, when set, wins.",
     )
     public_listen_timeout = Float(
-        5, config=True,
+        5,
+        config=True,
         help="Seconds the proxy has, once its API answers, to be seen listening on the public "
-             "address before the hub refuses to run; a port another process holds is refused "
-             "as soon as the listen watcher is sure (half a second).",
+        "address before the hub refuses to run; a port another process holds is refused "
+        "as soon as the listen watcher is sure (half a second).",
     )
     adopted_pid = Any(None, help="pid of the proxy adopted at start (no Popen for it)")
     _adopted_start_time = Any(None)
@@ -165,9 +168,12 @@ class KeptProxy(ConfigurableHTTPProxy):
         else:
             api_args = ["--api-ip", api_server.ip, "--api-port", str(api_server.port)]
         cmd = list(self.command) + [
-            *server_args, *api_args,
-            "--error-target", url_path_join(self.hub.url, "error"),
-            "--log-level", self.log_level,
+            *server_args,
+            *api_args,
+            "--error-target",
+            url_path_join(self.hub.url, "error"),
+            "--log-level",
+            self.log_level,
         ]
         if self.app.subdomain_host:
             cmd.append("--host-routing")
@@ -199,9 +205,12 @@ class KeptProxy(ConfigurableHTTPProxy):
     async def _answers_our_token(self) -> bool:
         if not self.api_url.startswith(("http://", "https://")):
             return False  # a unix socket needs JupyterHub's own client; not adopted
-        req = HTTPRequest(url_path_join(self.api_url, "api/routes"),
-                          headers={"Authorization": f"token {self.auth_token}"},
-                          connect_timeout=3, request_timeout=5)
+        req = HTTPRequest(
+            url_path_join(self.api_url, "api/routes"),
+            headers={"Authorization": f"token {self.auth_token}"},
+            connect_timeout=3,
+            request_timeout=5,
+        )
         try:
             resp = await AsyncHTTPClient().fetch(req, raise_error=False)
         except Exception as e:  # refused, reset, TLS
@@ -216,8 +225,13 @@ class KeptProxy(ConfigurableHTTPProxy):
         if pid is None or proc_start_time(pid) is None:
             return False
         if not self._is_our_command(pid, exact=True):
-            self.log.warning("Proxy pid file %s: pid %s is not the proxy this hub would run %s (cmdline %s); "
-                             "not keeping it", self.pid_file, pid, self.proxy_cmd(), proc_cmdline(pid))
+            self.log.warning(
+                "Proxy pid file %s: pid %s is not the proxy this hub would run %s (cmdline %s); not keeping it",
+                self.pid_file,
+                pid,
+                self.proxy_cmd(),
+                proc_cmdline(pid),
+            )
             return False
         start_time = proc_start_time(pid)
         if not await self._answers_our_token():
@@ -237,8 +251,12 @@ class KeptProxy(ConfigurableHTTPProxy):
         """JupyterHub's, except that a pid now used by something other than the proxy is not signalled."""
         pid = self._read_pid_file() if self.pid_file and os.path.exists(self.pid_file) else None
         if pid is not None and proc_start_time(pid) is not None and not self._is_our_command(pid, exact=False):
-            self.log.warning("Proxy pid file %s names pid %s, which is not a proxy (%s); leaving it alone",
-                             self.pid_file, pid, proc_cmdline(pid))
+            self.log.warning(
+                "Proxy pid file %s names pid %s, which is not a proxy (%s); leaving it alone",
+                self.pid_file,
+                pid,
+                proc_cmdline(pid),
+            )
             self._remove_process_files()
             return
         return super()._check_previous_process()
@@ -254,8 +272,12 @@ class KeptProxy(ConfigurableHTTPProxy):
         await super().start()  # stops a previous proxy that is not kept, starts ours
         ran = list(self.proxy_process.args)
         if ran != self.proxy_cmd():
-            self.log.warning("gpuhub: KeptProxy.proxy_cmd() %s differs from the command JupyterHub ran %s; "
-                             "a restart of the hub will not keep this proxy", self.proxy_cmd(), ran)
+            self.log.warning(
+                "gpuhub: KeptProxy.proxy_cmd() %s differs from the command JupyterHub ran %s; "
+                "a restart of the hub will not keep this proxy",
+                self.proxy_cmd(),
+                ran,
+            )
         try:
             await self._confirm_public_listener(self.proxy_process.pid)
         except PublicPortTaken:
@@ -287,10 +309,14 @@ class KeptProxy(ConfigurableHTTPProxy):
         raise PublicPortTaken(
             f"gpuhub cannot start: the hub's public address {self.public_url} (port {port}) is not "
             f"served by its proxy: "
-            + (f"another process (uid {', '.join(map(str, owners))}) already listens on port {port}, "
-               "and users would reach it instead of the hub." if owners else
-               f"the proxy (pid {pid}) did not listen on port {port} ({why}; see its error above).")
-            + " Stop that process or give the hub another port (GPUHUB_PORT, or JupyterHub.bind_url).")
+            + (
+                f"another process (uid {', '.join(map(str, owners))}) already listens on port {port}, "
+                "and users would reach it instead of the hub."
+                if owners
+                else f"the proxy (pid {pid}) did not listen on port {port} ({why}; see its error above)."
+            )
+            + " Stop that process or give the hub another port (GPUHUB_PORT, or JupyterHub.bind_url)."
+        )
 
     def _running(self) -> bool:
         if self.proxy_process is not None:

@@ -136,7 +136,7 @@ def _answer_other_host(handler) -> None:
     path = handler.request.path
     marker = hub_prefix + OTHER_HOST_PATH
     if path == marker or path.startswith(marker + "/"):  # the proxy's default target
-        path = path[len(marker):] or "/"
+        path = path[len(marker) :] or "/"
     inside_hub = (path.rstrip("/") + "/").startswith(hub_prefix)
     users_host = is_other_host(handler.request.host_name, settings.get("domain", ""))
     navigation = handler.request.headers.get("Sec-Fetch-Mode", "navigate") == "navigate"
@@ -148,12 +148,14 @@ def _answer_other_host(handler) -> None:
         handler.set_status(424)
         handler.set_header("Content-Type", "application/json")
         handler.set_header("Cache-Control", "no-store")
-        handler.finish(json.dumps({"status": 424, "message": "This server is not running. Start it again from the hub's home page."}))
+        handler.finish(
+            json.dumps({"status": 424, "message": "This server is not running. Start it again from the hub's home page."})
+        )
         return
     if hub_origin and handler.request.method in ("GET", "HEAD") and path.startswith(base_url) and not (users_host and inside_hub):
         from jupyterhub.utils import url_path_join
 
-        target = hub_origin + (url_path_join(hub_prefix, path[len(base_url):] or "/") if users_host else path)
+        target = hub_origin + (url_path_join(hub_prefix, path[len(base_url) :] or "/") if users_host else path)
         if handler.request.query:
             target += "?" + handler.request.query
         handler.set_header("Cache-Control", "no-store")
@@ -261,5 +263,8 @@ def serve_hub_only_on_its_host(c) -> None:
         hub_port = int(c.JupyterHub.hub_port) if "hub_port" in c.JupyterHub else 8081
         command = [a for a in proxy.command if not str(a).startswith("--default-target")]
         proxy.command = [*command, f"--default-target=http://{hub_ip}:{hub_port}/hub/{OTHER_HOST_PATH}"]
-        log.info("gpuhub: the hub answers only on %s; every other host gets a refusal or a redirect there "
-                 "(so JupyterHub's 'Using custom route for Hub' warning is expected)", urlsplit(subdomain_host).netloc)
+        log.info(
+            "gpuhub: the hub answers only on %s; every other host gets a refusal or a redirect there "
+            "(so JupyterHub's 'Using custom route for Hub' warning is expected)",
+            urlsplit(subdomain_host).netloc,
+        )

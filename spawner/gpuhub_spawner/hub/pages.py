@@ -33,8 +33,9 @@ from ..usage.metrics import lent_and_borrowed
 _HIDDEN = ("user", "profile", "held_for", "idle_for", "stops_at", "key")
 
 
-def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me: str | None = None,
-                    member_teams: set[str] | None = None) -> dict:
+def status_snapshot(
+    broker, see_all: bool, own_teams: set[str] = frozenset(), me: str | None = None, member_teams: set[str] | None = None
+) -> dict:
     """The status as one reader may see it.
 
     ``see_all``: everything; ``own_teams``: teams whose holders and waiting requests the
@@ -53,7 +54,7 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
     devices = []
     if broker.devices is None:  # Kubernetes: no device table; one line per holder of GPUs
         devices = _holder_lines(broker, holders_of_gpus(queue), records, flavor_names, now, see_all, own_teams, me)
-    for d in (broker.devices.devices if broker.devices is not None else ()):
+    for d in broker.devices.devices if broker.devices is not None else ():
         adm = holders.get(d.id)
         rec = records.get(adm.key) if adm else None
         busy = getattr(rec, "gpu_last_busy", None)
@@ -75,8 +76,7 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
             "stops_at": deadline,
         }
         health = broker.devices.health.of(d.id)  # admission.health: not private, everyone sees it
-        entry.update(health=health.state, health_summary=health.summary(), drained=bool(health.drained),
-                     usable=health.usable)
+        entry.update(health=health.state, health_summary=health.summary(), drained=bool(health.drained), usable=health.usable)
         if adm is not None and not see_all and adm.team not in own_teams and adm.user != me:
             entry.update(dict.fromkeys(_HIDDEN))
         devices.append(entry)
@@ -86,12 +86,18 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
     for t in sorted(queue.waiting, key=lambda t: t.created):
         waiting[t.team] = waiting.get(t.team, 0) + 1
         if see_all or t.team in own_teams or t.user == me:
-            waiting_list.append({
-                "key": t.key, "user": t.user, "team": t.team, "profile": t.profile,
-                "since": t.created, "waited": format_duration(now - t.created),
-                "position": t.status.position if t.status else None,
-                "reason": t.status.reason if t.status else "",
-            })
+            waiting_list.append(
+                {
+                    "key": t.key,
+                    "user": t.user,
+                    "team": t.team,
+                    "profile": t.profile,
+                    "since": t.created,
+                    "waited": format_duration(now - t.created),
+                    "position": t.status.position if t.status else None,
+                    "reason": t.status.reason if t.status else "",
+                }
+            )
     lending = {f.name: lent_and_borrowed(policy, usage, f.name) for f in policy.flavors}
     # One machine: devices of each flavor that may be handed out (a bad or drained GPU is not).
     usable_of: dict[str, int] = {}
@@ -110,12 +116,17 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
             "waiting": waiting.get(team.name, 0),
             "gpus": {
                 f: {
-                    "in_use": used.get(f"gpu/{f}", 0), "nominal": q.nominal, "display_name": flavor_names.get(f, f),
+                    "in_use": used.get(f"gpu/{f}", 0),
+                    "nominal": q.nominal,
+                    "display_name": flavor_names.get(f, f),
                     "lent": lending.get(f, ({}, {}))[0].get(team.name, 0),
                     "borrowed": lending.get(f, ({}, {}))[1].get(team.name, 0),
                     # what the team can get now: its quota, but never more than the machine's usable devices
-                    **({"usable": min(q.nominal, usable_of.get(f, 0)),
-                        "out_of_service": broker.devices.out_of_service_words(f)} if broker.devices is not None else {}),
+                    **(
+                        {"usable": min(q.nominal, usable_of.get(f, 0)), "out_of_service": broker.devices.out_of_service_words(f)}
+                        if broker.devices is not None
+                        else {}
+                    ),
                 }
                 for f, q in team.quota.gpus.items()
             },
@@ -123,8 +134,10 @@ def status_snapshot(broker, see_all: bool, own_teams: set[str] = frozenset(), me
         if see_all or team.name in own_teams:
             q = team.quota
             entry["cpu"] = {"in_use": used.get("cpu", 0) / 1000, "nominal": q.cpu.nominal / 1000 if q.cpu else None}
-            entry["memory"] = {"in_use": format_memory(used.get("memory", 0)),
-                               "nominal": format_memory(q.memory.nominal) if q.memory else None}
+            entry["memory"] = {
+                "in_use": format_memory(used.get("memory", 0)),
+                "nominal": format_memory(q.memory.nominal) if q.memory else None,
+            }
         teams.append(entry)
     view = "all" if see_all else ("team" if own_teams else "counts")
     out = {"devices": devices, "teams": teams, "view": view, "waiting": waiting_list, "now": now}
@@ -149,10 +162,18 @@ def _holder_lines(broker, holders, records, flavor_names, now, see_all, own_team
                 continue
             flavor = k[4:]
             entry = {
-                "id": f"{adm.key} {flavor}", "flavor": flavor, "flavor_name": flavor_names.get(flavor, flavor),
-                "name": f"{v} × {flavor_names.get(flavor, flavor)}", "virtual": False, "held": True, "key": adm.key,
-                "user": adm.user, "team": adm.team, "profile": adm.profile,
-                "held_for": format_duration(now - adm.since), "idle_for": gpu_idle if gpu_idle != "0s" else None,
+                "id": f"{adm.key} {flavor}",
+                "flavor": flavor,
+                "flavor_name": flavor_names.get(flavor, flavor),
+                "name": f"{v} × {flavor_names.get(flavor, flavor)}",
+                "virtual": False,
+                "held": True,
+                "key": adm.key,
+                "user": adm.user,
+                "team": adm.team,
+                "profile": adm.profile,
+                "held_for": format_duration(now - adm.since),
+                "idle_for": gpu_idle if gpu_idle != "0s" else None,
                 "stops_at": getattr(getattr(rec, "state", None), "deadline", None),
             }
             if not see_all and adm.team not in own_teams and adm.user != me:
@@ -188,8 +209,7 @@ class StatusPageHandler(_StatusMixin, BaseHandler):
         # Drain / uncordon buttons: the same API and scope as `gpuhub gpu drain|uncordon`
         # (hub/gpus_api.py checks it again on every POST); one machine only.
         gpu_actions = self.has_scope("admin:servers") and getattr(admission_view(self.config), "gpu_health", None) is not None
-        html = await self.render_template("gpuhub_status.html", snap=snap, user=self.current_user,
-                                          gpu_actions=gpu_actions)
+        html = await self.render_template("gpuhub_status.html", snap=snap, user=self.current_user, gpu_actions=gpu_actions)
         self.finish(html)
 
 

@@ -93,8 +93,11 @@ class _PolicyMixin:
         groups = {g.name for g in getattr(user, "groups", [])} if getattr(user, "kind", "user") == "user" else set()
         leads = {t.name for t in self.store.current.teams if groups & set(t.leads)} if allowed(self, LEAD) else set()
         if not admin and not leads:
-            raise web.HTTPError(403, "Only admins and team leads may see and preview policy changes "
-                                     f"(scope {POLICY}, or {LEAD} for a team the policy says you lead).")
+            raise web.HTTPError(
+                403,
+                "Only admins and team leads may see and preview policy changes "
+                f"(scope {POLICY}, or {LEAD} for a team the policy says you lead).",
+            )
         return admin, leads
 
     def body(self) -> dict:
@@ -119,8 +122,10 @@ class _PolicyMixin:
         people = [Person(u.name, tuple(g.name for g in u.groups)) for u in self.db.query(orm.User)]
         view = admission_view(self.config)
         queue = view.queue
-        held = [Holding(a.key, a.user, a.team, a.profile, dict(a.demand), a.since, a.priority,
-                        self._last_activity(a.key)) for a in queue.holdings()]
+        held = [
+            Holding(a.key, a.user, a.team, a.profile, dict(a.demand), a.since, a.priority, self._last_activity(a.key))
+            for a in queue.holdings()
+        ]
         waiting = [Request(t.key, t.user, t.team, t.profile, dict(t.demand), t.priority, t.created) for t in queue.waiting]
         free = None
         table = getattr(view, "devices", None)
@@ -157,8 +162,7 @@ class _PolicyMixin:
     async def _evaluate(self, text: str, admin: bool, leads: set[str]) -> dict:
         current = self.store.current
         state = self.state()
-        insiders = {p.name for p in state["people"]
-                    if {t.name for t in current.teams if set(p.groups) & set(t.groups)} & leads}
+        insiders = {p.name for p in state["people"] if {t.name for t in current.teams if set(p.groups) & set(t.groups)} & leads}
         from ..kube.ledger import KueueLedger
 
         kube = KueueLedger.initialized()
@@ -173,9 +177,12 @@ class _PolicyMixin:
                 touched, everyone = touched_teams(current, policy, literal)
                 outside = sorted(touched - leads)
                 if everyone or outside:
-                    why = "; ".join(everyone + ([f"it changes team(s) you do not lead: {', '.join(outside)}"]
-                                                if outside else []))
-                    return None, None, f"A team lead may preview changes to their own team(s) ({', '.join(sorted(leads))}) only: {why}."
+                    why = "; ".join(everyone + ([f"it changes team(s) you do not lead: {', '.join(outside)}"] if outside else []))
+                    return (
+                        None,
+                        None,
+                        f"A team lead may preview changes to their own team(s) ({', '.join(sorted(leads))}) only: {why}.",
+                    )
             found = impact(current, policy, literal_env=literal, **state)
             if kube:  # the Kueue objects the edit changes, and what Kueue refuses
                 from ..kube.kueue_diff import kueue_changes
@@ -235,7 +242,7 @@ def unmask_text(text: str, current) -> str:
         return None
 
     profiles = get(root, "profiles")
-    for p in (profiles.value if isinstance(profiles, yaml.SequenceNode) else []):
+    for p in profiles.value if isinstance(profiles, yaml.SequenceNode) else []:
         slug, env = get(p, "slug"), get(p, "env")
         old = current.profile(slug.value) if isinstance(slug, yaml.ScalarNode) else None
         if old is None or not isinstance(env, yaml.MappingNode):
@@ -275,14 +282,24 @@ class PolicyAPIHandler(_PolicyMixin, APIHandler):
                 note += "."
             history = [_for_lead(v, leads) for v in reversed(vs.versions())]
         self.set_header("Content-Type", "application/json")
-        self.write(json.dumps({
-            "role": "admin" if admin else "lead", "lead_teams": sorted(leads), "may_apply": admin,
-            "version": current if admin or current is None else _for_lead(current, leads),
-            "hash": text_hash(text), "path": self.store.policy_file if admin else None,
-            "text": shown, "note": note, "status": self.store.status.as_dict() if admin else
-            {k: v for k, v in self.store.status.as_dict().items() if k in ("loaded_at", "stale", "failed_at")},
-            "versions": history,
-        }))
+        self.write(
+            json.dumps(
+                {
+                    "role": "admin" if admin else "lead",
+                    "lead_teams": sorted(leads),
+                    "may_apply": admin,
+                    "version": current if admin or current is None else _for_lead(current, leads),
+                    "hash": text_hash(text),
+                    "path": self.store.policy_file if admin else None,
+                    "text": shown,
+                    "note": note,
+                    "status": self.store.status.as_dict()
+                    if admin
+                    else {k: v for k, v in self.store.status.as_dict().items() if k in ("loaded_at", "stale", "failed_at")},
+                    "versions": history,
+                }
+            )
+        )
 
 
 def _for_lead(version: dict, leads: set[str]) -> dict:
@@ -301,13 +318,14 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
         admin, leads = self.reader()
         body = self.body()
         if action != "preview" and not admin:
-            raise web.HTTPError(403, f"Only admins may {action} the policy (scope {POLICY}); "
-                                     "team leads may preview changes to their own team.")
+            raise web.HTTPError(
+                403, f"Only admins may {action} the policy (scope {POLICY}); team leads may preview changes to their own team."
+            )
         rollback_to = None
         if action == "rollback":
             ref = body.get("version")
             if not isinstance(ref, (str, int)) or isinstance(ref, bool) or len(str(ref)) > 64:
-                raise web.HTTPError(400, "say which version: {\"version\": 3} or a hash")
+                raise web.HTTPError(400, 'say which version: {"version": 3} or a hash')
             try:
                 rollback_to = versions().find(ref)
                 text = versions().text_of(rollback_to)
@@ -316,22 +334,31 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
         else:
             text = body.get("yaml")
             if not isinstance(text, str):
-                raise web.HTTPError(400, "send the new policy as {\"yaml\": \"...\"}")
+                raise web.HTTPError(400, 'send the new policy as {"yaml": "..."}')
         current = self.store.current
         checked_against = text_hash(self.current_text())
         result = await self.evaluate(text, admin, leads)
         self.set_header("Content-Type", "application/json")
         if not result["ok"]:
             self.set_status(result["status"])
-            self.write(json.dumps({"ok": False, "message": f"the new policy has {len(result['errors'])} error(s); "
-                                   "nothing was applied" if action != "preview" else
-                                   f"the new policy has {len(result['errors'])} error(s)",
-                                   "errors": result["errors"], "issues": [e["text"] for e in result["errors"]]}))
+            self.write(
+                json.dumps(
+                    {
+                        "ok": False,
+                        "message": f"the new policy has {len(result['errors'])} error(s); nothing was applied"
+                        if action != "preview"
+                        else f"the new policy has {len(result['errors'])} error(s)",
+                        "errors": result["errors"],
+                        "issues": [e["text"] for e in result["errors"]],
+                    }
+                )
+            )
             return
         found = result["impact"]
         if action == "preview":
-            self.write(json.dumps({"ok": True, "impact": found.as_dict(), "text": found.text(),
-                                   "base": text_hash(self.current_text())}))
+            self.write(
+                json.dumps({"ok": True, "impact": found.as_dict(), "text": found.text(), "base": text_hash(self.current_text())})
+            )
             return
         text = await off_loop(unmask_text, text, current)  # masked values ('***') keep the values in force
         global _apply_lock
@@ -341,8 +368,11 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             before = self.current_text()
             base = body.get("base")
             if action == "apply" and isinstance(base, str) and base and base != text_hash(before):
-                raise web.HTTPError(409, f"the policy changed since your preview (it is now {text_hash(before)}, "
-                                         f"you previewed against {base[:12]}): preview again")
+                raise web.HTTPError(
+                    409,
+                    f"the policy changed since your preview (it is now {text_hash(before)}, "
+                    f"you previewed against {base[:12]}): preview again",
+                )
             if text_hash(before) != checked_against:
                 raise web.HTTPError(409, "the policy changed while this was checked: preview again")
             if text_hash(text) == text_hash(before):
@@ -353,23 +383,46 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             summary = re.sub(r"\s+", " ", summary).strip()[:200]
             by = getattr(self.current_user, "name", "?")
             try:  # the write, its fsyncs and the audited diff off the loop
-                version = await off_loop(lambda: versions().apply(
-                    text, by, summary, rollback_to=rollback_to, expected_hash=text_hash(before),
-                    teams=sorted(found.touched_teams), every_team=bool(found.global_changes)))
+                version = await off_loop(
+                    lambda: versions().apply(
+                        text,
+                        by,
+                        summary,
+                        rollback_to=rollback_to,
+                        expected_hash=text_hash(before),
+                        teams=sorted(found.touched_teams),
+                        every_team=bool(found.global_changes),
+                    )
+                )
             except OSError as e:
-                raise web.HTTPError(409, f"cannot write the policy file {self.store.policy_file}: {e.strerror}; nothing "
-                                         "was applied (on Kubernetes the hub writes the policy's ConfigMap once "
-                                         "wired for it: docs/policy-changes.md)") from None
+                raise web.HTTPError(
+                    409,
+                    f"cannot write the policy file {self.store.policy_file}: {e.strerror}; nothing "
+                    "was applied (on Kubernetes the hub writes the policy's ConfigMap once "
+                    "wired for it: docs/policy-changes.md)",
+                ) from None
             except RuntimeError as e:  # the writer's place changed under it (the ConfigMap): nothing written
                 raise web.HTTPError(409, str(e)) from None
             except Exception as e:  # noqa: BLE001 - the API server refused (RBAC, unreachable): nothing written
                 log.warning("Policy apply by %s failed at %s: %s", by, versions().where, e)
-                raise web.HTTPError(502, f"could not write the policy to {versions().where}: "
-                                         f"{getattr(e, 'reason', None) or type(e).__name__}; nothing was applied") from None
+                raise web.HTTPError(
+                    502,
+                    f"could not write the policy to {versions().where}: "
+                    f"{getattr(e, 'reason', None) or type(e).__name__}; nothing was applied",
+                ) from None
             await self.store.fresh()
         status = self.store.status
-        self.write(json.dumps({"ok": not status.stale, "version": version, "impact": found.as_dict(),
-                               "text": found.text(), "status": status.as_dict()}))
+        self.write(
+            json.dumps(
+                {
+                    "ok": not status.stale,
+                    "version": version,
+                    "impact": found.as_dict(),
+                    "text": found.text(),
+                    "status": status.as_dict(),
+                }
+            )
+        )
 
 
 class PolicyPageHandler(_PolicyMixin, BaseHandler):

@@ -79,19 +79,28 @@ class RayClustersHandler(_RayMixin, APIHandler):
     async def post(self):
         user = self.requester()
         try:
-            body = loads_json(self.request.body, what="A Ray cluster request", max_bytes=4096, max_depth=2,
-                              max_nodes=32, empty={})
+            body = loads_json(
+                self.request.body, what="A Ray cluster request", max_bytes=4096, max_depth=2, max_nodes=32, empty={}
+            )
         except InputRefused as e:
             raise web.HTTPError(e.status, e.message) from None
         if not isinstance(body, dict):
-            raise web.HTTPError(400, "Send a JSON object: {\"gpus\": N, \"workers\": K}.")
+            raise web.HTTPError(400, 'Send a JSON object: {"gpus": N, "workers": K}.')
+
         def opt(key, kind):
             value = body.get(key)
             if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
                 raise web.HTTPError(400, f"{key!r} must be {'a whole number' if kind is int else 'text'}")
             return value
-        request = RayRequest(user=user.name, gpus=opt("gpus", int), workers=opt("workers", int) or 0,
-                             profile=opt("profile", str), team=opt("team", str), name=opt("name", str))
+
+        request = RayRequest(
+            user=user.name,
+            gpus=opt("gpus", int),
+            workers=opt("workers", int) or 0,
+            profile=opt("profile", str),
+            team=opt("team", str),
+            name=opt("name", str),
+        )
         try:
             view = await self.ray.start(user, [g.name for g in user.groups], request)
         except ChoiceError as e:

@@ -165,7 +165,9 @@ class PolicyRoles(SingletonConfigurable):
             names = {name for _, name in changed["granted"] + changed["revoked"]}
             keys = [identity_key(orm.Role, r.id) for r in session.query(orm.Role).filter(orm.Role.name.in_(list(wanted)))]
             if names:
-                keys += [identity_key(orm.Group, g.id) for g in session.query(orm.Group).filter(orm.Group.name.in_(sorted(names)))]
+                keys += [
+                    identity_key(orm.Group, g.id) for g in session.query(orm.Group).filter(orm.Group.name.in_(sorted(names)))
+                ]
             return changed, keys
 
         def in_thread(policy, wanted):
@@ -240,8 +242,9 @@ def configure_policy_roles(c, policy) -> None:
     groups = policy_role_groups(policy)
     admins = roles.get("gpuhub-admin", {"name": "gpuhub-admin", "scopes": [], "groups": []})
     c.PolicyRoles.config_groups = {"gpuhub-admin": sorted(admins.get("groups", []))}
-    admins["scopes"] = sorted(set(admins.get("scopes", [])) | {"admin:servers", "list:users", "read:users", STATUS_ALL,
-                                                               USAGE_ALL, AUDIT})
+    admins["scopes"] = sorted(
+        set(admins.get("scopes", [])) | {"admin:servers", "list:users", "read:users", STATUS_ALL, USAGE_ALL, AUDIT}
+    )
     admins["groups"] = sorted(set(admins.get("groups", [])) | groups["gpuhub-admin"])
     roles["gpuhub-admin"] = admins
     roles["gpuhub-viewer"] = {
@@ -297,5 +300,4 @@ def view_for(handler, policy) -> View | None:
     leads = set()
     if allowed(handler, LEAD):
         leads = {t.name for t in policy.teams if groups & set(t.leads)}
-    return View(user=name, all=allowed(handler, USAGE_ALL), lead_teams=leads, member_teams=members,
-                audit=allowed(handler, AUDIT))
+    return View(user=name, all=allowed(handler, USAGE_ALL), lead_teams=leads, member_teams=members, audit=allowed(handler, AUDIT))

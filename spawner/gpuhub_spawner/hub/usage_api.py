@@ -92,11 +92,14 @@ class _Base:
         visible_teams = {t.name for t in policy.teams if view.sees_totals_of(t.name)}
         queue = [(at, team, n) for at, team, n in history.queue_series(since) if team in visible_teams]
         return {
-            "view": view.role, "user": view.user, "since": since, "until": now, "summary": summary,
+            "view": view.role,
+            "user": view.user,
+            "since": since,
+            "until": now,
+            "summary": summary,
             "rows": [r.as_dict(now) for r in rows],
             "queue": [{"at": at, "team": team, "waiting": n} for at, team, n in queue],
-            "quota": {t.name: {f: q.nominal for f, q in t.quota.gpus.items()} for t in policy.teams
-                      if t.name in visible_teams},
+            "quota": {t.name: {f: q.nominal for f, q in t.quota.gpus.items()} for t in policy.teams if t.name in visible_teams},
             "labels": {t.name: t.label for t in policy.teams},
         }
 
@@ -152,8 +155,11 @@ class UsagePageHandler(_Base, BaseHandler):
         rep = self.report(view)
         since, now = rep["since"], rep["until"]
         # Allocation per team against quota needs every visible team's allocations.
-        team_rows = [r.as_dict(now) for r in self.recorder.history.rows(since) if view.sees_totals_of(r.team)
-                     or view.sees_rows_of(r.team, r.user)]
+        team_rows = [
+            r.as_dict(now)
+            for r in self.recorder.history.rows(since)
+            if view.sees_totals_of(r.team) or view.sees_rows_of(r.team, r.user)
+        ]
         labels = rep["labels"]
         alloc = {labels.get(t, t): pts for t, pts in _allocation_series(team_rows, since, now).items()}
         quota = {labels.get(t, t): float(sum(q.values())) for t, q in rep["quota"].items()}
@@ -161,20 +167,39 @@ class UsagePageHandler(_Base, BaseHandler):
         for e in rep["queue"]:
             queue.setdefault(labels.get(e["team"], e["team"]), []).append((e["at"], e["waiting"]))
         totals = rep["summary"]["totals"]
-        bars = {labels.get(n, n): {"gpu_hours": v["gpu_hours"], "busy_gpu_hours": v["busy_gpu_hours"],
-                                   "idle_gpu_hours": v["idle_gpu_hours"]} for n, v in totals.items()}
-        svgs = {
-            "allocation": charts.step_chart("gpuhub-chart-allocation", "GPUs allocated per team (dashed: nominal quota)",
-                                            alloc, since, now, "GPUs", quota),
-            "queue": charts.step_chart("gpuhub-chart-queue", "Requests waiting per team", queue, since, now, "waiting"),
-            "idle": charts.bar_chart("gpuhub-chart-idle", "GPU-hours: allocated, busy and idle", bars,
-                                     [("gpu_hours", "allocated"), ("busy_gpu_hours", "busy"), ("idle_gpu_hours", "idle")],
-                                     "GPU-hours"),
+        bars = {
+            labels.get(n, n): {
+                "gpu_hours": v["gpu_hours"],
+                "busy_gpu_hours": v["busy_gpu_hours"],
+                "idle_gpu_hours": v["idle_gpu_hours"],
+            }
+            for n, v in totals.items()
         }
-        by_user = summarize([r for r in self.recorder.history.rows(since) if view.sees_rows_of(r.team, r.user)],
-                            since, now, by="user") if view.role != "user" or rep["rows"] else None
+        svgs = {
+            "allocation": charts.step_chart(
+                "gpuhub-chart-allocation", "GPUs allocated per team (dashed: nominal quota)", alloc, since, now, "GPUs", quota
+            ),
+            "queue": charts.step_chart("gpuhub-chart-queue", "Requests waiting per team", queue, since, now, "waiting"),
+            "idle": charts.bar_chart(
+                "gpuhub-chart-idle",
+                "GPU-hours: allocated, busy and idle",
+                bars,
+                [("gpu_hours", "allocated"), ("busy_gpu_hours", "busy"), ("idle_gpu_hours", "idle")],
+                "GPU-hours",
+            ),
+        }
+        by_user = (
+            summarize([r for r in self.recorder.history.rows(since) if view.sees_rows_of(r.team, r.user)], since, now, by="user")
+            if view.role != "user" or rep["rows"]
+            else None
+        )
         html = await self.render_template(
-            "gpuhub_usage.html", rep=rep, svgs=svgs, by_user=by_user, view=view, iso=iso,
+            "gpuhub_usage.html",
+            rep=rep,
+            svgs=svgs,
+            by_user=by_user,
+            view=view,
+            iso=iso,
             since_arg=self.get_argument("since", "7d"),
             csv_url=url_path_join(self.hub.base_url, "gpuhub/usage.csv") + f"?since={self.get_argument('since', '7d')}",
         )
@@ -192,8 +217,9 @@ class AuditAPIHandler(APIHandler):
             limit = min(int(self.get_argument("limit", "1000")), 10000)
         except ValueError:
             raise web.HTTPError(400, "since is a Unix time, limit a number") from None
-        entries = rec.audit.entries(since=since, event=self.get_argument("event", None) or None,
-                                    user=self.get_argument("user", None) or None, limit=limit)
+        entries = rec.audit.entries(
+            since=since, event=self.get_argument("event", None) or None, user=self.get_argument("user", None) or None, limit=limit
+        )
         self.set_header("Content-Type", "application/json")
         self.write(json.dumps({"entries": entries}))
 
@@ -204,11 +230,18 @@ class AuditPageHandler(BaseHandler):
         if not allowed(self, AUDIT):
             raise web.HTTPError(403, f"This needs the scope {AUDIT}.")
         rec = UsageRecorder.instance(config=self.config)
-        entries = rec.audit.entries(event=self.get_argument("event", None) or None,
-                                    user=self.get_argument("user", None) or None, limit=500)
-        shown = [{"at": iso(e["at"]), "event": e["event"],
-                  "detail": {k: v for k, v in e.items() if k not in ("seq", "at", "event", "diff")}, "diff": e.get("diff")}
-                 for e in reversed(entries)]
+        entries = rec.audit.entries(
+            event=self.get_argument("event", None) or None, user=self.get_argument("user", None) or None, limit=500
+        )
+        shown = [
+            {
+                "at": iso(e["at"]),
+                "event": e["event"],
+                "detail": {k: v for k, v in e.items() if k not in ("seq", "at", "event", "diff")},
+                "diff": e.get("diff"),
+            }
+            for e in reversed(entries)
+        ]
         self.finish(await self.render_template("gpuhub_audit.html", entries=shown))
 
 
@@ -246,8 +279,15 @@ class ServerStopHandler(_Base, APIHandler):
         if not (spawner.active or waiting or held):
             raise web.HTTPError(409, "That server is not running or waiting.")
         name = getattr(actor, "name", "?")
-        self.recorder.audit.record("acted_on_server", by=name, role=how, target_user=owner, key=key, team=team,
-                                   action="withdraw" if waiting and not held else "stop")
+        self.recorder.audit.record(
+            "acted_on_server",
+            by=name,
+            role=how,
+            target_user=owner,
+            key=key,
+            team=team,
+            action="withdraw" if waiting and not held else "stop",
+        )
         note_end(key, "stopped", by=name)
         if spawner.pending == "spawn" and spawner._spawn_future:
             spawner._spawn_future.cancel()

@@ -42,8 +42,10 @@ def _list(args, base):
     if not jobs:
         print("no jobs")
     for j in jobs:
-        print(f"{j['id']}  {j['state']:<9}  {j['user']:<12} {j['profile']['slug']:<12} attempts={len(j['attempts'])}  "
-              f"submitted {_time(j['submitted'])}  {j.get('name') or ''}")
+        print(
+            f"{j['id']}  {j['state']:<9}  {j['user']:<12} {j['profile']['slug']:<12} attempts={len(j['attempts'])}  "
+            f"submitted {_time(j['submitted'])}  {j.get('name') or ''}"
+        )
 
 
 def _status(args, base):
@@ -127,9 +129,11 @@ def main(argv: list[str]) -> int:
     lst = add("list", help="your jobs")
     lst.add_argument("--all", action="store_true", help="everyone's (admins)")
     lst.set_defaults(func=_list)
-    for name, func, text in (("status", _status, "the state word first, then where it stands"),
-                             ("cancel", _cancel, "leave the queue or stop it; its GPUs are free at once"),
-                             ("show", _show, "the full record of every attempt")):
+    for name, func, text in (
+        ("status", _status, "the state word first, then where it stands"),
+        ("cancel", _cancel, "leave the queue or stop it; its GPUs are free at once"),
+        ("show", _show, "the full record of every attempt"),
+    ):
         p = add(name, help=text)
         p.add_argument("id")
         if name == "show":

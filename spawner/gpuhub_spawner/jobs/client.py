@@ -48,17 +48,27 @@ def api_base(hub: str | None) -> str:
 def token() -> str:
     tok = os.environ.get("GPUHUB_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
     if not tok:
-        raise HubError(0, "no token: set GPUHUB_TOKEN to a token from the hub's token page "
-                          "(inside a gpuhub server JUPYTERHUB_API_TOKEN is already set)")
+        raise HubError(
+            0,
+            "no token: set GPUHUB_TOKEN to a token from the hub's token page "
+            "(inside a gpuhub server JUPYTERHUB_API_TOKEN is already set)",
+        )
     return tok
 
 
 def call(base: str, method: str, path: str, body: dict | None = None) -> dict:
     # UTF-8 as is, not \uXXXX escapes: the hub bounds the body in bytes (policy.bounded).
     data = json.dumps(body, ensure_ascii=False).encode() if body is not None else None
-    req = urllib.request.Request(base + path, data=data, method=method, headers={
-        "Authorization": f"token {token()}", "Content-Type": "application/json", "Accept": "application/json",
-    })
+    req = urllib.request.Request(
+        base + path,
+        data=data,
+        method=method,
+        headers={
+            "Authorization": f"token {token()}",
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+        },
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read() or b"{}")

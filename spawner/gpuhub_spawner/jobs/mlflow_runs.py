@@ -33,7 +33,8 @@ def new_token(rec: R.JobRecord, env: dict, configured: dict) -> str | None:
         user = JupyterHub.instance().users[rec.user]
         service = uri.rstrip("/").rsplit("/services/", 1)[-1].split("/")[0] if "/services/" in uri else "mlflow"
         token = user.new_api_token(
-            note=f"gpuhub {rec.id} attempt {len(rec.attempts)}", scopes=[f"access:services!service={service}"],
+            note=f"gpuhub {rec.id} attempt {len(rec.attempts)}",
+            scopes=[f"access:services!service={service}"],
             expires_in=int(rec.time_limit + 3600) if rec.time_limit else None,
         )
     except Exception:  # noqa: BLE001 - MLflow then needs the user's own setup
@@ -72,8 +73,7 @@ def end_status(outcome: str | None) -> str:
     return "KILLED"
 
 
-async def collect_runs(rec: R.JobRecord, att: R.Attempt, env: dict, token: str | None,
-                       outcome: str | None = None) -> None:
+async def collect_runs(rec: R.JobRecord, att: R.Attempt, env: dict, token: str | None, outcome: str | None = None) -> None:
     """The MLflow runs this attempt logged (tag gpuhub.job.attempt), asked with its own token.
 
     A run still RUNNING once its process is gone would stay RUNNING forever in MLflow's UI
@@ -88,15 +88,28 @@ async def collect_runs(rec: R.JobRecord, att: R.Attempt, env: dict, token: str |
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
     experiment = env.get("MLFLOW_EXPERIMENT_NAME") or f"users/{rec.user}"
     try:
-        r = await client.fetch(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name={quote(experiment)}",
-                               headers=headers, raise_error=False, request_timeout=10)
+        r = await client.fetch(
+            f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name={quote(experiment)}",
+            headers=headers,
+            raise_error=False,
+            request_timeout=10,
+        )
         if r.code != 200:
             return
         exp_id = json.loads(r.body)["experiment"]["experiment_id"]
-        body = {"experiment_ids": [exp_id], "max_results": 100,
-                "filter": f"tags.`gpuhub.job.id` = '{rec.id}' and tags.`gpuhub.job.attempt` = '{att.number}'"}
-        r = await client.fetch(f"{uri}/api/2.0/mlflow/runs/search", method="POST", body=json.dumps(body),
-                               headers=headers, raise_error=False, request_timeout=10)
+        body = {
+            "experiment_ids": [exp_id],
+            "max_results": 100,
+            "filter": f"tags.`gpuhub.job.id` = '{rec.id}' and tags.`gpuhub.job.attempt` = '{att.number}'",
+        }
+        r = await client.fetch(
+            f"{uri}/api/2.0/mlflow/runs/search",
+            method="POST",
+            body=json.dumps(body),
+            headers=headers,
+            raise_error=False,
+            request_timeout=10,
+        )
         if r.code != 200:
             return
         runs = json.loads(r.body).get("runs", [])
@@ -106,8 +119,14 @@ async def collect_runs(rec: R.JobRecord, att: R.Attempt, env: dict, token: str |
             if run["info"].get("status") != "RUNNING":
                 continue
             update = {"run_id": run["info"]["run_id"], "status": end_status(outcome), "end_time": end_time}
-            done = await client.fetch(f"{uri}/api/2.0/mlflow/runs/update", method="POST", body=json.dumps(update),
-                                      headers=headers, raise_error=False, request_timeout=10)
+            done = await client.fetch(
+                f"{uri}/api/2.0/mlflow/runs/update",
+                method="POST",
+                body=json.dumps(update),
+                headers=headers,
+                raise_error=False,
+                request_timeout=10,
+            )
             if done.code != 200:
                 log.warning("Cannot end MLflow run %s of %s: %s", update["run_id"], rec.id, done.code)
     except Exception:  # noqa: BLE001 - evidence is best effort here; the tags stay on the runs

@@ -69,14 +69,17 @@ MAX_DURATION_CHARS = 32  # "1h30m"; parse_duration's regex is quadratic in a lon
 
 def _duration(value: Any) -> Any:
     if isinstance(value, str) and len(value) > MAX_DURATION_CHARS:
-        raise ValueError(f"{value[:20]!r}... is not a duration (at most {MAX_DURATION_CHARS} characters; "
-                         "examples: 90s, 15m, 1h30m, 2d)")
+        raise ValueError(
+            f"{value[:20]!r}... is not a duration (at most {MAX_DURATION_CHARS} characters; examples: 90s, 15m, 1h30m, 2d)"
+        )
     return None if value is None else parse_duration(value)
 
 
 class Retries(_Model):
     limit: Annotated[StrictInt, Field(ge=0, le=MAX_RETRIES)] = 0
-    reasons: list[Literal["preempted", "interrupted", "failed", "oom"] | Annotated[StrictInt, Field(ge=1, le=255)]] = list(DEFAULT_RETRY_ON)
+    reasons: list[Literal["preempted", "interrupted", "failed", "oom"] | Annotated[StrictInt, Field(ge=1, le=255)]] = list(
+        DEFAULT_RETRY_ON
+    )
 
     def retries(self, reason: str, exit_code: int | None) -> bool:
         if reason in self.reasons:

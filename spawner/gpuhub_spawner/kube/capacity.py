@@ -152,8 +152,9 @@ def _epoch(value) -> float | None:
         return None
 
 
-def node_faults(policy: Policy, nodes: list[dict], before: dict[str, NodeFault] | None = None,
-                now: float | None = None) -> dict[str, NodeFault]:
+def node_faults(
+    policy: Policy, nodes: list[dict], before: dict[str, NodeFault] | None = None, now: float | None = None
+) -> dict[str, NodeFault]:
     """The nodes with a health taint (``health.kubernetes.taints``, NoSchedule or NoExecute).
 
     ``since`` is the taint's ``timeAdded`` (the API server writes it for NoExecute taints),
@@ -193,12 +194,25 @@ def pod_failures(policy: Policy, pods: list[dict], faults: dict[str, NodeFault],
         meta = pod.get("metadata") or {}
         ann, labels = meta.get("annotations") or {}, meta.get("labels") or {}
         fault = faults.get((pod.get("spec") or {}).get("nodeName") or "")
-        if (fault is None or ann.get(USER_ANNOTATION) != user or JOB_LABEL in labels or RAY_LABEL in labels
-                or meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-                or not _requests_gpu(pod, resources)):
+        if (
+            fault is None
+            or ann.get(USER_ANNOTATION) != user
+            or JOB_LABEL in labels
+            or RAY_LABEL in labels
+            or meta.get("deletionTimestamp")
+            or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+            or not _requests_gpu(pod, resources)
+        ):
             continue
-        out.append({"server": ann.get(SERVER_ANNOTATION, ""), "devices": [f"node {fault.node}"],
-                    "since": fault.since, "reason": fault.reason, "xid": None})
+        out.append(
+            {
+                "server": ann.get(SERVER_ANNOTATION, ""),
+                "devices": [f"node {fault.node}"],
+                "since": fault.since,
+                "reason": fault.reason,
+                "xid": None,
+            }
+        )
     return sorted(out, key=lambda f: (f["since"], f["server"]))
 
 
@@ -212,8 +226,9 @@ def target_quota(policy: Policy, flavor: str, out: int) -> tuple[str, int, int |
     return team_name, nominal, lending, max(0, out - q.nominal)
 
 
-def lowered_groups(groups: list[dict], flavor: str, resource: str, nominal: int, lending: int | None,
-                   cohort: bool) -> list[dict] | None:
+def lowered_groups(
+    groups: list[dict], flavor: str, resource: str, nominal: int, lending: int | None, cohort: bool
+) -> list[dict] | None:
     """``spec.resourceGroups`` with the flavor's quota set; None when nothing changes."""
     new = copy.deepcopy(groups)
     changed = False
@@ -297,8 +312,13 @@ class CapacityKeeper:
         if faults == self.faults:
             return
         for name in faults.keys() - self.faults.keys():
-            log.warning("GPU health: node %s is out of service (%s, %s); its server pods' holders are told, its "
-                        "jobs' attempts end gpu-failed", name, faults[name].taint, faults[name].effect)
+            log.warning(
+                "GPU health: node %s is out of service (%s, %s); its server pods' holders are told, its "
+                "jobs' attempts end gpu-failed",
+                name,
+                faults[name].taint,
+                faults[name].effect,
+            )
         for name in self.faults.keys() - faults.keys():
             log.info("GPU health: node %s is back (%s removed)", name, self.faults[name].taint)
         self.faults = faults
@@ -316,8 +336,9 @@ class CapacityKeeper:
         for flavor, o in out.items():
             if (o.out, tuple(o.why)) != before.get(flavor, (0, ())):
                 level = logging.WARNING if o.out else logging.INFO
-                log.log(level, "GPU capacity: flavor %s: %s", flavor,
-                        o.words(flavor) if o.out else f"all {o.total} GPUs in service")
+                log.log(
+                    level, "GPU capacity: flavor %s: %s", flavor, o.words(flavor) if o.out else f"all {o.total} GPUs in service"
+                )
         for flavor in policy.health.kubernetes.capacity_queue:
             await self._set_quota(policy, flavor, out.get(flavor, OutOfService()))
         return out
@@ -329,24 +350,33 @@ class CapacityKeeper:
         cq = await custom.get_cluster_custom_object(GROUP, VERSION, "clusterqueues", team)
         fl = policy.flavor(flavor)
         cohort = bool((cq.get("spec") or {}).get("cohortName"))
-        groups = lowered_groups((cq.get("spec") or {}).get("resourceGroups") or [], flavor, fl.resource, nominal,
-                                lending, cohort)
+        groups = lowered_groups((cq.get("spec") or {}).get("resourceGroups") or [], flavor, fl.resource, nominal, lending, cohort)
         annotations = (cq.get("metadata") or {}).get("annotations") or {}
         note = f"{flavor}={o.out}: {'; '.join(o.why)}" if o.out else None
         if groups is None and annotations.get(ANNOTATION) == note:
             return
-        body: dict = {"metadata": {"resourceVersion": cq["metadata"]["resourceVersion"],
-                                   "annotations": {ANNOTATION: note}}}
+        body: dict = {"metadata": {"resourceVersion": cq["metadata"]["resourceVersion"], "annotations": {ANNOTATION: note}}}
         if groups is not None:
             body["spec"] = {"resourceGroups": groups}
-        await custom.patch_cluster_custom_object(GROUP, VERSION, "clusterqueues", team, body,
-                                                 _content_type="application/merge-patch+json")
+        await custom.patch_cluster_custom_object(
+            GROUP, VERSION, "clusterqueues", team, body, _content_type="application/merge-patch+json"
+        )
         if groups is not None:
-            log.warning("GPU capacity: ClusterQueue %s nominalQuota for %s set to %d (%s)", team, flavor, nominal,
-                        o.words(flavor) if o.out else "all GPUs back in service")
+            log.warning(
+                "GPU capacity: ClusterQueue %s nominalQuota for %s set to %d (%s)",
+                team,
+                flavor,
+                nominal,
+                o.words(flavor) if o.out else "all GPUs back in service",
+            )
         if unabsorbed:
-            log.warning("GPU capacity: %d %s GPU(s) out of service are more than ClusterQueue %s can give up; "
-                        "other teams' quotas still count them", unabsorbed, flavor, team)
+            log.warning(
+                "GPU capacity: %d %s GPU(s) out of service are more than ClusterQueue %s can give up; "
+                "other teams' quotas still count them",
+                unabsorbed,
+                flavor,
+                team,
+            )
 
 
 _keeper: CapacityKeeper | None = None

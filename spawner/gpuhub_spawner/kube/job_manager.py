@@ -49,8 +49,6 @@ from .walls import put_up, wall
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
 
 
-
-
 def _preemptions(wl: dict | None) -> int:
     """How often Kueue preempted (or, for a reclaim, the hub deactivated) this Workload
     (``status.schedulingStats.evictions``)."""
@@ -59,14 +57,18 @@ def _preemptions(wl: dict | None) -> int:
 
 
 def gpu_failed_message(fault: NodeFault) -> str:
-    return (f"its node's GPUs went out of service ({fault.reason}); queued again to resume from its checkpoint "
-            "on a healthy GPU (not counted against its retries)")
+    return (
+        f"its node's GPUs went out of service ({fault.reason}); queued again to resume from its checkpoint "
+        "on a healthy GPU (not counted against its retries)"
+    )
 
 
 def _disrupted(pod: dict) -> bool:
     """The pod was evicted (a NoExecute taint, a drain): Kubernetes' ``DisruptionTarget``."""
-    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
 
 
 class KubeJobManager(SingletonConfigurable):
@@ -107,8 +109,14 @@ class KubeJobManager(SingletonConfigurable):
         from jupyterhub.app import JupyterHub
 
         app = JupyterHub.instance()
-        return KueueSpawner(config=app.config, user=user, hub=app.hub, api_token="", oauth_client_id="",
-                            orm_spawner=SimpleNamespace(name=job_id, server=None))
+        return KueueSpawner(
+            config=app.config,
+            user=user,
+            hub=app.hub,
+            api_token="",
+            oauth_client_id="",
+            orm_spawner=SimpleNamespace(name=job_id, server=None),
+        )
 
     @staticmethod
     def _client(kind: str):
@@ -146,16 +154,31 @@ class KubeJobManager(SingletonConfigurable):
         container = job["spec"]["template"]["spec"]["containers"][0]
         profile = choice.profile
         rec = R.JobRecord(
-            id=job_id, user=user.name, team=team.name,
-            profile={"slug": profile.slug, "displayName": profile.display_name,
-                     "gpu": {"count": profile.gpu_count, "flavor": choice.flavor},
-                     "cpu": profile.cpu or policy.defaults.cpu, "memory": profile.memory or policy.defaults.memory},
-            priority_class=pclass, priority=priority, policy_sha256=policy_hash(policy),
-            image=container["image"], image_digest=container["image"].rsplit("@", 1)[1] if "@" in container["image"] else "",
-            command=spec.argv, working_dir=spec.working_dir or "", checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
-            env_names=sorted(e["name"] for e in container.get("env", [])), experiment=spec.experiment, time_limit=spec.time_limit,
-            retries=spec.retries.model_dump(), spec=spec.model_dump(by_alias=True, exclude={"env"}) | {"env": sorted(spec.env)},
-            name=spec.name, backend="kubernetes",
+            id=job_id,
+            user=user.name,
+            team=team.name,
+            profile={
+                "slug": profile.slug,
+                "displayName": profile.display_name,
+                "gpu": {"count": profile.gpu_count, "flavor": choice.flavor},
+                "cpu": profile.cpu or policy.defaults.cpu,
+                "memory": profile.memory or policy.defaults.memory,
+            },
+            priority_class=pclass,
+            priority=priority,
+            policy_sha256=policy_hash(policy),
+            image=container["image"],
+            image_digest=container["image"].rsplit("@", 1)[1] if "@" in container["image"] else "",
+            command=spec.argv,
+            working_dir=spec.working_dir or "",
+            checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
+            env_names=sorted(e["name"] for e in container.get("env", [])),
+            experiment=spec.experiment,
+            time_limit=spec.time_limit,
+            retries=spec.retries.model_dump(),
+            spec=spec.model_dump(by_alias=True, exclude={"env"}) | {"env": sorted(spec.env)},
+            name=spec.name,
+            backend="kubernetes",
         )
         try:
             created = await self._client("BatchV1Api").create_namespaced_job(spawner.namespace, job)
@@ -165,23 +188,27 @@ class KubeJobManager(SingletonConfigurable):
         # while the Job is still suspended (Kueue has not admitted it); no wall, no job.
         owner = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job_id, "uid": created.metadata.uid}}
         try:
-            await put_up(self._client("BatchV1Api").api_client,
-                         wall(job_id, spawner.namespace, {JOB_LABEL: job_id}, pod["metadata"]["labels"], hub_namespace(),
-                              owner=owner))
+            await put_up(
+                self._client("BatchV1Api").api_client,
+                wall(job_id, spawner.namespace, {JOB_LABEL: job_id}, pod["metadata"]["labels"], hub_namespace(), owner=owner),
+            )
         except Exception as e:  # noqa: BLE001
             try:
-                await self._client("BatchV1Api").delete_namespaced_job(job_id, spawner.namespace,
-                                                                      propagation_policy="Background")
+                await self._client("BatchV1Api").delete_namespaced_job(job_id, spawner.namespace, propagation_policy="Background")
             except Exception as gone:  # noqa: BLE001
-                log.warning("Job %s: its NetworkPolicy was refused and it could not be deleted: %s", job_id,
-                            getattr(gone, "reason", gone))
-            raise ChoiceError(502, f"the cluster refused the job's NetworkPolicy: {getattr(e, 'reason', e)}; "
-                                   "nothing was started") from None
+                log.warning(
+                    "Job %s: its NetworkPolicy was refused and it could not be deleted: %s", job_id, getattr(gone, "reason", gone)
+                )
+            raise ChoiceError(
+                502, f"the cluster refused the job's NetworkPolicy: {getattr(e, 'reason', e)}; nothing was started"
+            ) from None
         rec.spec["uid"], rec.spec["namespace"] = created.metadata.uid, spawner.namespace
         rec.attempts.append(R.Attempt(number=1, queued=time.time()))
         self.jobs[job_id] = rec
         self.store.save(rec)
-        log.info("Job %s of %s created in %s (%s, queue %s)", job_id, user.name, spawner.namespace, profile.slug, team.local_queue)
+        log.info(
+            "Job %s of %s created in %s (%s, queue %s)", job_id, user.name, spawner.namespace, profile.slug, team.local_queue
+        )
         self._ensure_poller()
         return rec
 
@@ -218,10 +245,14 @@ class KubeJobManager(SingletonConfigurable):
                 rec.state, rec.message, rec.finished = R.CANCELLED, "its Job was deleted from the cluster", time.time()
                 self.store.save(rec)
             return
-        pods = self._plain(
-            await self._client("CoreV1Api").list_namespaced_pod(ns, label_selector=f"{JOB_LABEL}={rec.id}")).get("items", [])
-        wls = (await self._client("CustomObjectsApi").list_namespaced_custom_object(
-            "kueue.x-k8s.io", "v1beta2", ns, "workloads", label_selector=f"{JOB_UID_LABEL}={job['metadata']['uid']}")).get("items", [])
+        pods = self._plain(await self._client("CoreV1Api").list_namespaced_pod(ns, label_selector=f"{JOB_LABEL}={rec.id}")).get(
+            "items", []
+        )
+        wls = (
+            await self._client("CustomObjectsApi").list_namespaced_custom_object(
+                "kueue.x-k8s.io", "v1beta2", ns, "workloads", label_selector=f"{JOB_UID_LABEL}={job['metadata']['uid']}"
+            )
+        ).get("items", [])
         wl = wls[0] if wls else None
         self._workloads[rec.id] = wl
         pods.sort(key=lambda p: p["metadata"].get("creationTimestamp") or "")
@@ -258,8 +289,12 @@ class KubeJobManager(SingletonConfigurable):
                 elif status["phase"] == "Failed" and fault is not None:
                     # CUDA failed under it: the Job controller counted it as any exit
                     att.message += f" (its node's GPUs were out of service: {fault.reason})"
-            elif (att.finished is None and fault is not None and status.get("phase") not in ("Succeeded", "Failed")
-                  and not pod["metadata"].get("deletionTimestamp")):
+            elif (
+                att.finished is None
+                and fault is not None
+                and status.get("phase") not in ("Succeeded", "Failed")
+                and not pod["metadata"].get("deletionTimestamp")
+            ):
                 await self._gpu_failed(rec, att, wl, fault)
             await self._copy_log(rec, att, ns, name)
         # Attempts whose pod is gone without an end: Kueue preempted (suspended) the Job.
@@ -270,8 +305,9 @@ class KubeJobManager(SingletonConfigurable):
                 evicted = M.eviction_message(wl, None)
                 # Kueue turns Evicted back to False when it admits the Job again, which may
                 # happen before this poll; its eviction count does not go back.
-                counted = _preemptions(wl) > (sum(1 for a in rec.attempts if a.reason == "preempted")
-                                              + int(rec.spec.get("gpuFailedDeactivations", 0)))
+                counted = _preemptions(wl) > (
+                    sum(1 for a in rec.attempts if a.reason == "preempted") + int(rec.spec.get("gpuFailedDeactivations", 0))
+                )
                 preempted = counted or is_true(wl, "Evicted") or job["spec"].get("suspend")
                 reclaimed = self.reclaimed.pop(rec.id, None)  # the hub took its GPUs back (kube/ledger.py)
                 if reclaimed:
@@ -290,8 +326,12 @@ class KubeJobManager(SingletonConfigurable):
             rec.state, rec.message, rec.finished = R.SUCCEEDED, "", timestamp(job["status"].get("completionTime")) or time.time()
         elif failed.get("status") == "True":
             reason = failed.get("reason", "")
-            msg = {"DeadlineExceeded": f"stopped: it reached its time limit of {rec.time_limit:g}s" if rec.time_limit else "deadline exceeded",
-                   "BackoffLimitExceeded": f"No retries left ({rec.retries['limit']} allowed)."}.get(reason, failed.get("message", ""))
+            msg = {
+                "DeadlineExceeded": f"stopped: it reached its time limit of {rec.time_limit:g}s"
+                if rec.time_limit
+                else "deadline exceeded",
+                "BackoffLimitExceeded": f"No retries left ({rec.retries['limit']} allowed).",
+            }.get(reason, failed.get("message", ""))
             if reason == "DeadlineExceeded" and rec.current is not None:
                 rec.current.reason = TIME_LIMIT
             last = rec.current.message if rec.current else ""
@@ -322,8 +362,9 @@ class KubeJobManager(SingletonConfigurable):
         if not node:
             return None
         try:
-            nodes = self._plain(
-                await self._client("CoreV1Api").list_node(field_selector=f"metadata.name={node}")).get("items", [])
+            nodes = self._plain(await self._client("CoreV1Api").list_node(field_selector=f"metadata.name={node}")).get(
+                "items", []
+            )
         except Exception as e:  # noqa: BLE001 - not allowed, or the API is away: the keeper's view only
             log.info("Cannot read node %s: %s", node, getattr(e, "reason", e))
             return None
@@ -348,12 +389,22 @@ class KubeJobManager(SingletonConfigurable):
         meta = wl["metadata"]
         try:
             await self._client("CustomObjectsApi").patch_namespaced_custom_object(
-                GROUP, VERSION, meta["namespace"], "workloads", meta["name"],
+                GROUP,
+                VERSION,
+                meta["namespace"],
+                "workloads",
+                meta["name"],
                 {"metadata": {"annotations": {RECLAIM_ANNOTATION: str(int(time.time()))}}, "spec": {"active": False}},
-                _content_type="application/merge-patch+json")
+                _content_type="application/merge-patch+json",
+            )
         except Exception as e:  # noqa: BLE001 - the next read tries again
-            log.warning("Job %s: could not deactivate Workload %s/%s after its node's GPUs failed: %s", rec.id,
-                        meta["namespace"], meta["name"], getattr(e, "reason", e))
+            log.warning(
+                "Job %s: could not deactivate Workload %s/%s after its node's GPUs failed: %s",
+                rec.id,
+                meta["namespace"],
+                meta["name"],
+                getattr(e, "reason", e),
+            )
             return
         rec.spec["gpuFailedDeactivations"] = int(rec.spec.get("gpuFailedDeactivations", 0)) + 1
         att.finished, att.reason, att.message = time.time(), GPU_FAILED, gpu_failed_message(fault)

@@ -36,10 +36,21 @@ JOB_LABEL = "gpuhub/job"
 JOB_COMPONENT = "gpuhub-job"  # the ``component`` label of a job's pods
 MAX_EXEC_LABEL = "kueue.x-k8s.io/max-exec-time-seconds"
 USER_ANNOTATION = "gpuhub/user"
-SERVER_ONLY_ENV = ("JUPYTERHUB_API_TOKEN", "JPY_API_TOKEN", "JUPYTERHUB_CLIENT_ID", "JUPYTERHUB_OAUTH_CALLBACK_URL",
-                   "JUPYTERHUB_OAUTH_SCOPES", "JUPYTERHUB_OAUTH_ACCESS_SCOPES", "JUPYTERHUB_OAUTH_CLIENT_ALLOWED_SCOPES",
-                   "JUPYTERHUB_SERVICE_PREFIX", "JUPYTERHUB_SERVICE_URL", "JUPYTERHUB_ACTIVITY_URL",
-                   "JUPYTERHUB_COOKIE_HOST_PREFIX_ENABLED", "JUPYTERHUB_SERVER_NAME", "JUPYTERHUB_DEFAULT_URL")
+SERVER_ONLY_ENV = (
+    "JUPYTERHUB_API_TOKEN",
+    "JPY_API_TOKEN",
+    "JUPYTERHUB_CLIENT_ID",
+    "JUPYTERHUB_OAUTH_CALLBACK_URL",
+    "JUPYTERHUB_OAUTH_SCOPES",
+    "JUPYTERHUB_OAUTH_ACCESS_SCOPES",
+    "JUPYTERHUB_OAUTH_CLIENT_ALLOWED_SCOPES",
+    "JUPYTERHUB_SERVICE_PREFIX",
+    "JUPYTERHUB_SERVICE_URL",
+    "JUPYTERHUB_ACTIVITY_URL",
+    "JUPYTERHUB_COOKIE_HOST_PREFIX_ENABLED",
+    "JUPYTERHUB_SERVER_NAME",
+    "JUPYTERHUB_DEFAULT_URL",
+)
 
 
 def pod_failure_policy(spec: JobSpec) -> dict:
@@ -57,8 +68,16 @@ def pod_failure_policy(spec: JobSpec) -> dict:
     return {"rules": rules}
 
 
-def job_manifest(job_id: str, user: str, spec: JobSpec, policy: Policy, choice: Choice, pod: dict,
-                 job_priority_class: str | None = None, namespace: str | None = None) -> dict:
+def job_manifest(
+    job_id: str,
+    user: str,
+    spec: JobSpec,
+    policy: Policy,
+    choice: Choice,
+    pod: dict,
+    job_priority_class: str | None = None,
+    namespace: str | None = None,
+) -> dict:
     """The suspended Job for ``spec``; ``pod`` is the user's server pod manifest (a dict)."""
     pod = copy.deepcopy(pod)
     meta = pod.get("metadata") or {}
@@ -94,11 +113,17 @@ def job_manifest(job_id: str, user: str, spec: JobSpec, policy: Policy, choice: 
         {"name": "MLFLOW_RUN_CONTEXT", "value": json.dumps({"gpuhub.job.id": job_id, "gpuhub.job.attempt": "$(GPUHUB_POD)"})},
     ]
     if spec.experiment:
-        env = [e for e in env if e.get("name") != "MLFLOW_EXPERIMENT_NAME"] + [{"name": "MLFLOW_EXPERIMENT_NAME", "value": spec.experiment}]
+        env = [e for e in env if e.get("name") != "MLFLOW_EXPERIMENT_NAME"] + [
+            {"name": "MLFLOW_EXPERIMENT_NAME", "value": spec.experiment}
+        ]
     container["env"] = env
     pclass = job_priority_class or choice.team.job_priority or choice.priority_class
-    job_labels = {QUEUE_LABEL: choice.team.local_queue, TEAM_LABEL: choice.team.name,
-                  PROFILE_LABEL: choice.profile.slug, JOB_LABEL: job_id}
+    job_labels = {
+        QUEUE_LABEL: choice.team.local_queue,
+        TEAM_LABEL: choice.team.name,
+        PROFILE_LABEL: choice.profile.slug,
+        JOB_LABEL: job_id,
+    }
     if pclass:
         job_labels[PRIORITY_LABEL] = pclass
     if spec.time_limit:
@@ -140,7 +165,11 @@ def workload_for(job: dict, priority_value: int = 0) -> dict:
         },
     }
     if PRIORITY_LABEL in labels:
-        wl["spec"]["priorityClassRef"] = {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": labels[PRIORITY_LABEL]}
+        wl["spec"]["priorityClassRef"] = {
+            "group": "kueue.x-k8s.io",
+            "kind": "WorkloadPriorityClass",
+            "name": labels[PRIORITY_LABEL],
+        }
         wl["spec"]["priority"] = priority_value
     if MAX_EXEC_LABEL in labels:
         wl["spec"]["maximumExecutionTimeSeconds"] = int(labels[MAX_EXEC_LABEL])

@@ -185,8 +185,10 @@ BORROW_WITHIN_COHORT_LOWER_PRIORITY = "LowerPriority"
 # The Evicted/Preempted message (pkg/scheduler/preemption/preemption.go preemptionMessage and
 # HumanReadablePreemptionReasons); a path is "/" + cohort + "/" + ClusterQueue (buildCQPath),
 # "/" + ClusterQueue without a cohort; an unknown UID or path reads "UNKNOWN".
-MSG_PREEMPTED = ("Preempted to accommodate a workload (UID: {uid}, JobUID: {job_uid}) due to {why}; "
-                 "preemptor path: {preemptor_path}; preemptee path: {preemptee_path}")
+MSG_PREEMPTED = (
+    "Preempted to accommodate a workload (UID: {uid}, JobUID: {job_uid}) due to {why}; "
+    "preemptor path: {preemptor_path}; preemptee path: {preemptee_path}"
+)
 PREEMPTION_WHY = {
     PREEMPTED_IN_CLUSTER_QUEUE: "prioritization in the ClusterQueue",
     PREEMPTED_IN_COHORT_RECLAMATION: "reclamation within the cohort",
@@ -198,7 +200,9 @@ UNKNOWN = "UNKNOWN"
 # markPreemptionOutcome, markSkipped).
 MSG_PENDING_PREEMPTION = ". Pending the preemption of {count} workload(s)"
 MSG_OVERLAPPING_TARGETS = "Workload has overlapping preemption targets with another workload"
-MSG_NO_LONGER_FITS = "Workload no longer fits after processing another workload"  # scheduler.go: another took the quota in the same cycle
+MSG_NO_LONGER_FITS = (
+    "Workload no longer fits after processing another workload"  # scheduler.go: another took the quota in the same cycle
+)
 # What the job reconciler writes once the evicted workload's job stopped
 # (pkg/controller/jobframework/reconciler.go: Requeued, QuotaReserved=False "Pending" with the
 # eviction message; pkg/workload/admissionchecks.go SyncAdmittedCondition), and what a new

@@ -21,8 +21,9 @@ def _name(key: tuple) -> str:
     return f"{kind} {ns + '/' if ns else ''}{name}"
 
 
-def kueue_changes(old: Policy, new: Policy, namespace: str = DEFAULT_NAMESPACE,
-                  cpu_flavor: str = DEFAULT_CPU_FLAVOR) -> list[tuple[str, frozenset[str]]]:
+def kueue_changes(
+    old: Policy, new: Policy, namespace: str = DEFAULT_NAMESPACE, cpu_flavor: str = DEFAULT_CPU_FLAVOR
+) -> list[tuple[str, frozenset[str]]]:
     """``(plain words, teams concerned)`` per Kueue object created, deleted or changed, refusals first.
 
     Teams: a ClusterQueue's and a LocalQueue's team; ResourceFlavors and WorkloadPriorityClasses
@@ -44,8 +45,12 @@ def kueue_changes(old: Policy, new: Policy, namespace: str = DEFAULT_NAMESPACE,
         name = text.split(" ")[1]
         ns, _, lq = name.partition("/")
         key = ("LocalQueue", ns, lq)
-        out.append(("Kueue refuses this change: " + text,
-                    teams(key, before[key]) | teams(key, after[key]) if key in before and key in after else everyone))
+        out.append(
+            (
+                "Kueue refuses this change: " + text,
+                teams(key, before[key]) | teams(key, after[key]) if key in before and key in after else everyone,
+            )
+        )
     for key in sorted(set(before) | set(after)):
         a, b = before.get(key), after.get(key)
         if a == b:
@@ -55,8 +60,8 @@ def kueue_changes(old: Policy, new: Policy, namespace: str = DEFAULT_NAMESPACE,
         elif b is None:
             out.append((f"{_name(key)} is deleted.", teams(key, a)))
         else:
-            fields = sorted(k for k in set(a.get("spec", {})) | set(b.get("spec", {}))
-                            if a.get("spec", {}).get(k) != b.get("spec", {}).get(k)) + (
-                ["value"] if a.get("value") != b.get("value") else [])
+            fields = sorted(
+                k for k in set(a.get("spec", {})) | set(b.get("spec", {})) if a.get("spec", {}).get(k) != b.get("spec", {}).get(k)
+            ) + (["value"] if a.get("value") != b.get("value") else [])
             out.append((f"{_name(key)} changes ({', '.join(fields) or 'metadata'}).", teams(key, a) | teams(key, b)))
     return out

@@ -39,8 +39,21 @@ from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usa
 from .job_manifest import JOB_LABEL
 from .ray_manifest import RAY_LABEL
 from .kueue import (
-    GROUP, VERSION, ADMITTED, EVICTED, FINISHED, PREEMPTED, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING, PREEMPTED_IN_COHORT_RECLAMATION,
-    PROFILE_LABEL, QUOTA_RESERVED, TEAM_LABEL, condition, is_true, owner_pod_name, timestamp,
+    GROUP,
+    VERSION,
+    ADMITTED,
+    EVICTED,
+    FINISHED,
+    PREEMPTED,
+    PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING,
+    PREEMPTED_IN_COHORT_RECLAMATION,
+    PROFILE_LABEL,
+    QUOTA_RESERVED,
+    TEAM_LABEL,
+    condition,
+    is_true,
+    owner_pod_name,
+    timestamp,
 )
 
 log = logging.getLogger("JupyterHub.gpuhub.ledger")
@@ -50,8 +63,6 @@ SERVER_ANNOTATION = "hub.jupyter.org/servername"
 RECLAIM_ANNOTATION = "gpuhub/reclaimed-at"  # on a Job's Workload the hub deactivated for a reclaim
 # Kueue took it back for the lending team: the history calls that "reclaimed", as on one machine.
 _RECLAIM_REASONS = (PREEMPTED_IN_COHORT_RECLAMATION, PREEMPTED_IN_COHORT_RECLAIM_WHILE_BORROWING)
-
-
 
 
 def _owner(wl: dict) -> tuple[str | None, str | None]:
@@ -145,8 +156,9 @@ class WorkloadQueue:
             if key in self.admitted:
                 continue
             if self._waiting.pop(key, None) is None:  # admitted between two reads: it was requested too
-                self._fire(self.on_submit, Ticket(key, adm.user, adm.team, adm.profile, adm.demand, adm.priority,
-                                                  created=adm.since))
+                self._fire(
+                    self.on_submit, Ticket(key, adm.user, adm.team, adm.profile, adm.demand, adm.priority, created=adm.since)
+                )
             self.admitted[key] = adm
             self._fire(self.on_admit, adm)
 
@@ -159,8 +171,9 @@ class KueueLedger(SingletonConfigurable):
     ).tag(config=True)
 
     reactivate_hold = Float(
-        60.0, help="Seconds a job taken back for a lender stays deactivated at most while the lender's request "
-                   "still waits; it is reactivated at once when that request is admitted or withdrawn."
+        60.0,
+        help="Seconds a job taken back for a lender stays deactivated at most while the lender's request "
+        "still waits; it is reactivated at once when that request is admitted or withdrawn.",
     ).tag(config=True)
 
     devices = None  # Kubernetes places pods on nodes; no device table in the hub
@@ -247,7 +260,9 @@ class KueueLedger(SingletonConfigurable):
                 continue  # deactivated: out of Kueue's queue (the hub reactivates what it reclaimed)
             priority = int(wl["spec"].get("priority") or 0)
             if is_true(wl, QUOTA_RESERVED):
-                since = timestamp((condition(wl, ADMITTED) or condition(wl, QUOTA_RESERVED)).get("lastTransitionTime")) or time.time()
+                since = (
+                    timestamp((condition(wl, ADMITTED) or condition(wl, QUOTA_RESERVED)).get("lastTransitionTime")) or time.time()
+                )
                 admitted[key] = Admission(key, user, team, profile, admitted_demand(wl), [], since=since, priority=priority)
             else:
                 prof = policy.profile(profile)
@@ -272,15 +287,21 @@ class KueueLedger(SingletonConfigurable):
                 return None
             return f"{user}/{ann.get(SERVER_ANNOTATION, '')}", user, plabels[TEAM_LABEL], plabels.get(PROFILE_LABEL, "")
         if kind == "Job" and labels.get(JOB_LABEL) == name:
-            user = ((wl["spec"]["podSets"][0]["template"]["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
-                    or labels.get(USER_ANNOTATION) or "")
+            user = (
+                (wl["spec"]["podSets"][0]["template"]["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
+                or labels.get(USER_ANNOTATION)
+                or ""
+            )
             return f"job:{name}", _job_owner(name) or user, labels.get(TEAM_LABEL, ""), labels.get(PROFILE_LABEL, "")
         if kind == "RayCluster" and labels.get(RAY_LABEL) == name:
             # A Ray cluster is a job of a kind, as on one machine (where it is one): held under
             # ``job:<cluster id>``, so usage history, the reclaimer and the status pages count
             # its GPUs (every pod set's: Kueue admits the head and each worker group together).
-            user = ((wl["spec"]["podSets"][0]["template"]["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
-                    or labels.get(USER_ANNOTATION) or "")
+            user = (
+                (wl["spec"]["podSets"][0]["template"]["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
+                or labels.get(USER_ANNOTATION)
+                or ""
+            )
             return f"job:{name}", user, labels.get(TEAM_LABEL, ""), labels.get(PROFILE_LABEL, "")
         return None
 
@@ -307,36 +328,52 @@ class KueueLedger(SingletonConfigurable):
         # (seen on the real plane: the same deactivation sent every 0.5 s for 2.5 s, with its
         # usage end, message and log each time). Once is enough; a failed patch clears the mark.
         current = (self._workloads.resources.get(f"{where[0]}/{where[1]}") if self._workloads is not None else None) or {}
-        if where in self._taken_back or (RECLAIM_ANNOTATION in ((current.get("metadata") or {}).get("annotations") or {})
-                                         and (current.get("spec") or {}).get("active") is False):
+        if where in self._taken_back or (
+            RECLAIM_ANNOTATION in ((current.get("metadata") or {}).get("annotations") or {})
+            and (current.get("spec") or {}).get("active") is False
+        ):
             return True
         self._taken_back[where] = (for_key, time.monotonic())
         usage.note_end(key, "reclaimed", by="gpuhub-reclaim")
         _job_reclaimed(key.partition(":")[2], message)
-        log.warning("Reclaim: deactivating job %s (priority %d, not below the lender's) so that it re-queues: %s",
-                    key, adm.priority, message)
-        asyncio.ensure_future(self._patch(where, {"metadata": {"annotations": {RECLAIM_ANNOTATION: str(int(time.time()))}},
-                                                  "spec": {"active": False}}))
+        log.warning(
+            "Reclaim: deactivating job %s (priority %d, not below the lender's) so that it re-queues: %s",
+            key,
+            adm.priority,
+            message,
+        )
+        asyncio.ensure_future(
+            self._patch(
+                where, {"metadata": {"annotations": {RECLAIM_ANNOTATION: str(int(time.time()))}}, "spec": {"active": False}}
+            )
+        )
         return True
 
     def _reactivate(self) -> None:
         """Reactivate what the hub deactivated for a reclaim, once Kueue has evicted it."""
         for wl in list((self._workloads.resources if self._workloads is not None else {}).values()):
             meta = wl["metadata"]
-            if (RECLAIM_ANNOTATION in (meta.get("annotations") or {}) and wl["spec"].get("active") is False
-                    and not is_true(wl, QUOTA_RESERVED) and (meta["namespace"], meta["name"]) not in self._patching):
+            if (
+                RECLAIM_ANNOTATION in (meta.get("annotations") or {})
+                and wl["spec"].get("active") is False
+                and not is_true(wl, QUOTA_RESERVED)
+                and (meta["namespace"], meta["name"]) not in self._patching
+            ):
                 where = (meta["namespace"], meta["name"])
                 for_key, since = self._taken_back.get(where, (None, 0.0))
-                if (for_key and self.queue.ticket(for_key) is not None
-                        and time.monotonic() - since < self.reactivate_hold):
+                if for_key and self.queue.ticket(for_key) is not None and time.monotonic() - since < self.reactivate_hold:
                     # Not while the lender's request it gave way to still waits: reactivated at
                     # once, the job re-queued ahead of it (same priority, older) and Kueue
                     # admitted it again into the lent quota; on the real plane the hub then
                     # took it back again, up to three times in a row before the lender got in.
                     continue
                 self._taken_back.pop(where, None)
-                asyncio.ensure_future(self._patch((meta["namespace"], meta["name"]),
-                                                  {"metadata": {"annotations": {RECLAIM_ANNOTATION: None}}, "spec": {"active": True}}))
+                asyncio.ensure_future(
+                    self._patch(
+                        (meta["namespace"], meta["name"]),
+                        {"metadata": {"annotations": {RECLAIM_ANNOTATION: None}}, "spec": {"active": True}},
+                    )
+                )
 
     async def _patch(self, where: tuple[str, str], body: dict) -> None:
         from kubespawner.clients import shared_client  # lazy: heavy optional dependency
@@ -345,7 +382,8 @@ class KueueLedger(SingletonConfigurable):
         self._patching.add(where)
         try:
             await shared_client("CustomObjectsApi").patch_namespaced_custom_object(
-                GROUP, VERSION, ns, "workloads", name, body, _content_type="application/merge-patch+json")
+                GROUP, VERSION, ns, "workloads", name, body, _content_type="application/merge-patch+json"
+            )
         except Exception as e:  # noqa: BLE001 - the next pass tries again
             log.warning("Reclaim: could not patch Workload %s/%s: %s", ns, name, getattr(e, "reason", e))
             self._taken_back.pop(where, None)
@@ -374,4 +412,3 @@ def _job_owner(job_id: str) -> str | None:
         return None
     rec = _job_manager.instance().jobs.get(job_id)
     return rec.user if rec else None
-

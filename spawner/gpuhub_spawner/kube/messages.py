@@ -23,7 +23,7 @@ def _pattern(template: str) -> re.Pattern:
     """A Kueue message template (``{name}`` fields) as a regex with one group per field."""
     out, pos = "", 0
     for m in re.finditer(r"\{(\w+)\}", template):
-        out += re.escape(template[pos:m.start()]) + rf"(?P<{m.group(1)}>[^\s,()]+)"
+        out += re.escape(template[pos : m.start()]) + rf"(?P<{m.group(1)}>[^\s,()]+)"
         pos = m.end()
     return re.compile(out + re.escape(template[pos:]))
 
@@ -70,7 +70,11 @@ def shortages(policy: Policy, message: str) -> tuple[list[str], list[str]]:
     ]
     never += [
         f"the team's queue has no quota for {m['resource']}"
-        + (" (set by a LimitRange or the image? see docs/install-kubernetes.md)" if m["resource"] not in ("cpu", "memory") else "")
+        + (
+            " (set by a LimitRange or the image? see docs/install-kubernetes.md)"
+            if m["resource"] not in ("cpu", "memory")
+            else ""
+        )
         for m in _NO_RES.finditer(message or "")
     ]
     return short, never
@@ -81,8 +85,15 @@ def queue_blocked(message: str) -> bool:
     return any(p.search(message or "") for p in _BLOCKED)
 
 
-def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pending: dict | None, queue_length: int | None,
-                    why: str | None = None, out_of_service: tuple[int, int] | None = None) -> str:
+def waiting_message(
+    policy: Policy,
+    choice: Choice,
+    workload: dict | None,
+    pending: dict | None,
+    queue_length: int | None,
+    why: str | None = None,
+    out_of_service: tuple[int, int] | None = None,
+) -> str:
     """One sentence (two at most) about a gated pod's place in the queue.
 
     ``why``: what the request waits for in the hub's own words (``admission.quota``, from
@@ -103,9 +114,11 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
     gone = out_of_service[0] if out_of_service else 0
     if never and gone:  # the quota is lowered while GPUs are out (kube/capacity.py): not for ever
         label = amount(policy, "gpu", choice.flavor, "2").split(" ", 1)[1]
-        return (f"Waiting: {gone} of {out_of_service[1]} {label} on the cluster "
-                f"{'is' if gone == 1 else 'are'} out of service (failed or drained), so team {team}'s queue "
-                "cannot fit this server until they are back.")
+        return (
+            f"Waiting: {gone} of {out_of_service[1]} {label} on the cluster "
+            f"{'is' if gone == 1 else 'are'} out of service (failed or drained), so team {team}'s queue "
+            "cannot fit this server until they are back."
+        )
     if never:
         return "This server can never start in team " + team + "'s queue: " + "; ".join(never) + ". Pick a smaller profile."
     if why and (short or taken or not kueue_says):
@@ -117,8 +130,9 @@ def waiting_message(policy: Policy, choice: Choice, workload: dict | None, pendi
         text = f"Waiting for quota: team {team} has no free capacity; {' and '.join(short)} more needed."
     elif taken:
         text = f"Waiting for quota: another request was admitted to the capacity team {team} could use."
-    elif reserved and (queue_blocked(kueue_says) or reserved.get("reason") in (
-            K.REASON_INADMISSIBLE, K.REASON_MISCONFIGURED, K.REASON_SUSPENDED)):
+    elif reserved and (
+        queue_blocked(kueue_says) or reserved.get("reason") in (K.REASON_INADMISSIBLE, K.REASON_MISCONFIGURED, K.REASON_SUSPENDED)
+    ):
         text = f"Waiting: team {team}'s queue is not accepting servers right now (an administrator has been told in the hub log)."
     else:
         text = f"Waiting for quota in team {team}'s queue."
@@ -148,7 +162,8 @@ _EVICTED_WHY = {
     K.EVICTED_BY_PODS_READY_TIMEOUT: (
         "Your server was stopped because it did not start in time after the queue gave it its GPUs "
         "(no node could run it, or its image could not be downloaded), and its GPUs went back to the queue. "
-        "Start it again to rejoin the queue; if it happens again, tell an administrator."),
+        "Start it again to rejoin the queue; if it happens again, tell an administrator."
+    ),
 }
 
 
@@ -167,8 +182,9 @@ def eviction_message(workload: dict | None, pod: dict | None) -> str | None:
             reason = cond.get("reason") or ""
             prefix = K.STOP_REASON_WORKLOAD_EVICTED + "DueTo"
             if reason.startswith(prefix):
-                return _EVICTED_WHY.get(reason[len(prefix):]) or (
-                    "Your server was stopped by the queue to make room for other work. Start it again to rejoin the queue.")
+                return _EVICTED_WHY.get(reason[len(prefix) :]) or (
+                    "Your server was stopped by the queue to make room for other work. Start it again to rejoin the queue."
+                )
             if reason.startswith(K.STOP_REASON_WORKLOAD_EVICTED) or reason == K.STOP_REASON_WORKLOAD_DELETED:
                 return "Your server was stopped by the queue. Start it again to rejoin the queue."
             if cond.get("reason") == "PreemptionByScheduler":

@@ -35,8 +35,11 @@ def shortage(policy, choice, key: str, ledger) -> tuple[str | None, str | None]:
     queue = ledger.queue
     usage = queue.usage()
     extra = [d for k, (t, d) in _CLAIMS.items() if t == team.name and k != key and k not in queue.admitted]
-    extra += [t.demand for t in queue.waiting
-              if t.team == team.name and not t.key.startswith("job:") and t.key != key and t.key not in _CLAIMS]
+    extra += [
+        t.demand
+        for t in queue.waiting
+        if t.team == team.name and not t.key.startswith("job:") and t.key != key and t.key not in _CLAIMS
+    ]
     for d in extra:
         add_usage(usage, team.name, dict(d))
     fit = check_fit(policy, usage, team, demand_for(policy, choice.profile), may_borrow=False)

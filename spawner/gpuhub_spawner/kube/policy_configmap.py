@@ -92,8 +92,7 @@ def write_file(path: Path, text: str) -> None:
 class ConfigMapPolicy:
     """The policy's ConfigMap, read, watched and written through the API server."""
 
-    def __init__(self, name: str = DEFAULT_NAME, namespace: str | None = None, key: str = DEFAULT_KEY,
-                 core_api=None):
+    def __init__(self, name: str = DEFAULT_NAME, namespace: str | None = None, key: str = DEFAULT_KEY, core_api=None):
         self.name, self.key = name, key
         self.namespace = namespace or hub_namespace()
         self.core_api = core_api
@@ -121,15 +120,18 @@ class ConfigMapPolicy:
         if expected_hash is not None and previous is not None and _hash(previous) != expected_hash:
             raise ConfigMapConflict(
                 f"{self.where()} holds policy {_hash(previous)}, not {expected_hash}, the one in force here (it was "
-                "changed by helm or kubectl and the hub has not loaded it yet): nothing was written; preview again")
+                "changed by helm or kubectl and the hub has not loaded it yet): nothing was written; preview again"
+            )
         body = {"metadata": {"resourceVersion": version}, "data": {self.key: text}}
         try:
-            cm = await self._core().patch_namespaced_config_map(self.name, self.namespace, body,
-                                                                _content_type="application/merge-patch+json")
+            cm = await self._core().patch_namespaced_config_map(
+                self.name, self.namespace, body, _content_type="application/merge-patch+json"
+            )
         except Exception as e:  # kubernetes_asyncio's ApiException; 409 when another writer won
             if getattr(e, "status", None) == 409:
-                raise ConfigMapConflict(f"{self.where()} changed while it was written: nothing was written; "
-                                        "preview again") from None
+                raise ConfigMapConflict(
+                    f"{self.where()} changed while it was written: nothing was written; preview again"
+                ) from None
             raise
         return previous, cm.metadata.resource_version
 
@@ -165,8 +167,9 @@ class PolicyMirror:
             except OSError:
                 pass
             write_file(self.path, text)
-        log.info("Policy: %s changed (resourceVersion %s): the hub's copy %s follows", self.cm.where(),
-                 resource_version, self.path)
+        log.info(
+            "Policy: %s changed (resourceVersion %s): the hub's copy %s follows", self.cm.where(), resource_version, self.path
+        )
         return True
 
     def writer(self, loop: asyncio.AbstractEventLoop, timeout: float = 30.0):
@@ -184,9 +187,11 @@ class PolicyMirror:
                 return future.result(timeout)
             except TimeoutError:  # an OSError: say what it is (the watch brings a late write in)
                 future.cancel()
-                raise ConfigMapConflict(f"the API server did not answer within {timeout:.0f} s; the policy may or "
-                                        f"may not have been written to {self.cm.where()}: see the history in a "
-                                        "minute") from None
+                raise ConfigMapConflict(
+                    f"the API server did not answer within {timeout:.0f} s; the policy may or "
+                    f"may not have been written to {self.cm.where()}: see the history in a "
+                    "minute"
+                ) from None
 
         write.where = self.cm.where()  # type: ignore[attr-defined]
         return write
@@ -211,17 +216,24 @@ class PolicyMirror:
                 for cm in listed.items:
                     await asyncio.to_thread(self.take, (cm.data or {}).get(self.cm.key), cm.metadata.resource_version)
                 since = listed.metadata.resource_version
-                async with watch.Watch().stream(core.list_namespaced_config_map, self.cm.namespace,
-                                                field_selector=selector, resource_version=since,
-                                                timeout_seconds=300) as stream:
+                async with watch.Watch().stream(
+                    core.list_namespaced_config_map,
+                    self.cm.namespace,
+                    field_selector=selector,
+                    resource_version=since,
+                    timeout_seconds=300,
+                ) as stream:
                     async for event in stream:
                         obj = event["object"]
                         if event["type"] in ("ADDED", "MODIFIED") and not isinstance(obj, dict):
-                            await asyncio.to_thread(self.take, (obj.data or {}).get(self.cm.key),
-                                                    obj.metadata.resource_version)
+                            await asyncio.to_thread(self.take, (obj.data or {}).get(self.cm.key), obj.metadata.resource_version)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - list again after a pause (410 Gone, a dropped connection)
-                log.warning("Policy: following %s failed (%s); retrying in %.0f s", self.cm.where(),
-                            getattr(e, "reason", None) or e, self.retry_seconds)
+                log.warning(
+                    "Policy: following %s failed (%s); retrying in %.0f s",
+                    self.cm.where(),
+                    getattr(e, "reason", None) or e,
+                    self.retry_seconds,
+                )
                 await asyncio.sleep(self.retry_seconds)

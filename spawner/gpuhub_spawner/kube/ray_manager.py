@@ -37,8 +37,17 @@ from typing import Callable
 from . import messages as M
 from .job_manifest import USER_ANNOTATION
 from .kueue import (
-    ADMITTED, GROUP as KUEUE_GROUP, JOB_UID_LABEL, PRIORITY_LABEL, PROFILE_LABEL, QUOTA_RESERVED, TEAM_LABEL,
-    VERSION as KUEUE_VERSION, condition, is_true, timestamp,
+    ADMITTED,
+    GROUP as KUEUE_GROUP,
+    JOB_UID_LABEL,
+    PRIORITY_LABEL,
+    PROFILE_LABEL,
+    QUOTA_RESERVED,
+    TEAM_LABEL,
+    VERSION as KUEUE_VERSION,
+    condition,
+    is_true,
+    timestamp,
 )
 from .policy_configmap import hub_namespace
 from .ray_manifest import GROUP, PLURAL, RAY_LABEL, VERSION, WorkerGroup, ray_cluster_manifest
@@ -48,8 +57,19 @@ from ..policy import PolicyStore
 from ..policy.access import Choice, ChoiceError, active_profiles, check_job_caps, resolve_choice
 from ..policy.model import Policy
 from ..rayclusters import (
-    BY_USER, FAILED, FINAL, IDLE, QUEUED, RUNNING, STARTING, STOPPED, WITH_SERVER, RayClusterManager, RayClusterView,
-    RayRequest, choose,
+    BY_USER,
+    FAILED,
+    FINAL,
+    IDLE,
+    QUEUED,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    WITH_SERVER,
+    RayClusterManager,
+    RayClusterView,
+    RayRequest,
+    choose,
 )
 from ..usage import recorder as usage
 
@@ -68,8 +88,11 @@ def worker_groups(gpus: int, workers: int) -> list[WorkerGroup]:
     """The profile's ``gpus`` over ``workers`` pods (at least one): equal shares, or refused."""
     pods = max(1, workers)
     if gpus and gpus % pods:
-        raise ChoiceError(400, f"{gpus} GPU(s) cannot be split evenly over {pods} workers on Kubernetes; "
-                               f"ask for a number of workers that divides {gpus}.")
+        raise ChoiceError(
+            400,
+            f"{gpus} GPU(s) cannot be split evenly over {pods} workers on Kubernetes; "
+            f"ask for a number of workers that divides {gpus}.",
+        )
     return [WorkerGroup("gpu" if gpus else "cpu", pods, gpus // pods if gpus else 0)]
 
 
@@ -79,9 +102,16 @@ class KubeRayManager(RayClusterManager):
 
     _instances: dict[int, "KubeRayManager"] = {}
 
-    def __init__(self, config=None, namespace: str | None = None, poll_interval: float = 10.0,
-                 spawner_for: Callable | None = None, gpu_busy: Callable[[dict], float | None] | None = None,
-                 users_with_servers: Callable[[], set[str] | None] | None = None, api: Callable | None = None):
+    def __init__(
+        self,
+        config=None,
+        namespace: str | None = None,
+        poll_interval: float = 10.0,
+        spawner_for: Callable | None = None,
+        gpu_busy: Callable[[dict], float | None] | None = None,
+        users_with_servers: Callable[[], set[str] | None] | None = None,
+        api: Callable | None = None,
+    ):
         self.config = config
         if api is not None:
             self._api = api  # a CustomObjectsApi factory (tests: a client of another cluster)
@@ -108,8 +138,7 @@ class KubeRayManager(RayClusterManager):
             for name in ("KueueSpawner", "KubeSpawner"):  # the user namespace the spawners use
                 if not namespace and hasattr(config, "get") and name in config and "namespace" in config[name]:
                     namespace = config[name]["namespace"]
-            cls._instances[key] = cls(config, namespace=namespace,
-                                      poll_interval=float(section.get("poll_interval", 10.0)))
+            cls._instances[key] = cls(config, namespace=namespace, poll_interval=float(section.get("poll_interval", 10.0)))
         return cls._instances[key]
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -123,8 +152,14 @@ class KubeRayManager(RayClusterManager):
         from .spawner import KueueSpawner
 
         app = JupyterHub.instance()
-        return KueueSpawner(config=app.config, user=user, hub=app.hub, api_token="", oauth_client_id="",
-                            orm_spawner=SimpleNamespace(name=name, server=None))
+        return KueueSpawner(
+            config=app.config,
+            user=user,
+            hub=app.hub,
+            api_token="",
+            oauth_client_id="",
+            orm_spawner=SimpleNamespace(name=name, server=None),
+        )
 
     @staticmethod
     def _api():
@@ -171,34 +206,56 @@ class KubeRayManager(RayClusterManager):
         try:
             created = await self._api().create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
         except ApiException as e:
-            raise ChoiceError(400 if e.status in (400, 403, 422) else 502,
-                              f"the cluster refused the RayCluster: {_api_message(e)}") from None
+            raise ChoiceError(
+                400 if e.status in (400, 403, 422) else 502, f"the cluster refused the RayCluster: {_api_message(e)}"
+            ) from None
         # The wall (kube/walls.py): only the owner's pods and the hub reach the cluster's pods.
         # Made before Kueue can admit it (it was created suspended); no wall, no cluster.
         try:
-            await put_up(self._api().api_client, wall(cid, ns, {RAY_LABEL: cid}, pod["metadata"]["labels"],
-                                                      hub_namespace(), owner=created))
+            await put_up(
+                self._api().api_client, wall(cid, ns, {RAY_LABEL: cid}, pod["metadata"]["labels"], hub_namespace(), owner=created)
+            )
         except ApiException as e:
             try:
                 await self._api().delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, cid)
             except ApiException as gone:
-                log.warning("Ray cluster %s: its NetworkPolicy was refused and it could not be deleted: %s", cid,
-                            _api_message(gone))
-            raise ChoiceError(502, f"the cluster refused the Ray cluster's NetworkPolicy: {_api_message(e)}; "
-                                   "nothing was started") from None
+                log.warning(
+                    "Ray cluster %s: its NetworkPolicy was refused and it could not be deleted: %s", cid, _api_message(gone)
+                )
+            raise ChoiceError(
+                502, f"the cluster refused the Ray cluster's NetworkPolicy: {_api_message(e)}; nothing was started"
+            ) from None
         self.clusters[cid] = created
-        usage.audit("ray_cluster_requested", user=user.name, key=KEY_PREFIX + cid, cluster=name, team=team.name,
-                    profile=choice.profile.slug, gpus=choice.gpu_count, workers=max(1, request.workers))
-        log.info("Ray cluster %s (%s) of %s created in %s (%s, queue %s)", cid, name, user.name, ns,
-                 choice.profile.slug, team.local_queue)
+        usage.audit(
+            "ray_cluster_requested",
+            user=user.name,
+            key=KEY_PREFIX + cid,
+            cluster=name,
+            team=team.name,
+            profile=choice.profile.slug,
+            gpus=choice.gpu_count,
+            workers=max(1, request.workers),
+        )
+        log.info(
+            "Ray cluster %s (%s) of %s created in %s (%s, queue %s)",
+            cid,
+            name,
+            user.name,
+            ns,
+            choice.profile.slug,
+            team.local_queue,
+        )
         self._ensure_poller()
         return self.view(created)
 
     def held_profiles(self, user) -> list:
         policy = self.policy
         held = list(active_profiles(policy, user).values())
-        held += [p for rc in self.clusters.values() if _user(rc) == user.name
-                 and (p := policy.profile(rc["metadata"]["labels"].get(PROFILE_LABEL, ""))) is not None]
+        held += [
+            p
+            for rc in self.clusters.values()
+            if _user(rc) == user.name and (p := policy.profile(rc["metadata"]["labels"].get(PROFILE_LABEL, ""))) is not None
+        ]
         return held
 
     # -- reading back --------------------------------------------------------------------------
@@ -227,8 +284,9 @@ class KubeRayManager(RayClusterManager):
             return
         api = self._api()
         known = set(self.clusters)  # created before this read: one missing from it was deleted
-        rcs = (await api.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
-                                                       label_selector=RAY_LABEL)).get("items", [])
+        rcs = (await api.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, label_selector=RAY_LABEL)).get(
+            "items", []
+        )
         wls = (await api.list_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, self.namespace, "workloads")).get("items", [])
         by_uid = {(w["metadata"].get("labels") or {}).get(JOB_UID_LABEL): w for w in wls}
         seen = {}
@@ -281,13 +339,25 @@ class KubeRayManager(RayClusterManager):
             status = f"running: head {cid}-head-svc.{ns}.svc, {ann.get(WORKERS_ANNOTATION, '?')} worker(s)."
         else:
             status = f"failed: {(rc.get('status') or {}).get('reason', '')}".strip()
-        admitted = timestamp((condition(wl, ADMITTED) or condition(wl, QUOTA_RESERVED) or {}).get("lastTransitionTime")) \
-            if state in (STARTING, RUNNING) else None
+        admitted = (
+            timestamp((condition(wl, ADMITTED) or condition(wl, QUOTA_RESERVED) or {}).get("lastTransitionTime"))
+            if state in (STARTING, RUNNING)
+            else None
+        )
         return RayClusterView(
-            id=cid, name=ann.get(NAME_ANNOTATION, cid), user=_user(rc), team=labels.get(TEAM_LABEL, ""),
-            profile=labels.get(PROFILE_LABEL, ""), gpus=gpus, workers=int(ann.get(WORKERS_ANNOTATION, "1")),
-            state=state, status=status, address=f"{cid}-head-svc.{ns}.svc.cluster.local:6379" if state == RUNNING else "",
-            created=timestamp(meta.get("creationTimestamp")), started=admitted, warning=self.warnings.get(cid, ann.get(WARNING_ANNOTATION, "")),
+            id=cid,
+            name=ann.get(NAME_ANNOTATION, cid),
+            user=_user(rc),
+            team=labels.get(TEAM_LABEL, ""),
+            profile=labels.get(PROFILE_LABEL, ""),
+            gpus=gpus,
+            workers=int(ann.get(WORKERS_ANNOTATION, "1")),
+            state=state,
+            status=status,
+            address=f"{cid}-head-svc.{ns}.svc.cluster.local:6379" if state == RUNNING else "",
+            created=timestamp(meta.get("creationTimestamp")),
+            started=admitted,
+            warning=self.warnings.get(cid, ann.get(WARNING_ANNOTATION, "")),
         )
 
     def list(self, user_name: str | None = None) -> list[RayClusterView]:
@@ -297,9 +367,11 @@ class KubeRayManager(RayClusterManager):
 
     def status(self, cluster: str, user_name: str | None = None) -> RayClusterView | None:
         mine = self.list(user_name)
-        return next((v for v in mine if v.id == cluster), None) or next(
-            (v for v in mine if v.name == cluster and v.state not in FINAL), None) or next(
-            (v for v in mine if v.name == cluster), None)
+        return (
+            next((v for v in mine if v.id == cluster), None)
+            or next((v for v in mine if v.name == cluster and v.state not in FINAL), None)
+            or next((v for v in mine if v.name == cluster), None)
+        )
 
     # -- stop -----------------------------------------------------------------------------------
     async def stop(self, cluster: str, reason: str = BY_USER, user_name: str | None = None) -> RayClusterView | None:
@@ -310,8 +382,9 @@ class KubeRayManager(RayClusterManager):
             return view
         rc = self.clusters.get(view.id)
         try:
-            await self._api().delete_namespaced_custom_object(GROUP, VERSION, rc["metadata"]["namespace"], PLURAL, view.id,
-                                                              propagation_policy="Background")
+            await self._api().delete_namespaced_custom_object(
+                GROUP, VERSION, rc["metadata"]["namespace"], PLURAL, view.id, propagation_policy="Background"
+            )
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -319,17 +392,19 @@ class KubeRayManager(RayClusterManager):
         # the same loop turn as the delete's answer, before the ledger can read the Workload gone.
         usage.note_end(KEY_PREFIX + view.id, "culled" if reason == IDLE else "stopped", by=user_name)
         view.state, view.finished, view.reason = STOPPED, time.time(), reason
-        view.status = {BY_USER: "stopped by its owner or an admin.",
-                       WITH_SERVER: "stopped with its owner's server (the policy's ray.stopWithServer).",
-                       IDLE: f"stopped: idle ({view.warning or 'the policy idle rules'}); its GPUs went back to the queue."
-                       }.get(reason, f"stopped ({reason}).")
+        view.status = {
+            BY_USER: "stopped by its owner or an admin.",
+            WITH_SERVER: "stopped with its owner's server (the policy's ray.stopWithServer).",
+            IDLE: f"stopped: idle ({view.warning or 'the policy idle rules'}); its GPUs went back to the queue.",
+        }.get(reason, f"stopped ({reason}).")
         self.ended[view.id] = view
         self.clusters.pop(view.id, None)
         self.workloads.pop(view.id, None)
         self.cull.pop(view.id, None)
         self.warnings.pop(view.id, None)
-        usage.audit("ray_cluster_stopped", user=view.user, key=KEY_PREFIX + view.id, cluster=view.name, reason=reason,
-                    message=view.status)
+        usage.audit(
+            "ray_cluster_stopped", user=view.user, key=KEY_PREFIX + view.id, cluster=view.name, reason=reason, message=view.status
+        )
         log.info("Ray cluster %s of %s deleted (%s)", view.id, view.user, reason)
         return view
 
@@ -345,9 +420,15 @@ class KubeRayManager(RayClusterManager):
         rc = self.clusters.get(cid)
         if rc is None:
             return
-        await self._api().patch_namespaced_custom_object(GROUP, VERSION, rc["metadata"]["namespace"], PLURAL, cid,
-                                                         {"metadata": {"annotations": annotations}},
-                                                         _content_type="application/merge-patch+json")
+        await self._api().patch_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            rc["metadata"]["namespace"],
+            PLURAL,
+            cid,
+            {"metadata": {"annotations": annotations}},
+            _content_type="application/merge-patch+json",
+        )
         ann = rc["metadata"].setdefault("annotations", {})
         for k, v in annotations.items():
             if v is None:
@@ -367,9 +448,13 @@ class KubeRayManager(RayClusterManager):
         ann = rc["metadata"].get("annotations") or {}
         activity = float(ann[ACTIVITY_ANNOTATION]) if ann.get(ACTIVITY_ANNOTATION, "").isdigit() else None
         rules = self.policy.idle_rules(profile)
-        signals = Signals(started=view.started, last_activity=activity,
-                          gpu_last_busy=self.gpu_busy(rc) if self.gpu_busy else None, has_gpus=view.gpus > 0,
-                          gpu_unread=None if self.gpu_busy else rules.gpu_unread)
+        signals = Signals(
+            started=view.started,
+            last_activity=activity,
+            gpu_last_busy=self.gpu_busy(rc) if self.gpu_busy else None,
+            has_gpus=view.gpus > 0,
+            gpu_unread=None if self.gpu_busy else rules.gpu_unread,
+        )
         return decide(now, rules, signals, self.cull.setdefault(cid, CullState()))
 
     async def cull_pass(self, now: float | None = None) -> list[tuple[str, Decision]]:
@@ -391,13 +476,21 @@ class KubeRayManager(RayClusterManager):
             in_force = self.warnings.get(cid, ann.get(WARNING_ANNOTATION, ""))
             if d.action == "warn":
                 at = time.strftime("%H:%M:%S UTC", time.gmtime(d.deadline or now))
-                words = (f"This Ray cluster will be deleted at {at}: {d.reason}. It holds its GPUs while it exists; "
-                         "use it (or stop it yourself) to keep or free them.")
+                words = (
+                    f"This Ray cluster will be deleted at {at}: {d.reason}. It holds its GPUs while it exists; "
+                    "use it (or stop it yourself) to keep or free them."
+                )
                 if in_force != words:
                     self.warnings[cid] = words
                     await self._annotate(cid, {WARNING_ANNOTATION: words})
-                    usage.audit("ray_cluster_warned", user=user, key=KEY_PREFIX + cid,
-                                cluster=ann.get(NAME_ANNOTATION, cid), reason=d.reason, deadline=d.deadline)
+                    usage.audit(
+                        "ray_cluster_warned",
+                        user=user,
+                        key=KEY_PREFIX + cid,
+                        cluster=ann.get(NAME_ANNOTATION, cid),
+                        reason=d.reason,
+                        deadline=d.deadline,
+                    )
             elif d.action == "cull":
                 await self.stop(cid, IDLE)
             elif in_force:
@@ -429,5 +522,3 @@ def _api_message(e) -> str:
         return json.loads(e.body).get("message") or e.reason
     except Exception:  # noqa: BLE001
         return str(getattr(e, "reason", e))
-
-

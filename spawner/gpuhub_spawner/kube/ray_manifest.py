@@ -56,7 +56,8 @@ MUTATING_WEBHOOK = "mraycluster.kb.io"
 VALIDATING_WEBHOOK = "vraycluster.kb.io"
 MSG_AUTOSCALING_NOT_ELASTIC = (
     "spec.enableInTreeAutoscaling: Invalid value: true: a kueue-managed RayCluster can use autoscaling only as an "
-    f'elastic job: enable the ElasticJobsViaWorkloadSlices feature gate and set the "{ELASTIC_ANNOTATION}": "true" annotation')
+    f'elastic job: enable the ElasticJobsViaWorkloadSlices feature gate and set the "{ELASTIC_ANNOTATION}": "true" annotation'
+)
 MSG_TOO_MANY_POD_SETS = "spec.workerGroupSpecs: Too many: {count}: must have at most {limit} items"
 MSG_HEAD_RESERVED = 'spec.workerGroupSpecs[{index}].groupName: Forbidden: "head" is reserved for the head group'
 SERVER_KEYS = ("ports", "readinessProbe", "livenessProbe", "startupProbe", "lifecycle", "command", "args")
@@ -114,9 +115,16 @@ def _template(pod: dict, container_name: str, role: str, cluster: str, image: st
     return {"metadata": {"labels": labels, "annotations": dict(meta.get("annotations") or {})}, "spec": spec}
 
 
-def ray_cluster_manifest(name: str, user: str, policy: Policy, choice: Choice, pod: dict,
-                         workers: list[WorkerGroup], namespace: str | None = None,
-                         autoscaling: bool | None = None) -> dict:
+def ray_cluster_manifest(
+    name: str,
+    user: str,
+    policy: Policy,
+    choice: Choice,
+    pod: dict,
+    workers: list[WorkerGroup],
+    namespace: str | None = None,
+    autoscaling: bool | None = None,
+) -> dict:
     """The RayCluster ``name`` of ``user``; ``pod`` is the user's server pod for ``choice``
     (a dict, as ``KueueSpawner.get_pod_manifest`` makes it). ``autoscaling`` defaults to
     the policy's ``ray.autoscaling`` and may only narrow it."""
@@ -137,8 +145,14 @@ def ray_cluster_manifest(name: str, user: str, policy: Policy, choice: Choice, p
     common = {"GPUHUB_RAY_CLUSTER": name, "GPUHUB_IMAGE": image}
 
     # -- head: CPU only --------------------------------------------------------------------
-    head = _template(pod, "ray-head", "head", name, image,
-                     {**common, "GPUHUB_GPU_COUNT": "0", "GPUHUB_GPU_FLAVOR": "", "NVIDIA_VISIBLE_DEVICES": "void"})
+    head = _template(
+        pod,
+        "ray-head",
+        "head",
+        name,
+        image,
+        {**common, "GPUHUB_GPU_COUNT": "0", "GPUHUB_GPU_FLAVOR": "", "NVIDIA_VISIBLE_DEVICES": "void"},
+    )
     _strip_flavor_placement(head["spec"], policy, choice)
     hc = head["spec"]["containers"][0]
     head_res = {"cpu": _cpu(rules.head_resources.cpu), "memory": str(rules.head_resources.memory)}
@@ -173,8 +187,12 @@ def ray_cluster_manifest(name: str, user: str, policy: Policy, choice: Choice, p
         }
         groups.append(group)
 
-    labels = {QUEUE_LABEL: choice.team.local_queue, TEAM_LABEL: choice.team.name,
-              PROFILE_LABEL: choice.profile.slug, RAY_LABEL: name}
+    labels = {
+        QUEUE_LABEL: choice.team.local_queue,
+        TEAM_LABEL: choice.team.name,
+        PROFILE_LABEL: choice.profile.slug,
+        RAY_LABEL: name,
+    }
     if choice.priority_class:
         labels[PRIORITY_LABEL] = choice.priority_class
     annotations = {USER_ANNOTATION: user}
@@ -224,15 +242,25 @@ def workload_for(cluster: dict, priority_value: int = 0) -> dict:
         "metadata": {"name": f"raycluster-{meta['name']}", "namespace": meta["namespace"]},
         "spec": {
             "queueName": meta["labels"][QUEUE_LABEL],
-            "podSets": [{"name": n, "count": counts[n],
-                         "template": {"metadata": {"labels": dict((t.get("metadata") or {}).get("labels") or {})},
-                                      "spec": copy.deepcopy(t["spec"])}}
-                        for n, t in pod_templates(cluster)],
+            "podSets": [
+                {
+                    "name": n,
+                    "count": counts[n],
+                    "template": {
+                        "metadata": {"labels": dict((t.get("metadata") or {}).get("labels") or {})},
+                        "spec": copy.deepcopy(t["spec"]),
+                    },
+                }
+                for n, t in pod_templates(cluster)
+            ],
         },
     }
     if PRIORITY_LABEL in meta["labels"]:
-        wl["spec"]["priorityClassRef"] = {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass",
-                                          "name": meta["labels"][PRIORITY_LABEL]}
+        wl["spec"]["priorityClassRef"] = {
+            "group": "kueue.x-k8s.io",
+            "kind": "WorkloadPriorityClass",
+            "name": meta["labels"][PRIORITY_LABEL],
+        }
         wl["spec"]["priority"] = priority_value
     return wl
 

@@ -136,9 +136,14 @@ def kueue_config(policy: Policy) -> dict:
     inputs = memory_counted(policy)
     if not inputs:
         return {}
-    return {"resources": {"transformations": [
-        {"input": res, "strategy": "Retain", "outputs": {MIG_MEMORY_RESOURCE: format_memory(inputs[res])}}
-        for res in sorted(inputs)]}}
+    return {
+        "resources": {
+            "transformations": [
+                {"input": res, "strategy": "Retain", "outputs": {MIG_MEMORY_RESOURCE: format_memory(inputs[res])}}
+                for res in sorted(inputs)
+            ]
+        }
+    }
 
 
 def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -> dict:
@@ -150,7 +155,9 @@ def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -
         else _quota(UNLIMITED_CPU, None, 0, cohort)
     )
     mem_entry = (
-        _quota(format_memory(mem.nominal), _fmt(format_memory, mem.borrowing_limit), _fmt(format_memory, mem.lending_limit), cohort)
+        _quota(
+            format_memory(mem.nominal), _fmt(format_memory, mem.borrowing_limit), _fmt(format_memory, mem.lending_limit), cohort
+        )
         if mem
         else _quota(UNLIMITED_MEMORY, None, 0, cohort)
     )
@@ -164,9 +171,21 @@ def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -
     holds = [f for f in policy.flavors if f.resource in transformed and (f.name in team.quota.gpus or f.name in in_memory)]
     if holds:
         covered.append(MIG_MEMORY_RESOURCE)
-        cpu_resources.append({"name": MIG_MEMORY_RESOURCE, **(
-            _quota(format_memory(gm.nominal), _fmt(format_memory, gm.borrowing_limit), _fmt(format_memory, gm.lending_limit), cohort)
-            if gm else _quota(UNLIMITED_MEMORY, None, 0, cohort))})
+        cpu_resources.append(
+            {
+                "name": MIG_MEMORY_RESOURCE,
+                **(
+                    _quota(
+                        format_memory(gm.nominal),
+                        _fmt(format_memory, gm.borrowing_limit),
+                        _fmt(format_memory, gm.lending_limit),
+                        cohort,
+                    )
+                    if gm
+                    else _quota(UNLIMITED_MEMORY, None, 0, cohort)
+                ),
+            }
+        )
     groups = [{"coveredResources": covered, "flavors": [{"name": cpu_flavor, "resources": cpu_resources}]}]
     # One group per device resource name; flavors in policy order (Kueue tries them in order).
     by_resource: dict[str, list[dict]] = defaultdict(list)
@@ -251,14 +270,22 @@ def capacity_rbac(policy: Policy, service_account: str = "gpuhub:hub") -> list[d
     rules = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
     queues = sorted(set(policy.health.kubernetes.capacity_queue.values()))  # a ClusterQueue is named after its team
     if queues:
-        rules.append({"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"], "resourceNames": queues,
-                      "verbs": ["get", "patch"]})
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": _meta(CAPACITY_RBAC_NAME),
-            "rules": rules}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-               "metadata": _meta(CAPACITY_RBAC_NAME),
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": CAPACITY_RBAC_NAME},
-               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}
+        rules.append(
+            {"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"], "resourceNames": queues, "verbs": ["get", "patch"]}
+        )
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": _meta(CAPACITY_RBAC_NAME),
+        "rules": rules,
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": _meta(CAPACITY_RBAC_NAME),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": CAPACITY_RBAC_NAME},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    }
     return [role, binding]
 
 
@@ -274,12 +301,26 @@ def policy_rbac(service_account: str = "gpuhub:hub", configmap: str = "gpuhub-po
     if not namespace or not name:
         raise ValueError(f"--service-account {service_account!r}: expected NAMESPACE:NAME")
     meta = _meta(POLICY_RBAC_NAME, namespace)
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
-            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [configmap],
-                       "verbs": ["get", "list", "watch", "patch"]}]}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": dict(meta),
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": POLICY_RBAC_NAME},
-               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": meta,
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [configmap],
+                "verbs": ["get", "list", "watch", "patch"],
+            }
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": dict(meta),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": POLICY_RBAC_NAME},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    }
     return [role, binding]
 
 
@@ -293,21 +334,45 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     kueue = sub.add_parser("kueue", help="Kueue ResourceFlavors, ClusterQueues, LocalQueues, WorkloadPriorityClasses")
     kueue.add_argument("file", help="the policy YAML (e.g. jupyterhub_config/profiles.yaml)")
-    kueue.add_argument("-n", "--namespace", default=DEFAULT_NAMESPACE, help=f"namespace of the user pods and LocalQueues (default {DEFAULT_NAMESPACE})")
-    kueue.add_argument("--cpu-flavor", default=DEFAULT_CPU_FLAVOR, help=f"ResourceFlavor for CPU and memory (default {DEFAULT_CPU_FLAVOR})")
-    kueue.add_argument("--live", metavar="FILE", help="`kubectl get localqueues -n NS -o yaml` output: refuse changes Kueue forbids")
-    hooks = sub.add_parser("webhook-exclusion", help="Kueue's webhook configuration with the hub's namespace left out of every webhook")
+    kueue.add_argument(
+        "-n",
+        "--namespace",
+        default=DEFAULT_NAMESPACE,
+        help=f"namespace of the user pods and LocalQueues (default {DEFAULT_NAMESPACE})",
+    )
+    kueue.add_argument(
+        "--cpu-flavor", default=DEFAULT_CPU_FLAVOR, help=f"ResourceFlavor for CPU and memory (default {DEFAULT_CPU_FLAVOR})"
+    )
+    kueue.add_argument(
+        "--live", metavar="FILE", help="`kubectl get localqueues -n NS -o yaml` output: refuse changes Kueue forbids"
+    )
+    hooks = sub.add_parser(
+        "webhook-exclusion", help="Kueue's webhook configuration with the hub's namespace left out of every webhook"
+    )
     hooks.add_argument("file", help="`kubectl get {mutating,validating}webhookconfiguration NAME -o json` output, or - for stdin")
     hooks.add_argument("-n", "--namespace", default="gpuhub", help="the hub's namespace (default gpuhub)")
-    rbac = sub.add_parser("capacity-rbac", help="the ClusterRole and binding the hub's GPU capacity keeper needs (docs/gpu-health.md)")
+    rbac = sub.add_parser(
+        "capacity-rbac", help="the ClusterRole and binding the hub's GPU capacity keeper needs (docs/gpu-health.md)"
+    )
     rbac.add_argument("file", help="the policy YAML (its health.kubernetes.capacityQueue names the ClusterQueues)")
-    rbac.add_argument("--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)")
-    kcfg = sub.add_parser("kueue-config", help="what to merge into Kueue's configuration: resource transformations "
-                          "for MIG slices counted in GPU memory (docs/mig.md)")
+    rbac.add_argument(
+        "--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)"
+    )
+    kcfg = sub.add_parser(
+        "kueue-config",
+        help="what to merge into Kueue's configuration: resource transformations "
+        "for MIG slices counted in GPU memory (docs/mig.md)",
+    )
     kcfg.add_argument("file", help="the policy YAML")
-    prbac = sub.add_parser("policy-rbac", help="the Role and binding the hub needs to apply the policy to its ConfigMap (docs/policy-changes.md)")
-    prbac.add_argument("--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)")
-    prbac.add_argument("--configmap", default="gpuhub-policy", help="the policy's ConfigMap in the hub's namespace (default gpuhub-policy)")
+    prbac = sub.add_parser(
+        "policy-rbac", help="the Role and binding the hub needs to apply the policy to its ConfigMap (docs/policy-changes.md)"
+    )
+    prbac.add_argument(
+        "--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)"
+    )
+    prbac.add_argument(
+        "--configmap", default="gpuhub-policy", help="the policy's ConfigMap in the hub's namespace (default gpuhub-policy)"
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed usage
@@ -329,8 +394,9 @@ def main(argv: list[str]) -> int:
         if args.what == "kueue-config":
             fragment = kueue_config(policy)
             if not fragment:
-                print(f"{args.file}: no team counts MIG slices in GPU memory: Kueue's configuration needs nothing",
-                      file=sys.stderr)
+                print(
+                    f"{args.file}: no team counts MIG slices in GPU memory: Kueue's configuration needs nothing", file=sys.stderr
+                )
                 return 0
             sys.stdout.write("# merge into controller_manager_config.yaml of kueue-manager-config (docs/mig.md)\n")
             sys.stdout.write(yaml.safe_dump(fragment, sort_keys=True, default_flow_style=False))
@@ -372,8 +438,10 @@ def _webhook_exclusion(path: str, namespace: str) -> int:
         print(f"{path}: {e}", file=sys.stderr)
         return 1
     name = config.get("metadata", {}).get("name", "?")
-    print(f"{name}: {namespace} left out of {len(changed)} webhook(s)" + (f": {', '.join(changed)}" if changed else " (already)"),
-          file=sys.stderr)
+    print(
+        f"{name}: {namespace} left out of {len(changed)} webhook(s)" + (f": {', '.join(changed)}" if changed else " (already)"),
+        file=sys.stderr,
+    )
     sys.stdout.write(json.dumps(out, indent=2) + "\n")
     return 0
 

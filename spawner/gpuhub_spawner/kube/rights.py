@@ -39,44 +39,98 @@ class Right:
 
 RIGHTS: tuple[Right, ...] = (
     # KubeSpawner 7.1 (its own code): the user's server pod, its home volume, its events.
-    Right(USERS, "", "pods", ("create", "delete", "list", "watch"),
-          "KubeSpawner creates and deletes each server's pod; its pod reflector lists and watches them; "
-          "the job manager lists a job's pods by label (kube/job_manager.py)"),
-    Right(USERS, "", "persistentvolumeclaims", ("create", "get", "delete"),
-          "KubeSpawner creates each user's home volume claim (z2jh's singleuser.storage.type dynamic), "
-          "reads it when it exists already, deletes it with the user"),
-    Right(USERS, "", "events", ("list", "watch"),
-          "KubeSpawner's event reflector: the spawn page's progress (scheduling, Kueue's CreatedWorkload)"),
-    Right(USERS, "", "pods/log", ("get",),
-          "the job manager copies each job attempt's log before the pod goes (gpuhub job logs)"),
+    Right(
+        USERS,
+        "",
+        "pods",
+        ("create", "delete", "list", "watch"),
+        "KubeSpawner creates and deletes each server's pod; its pod reflector lists and watches them; "
+        "the job manager lists a job's pods by label (kube/job_manager.py)",
+    ),
+    Right(
+        USERS,
+        "",
+        "persistentvolumeclaims",
+        ("create", "get", "delete"),
+        "KubeSpawner creates each user's home volume claim (z2jh's singleuser.storage.type dynamic), "
+        "reads it when it exists already, deletes it with the user",
+    ),
+    Right(
+        USERS,
+        "",
+        "events",
+        ("list", "watch"),
+        "KubeSpawner's event reflector: the spawn page's progress (scheduling, Kueue's CreatedWorkload)",
+    ),
+    Right(USERS, "", "pods/log", ("get",), "the job manager copies each job attempt's log before the pod goes (gpuhub job logs)"),
     # Kueue: what the ledger, the waiting words, reclaim and the job manager read and change.
-    Right(USERS, "kueue.x-k8s.io", "workloads", ("list", "watch", "patch"),
-          "the ledger's Workload reflector lists and watches them; the ledger patches spec.active to take "
-          "back a borrowing job and to reactivate it (kube/ledger.py); the job manager lists a job's Workload "
-          "and deactivates it when its node's GPUs failed (kube/job_manager.py); the Ray manager lists them"),
-    Right(USERS, "visibility.kueue.x-k8s.io", "localqueues/pendingworkloads", ("get",),
-          "queue positions on the spawn page (kube/state.py)"),
+    Right(
+        USERS,
+        "kueue.x-k8s.io",
+        "workloads",
+        ("list", "watch", "patch"),
+        "the ledger's Workload reflector lists and watches them; the ledger patches spec.active to take "
+        "back a borrowing job and to reactivate it (kube/ledger.py); the job manager lists a job's Workload "
+        "and deactivates it when its node's GPUs failed (kube/job_manager.py); the Ray manager lists them",
+    ),
+    Right(
+        USERS,
+        "visibility.kueue.x-k8s.io",
+        "localqueues/pendingworkloads",
+        ("get",),
+        "queue positions on the spawn page (kube/state.py)",
+    ),
     # Batch jobs and Ray clusters.
-    Right(USERS, "batch", "jobs", ("create", "get", "delete"),
-          "gpuhub's batch jobs: a suspended Job Kueue admits; read on every refresh; deleted on cancel "
-          "(kube/job_manager.py)"),
-    Right(USERS, "ray.io", "rayclusters", ("create", "list", "patch", "delete"),
-          "Ray clusters (kube/ray_manager.py): created, listed on every refresh, annotated, deleted"),
-    Right(USERS, "networking.k8s.io", "networkpolicies", ("create",),
-          "the wall around each Ray cluster and batch job (kube/walls.py): two NetworkPolicies made with the "
-          "object and owned by it (the garbage collector deletes them with it)"),
+    Right(
+        USERS,
+        "batch",
+        "jobs",
+        ("create", "get", "delete"),
+        "gpuhub's batch jobs: a suspended Job Kueue admits; read on every refresh; deleted on cancel (kube/job_manager.py)",
+    ),
+    Right(
+        USERS,
+        "ray.io",
+        "rayclusters",
+        ("create", "list", "patch", "delete"),
+        "Ray clusters (kube/ray_manager.py): created, listed on every refresh, annotated, deleted",
+    ),
+    Right(
+        USERS,
+        "networking.k8s.io",
+        "networkpolicies",
+        ("create",),
+        "the wall around each Ray cluster and batch job (kube/walls.py): two NetworkPolicies made with the "
+        "object and owned by it (the garbage collector deletes them with it)",
+    ),
     # The hub's own namespace: the policy's ConfigMap only.
-    Right(HUB, "", "configmaps", ("get", "list", "watch", "patch"),
-          "the policy page applies and rolls back the policy; the hub follows its ConfigMap "
-          "(kube/policy_configmap.py); list and watch by name with field selector metadata.name",
-          by_name=True),
+    Right(
+        HUB,
+        "",
+        "configmaps",
+        ("get", "list", "watch", "patch"),
+        "the policy page applies and rolls back the policy; the hub follows its ConfigMap "
+        "(kube/policy_configmap.py); list and watch by name with field selector metadata.name",
+        by_name=True,
+    ),
     # Cluster-wide: the GPU capacity keeper.
-    Right(CLUSTER, "", "nodes", ("list",),
-          "the GPU capacity keeper counts GPUs out of service (kube/capacity.py); the job manager reads a "
-          "failed node's taint by name with a field selector (kube/job_manager.py)"),
-    Right(CLUSTER, "kueue.x-k8s.io", "clusterqueues", ("get", "patch"),
-          "the capacity keeper takes failed GPUs out of the designated ClusterQueues' quota (kube/capacity.py)",
-          by_name=True, only_if="health.kubernetes.capacityQueue"),
+    Right(
+        CLUSTER,
+        "",
+        "nodes",
+        ("list",),
+        "the GPU capacity keeper counts GPUs out of service (kube/capacity.py); the job manager reads a "
+        "failed node's taint by name with a field selector (kube/job_manager.py)",
+    ),
+    Right(
+        CLUSTER,
+        "kueue.x-k8s.io",
+        "clusterqueues",
+        ("get", "patch"),
+        "the capacity keeper takes failed GPUs out of the designated ClusterQueues' quota (kube/capacity.py)",
+        by_name=True,
+        only_if="health.kubernetes.capacityQueue",
+    ),
 )
 
 # KubeSpawner calls made only with settings gpuhub leaves off (its values and KueueSpawner):
@@ -90,8 +144,7 @@ NOT_USED = {
 
 def needed(capacity_queues: bool = True) -> set[tuple[str, str, str, str]]:
     """Every (scope, group, resource, verb) of ``RIGHTS``."""
-    return {(r.scope, r.group, r.resource, v) for r in RIGHTS for v in r.verbs
-            if capacity_queues or not r.only_if}
+    return {(r.scope, r.group, r.resource, v) for r in RIGHTS for v in r.verbs if capacity_queues or not r.only_if}
 
 
 def grants(rules: list[dict], group: str, resource: str, verb: str, name: str | None = None) -> bool:

@@ -52,7 +52,13 @@ from . import own_quota
 from .ledger import KueueLedger
 from .kueue import (
     timestamp,
-    POD_FINALIZER, PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL, WEBHOOK_FAILED_MARKER, pod_is_gated,
+    POD_FINALIZER,
+    PRIORITY_LABEL,
+    PROFILE_LABEL,
+    QUEUE_LABEL,
+    TEAM_LABEL,
+    WEBHOOK_FAILED_MARKER,
+    pod_is_gated,
 )
 from .messages import event_message, eviction_message, waiting_message
 from . import capacity  # GPUs out of service, said in waiting messages
@@ -60,8 +66,17 @@ from .state import GoneAwarePodReflector, PendingPollers, WorkloadReflector
 
 # Traits the policy sets per start; their configured values are the base each start builds on.
 _POLICY_TRAITS = (
-    "image", "cpu_limit", "cpu_guarantee", "mem_limit", "mem_guarantee", "extra_resource_limits",
-    "extra_resource_guarantees", "node_selector", "tolerations", "extra_labels", "environment",
+    "image",
+    "cpu_limit",
+    "cpu_guarantee",
+    "mem_limit",
+    "mem_guarantee",
+    "extra_resource_limits",
+    "extra_resource_guarantees",
+    "node_selector",
+    "tolerations",
+    "extra_labels",
+    "environment",
     "node_affinity_required",
 )
 
@@ -96,34 +111,38 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
     """One user's server as a pod admitted by Kueue against the team's quota."""
 
     queue_timeout = Float(
-        None, allow_none=True, config=True,
+        None,
+        allow_none=True,
+        config=True,
         help="Seconds a server may wait in the queue before it is withdrawn (default: the policy's defaults.queueTimeout).",
     )
     launch_timeout = Float(
-        None, allow_none=True, config=True,
+        None,
+        allow_none=True,
+        config=True,
         help="Seconds from admission until the pod runs (default: the policy's defaults.launchTimeout).",
     )
-    start_timeout_slack = Integer(
-        60, config=True, help="Seconds added to queue + launch timeout for JupyterHub's start_timeout."
-    )
+    start_timeout_slack = Integer(60, config=True, help="Seconds added to queue + launch timeout for JupyterHub's start_timeout.")
     queue_poll_interval = Float(
-        5.0, config=True,
+        5.0,
+        config=True,
         help="Seconds between polls of Kueue's visibility API, one poll per LocalQueue however many users wait.",
     )
-    status_interval = Float(
-        1.0, config=True, help="Seconds between re-reads of the (in-memory) shared state while waiting."
-    )
+    status_interval = Float(1.0, config=True, help="Seconds between re-reads of the (in-memory) shared state while waiting.")
     startup_probe_period = Integer(
-        1, config=True,
+        1,
+        config=True,
         help="Seconds between the kubelet's probes of a starting server's API (its startup probe); the pod "
-             "is ready the moment the API answers. 0: no probe (a started container counts as ready, and "
-             "JupyterHub finds the server by polling). A probe set in extra_container_config wins.",
+        "is ready the moment the API answers. 0: no probe (a started container counts as ready, and "
+        "JupyterHub finds the server by polling). A probe set in extra_container_config wins.",
     )
     default_images = Dict(
-        value_trait=Unicode(), per_key_traits={"cpu": Unicode(), "gpu": Unicode()}, config=True,
+        value_trait=Unicode(),
+        per_key_traits={"cpu": Unicode(), "gpu": Unicode()},
+        config=True,
         help="Image for profiles that name none, by kind (``cpu``, ``gpu``): gpuhub's own notebook images "
-             "(images/cpu, images/cuda), which carry gpuhub-notebook (GPU activity, cull warnings, MLflow auth). "
-             "Takes precedence over the policy's defaults.image, which on one machine is only a label.",
+        "(images/cpu, images/cuda), which carry gpuhub-notebook (GPU activity, cull warnings, MLflow auth). "
+        "Takes precedence over the policy's defaults.image, which on one machine is only a label.",
     )
 
     @default("profile_list")
@@ -207,9 +226,11 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         period = self.startup_probe_period
         if period and container.startup_probe is None and container.readiness_probe is None:
             container.startup_probe = V1Probe(
-                http_get=V1HTTPGetAction(path=url_path_join(self._prefix(), "api"), port=self.port,
-                                         scheme="HTTPS" if self.internal_ssl else "HTTP"),
-                period_seconds=period, timeout_seconds=max(1, period),
+                http_get=V1HTTPGetAction(
+                    path=url_path_join(self._prefix(), "api"), port=self.port, scheme="HTTPS" if self.internal_ssl else "HTTP"
+                ),
+                period_seconds=period,
+                timeout_seconds=max(1, period),
                 failure_threshold=max(1, int(self.effective_launch_timeout // period) + 1),
             )
         return pod
@@ -283,7 +304,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 raise SpawnException(
                     f"Your server got its quota but did not start within {format_duration(self.effective_launch_timeout)}; "
                     "it was stopped. Try again, or ask an administrator if it keeps happening.",
-                    reason="launch_timeout", status_code=503,
+                    reason="launch_timeout",
+                    status_code=503,
                 ) from None
             raise
         except BaseException:
@@ -335,7 +357,9 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 raise SpawnException(
                     f"Your server waited {format_duration(self.effective_queue_timeout)} for team "
                     f"{self.choice.team.label}'s own quota, so it was withdrawn. Try again later.",
-                    reason="queue_timeout", status_code=503)
+                    reason="queue_timeout",
+                    status_code=503,
+                )
             await asyncio.sleep(self.status_interval)
 
     async def _make_create_pod_request(self, pod, request_timeout):
@@ -357,7 +381,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 raise SpawnException(
                     "The queue service (Kueue) is not answering, so no server can be queued right now. "
                     "Nothing was started; try again in a few minutes. An administrator can see why in the hub log.",
-                    reason="kueue_unavailable", status_code=503,
+                    reason="kueue_unavailable",
+                    status_code=503,
                 ) from None
             if e.status and (e.status >= 500 or e.status == 429):
                 self.log.warning("Creating pod %s got HTTP %s; retrying", pod.metadata.name, e.status)
@@ -399,8 +424,11 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
     async def _start_watching_pods(self, replace=False):
         # Same reflector as KubeSpawner's, but it remembers deleted pods (the eviction reason).
         return await self._start_reflector(
-            kind="pods", reflector_class=GoneAwarePodReflector, labels={"component": self.component_label},
-            omit_namespace=self.enable_user_namespaces, replace=replace,
+            kind="pods",
+            reflector_class=GoneAwarePodReflector,
+            labels={"component": self.component_label},
+            omit_namespace=self.enable_user_namespaces,
+            replace=replace,
         )
 
     async def _start_watching_workloads(self, replace=False):
@@ -430,7 +458,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                     raise SpawnException(
                         f"Your server waited {format_duration(self.effective_queue_timeout)} in team {team}'s queue "
                         "without getting quota, so it was withdrawn. Try again later or pick a smaller profile.",
-                        reason="queue_timeout", status_code=503,
+                        reason="queue_timeout",
+                        status_code=503,
                     )
                 await asyncio.sleep(min(self.status_interval, max(0.0, deadline - time.monotonic())))
         finally:
@@ -458,8 +487,9 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             why = own_quota.why_waiting(self.policy, self.choice, self._server_key, ledger)
             kept = capacity.keeper()
             gone = kept.out.get(self.choice.flavor) if kept and self.choice.flavor else None
-            text = waiting_message(self.policy, self.choice, workload, pending, queue_length, why,
-                                   (gone.out, gone.total) if gone else None)
+            text = waiting_message(
+                self.policy, self.choice, workload, pending, queue_length, why, (gone.out, gone.total) if gone else None
+            )
             note = ledger.queue.notes.get(self._server_key) if ledger else None
             if note:  # the reclaimer's: this team's own quota is on loan and coming back
                 text = f"Your server {note}."
@@ -515,7 +545,9 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
     def _eviction_reason(self, workload_only: bool = False) -> str | None:
         reflector = self.workload_reflector
         pod_reflector = self.pod_reflector
-        gone_pod = pod_reflector.gone.get(self._ref_key, (0, None))[1] if isinstance(pod_reflector, GoneAwarePodReflector) else None
+        gone_pod = (
+            pod_reflector.gone.get(self._ref_key, (0, None))[1] if isinstance(pod_reflector, GoneAwarePodReflector) else None
+        )
         uid = ((self._current_pod() or gone_pod or {}).get("metadata") or {}).get("uid")
         workload = None
         if reflector:
@@ -524,8 +556,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             )
         reason = eviction_message(workload, None if workload_only else gone_pod)
         if reason and (workload or {}).get("status", {}).get("conditions"):
-            self.log.warning("Server %s stopped by Kueue: %s (workload conditions: %s)", self._log_name, reason,
-                             ((workload or {}).get("status") or {}).get("conditions"))
+            self.log.warning(
+                "Server %s stopped by Kueue: %s (workload conditions: %s)",
+                self._log_name,
+                reason,
+                ((workload or {}).get("status") or {}).get("conditions"),
+            )
         return reason
 
     async def poll(self):
@@ -572,7 +608,9 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         try:
             self.choice = resolve_choice(self.policy, self.user_groups, self.user_options)
         except ChoiceError as e:
-            self.log.warning("Server %s: its profile is no longer allowed (%s); not resuming its queued pod", self._log_name, e.message)
+            self.log.warning(
+                "Server %s: its profile is no longer allowed (%s); not resuming its queued pod", self._log_name, e.message
+            )
             self.stop_reason = f"Your waiting server was withdrawn after a hub restart: {e.message}"
             return 1
         created = timestamp(pod["metadata"].get("creationTimestamp"))
@@ -604,7 +642,9 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                     raise SpawnException(
                         f"Your server got its quota but did not start within {format_duration(self.effective_launch_timeout)}; "
                         "it was stopped. Try again, or ask an administrator if it keeps happening.",
-                        reason="launch_timeout", status_code=503)
+                        reason="launch_timeout",
+                        status_code=503,
+                    )
                 await self._pod_changed(self.status_interval)
         except SpawnException as e:
             self._spawn_pending = False
@@ -642,7 +682,9 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             if self.ready:
                 resumed.set_result(None)
             else:
-                resumed.set_exception(SpawnException("Your server did not answer after starting.", reason="error", status_code=500))
+                resumed.set_exception(
+                    SpawnException("Your server did not answer after starting.", reason="error", status_code=500)
+                )
 
     # -- stop ----------------------------------------------------------------------------
     def _stopped_but_finalized(self, pod: dict | None) -> bool:
@@ -666,7 +708,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         options = V1DeleteOptions(grace_period_seconds=grace)
         await exponential_backoff(
             lambda: self._make_delete_pod_request(self.pod_name, options, grace, self.k8s_api_request_timeout),
-            f"Could not delete pod {self._ref_key}", timeout=self.k8s_api_request_retry_timeout,
+            f"Could not delete pod {self._ref_key}",
+            timeout=self.k8s_api_request_retry_timeout,
         )
         try:
             await exponential_backoff(
@@ -698,4 +741,3 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         if self.stop_reason:
             form = f'<div class="alert alert-info" id="gpuhub-stop-reason">{html.escape(self.stop_reason)}</div>' + form
         return form
-

@@ -134,8 +134,10 @@ class WorkloadReflector(_RemembersGone, NamespacedResourceReflector):
         """The Workload Kueue made for this pod: matched by the owner reference's UID when
         known (a pod deleted and recreated under the same name has a new UID), else by name."""
         found = [
-            wl for wl in list(self.resources.values())
-            if wl["metadata"].get("namespace") == namespace and owner_pod_name(wl) == pod_name
+            wl
+            for wl in list(self.resources.values())
+            if wl["metadata"].get("namespace") == namespace
+            and owner_pod_name(wl) == pod_name
             and (uid is None or owner_pod_uid(wl) == uid)
         ]
         found.sort(key=lambda wl: wl["metadata"].get("creationTimestamp") or "", reverse=True)
@@ -143,8 +145,12 @@ class WorkloadReflector(_RemembersGone, NamespacedResourceReflector):
 
     def gone_for_pod(self, namespace: str, pod_name: str, since: float = 0.0, uid: str | None = None) -> dict | None:
         for key, (when, wl) in reversed(list(self.gone.items())):
-            if (when >= since and wl["metadata"].get("namespace") == namespace and owner_pod_name(wl) == pod_name
-                    and (uid is None or owner_pod_uid(wl) == uid)):
+            if (
+                when >= since
+                and wl["metadata"].get("namespace") == namespace
+                and owner_pod_name(wl) == pod_name
+                and (uid is None or owner_pod_uid(wl) == uid)
+            ):
                 return wl
         return None
 
@@ -193,7 +199,12 @@ class PendingPoller:
             data = await api.call_api(
                 "/apis/{group}/{version}/namespaces/{namespace}/localqueues/{name}/pendingworkloads",
                 "GET",
-                path_params={"group": VISIBILITY_GROUP, "version": VISIBILITY_VERSION, "namespace": self.namespace, "name": self.local_queue},
+                path_params={
+                    "group": VISIBILITY_GROUP,
+                    "version": VISIBILITY_VERSION,
+                    "namespace": self.namespace,
+                    "name": self.local_queue,
+                },
                 query_params=[],
                 header_params={"Accept": "application/json"},
                 response_types_map={200: "object"},

@@ -33,39 +33,60 @@ WALL_LABEL = "gpuhub/wall-of"  # the owner's user name label value, on the polic
 
 def owner_selector(pod_labels: dict[str, str]) -> dict:
     """The owner's server and job pods, from the labels of the server pod manifest."""
-    return {"matchLabels": {USERNAME_LABEL: pod_labels[USERNAME_LABEL]},
-            "matchExpressions": [{"key": COMPONENT_LABEL, "operator": "In", "values": [SERVER_COMPONENT, JOB_COMPONENT]}]}
+    return {
+        "matchLabels": {USERNAME_LABEL: pod_labels[USERNAME_LABEL]},
+        "matchExpressions": [{"key": COMPONENT_LABEL, "operator": "In", "values": [SERVER_COMPONENT, JOB_COMPONENT]}],
+    }
 
 
-def wall(name: str, namespace: str, target: dict[str, str], pod_labels: dict[str, str], hub_namespace: str,
-         owner: dict | None = None) -> list[dict]:
+def wall(
+    name: str, namespace: str, target: dict[str, str], pod_labels: dict[str, str], hub_namespace: str, owner: dict | None = None
+) -> list[dict]:
     """The two NetworkPolicies of one RayCluster or Job.
 
     ``target``: the labels that select exactly the object's pods; ``pod_labels``: the labels of
     the owner's server pod manifest; ``owner``: the created object (``apiVersion``, ``kind``,
     ``metadata.name``/``uid``) the policies belong to."""
     own = {"matchLabels": dict(target)}
-    hub = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": hub_namespace}},
-           "podSelector": {"matchLabels": {COMPONENT_LABEL: "hub"}}}
+    hub = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": hub_namespace}},
+        "podSelector": {"matchLabels": {COMPONENT_LABEL: "hub"}},
+    }
     meta_labels = {"app.kubernetes.io/managed-by": "gpuhub", WALL_LABEL: pod_labels[USERNAME_LABEL]}
 
     def meta(suffix: str) -> dict:
         m = {"name": f"{name}-{suffix}", "namespace": namespace, "labels": dict(meta_labels)}
         if owner is not None:
-            m["ownerReferences"] = [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
-                                     "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"],
-                                     "blockOwnerDeletion": False}]
+            m["ownerReferences"] = [
+                {
+                    "apiVersion": owner["apiVersion"],
+                    "kind": owner["kind"],
+                    "name": owner["metadata"]["name"],
+                    "uid": owner["metadata"]["uid"],
+                    "blockOwnerDeletion": False,
+                }
+            ]
         return m
 
     inbound = {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta("in"),
-        "spec": {"podSelector": own, "policyTypes": ["Ingress"],
-                 "ingress": [{"from": [{"podSelector": own}, {"podSelector": owner_selector(pod_labels)}, hub]}]},
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta("in"),
+        "spec": {
+            "podSelector": own,
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": own}, {"podSelector": owner_selector(pod_labels)}, hub]}],
+        },
     }
     outbound = {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta("out"),
-        "spec": {"podSelector": owner_selector(pod_labels), "policyTypes": ["Egress"],
-                 "egress": [{"to": [{"podSelector": own}]}]},
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta("out"),
+        "spec": {
+            "podSelector": owner_selector(pod_labels),
+            "policyTypes": ["Egress"],
+            "egress": [{"to": [{"podSelector": own}]}],
+        },
     }
     return [inbound, outbound]
 
@@ -93,8 +114,9 @@ def label_selector(selector: dict) -> str:
     parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
     for e in selector.get("matchExpressions") or []:
         op, key, values = e["operator"], e["key"], ",".join(e.get("values") or [])
-        parts.append({"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})", "Exists": key,
-                      "DoesNotExist": f"!{key}"}[op])
+        parts.append(
+            {"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})", "Exists": key, "DoesNotExist": f"!{key}"}[op]
+        )
     return ",".join(parts)
 
 

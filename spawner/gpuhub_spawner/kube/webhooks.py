@@ -51,5 +51,4 @@ def webhooks_covering(config: dict, namespace: str) -> list[str]:
 def _excludes(hook: dict, namespace: str) -> bool:
     """The webhook's namespaceSelector has ``kubernetes.io/metadata.name NotIn [.., namespace]``."""
     exprs = (hook.get("namespaceSelector") or {}).get("matchExpressions") or []
-    return any(e.get("key") == NAME_KEY and e.get("operator") == "NotIn" and namespace in (e.get("values") or [])
-               for e in exprs)
+    return any(e.get("key") == NAME_KEY and e.get("operator") == "NotIn" and namespace in (e.get("values") or []) for e in exprs)

@@ -107,8 +107,9 @@ class LocalBroker(SingletonConfigurable):
         except (TypeError, ValueError, AttributeError):
             server_interval = 300.0
         interval = max(float(hub.get("last_activity_interval", 300)), server_interval)
-        return (capacity_warnings(policy, capacity_by_flavor(policy, self.devices.nvml))
-                + warning_interval_warnings(policy, interval))
+        return capacity_warnings(policy, capacity_by_flavor(policy, self.devices.nvml)) + warning_interval_warnings(
+            policy, interval
+        )
 
     @property
     def policy(self) -> Policy:

@@ -205,8 +205,15 @@ class ServerCgroup:
     def procs_files(self) -> list[str]:
         return [str(p / "cgroup.procs") for p in self.paths.values()]
 
-    def create(self, *, memory: int | None, cpu_millis: int | None, device_rules: list[str] | None,
-               pids: int | None = None, user_pids: int | None = None) -> None:
+    def create(
+        self,
+        *,
+        memory: int | None,
+        cpu_millis: int | None,
+        device_rules: list[str] | None,
+        pids: int | None = None,
+        user_pids: int | None = None,
+    ) -> None:
         """Make the group(s) and set the limits; an existing group (stale) is reused empty.
 
         ``pids``: most tasks (processes and threads) the group may hold; None leaves it unlimited.

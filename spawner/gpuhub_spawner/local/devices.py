@@ -192,9 +192,11 @@ def cuda_refusal(profile, driver: Driver | None) -> str | None:
     need = profile.gpu.cuda_needed if profile.gpu else None
     if need is None or driver is None or driver.cuda >= need:
         return None
-    return (f"{profile.display_name} needs CUDA {profile.gpu.cuda}, but this machine's NVIDIA driver "
-            f"{driver.version} supports CUDA {driver.cuda_text} at most: its GPU code would fail to start. "
-            f"Choose another profile, or ask an admin to update the driver.")
+    return (
+        f"{profile.display_name} needs CUDA {profile.gpu.cuda}, but this machine's NVIDIA driver "
+        f"{driver.version} supports CUDA {driver.cuda_text} at most: its GPU code would fail to start. "
+        f"Choose another profile, or ask an admin to update the driver."
+    )
 
 
 def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
@@ -229,8 +231,13 @@ def build_inventory(policy: Policy, nvml: list[NvmlDevice]) -> list[Device]:
                 devices.append(Device(d.uuid, flavor.name, d.name, False, d.nodes or (f"nvidia{d.index}",)))
     for d in nvml:
         if d.uuid not in taken:
-            log.warning("%s %s (%s, %s) matches no flavor in the policy and will not be handed out",
-                        "MIG slice of GPU" if d.mig_profile else "GPU", d.index, d.name, d.uuid)
+            log.warning(
+                "%s %s (%s, %s) matches no flavor in the policy and will not be handed out",
+                "MIG slice of GPU" if d.mig_profile else "GPU",
+                d.index,
+                d.name,
+                d.uuid,
+            )
     return devices
 
 
@@ -259,8 +266,12 @@ class DeviceTable:
 
     DRIVER_TTL = 300.0  # a driver changes with a reboot or a module reload; read it again now and then
 
-    def __init__(self, policy: Callable[[], Policy], discover: Callable[[], list[NvmlDevice]] = discover_nvml,
-                 driver: Callable[[], Driver | None] = read_driver):
+    def __init__(
+        self,
+        policy: Callable[[], Policy],
+        discover: Callable[[], list[NvmlDevice]] = discover_nvml,
+        driver: Callable[[], Driver | None] = read_driver,
+    ):
         self._policy = policy
         self.discover = discover
         self._read_driver = driver
@@ -308,9 +319,14 @@ class DeviceTable:
         self._inherit_parent_health(old, [d for d in self._nvml if d.uuid not in before])
         gone = sorted(before - after)
         held = [f"{d} (held by {self.owner[d]} until it stops)" for d in gone if d in self.owner]
-        log.warning("GPU layout changed: %d new (%s), %d gone (%s)%s", len(after - before),
-                    ", ".join(sorted(after - before)) or "none", len(gone), ", ".join(gone) or "none",
-                    f"; {', '.join(held)}" if held else "")
+        log.warning(
+            "GPU layout changed: %d new (%s), %d gone (%s)%s",
+            len(after - before),
+            ", ".join(sorted(after - before)) or "none",
+            len(gone),
+            ", ".join(gone) or "none",
+            f"; {', '.join(held)}" if held else "",
+        )
         return True
 
     def _inherit_parent_health(self, old: dict[str, NvmlDevice], new: list[NvmlDevice]) -> None:
@@ -327,8 +343,7 @@ class DeviceTable:
                 entry = self.health._entry(d.uuid)
                 entry.marks = sorted(marks.values(), key=lambda m: m.at)[-20:]
                 entry._recompute(time.time())
-                log.warning("New MIG slice %s of GPU %s is %s like its siblings: %s", d.uuid, d.parent,
-                            entry.state, entry.reason)
+                log.warning("New MIG slice %s of GPU %s is %s like its siblings: %s", d.uuid, d.parent, entry.state, entry.reason)
             drained = [h for h in siblings if h.drained]
             if siblings and len(drained) == len([o for o in old.values() if o.parent == d.parent]):
                 self.health.drain(d.uuid, drained[0].drained)
@@ -350,7 +365,7 @@ class DeviceTable:
             return ""
         first = min((self.health.of(d.id) for d in out), key=lambda h: h.since or h.drained_at or 0)
         detail = first.summary()
-        detail = detail[len("out of service "):] if detail.startswith("out of service ") else detail
+        detail = detail[len("out of service ") :] if detail.startswith("out of service ") else detail
         more = f"; {len(out) - 1} more" if len(out) > 1 else ""
         return f"{len(out)} out of service {detail}{more}"
 
@@ -405,8 +420,10 @@ class DeviceTable:
                     name = policy.flavor(flavor).display_name or flavor
                 except StopIteration:
                     name = flavor
-                return (f"needs {describe(res, count, policy)}: only {free} of the {usable} usable on this machine "
-                        f"are free ({usable} of {total} {name} usable, {out})")
+                return (
+                    f"needs {describe(res, count, policy)}: only {free} of the {usable} usable on this machine "
+                    f"are free ({usable} of {total} {name} usable, {out})"
+                )
         return None
 
     def never_fits(self, demand: Demand) -> str | None:

@@ -27,8 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     hub = hub_option()  # --hub also after the command, as for every gpuhub client command
     sub.add_parser("list", parents=[hub], help="every GPU: health, drain, holder")
     for action in ("drain", "uncordon"):
-        a = sub.add_parser(action, parents=[hub], help="take a GPU out once its holder is done" if action == "drain"
-                           else "put a drained or failed GPU back into service")
+        a = sub.add_parser(
+            action,
+            parents=[hub],
+            help="take a GPU out once its holder is done"
+            if action == "drain"
+            else "put a drained or failed GPU back into service",
+        )
         a.add_argument("id", help="the GPU's id as `gpuhub gpu list` shows it (a UUID)")
     args = p.parse_args(argv)
     try:

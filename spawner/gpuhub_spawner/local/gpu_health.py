@@ -58,8 +58,11 @@ def read_counters(pynvml, handle) -> Counters:
             return None  # not supported (no ECC, no row remapper, an old driver)
 
     try:
-        c.ecc_uncorrected = read(lambda: pynvml.nvmlDeviceGetTotalEccErrors(
-            handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC))
+        c.ecc_uncorrected = read(
+            lambda: pynvml.nvmlDeviceGetTotalEccErrors(
+                handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+            )
+        )
         rows = read(lambda: pynvml.nvmlDeviceGetRemappedRows(handle))
         if rows is not None:
             c.remap_pending, c.remap_failure = bool(rows[2]), bool(rows[3])
@@ -165,8 +168,7 @@ class GpuHealthMonitor:
                 except pynvml.NVMLError:
                     index = None
                 if index is None:
-                    log.warning("GPU health: event %#x (data %s) from a GPU not in the table", event.eventType,
-                                event.eventData)
+                    log.warning("GPU health: event %#x (data %s) from a GPU not in the table", event.eventType, event.eventData)
                     continue
                 self._post(self._on_event, index, int(event.eventType), int(event.eventData))
         except Exception:
@@ -259,10 +261,19 @@ class GpuHealthMonitor:
         adm = self.broker.queue.admitted.get(holder) if holder else None
         flavor = next((d.flavor for d in self.table.devices if d.id == dev), None)
         level = logging.WARNING if RANK[h.state] > RANK[was[0]] else logging.INFO
-        log.log(level, "GPU %s (%s) is now %s: %s%s", dev, flavor, h.state, h.summary(),
-                f"; held by {holder}" if holder else "")
-        audit("gpu_health", device=dev, flavor=flavor, state=h.state, was=was[0], reason=h.reason or None,
-                    xid=h.xid, key=holder, user=getattr(adm, "user", None), team=getattr(adm, "team", None))
+        log.log(level, "GPU %s (%s) is now %s: %s%s", dev, flavor, h.state, h.summary(), f"; held by {holder}" if holder else "")
+        audit(
+            "gpu_health",
+            device=dev,
+            flavor=flavor,
+            state=h.state,
+            was=was[0],
+            reason=h.reason or None,
+            xid=h.xid,
+            key=holder,
+            user=getattr(adm, "user", None),
+            team=getattr(adm, "team", None),
+        )
         if h.state == BAD and was[0] != BAD and holder and holder.startswith("job:"):
             # a batch job cannot be told and wait: its attempt ends now, and it resumes elsewhere
             self.broker.gpu_failed_job(holder, f"{dev} ({h.reason})")
@@ -347,9 +358,19 @@ class GpuHealthMonitor:
         for d in self.table.devices:
             holder = self.table.owner.get(d.id)
             adm = self.broker.queue.admitted.get(holder) if holder else None
-            out.append({"id": d.id, "flavor": d.flavor, "flavor_name": names.get(d.flavor, d.flavor), "name": d.name,
-                        "virtual": d.virtual, "key": holder, "user": getattr(adm, "user", None),
-                        "team": getattr(adm, "team", None), **self.book.of(d.id).as_dict()})
+            out.append(
+                {
+                    "id": d.id,
+                    "flavor": d.flavor,
+                    "flavor_name": names.get(d.flavor, d.flavor),
+                    "name": d.name,
+                    "virtual": d.virtual,
+                    "key": holder,
+                    "user": getattr(adm, "user", None),
+                    "team": getattr(adm, "team", None),
+                    **self.book.of(d.id).as_dict(),
+                }
+            )
         return out
 
 
@@ -367,11 +388,15 @@ class _HealthCollector:
         m = self.monitor
         if m is None:
             return
-        health = GaugeMetricFamily("gpuhub_gpu_health", "1 for each GPU's current health state (healthy, suspect, bad)",
-                                   labels=["device", "flavor", "state"])
+        health = GaugeMetricFamily(
+            "gpuhub_gpu_health",
+            "1 for each GPU's current health state (healthy, suspect, bad)",
+            labels=["device", "flavor", "state"],
+        )
         drained = GaugeMetricFamily("gpuhub_gpu_drained", "1 when an admin drained the GPU", labels=["device", "flavor"])
-        usable = GaugeMetricFamily("gpuhub_gpus_usable", "GPUs of a flavor that may be handed out (not bad, not drained)",
-                                   labels=["flavor"])
+        usable = GaugeMetricFamily(
+            "gpuhub_gpus_usable", "GPUs of a flavor that may be handed out (not bad, not drained)", labels=["flavor"]
+        )
         counts: dict[str, int] = {}
         for d in m.table.devices:
             h = m.book.of(d.id)

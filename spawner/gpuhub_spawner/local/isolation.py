@@ -36,8 +36,14 @@ from .unix_users import Account, AccountError, ensure_account, ensure_home, syst
 
 # Device-cgroup allow-list (v1): mknod is refused anyway (no CAP_MKNOD); these may be opened.
 STANDARD_DEVICE_RULES = [
-    "c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm",  # null zero full random urandom
-    "c 5:0 rwm", "c 5:2 rwm", "c 136:* rwm",  # tty, ptmx, pts
+    "c 1:3 rwm",
+    "c 1:5 rwm",
+    "c 1:7 rwm",
+    "c 1:8 rwm",
+    "c 1:9 rwm",  # null zero full random urandom
+    "c 5:0 rwm",
+    "c 5:2 rwm",
+    "c 136:* rwm",  # tty, ptmx, pts
 ]
 
 _HOSTS: dict[tuple[str, str], CgroupHost] = {}
@@ -56,7 +62,7 @@ def process_start_time(pid: int) -> int | None:
         raw = open(f"/proc/{pid}/stat", "rb").read()
     except OSError:
         return None
-    fields = raw[raw.rindex(b")") + 2:].split()
+    fields = raw[raw.rindex(b")") + 2 :].split()
     return int(fields[19])  # field 22 of stat(5); fields[0] is field 3
 
 
@@ -112,7 +118,6 @@ def announce_isolation(c=None, stream=None) -> bool:
     return False
 
 
-
 # Packages a server imports from outside the environment when installed in development mode
 # (``pip install -e``): their source folders must be visible in the sandbox too.
 SERVER_PACKAGES = ("gpuhub_notebook", "gpuhub_spawner")
@@ -131,6 +136,7 @@ def server_software_paths() -> list[str]:
         if not any(root == p or root.startswith(p.rstrip("/") + "/") for p in paths):
             paths.append(root)
     return paths
+
 
 # The threads of isolated starts, apart from the loop's default executor, which the hub needs
 # for other things while a crowd starts (tornado resolves every address it connects to there:
@@ -181,7 +187,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     """A local process spawner whose servers run isolated (see the module docstring)."""
 
     isolation = CaselessStrEnum(
-        ["auto", "on", "off"], "auto",
+        ["auto", "on", "off"],
+        "auto",
         help="""Run each server as its own Unix account, in its own cgroup, with a private /dev.
 
         auto: whenever the hub runs as root (the production and CI case); on: refuse to
@@ -245,7 +252,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     ).tag(config=True)
 
     network_wall = CaselessStrEnum(
-        ["auto", "on", "off"], "auto",
+        ["auto", "on", "off"],
+        "auto",
         help="""Put each user's servers, jobs and Ray clusters in a network namespace of the user's
         own (local/user_network.py): no port any of them opens is reachable from another user's
         processes; only the hub's side (the hub, its proxy, its services) reaches them.
@@ -453,13 +461,14 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         isolated = self.isolated
         if isolated:
             try:
-                self._account = await loop.run_in_executor(_pool("accounts"), ensure_account, self.user.name,
-                                                           self.account_prefix)
+                self._account = await loop.run_in_executor(_pool("accounts"), ensure_account, self.user.name, self.account_prefix)
                 await loop.run_in_executor(_pool("launches"), ensure_home, self.home_dir, self._account)
             except AccountError as e:
                 self.log.error("Cannot start %s: %s", self._log_name, e)
-                msg = ("Your server cannot start: this machine has no usable Unix account for you. "
-                       "An administrator can find why in the hub's log.")
+                msg = (
+                    "Your server cannot start: this machine has no usable Unix account for you. "
+                    "An administrator can find why in the hub's log."
+                )
                 raise web.HTTPError(500, msg, reason=msg) from None
         else:
             os.makedirs(self.home_dir, mode=0o700, exist_ok=True)
@@ -471,8 +480,10 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 self._net = await loop.run_in_executor(_pool("network"), self.wall.ensure_user, self._account.name)
             except WallError as e:
                 self.log.error("Cannot start %s: the wall around its user: %s", self._log_name, e)
-                msg = ("Your server cannot start: this machine could not set up its private network. "
-                       "An administrator can find why in the hub's log.")
+                msg = (
+                    "Your server cannot start: this machine could not set up its private network. "
+                    "An administrator can find why in the hub's log."
+                )
                 raise web.HTTPError(500, msg, reason=msg) from None
             self.ip = self._net.address  # the server listens on its user's address, inside the wall
         env = self.get_env()
@@ -492,8 +503,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             await self._wait_listening()
         return (self.ip or "127.0.0.1", self.port)
 
-    async def _launch_isolated(self, loop, cmd: list[str], env: dict, popen: dict,
-                               cpu: int | None, memory: int | None) -> None:
+    async def _launch_isolated(self, loop, cmd: list[str], env: dict, popen: dict, cpu: int | None, memory: int | None) -> None:
         """Set up the server's sandbox and start its launcher, in a thread, not on the event loop.
 
         On the loop (reading the hub's state, microseconds): the spawner's hooks (its GPU
@@ -522,8 +532,9 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             self._hold_prefix()  # no server starts while another hub holds this prefix
             pids, user_pids = self.process_limit(), self.user_process_limit()
         abandoned = threading.Event()
-        fut = loop.run_in_executor(_pool("launches"), self._prepare_and_launch, cmd, env, popen, nodes, cg, cpu,
-                                   memory, (pids, user_pids), abandoned)
+        fut = loop.run_in_executor(
+            _pool("launches"), self._prepare_and_launch, cmd, env, popen, nodes, cg, cpu, memory, (pids, user_pids), abandoned
+        )
         try:
             launched = await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -537,8 +548,11 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         self.pid = launched.proc.pid
         self._start_time = launched.start_time
         self.log.info(
-            "Spawning %s as %s (%s; GPU nodes: %s)", self._log_name, self._account.name,
-            self.cgroup_host.describe(), ", ".join(sorted(launched.found)) or "none",
+            "Spawning %s as %s (%s; GPU nodes: %s)",
+            self._log_name,
+            self._account.name,
+            self.cgroup_host.describe(),
+            ", ".join(sorted(launched.found)) or "none",
         )
         try:
             # Root's launcher got a fixed environment only; the user's (env) goes on its pipe
@@ -550,8 +564,9 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             raise
         self._watch_oom(launched.oom_fd)
 
-    def _prepare_and_launch(self, cmd, env, popen, nodes, cg: ServerCgroup, cpu, memory, pids,
-                            abandoned: threading.Event) -> "_Launched | None":
+    def _prepare_and_launch(
+        self, cmd, env, popen, nodes, cg: ServerCgroup, cpu, memory, pids, abandoned: threading.Event
+    ) -> "_Launched | None":
         """The blocking part of an isolated start (an executor thread; see ``_launch_isolated``).
 
         Reads the spawner's settings only; sets nothing of its state. Hooks called here
@@ -569,15 +584,17 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 self._weigh_servers(cg.host)
                 self._clear_leftovers(cg)  # only what is provably this hub's is killed
                 made = True
-                cg.create(memory=memory, cpu_millis=cpu, device_rules=self.device_rules(found), pids=pids,
-                          user_pids=user_pids)
+                cg.create(memory=memory, cpu_millis=cpu, device_rules=self.device_rules(found), pids=pids, user_pids=user_pids)
                 oom_base, pids_base = cg.oom_kills(), cg.pids_max_events()
                 user_pids_base = cg.user_pids_max_events()
                 oom_fd = cg.oom_eventfd()  # before the launcher: nothing of the server can come first
             spec = {
-                "uid": self._account.uid, "gid": self._account.gid,
-                "home": self.home_dir, "visible_home": self.visible_home,
-                "dev_dir": self.device_dir, "gpu_nodes": nodes,
+                "uid": self._account.uid,
+                "gid": self._account.gid,
+                "home": self.home_dir,
+                "visible_home": self.visible_home,
+                "dev_dir": self.device_dir,
+                "gpu_nodes": nodes,
                 "cgroup_procs": cg.procs_files(),
                 "expose": server_software_paths(),
                 "tmp": self._private_tmp(),
@@ -595,8 +612,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             if made:
                 cg.remove()  # nothing joined it: the launcher never started or never had its spec
             raise
-        launched = _Launched(proc, wfd, payload, process_start_time(proc.pid), found, oom_base, pids_base, oom_fd,
-                             user_pids_base)
+        launched = _Launched(proc, wfd, payload, process_start_time(proc.pid), found, oom_base, pids_base, oom_fd, user_pids_base)
         if abandoned.is_set():
             self._end_unstarted(launched)
             launched.proc.wait()
@@ -652,8 +668,11 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             launched.proc.kill()
         except OSError:
             pass
-        self.log.warning("Start of %s was interrupted while its sandbox was set up; its launcher (pid %s) "
-                         "was ended before it ran anything", self._log_name, launched.proc.pid)
+        self.log.warning(
+            "Start of %s was interrupted while its sandbox was set up; its launcher (pid %s) was ended before it ran anything",
+            self._log_name,
+            launched.proc.pid,
+        )
 
     serves_http = True  # a server is ready when it listens; a batch job (JobProcess) is running once started
 
@@ -666,13 +685,16 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         try:
             uid = self._account.uid if self.isolated and self._account is not None else None
             net = getattr(self, "_net", None)
-            outcome = await listen_watcher().wait(self.port, self.pid, self.http_timeout, uid=uid,
-                                                  netns=net.path if net is not None else None)
+            outcome = await listen_watcher().wait(
+                self.port, self.pid, self.http_timeout, uid=uid, netns=net.path if net is not None else None
+            )
         except PortTaken as e:
             self.log.error("%s: %s; not routing to it", self._log_name, e)
             await self.stop(now=True)
-            msg = ("Your server could not start: another process took its network port. Start it again; "
-                   "an administrator can see why in the hub's log.")
+            msg = (
+                "Your server could not start: another process took its network port. Start it again; "
+                "an administrator can see why in the hub's log."
+            )
             raise web.HTTPError(500, msg, reason=msg) from None
         self.log.info("%s: %s %.2fs after its process started", self._log_name, outcome, time.monotonic() - t0)
 
@@ -722,8 +744,10 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
     # -- leftovers: killed only when provably this hub's ------------------------------------------
     def _refuse_start(self, log_msg: str, *args) -> None:
         self.log.error(log_msg, *args)
-        msg = ("Your server cannot start: this machine has processes in its place that this hub "
-               "did not start. An administrator can find why in the hub's log.")
+        msg = (
+            "Your server cannot start: this machine has processes in its place that this hub "
+            "did not start. An administrator can find why in the hub's log."
+        )
         raise web.HTTPError(500, msg, reason=msg)
 
     def _hold_prefix(self) -> None:
@@ -748,17 +772,30 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if not stale:
             return
         if held_prefix(self.account_prefix) is None:
-            self._refuse_start("cgroup of %s holds processes %s and this hub does not hold the account prefix %r; "
-                               "killing none of them", self._log_name, stale, self.account_prefix)
+            self._refuse_start(
+                "cgroup of %s holds processes %s and this hub does not hold the account prefix %r; killing none of them",
+                self._log_name,
+                stale,
+                self.account_prefix,
+            )
         uid = self._account.uid
         foreign = {pid: u for pid in stale if (u := process_uid(pid)) is not None and u != uid}
         if foreign:
             self._refuse_start(
                 "cgroup of %s holds processes that do not run as %s (uid %s): %s; killing none of them. "
-                "Find out what they are before removing them (%s)", self._log_name, self._account.name, uid,
-                ", ".join(f"pid {p} uid {u}" for p, u in sorted(foreign.items())), ", ".join(cg.procs_files()))
-        self.log.warning("cgroup of %s had leftover processes %s of %s (this account prefix's earlier hub); killing them",
-                         self._log_name, stale, self._account.name)
+                "Find out what they are before removing them (%s)",
+                self._log_name,
+                self._account.name,
+                uid,
+                ", ".join(f"pid {p} uid {u}" for p, u in sorted(foreign.items())),
+                ", ".join(cg.procs_files()),
+            )
+        self.log.warning(
+            "cgroup of %s had leftover processes %s of %s (this account prefix's earlier hub); killing them",
+            self._log_name,
+            stale,
+            self._account.name,
+        )
         cg.kill_all()
 
     # -- processes: a server at its limit is refused more, and told so --------------------------
@@ -774,8 +811,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             # Whose limit refused it: the user group's where it counted the refusal (v2), or
             # where this group never reached its own limit (v1 counts every refusal here).
             peak, own = cg.pids_peak(), cg.pids_limit()
-            by_user = user_hits > 0 or (cg.user_pids_limit() is not None and peak is not None
-                                        and own is not None and peak < own)
+            by_user = user_hits > 0 or (cg.user_pids_limit() is not None and peak is not None and own is not None and peak < own)
             if by_user:
                 limit = cg.user_pids_limit() or self.user_process_limit()
                 self._pids_note = (
@@ -792,10 +828,18 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 )
             job = getattr(self, "job_id", None)  # a batch job's launcher (local/job_launcher.py)
             what = f"Job {job} of {self.user.name}" if job else f"Server {self._log_name}"
-            whose = (f", with {self.user.name}'s other servers, jobs and Ray clusters, reached the user's limit"
-                     if by_user else " reached its limit")
-            self.log.warning("%s%s of %s processes (pids.max; threads count too): "
-                             "%d new processes or threads refused so far", what, whose, limit, hits)
+            whose = (
+                f", with {self.user.name}'s other servers, jobs and Ray clusters, reached the user's limit"
+                if by_user
+                else " reached its limit"
+            )
+            self.log.warning(
+                "%s%s of %s processes (pids.max; threads count too): %d new processes or threads refused so far",
+                what,
+                whose,
+                limit,
+                hits,
+            )
         return True
 
     @property
@@ -817,7 +861,9 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             return
         if fd is None:
             fd = cg.oom_eventfd()
-        self.log.debug("OOM watch for %s: eventfd %s (spawner %x, cgroup %s)", self._log_name, fd, id(self), cg.paths.get("memory"))
+        self.log.debug(
+            "OOM watch for %s: eventfd %s (spawner %x, cgroup %s)", self._log_name, fd, id(self), cg.paths.get("memory")
+        )
         if fd is None:
             return  # v2: memory.oom.group kills the whole group; the exit is noticed by pid
         self._oom_fd = fd
@@ -887,7 +933,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             stat = open(f"/proc/{pid}/stat", "rb").read()
         except OSError:
             return True
-        return stat[stat.rindex(b")") + 2:].split()[0] in (b"Z", b"X")  # exited, not yet reaped
+        return stat[stat.rindex(b")") + 2 :].split()[0] in (b"Z", b"X")  # exited, not yet reaped
 
     def on_process_exit(self, sweep: bool = True) -> bool:
         """The server's main process exited: say why (memory, processes), sweep up the group
@@ -984,8 +1030,13 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         if now != record.get("start_time") or uid != record.get("uid"):
             self.log.error(
                 "%s: pid %s is not the server the hub started (start time %s, uid %s; recorded %s, %s); "
-                "treating the server as gone", self._log_name, self.pid, now, uid,
-                record.get("start_time"), record.get("uid"),
+                "treating the server as gone",
+                self._log_name,
+                self.pid,
+                now,
+                uid,
+                record.get("start_time"),
+                record.get("uid"),
             )
             self.pid = 0
             return

@@ -50,12 +50,25 @@ class JobProcess(IsolatedProcessSpawner):
 
     serves_http = False  # it runs once started: no port to wait for
 
-    def __init__(self, *, user_name: str, job_id: str, argv: list[str], env: dict[str, str], devices: list[str],
-                 device_nodes: list[str], limits: tuple[int | None, int | None], **kwargs):
+    def __init__(
+        self,
+        *,
+        user_name: str,
+        job_id: str,
+        argv: list[str],
+        env: dict[str, str],
+        devices: list[str],
+        device_nodes: list[str],
+        limits: tuple[int | None, int | None],
+        **kwargs,
+    ):
         # Spawner.name is read from orm_spawner (a name= argument went to object.__init__: a
         # traitlets DeprecationWarning today, a TypeError in a later release); logs say user:job.
-        super().__init__(user=SimpleNamespace(name=user_name, url=f"/user/{user_name}/", escaped_name=user_name),
-                         orm_spawner=SimpleNamespace(name=job_id, server=None), **kwargs)
+        super().__init__(
+            user=SimpleNamespace(name=user_name, url=f"/user/{user_name}/", escaped_name=user_name),
+            orm_spawner=SimpleNamespace(name=job_id, server=None),
+            **kwargs,
+        )
         self.job_id = job_id
         self.job_argv = list(argv)
         self.job_env = dict(env)

@@ -180,8 +180,11 @@ class JobManager(SingletonConfigurable):
         check_job_caps(choice, self.held_profiles(user))
         unfinished = sum(1 for r in self.jobs.values() if r.user == user.name and r.state not in R.FINAL)
         if self.max_jobs_per_user and unfinished >= self.max_jobs_per_user:
-            raise ChoiceError(429, f"You have {unfinished} unfinished jobs, the most this hub allows per user; "
-                                   "wait for some to finish or cancel some.")
+            raise ChoiceError(
+                429,
+                f"You have {unfinished} unfinished jobs, the most this hub allows per user; "
+                "wait for some to finish or cancel some.",
+            )
         pclass, priority = job_priority(policy, choice)
         profile = choice.profile
         demand = demand_for(policy, profile)
@@ -191,17 +194,29 @@ class JobManager(SingletonConfigurable):
         job_id = "job-" + secrets.token_hex(5)
         image = spec.image or profile.image or policy.defaults.image
         rec = R.JobRecord(
-            id=job_id, user=user.name, team=team.name,
+            id=job_id,
+            user=user.name,
+            team=team.name,
             profile={
-                "slug": profile.slug, "displayName": profile.display_name,
+                "slug": profile.slug,
+                "displayName": profile.display_name,
                 "gpu": {"count": profile.gpu_count, "flavor": choice.flavor},
-                "cpu": demand["cpu"], "memory": demand["memory"],
+                "cpu": demand["cpu"],
+                "memory": demand["memory"],
             },
-            priority_class=pclass, priority=priority, policy_sha256=policy_hash(policy),
-            image=image, image_digest=image.rsplit("@", 1)[1] if "@" in image else "",
-            command=spec.argv, working_dir=spec.working_dir or "", checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
-            env_names=[], experiment=spec.experiment, time_limit=spec.time_limit,
-            retries=spec.retries.model_dump(), spec=spec.model_dump(by_alias=True, exclude={"env"}) | {"env": sorted(spec.env)},
+            priority_class=pclass,
+            priority=priority,
+            policy_sha256=policy_hash(policy),
+            image=image,
+            image_digest=image.rsplit("@", 1)[1] if "@" in image else "",
+            command=spec.argv,
+            working_dir=spec.working_dir or "",
+            checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
+            env_names=[],
+            experiment=spec.experiment,
+            time_limit=spec.time_limit,
+            retries=spec.retries.model_dump(),
+            spec=spec.model_dump(by_alias=True, exclude={"env"}) | {"env": sorted(spec.env)},
             name=spec.name,
         )
         self._env_values[job_id] = dict(spec.env)  # values: hub-private file, never in the record
@@ -229,8 +244,15 @@ class JobManager(SingletonConfigurable):
             if profile is None:
                 raise QueueRefused(f"profile {rec.profile['slug']!r} is no longer in the policy")
             live.demand = demand_for(self.policy, profile)
-        ticket = Ticket(key=KEY_PREFIX + rec.id, user=rec.user, team=rec.team, profile=rec.profile["slug"],
-                        demand=dict(live.demand), priority=rec.priority, created=att.queued)
+        ticket = Ticket(
+            key=KEY_PREFIX + rec.id,
+            user=rec.user,
+            team=rec.team,
+            profile=rec.profile["slug"],
+            demand=dict(live.demand),
+            priority=rec.priority,
+            created=att.queued,
+        )
         queue = self.broker.queue
         # Seam: jobs keep their own records across restarts; the queue journal is for
         # servers (its entries are re-spawned through the REST API), so a job's ticket is
@@ -327,8 +349,14 @@ class JobManager(SingletonConfigurable):
     def _launcher(self, rec: R.JobRecord, att: R.Attempt, env: dict, limits) -> JobProcess:
         nodes = self.broker.devices.nodes_for(att.devices) if att.devices else []
         return JobProcess(
-            user_name=rec.user, job_id=rec.id, argv=rec.command, env=env, devices=att.devices,
-            device_nodes=nodes, limits=limits, config=launcher_config(self.config),
+            user_name=rec.user,
+            job_id=rec.id,
+            argv=rec.command,
+            env=env,
+            devices=att.devices,
+            device_nodes=nodes,
+            limits=limits,
+            config=launcher_config(self.config),
         )
 
     def _job_env(self, rec: R.JobRecord, att: R.Attempt, home: str) -> dict[str, str]:
@@ -344,11 +372,19 @@ class JobManager(SingletonConfigurable):
         if rec.name:
             tags["gpuhub.job.name"] = rec.name
         env.update(
-            GPUHUB_USER=rec.user, GPUHUB_TEAM=rec.team, GPUHUB_PROFILE=rec.profile["slug"],
-            GPUHUB_IMAGE="", GPUHUB_RUNTIME=one_machine_runtime(), GPUHUB_GPU_COUNT=str(rec.profile["gpu"]["count"]),
-            GPUHUB_GPU_FLAVOR=rec.profile["gpu"]["flavor"] or "", GPUHUB_SERVER_NAME="",
-            GPUHUB_JOB_ID=rec.id, GPUHUB_ATTEMPT=str(att.number), GPUHUB_CHECKPOINT_DIR=ckpt,
-            GPUHUB_WORKDIR=workdir, JUPYTERHUB_USER=rec.user,
+            GPUHUB_USER=rec.user,
+            GPUHUB_TEAM=rec.team,
+            GPUHUB_PROFILE=rec.profile["slug"],
+            GPUHUB_IMAGE="",
+            GPUHUB_RUNTIME=one_machine_runtime(),
+            GPUHUB_GPU_COUNT=str(rec.profile["gpu"]["count"]),
+            GPUHUB_GPU_FLAVOR=rec.profile["gpu"]["flavor"] or "",
+            GPUHUB_SERVER_NAME="",
+            GPUHUB_JOB_ID=rec.id,
+            GPUHUB_ATTEMPT=str(att.number),
+            GPUHUB_CHECKPOINT_DIR=ckpt,
+            GPUHUB_WORKDIR=workdir,
+            JUPYTERHUB_USER=rec.user,
             MLFLOW_RUN_CONTEXT=json.dumps(tags),
         )
         if rec.image_digest:
@@ -427,8 +463,10 @@ class JobManager(SingletonConfigurable):
             reason, message = GPU_FAILED, self.gpu_failed_message(failed_gpus)
         elif launcher.stop_reason:  # the launcher saw the cgroup's OOM kill
             reason = OOM
-            message = (f"stopped: it used more than its memory limit of {format_memory(rec.profile['memory'])} "
-                       f"(profile {rec.profile['slug']!r}); choose a profile with more memory")
+            message = (
+                f"stopped: it used more than its memory limit of {format_memory(rec.profile['memory'])} "
+                f"(profile {rec.profile['slug']!r}); choose a profile with more memory"
+            )
         elif code == 0:
             reason, message = "succeeded", "exit code 0"
         elif code < 0:
@@ -462,8 +500,9 @@ class JobManager(SingletonConfigurable):
             if not fut.done():
                 try:
                     # written by the job's first step, as the user: bounded like any user input
-                    fut.set_result(loads_json(bytes(buf).split(b"\n", 1)[0], what="the job's evidence",
-                                              max_bytes=65536, empty={}))
+                    fut.set_result(
+                        loads_json(bytes(buf).split(b"\n", 1)[0], what="the job's evidence", max_bytes=65536, empty={})
+                    )
                 except ValueError as e:  # (InputRefused is one)
                     fut.set_exception(e)
 
@@ -525,8 +564,10 @@ class JobManager(SingletonConfigurable):
 
     @staticmethod
     def gpu_failed_message(gpus: list[str]) -> str:
-        return (f"its GPU went out of service: {', '.join(gpus)}; queued again to resume from its checkpoint "
-                "on a healthy GPU (not counted against its retries)")
+        return (
+            f"its GPU went out of service: {', '.join(gpus)}; queued again to resume from its checkpoint "
+            "on a healthy GPU (not counted against its retries)"
+        )
 
     def gpu_failed(self, job_id: str, gpus: list[str]) -> bool:
         """GPUs this running job holds went bad (local/gpu_health.py; 'id (why)' each): stop
@@ -565,7 +606,8 @@ class JobManager(SingletonConfigurable):
         policy = self.policy
         queue = self.broker.queue
         running = [
-            (jid, self.jobs[jid], live) for jid, live in self._live.items()
+            (jid, self.jobs[jid], live)
+            for jid, live in self._live.items()
             if live.launcher is not None and live.stop_reason is None and jid in self.jobs
         ]
         if not running:
@@ -585,8 +627,14 @@ class JobManager(SingletonConfigurable):
             if check_fit(policy, usage, team, ticket.demand).fits and not self.broker.devices.shortage(ticket.demand):
                 continue  # it will be admitted anyway
             pool = sorted(
-                (r for r in running if r[1].team == team.name and r[1].priority <= ticket.priority
-                 and r[0] not in taken and any(k in r[2].demand for k in gpu_keys)),
+                (
+                    r
+                    for r in running
+                    if r[1].team == team.name
+                    and r[1].priority <= ticket.priority
+                    and r[0] not in taken
+                    and any(k in r[2].demand for k in gpu_keys)
+                ),
                 key=lambda r: (r[1].priority, -(r[1].current.started or 0)),
             )
             trial = {t: dict(u) for t, u in usage.items()}

@@ -68,8 +68,7 @@ def _netlink_listening(netns: str | None = None) -> dict[int, dict[int, int]]:
     with diag as s:
         for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
             body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, _TCPF_LISTEN)
-            s.send(_NLMSG.pack(_NLMSG.size + len(body), _SOCK_DIAG_BY_FAMILY,
-                               _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + body)
+            s.send(_NLMSG.pack(_NLMSG.size + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + body)
             done = False
             while not done:
                 data = s.recv(1 << 16)
@@ -141,8 +140,7 @@ def process_tree(pid: int, proc: str = "/proc", limit: int = MAX_SCAN) -> list[i
     return seen
 
 
-def socket_inodes(pids: list[int], proc: str = "/proc", wanted: set[int] | None = None,
-                  limit: int = MAX_SCAN) -> set[int] | None:
+def socket_inodes(pids: list[int], proc: str = "/proc", wanted: set[int] | None = None, limit: int = MAX_SCAN) -> set[int] | None:
     """Socket inodes among the processes' open files; None if they cannot be read (then
     who listens cannot be checked: a hub that is not root, servers of another user).
     Stops at the first of ``wanted`` found, and after ``limit`` processes and descriptors."""
@@ -161,7 +159,7 @@ def socket_inodes(pids: list[int], proc: str = "/proc", wanted: set[int] | None 
         except PermissionError:
             denied = True
             continue
-        for name in names[:max(0, budget)]:
+        for name in names[: max(0, budget)]:
             budget -= 1
             try:
                 target = os.readlink(f"{fd_dir}/{name}")
@@ -206,9 +204,8 @@ class ListenWatcher:
     _task: asyncio.Task | None = None
     reads: int = 0  # reads of the socket table so far (tests check it is one per tick, not per waiter)
 
-    async def wait(self, port: int, pid: int, timeout: float, uid: int | None = None,
-                   netns: str | None = None) -> str:
-        """"listening" when the server listens on ``port`` (a socket of account ``uid`` when
+    async def wait(self, port: int, pid: int, timeout: float, uid: int | None = None, netns: str | None = None) -> str:
+        """ "listening" when the server listens on ``port`` (a socket of account ``uid`` when
         given, else one of the process tree of ``pid``), "exited" when the process is gone
         first, "timeout" after ``timeout`` seconds; raises PortTaken when someone else's
         socket holds the port. ``netns``: the server's network namespace (its user's, behind
@@ -257,7 +254,8 @@ class ListenWatcher:
                 mine = w.uid in owners.values()
             else:  # everyone is the hub's user: look for the socket among the tree's files
                 found = await asyncio.to_thread(
-                    lambda: socket_inodes(process_tree(w.pid, self.proc), self.proc, wanted=set(owners)))
+                    lambda: socket_inodes(process_tree(w.pid, self.proc), self.proc, wanted=set(owners))
+                )
                 mine = found is None or bool(set(owners) & found)
             if w.future.done():
                 continue
@@ -312,8 +310,7 @@ class PortBook:
                 if port not in self.held and port_is_free(port):
                     self.held[port] = owner
                     return port
-            raise RuntimeError(f"no free port in {span.start}-{span.stop - 1} "
-                               f"({len(self.held)} held by this hub's servers)")
+            raise RuntimeError(f"no free port in {span.start}-{span.stop - 1} ({len(self.held)} held by this hub's servers)")
         pick = self._pick
         if pick is None:
             from jupyterhub.utils import random_port as pick

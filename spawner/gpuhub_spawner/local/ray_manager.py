@@ -41,8 +41,20 @@ from ..culling.rules import CullState, Signals, decide
 from ..jobs import records as R
 from ..jobs.spec import JobSpec, Retries
 from ..policy.access import ChoiceError
-from ..rayclusters import (BY_USER, FAILED, IDLE, QUEUED, RUNNING, STARTING, STOPPED, WITH_SERVER, RayClusterManager,
-                           RayClusterView, RayRequest, choose)
+from ..rayclusters import (
+    BY_USER,
+    FAILED,
+    IDLE,
+    QUEUED,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    WITH_SERVER,
+    RayClusterManager,
+    RayClusterView,
+    RayRequest,
+    choose,
+)
 from ..rayclusters.node import READY
 from ..usage import recorder as usage
 from .job_manager import KEY_PREFIX, JobManager
@@ -123,20 +135,57 @@ class LocalRayManager(RayClusterManager):
         flavor = choice.profile.gpu.flavor if choice.profile.gpu else None
         virtual = bool(flavor) and all(d.virtual for d in jobs.broker.devices.devices if d.flavor == flavor)
         cpus = max(1, (choice.profile.cpu or policy.defaults.cpu) // 1000)
-        command = [sys.executable, "-I", "-m", "gpuhub_spawner.rayclusters.node", "--gpus", str(choice.gpus),
-                   "--workers", str(request.workers), "--cpus", str(cpus), "--name", name] + (["--virtual"] if virtual else [])
+        command = [
+            sys.executable,
+            "-I",
+            "-m",
+            "gpuhub_spawner.rayclusters.node",
+            "--gpus",
+            str(choice.gpus),
+            "--workers",
+            str(request.workers),
+            "--cpus",
+            str(cpus),
+            "--name",
+            name,
+        ] + (["--virtual"] if virtual else [])
         # Built, not parsed: MARK is in the names a job file may not set (GPUHUB_*), so no job
         # of the user's can pass for a cluster.
         spec = JobSpec.model_construct(
-            profile=choice.profile.slug, team=choice.team.name, name=name, command=command, image=None,
-            working_dir=None, env={MARK: name, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token(user.name)},
-            retries=Retries(limit=0, reasons=[]), checkpoint_dir=None, experiment=None, time_limit=None)
+            profile=choice.profile.slug,
+            team=choice.team.name,
+            name=name,
+            command=command,
+            image=None,
+            working_dir=None,
+            env={MARK: name, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token(user.name)},
+            retries=Retries(limit=0, reasons=[]),
+            checkpoint_dir=None,
+            experiment=None,
+            time_limit=None,
+        )
         rec = jobs.submit(user, groups, spec)
-        usage.audit("ray_cluster_requested", user=user.name, key=KEY_PREFIX + rec.id, cluster=name, team=rec.team,
-                    profile=rec.profile["slug"], gpus=choice.gpus, workers=request.workers)
+        usage.audit(
+            "ray_cluster_requested",
+            user=user.name,
+            key=KEY_PREFIX + rec.id,
+            cluster=name,
+            team=rec.team,
+            profile=rec.profile["slug"],
+            gpus=choice.gpus,
+            workers=request.workers,
+        )
         view = self.view(rec)
-        log.info("Ray cluster %s (%s) of %s requested: %d GPU(s), %d worker(s), profile %s; %s",
-                 name, rec.id, user.name, choice.gpus, request.workers, rec.profile["slug"], view.status)
+        log.info(
+            "Ray cluster %s (%s) of %s requested: %d GPU(s), %d worker(s), profile %s; %s",
+            name,
+            rec.id,
+            user.name,
+            choice.gpus,
+            request.workers,
+            rec.profile["slug"],
+            view.status,
+        )
         self._ensure_loop()
         return view
 
@@ -178,14 +227,24 @@ class LocalRayManager(RayClusterManager):
                 text = line.decode("utf-8", "replace")
                 if text.startswith(READY):
                     try:
-                        info = json.loads(text[len(READY):])
+                        info = json.loads(text[len(READY) :])
                         port = int(info["dashboard_port"])
                         host, gport = str(info["address"]).rsplit(":", 1)
-                        w.ready = {"address": f"127.0.0.1:{int(gport)}", "dashboard_port": port,
-                                   "virtual": bool(info.get("virtual"))}
+                        w.ready = {
+                            "address": f"127.0.0.1:{int(gport)}",
+                            "dashboard_port": port,
+                            "virtual": bool(info.get("virtual")),
+                        }
                         w.ready_at = time.time()
-                        log.info("Ray cluster %s (%s) of %s running: %s, dashboard port %s, GPUs %s",
-                                 rec.name, rec.id, rec.user, w.ready["address"], port, ", ".join(att.devices) or "none")
+                        log.info(
+                            "Ray cluster %s (%s) of %s running: %s, dashboard port %s, GPUs %s",
+                            rec.name,
+                            rec.id,
+                            rec.user,
+                            w.ready["address"],
+                            port,
+                            ", ".join(att.devices) or "none",
+                        )
                     except (ValueError, KeyError, TypeError):
                         pass
             w.log_offset += end
@@ -197,10 +256,20 @@ class LocalRayManager(RayClusterManager):
         w = self._watch.get(rec.id)
         gpus = rec.profile["gpu"]["count"]
         v = RayClusterView(
-            id=rec.id, name=rec.name or rec.id, user=rec.user, team=rec.team, profile=rec.profile["slug"], gpus=gpus,
-            workers=_workers(rec), state="", status="", devices=list(att.devices) if att else [],
-            created=rec.attempts[0].queued if rec.attempts else None, started=att.started if att else None,
-            finished=rec.finished, warning=(w.warning if w else ""),
+            id=rec.id,
+            name=rec.name or rec.id,
+            user=rec.user,
+            team=rec.team,
+            profile=rec.profile["slug"],
+            gpus=gpus,
+            workers=_workers(rec),
+            state="",
+            status="",
+            devices=list(att.devices) if att else [],
+            created=rec.attempts[0].queued if rec.attempts else None,
+            started=att.started if att else None,
+            finished=rec.finished,
+            warning=(w.warning if w else ""),
         )
         if rec.state == R.QUEUED:
             v.state = QUEUED
@@ -213,8 +282,9 @@ class LocalRayManager(RayClusterManager):
             v.dashboard = f"gpuhub/ray/{v.name}/dashboard/"  # served by the owner's server, on their origin
             v.dashboard_port = ready["dashboard_port"]
             virtual = " (virtual GPUs: Ray schedules on them, CUDA has none)" if ready.get("virtual") and gpus else ""
-            v.status = (f"running: since {_ts(v.started)} with {gpus} GPU(s) {', '.join(v.devices)}{virtual}; "
-                        f"ray.init(\"{v.address}\")")
+            v.status = (
+                f'running: since {_ts(v.started)} with {gpus} GPU(s) {", ".join(v.devices)}{virtual}; ray.init("{v.address}")'
+            )
             if v.warning:
                 v.status += f"; {v.warning}"
         else:
@@ -230,8 +300,9 @@ class LocalRayManager(RayClusterManager):
         return v
 
     # -- stopping ---------------------------------------------------------------------------
-    async def stop(self, cluster: str, reason: str = BY_USER, user_name: str | None = None,
-                   message: str | None = None) -> RayClusterView | None:
+    async def stop(
+        self, cluster: str, reason: str = BY_USER, user_name: str | None = None, message: str | None = None
+    ) -> RayClusterView | None:
         rec = self._find(cluster, user_name)
         if rec is None:
             return None
@@ -251,8 +322,7 @@ class LocalRayManager(RayClusterManager):
         finally:
             self._ending.pop(rec.id, None)
         self._watch.pop(rec.id, None)
-        usage.audit("ray_cluster_stopped", user=rec.user, key=KEY_PREFIX + rec.id, cluster=rec.name, reason=reason,
-                    message=words)
+        usage.audit("ray_cluster_stopped", user=rec.user, key=KEY_PREFIX + rec.id, cluster=rec.name, reason=reason, message=words)
         log.info("Ray cluster %s (%s) of %s stopped: %s", rec.name, rec.id, rec.user, words)
         return self.view(rec)
 
@@ -305,16 +375,27 @@ class LocalRayManager(RayClusterManager):
             unread = None if (readings or not has_gpus) else (rules.gpu_unread or None)
             # From when the head was ready, not from the process start: Ray's start can take
             # minutes on a loaded machine, and a cluster is not idle before it could be used.
-            signals = Signals(started=w.ready_at or att.started or now, last_activity=None, gpu_last_busy=w.gpu_last_busy,
-                              has_gpus=has_gpus, gpu_unread=unread)
+            signals = Signals(
+                started=w.ready_at or att.started or now,
+                last_activity=None,
+                gpu_last_busy=w.gpu_last_busy,
+                has_gpus=has_gpus,
+                gpu_unread=unread,
+            )
             before = w.cull.deadline
             d = decide(now, rules, signals, w.cull)
             if d.action == "warn":
-                w.warning = (f"idle: {d.reason}; it will be stopped at {_ts(d.deadline)} unless its GPUs are used")
+                w.warning = f"idle: {d.reason}; it will be stopped at {_ts(d.deadline)} unless its GPUs are used"
                 if before is None:
                     log.info("Ray cluster %s (%s) of %s warned: %s", rec.name, rec.id, rec.user, w.warning)
-                    usage.audit("ray_cluster_warned", user=rec.user, key=KEY_PREFIX + rec.id, cluster=rec.name,
-                                reason=d.reason, deadline=d.deadline)
+                    usage.audit(
+                        "ray_cluster_warned",
+                        user=rec.user,
+                        key=KEY_PREFIX + rec.id,
+                        cluster=rec.name,
+                        reason=d.reason,
+                        deadline=d.deadline,
+                    )
             elif d.action == "cull":
                 await self.stop(rec.id, IDLE, message=f"stopped because it was idle: {d.reason}")
             else:

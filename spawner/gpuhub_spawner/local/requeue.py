@@ -67,9 +67,12 @@ async def requeue_after_start(app, token: str) -> None:
         path = f"users/{quote(user, safe='')}/" + (f"servers/{quote(server, safe='')}" if server else "server")
         try:
             resp = await client.fetch(
-                app.hub.url + "api/" + path, method="POST", body=json.dumps(ticket.user_options),
+                app.hub.url + "api/" + path,
+                method="POST",
+                body=json.dumps(ticket.user_options),
                 headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
-                raise_error=False, request_timeout=300,
+                raise_error=False,
+                request_timeout=300,
             )
             code, why = resp.code, (resp.body or b"")[:300].decode(errors="replace")
         except Exception as e:  # noqa: BLE001 - any failure: the request cannot come back

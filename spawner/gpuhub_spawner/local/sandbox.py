@@ -68,7 +68,12 @@ HAND_OVER_TIMEOUT = 60.0  # the launcher reads its pipe first thing
 
 # Character devices every process may use (the list container runtimes allow by default).
 STANDARD_NODES = {
-    "null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0),
+    "null": (1, 3),
+    "zero": (1, 5),
+    "full": (1, 7),
+    "random": (1, 8),
+    "urandom": (1, 9),
+    "tty": (5, 0),
 }
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -113,8 +118,12 @@ def build_dev(gpu_nodes: dict[str, tuple[int, int]]) -> None:
     os.symlink("pts/ptmx", "/dev/ptmx")
     os.mkdir("/dev/shm", 0o1777)
     _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
-    for link, target in {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-                         "stderr": "/proc/self/fd/2"}.items():
+    for link, target in {
+        "fd": "/proc/self/fd",
+        "stdin": "/proc/self/fd/0",
+        "stdout": "/proc/self/fd/1",
+        "stderr": "/proc/self/fd/2",
+    }.items():
         os.symlink(target, f"/dev/{link}")
     for name, (major, minor) in gpu_nodes.items():
         _node(f"/dev/{name}", major, minor)
@@ -204,8 +213,8 @@ def open_dir_nofollow(base: str, rel: str, create: bool = False) -> int:
                     raise UnsafePath(f"{done} changed while it was being made; refusing to follow it") from e
             except NotADirectoryError:  # O_NOFOLLOW|O_DIRECTORY on a link or a file
                 raise UnsafePath(
-                    f"{done} is a symbolic link or not a directory; gpuhub does not follow it as root "
-                    "(remove it and start again)") from None
+                    f"{done} is a symbolic link or not a directory; gpuhub does not follow it as root (remove it and start again)"
+                ) from None
             os.close(fd)
             fd = nfd
             if not stat.S_ISDIR(os.fstat(fd).st_mode):  # pragma: no cover - O_DIRECTORY ensures it
@@ -243,7 +252,7 @@ def _restore_staged(target: str, staged: list[tuple[str, str]]) -> None:
     following links, and the bind goes onto the opened directory itself.
     """
     for path, stage in staged:
-        fd = open_dir_nofollow(target, path[len(target):], create=True)
+        fd = open_dir_nofollow(target, path[len(target) :], create=True)
         try:
             _mount(stage, f"/proc/self/fd/{fd}", None, MS_BIND | MS_REC)
         finally:
@@ -429,8 +438,11 @@ def main(argv: list[str]) -> int:
         # command runs with this process's own environment, as the caller chose it.
         spec, cmd = json.loads(argv[0]), argv[2:]
     else:
-        print("usage: python -I -m gpuhub_spawner.local.sandbox --spec-fd FD -- COMMAND...\n"
-              "       python -I -m gpuhub_spawner.local.sandbox SPEC_JSON -- COMMAND...", file=sys.stderr)
+        print(
+            "usage: python -I -m gpuhub_spawner.local.sandbox --spec-fd FD -- COMMAND...\n"
+            "       python -I -m gpuhub_spawner.local.sandbox SPEC_JSON -- COMMAND...",
+            file=sys.stderr,
+        )
         return 2
     try:
         enter(spec)

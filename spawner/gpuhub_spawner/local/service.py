@@ -210,8 +210,9 @@ def held_prefix(prefix: str, lock_dir: str | None = None) -> PrefixLock | None:
     return lock if lock is not None and lock.held else None
 
 
-def hold_account_prefix(prefix: str, *, data_dir: str | None = None, config: str | None = None,
-                        lock_dir: str | None = None) -> PrefixLock:
+def hold_account_prefix(
+    prefix: str, *, data_dir: str | None = None, config: str | None = None, lock_dir: str | None = None
+) -> PrefixLock:
     """Hold ``prefix`` for the rest of this process; raise ``PrefixHeld`` naming the hub that has it.
 
     Also refused: a prefix that is a prefix of a held one, or the other way round
@@ -251,8 +252,12 @@ def hold_account_prefix(prefix: str, *, data_dir: str | None = None, config: str
     else:
         raise RuntimeError(f"cannot lock {path}: it keeps being replaced")
     info = {
-        "prefix": prefix, "pid": os.getpid(), "data_dir": data_dir, "config": config,
-        "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "argv": sys.argv,
+        "prefix": prefix,
+        "pid": os.getpid(),
+        "data_dir": data_dir,
+        "config": config,
+        "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "argv": sys.argv,
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
@@ -325,8 +330,11 @@ def hold_prefix_at_hub_start(c=None, stream=None) -> PrefixLock | None:
     if c is not None and "JupyterHub" in c and "cookie_secret_file" in c.JupyterHub:
         data_dir = str(Path(c.JupyterHub.cookie_secret_file).parent)
     try:
-        return hold_account_prefix(configured_prefix(c), data_dir=data_dir or os.getcwd(),
-                                   config=str(Path(app.config_file).resolve()) if app.config_file else None)
+        return hold_account_prefix(
+            configured_prefix(c),
+            data_dir=data_dir or os.getcwd(),
+            config=str(Path(app.config_file).resolve()) if app.config_file else None,
+        )
     except PrefixHeld as e:
         import logging
 

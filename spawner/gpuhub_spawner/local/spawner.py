@@ -69,12 +69,16 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         quota = team.quota.gpus.get(profile.gpu.flavor)
         waiting = sum(1 for t in self.broker.queue.waiting if t.team == team.name)
         nominal = quota.nominal if quota else 0
-        text = (f"Now: {free} of {total} free on this machine; {team.label} uses {used} of its quota of "
-                f"{nominal}; {waiting} waiting in {team.label}'s queue.")
+        text = (
+            f"Now: {free} of {total} free on this machine; {team.label} uses {used} of its quota of "
+            f"{nominal}; {waiting} waiting in {team.label}'s queue."
+        )
         if free and used + profile.gpu_count > nominal and team.cohort:
             # Said before the click: a start now would borrow, and what that means.
-            text += (" Starting now borrows another team's unused GPU: if that team needs it back, your "
-                     "server is warned and stopped after its notice (the newest borrower first).")
+            text += (
+                " Starting now borrows another team's unused GPU: if that team needs it back, your "
+                "server is warned and stopped after its notice (the newest borrower first)."
+            )
         return text
 
     # -- start ----------------------------------------------------------------------------
@@ -314,7 +318,13 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         # its owner can change); super().load_state() already checked pid + start time.
         devices = list(saved["devices"])
         adm = Admission(
-            self.server_key, self.user.name, saved["team"], saved["profile"], saved["demand"], devices, saved.get("since", time.time()),
+            self.server_key,
+            self.user.name,
+            saved["team"],
+            saved["profile"],
+            saved["demand"],
+            devices,
+            saved.get("since", time.time()),
             priority=saved.get("priority", 0),
         )
         try:
@@ -324,7 +334,9 @@ class QueuedGpuMixin(PolicySpawnerMixin):
             return
         self._admission = adm
         try:
-            self.choice = resolve_choice(self.broker.policy, self.user_groups, self.user_options or {"profile": saved["profile"], "team": saved["team"]})
+            self.choice = resolve_choice(
+                self.broker.policy, self.user_groups, self.user_options or {"profile": saved["profile"], "team": saved["team"]}
+            )
         except ChoiceError:
             self.choice = None
         self.log.info("Restored %s holding %s after restart", self.server_key, devices or "no devices")
@@ -390,11 +402,16 @@ def borrowed_words(policy, adm) -> str:
     lenders = [t for t in policy.cohort_members(team) if t.name != adm.team] if team else []
     names = f" ({', '.join(sorted(t.label for t in lenders))})" if lenders else ""
     notices = [policy.reclaim_rules(t).notice or 0 for t in lenders if policy.reclaim_rules(t).enabled]
-    when = (f"warned and stopped after at least {format_duration(min(notices))}" if notices
-            else "warned and stopped after the lending team's notice")
-    return (f"Borrowed: {' and '.join(parts)} of this {'is' if len(parts) == 1 else 'are'} other teams' unused "
-            f"quota{names}, beyond {label}'s own. If a lending team needs it back, one of your team's borrowing "
-            f"servers is {when}, the most recently started first; your files are kept.")
+    when = (
+        f"warned and stopped after at least {format_duration(min(notices))}"
+        if notices
+        else "warned and stopped after the lending team's notice"
+    )
+    return (
+        f"Borrowed: {' and '.join(parts)} of this {'is' if len(parts) == 1 else 'are'} other teams' unused "
+        f"quota{names}, beyond {label}'s own. If a lending team needs it back, one of your team's borrowing "
+        f"servers is {when}, the most recently started first; your files are kept."
+    )
 
 
 class LocalGpuSpawner(QueuedGpuMixin, IsolatedProcessSpawner):

@@ -117,9 +117,21 @@ def _ensure_account(hub_name: str, prefix: str, shell: str) -> Account:
                 raise AccountError(f"Unix account {name!r} is privileged (uid/gid 0)")
             return Account(name, entry.pw_uid, entry.pw_gid, hub_name)
         r = subprocess.run(
-            ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
-             "--shell", shell, "--comment", gecos(hub_name), name],
-            capture_output=True, text=True,
+            [
+                "useradd",
+                "--system",
+                "--user-group",
+                "--no-create-home",
+                "--home-dir",
+                "/nonexistent",
+                "--shell",
+                shell,
+                "--comment",
+                gecos(hub_name),
+                name,
+            ],
+            capture_output=True,
+            text=True,
         )
         if r.returncode == 0:
             continue
@@ -179,8 +191,8 @@ def _take_over(home_fd: int, old_uid: int, account: Account, path: str) -> None:
                 continue
     if skipped:
         logging.getLogger("JupyterHub.gpuhub.accounts").warning(
-            "home %s: %d entries not taken over for %s (another owner's, or hard-linked files)",
-            path, skipped, account.name)
+            "home %s: %d entries not taken over for %s (another owner's, or hard-linked files)", path, skipped, account.name
+        )
 
 
 def remove_accounts(prefix: str) -> list[str]:

@@ -66,8 +66,14 @@ class WallError(RuntimeError):
 
 def _run(args: list[str], stdin: str | None = None, check: bool = True) -> str:
     try:
-        out = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=30,
-                             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"})
+        out = subprocess.run(
+            args,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+        )
     except FileNotFoundError:
         raise WallError(f"{args[0]} not found: install iproute2 (the wall needs `ip`)") from None
     if out.returncode != 0 and check:
@@ -141,9 +147,10 @@ class Wall:
             if os.path.exists(v6):
                 _sysctl(v6, "1")
             _sysctl(f"/proc/sys/net/ipv4/conf/{self.bridge}/forwarding", "0")  # until the rules below hold
-            _run([IP, "-batch", "-"], stdin=(
-                f"addr replace {self.gateway}/{self.network.prefixlen} dev {self.bridge}\n"
-                f"link set {self.bridge} up\n"))
+            _run(
+                [IP, "-batch", "-"],
+                stdin=(f"addr replace {self.gateway}/{self.network.prefixlen} dev {self.bridge}\nlink set {self.bridge} up\n"),
+            )
             # recorded before forwarding is turned on: another hub's last wall going away
             # meanwhile then sees this one and leaves forwarding on
             self.registry.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -156,8 +163,9 @@ class Wall:
         return f"gpuhub_{self.bridge}"
 
     def _table_holds(self) -> bool:
-        out = subprocess.run(["nft", "list", "table", "inet", self.table], capture_output=True,
-                             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        out = subprocess.run(
+            ["nft", "list", "table", "inet", self.table], capture_output=True, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+        )
         return out.returncode == 0
 
     def _let_users_out(self) -> str | None:
@@ -189,7 +197,8 @@ class Wall:
             # Linux answers for a local address on any interface (the LAN, another hub's users)
             f'    ip daddr {self.gateway} iifname != {{ "lo", "{self.bridge}" }} drop\n'
             "  }\n"
-            "}\n")
+            "}\n"
+        )
         try:
             _run(["nft", "-f", "-"], stdin=rules)
             _machine_forwards()
@@ -215,7 +224,8 @@ class Wall:
                 if theirs.overlaps(self.network):
                     raise WallError(
                         f"user_network {self.network} overlaps {theirs} on interface {link.get('ifname')}: "
-                        "choose another network for the users (LocalGpuSpawner.user_network or $GPUHUB_USER_NETWORK)")
+                        "choose another network for the users (LocalGpuSpawner.user_network or $GPUHUB_USER_NETWORK)"
+                    )
 
     # -- a user's side ----------------------------------------------------------------------
     def _veth(self, account: str) -> str:
@@ -275,19 +285,25 @@ class Wall:
                     host.append(f"netns add {ns}")
                 else:  # a namespace whose pair is gone (removed by hand): its end may linger inside
                     _run([IP, "-force", "-n", ns, "-batch", "-"], stdin="link del eth0\n", check=False)
-                host += [f"link add {veth} type veth peer name eth0 netns {ns}",
-                         f"link set {veth} addrgenmode none",
-                         f"link set {veth} master {self.bridge}",
-                         f"link set dev {veth} type bridge_slave isolated on",  # no path to another user's port
-                         f"link set {veth} up"]
+                host += [
+                    f"link add {veth} type veth peer name eth0 netns {ns}",
+                    f"link set {veth} addrgenmode none",
+                    f"link set {veth} master {self.bridge}",
+                    f"link set dev {veth} type bridge_slave isolated on",  # no path to another user's port
+                    f"link set {veth} up",
+                ]
                 try:
                     _run([IP, "-batch", "-"], stdin="\n".join(host) + "\n")
-                    _run([IP, "-n", ns, "-batch", "-"], stdin=(
-                        "link set eth0 addrgenmode none\n"
-                        f"addr replace {address}/{self.network.prefixlen} dev eth0\n"
-                        "link set lo up\n"
-                        "link set eth0 up\n"
-                        f"route replace default via {self.gateway} dev eth0\n"))
+                    _run(
+                        [IP, "-n", ns, "-batch", "-"],
+                        stdin=(
+                            "link set eth0 addrgenmode none\n"
+                            f"addr replace {address}/{self.network.prefixlen} dev eth0\n"
+                            "link set lo up\n"
+                            "link set eth0 up\n"
+                            f"route replace default via {self.gateway} dev eth0\n"
+                        ),
+                    )
                 except WallError:  # half made (not isolated, no address): never left to look ready
                     _run([IP, "link", "del", veth], check=False)
                     raise
@@ -349,15 +365,19 @@ def _machine_forwards() -> None:
     fwd = Path("/proc/sys/net/ipv4/ip_forward")
     if fwd.read_text().strip() == "1" and not FORWARDING_MARK.exists():
         return
-    _run(["nft", "-f", "-"], stdin=(
-        f"table inet {FORWARDING_TABLE}\n"
-        f"delete table inet {FORWARDING_TABLE}\n"
-        f"table inet {FORWARDING_TABLE} {{\n"
-        "  chain forward {\n"
-        "    type filter hook forward priority filter; policy accept;\n"
-        '    iifname != "gh*" oifname != "gh*" drop\n'
-        "  }\n"
-        "}\n"))
+    _run(
+        ["nft", "-f", "-"],
+        stdin=(
+            f"table inet {FORWARDING_TABLE}\n"
+            f"delete table inet {FORWARDING_TABLE}\n"
+            f"table inet {FORWARDING_TABLE} {{\n"
+            "  chain forward {\n"
+            "    type filter hook forward priority filter; policy accept;\n"
+            '    iifname != "gh*" oifname != "gh*" drop\n'
+            "  }\n"
+            "}\n"
+        ),
+    )
     FORWARDING_MARK.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     FORWARDING_MARK.touch()
     if fwd.read_text().strip() != "1":
@@ -403,14 +423,15 @@ def available() -> str | None:
     """Why the wall cannot be built here, or None when it can (root, iproute2, /run)."""
     if os.geteuid() != 0:
         return "the hub is not root"
-    if not (os.path.isabs(IP) and os.access(IP, os.X_OK)) and subprocess.run(
-            ["sh", "-c", f"command -v {IP}"], capture_output=True).returncode != 0:
+    if (
+        not (os.path.isabs(IP) and os.access(IP, os.X_OK))
+        and subprocess.run(["sh", "-c", f"command -v {IP}"], capture_output=True).returncode != 0
+    ):
         return f"no `{IP}` (install iproute2)"
     return None
 
 
-def resolver_for_users(resolv_conf: str = "/etc/resolv.conf",
-                       upstream: str = "/run/systemd/resolve/resolv.conf") -> str | None:
+def resolver_for_users(resolv_conf: str = "/etc/resolv.conf", upstream: str = "/run/systemd/resolve/resolv.conf") -> str | None:
     """The resolver file users behind the wall should see, where the machine's own is of no
     use to them: a loopback resolver (systemd-resolved's 127.0.0.53) is the machine's, not
     theirs. Then systemd-resolved's list of the real upstream servers, bound over
@@ -486,8 +507,10 @@ def configure_wall(c, isolated: bool, stream=None) -> str | None:
         for section in ("LocalGpuSpawner", "IsolatedProcessSpawner"):
             c[section].network_wall = "off"
         if isolated:
-            msg = ("gpuhub: NO WALL between users' network ports (network_wall = 'off'): every port a user's "
-                   "programs open (kernels, Ray, TensorBoard) answers every other user")
+            msg = (
+                "gpuhub: NO WALL between users' network ports (network_wall = 'off'): every port a user's "
+                "programs open (kernels, Ray, TensorBoard) answers every other user"
+            )
             print(msg, file=out, flush=True)
             log.warning(msg)
         return None
@@ -504,21 +527,27 @@ def configure_wall(c, isolated: bool, stream=None) -> str | None:
             raise SystemExit(f"gpuhub: network_wall = 'on' but the wall cannot be built: {problem}")
         for section in ("LocalGpuSpawner", "IsolatedProcessSpawner"):
             c[section].network_wall = "off"
-        msg = ("\n" + "!" * 78 + f"\ngpuhub: NO WALL between users' network ports ({problem}): every port a user's\n"
-               "  programs open (kernels, Ray, TensorBoard) answers every other user on this machine.\n" + "!" * 78)
+        msg = (
+            "\n" + "!" * 78 + f"\ngpuhub: NO WALL between users' network ports ({problem}): every port a user's\n"
+            "  programs open (kernels, Ray, TensorBoard) answers every other user on this machine.\n" + "!" * 78
+        )
         print(msg, file=out, flush=True)
         log.warning(msg)
         return None
     for section in ("LocalGpuSpawner", "IsolatedProcessSpawner"):
         c[section].network_wall = "on"
         c[section].user_network = str(wall.network)
-    msg = (f"gpuhub: a wall around each user: every user's servers, jobs and Ray clusters in a network "
-           f"namespace of their own, on bridge {wall.bridge} ({wall.network}); the hub answers them at {wall.gateway}")
+    msg = (
+        f"gpuhub: a wall around each user: every user's servers, jobs and Ray clusters in a network "
+        f"namespace of their own, on bridge {wall.bridge} ({wall.network}); the hub answers them at {wall.gateway}"
+    )
     print(msg, file=out, flush=True)
     log.info(msg)
     if wall.outside is not None:
-        msg = (f"gpuhub: users' servers and jobs reach only this machine, not the network beyond it "
-               f"({wall.outside}): no package index, no dataset download, no DNS server elsewhere")
+        msg = (
+            f"gpuhub: users' servers and jobs reach only this machine, not the network beyond it "
+            f"({wall.outside}): no package index, no dataset download, no DNS server elsewhere"
+        )
         print(msg, file=out, flush=True)
         log.warning(msg)
     return wall.gateway

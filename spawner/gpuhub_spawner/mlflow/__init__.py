@@ -45,10 +45,16 @@ def configure(
     extra_args: list[str] | None = None,
     service_environment: dict[str, str] | None = None,
     pass_environment: tuple[str, ...] = (
-        "GPUHUB_MLFLOW_BACKEND_STORE_URI", "GPUHUB_MLFLOW_AUTH_DB_URI",
-        "GPUHUB_MLFLOW_ADMIN_USERNAME", "GPUHUB_MLFLOW_ADMIN_PASSWORD",
-        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
-        "MLFLOW_S3_ENDPOINT_URL", "MLFLOW_S3_IGNORE_TLS",
+        "GPUHUB_MLFLOW_BACKEND_STORE_URI",
+        "GPUHUB_MLFLOW_AUTH_DB_URI",
+        "GPUHUB_MLFLOW_ADMIN_USERNAME",
+        "GPUHUB_MLFLOW_ADMIN_PASSWORD",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_DEFAULT_REGION",
+        "MLFLOW_S3_ENDPOINT_URL",
+        "MLFLOW_S3_IGNORE_TLS",
     ),
     bind_ip: str | None = None,
     service_options: dict | None = None,
@@ -98,8 +104,15 @@ def configure(
     if not base_url.endswith("/"):
         base_url += "/"
     prefix = f"{base_url}services/{service_name}/"
-    command = [python or sys.executable, "-m", "gpuhub_spawner.mlflow", "--data-dir", str(data_dir),
-               "--reconcile-interval", str(reconcile_interval)]
+    command = [
+        python or sys.executable,
+        "-m",
+        "gpuhub_spawner.mlflow",
+        "--data-dir",
+        str(data_dir),
+        "--reconcile-interval",
+        str(reconcile_interval),
+    ]
     if policy_path:
         command += ["--policy", str(policy_path)]
     if external_url:
@@ -138,12 +151,14 @@ def configure(
 
     # The service lists users (to revoke removed ones) and reads their groups (teams).
     roles = [r for r in _section_get(hub, "load_roles", []) if r.get("name") != SERVICE_ROLE]
-    roles.append({
-        "name": SERVICE_ROLE,
-        "description": "gpuhub MLflow service: map hub users and groups to MLflow accounts",
-        "scopes": ["list:users", "read:users:name", "read:users:groups"],
-        "services": [service_name],
-    })
+    roles.append(
+        {
+            "name": SERVICE_ROLE,
+            "description": "gpuhub MLflow service: map hub users and groups to MLflow accounts",
+            "scopes": ["list:users", "read:users:name", "read:users:groups"],
+            "services": [service_name],
+        }
+    )
     hub.load_roles = roles
 
     access = f"access:services!service={service_name}"

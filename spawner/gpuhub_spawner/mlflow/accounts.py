@@ -66,8 +66,15 @@ class _Synced:
 class Accounts:
     """Provision, re-sync and delete per-user MLflow accounts through the admin API."""
 
-    def __init__(self, base_url: str, admin_username: str, admin_password: str, passwords, host_header: str | None = None,
-                 resync_after: float = 300.0):
+    def __init__(
+        self,
+        base_url: str,
+        admin_username: str,
+        admin_password: str,
+        passwords,
+        host_header: str | None = None,
+        resync_after: float = 300.0,
+    ):
         self.base_url = base_url.rstrip("/")
         self.admin_username = admin_username
         self._admin_auth = basic_auth(admin_username, admin_password)
@@ -84,8 +91,9 @@ class Accounts:
     def user_auth(self, username: str) -> str:
         return basic_auth(username, self.passwords.user(username))
 
-    async def call(self, method: str, path: str, params: dict | None = None, body: dict | None = None,
-                   auth: str | None = None) -> dict:
+    async def call(
+        self, method: str, path: str, params: dict | None = None, body: dict | None = None, auth: str | None = None
+    ) -> dict:
         url = f"{self.base_url}/api/{path}"
         if params:
             url += "?" + urlencode(params, doseq=True)
@@ -125,8 +133,7 @@ class Accounts:
         after a restart of the service, which catches changes made while it was down).
         """
         synced = self._synced.get(username)
-        if (synced and synced.teams == teams and synced.viewer == viewer
-                and time.monotonic() - synced.at < self.resync_after):
+        if synced and synced.teams == teams and synced.viewer == viewer and time.monotonic() - synced.at < self.resync_after:
             return
         password = self.passwords.user(username)
         if await self.get_user(username) is None:
@@ -139,8 +146,7 @@ class Accounts:
         elif synced is None:
             # Existing account (earlier run, or an existing server being adopted):
             # make its password the derived one, so only this service can use it.
-            await self.call("PATCH", "2.0/mlflow/users/update-password",
-                            body={"username": username, "password": password})
+            await self.call("PATCH", "2.0/mlflow/users/update-password", body={"username": username, "password": password})
         await self._sync_roles(username, teams, viewer)
         self._synced[username] = _Synced(teams, viewer, time.monotonic())
 
@@ -169,10 +175,17 @@ class Accounts:
         for role in roles:
             self._role_ids[role["name"]] = int(role["id"])
         if name not in self._role_ids:
-            role = (await self.call("POST", "3.0/mlflow/roles/create", body={
-                "name": name, "workspace": WORKSPACE,
-                "description": f"gpuhub team {team}: read access to experiments its members create",
-            }))["role"]
+            role = (
+                await self.call(
+                    "POST",
+                    "3.0/mlflow/roles/create",
+                    body={
+                        "name": name,
+                        "workspace": WORKSPACE,
+                        "description": f"gpuhub team {team}: read access to experiments its members create",
+                    },
+                )
+            )["role"]
             self._role_ids[name] = int(role["id"])
         return self._role_ids[name]
 
@@ -180,8 +193,7 @@ class Accounts:
         """The user's MLflow roles become exactly: a ``team-<name>`` role per team, and
         ``gpuhub-viewers`` iff ``viewer``. Any failure raises (the request is refused)."""
         have = (await self.call("GET", "3.0/mlflow/users/roles/list", {"username": username})).get("roles", [])
-        have_team = {r["name"][len(TEAM_ROLE_PREFIX):]: int(r["id"]) for r in have
-                     if r["name"].startswith(TEAM_ROLE_PREFIX)}
+        have_team = {r["name"][len(TEAM_ROLE_PREFIX) :]: int(r["id"]) for r in have if r["name"].startswith(TEAM_ROLE_PREFIX)}
         for team in teams:
             if team not in have_team:
                 role_id = await self.team_role_id(team)
@@ -209,21 +221,40 @@ class Accounts:
         roles = (await self.call("GET", "3.0/mlflow/roles/list", {"workspace": WORKSPACE})).get("roles", [])
         found = next((r for r in roles if r["name"] == VIEWER_ROLE), None)
         if found is None:
-            found = (await self.call("POST", "3.0/mlflow/roles/create", body={
-                "name": VIEWER_ROLE, "workspace": WORKSPACE,
-                "description": "gpuhub viewers: read every experiment's runs and metrics",
-            }))["role"]
-            await self.call("POST", "3.0/mlflow/roles/permissions/add", body={
-                "role_id": int(found["id"]), "resource_type": "experiment", "resource_pattern": "*",
-                "permission": "READ",
-            })
+            found = (
+                await self.call(
+                    "POST",
+                    "3.0/mlflow/roles/create",
+                    body={
+                        "name": VIEWER_ROLE,
+                        "workspace": WORKSPACE,
+                        "description": "gpuhub viewers: read every experiment's runs and metrics",
+                    },
+                )
+            )["role"]
+            await self.call(
+                "POST",
+                "3.0/mlflow/roles/permissions/add",
+                body={
+                    "role_id": int(found["id"]),
+                    "resource_type": "experiment",
+                    "resource_pattern": "*",
+                    "permission": "READ",
+                },
+            )
         role_id = self._role_ids[VIEWER_ROLE] = int(found["id"])
         return role_id
 
     async def share_experiment_with_teams(self, experiment_id: str, teams: tuple[str, ...]) -> None:
         for team in teams:
             role_id = await self.team_role_id(team)
-            await self.call("POST", "3.0/mlflow/roles/permissions/add", body={
-                "role_id": role_id, "resource_type": "experiment",
-                "resource_pattern": str(experiment_id), "permission": "READ",
-            })
+            await self.call(
+                "POST",
+                "3.0/mlflow/roles/permissions/add",
+                body={
+                    "role_id": role_id,
+                    "resource_type": "experiment",
+                    "resource_pattern": str(experiment_id),
+                    "permission": "READ",
+                },
+            )

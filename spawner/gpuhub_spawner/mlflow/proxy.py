@@ -86,9 +86,15 @@ GRAPHQL = re.compile(r"^graphql(?:/|$)")
 # MlflowGetExperimentQuery), so a viewer can open a run page. Not mlflowListArtifacts
 # (artifacts), mlflowSearchModelVersions or mlflowSearchDatasets, no mutation, no
 # introspection beyond __typename.
-VIEWER_GRAPHQL_FIELDS = frozenset({
-    "mlflowGetRun", "mlflowSearchRuns", "mlflowGetExperiment", "mlflowGetMetricHistoryBulkInterval", "__typename",
-})
+VIEWER_GRAPHQL_FIELDS = frozenset(
+    {
+        "mlflowGetRun",
+        "mlflowSearchRuns",
+        "mlflowGetExperiment",
+        "mlflowGetMetricHistoryBulkInterval",
+        "__typename",
+    }
+)
 GRAPHQL_MAX_BODY = 2**20  # a viewer's GraphQL request (the UI's are about 3 KiB)
 GRAPHQL_MAX_TOKENS = 10_000
 
@@ -125,9 +131,25 @@ UI_DEFAULTS_JS = b"""// gpuhub: defaults of the MLflow UI on this hub (see gpuhu
 UI_PAGE_DROP = {"accept-encoding", "if-none-match", "if-modified-since", "if-range", "range"}
 
 HOP_BY_HOP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-    "transfer-encoding", "upgrade", "content-length", "host", "authorization", "cookie", "expect",
-    "origin", "referer", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "host",
+    "authorization",
+    "cookie",
+    "expect",
+    "origin",
+    "referer",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-real-ip",
 }
 RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "content-length", "www-authenticate", "server", "date"}
 USER_TAG = "mlflow.user"
@@ -150,7 +172,7 @@ def personal_experiment(username: str) -> str:
 
 def check_experiment_name(name: object, username: str) -> None:
     if isinstance(name, str) and name.startswith(PERSONAL_PREFIX):
-        owner = name[len(PERSONAL_PREFIX):].split("/", 1)[0]
+        owner = name[len(PERSONAL_PREFIX) :].split("/", 1)[0]
         if owner != username:
             raise Refused(403, f"Experiment names under '{PERSONAL_PREFIX}{owner}' are reserved for hub user {owner}.")
 
@@ -380,8 +402,12 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
     def write_error(self, status_code: int, **kwargs):
         exc = kwargs.get("exc_info", (None, None, None))[1]
         message = getattr(exc, "log_message", None) or getattr(exc, "message", None) or self._reason
-        default_code = {400: "INVALID_PARAMETER_VALUE", 401: "PERMISSION_DENIED", 403: "PERMISSION_DENIED",
-                        413: "REQUEST_LIMIT_EXCEEDED"}.get(status_code, "INTERNAL_ERROR")
+        default_code = {
+            400: "INVALID_PARAMETER_VALUE",
+            401: "PERMISSION_DENIED",
+            403: "PERMISSION_DENIED",
+            413: "REQUEST_LIMIT_EXCEEDED",
+        }.get(status_code, "INTERNAL_ERROR")
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps({"error_code": getattr(exc, "error_code", default_code), "message": message}))
 
@@ -412,7 +438,7 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             raise web.HTTPError(400, f"Ambiguous request path refused: {e}.") from None
         if not path.startswith(state.prefix):
             raise web.HTTPError(404)
-        self.rel = path[len(state.prefix):]
+        self.rel = path[len(state.prefix) :]
 
         model = await self.hub_auth.get_user(self, sync=False)
         user = None
@@ -423,8 +449,9 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         if user is None:
             token_given = bool(self.request.headers.get("Authorization"))
             if token_given or API_PATH.match(self.rel) or method not in ("GET", "HEAD"):
-                raise web.HTTPError(401 if not model else 403,
-                                    "Log in to the hub (browser) or send a hub API token (Authorization: Bearer ...).")
+                raise web.HTTPError(
+                    401 if not model else 403, "Log in to the hub (browser) or send a hub API token (Authorization: Bearer ...)."
+                )
             self.redirect(self.get_login_url())
             return
         if not getattr(self, "_token_authenticated", False) and method not in SAFE_METHODS:
@@ -439,8 +466,7 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         if self._route == "block":
             raise web.HTTPError(403, "Account administration is managed by the hub, not through MLflow.")
         self._ui_page = self.rel == UI_PAGE and method == "GET"
-        self._buffered = (is_rewritten(self.rel, method) or self._route in ("users-list", "roles-list")
-                          or self._ui_page)
+        self._buffered = is_rewritten(self.rel, method) or self._route in ("users-list", "roles-list") or self._ui_page
         self._limit = state.max_json_body_size if self._buffered else state.max_upload_size
         headers = self.request.headers
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
@@ -572,8 +598,12 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             data["users"] = [u for u in data.get("users", []) if u.get("username") == username]
             return self._relay_json(response, data)
         if response.code == 200 and self._route == "roles-list":
-            mine = await self._fetch(self.rel.replace("roles/list", "users/roles/list"), b"",
-                                     query=f"username={url_escape(username, plus=False)}", method="GET")
+            mine = await self._fetch(
+                self.rel.replace("roles/list", "users/roles/list"),
+                b"",
+                query=f"username={url_escape(username, plus=False)}",
+                method="GET",
+            )
             own = {r.get("id") for r in json.loads(mine.body).get("roles", [])} if mine.code == 200 else set()
             data = json.loads(response.body)
             data["roles"] = [r for r in data.get("roles", []) if r.get("id") in own]
@@ -711,9 +741,15 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
         if "body" in kwargs and not kwargs["body"] and method not in BODY_METHODS:
             kwargs["body"] = None
         return HTTPRequest(
-            url, method=method, headers=headers, allow_nonstandard_methods=True,
-            follow_redirects=False, decompress_response=False, request_timeout=self.state.request_timeout,
-            connect_timeout=20, **kwargs,
+            url,
+            method=method,
+            headers=headers,
+            allow_nonstandard_methods=True,
+            follow_redirects=False,
+            decompress_response=False,
+            request_timeout=self.state.request_timeout,
+            connect_timeout=20,
+            **kwargs,
         )
 
     def _relay_head(self, code: int, reason: str | None, headers: httputil.HTTPHeaders):
@@ -734,7 +770,7 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
 
     def _rewrite_location(self, value: str) -> str:
         root = self.state.upstream_root
-        return self.state.prefix + value[len(root):] if value.startswith(root) else value
+        return self.state.prefix + value[len(root) :] if value.startswith(root) else value
 
 
 class RootRedirect(web.RequestHandler):

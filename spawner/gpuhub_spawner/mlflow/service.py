@@ -77,9 +77,19 @@ class TeamResolver:
 
 
 class ServiceState:
-    def __init__(self, *, prefix: str, upstream_url: str, accounts: Accounts, teams: TeamResolver,
-                 state_dir: Path, request_timeout: float = 3600.0, max_upload_size: int = 2**30,
-                 max_json_body_size: int = 16 * 2**20, public_origins: list[str] | tuple[str, ...] = ()):
+    def __init__(
+        self,
+        *,
+        prefix: str,
+        upstream_url: str,
+        accounts: Accounts,
+        teams: TeamResolver,
+        state_dir: Path,
+        request_timeout: float = 3600.0,
+        max_upload_size: int = 2**30,
+        max_json_body_size: int = 16 * 2**20,
+        public_origins: list[str] | tuple[str, ...] = (),
+    ):
         u = urlparse(upstream_url)
         self.upstream_root = upstream_url.rstrip("/") + "/"  # relative paths are appended to this
         self.upstream_base = f"{u.scheme}://{u.netloc}"
@@ -155,8 +165,11 @@ class ServiceState:
         offset = 0
         while True:
             url = f"{hub_auth.api_url.rstrip('/')}/users?" + urlencode({"offset": offset, "limit": 200})
-            req = HTTPRequest(url, headers={"Authorization": f"token {hub_auth.api_token}",
-                                            "Accept": "application/jupyterhub-pagination+json"}, request_timeout=30)
+            req = HTTPRequest(
+                url,
+                headers={"Authorization": f"token {hub_auth.api_token}", "Accept": "application/jupyterhub-pagination+json"},
+                request_timeout=30,
+            )
             r = await self.http.fetch(req)
             data = json.loads(r.body)
             items = data["items"] if isinstance(data, dict) else data
@@ -194,32 +207,42 @@ class MlflowService(Application):
     policy = Unicode("", help="Policy YAML: hub groups -> teams for team read access.").tag(config=True)
     external_url = Unicode("", help="Use this existing MLflow server (with basic-auth) instead of starting one.").tag(config=True)
     admin_credentials_file = Unicode(
-        "", help="JSON {username, password} of the existing server's admin (with external_url); "
-                 "default: $GPUHUB_MLFLOW_ADMIN_USERNAME/$GPUHUB_MLFLOW_ADMIN_PASSWORD").tag(config=True)
+        "",
+        help="JSON {username, password} of the existing server's admin (with external_url); "
+        "default: $GPUHUB_MLFLOW_ADMIN_USERNAME/$GPUHUB_MLFLOW_ADMIN_PASSWORD",
+    ).tag(config=True)
     backend_store_uri = Unicode(
         help="Default $GPUHUB_MLFLOW_BACKEND_STORE_URI, else SQLite under data_dir; pass database "
-             "passwords through that variable, not the command line.").tag(config=True)
+        "passwords through that variable, not the command line."
+    ).tag(config=True)
     artifacts_destination = Unicode("", help="Default <data_dir>/artifacts; e.g. s3://bucket/path.").tag(config=True)
-    auth_db_uri = Unicode(help="MLflow auth database; default $GPUHUB_MLFLOW_AUTH_DB_URI, else SQLite under data_dir.").tag(config=True)
+    auth_db_uri = Unicode(help="MLflow auth database; default $GPUHUB_MLFLOW_AUTH_DB_URI, else SQLite under data_dir.").tag(
+        config=True
+    )
     bind_ip = Unicode("", help="Listen here instead of the host of JUPYTERHUB_SERVICE_URL (0.0.0.0 in a pod).").tag(config=True)
     workers = Integer(1, help="uvicorn workers of the MLflow server.").tag(config=True)
     reconcile_interval = Float(60.0, help="Seconds between removed-user sweeps.").tag(config=True)
     mlflow_args = List(Unicode(), help="Extra arguments for `mlflow server`.").tag(config=True)
     max_upload_size = Integer(
-        2**30, min=0,
+        2**30,
+        min=0,
         help="Largest request body (artifact upload) in bytes; larger ones get 413. Bodies are "
-             "streamed to MLflow, so this bounds disk use, not the service's memory.").tag(config=True)
+        "streamed to MLflow, so this bounds disk use, not the service's memory.",
+    ).tag(config=True)
     max_json_body_size = Integer(
-        16 * 2**20, min=0,
+        16 * 2**20,
+        min=0,
         help="Largest body of the JSON requests the proxy rewrites (runs/create, log-batch, "
-             "experiments/create, ...), which it must hold in memory; larger ones get 413.").tag(config=True)
+        "experiments/create, ...), which it must hold in memory; larger ones get 413.",
+    ).tag(config=True)
     public_origins = List(
         Unicode(),
         help="Origins (scheme://host[:port]) the MLflow UI is served from. A cookie-authenticated "
-             "write must come from one of them (Origin header) or say Sec-Fetch-Site: same-origin. "
-             "Default: the origin of $JUPYTERHUB_PUBLIC_URL (set by the hub when "
-             "JupyterHub.public_url or a service domain is configured); if that is unset too, the "
-             "request's own Host.").tag(config=True)
+        "write must come from one of them (Origin header) or say Sec-Fetch-Site: same-origin. "
+        "Default: the origin of $JUPYTERHUB_PUBLIC_URL (set by the hub when "
+        "JupyterHub.public_url or a service domain is configured); if that is unset too, the "
+        "request's own Host.",
+    ).tag(config=True)
     request_timeout = Float(3600.0, help="Seconds one proxied request (an upload) may take.").tag(config=True)
 
     aliases = {
@@ -320,12 +343,16 @@ def main(argv=None):
     else:
         server = MlflowServer(
             ServerSettings(
-                data_dir=data_dir, prefix=prefix.rstrip("/"),
+                data_dir=data_dir,
+                prefix=prefix.rstrip("/"),
                 backend_store_uri=args.backend_store_uri or None,
                 artifacts_destination=args.artifacts_destination or None,
-                auth_db_uri=args.auth_db_uri or None, workers=args.workers, extra_args=args.mlflow_args,
+                auth_db_uri=args.auth_db_uri or None,
+                workers=args.workers,
+                extra_args=args.mlflow_args,
             ),
-            admin_password=admin_password, flask_secret=passwords.flask_secret(),
+            admin_password=admin_password,
+            flask_secret=passwords.flask_secret(),
         )
         upstream_url = server.url
         host_header = server.hostport
@@ -333,10 +360,17 @@ def main(argv=None):
     # The handlers use the HubOAuth singleton: configure it before any handler runs.
     # A short cache: a token the hub revoked stops working here within seconds.
     hub_auth = HubOAuth.instance(cache_max_age=10)
-    state = ServiceState(prefix=prefix, upstream_url=upstream_url, accounts=accounts,
-                         teams=TeamResolver(args.policy or None), state_dir=state_dir,
-                         request_timeout=args.request_timeout, max_upload_size=args.max_upload_size,
-                         max_json_body_size=args.max_json_body_size, public_origins=args.public_origins)
+    state = ServiceState(
+        prefix=prefix,
+        upstream_url=upstream_url,
+        accounts=accounts,
+        teams=TeamResolver(args.policy or None),
+        state_dir=state_dir,
+        request_timeout=args.request_timeout,
+        max_upload_size=args.max_upload_size,
+        max_json_body_size=args.max_json_body_size,
+        public_origins=args.public_origins,
+    )
     (state_dir / "upstream.json").write_text(json.dumps({"url": upstream_url}))
 
     app = web.Application(
@@ -349,6 +383,7 @@ def main(argv=None):
         cookie_secret=passwords._derive("tornado-cookie-secret").encode(),
         xsrf_cookies=False,
     )
+
     async def run():
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

@@ -102,16 +102,23 @@ class MlflowServer:
     def command(self) -> list[str]:
         s = self.settings
         cmd = [
-            *s.mlflow_executable, "server",
-            "--host", s.host,
-            "--port", str(s.port),
-            "--workers", str(s.workers),
+            *s.mlflow_executable,
+            "server",
+            "--host",
+            s.host,
+            "--port",
+            str(s.port),
+            "--workers",
+            str(s.workers),
             # The backend store URI (it may hold a database password) goes through the
             # environment (MLFLOW_BACKEND_STORE_URI), never onto a command line.
-            "--artifacts-destination", s.artifacts_destination,
+            "--artifacts-destination",
+            s.artifacts_destination,
             "--serve-artifacts",
-            "--app-name", "basic-auth",
-            "--allowed-hosts", self.hostport,
+            "--app-name",
+            "basic-auth",
+            "--allowed-hosts",
+            self.hostport,
         ]
         if s.prefix:
             cmd += ["--static-prefix", s.prefix]

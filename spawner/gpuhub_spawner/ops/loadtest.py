@@ -158,8 +158,16 @@ class Api:
         self.errors = Errors()
         self.client = AsyncHTTPClient(force_instance=True, max_clients=max_clients)
 
-    async def fetch(self, method: str, url: str, token: str | None = None, body=None, count: bool = True,
-                    timeout: float | None = None, streaming_callback=None):
+    async def fetch(
+        self,
+        method: str,
+        url: str,
+        token: str | None = None,
+        body=None,
+        count: bool = True,
+        timeout: float | None = None,
+        streaming_callback=None,
+    ):
         from tornado.httpclient import HTTPClientError, HTTPRequest
 
         url, headers = _loopback(url)
@@ -170,9 +178,17 @@ class Api:
             headers["Content-Type"] = "application/json"
         elif method in ("POST", "PUT", "PATCH"):
             data = ""
-        request = HTTPRequest(url, method=method, headers=headers, body=data, follow_redirects=False,
-                              request_timeout=timeout or self.timeout, connect_timeout=min(30.0, self.timeout),
-                              streaming_callback=streaming_callback, allow_nonstandard_methods=True)
+        request = HTTPRequest(
+            url,
+            method=method,
+            headers=headers,
+            body=data,
+            follow_redirects=False,
+            request_timeout=timeout or self.timeout,
+            connect_timeout=min(30.0, self.timeout),
+            streaming_callback=streaming_callback,
+            allow_nonstandard_methods=True,
+        )
         try:
             response = await self.client.fetch(request, raise_error=False)
         except HTTPClientError as e:  # 599: a timeout or a dropped connection
@@ -231,8 +247,9 @@ async def _follow_progress(api: Api, user: UserRun, token: str, deadline: float)
 
     url = f"{api.hub_url}/hub/api/users/{quote(user.name)}/server/progress"
     while not final and time.monotonic() < deadline:
-        response = await api.fetch("GET", url, token=token, timeout=max(1.0, deadline - time.monotonic()),
-                                   streaming_callback=on_chunk)
+        response = await api.fetch(
+            "GET", url, token=token, timeout=max(1.0, deadline - time.monotonic()), streaming_callback=on_chunk
+        )
         if response.code >= 400 and not final:
             raise HubRefused(f"progress: {response.code} {_message(response)}")
     if not final:
@@ -246,9 +263,12 @@ async def _run_cell(api: Api, server_url: str, token: str, code: str, timeout: f
     from tornado.websocket import websocket_connect
 
     base = server_url if "://" in server_url else api.hub_url + server_url
-    r = await api.fetch("POST", base + "api/sessions", token=token,
-                        body={"path": "loadtest.ipynb", "name": "loadtest.ipynb", "type": "notebook",
-                              "kernel": {"name": "python3"}})
+    r = await api.fetch(
+        "POST",
+        base + "api/sessions",
+        token=token,
+        body={"path": "loadtest.ipynb", "name": "loadtest.ipynb", "type": "notebook", "kernel": {"name": "python3"}},
+    )
     if r.code >= 400:
         raise HubRefused(f"starting a kernel: {r.code} {_message(r)}")
     session = json.loads(r.body)
@@ -259,16 +279,33 @@ async def _run_cell(api: Api, server_url: str, token: str, code: str, timeout: f
         # its 60 s kernel_info_timeout on a loaded machine): tornado's default 20 s would give
         # up first and count a kernel that was merely slow as a failed cell.
         async with asyncio.timeout(timeout):  # not wait_for: 3.11's loses a cancel that finds it done
-            ws = await websocket_connect(HTTPRequest(url, headers=headers, connect_timeout=timeout,
-                                                     request_timeout=timeout))
+            ws = await websocket_connect(HTTPRequest(url, headers=headers, connect_timeout=timeout, request_timeout=timeout))
         try:
             msg_id = uuid.uuid4().hex
-            ws.write_message(json.dumps({
-                "header": {"msg_id": msg_id, "username": "loadtest", "session": uuid.uuid4().hex,
-                           "msg_type": "execute_request", "version": "5.3"},
-                "parent_header": {}, "metadata": {}, "channel": "shell",
-                "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
-                            "allow_stdin": False, "stop_on_error": True}}))
+            ws.write_message(
+                json.dumps(
+                    {
+                        "header": {
+                            "msg_id": msg_id,
+                            "username": "loadtest",
+                            "session": uuid.uuid4().hex,
+                            "msg_type": "execute_request",
+                            "version": "5.3",
+                        },
+                        "parent_header": {},
+                        "metadata": {},
+                        "channel": "shell",
+                        "content": {
+                            "code": code,
+                            "silent": False,
+                            "store_history": False,
+                            "user_expressions": {},
+                            "allow_stdin": False,
+                            "stop_on_error": True,
+                        },
+                    }
+                )
+            )
             replied = idle = False
             end = time.monotonic() + timeout
             while not (replied and idle):
@@ -296,12 +333,12 @@ async def _simulate(api: Api, user: UserRun, args, start_at: float, deadline: fl
     try:
         # Valid through the cleanup, which cancels the user's jobs with it.
         lifetime = int(args.deadline + args.cleanup_timeout) + 600
-        token = (await api.hub("POST", f"/users/{name}/tokens",
-                               body={"note": "gpuhub loadtest", "expires_in": lifetime}))["token"]
+        token = (await api.hub("POST", f"/users/{name}/tokens", body={"note": "gpuhub loadtest", "expires_in": lifetime}))[
+            "token"
+        ]
         user.token = token
         t0 = time.monotonic()
-        await api.hub("POST", f"/users/{name}/server", body={"profile": user.profile} if user.profile else {},
-                      token=token)
+        await api.hub("POST", f"/users/{name}/server", body={"profile": user.profile} if user.profile else {}, token=token)
         event = await _follow_progress(api, user, token, deadline)
         if event.get("failed"):
             api.errors.failed_spawns += 1
@@ -339,8 +376,11 @@ async def _simulate(api: Api, user: UserRun, args, start_at: float, deadline: fl
             await _run_job(api, user, args, deadline)
         except asyncio.CancelledError:
             user.job.at_deadline = user.job.id is not None and user.job.state not in JOB_FINAL
-            user.error = user.error or (f"job {user.job.id} still {user.job.state} at the run's deadline"
-                                        if user.job.at_deadline else "cancelled at the run's deadline")
+            user.error = user.error or (
+                f"job {user.job.id} still {user.job.state} at the run's deadline"
+                if user.job.at_deadline
+                else "cancelled at the run's deadline"
+            )
             raise
         if user.job.error:
             user.error = user.error or user.job.error
@@ -353,8 +393,15 @@ def job_spec(user: UserRun, args, seconds_left: float) -> str:
     import yaml
 
     limit = max(1, int(seconds_left + args.cleanup_timeout)) + 60
-    return yaml.safe_dump({"name": f"gpuhub loadtest {user.name}", "profile": user.job.profile,
-                           "command": args.job_command, "timeLimit": f"{limit}s"}, sort_keys=False)
+    return yaml.safe_dump(
+        {
+            "name": f"gpuhub loadtest {user.name}",
+            "profile": user.job.profile,
+            "command": args.job_command,
+            "timeLimit": f"{limit}s",
+        },
+        sort_keys=False,
+    )
 
 
 def job_figures(job: JobRun, record: dict) -> None:
@@ -442,8 +489,9 @@ async def _create_users(api: Api, users: list[UserRun], created_groups: list[str
             # whose members have not logged in yet has none. Made for this run, deleted after it.
             response = await api.fetch("POST", url)
             if response.code != 201:
-                raise HubRefused(f"group {group!r} is not on the hub and could not be created: {response.code} "
-                                 f"{_message(response)}")
+                raise HubRefused(
+                    f"group {group!r} is not on the hub and could not be created: {response.code} {_message(response)}"
+                )
             created_groups.append(group)
         response = await api.fetch("POST", url + "/users", body={"users": names})
         if response.code >= 400:
@@ -467,8 +515,7 @@ async def _cancel_jobs(api: Api, u: UserRun, deadline: float) -> list[str]:
             if record["id"] == u.job.id:
                 job_figures(u.job, record)  # it may have ended after its last read
     elif not u.job.id or u.job.state is None:
-        return [f"{u.name}'s jobs: not listed ({r.code} {_message(r)}), a job whose submission got no answer "
-                "may be left"]
+        return [f"{u.name}'s jobs: not listed ({r.code} {_message(r)}), a job whose submission got no answer may be left"]
     left = []
     for job_id, state in states.items():
         if state in JOB_FINAL:
@@ -523,9 +570,11 @@ async def _cleanup(api: Api, users: list[UserRun], created_groups: list[str], de
 def plan(args) -> list[UserRun]:
     """The run's users; the first ``--jobs`` of them (every mix in turn) also submit a job."""
     run = secrets.token_hex(2)
-    users = [UserRun(f"{args.prefix}{run}-{i:04d}", args.mix[i % len(args.mix)].group,
-                     args.mix[i % len(args.mix)].profile) for i in range(args.users)]
-    for u in users[:args.jobs]:
+    users = [
+        UserRun(f"{args.prefix}{run}-{i:04d}", args.mix[i % len(args.mix)].group, args.mix[i % len(args.mix)].profile)
+        for i in range(args.users)
+    ]
+    for u in users[: args.jobs]:
         u.job = JobRun(args.job_profile or u.profile)
     return users
 
@@ -539,10 +588,15 @@ def job_report(users: list[UserRun], api: Api, args) -> dict | None:
     by_state = Counter(j.state for j in submitted)
     failed = [(u.name, u.job) for u in users if u.job is not None and u.job.error]
     return {
-        "requested": args.jobs, "command": args.job_command, "profiles": sorted({j.profile for j in jobs}),
-        "submitted": len(submitted), "refused": sum(1 for j in jobs if j.state == "refused"),
+        "requested": args.jobs,
+        "command": args.job_command,
+        "profiles": sorted({j.profile for j in jobs}),
+        "submitted": len(submitted),
+        "refused": sum(1 for j in jobs if j.state == "refused"),
         "not_submitted": sum(1 for j in jobs if not j.id and j.state != "refused"),
-        "succeeded": by_state["succeeded"], "failed": by_state["failed"], "cancelled": by_state["cancelled"],
+        "succeeded": by_state["succeeded"],
+        "failed": by_state["failed"],
+        "cancelled": by_state["cancelled"],
         "cancelled_at_deadline": sum(1 for j in submitted if j.at_deadline and j.state == "cancelled"),
         "unfinished": sum(1 for j in submitted if j.state not in JOB_FINAL),
         "preempted_attempts": sum(j.preempted for j in submitted),
@@ -561,9 +615,15 @@ async def run(args, token: str) -> dict:
     sampler = Sampler(api, args.sample_every, proxy_pid)
     t_start = time.monotonic()
     deadline = t_start + args.deadline
-    report: dict = {"hub": args.hub_url, "users": args.users, "shape": args.shape,
-                    "mix": [f"{m.group}:{m.profile or '(default)'}" for m in args.mix],
-                    "idle_seconds": args.idle, "code": args.code, "started_at": time.time()}
+    report: dict = {
+        "hub": args.hub_url,
+        "users": args.users,
+        "shape": args.shape,
+        "mix": [f"{m.group}:{m.profile or '(default)'}" for m in args.mix],
+        "idle_seconds": args.idle,
+        "code": args.code,
+        "started_at": time.time(),
+    }
     if args.jobs:
         report.update({"job_users": args.jobs, "job_command": args.job_command})
     left: list[str] = []
@@ -574,8 +634,10 @@ async def run(args, token: str) -> dict:
         sampling = asyncio.ensure_future(sampler.run())
         spread = args.ramp if args.shape == "ramp" else 0.0
         t0 = time.monotonic()
-        tasks = [asyncio.ensure_future(_simulate(api, u, args, t0 + spread * i / max(1, len(users)), deadline))
-                 for i, u in enumerate(users)]
+        tasks = [
+            asyncio.ensure_future(_simulate(api, u, args, t0 + spread * i / max(1, len(users)), deadline))
+            for i, u in enumerate(users)
+        ]
         done, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         for t in pending:
             t.cancel()
@@ -593,35 +655,52 @@ async def run(args, token: str) -> dict:
         # more than any request waited. No admission wait is longer than the longest spawn.
         if w["p95_seconds"] is not None and longest is not None and w["p95_seconds"] > longest:
             w["p95_seconds"] = round(longest, 3)
-    report.update({
-        "wall_seconds": round(time.monotonic() - t_start, 2),
-        "spawn_to_ready_seconds": summary([u.spawn_seconds for u in users if u.spawn_seconds is not None]),
-        "cell_seconds": summary([u.cell_seconds for u in users if u.cell_seconds is not None]),
-        "stop_seconds": summary([u.stop_seconds for u in users if u.stop_seconds is not None]),
-        "queue_wait_by_team": waits,
-        "job_submit_seconds": summary([u.job.submit_seconds for u in users if u.job and u.job.submit_seconds is not None]),
-        "job_queue_wait_seconds": summary([u.job.queue_seconds for u in users if u.job and u.job.queue_seconds is not None]),
-        "job_run_seconds": summary([u.job.run_seconds for u in users if u.job and u.job.run_seconds is not None]),
-        "jobs": job_report(users, api, args),
-        "completed": sum(1 for u in users if u.stop_seconds is not None and not u.error),
-        "errors": {"http": dict(api.errors.http), "timeouts": api.errors.timeouts,
-                   "connection": api.errors.connection, "failed_spawns": api.errors.failed_spawns,
-                   "failed_cells": api.errors.cells, "users_failed": len(failed),
-                   "first_failures": [f"{u.name}: {u.error}" for u in failed[:5]]},
-        "hub_process": sampler.hub_figures(),
-        "proxy_process": sampler.proxy_figures(),
-        "metrics_note": sampler.unreadable,
-        "not_cleaned_up": left,
-    })
+    report.update(
+        {
+            "wall_seconds": round(time.monotonic() - t_start, 2),
+            "spawn_to_ready_seconds": summary([u.spawn_seconds for u in users if u.spawn_seconds is not None]),
+            "cell_seconds": summary([u.cell_seconds for u in users if u.cell_seconds is not None]),
+            "stop_seconds": summary([u.stop_seconds for u in users if u.stop_seconds is not None]),
+            "queue_wait_by_team": waits,
+            "job_submit_seconds": summary([u.job.submit_seconds for u in users if u.job and u.job.submit_seconds is not None]),
+            "job_queue_wait_seconds": summary([u.job.queue_seconds for u in users if u.job and u.job.queue_seconds is not None]),
+            "job_run_seconds": summary([u.job.run_seconds for u in users if u.job and u.job.run_seconds is not None]),
+            "jobs": job_report(users, api, args),
+            "completed": sum(1 for u in users if u.stop_seconds is not None and not u.error),
+            "errors": {
+                "http": dict(api.errors.http),
+                "timeouts": api.errors.timeouts,
+                "connection": api.errors.connection,
+                "failed_spawns": api.errors.failed_spawns,
+                "failed_cells": api.errors.cells,
+                "users_failed": len(failed),
+                "first_failures": [f"{u.name}: {u.error}" for u in failed[:5]],
+            },
+            "hub_process": sampler.hub_figures(),
+            "proxy_process": sampler.proxy_figures(),
+            "metrics_note": sampler.unreadable,
+            "not_cleaned_up": left,
+        }
+    )
     return report
 
 
 # -- output ----------------------------------------------------------------------------------
-COMPARED = [("spawn_to_ready_seconds", "median"), ("spawn_to_ready_seconds", "p95"), ("cell_seconds", "median"),
-            ("stop_seconds", "median"), ("job_submit_seconds", "median"), ("job_queue_wait_seconds", "median"),
-            ("job_queue_wait_seconds", "p95"), ("job_run_seconds", "median"), ("job_run_seconds", "p95"),
-            ("hub_process", "cpu_cores_mean"), ("hub_process", "rss_max_mib"),
-            ("proxy_process", "cpu_cores_mean"), ("proxy_process", "rss_max_mib")]
+COMPARED = [
+    ("spawn_to_ready_seconds", "median"),
+    ("spawn_to_ready_seconds", "p95"),
+    ("cell_seconds", "median"),
+    ("stop_seconds", "median"),
+    ("job_submit_seconds", "median"),
+    ("job_queue_wait_seconds", "median"),
+    ("job_queue_wait_seconds", "p95"),
+    ("job_run_seconds", "median"),
+    ("job_run_seconds", "p95"),
+    ("hub_process", "cpu_cores_mean"),
+    ("hub_process", "rss_max_mib"),
+    ("proxy_process", "cpu_cores_mean"),
+    ("proxy_process", "rss_max_mib"),
+]
 JOB_COUNTS = ("submitted", "succeeded", "failed", "refused", "cancelled")
 
 
@@ -631,8 +710,10 @@ def _get(report: dict, section: str, key: str):
 
 
 def table(report: dict, baseline: dict | None = None) -> str:
-    lines = [f"gpuhub loadtest: {report['users']} users ({report['shape']}) against {report['hub']}, "
-             f"{report['wall_seconds']} s; {report['completed']} completed, {report['errors']['users_failed']} failed"]
+    lines = [
+        f"gpuhub loadtest: {report['users']} users ({report['shape']}) against {report['hub']}, "
+        f"{report['wall_seconds']} s; {report['completed']} completed, {report['errors']['users_failed']} failed"
+    ]
     head = f"  {'figure':<34}{'now':>10}" + (f"{'before':>10}{'ratio':>8}" if baseline else "")
     lines.append(head)
     for section, key in COMPARED:
@@ -646,22 +727,30 @@ def table(report: dict, baseline: dict | None = None) -> str:
             row += f"{(now / before):>7.2f}x" if before else f"{'-':>8}"
         lines.append(row)
     for team, w in sorted(report.get("queue_wait_by_team", {}).items()):
-        lines.append(f"  queue wait {team:<23}{w['mean_seconds']:>10} mean, p95 <= {w['p95_seconds']} "
-                     f"(histogram buckets), {w['admitted']} admitted")
+        lines.append(
+            f"  queue wait {team:<23}{w['mean_seconds']:>10} mean, p95 <= {w['p95_seconds']} "
+            f"(histogram buckets), {w['admitted']} admitted"
+        )
     jobs = report.get("jobs")
     if jobs:
-        lines.append(f"  jobs: {jobs['submitted']} of {jobs['requested']} submitted ({', '.join(jobs['profiles'])}: "
-                     f"{jobs['command']!r}), {jobs['succeeded']} succeeded, {jobs['failed']} failed, "
-                     f"{jobs['refused']} refused, {jobs['cancelled']} cancelled "
-                     f"({jobs['cancelled_at_deadline']} at the deadline), {jobs['preempted_attempts']} preempted attempts")
-        lines.append(f"  jobs API errors: http {sum(jobs['http_errors'].values())} {jobs['http_errors'] or ''}, "
-                     f"timeouts or dropped connections {jobs['transport_errors']}")
+        lines.append(
+            f"  jobs: {jobs['submitted']} of {jobs['requested']} submitted ({', '.join(jobs['profiles'])}: "
+            f"{jobs['command']!r}), {jobs['succeeded']} succeeded, {jobs['failed']} failed, "
+            f"{jobs['refused']} refused, {jobs['cancelled']} cancelled "
+            f"({jobs['cancelled_at_deadline']} at the deadline), {jobs['preempted_attempts']} preempted attempts"
+        )
+        lines.append(
+            f"  jobs API errors: http {sum(jobs['http_errors'].values())} {jobs['http_errors'] or ''}, "
+            f"timeouts or dropped connections {jobs['transport_errors']}"
+        )
         before = (baseline or {}).get("jobs")
         if before:
             lines.append("  jobs before: " + ", ".join(f"{before.get(k, '-')} {k}" for k in JOB_COUNTS))
     e = report["errors"]
-    lines.append(f"  errors: http {sum(e['http'].values())} {dict(e['http']) or ''}, timeouts {e['timeouts']}, "
-                 f"connection {e['connection']}, failed spawns {e['failed_spawns']}, failed cells {e['failed_cells']}")
+    lines.append(
+        f"  errors: http {sum(e['http'].values())} {dict(e['http']) or ''}, timeouts {e['timeouts']}, "
+        f"connection {e['connection']}, failed spawns {e['failed_spawns']}, failed cells {e['failed_cells']}"
+    )
     for failure in e["first_failures"]:
         lines.append(f"    {failure}")
     if report.get("metrics_note"):
@@ -687,7 +776,7 @@ def _job_problems(args) -> list[str]:
     if not args.jobs:
         return []
     problems = []
-    lacking = sorted({m.group for m in args.mix[:args.jobs] if not m.profile})
+    lacking = sorted({m.group for m in args.mix[: args.jobs] if not m.profile})
     if not args.job_profile and lacking:
         problems.append(f"--jobs needs a profile for the jobs of {', '.join(lacking)}: --mix GROUP:PROFILE or --job-profile SLUG")
     from ..jobs.spec import parse_job
@@ -705,18 +794,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hub-url", required=True, help="the hub's public URL, e.g. http://localhost:8000")
     p.add_argument("--yes", metavar="HUB_URL", help="required: the same URL again, to confirm which hub you load")
     p.add_argument("--users", type=int, default=10, help=f"simulated researchers (1-{MAX_USERS}, default 10)")
-    p.add_argument("--mix", type=Mix.parse, action="append", metavar="GROUP[:PROFILE]",
-                   help="a team's group and the profile its users ask for; repeat to mix (users take turns)")
-    p.add_argument("--shape", choices=("storm", "ramp"), default="storm",
-                   help="storm: everyone at once (Monday 09:00); ramp: arrivals spread over --ramp seconds")
+    p.add_argument(
+        "--mix",
+        type=Mix.parse,
+        action="append",
+        metavar="GROUP[:PROFILE]",
+        help="a team's group and the profile its users ask for; repeat to mix (users take turns)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=("storm", "ramp"),
+        default="storm",
+        help="storm: everyone at once (Monday 09:00); ramp: arrivals spread over --ramp seconds",
+    )
     p.add_argument("--ramp", type=float, default=60.0, help="seconds over which a ramp's arrivals spread (default 60)")
     p.add_argument("--idle", type=float, default=5.0, help="seconds each user stays idle before stopping (default 5)")
     p.add_argument("--code", default=DEFAULT_CODE, help="the cell each user runs ('' for none)")
-    p.add_argument("--jobs", type=int, default=0, metavar="N",
-                   help="the first N users (0 to --users, default 0) then submit a batch job each and follow it to its end")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the first N users (0 to --users, default 0) then submit a batch job each and follow it to its end",
+    )
     p.add_argument("--job-profile", metavar="SLUG", help="the jobs' profile (default: the profile of the user's --mix)")
-    p.add_argument("--job-command", default=DEFAULT_JOB_COMMAND,
-                   help=f"the job's command, one shell string (default {DEFAULT_JOB_COMMAND!r})")
+    p.add_argument(
+        "--job-command",
+        default=DEFAULT_JOB_COMMAND,
+        help=f"the job's command, one shell string (default {DEFAULT_JOB_COMMAND!r})",
+    )
     p.add_argument("--deadline", type=float, default=900.0, help="seconds for the whole run, cleanup apart (default 900)")
     p.add_argument("--cleanup-timeout", type=float, default=180.0, help="seconds for stopping and deleting (default 180)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds for one API request (default 120)")
@@ -734,8 +840,10 @@ def main(argv: list[str]) -> int:
     problems = []
     if args.yes is None or args.yes.rstrip("/") != args.hub_url.rstrip("/"):
         jobs = f" and submits {args.jobs} jobs" if args.jobs else ""
-        problems.append(f"refusing to load {args.hub_url}: this creates {args.users} users and starts their servers{jobs} "
-                        f"there. Say so with --yes {args.hub_url}")
+        problems.append(
+            f"refusing to load {args.hub_url}: this creates {args.users} users and starts their servers{jobs} "
+            f"there. Say so with --yes {args.hub_url}"
+        )
     if not 1 <= args.users <= MAX_USERS:
         problems.append(f"--users {args.users}: between 1 and {MAX_USERS}")
     if not _NAME_PREFIX.match(args.prefix):
@@ -766,4 +874,3 @@ def main(argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=list) + "\n")
     return 0 if not report["errors"]["users_failed"] and not report["not_cleaned_up"] else 1
-

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections import defaultdict
 
+
 def parse_metrics(text: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -115,15 +116,20 @@ class Sampler:
         if not self.first or not self.last or self.first["cpu"] is None:
             return None
         wall = max(1e-6, self.t_last - self.t_first)
-        return {"cpu_cores_mean": round((self.last["cpu"] - self.first["cpu"]) / wall, 3),
-                "rss_max_mib": round(self.hub_rss_max / 2**20, 1)}
+        return {
+            "cpu_cores_mean": round((self.last["cpu"] - self.first["cpu"]) / wall, 3),
+            "rss_max_mib": round(self.hub_rss_max / 2**20, 1),
+        }
 
     def proxy_figures(self) -> dict | None:
         if not self.proxy_first or not self.proxy_last:
             return None
         wall = max(1e-6, self.proxy_last[0] - self.proxy_first[0])
-        return {"pid": self.proxy_pid, "cpu_cores_mean": round((self.proxy_last[1] - self.proxy_first[1]) / wall, 3),
-                "rss_max_mib": round(self.proxy_rss_max / 2**20, 1)}
+        return {
+            "pid": self.proxy_pid,
+            "cpu_cores_mean": round((self.proxy_last[1] - self.proxy_first[1]) / wall, 3),
+            "rss_max_mib": round(self.proxy_rss_max / 2**20, 1),
+        }
 
     def waits(self) -> dict:
         """Per team: admissions during the run, their mean wait and p95 (from the histogram's buckets)."""
@@ -137,8 +143,7 @@ class Sampler:
                 continue
             total = after.get("sum", 0) - before.get("sum", 0)
             buckets = sorted((le, after[le] - before.get(le, 0)) for le in after if isinstance(le, float))
-            out[team] = {"admitted": int(n), "mean_seconds": round(total / n, 3),
-                         "p95_seconds": bucket_quantile(0.95, buckets)}
+            out[team] = {"admitted": int(n), "mean_seconds": round(total / n, 3), "p95_seconds": bucket_quantile(0.95, buckets)}
         return out
 
 
@@ -163,5 +168,4 @@ def summary(values: list[float]) -> dict | None:
         return None
     ordered = sorted(values)
     p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
-    return {"n": len(values), "median": round(statistics.median(ordered), 3), "p95": round(p95, 3),
-            "max": round(ordered[-1], 3)}
+    return {"n": len(values), "median": round(statistics.median(ordered), 3), "p95": round(p95, 3), "max": round(ordered[-1], 3)}

@@ -4,8 +4,17 @@ from .loader import PolicyError, PolicyIssue, load_policy, parse_policy
 from .model import Flavor, IdleRules, Policy, PriorityClass, Profile, Team
 
 __all__ = [
-    "Flavor", "IdleRules", "Policy", "PolicyError", "PolicyIssue", "PolicyStore",
-    "PriorityClass", "Profile", "Team", "load_policy", "parse_policy",
+    "Flavor",
+    "IdleRules",
+    "Policy",
+    "PolicyError",
+    "PolicyIssue",
+    "PolicyStore",
+    "PriorityClass",
+    "Profile",
+    "Team",
+    "load_policy",
+    "parse_policy",
 ]
 
 

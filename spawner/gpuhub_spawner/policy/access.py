@@ -140,6 +140,7 @@ def check_job_caps(choice: Choice, held: Iterable[Profile | None]) -> None:
     uncapped = team.model_copy(update={"per_user": team.per_user.model_copy(update={"max_servers": None})})
     check_user_caps(Choice(uncapped, choice.profile, choice.priority_class, choice.priority), held)
 
+
 def active_profiles(policy: Policy, user) -> dict[str, Profile | None]:
     """The profile each of ``user``'s running or waiting servers was started with.
 

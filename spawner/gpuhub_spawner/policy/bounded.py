@@ -72,8 +72,14 @@ def _size(text: str | bytes) -> int:
     return len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
 
 
-def scan_yaml(text: str | bytes, *, what: str = "job files", max_bytes: int = MAX_JOB_FILE_BYTES,
-              max_nodes: int = MAX_JOB_FILE_NODES, max_depth: int = MAX_JOB_FILE_DEPTH) -> int:
+def scan_yaml(
+    text: str | bytes,
+    *,
+    what: str = "job files",
+    max_bytes: int = MAX_JOB_FILE_BYTES,
+    max_nodes: int = MAX_JOB_FILE_NODES,
+    max_depth: int = MAX_JOB_FILE_DEPTH,
+) -> int:
     """Refuse a YAML document before it is composed; return its node count.
 
     Stops at the first event over a limit, so the work is at most ``max_nodes`` events
@@ -107,14 +113,18 @@ def scan_yaml(text: str | bytes, *, what: str = "job files", max_bytes: int = MA
         if isinstance(event, yaml.AliasEvent) or event.anchor is not None:
             refuse(event, f"YAML anchors and aliases are not accepted in {what}")
         if event.tag is not None and event.tag not in ALLOWED_TAGS:
-            tag = "!!" + event.tag[len(_CORE):] if event.tag.startswith(_CORE) else event.tag
+            tag = "!!" + event.tag[len(_CORE) :] if event.tag.startswith(_CORE) else event.tag
             refuse(event, f"the YAML tag {tag!r} is not accepted in {what} (plain values, lists and mappings only)")
         nodes += 1
         if nodes > max_nodes:
             refuse(event, f"{what} may hold at most {max_nodes} values (keys, list items and values)")
         if isinstance(event, yaml.ScalarEvent):
-            if (not event.style and event.implicit[0] and len(event.value) > MAX_NUMBER_CHARS  # plain (C: '', Python: None)
-                    and _RESOLVER.resolve(yaml.ScalarNode, event.value, (True, False)) in _NUMBER_TAGS):
+            if (
+                not event.style
+                and event.implicit[0]
+                and len(event.value) > MAX_NUMBER_CHARS  # plain (C: '', Python: None)
+                and _RESOLVER.resolve(yaml.ScalarNode, event.value, (True, False)) in _NUMBER_TAGS
+            ):
                 refuse(event, f"a number may have at most {MAX_NUMBER_CHARS} characters (quote it to make it text)")
         else:
             if len(path) >= max_depth:
@@ -133,8 +143,14 @@ def _path(stack: list[list]) -> str:
     return out
 
 
-def load_yaml(text: str | bytes, *, what: str = "job files", max_bytes: int = MAX_JOB_FILE_BYTES,
-              max_nodes: int = MAX_JOB_FILE_NODES, max_depth: int = MAX_JOB_FILE_DEPTH) -> tuple[yaml.Node | None, Any]:
+def load_yaml(
+    text: str | bytes,
+    *,
+    what: str = "job files",
+    max_bytes: int = MAX_JOB_FILE_BYTES,
+    max_nodes: int = MAX_JOB_FILE_NODES,
+    max_depth: int = MAX_JOB_FILE_DEPTH,
+) -> tuple[yaml.Node | None, Any]:
     """``scan_yaml``, then compose and construct once (C): the node tree (line:column) and the data.
 
     With aliases refused every node is composed, walked and constructed once.
@@ -152,9 +168,16 @@ def load_yaml(text: str | bytes, *, what: str = "job files", max_bytes: int = MA
 
 
 # -- JSON -------------------------------------------------------------------------------------
-def loads_json(body: bytes | str | None, *, what: str = "the request body", max_bytes: int = MAX_SMALL_BODY_BYTES,
-               max_depth: int = MAX_JSON_DEPTH, max_nodes: int = MAX_JSON_NODES, max_containers: int | None = None,
-               empty: Any = None) -> Any:
+def loads_json(
+    body: bytes | str | None,
+    *,
+    what: str = "the request body",
+    max_bytes: int = MAX_SMALL_BODY_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+    max_nodes: int = MAX_JSON_NODES,
+    max_containers: int | None = None,
+    empty: Any = None,
+) -> Any:
     """Decode a JSON body no larger than ``max_bytes``, with at most ``max_containers`` lists
     and objects (default ``max_nodes``), no deeper than ``max_depth``, with at most
     ``max_nodes`` values; ``empty`` for an empty body."""
@@ -178,8 +201,9 @@ def loads_json(body: bytes | str | None, *, what: str = "the request body", max_
     return data
 
 
-def check_shape(data: Any, *, what: str = "the request body", max_depth: int = MAX_JSON_DEPTH,
-                max_nodes: int = MAX_JSON_NODES) -> None:
+def check_shape(
+    data: Any, *, what: str = "the request body", max_depth: int = MAX_JSON_DEPTH, max_nodes: int = MAX_JSON_NODES
+) -> None:
     """Refuse decoded data deeper than ``max_depth`` or with more than ``max_nodes`` values.
 
     Iterative, and stops at the limit: at most ``max_nodes`` steps.
@@ -252,10 +276,22 @@ def preview(options: Any, limit: int = 8) -> Any:
 # TMPDIR is allowed: it only names where a program that asks for a temporary file puts
 # it, a job needs to point it at scratch space, and a job's env reaches only the job's own
 # process (applied at its final execve, after the switch to the user).
-UNSECURE_ENVVARS = frozenset({
-    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
-    "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR",
-})
+UNSECURE_ENVVARS = frozenset(
+    {
+        "GCONV_PATH",
+        "GETCONF_DIR",
+        "GLIBC_TUNABLES",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "MALLOC_TRACE",
+        "NIS_PATH",
+        "NLSPATH",
+        "RESOLV_HOST_CONF",
+        "RES_OPTIONS",
+        "TZDIR",
+    }
+)
 _LOADER_PREFIXES = re.compile(r"^(LD_|MALLOC_)")
 
 
@@ -268,8 +304,10 @@ def unsafe_env_reason(name: str, instead: str = JOB_ENV_INSTEAD) -> str | None:
     if _LOADER_PREFIXES.match(name):
         return f"{name!r} is read by the dynamic loader or libc before a program starts and cannot be set here; {instead}"
     if name in UNSECURE_ENVVARS:
-        return (f"{name!r} makes libc read files from where it points (glibc ignores it in privileged programs "
-                f"for that reason) and cannot be set here; {instead}")
+        return (
+            f"{name!r} makes libc read files from where it points (glibc ignores it in privileged programs "
+            f"for that reason) and cannot be set here; {instead}"
+        )
     return None
 
 
@@ -321,7 +359,9 @@ def _server_classes() -> tuple[type, type]:
             def finish(self):
                 if not self.refused:
                     return self.inner.finish()
-                body = json.dumps({"status": 413, "message": f"Request body too large: this hub accepts at most {self.limit} bytes."})
+                body = json.dumps(
+                    {"status": 413, "message": f"Request body too large: this hub accepts at most {self.limit} bytes."}
+                )
                 self.connection.write_headers(
                     httputil.ResponseStartLine("HTTP/1.1", 413, "Payload Too Large"),
                     httputil.HTTPHeaders({"Content-Type": "application/json", "Content-Length": str(len(body))}),
@@ -333,7 +373,6 @@ def _server_classes() -> tuple[type, type]:
             def on_connection_close(self):
                 if self.started and not self.refused:
                     self.inner.on_connection_close()
-
 
         class LimitedHTTPServer(HTTPServer):
             """tornado's server, with every request's body bounded by ``body_limit`` (413 over it)."""

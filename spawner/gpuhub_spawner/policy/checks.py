@@ -37,11 +37,13 @@ def capacity_warnings(policy: Policy, capacity: dict[str, int]) -> list[str]:
             if quota.nominal > have:
                 out.append(
                     f"teams[{team.name}].quota.gpus.{flavor.name}: a nominal quota of {quota.nominal} {label} "
-                    f"but this machine has {have}: {team.display_name or team.name} is promised GPUs that do not exist")
+                    f"but this machine has {have}: {team.display_name or team.name} is promised GPUs that do not exist"
+                )
         if total > have:
             out.append(
                 f"flavor {flavor.name}: the teams' nominal quotas add up to {total} {label} but this machine has "
-                f"{have}: guaranteed GPUs lent to other teams cannot all be reclaimed")
+                f"{have}: guaranteed GPUs lent to other teams cannot all be reclaimed"
+            )
     return out
 
 
@@ -56,5 +58,6 @@ def warning_interval_warnings(policy: Policy, activity_interval: float) -> list[
             out.append(
                 f"profiles[{profile.slug}].idle.warning: {format_duration(rules.warning)} is shorter than JupyterHub's "
                 f"activity report interval ({format_duration(activity_interval)}): a user who comes back during the "
-                f"warning may not be seen before the stop")
+                f"warning may not be seen before the stop"
+            )
     return out

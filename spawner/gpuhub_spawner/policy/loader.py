@@ -89,7 +89,9 @@ class _Positions:
         already found while the data was built)."""
         return [
             PolicyIssue(
-                format_loc(loc), node.start_mark.line + 1, node.start_mark.column + 1,
+                format_loc(loc),
+                node.start_mark.line + 1,
+                node.start_mark.column + 1,
                 f"key {loc[-1]!r} appears twice; the second would silently win",
             )
             for loc, node in (self.duplicate_keys() if found is None else found)
@@ -125,9 +127,7 @@ def _model_at(loc: Loc) -> type[BaseModel] | None:
             continue
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return None
-        field = next(
-            (f for n, f in model.model_fields.items() if (f.alias or n) == part), None
-        )
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
         if field is None:
             return None
         model = _unwrap(field.annotation)
@@ -539,8 +539,11 @@ def _reachable_slices_by_memory(policy: Policy, team, flavor: str) -> int:
     own = team.quota.gpu_memory
     reach = own.nominal
     if team.cohort:
-        lendable = sum((q.lending_limit if q.lending_limit is not None else q.nominal)
-                       for o in policy.cohort_members(team) if o.name != team.name and (q := o.quota.gpu_memory))
+        lendable = sum(
+            (q.lending_limit if q.lending_limit is not None else q.nominal)
+            for o in policy.cohort_members(team)
+            if o.name != team.name and (q := o.quota.gpu_memory)
+        )
         reach += min(lendable, own.borrowing_limit) if own.borrowing_limit is not None else lendable
     return reach // mig.memory
 
@@ -566,11 +569,17 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
         return reach[team, flavor]
 
     if policy.defaults.priority and policy.defaults.priority not in priorities:
-        yield ("defaults", "priority"), f"unknown priority class {policy.defaults.priority!r}" + suggest(policy.defaults.priority, priorities)
+        yield (
+            ("defaults", "priority"),
+            f"unknown priority class {policy.defaults.priority!r}" + suggest(policy.defaults.priority, priorities),
+        )
 
     for ti, team in enumerate(policy.teams):
         if team.default_priority and team.default_priority not in priorities:
-            yield ("teams", ti, "defaultPriority"), f"unknown priority class {team.default_priority!r}" + suggest(team.default_priority, priorities)
+            yield (
+                ("teams", ti, "defaultPriority"),
+                f"unknown priority class {team.default_priority!r}" + suggest(team.default_priority, priorities),
+            )
         for fname, q in team.quota.gpus.items():
             loc = ("teams", ti, "quota", "gpus", fname)
             if fname not in flavor_set:
@@ -589,8 +598,9 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
         if cap is not None:
             reachable = sum(can_hold(team.name, f) for f in team.quota.gpus if f in flavor_set)
             if cap > reachable:
-                yield ("teams", ti, "perUser", "maxGPUs"), (
-                    f"per-user cap of {cap} GPUs is above what team {team.name!r} can ever hold ({reachable})"
+                yield (
+                    ("teams", ti, "perUser", "maxGPUs"),
+                    (f"per-user cap of {cap} GPUs is above what team {team.name!r} can ever hold ({reachable})"),
                 )
 
     # Roles: a group cannot be both all-seeing admin and read-only viewer.
@@ -628,13 +638,19 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
                         capped = True
                         break
             if allowed and not fits:
-                yield ("profiles", pi, "gpu", "count"), (
-                    f"no team may use profile {prof.slug!r}: it asks for {prof.gpu.count} "
-                    f"{prof.gpu.flavor} GPU(s) but none of {', '.join(allowed)} can ever hold that many"
+                yield (
+                    ("profiles", pi, "gpu", "count"),
+                    (
+                        f"no team may use profile {prof.slug!r}: it asks for {prof.gpu.count} "
+                        f"{prof.gpu.flavor} GPU(s) but none of {', '.join(allowed)} can ever hold that many"
+                    ),
                 )
             if fits and not capped:
-                yield ("profiles", pi, "gpu", "count"), (
-                    f"no team may use profile {prof.slug!r}: its {prof.gpu.count} GPU(s) exceed every allowed team's per-user cap"
+                yield (
+                    ("profiles", pi, "gpu", "count"),
+                    (
+                        f"no team may use profile {prof.slug!r}: its {prof.gpu.count} GPU(s) exceed every allowed team's per-user cap"
+                    ),
                 )
 
     yield from mig_checks(policy)  # MIG flavors, one slice per server (docs/mig.md)
@@ -654,8 +670,13 @@ def read_in_child(path: str) -> str:
         text = Path(path).read_text()
         _, data = _parse(text, path)
     except OSError as e:
-        return json.dumps({"ok": False, "filename": path, "issues": [
-            {"path": "", "line": None, "column": None, "message": f"cannot read file: {e.strerror}"}]})
+        return json.dumps(
+            {
+                "ok": False,
+                "filename": path,
+                "issues": [{"path": "", "line": None, "column": None, "message": f"cannot read file: {e.strerror}"}],
+            }
+        )
     except PolicyError as e:
         return json.dumps({"ok": False, "filename": e.filename, "issues": [i.__dict__ for i in e.issues]})
     return json.dumps({"ok": True, "data": data}, default=str)

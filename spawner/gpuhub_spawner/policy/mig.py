@@ -17,9 +17,11 @@ from .model import Policy
 
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 MIG_MEMORY_RESOURCE = "gpuhub.io/mig-memory"  # what Kueue's transformation turns a slice into
-ONE_SLICE = ("a server gets at most one MIG slice: a CUDA process uses only the first MIG device it sees, "
-             "so a second slice would sit idle while counting against the team's quota; use a larger shape "
-             "(e.g. 2g.20gb, 3g.40gb) or a whole GPU")
+ONE_SLICE = (
+    "a server gets at most one MIG slice: a CUDA process uses only the first MIG device it sees, "
+    "so a second slice would sit idle while counting against the team's quota; use a larger shape "
+    "(e.g. 2g.20gb, 3g.40gb) or a whole GPU"
+)
 
 
 def expected_resource(profile: str, strategy: str) -> str:
@@ -36,19 +38,31 @@ def mig_checks(policy: Policy) -> Iterable[tuple[tuple, str]]:
         m = flavor.mig
         want = expected_resource(m.profile, m.strategy)
         if flavor.resource != want:
-            yield ("flavors", fi, "resource"), (
-                f"the device plugin's {m.strategy} strategy advertises a {m.profile} slice as {want}, "
-                f"not {flavor.resource} (leave resource out: it follows mig.strategy)")
+            yield (
+                ("flavors", fi, "resource"),
+                (
+                    f"the device plugin's {m.strategy} strategy advertises a {m.profile} slice as {want}, "
+                    f"not {flavor.resource} (leave resource out: it follows mig.strategy)"
+                ),
+            )
         if m.strategy == "single":
             product = flavor.node_labels.get(PRODUCT_LABEL)
             if product is None:
-                yield ("flavors", fi, "nodeLabels"), (
-                    f"with the single strategy every slice is nvidia.com/gpu, so only the node label {PRODUCT_LABEL} "
-                    f"tells shapes apart: add it (GPU feature discovery writes e.g. NVIDIA-A100-SXM4-80GB-MIG-{m.profile})")
+                yield (
+                    ("flavors", fi, "nodeLabels"),
+                    (
+                        f"with the single strategy every slice is nvidia.com/gpu, so only the node label {PRODUCT_LABEL} "
+                        f"tells shapes apart: add it (GPU feature discovery writes e.g. NVIDIA-A100-SXM4-80GB-MIG-{m.profile})"
+                    ),
+                )
             elif not product.endswith(f"-MIG-{m.profile}"):
-                yield ("flavors", fi, "nodeLabels", PRODUCT_LABEL), (
-                    f"{product!r} is not a {m.profile} node: with the single strategy GPU feature discovery "
-                    f"labels it <GPU product>-MIG-{m.profile}, e.g. NVIDIA-A100-SXM4-80GB-MIG-{m.profile}")
+                yield (
+                    ("flavors", fi, "nodeLabels", PRODUCT_LABEL),
+                    (
+                        f"{product!r} is not a {m.profile} node: with the single strategy GPU feature discovery "
+                        f"labels it <GPU product>-MIG-{m.profile}, e.g. NVIDIA-A100-SXM4-80GB-MIG-{m.profile}"
+                    ),
+                )
     for pi, prof in enumerate(policy.profiles):
         if prof.gpu and prof.gpu.flavor in migs and prof.gpu.count > 1:
             yield ("profiles", pi, "gpu", "count"), f"asks for {prof.gpu.count} {migs[prof.gpu.flavor].unit}s: {ONE_SLICE}"
@@ -67,16 +81,28 @@ def mig_checks(policy: Policy) -> Iterable[tuple[tuple, str]]:
             if flavor is None:
                 yield loc + ("flavors", fi), f"unknown flavor {name!r}"
             elif flavor.mig is None:
-                yield loc + ("flavors", fi), (
-                    f"{name!r} is a whole GPU, not MIG slices: gpuMemory counts only slices (by the memory their "
-                    f"shape names); give whole GPUs a quota in gpus")
+                yield (
+                    loc + ("flavors", fi),
+                    (
+                        f"{name!r} is a whole GPU, not MIG slices: gpuMemory counts only slices (by the memory their "
+                        f"shape names); give whole GPUs a quota in gpus"
+                    ),
+                )
             elif flavor.mig.strategy == "single":
-                yield loc + ("flavors", fi), (
-                    f"{name!r} uses the single strategy, where every slice is nvidia.com/gpu: Kueue cannot tell its "
-                    f"shape to count its memory. Count its slices in gpus, or run the mixed strategy")
+                yield (
+                    loc + ("flavors", fi),
+                    (
+                        f"{name!r} uses the single strategy, where every slice is nvidia.com/gpu: Kueue cannot tell its "
+                        f"shape to count its memory. Count its slices in gpus, or run the mixed strategy"
+                    ),
+                )
         # One way per team: a team's usage of gpu_memory is every slice it holds (admission/quota.py).
         for name in team.quota.gpus:
             if name in migs:
-                yield ("teams", ti, "quota", "gpus", name), (
-                    f"team {team.name!r} counts MIG slices in GPU memory (gpuMemory), so {name!r} cannot also have a "
-                    f"quota in slices: list it in gpuMemory.flavors, or count every shape in slices")
+                yield (
+                    ("teams", ti, "quota", "gpus", name),
+                    (
+                        f"team {team.name!r} counts MIG slices in GPU memory (gpuMemory), so {name!r} cannot also have a "
+                        f"quota in slices: list it in gpuMemory.flavors, or count every shape in slices"
+                    ),
+                )

@@ -69,9 +69,7 @@ ProcessCount = Annotated[StrictInt, Field(ge=MIN_MAX_PROCESSES)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
-    )
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
 
 
 class Toleration(_Model):
@@ -101,8 +99,10 @@ class MigSlice(_Model):
     @classmethod
     def _profile_name(cls, value: str) -> str:
         if not re.match(r"^([1-7]c\.)?[1-7]g\.[0-9]+gb(\+me)?$", value):
-            raise ValueError(f"{value!r} is not a MIG profile name: NVIDIA writes <slices>g.<memory>gb, "
-                             "e.g. 1g.10gb, 2g.20gb, 3g.40gb, 7g.80gb (see nvidia-smi mig -lgip)")
+            raise ValueError(
+                f"{value!r} is not a MIG profile name: NVIDIA writes <slices>g.<memory>gb, "
+                "e.g. 1g.10gb, 2g.20gb, 3g.40gb, 7g.80gb (see nvidia-smi mig -lgip)"
+            )
         return value
 
     @property
@@ -199,9 +199,7 @@ def _over(own: "_Model", base: "_Model") -> "_Model":
     values, fallback = own.__dict__, base.__dict__
     if type(base) is cls and all(values[name] is None for name in cls.model_fields):
         return base
-    return cls.model_construct(**{
-        name: fallback[name] if values[name] is None else values[name] for name in cls.model_fields
-    })
+    return cls.model_construct(**{name: fallback[name] if values[name] is None else values[name] for name in cls.model_fields})
 
 
 class ReclaimRules(_Model):
@@ -292,20 +290,27 @@ class IdleRules(_Model):
             if name == "gpu_idle_timeout" and not has_gpus:
                 continue
             if limit and w >= limit:
-                out.append((("warning", name), f"warning ({fmt(w)}) must be shorter than {label} ({fmt(limit)}): "
-                            "a user could never come back in time to keep the server"))
+                out.append(
+                    (
+                        ("warning", name),
+                        f"warning ({fmt(w)}) must be shorter than {label} ({fmt(limit)}): "
+                        "a user could never come back in time to keep the server",
+                    )
+                )
         if (self.max_snoozes or 0) > 0 and not self.snooze:
             out.append((("max_snoozes", "snooze"), f"maxSnoozes is {self.max_snoozes} but no snooze length is set"))
         if has_gpus and self.gpu_idle_timeout and self.gpu_busy_threshold == 0:
-            out.append((("gpu_busy_threshold",), "gpuBusyThreshold 0 counts every GPU as busy, so gpuIdleTimeout could never apply"))
+            out.append(
+                (("gpu_busy_threshold",), "gpuBusyThreshold 0 counts every GPU as busy, so gpuIdleTimeout could never apply")
+            )
         return out
 
 
 def _cuda_version(value: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        raise ValueError(f"write the CUDA version quoted, \"{value}\": YAML reads 12.10 as the number 12.1")
+        raise ValueError(f'write the CUDA version quoted, "{value}": YAML reads 12.10 as the number 12.1')
     if not isinstance(value, str) or not re.fullmatch(r"\d{1,3}\.\d{1,3}", value):
-        raise ValueError(f"{value!r}: a CUDA version as \"MAJOR.MINOR\", e.g. \"12.4\"")
+        raise ValueError(f'{value!r}: a CUDA version as "MAJOR.MINOR", e.g. "12.4"')
     return value
 
 
@@ -458,13 +463,19 @@ class HealthRules(_Model):
         app = set(self.application_xids)
         for i, xid in enumerate(self.critical_xids or []):
             if xid in app:
-                errors.append((("criticalXids", i), f"XID {xid} is also in applicationXids: an XID either leaves "
-                               "the GPU in service or takes it out"))
+                errors.append(
+                    (
+                        ("criticalXids", i),
+                        f"XID {xid} is also in applicationXids: an XID either leaves the GPU in service or takes it out",
+                    )
+                )
         if errors:
             raise ValidationError.from_exception_data(
                 "HealthRules",
-                [InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": m}), loc=loc, input=None)
-                 for loc, m in errors],
+                [
+                    InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": m}), loc=loc, input=None)
+                    for loc, m in errors
+                ],
             )
         return self
 
@@ -595,7 +606,9 @@ class Policy(_Model):
         for i, prof in enumerate(self.profiles):
             checks.append((self.idle_rules(prof), prof.idle, ("profiles", i, "idle"), bool(prof.gpu_count)))
             if prof.idle.gpu_idle_timeout is not None and not prof.gpu_count:
-                errors.append((("profiles", i, "idle", "gpuIdleTimeout"), "gpuIdleTimeout on a profile without GPUs never applies"))
+                errors.append(
+                    (("profiles", i, "idle", "gpuIdleTimeout"), "gpuIdleTimeout on a profile without GPUs never applies")
+                )
         found: dict = {}  # most profiles share their effective rules (the defaults): checked once
         for effective, own, loc, gpus in checks:
             problems = found.get((id(effective), gpus))
@@ -609,8 +622,10 @@ class Policy(_Model):
         if errors:
             raise ValidationError.from_exception_data(
                 "Policy",
-                [InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": m}), loc=loc, input=None)
-                 for loc, m in errors],
+                [
+                    InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": m}), loc=loc, input=None)
+                    for loc, m in errors
+                ],
             )
         return self
 
@@ -625,9 +640,15 @@ class Policy(_Model):
 
                 close = difflib.get_close_matches(team.job_priority, names, n=1, cutoff=0.6)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                errors.append(InitErrorDetails(
-                    type=PydanticCustomError("value_error", "{error}", {"error": f"unknown priority class {team.job_priority!r}{hint}"}),
-                    loc=("teams", i, "jobPriority"), input=team.job_priority))
+                errors.append(
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "value_error", "{error}", {"error": f"unknown priority class {team.job_priority!r}{hint}"}
+                        ),
+                        loc=("teams", i, "jobPriority"),
+                        input=team.job_priority,
+                    )
+                )
         if errors:
             raise ValidationError.from_exception_data("Policy", errors)
         return self
@@ -645,12 +666,12 @@ class Policy(_Model):
             elif team is None:
                 msg = f"unknown team {team_name!r}"
             elif flavor not in team.quota.gpus:
-                msg = (f"team {team_name!r} has no quota for {flavor!r}: its ClusterQueue cannot give up "
-                       "GPUs it does not have")
+                msg = f"team {team_name!r} has no quota for {flavor!r}: its ClusterQueue cannot give up GPUs it does not have"
             else:
                 continue
-            errors.append(InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": msg}),
-                                           loc=loc, input=team_name))
+            errors.append(
+                InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": msg}), loc=loc, input=team_name)
+            )
         if errors:
             raise ValidationError.from_exception_data("Policy", errors)
         return self
@@ -689,13 +710,16 @@ class Policy(_Model):
             if notice < 0:
                 msg = "the notice cannot be negative"
             elif notice >= self.defaults.queue_timeout:
-                msg = (f"the notice ({fmt(notice)}) must be shorter than defaults.queueTimeout "
-                       f"({fmt(self.defaults.queue_timeout)}): the lending team would give up waiting "
-                       "before its own quota came back")
+                msg = (
+                    f"the notice ({fmt(notice)}) must be shorter than defaults.queueTimeout "
+                    f"({fmt(self.defaults.queue_timeout)}): the lending team would give up waiting "
+                    "before its own quota came back"
+                )
             else:
                 continue
-            errors.append(InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": msg}),
-                                           loc=loc, input=notice))
+            errors.append(
+                InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": msg}), loc=loc, input=notice)
+            )
         if errors:
             raise ValidationError.from_exception_data("Policy", errors)
         return self

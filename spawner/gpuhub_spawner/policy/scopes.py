@@ -66,8 +66,13 @@ CUSTOM_SCOPES = {
 # A request that may administer servers may see and act on everything gpuhub shows about
 # them: ``admin:servers`` implies gpuhub's scopes (JupyterHub forbids adding scopes to its
 # own ``admin`` role, and this also covers admins made by an authenticator's admin_groups).
-IMPLIED_BY = {STATUS_ALL: "admin:servers", CULLING: "admin:servers", USAGE_ALL: "admin:servers", AUDIT: "admin:servers",
-              POLICY: "admin:servers"}
+IMPLIED_BY = {
+    STATUS_ALL: "admin:servers",
+    CULLING: "admin:servers",
+    USAGE_ALL: "admin:servers",
+    AUDIT: "admin:servers",
+    POLICY: "admin:servers",
+}
 # Added to JupyterHub's "server" role (a server's own token): its owner's cull warnings,
 # for JupyterLab's notification, and its owner's usage (``gpuhub usage`` in a terminal).
 SERVER_SCOPES = [f"{CULLING}!user", USAGE]
@@ -109,11 +114,14 @@ def grant_server_token(c, scopes) -> None:
         return
     existing = c.Spawner.server_token_scopes
     if callable(existing):
+
         def server_token_scopes(spawner, _inner=existing, _add=tuple(scopes)):
             result = _inner(spawner)
             if inspect.isawaitable(result):
+
                 async def merged():
                     return _with(await result, _add)
+
                 return merged()
             return _with(result, _add)
 
@@ -136,7 +144,6 @@ def configure_scopes(c, *, admin_groups=()) -> None:
     hub admins) get ``status:all`` and everyone's ``culling`` through the role
     ``gpuhub-admin``.
     """
-    from jupyterhub.roles import get_default_roles
 
     custom = merged_setting(c.JupyterHub, "custom_scopes", {})
     custom.update(CUSTOM_SCOPES)

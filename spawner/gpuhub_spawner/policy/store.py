@@ -91,8 +91,7 @@ def _item_models() -> dict[str, type]:
     out: dict[str, type] = {}
     for name, info in Policy.model_fields.items():
         args = typing.get_args(info.annotation)
-        if typing.get_origin(info.annotation) is list and args and isinstance(args[0], type) \
-                and issubclass(args[0], BaseModel):
+        if typing.get_origin(info.annotation) is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
             out[name] = out[info.alias or name] = args[0]
     return out
 
@@ -124,7 +123,7 @@ def _build(out: bytes) -> tuple[Policy | None, Any, bool]:
         if n is None:
             data[key] = built[key] = head["rest"][key]
             continue
-        items = data[key] = [json.loads(line) for line in lines[i:i + n]]  # one short C call each
+        items = data[key] = [json.loads(line) for line in lines[i : i + n]]  # one short C call each
         i += n
         model = models.get(key)
         if model is None:
@@ -210,9 +209,7 @@ class PolicyStore(SingletonConfigurable):
         help="Path of the policy YAML (teams, flavors, quotas, profiles, idle rules).",
     ).tag(config=True)
 
-    check_interval = Float(
-        2.0, help="Seconds between background checks of the policy file for changes."
-    ).tag(config=True)
+    check_interval = Float(2.0, help="Seconds between background checks of the policy file for changes.").tag(config=True)
 
     inline_reload_budget = Float(
         0.02,
@@ -234,9 +231,7 @@ class PolicyStore(SingletonConfigurable):
         self.refresh()
         if self._policy is None:
             # Without one good policy the hub cannot decide anything safely: refuse to start.
-            raise RuntimeError(
-                "gpuhub cannot start: no valid policy\n" + "\n".join(self.status.errors)
-            )
+            raise RuntimeError("gpuhub cannot start: no valid policy\n" + "\n".join(self.status.errors))
 
     @property
     def policy(self) -> Policy:
@@ -348,9 +343,7 @@ class PolicyStore(SingletonConfigurable):
             return False
         self._policy = policy
         self._data = data
-        self.status = PolicyStatus(
-            path=str(path), loaded_at=time.time(), loaded_mtime=sig[0] if sig else None
-        )
+        self.status = PolicyStatus(path=str(path), loaded_at=time.time(), loaded_mtime=sig[0] if sig else None)
         self.log.info("Loaded policy %s: %d teams, %d profiles", path, len(policy.teams), len(policy.profiles))
         try:  # pure functions of the policy and the machine: off the loop (0.1 s for 500 teams)
             asyncio.get_running_loop().run_in_executor(None, self._run_checks, policy)
@@ -366,6 +359,9 @@ class PolicyStore(SingletonConfigurable):
             slow.append((getattr(callback, "__qualname__", repr(callback)), time.perf_counter() - t0))
         total = sum(seconds for _, seconds in slow)
         if total > 0.05:  # they run on the hub's loop: every request waits meanwhile
-            self.log.warning("Policy listeners held the hub's loop %.0f ms: %s", total * 1000, ", ".join(
-                f"{name} {seconds * 1000:.0f} ms" for name, seconds in slow if seconds > 0.005))
+            self.log.warning(
+                "Policy listeners held the hub's loop %.0f ms: %s",
+                total * 1000,
+                ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in slow if seconds > 0.005),
+            )
         return True

@@ -98,13 +98,17 @@ def choose(policy: Policy, groups: Iterable[str], request: RayRequest) -> RayCho
     if not rules.enabled:
         raise ChoiceError(403, "Ray clusters are not enabled on this hub (the policy's ray.enabled is false).")
     if request.name is not None and not NAME.match(request.name):
-        raise ChoiceError(400, f"{request.name!r} is not a cluster name: lowercase letters, digits and '-', "
-                               "at most 32 characters")
+        raise ChoiceError(
+            400, f"{request.name!r} is not a cluster name: lowercase letters, digits and '-', at most 32 characters"
+        )
     if not isinstance(request.workers, int) or request.workers < 0:
         raise ChoiceError(400, "--workers must be 0 or more")
     if request.workers > rules.max_workers:
-        raise ChoiceError(403, f"A Ray cluster may have at most {rules.max_workers} workers on this hub "
-                               f"(the policy's ray.maxWorkers); you asked for {request.workers}.")
+        raise ChoiceError(
+            403,
+            f"A Ray cluster may have at most {rules.max_workers} workers on this hub "
+            f"(the policy's ray.maxWorkers); you asked for {request.workers}.",
+        )
     if request.gpus is not None and (not isinstance(request.gpus, int) or request.gpus < 0):
         raise ChoiceError(400, "--gpus must be 0 or more")
     teams = teams_for(policy, groups)
@@ -123,8 +127,11 @@ def choose(policy: Policy, groups: Iterable[str], request: RayRequest) -> RayCho
         if team is None:
             raise ChoiceError(403, f"Profile {request.profile!r} is not available to your team(s).")
         if request.gpus is not None and request.gpus != counted(profile):
-            raise ChoiceError(400, f"Profile {profile.slug!r} has {counted(profile)} GPU(s), not {request.gpus}; "
-                                   "leave out --gpus or choose another profile.")
+            raise ChoiceError(
+                400,
+                f"Profile {profile.slug!r} has {counted(profile)} GPU(s), not {request.gpus}; "
+                "leave out --gpus or choose another profile.",
+            )
         return RayChoice(request, team, profile)
     for team in teams:
         offered = profiles_for(policy, team)
@@ -132,9 +139,12 @@ def choose(policy: Policy, groups: Iterable[str], request: RayRequest) -> RayCho
         if fitting:
             return RayChoice(request, team, next((p for p in fitting if p.default), fitting[0]))
     counts = sorted({counted(p) for t in teams for p in profiles_for(policy, t)})
-    raise ChoiceError(400, f"No profile of your team(s) has {request.gpus} GPU(s); "
-                           f"the counts you may ask for are {', '.join(map(str, counts)) or 'none'} "
-                           "(or name one with --profile).")
+    raise ChoiceError(
+        400,
+        f"No profile of your team(s) has {request.gpus} GPU(s); "
+        f"the counts you may ask for are {', '.join(map(str, counts)) or 'none'} "
+        "(or name one with --profile).",
+    )
 
 
 class RayClusterManager(ABC):

@@ -27,8 +27,11 @@ def _up(args, base):
     deadline = time.time() + args.timeout if args.timeout else None
     while view["state"] in ("queued", "starting"):
         if deadline and time.time() > deadline:
-            print(f"gpuhub ray: still {view['state']} after {args.timeout}s; `gpuhub ray status {name}` to look again, "
-                  f"`gpuhub ray down {name}` to give up", file=sys.stderr)
+            print(
+                f"gpuhub ray: still {view['state']} after {args.timeout}s; `gpuhub ray status {name}` to look again, "
+                f"`gpuhub ray down {name}` to give up",
+                file=sys.stderr,
+            )
             return 2
         time.sleep(1)
         view = call(base, "GET", f"/gpuhub/ray/{name}")
@@ -77,8 +80,10 @@ def main(argv: list[str]) -> int:
     lst = sub.add_parser("list", parents=[hub], help="your clusters")
     lst.add_argument("--all", action="store_true", help="everyone's (admins)")
     lst.set_defaults(func=_list)
-    for name, func, text in (("status", _status, "the state word first, then where it stands"),
-                             ("down", _down, "stop it (or leave the queue); its GPUs go back to the queue")):
+    for name, func, text in (
+        ("status", _status, "the state word first, then where it stands"),
+        ("down", _down, "stop it (or leave the queue); its GPUs go back to the queue"),
+    ):
         p = sub.add_parser(name, parents=[hub], help=text)
         p.add_argument("name")
         p.set_defaults(func=func)

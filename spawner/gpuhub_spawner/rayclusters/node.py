@@ -44,8 +44,14 @@ def node_ports() -> list[str]:
     of their own, but one user's two clusters still share it. The node's address is the
     loopback of the user's namespace: nothing of it listens where the hub's side could
     reach it, except what Ray binds to every address (its metrics)."""
-    names = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
-             "--metrics-export-port", "--node-manager-port", "--object-manager-port")
+    names = (
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+        "--node-manager-port",
+        "--object-manager-port",
+    )
     out = ["--node-ip-address", "127.0.0.1"]
     for name, port in zip(names, free_ports(len(names))):
         out += [name, str(port)]
@@ -107,13 +113,17 @@ def main(argv: list[str] | None = None) -> int:
         fd = os.open(os.path.join(ray_dir, "auth_token"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token)
-    env = dict(os.environ, RAY_AUTH_MODE="token" if token else os.environ.get("RAY_AUTH_MODE", "disabled"),
-               RAY_USAGE_STATS_ENABLED="0",
-               # Ray gives its dashboard 60 s to register; on a loaded machine the imports alone
-               # take longer, and the head then exits. The hub bounds the start instead.
-               RAY_DASHBOARD_STARTUP_TIMEOUT_S=os.environ.get("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600"),
-               RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT=os.environ.get(
-                   "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "600"))
+    env = dict(
+        os.environ,
+        RAY_AUTH_MODE="token" if token else os.environ.get("RAY_AUTH_MODE", "disabled"),
+        RAY_USAGE_STATS_ENABLED="0",
+        # Ray gives its dashboard 60 s to register; on a loaded machine the imports alone
+        # take longer, and the head then exits. The hub bounds the start instead.
+        RAY_DASHBOARD_STARTUP_TIMEOUT_S=os.environ.get("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600"),
+        RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT=os.environ.get(
+            "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "600"
+        ),
+    )
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
     gcs, dash, client = free_ports(3)  # Ray's client server defaults to 10001 for all
     per = shares(devices, args.gpus, args.workers)
@@ -127,11 +137,30 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, lambda *a: (stop(), sys.exit(143)))
     head_env = dict(env, CUDA_VISIBLE_DEVICES=",".join(head_gpus))
-    procs.append(subprocess.Popen(
-        ray + ["--head", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
-               "--dashboard-port", str(dash), "--ray-client-server-port", str(client), "--num-gpus", str(len(head_gpus)), "--num-cpus", str(args.cpus if args.workers == 0 else 0),
-               "--include-dashboard", "true", *node_ports()],
-        env=head_env))
+    procs.append(
+        subprocess.Popen(
+            ray
+            + [
+                "--head",
+                "--port",
+                str(gcs),
+                "--dashboard-host",
+                "127.0.0.1",
+                "--dashboard-port",
+                str(dash),
+                "--ray-client-server-port",
+                str(client),
+                "--num-gpus",
+                str(len(head_gpus)),
+                "--num-cpus",
+                str(args.cpus if args.workers == 0 else 0),
+                "--include-dashboard",
+                "true",
+                *node_ports(),
+            ],
+            env=head_env,
+        )
+    )
     deadline = time.time() + 600
     while not (listening(gcs) and listening(dash)):
         if procs[0].poll() is not None:
@@ -143,12 +172,23 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         time.sleep(0.2)
     joined: list[threading.Event] = []
-    for share in (per if args.workers else []):
+    for share in per if args.workers else []:
         pr = subprocess.Popen(
-            ray + ["--address", f"127.0.0.1:{gcs}", "--num-gpus", str(len(share)),
-                   "--num-cpus", str(max(1, args.cpus // max(1, args.workers))), *node_ports()],
+            ray
+            + [
+                "--address",
+                f"127.0.0.1:{gcs}",
+                "--num-gpus",
+                str(len(share)),
+                "--num-cpus",
+                str(max(1, args.cpus // max(1, args.workers))),
+                *node_ports(),
+            ],
             env=dict(env, CUDA_VISIBLE_DEVICES=",".join(share), PYTHONUNBUFFERED="1"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         procs.append(pr)
         joined.append(threading.Event())
         threading.Thread(target=_pump, args=(pr, joined[-1]), daemon=True).start()
@@ -156,14 +196,23 @@ def main(argv: list[str] | None = None) -> int:
     while not all(e.is_set() for e in joined):
         ended = next((pr for pr in procs if pr.poll() is not None), None)
         if ended is not None or time.time() > deadline:
-            print("[gpuhub-ray] a worker did not join the cluster" + (f" (exit {ended.returncode})" if ended else ""),
-                  flush=True)
+            print("[gpuhub-ray] a worker did not join the cluster" + (f" (exit {ended.returncode})" if ended else ""), flush=True)
             stop()
             return 1
         time.sleep(0.2)
-    print(READY + json.dumps({"address": f"127.0.0.1:{gcs}", "dashboard_port": dash, "gpus": devices[:args.gpus],
-                              "workers": args.workers, "virtual": args.virtual}),
-          flush=True)
+    print(
+        READY
+        + json.dumps(
+            {
+                "address": f"127.0.0.1:{gcs}",
+                "dashboard_port": dash,
+                "gpus": devices[: args.gpus],
+                "workers": args.workers,
+                "virtual": args.virtual,
+            }
+        ),
+        flush=True,
+    )
     while True:
         for pr in procs:
             if pr.poll() is not None:

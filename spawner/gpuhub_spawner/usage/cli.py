@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     width = max([len(args.by)] + [len(n) for n in s["totals"]]) + 2
     print(f"{args.by:<{width}}{'GPU-h':>10}{'busy':>10}{'idle':>10}{'allocs':>8}{'culls':>7}")
     for name, t in s["totals"].items():
-        print(f"{name:<{width}}{t['gpu_hours']:>10.3f}{t['busy_gpu_hours']:>10.3f}{t['idle_gpu_hours']:>10.3f}"
-              f"{t['allocations']:>8}{t['culls']:>7}")
+        print(
+            f"{name:<{width}}{t['gpu_hours']:>10.3f}{t['busy_gpu_hours']:>10.3f}{t['idle_gpu_hours']:>10.3f}"
+            f"{t['allocations']:>8}{t['culls']:>7}"
+        )
     if not s["totals"]:
         print("(no allocations)")
     for per in s["periods"]:

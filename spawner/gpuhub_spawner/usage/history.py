@@ -63,8 +63,23 @@ queue_samples = Table(
 
 END_REASONS = ("stopped", "culled", "reclaimed", "crashed", "ended")
 CSV_FIELDS = [
-    "user", "server", "kind", "team", "profile", "flavor", "gpus", "devices", "requested", "start", "end",
-    "end_reason", "stopped_by", "wait_seconds", "gpu_seconds", "measured_gpu_seconds", "idle_gpu_seconds",
+    "user",
+    "server",
+    "kind",
+    "team",
+    "profile",
+    "flavor",
+    "gpus",
+    "devices",
+    "requested",
+    "start",
+    "end",
+    "end_reason",
+    "stopped_by",
+    "wait_seconds",
+    "gpu_seconds",
+    "measured_gpu_seconds",
+    "idle_gpu_seconds",
     "busy_gpu_seconds",
 ]
 
@@ -113,16 +128,19 @@ class Row:
         return max(0.0, b - a) * self.gpus
 
     @property
-
     def wait_seconds(self) -> float:
         return max(0.0, self.start - self.requested)
 
     def as_dict(self, now: float) -> dict:
         d = {k: getattr(self, k) for k in CSV_FIELDS if hasattr(self, k) and not callable(getattr(self, k))}
         held = self.gpu_seconds(now)
-        d.update(wait_seconds=round(self.wait_seconds, 3), gpu_seconds=round(held, 3),
-                 measured_gpu_seconds=round(self.measured_gpu_seconds, 3), idle_gpu_seconds=round(self.idle_gpu_seconds, 3),
-                 busy_gpu_seconds=round(max(0.0, self.measured_gpu_seconds - self.idle_gpu_seconds), 3))
+        d.update(
+            wait_seconds=round(self.wait_seconds, 3),
+            gpu_seconds=round(held, 3),
+            measured_gpu_seconds=round(self.measured_gpu_seconds, 3),
+            idle_gpu_seconds=round(self.idle_gpu_seconds, 3),
+            busy_gpu_seconds=round(max(0.0, self.measured_gpu_seconds - self.idle_gpu_seconds), 3),
+        )
         return d
 
 
@@ -181,8 +199,19 @@ class History:
 
     # -- writes --------------------------------------------------------------------------
 
-    def open(self, *, key: str, user: str, team: str, profile: str, flavor: str, gpus: int, devices: list[str],
-             requested: float, start: float) -> None:
+    def open(
+        self,
+        *,
+        key: str,
+        user: str,
+        team: str,
+        profile: str,
+        flavor: str,
+        gpus: int,
+        devices: list[str],
+        requested: float,
+        start: float,
+    ) -> None:
         kind = "job" if key.startswith("job:") else "server"
         server = "" if kind == "job" else key.partition("/")[2]
         self._write(self._open, key, user, server, kind, team, profile, flavor, gpus, devices, requested, start)
@@ -190,11 +219,26 @@ class History:
     def _open(self, conn, key, user, server, kind, team, profile, flavor, gpus, devices, requested, start) -> None:
         # A row still open for this key belongs to an allocation whose release was
         # never seen (hub killed): it ended no later than this new start.
-        conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None))
-                     .values(end=start, end_reason="crashed"))
-        conn.execute(allocations.insert().values(
-            key=key, user=user, server=server, kind=kind, team=team, profile=profile, flavor=flavor, gpus=gpus,
-            devices=",".join(devices), requested=requested, start=start))
+        conn.execute(
+            update(allocations)
+            .where(allocations.c.key == key, allocations.c.end.is_(None))
+            .values(end=start, end_reason="crashed")
+        )
+        conn.execute(
+            allocations.insert().values(
+                key=key,
+                user=user,
+                server=server,
+                kind=kind,
+                team=team,
+                profile=profile,
+                flavor=flavor,
+                gpus=gpus,
+                devices=",".join(devices),
+                requested=requested,
+                start=start,
+            )
+        )
 
     def close(self, key: str, end: float, reason: str, stopped_by: str | None = None) -> None:
         self._write(self._close, key, end, reason, stopped_by)
@@ -215,11 +259,16 @@ class History:
 
     def _set_stopped_by(self, conn, key, by, within, now) -> None:
         unnamed = (allocations.c.key == key, allocations.c.stopped_by.is_(None))
-        row = conn.execute(select(allocations.c.id).where(*unnamed, allocations.c.end.is_(None))
-                           .order_by(allocations.c.start.desc()).limit(1)).first()
+        row = conn.execute(
+            select(allocations.c.id).where(*unnamed, allocations.c.end.is_(None)).order_by(allocations.c.start.desc()).limit(1)
+        ).first()
         if row is None:
-            row = conn.execute(select(allocations.c.id).where(*unnamed, allocations.c.end >= now - within)
-                               .order_by(allocations.c.end.desc()).limit(1)).first()
+            row = conn.execute(
+                select(allocations.c.id)
+                .where(*unnamed, allocations.c.end >= now - within)
+                .order_by(allocations.c.end.desc())
+                .limit(1)
+            ).first()
         if row:
             conn.execute(update(allocations).where(allocations.c.id == row[0]).values(stopped_by=by))
 
@@ -230,9 +279,14 @@ class History:
 
     def _add_gpu_time(self, conn, measured) -> None:
         for key, (known, idle) in measured.items():
-            conn.execute(update(allocations).where(allocations.c.key == key, allocations.c.end.is_(None)).values(
-                measured_gpu_seconds=allocations.c.measured_gpu_seconds + known,
-                idle_gpu_seconds=allocations.c.idle_gpu_seconds + idle))
+            conn.execute(
+                update(allocations)
+                .where(allocations.c.key == key, allocations.c.end.is_(None))
+                .values(
+                    measured_gpu_seconds=allocations.c.measured_gpu_seconds + known,
+                    idle_gpu_seconds=allocations.c.idle_gpu_seconds + idle,
+                )
+            )
 
     def sample_queue(self, waiting: dict[str, int], at: float | None = None) -> None:
         """Record the queue lengths of ``waiting``'s teams that changed since their last sample."""
@@ -253,8 +307,7 @@ class History:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def rows(self, since: float, until: float | None = None, teams: set[str] | None = None,
-             user: str | None = None) -> list[Row]:
+    def rows(self, since: float, until: float | None = None, teams: set[str] | None = None, user: str | None = None) -> list[Row]:
         """Allocations overlapping [since, until), oldest first."""
         q = select(allocations).where((allocations.c.end.is_(None)) | (allocations.c.end >= since))
         if until is not None:
@@ -313,8 +366,17 @@ def summarize(rows: list[Row], since: float, now: float, by: str = "team", perio
     for r in rows:
         name = getattr(r, by)
         held = r.gpu_seconds(now, since)
-        t = totals.setdefault(name, {"gpu_hours": 0.0, "measured_gpu_hours": 0.0, "idle_gpu_hours": 0.0,
-                                     "busy_gpu_hours": 0.0, "allocations": 0, "culls": 0})
+        t = totals.setdefault(
+            name,
+            {
+                "gpu_hours": 0.0,
+                "measured_gpu_hours": 0.0,
+                "idle_gpu_hours": 0.0,
+                "busy_gpu_hours": 0.0,
+                "allocations": 0,
+                "culls": 0,
+            },
+        )
         t["gpu_hours"] += held / 3600
         # Readings accrue over the whole allocation; pro-rate to the window.
         whole = r.gpu_seconds(now)
@@ -341,11 +403,17 @@ def summarize(rows: list[Row], since: float, now: float, by: str = "team", perio
             t[k] = round(t[k], 4)
     periods = sorted({b for _, b in buckets})
     return {
-        "since": since, "until": now, "by": by, "period": period,
+        "since": since,
+        "until": now,
+        "by": by,
+        "period": period,
         "totals": dict(sorted(totals.items())),
         "periods": [
-            {"start": b, "date": time.strftime("%Y-%m-%d", time.gmtime(b)),
-             "gpu_hours": {n: round(v, 4) for (n, bb), v in sorted(buckets.items()) if bb == b}}
+            {
+                "start": b,
+                "date": time.strftime("%Y-%m-%d", time.gmtime(b)),
+                "gpu_hours": {n: round(v, 4) for (n, bb), v in sorted(buckets.items()) if bb == b},
+            }
             for b in periods
         ],
         "waits": {"count": len(waits), "median_seconds": _percentile(waits, 0.5), "p95_seconds": _percentile(waits, 0.95)},

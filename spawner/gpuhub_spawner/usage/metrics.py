@@ -79,15 +79,20 @@ class QuotaCollector:
         queue = broker.queue
         usage = queue.usage()
         flavors = [f.name for f in policy.flavors]
-        nominal = GaugeMetricFamily("gpuhub_quota_nominal_gpus", "Nominal GPU quota per team and flavor", labels=["team", "flavor"])
+        nominal = GaugeMetricFamily(
+            "gpuhub_quota_nominal_gpus", "Nominal GPU quota per team and flavor", labels=["team", "flavor"]
+        )
         in_use = GaugeMetricFamily("gpuhub_gpus_in_use", "GPUs admitted to a team's servers and jobs", labels=["team", "flavor"])
-        borrowed = GaugeMetricFamily("gpuhub_gpus_borrowed", "GPUs a team holds above its nominal quota (from its cohort)",
-                                     labels=["team", "flavor"])
-        lent = GaugeMetricFamily("gpuhub_gpus_lent", "A team's unused nominal GPUs that cohort members borrow",
-                                 labels=["team", "flavor"])
+        borrowed = GaugeMetricFamily(
+            "gpuhub_gpus_borrowed", "GPUs a team holds above its nominal quota (from its cohort)", labels=["team", "flavor"]
+        )
+        lent = GaugeMetricFamily(
+            "gpuhub_gpus_lent", "A team's unused nominal GPUs that cohort members borrow", labels=["team", "flavor"]
+        )
         waiting = GaugeMetricFamily("gpuhub_team_waiting", "Requests waiting for admission, per team", labels=["team"])
-        oldest = GaugeMetricFamily("gpuhub_team_oldest_wait_seconds", "How long the team's longest waiting request has waited",
-                                   labels=["team"])
+        oldest = GaugeMetricFamily(
+            "gpuhub_team_oldest_wait_seconds", "How long the team's longest waiting request has waited", labels=["team"]
+        )
         now = time.time()
         counts: dict[str, int] = {}
         first: dict[str, float] = {}
@@ -121,9 +126,11 @@ class QuotaCollector:
         yield free
         yield total
 
-        util = GaugeMetricFamily("gpuhub_gpu_utilization_percent",
-                                 "Utilisation of each held device at the last culler pass (trusted readings only)",
-                                 labels=["device", "flavor", "team"])
+        util = GaugeMetricFamily(
+            "gpuhub_gpu_utilization_percent",
+            "Utilisation of each held device at the last culler pass (trusted readings only)",
+            labels=["device", "flavor", "team"],
+        )
         readings = self.recorder.utilisation() if self.recorder else {}
         flavor_of = {d.id: d.flavor for d in broker.devices.devices}
         for adm in queue.holdings():
@@ -136,7 +143,9 @@ class QuotaCollector:
     @staticmethod
     def _policy_status(broker):
         status = broker.store.status
-        ok = GaugeMetricFamily("gpuhub_policy_ok", "1 when the policy file on disk is the one in force, 0 when its last edit was refused")
+        ok = GaugeMetricFamily(
+            "gpuhub_policy_ok", "1 when the policy file on disk is the one in force, 0 when its last edit was refused"
+        )
         ok.add_metric([], 0 if status.stale else 1)
         yield ok
         loaded = GaugeMetricFamily("gpuhub_policy_loaded_timestamp_seconds", "When the policy in force was loaded")

@@ -26,7 +26,7 @@ def _read(path: str) -> str:
 
 def _issues(path: str, issues: list[str]) -> None:
     for text in issues:
-        print("  " + (path + text[len("new policy"):] if text.startswith("new policy") else text), file=sys.stderr)
+        print("  " + (path + text[len("new policy") :] if text.startswith("new policy") else text), file=sys.stderr)
 
 
 def _print_impact(rep: dict) -> None:

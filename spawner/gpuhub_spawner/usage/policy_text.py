@@ -51,8 +51,10 @@ def policy_diff(before: str, after: str) -> str:
 BESIDE_FROM = 100_000
 
 # Children run niced: the audit can wait, the hub's requests should not (2 cores).
-_CHILD = ("import json, os, sys; os.nice(10); from gpuhub_spawner.usage.policy_text import policy_diff; "
-          "before, after = json.load(sys.stdin); sys.stdout.write(json.dumps(policy_diff(before, after)))")
+_CHILD = (
+    "import json, os, sys; os.nice(10); from gpuhub_spawner.usage.policy_text import policy_diff; "
+    "before, after = json.load(sys.stdin); sys.stdout.write(json.dumps(policy_diff(before, after)))"
+)
 
 
 def diff_beside(before: str, after: str) -> str:
@@ -61,8 +63,9 @@ def diff_beside(before: str, after: str) -> str:
     if len(before) + len(after) < BESIDE_FROM:
         return policy_diff(before, after)
     try:
-        done = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([before, after]).encode(),
-                              capture_output=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD], input=json.dumps([before, after]).encode(), capture_output=True, timeout=300
+        )
         if done.returncode == 0:
             return json.loads(done.stdout)
     except (OSError, subprocess.SubprocessError, ValueError):
@@ -80,11 +83,15 @@ def data_text(source) -> str:
     """
     data = source.model_dump(by_alias=True, exclude_defaults=True) if hasattr(source, "model_dump") else source
     if isinstance(data, dict) and isinstance(data.get("profiles"), list):
-        data = dict(data, profiles=[
-            dict(prof, env={k: MASK for k in prof["env"]}) if isinstance(prof, dict) and isinstance(prof.get("env"), dict)
-            and prof["env"] else prof
-            for prof in data["profiles"]
-        ])  # copies: the store's data is shared
+        data = dict(
+            data,
+            profiles=[
+                dict(prof, env={k: MASK for k in prof["env"]})
+                if isinstance(prof, dict) and isinstance(prof.get("env"), dict) and prof["env"]
+                else prof
+                for prof in data["profiles"]
+            ],
+        )  # copies: the store's data is shared
     if not isinstance(data, dict):
         return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
     # One short libyaml call per team, profile, ... rather than one for the document: libyaml's
@@ -108,8 +115,14 @@ def _lines(data: dict) -> list[bytes]:
     ``json.dumps`` short, the lock offered between them (called in a thread of the hub)."""
     import time
 
-    out = [json.dumps({"layout": [[k, len(v) if isinstance(v, list) else None] for k, v in data.items()],
-                       "rest": {k: v for k, v in data.items() if not isinstance(v, list)}}).encode()]
+    out = [
+        json.dumps(
+            {
+                "layout": [[k, len(v) if isinstance(v, list) else None] for k, v in data.items()],
+                "rest": {k: v for k, v in data.items() if not isinstance(v, list)},
+            }
+        ).encode()
+    ]
     for value in data.values():
         if isinstance(value, list):
             for item in value:
@@ -124,7 +137,7 @@ def _unlines(lines: list[bytes]) -> dict:
         if n is None:
             data[key] = head["rest"][key]
         else:
-            data[key] = [json.loads(line) for line in lines[i:i + n]]
+            data[key] = [json.loads(line) for line in lines[i : i + n]]
             i += n
     return data
 
@@ -135,8 +148,8 @@ def _text_and_diff_child() -> None:
     lines = sys.stdin.buffer.read().split(b"\n")
     head = json.loads(lines[0])
     n = head["before"]
-    old = head["old"] if head["old"] is not None else (data_text(_unlines(lines[1:1 + n])) if n else "")
-    new = data_text(_unlines(lines[1 + n:]))
+    old = head["old"] if head["old"] is not None else (data_text(_unlines(lines[1 : 1 + n])) if n else "")
+    new = data_text(_unlines(lines[1 + n :]))
     sys.stdout.write(json.dumps({"text": new, "diff": text_diff(old, new) if new != old else None}))
 
 

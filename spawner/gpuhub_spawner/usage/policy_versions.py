@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from . import recorder
+
 # The masked text and the diff live in policy_text.py (a child process imports it to diff a large
 # policy); importable from here as before.
 from .policy_text import BESIDE_FROM, MASK, diff_beside, masked_text, policy_diff
@@ -104,10 +105,12 @@ def _what_changed(before: str, after: str, policies: tuple | None = None) -> str
         return ON_DISK
 
 
-_SUMMARY_CHILD = ("import json, os, sys; os.nice(10); "
-                  "from gpuhub_spawner.usage.policy_versions import _what_changed, policy_diff; "
-                  "before, after = json.load(sys.stdin); "
-                  "sys.stdout.write(json.dumps([_what_changed(before, after), policy_diff(before, after)]))")
+_SUMMARY_CHILD = (
+    "import json, os, sys; os.nice(10); "
+    "from gpuhub_spawner.usage.policy_versions import _what_changed, policy_diff; "
+    "before, after = json.load(sys.stdin); "
+    "sys.stdout.write(json.dumps([_what_changed(before, after), policy_diff(before, after)]))"
+)
 
 
 def _summary_and_diff(before: str, after: str, policies: tuple | None = None) -> tuple[str, str]:
@@ -117,8 +120,12 @@ def _summary_and_diff(before: str, after: str, policies: tuple | None = None) ->
     would wait for the lock all that time. Here when no child can run. Call from a thread."""
     if len(before) + len(after) >= BESIDE_FROM:
         try:
-            done = subprocess.run([sys.executable, "-c", _SUMMARY_CHILD], input=json.dumps([before, after]).encode(),
-                                  capture_output=True, timeout=600)
+            done = subprocess.run(
+                [sys.executable, "-c", _SUMMARY_CHILD],
+                input=json.dumps([before, after]).encode(),
+                capture_output=True,
+                timeout=600,
+            )
             if done.returncode == 0:
                 summary, diff = json.loads(done.stdout)
                 return summary, diff
@@ -196,8 +203,15 @@ class PolicyVersions:
     def record(self, text: str, by: str, source: str, summary: str, **extra) -> dict:
         with self._lock:
             n = (self._versions[-1]["n"] + 1) if self._versions else 1
-            entry = {"n": n, "hash": text_hash(text), "at": round(time.time(), 3), "by": by, "source": source,
-                     "summary": summary, **extra}
+            entry = {
+                "n": n,
+                "hash": text_hash(text),
+                "at": round(time.time(), 3),
+                "by": by,
+                "source": source,
+                "summary": summary,
+                **extra,
+            }
             path = self.dir / f"{n}-{entry['hash']}.yaml"
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -208,8 +222,9 @@ class PolicyVersions:
             self._versions.append(entry)
         return dict(entry)
 
-    def apply(self, text: str, by: str, summary: str, rollback_to: dict | None = None,
-              expected_hash: str | None = None, **extra) -> dict:
+    def apply(
+        self, text: str, by: str, summary: str, rollback_to: dict | None = None, expected_hash: str | None = None, **extra
+    ) -> dict:
         """Write ``text`` as the policy (the file, or the writer's place) and record it (validated
         by the caller); audited. ``expected_hash``: the hash of the policy the caller checked
         against (a writer refuses when its place holds another). ``extra``: more fields of the
@@ -226,8 +241,16 @@ class PolicyVersions:
             version = self.record(text, by, source, summary, **extra)
         diff = diff_beside(before or "", text)
         event = "policy_rolled_back" if rollback_to else "policy_applied"
-        recorder.audit(event, by=by, version=version["n"], hash=version["hash"], summary=summary,
-                       path=self.where, diff=diff, **({"to_version": rollback_to["n"]} if rollback_to else {}))
+        recorder.audit(
+            event,
+            by=by,
+            version=version["n"],
+            hash=version["hash"],
+            summary=summary,
+            path=self.where,
+            diff=diff,
+            **({"to_version": rollback_to["n"]} if rollback_to else {}),
+        )
         log.info("Policy version %d (%s) %s by %s: %s", version["n"], version["hash"], source, by, summary)
         return version
 
@@ -266,8 +289,9 @@ class PolicyVersions:
                 summary, diff = _summary_and_diff(self.text_of(latest), text, policies)
         version = self.record(text, by, source, summary or source)
         if latest is not None:
-            recorder.audit("policy_edited_on_disk", by=by, version=version["n"], hash=version["hash"],
-                           path=self.policy_file, diff=diff)
+            recorder.audit(
+                "policy_edited_on_disk", by=by, version=version["n"], hash=version["hash"], path=self.policy_file, diff=diff
+            )
         return version
 
     def follow(self, store) -> None:

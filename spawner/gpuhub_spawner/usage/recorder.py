@@ -51,8 +51,14 @@ def note_end(key: str, reason: str, by: str | None = None) -> None:
 def note_started(key: str, user: str, url: str | None = None) -> None:
     if _current is not None:
         adm = _current.broker.queue.admitted.get(key) if _current.broker else None
-        _current.audit.record("started", key=key, user=user, team=getattr(adm, "team", None),
-                              profile=getattr(adm, "profile", None), devices=getattr(adm, "devices", None))
+        _current.audit.record(
+            "started",
+            key=key,
+            user=user,
+            team=getattr(adm, "team", None),
+            profile=getattr(adm, "profile", None),
+            devices=getattr(adm, "devices", None),
+        )
 
 
 def audit(event: str, **fields) -> None:
@@ -60,7 +66,9 @@ def audit(event: str, **fields) -> None:
         _current.audit.record(event, **fields)
 
 
-def gpu_pass(readings: dict[str, tuple[int, float | None, bool]], elapsed: float, devices: dict[str, float] | None = None) -> None:
+def gpu_pass(
+    readings: dict[str, tuple[int, float | None, bool]], elapsed: float, devices: dict[str, float] | None = None
+) -> None:
     """A culler pass: per server key (GPUs held, utilisation or None, idle?) over ``elapsed`` s."""
     if _current is not None:
         _current._gpu_pass(readings, elapsed, devices or {})
@@ -165,25 +173,50 @@ class UsageRecorder(SingletonConfigurable):
     def _submitted(self, ticket) -> None:
         self._ends.pop(ticket.key, None)
         self._requested[ticket.key] = ticket.created
-        self.audit.record("requested", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
-                          demand=ticket.demand, priority=ticket.priority)
+        self.audit.record(
+            "requested",
+            key=ticket.key,
+            user=ticket.user,
+            team=ticket.team,
+            profile=ticket.profile,
+            demand=ticket.demand,
+            priority=ticket.priority,
+        )
 
     def _queued(self, ticket) -> None:
         status = ticket.status
-        self.audit.record("queued", key=ticket.key, user=ticket.user, team=ticket.team,
-                          position=getattr(status, "position", None), reason=getattr(status, "reason", None))
+        self.audit.record(
+            "queued",
+            key=ticket.key,
+            user=ticket.user,
+            team=ticket.team,
+            position=getattr(status, "position", None),
+            reason=getattr(status, "reason", None),
+        )
         self._sample(ticket.team)
 
     def _refused(self, ticket, reason: str) -> None:
-        self.audit.record("requested", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
-                          demand=ticket.demand, priority=ticket.priority)
-        self.audit.record("refused", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
-                          reason=reason)
+        self.audit.record(
+            "requested",
+            key=ticket.key,
+            user=ticket.user,
+            team=ticket.team,
+            profile=ticket.profile,
+            demand=ticket.demand,
+            priority=ticket.priority,
+        )
+        self.audit.record("refused", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile, reason=reason)
 
     def _cancelled(self, ticket) -> None:
         self._requested.pop(ticket.key, None)
-        self.audit.record("left_queue", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile,
-                          waited=round(time.time() - ticket.created, 3))
+        self.audit.record(
+            "left_queue",
+            key=ticket.key,
+            user=ticket.user,
+            team=ticket.team,
+            profile=ticket.profile,
+            waited=round(time.time() - ticket.created, 3),
+        )
         self._sample(ticket.team)
 
     def _admitted(self, adm) -> None:
@@ -193,13 +226,29 @@ class UsageRecorder(SingletonConfigurable):
             if k.startswith("gpu/"):
                 flavor, gpus = k[4:], gpus + int(v)
         self._ends.pop(adm.key, None)
-        self.history.open(key=adm.key, user=adm.user, team=adm.team, profile=adm.profile, flavor=flavor, gpus=gpus,
-                          devices=list(adm.devices), requested=requested, start=adm.since)
+        self.history.open(
+            key=adm.key,
+            user=adm.user,
+            team=adm.team,
+            profile=adm.profile,
+            flavor=flavor,
+            gpus=gpus,
+            devices=list(adm.devices),
+            requested=requested,
+            start=adm.since,
+        )
         from . import metrics
 
         metrics.TEAM_WAIT.labels(team=adm.team).observe(max(0.0, adm.since - requested))
-        self.audit.record("admitted", key=adm.key, user=adm.user, team=adm.team, profile=adm.profile,
-                          devices=list(adm.devices), waited=round(max(0.0, adm.since - requested), 3))
+        self.audit.record(
+            "admitted",
+            key=adm.key,
+            user=adm.user,
+            team=adm.team,
+            profile=adm.profile,
+            devices=list(adm.devices),
+            waited=round(max(0.0, adm.since - requested), 3),
+        )
         self._sample(adm.team)
 
     def _released(self, adm) -> None:
@@ -210,9 +259,17 @@ class UsageRecorder(SingletonConfigurable):
         self.history.close(adm.key, now, reason, by)
         for d in adm.devices:
             self._util.pop(d, None)
-        self.audit.record("released", key=adm.key, user=adm.user, team=adm.team, profile=adm.profile,
-                          devices=list(adm.devices), reason=reason, by=by,
-                          held_seconds=round(now - adm.since, 3))
+        self.audit.record(
+            "released",
+            key=adm.key,
+            user=adm.user,
+            team=adm.team,
+            profile=adm.profile,
+            devices=list(adm.devices),
+            reason=reason,
+            by=by,
+            held_seconds=round(now - adm.since, 3),
+        )
 
     # -- GPU readings from the culler's passes ------------------------------------------------
     def _gpu_pass(self, readings, elapsed: float, devices: dict[str, float]) -> None:
@@ -240,8 +297,11 @@ class UsageRecorder(SingletonConfigurable):
         roles = role_map(policy)
         if roles != self._roles:
             before = self._roles or {}
-            changes = {g: {"before": before.get(g, []), "after": roles.get(g, [])}
-                       for g in sorted(set(before) | set(roles)) if before.get(g) != roles.get(g)}
+            changes = {
+                g: {"before": before.get(g, []), "after": roles.get(g, [])}
+                for g in sorted(set(before) | set(roles))
+                if before.get(g) != roles.get(g)
+            }
             self.audit.record("roles_changed", path=path, changes=changes)
             self._roles = roles
 

@@ -99,8 +99,12 @@ def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, 
         {
             "name": "gpuhub-culler",
             "command": [
-                sys.executable, "-m", "gpuhub_spawner.culling.service",
-                f"--cull-every={every}", "--timeout=1", "--remove-named-servers=False",
+                sys.executable,
+                "-m",
+                "gpuhub_spawner.culling.service",
+                f"--cull-every={every}",
+                "--timeout=1",
+                "--remove-named-servers=False",
                 "--concurrency=20",  # stops of a big pass in parallel
                 "--GpuHubCuller.end_with_hub=True",  # a hub killed outright takes its culler along
             ],
@@ -117,7 +121,7 @@ def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, 
     ]
     c.CullBoard.pass_interval = every
     if state_dir is None and "db_url" in c.JupyterHub and str(c.JupyterHub.db_url).startswith("sqlite:///"):
-        state_dir = str(Path(str(c.JupyterHub.db_url)[len("sqlite:///"):]).parent)
+        state_dir = str(Path(str(c.JupyterHub.db_url)[len("sqlite:///") :]).parent)
     if state_dir:
         c.CullBoard.state_file = str(Path(state_dir) / "gpuhub-culling.json")
     from ..policy.scopes import configure_scopes
@@ -236,8 +240,9 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
         c.Authenticator.admin_users = {u for u, spec in DEMO_USERS.items() if spec.get("admin")}
 
     site_file = os.environ.get("GPUHUB_SITE_CONFIG")
-    configure_site(c, load_site(site_file) if site_file else Site(), policy_file=policy_file,
-                   public_url=f"http://{ip}:{port}", demo=demo)
+    configure_site(
+        c, load_site(site_file) if site_file else Site(), policy_file=policy_file, public_url=f"http://{ip}:{port}", demo=demo
+    )
     from ..hub.origins import serve_hub_only_on_its_host
 
     serve_hub_only_on_its_host(c)  # after the site file, which may move the hub to HTTPS or its public_url

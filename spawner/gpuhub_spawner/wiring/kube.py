@@ -41,8 +41,14 @@ async def _watch(app) -> None:
     ledger = KueueLedger.instance(config=app.config)
     # A spawner of no user, only to reach the reflectors every spawner shares (as
     # KubeJobManager does for jobs).
-    spawner = KueueSpawner(config=app.config, user=SimpleNamespace(name="gpuhub-ledger", id=0, url="/"), hub=app.hub,
-                           api_token="", oauth_client_id="", orm_spawner=SimpleNamespace(name="", server=None))
+    spawner = KueueSpawner(
+        config=app.config,
+        user=SimpleNamespace(name="gpuhub-ledger", id=0, url="/"),
+        hub=app.hub,
+        api_token="",
+        oauth_client_id="",
+        orm_spawner=SimpleNamespace(name="", server=None),
+    )
     try:
         await ledger.watch(spawner)
     except Exception:  # noqa: BLE001 - spawners start it on their first start or poll instead

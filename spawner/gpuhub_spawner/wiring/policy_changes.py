@@ -39,8 +39,11 @@ def configure_policy_changes(c, data_dir, configmap: str | None = None, key: str
         from kubespawner.clients import load_config
 
         ks = app.config.KubeSpawner  # the same API server and credentials as the spawner's
-        load_config(host=ks.get("k8s_api_host") or None, ssl_ca_cert=ks.get("k8s_api_ssl_ca_cert") or None,
-                    verify_ssl=ks.get("k8s_api_verify_ssl", None))
+        load_config(
+            host=ks.get("k8s_api_host") or None,
+            ssl_ca_cert=ks.get("k8s_api_ssl_ca_cert") or None,
+            verify_ssl=ks.get("k8s_api_verify_ssl", None),
+        )
         mirror.start()
         start_versions(app, directory, mirror.writer(asyncio.get_running_loop()))
 

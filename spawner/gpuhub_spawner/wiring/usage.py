@@ -71,8 +71,7 @@ def _audit_page_spawn(spawner) -> None:
     kind = "service" if getattr(actor, "kind", "user") == "service" else "user"
     rec.audit.record("start_requested", key=key, user=owner, by=by, by_kind=kind, via="spawn page")
     if by != owner and kind == "user":
-        rec.audit.record("acted_on_server", by=by, role="hub-admin", target_user=owner, key=key, action="start",
-                         via="spawn page")
+        rec.audit.record("acted_on_server", by=by, role="hub-admin", target_user=owner, key=key, action="start", via="spawn page")
 
 
 def configure_usage(c, data_dir, policy=None) -> None:

@@ -34,14 +34,19 @@ if not os.environ.get("GPUHUB_TEST_KUBECONFIG"):
     os.environ.pop("KUBERNETES_SERVICE_HOST", None)
 
 
-
-
 class MockUser(SimpleNamespace):
     """The parts of ``jupyterhub.user.User`` a spawner touches."""
 
     def __init__(self, name, groups, **kw):
-        super().__init__(name=name, escaped_name=name, id=abs(hash(name)) % 10000, url=f"/user/{name}/",
-                         groups=[SimpleNamespace(name=g) for g in groups], spawners={}, **kw)
+        super().__init__(
+            name=name,
+            escaped_name=name,
+            id=abs(hash(name)) % 10000,
+            url=f"/user/{name}/",
+            groups=[SimpleNamespace(name=g) for g in groups],
+            spawners={},
+            **kw,
+        )
 
 
 class MockHub(SimpleNamespace):

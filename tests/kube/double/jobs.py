@@ -78,8 +78,9 @@ class JobsMixin:
         self.calls[(request.method, "jobs")] += 1
         if request.method == "GET" and name is None:
             items = [copy.deepcopy(o) for (p, n, _), o in self.objects.items() if p == "jobs" and n == ns]
-            return web.json_response({"apiVersion": "batch/v1", "kind": "JobList",
-                                      "metadata": {"resourceVersion": str(self.last_rv)}, "items": items})
+            return web.json_response(
+                {"apiVersion": "batch/v1", "kind": "JobList", "metadata": {"resourceVersion": str(self.last_rv)}, "items": items}
+            )
         if request.method == "GET":
             obj = self.objects.get(("jobs", ns, name))
             return web.json_response(obj) if obj else _status(404, "NotFound", f'jobs.batch "{name}" not found')
@@ -124,18 +125,35 @@ class JobsMixin:
         wpc = self.objects.get(("workloadpriorityclasses", None, pclass)) if pclass else None
         tmpl = job["spec"]["template"]
         wl = {
-            "apiVersion": API_VERSION, "kind": "Workload",
+            "apiVersion": API_VERSION,
+            "kind": "Workload",
             "metadata": {
-                "name": f"job-{meta['name']}-{digest}", "namespace": meta["namespace"],
+                "name": f"job-{meta['name']}-{digest}",
+                "namespace": meta["namespace"],
                 "labels": {JOB_UID_LABEL: meta["uid"]},
-                "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"],
-                                     "controller": True, "blockOwnerDeletion": True}],
+                "ownerReferences": [
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "name": meta["name"],
+                        "uid": meta["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
             },
             "spec": {
                 "queueName": meta["labels"][QUEUE_LABEL],
-                "podSets": [{"name": "main", "count": job["spec"].get("parallelism", 1),
-                             "template": {"metadata": {"labels": dict((tmpl.get("metadata") or {}).get("labels") or {})},
-                                          "spec": copy.deepcopy(tmpl["spec"])}}],
+                "podSets": [
+                    {
+                        "name": "main",
+                        "count": job["spec"].get("parallelism", 1),
+                        "template": {
+                            "metadata": {"labels": dict((tmpl.get("metadata") or {}).get("labels") or {})},
+                            "spec": copy.deepcopy(tmpl["spec"]),
+                        },
+                    }
+                ],
                 "priority": wpc["value"] if wpc else 0,
                 "active": True,
             },
@@ -171,11 +189,24 @@ class JobsMixin:
         labels = dict((tmpl.get("metadata") or {}).get("labels") or {})
         labels.update({JOB_NAME_LABEL: name, "batch.kubernetes.io/controller-uid": job["metadata"]["uid"]})
         pod = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"{name}-{secrets.token_hex(3)[:5]}", "namespace": ns, "labels": labels,
-                         "annotations": dict((tmpl.get("metadata") or {}).get("annotations") or {}),
-                         "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": name,
-                                              "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"{name}-{secrets.token_hex(3)[:5]}",
+                "namespace": ns,
+                "labels": labels,
+                "annotations": dict((tmpl.get("metadata") or {}).get("annotations") or {}),
+                "ownerReferences": [
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "name": name,
+                        "uid": job["metadata"]["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
             "spec": tmpl["spec"],
         }
         self._create_pod(ns, pod)
@@ -204,7 +235,9 @@ class JobsMixin:
             if phase == "Succeeded":
                 job["status"]["succeeded"] = job["status"].get("succeeded", 0) + 1
                 job["status"]["completionTime"] = _now()
-                _set_job_condition(job, "SuccessCriteriaMet", "True", "CompletionsReached", "Reached expected number of succeeded pods")
+                _set_job_condition(
+                    job, "SuccessCriteriaMet", "True", "CompletionsReached", "Reached expected number of succeeded pods"
+                )
                 _set_job_condition(job, "Complete", "True", "CompletionsReached", "Reached expected number of succeeded pods")
                 self._finish_job(job, "Succeeded", "Job finished successfully")
                 continue
@@ -243,16 +276,18 @@ class JobsMixin:
     def _job_workloads(self, ns: str, name: str) -> list[dict]:
         return [w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_job_name(w) == name]
 
-    def _preempt_job(self, ns: str, name: str, preempted_reason: str = K.PREEMPTED_IN_CLUSTER_QUEUE,
-                     message: str | None = None) -> None:
+    def _preempt_job(
+        self, ns: str, name: str, preempted_reason: str = K.PREEMPTED_IN_CLUSTER_QUEUE, message: str | None = None
+    ) -> None:
         """Kueue evicts the Job's Workload (requeued: a Job's Workload waits for quota again) and
         the job integration stops the Job: suspended, its pods deleted."""
         from .server import _evicted_by_preemption
 
         for wl in self._job_workloads(ns, name):
             wl = copy.deepcopy(wl)
-            _evicted_by_preemption(wl, preempted_reason, message or self._default_preemption_message(wl, preempted_reason),
-                                   requeued=True)
+            _evicted_by_preemption(
+                wl, preempted_reason, message or self._default_preemption_message(wl, preempted_reason), requeued=True
+            )
             validate(wl)
             self._write("workloads", ns, wl, "MODIFIED")
         self._suspend_job(ns, name)
@@ -297,8 +332,9 @@ def _set_job_condition(job: dict, ctype: str, status: str, reason: str, message:
         if c["type"] == ctype:
             c.update(status=status, reason=reason, message=message, lastProbeTime=ts, lastTransitionTime=ts)
             return
-    conds.append({"type": ctype, "status": status, "reason": reason, "message": message,
-                  "lastProbeTime": ts, "lastTransitionTime": ts})
+    conds.append(
+        {"type": ctype, "status": status, "reason": reason, "message": message, "lastProbeTime": ts, "lastTransitionTime": ts}
+    )
 
 
 def _failure_action(job: dict, pod: dict, code: int) -> str:

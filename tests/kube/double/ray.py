@@ -58,9 +58,14 @@ def _validate_ray(obj: dict) -> None:
         from .schemas import validate_core
 
         for group, tmpl in R.pod_templates(obj):
-            validate_core({"apiVersion": "v1", "kind": "Pod",
-                           "metadata": {**(tmpl.get("metadata") or {}), "name": f"{obj['metadata']['name']}-{group}"},
-                           "spec": tmpl["spec"]})
+            validate_core(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {**(tmpl.get("metadata") or {}), "name": f"{obj['metadata']['name']}-{group}"},
+                    "spec": tmpl["spec"],
+                }
+            )
 
 
 class RayMixin:
@@ -81,9 +86,17 @@ class RayMixin:
         self.calls[(request.method, R.PLURAL)] += 1
         if request.method == "GET" and name is None:
             sel = request.query.get("labelSelector", "")
-            items = [copy.deepcopy(o) for (p, n, _), o in self.objects.items() if p == R.PLURAL and n == ns and _match_labels(o, sel)]
-            return web.json_response({"apiVersion": R.API_VERSION, "kind": "RayClusterList",
-                                      "metadata": {"resourceVersion": str(self.last_rv)}, "items": items})
+            items = [
+                copy.deepcopy(o) for (p, n, _), o in self.objects.items() if p == R.PLURAL and n == ns and _match_labels(o, sel)
+            ]
+            return web.json_response(
+                {
+                    "apiVersion": R.API_VERSION,
+                    "kind": "RayClusterList",
+                    "metadata": {"resourceVersion": str(self.last_rv)},
+                    "items": items,
+                }
+            )
         if request.method == "GET":
             obj = self.objects.get((R.PLURAL, ns, name))
             return web.json_response(obj) if obj else _status(404, "NotFound", f'rayclusters.ray.io "{name}" not found')
@@ -102,9 +115,13 @@ class RayMixin:
             if obj is None:
                 return _status(404, "NotFound", f'rayclusters.ray.io "{name}" not found')
             if (request.headers.get("Content-Type") or "").split(";")[0].strip() != "application/merge-patch+json":
-                return _status(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted "
-                               "media types include: application/json-patch+json, application/merge-patch+json, "
-                               "application/apply-patch+yaml")
+                return _status(
+                    415,
+                    "UnsupportedMediaType",
+                    "the body of the request was in an unknown format - accepted "
+                    "media types include: application/json-patch+json, application/merge-patch+json, "
+                    "application/apply-patch+yaml",
+                )
             merged = _merge(copy.deepcopy(obj), await request.json())
             _validate_ray(merged)
             return web.json_response(self._write(R.PLURAL, ns, merged, "MODIFIED"))
@@ -122,10 +139,15 @@ class RayMixin:
         labels = rc["metadata"].get("labels") or {}
         managed = QUEUE_LABEL in labels and self._webhook_applies(ns)
         if managed and not self.kueue_up:
-            return _status(500, "InternalError", (
-                f'Internal error occurred: failed calling webhook "{R.MUTATING_WEBHOOK}": failed to call webhook: '
-                f'Post "https://{K.WEBHOOK_SERVICE}.{K.WEBHOOK_NAMESPACE}.svc:443/mutate-ray-io-v1-raycluster?timeout=10s": '
-                f'no endpoints available for service "{K.WEBHOOK_SERVICE}"'))
+            return _status(
+                500,
+                "InternalError",
+                (
+                    f'Internal error occurred: failed calling webhook "{R.MUTATING_WEBHOOK}": failed to call webhook: '
+                    f'Post "https://{K.WEBHOOK_SERVICE}.{K.WEBHOOK_NAMESPACE}.svc:443/mutate-ray-io-v1-raycluster?timeout=10s": '
+                    f'no endpoints available for service "{K.WEBHOOK_SERVICE}"'
+                ),
+            )
         if managed:
             denied = R.kueue_refusal(rc)
             if denied:
@@ -153,12 +175,22 @@ class RayMixin:
         pclass = meta["labels"].get(PRIORITY_LABEL)
         wpc = self.objects.get(("workloadpriorityclasses", None, pclass)) if pclass else None
         wl = R.workload_for(rc, wpc["value"] if wpc else 0)
-        wl["metadata"].update({
-            "name": f"raycluster-{meta['name']}-{digest}",
-            "labels": {JOB_UID_LABEL: meta["uid"]},
-            "ownerReferences": [{"apiVersion": R.API_VERSION, "kind": R.KIND, "name": meta["name"], "uid": meta["uid"],
-                                 "controller": True, "blockOwnerDeletion": True}],
-        })
+        wl["metadata"].update(
+            {
+                "name": f"raycluster-{meta['name']}-{digest}",
+                "labels": {JOB_UID_LABEL: meta["uid"]},
+                "ownerReferences": [
+                    {
+                        "apiVersion": R.API_VERSION,
+                        "kind": R.KIND,
+                        "name": meta["name"],
+                        "uid": meta["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            }
+        )
         wl["apiVersion"] = API_VERSION
         wl["spec"]["active"] = True
         if not wpc:
@@ -197,38 +229,60 @@ class RayMixin:
             for i in range(counts[podset]):
                 tmpl_c = copy.deepcopy(tmpl)
                 labels = dict((tmpl_c.get("metadata") or {}).get("labels") or {})
-                labels.update({CLUSTER_LABEL: name, NODE_TYPE_LABEL: kind, GROUP_LABEL: "headgroup" if kind == "head" else podset})
+                labels.update(
+                    {CLUSTER_LABEL: name, NODE_TYPE_LABEL: kind, GROUP_LABEL: "headgroup" if kind == "head" else podset}
+                )
                 spec = tmpl_c["spec"]
                 spec.pop("schedulingGates", None)  # the elastic gate: Kueue lifts it on admission
                 spec["containers"][0]["command"] = list(STAND_IN)
                 suffix = "head" if kind == "head" else f"{podset}-worker"
-                pod = {"apiVersion": "v1", "kind": "Pod",
-                       "metadata": {"name": f"{name}-{suffix}-{secrets.token_hex(3)[:5]}", "namespace": ns, "labels": labels,
-                                    "annotations": dict((tmpl_c.get("metadata") or {}).get("annotations") or {}),
-                                    "ownerReferences": [{"apiVersion": R.API_VERSION, "kind": R.KIND, "name": name,
-                                                         "uid": rc["metadata"]["uid"], "controller": True,
-                                                         "blockOwnerDeletion": True}]},
-                       "spec": spec}
+                pod = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {
+                        "name": f"{name}-{suffix}-{secrets.token_hex(3)[:5]}",
+                        "namespace": ns,
+                        "labels": labels,
+                        "annotations": dict((tmpl_c.get("metadata") or {}).get("annotations") or {}),
+                        "ownerReferences": [
+                            {
+                                "apiVersion": R.API_VERSION,
+                                "kind": R.KIND,
+                                "name": name,
+                                "uid": rc["metadata"]["uid"],
+                                "controller": True,
+                                "blockOwnerDeletion": True,
+                            }
+                        ],
+                    },
+                    "spec": spec,
+                }
                 self._create_pod(ns, pod)
         rc = copy.deepcopy(self.objects[(R.PLURAL, ns, name)])
         workers = sum(n for p, n in counts.items() if p != R.HEAD_POD_SET)
-        rc["status"] = {"state": "ready", "desiredWorkerReplicas": workers, "availableWorkerReplicas": workers,
-                        "readyWorkerReplicas": workers}
+        rc["status"] = {
+            "state": "ready",
+            "desiredWorkerReplicas": workers,
+            "availableWorkerReplicas": workers,
+            "readyWorkerReplicas": workers,
+        }
         self._write(R.PLURAL, ns, rc, "MODIFIED")
 
     def _ray_workloads(self, ns: str, name: str) -> list[dict]:
         return [w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_ray_name(w) == name]
 
-    def _preempt_ray(self, ns: str, name: str, preempted_reason: str = K.PREEMPTED_IN_CLUSTER_QUEUE,
-                     message: str | None = None) -> None:
+    def _preempt_ray(
+        self, ns: str, name: str, preempted_reason: str = K.PREEMPTED_IN_CLUSTER_QUEUE, message: str | None = None
+    ) -> None:
         """Kueue evicts the Workload (requeued) and its RayCluster integration suspends the
         RayCluster; KubeRay deletes the pods of a suspended cluster."""
         from .server import _evicted_by_preemption
 
         for wl in self._ray_workloads(ns, name):
             wl = copy.deepcopy(wl)
-            _evicted_by_preemption(wl, preempted_reason, message or self._default_preemption_message(wl, preempted_reason),
-                                   requeued=True)
+            _evicted_by_preemption(
+                wl, preempted_reason, message or self._default_preemption_message(wl, preempted_reason), requeued=True
+            )
             validate(wl)
             self._write("workloads", ns, wl, "MODIFIED")
         rc = copy.deepcopy(self.objects[(R.PLURAL, ns, name)])
@@ -240,8 +294,11 @@ class RayMixin:
             self._remove_pod(ns, pod["metadata"]["name"])
 
     def pods_of_ray_now(self, ns: str, name: str) -> list[dict]:
-        return [o for (p, n, _), o in list(self.objects.items())
-                if p == "pods" and n == ns and (o["metadata"].get("labels") or {}).get(CLUSTER_LABEL) == name]
+        return [
+            o
+            for (p, n, _), o in list(self.objects.items())
+            if p == "pods" and n == ns and (o["metadata"].get("labels") or {}).get(CLUSTER_LABEL) == name
+        ]
 
     def _delete_ray(self, ns: str, name: str) -> None:
         for pod in self.pods_of_ray_now(ns, name):

@@ -78,7 +78,10 @@ def _cel_checks(obj: dict) -> list[str]:
                     if "borrowingLimit" in res and not spec.get("cohortName"):
                         errors.append("borrowingLimit must be nil when cohort is empty")
         pre = spec.get("preemption") or {}
-        if pre.get("reclaimWithinCohort", "Never") == "Never" and (pre.get("borrowWithinCohort") or {}).get("policy", "Never") != "Never":
+        if (
+            pre.get("reclaimWithinCohort", "Never") == "Never"
+            and (pre.get("borrowWithinCohort") or {}).get("policy", "Never") != "Never"
+        ):
             errors.append("reclaimWithinCohort=Never and borrowWithinCohort.Policy!=Never")
     if kind == "ResourceFlavor":
         for t in spec.get("tolerations") or []:
@@ -113,7 +116,9 @@ def validate_core(obj: dict) -> None:
     try:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:
-        raise InvalidObject(f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}: {e.message} at {'.'.join(map(str, e.path))}") from None
+        raise InvalidObject(
+            f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}: {e.message} at {'.'.join(map(str, e.path))}"
+        ) from None
 
 
 # -- KubeRay (issue 24) ----------------------------------------------------------------------
@@ -125,7 +130,8 @@ KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
 MISSING_KUBERAY = (
     f"KubeRay {KUBERAY_VERSION} CRDs not found: set $GPUHUB_KUBERAY_CRDS to the module's config/crd/bases, or fetch "
     f"the module into the cluster cache: GOPATH=~/.cache/gpuhub-cluster/gopath GOFLAGS=-mod=mod "
-    f"go mod download {KUBERAY_MODULE}@{KUBERAY_VERSION} (tests/cluster/build.sh kuberay does it)")
+    f"go mod download {KUBERAY_MODULE}@{KUBERAY_VERSION} (tests/cluster/build.sh kuberay does it)"
+)
 
 
 def kuberay_crds() -> Path:
@@ -141,8 +147,16 @@ def kuberay_crds() -> Path:
         gomodcache = os.environ.get("GOMODCACHE")
         candidates = [mod / "config" / "crd" / "bases"]
         if gomodcache:
-            candidates.append(Path(gomodcache) / "github.com" / "ray-project" / "kuberay" / f"ray-operator@{KUBERAY_VERSION}"
-                              / "config" / "crd" / "bases")
+            candidates.append(
+                Path(gomodcache)
+                / "github.com"
+                / "ray-project"
+                / "kuberay"
+                / f"ray-operator@{KUBERAY_VERSION}"
+                / "config"
+                / "crd"
+                / "bases"
+            )
     for c in candidates:
         if (c / "ray.io_rayclusters.yaml").is_file():
             return c
@@ -178,8 +192,14 @@ def validate_ray(obj: dict) -> None:
         templates = [("head", spec["headGroupSpec"]["template"])]
         templates += [(g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs") or []]
         for group, tmpl in templates:
-            validate_core({"apiVersion": "v1", "kind": "Pod",
-                           "metadata": {**(tmpl.get("metadata") or {}), "name": f"{name}-{group}"}, "spec": tmpl["spec"]})
+            validate_core(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {**(tmpl.get("metadata") or {}), "name": f"{name}-{group}"},
+                    "spec": tmpl["spec"],
+                }
+            )
 
 
 def validate(obj: dict) -> None:

@@ -38,7 +38,14 @@ from aiohttp import web
 
 from gpuhub_spawner.kube import kueue as K
 from gpuhub_spawner.kube.kueue import (
-    ADMISSION_GATE, API_VERSION, JOB_UID_LABEL, MANAGED_LABEL, POD_FINALIZER, PRIORITY_LABEL, QUEUE_LABEL, owner_pod_name,
+    ADMISSION_GATE,
+    API_VERSION,
+    JOB_UID_LABEL,
+    MANAGED_LABEL,
+    POD_FINALIZER,
+    PRIORITY_LABEL,
+    QUEUE_LABEL,
+    owner_pod_name,
 )
 from gpuhub_spawner.policy.quantities import parse_cpu_millis, parse_memory_bytes
 
@@ -48,9 +55,19 @@ from .schemas import InvalidObject, validate, validate_core
 
 TOKEN = "double-token"
 HISTORY_KEEP = 5000
-KUEUE_KINDS = {"workloads": "Workload", "localqueues": "LocalQueue", "clusterqueues": "ClusterQueue",
-               "resourceflavors": "ResourceFlavor", "workloadpriorityclasses": "WorkloadPriorityClass"}
-CORE_KINDS = {"pods": "Pod", "events": "Event", "nodes": "Node", "configmaps": "ConfigMap"}  # configmaps: the policy (kube/policy_configmap.py)
+KUEUE_KINDS = {
+    "workloads": "Workload",
+    "localqueues": "LocalQueue",
+    "clusterqueues": "ClusterQueue",
+    "resourceflavors": "ResourceFlavor",
+    "workloadpriorityclasses": "WorkloadPriorityClass",
+}
+CORE_KINDS = {
+    "pods": "Pod",
+    "events": "Event",
+    "nodes": "Node",
+    "configmaps": "ConfigMap",
+}  # configmaps: the policy (kube/policy_configmap.py)
 CLUSTER_SCOPED = {"clusterqueues", "resourceflavors", "workloadpriorityclasses"}
 
 
@@ -59,8 +76,15 @@ def now_iso() -> str:
 
 
 def _status(code: int, reason: str, message: str) -> web.Response:
-    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
     return web.json_response(body, status=code)
 
 
@@ -105,8 +129,12 @@ class Watcher:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def wants(self, plural, obj) -> bool:
-        return (plural == self.plural and (self.namespace is None or obj["metadata"].get("namespace") == self.namespace)
-                and _match_labels(obj, self.labels) and _match_fields(obj, self.fields))
+        return (
+            plural == self.plural
+            and (self.namespace is None or obj["metadata"].get("namespace") == self.namespace)
+            and _match_labels(obj, self.labels)
+            and _match_fields(obj, self.fields)
+        )
 
 
 class KubeDouble(JobsMixin, RayMixin):
@@ -144,7 +172,8 @@ class KubeDouble(JobsMixin, RayMixin):
         # Namespaces Kueue's pod webhooks are called for. None: Kueue's own manifests.yaml
         # (every namespace but kube-system and kueue-system); install-kubernetes.md narrows it.
         self.webhook_namespaces: set[str] | None = (
-            set(self._webhook_default) if getattr(self, "_webhook_default", None) is not None else None)
+            set(self._webhook_default) if getattr(self, "_webhook_default", None) is not None else None
+        )
         # Namespaces Kueue manages pods in (managedJobsNamespaceSelector); None = all.
         self.managed_namespaces: set[str] | None = None
 
@@ -168,20 +197,24 @@ class KubeDouble(JobsMixin, RayMixin):
 
     def call(self, fn, *args, **kwargs):
         """Run ``fn`` (sync or async) on the double's loop and return its result."""
+
         async def run():
             result = fn(*args, **kwargs)
             if asyncio.iscoroutine(result):
                 result = await result
             return result
+
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
 
     def reset(self):
         """Kill pod processes, drop watches and forget every object."""
+
         def do():
             for proc in self.processes.values():
                 self._kill(proc)
             self._close_watches()
             self._reset_state()
+
         self.call(do)
 
     def close(self):
@@ -195,12 +228,16 @@ class KubeDouble(JobsMixin, RayMixin):
         return f"http://127.0.0.1:{self.port}"
 
     def kubeconfig(self) -> str:
-        return json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "double",
-            "clusters": [{"name": "double", "cluster": {"server": self.url}}],
-            "users": [{"name": "hub", "user": {"token": TOKEN}}],
-            "contexts": [{"name": "double", "context": {"cluster": "double", "user": "hub", "namespace": "gpuhub"}}],
-        })
+        return json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "double",
+                "clusters": [{"name": "double", "cluster": {"server": self.url}}],
+                "users": [{"name": "hub", "user": {"token": TOKEN}}],
+                "contexts": [{"name": "double", "context": {"cluster": "double", "user": "hub", "namespace": "gpuhub"}}],
+            }
+        )
 
     # -- test controls (any thread) ------------------------------------------------------
     def apply(self, objs: list[dict]):
@@ -211,11 +248,13 @@ class KubeDouble(JobsMixin, RayMixin):
                 plural = next(p for p, k in KUEUE_KINDS.items() if k == obj["kind"])
                 self._write(plural, obj["metadata"].get("namespace"), obj, "ADDED")
             self._reconcile()
+
         self.call(do)
 
     def put_node(self, node: dict):
         """Create or replace a Node (validated against Kubernetes' schema) as a kubelet or an
         operator (cordon, taint, the device plugin's allocatable) would write it."""
+
         def do():
             obj = copy.deepcopy(node)
             validate(obj)
@@ -224,6 +263,7 @@ class KubeDouble(JobsMixin, RayMixin):
                 for k in ("uid", "creationTimestamp"):
                     obj["metadata"][k] = old["metadata"][k]
             self._write("nodes", None, obj, "MODIFIED" if old else "ADDED")
+
         self.call(do)
 
     def taint_node(self, node: dict) -> list[str]:
@@ -234,6 +274,7 @@ class KubeDouble(JobsMixin, RayMixin):
         Job controller to account (its tracking finalizer), any other pod is deleted. One step
         on the double's loop: no client sees the taint before the eviction. Returns the
         evicted pods ("ns/name")."""
+
         def do():
             obj = copy.deepcopy(node)
             validate(obj)
@@ -258,17 +299,25 @@ class KubeDouble(JobsMixin, RayMixin):
                 status = pod["status"]
                 status["phase"] = "Failed"
                 status["conditions"] = [c for c in status.get("conditions") or [] if c["type"] != "DisruptionTarget"] + [
-                    {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager",
-                     "message": "Taint manager: deleting due to NoExecute taint", "lastTransitionTime": ts}]
+                    {
+                        "type": "DisruptionTarget",
+                        "status": "True",
+                        "reason": "DeletionByTaintManager",
+                        "message": "Taint manager: deleting due to NoExecute taint",
+                        "lastTransitionTime": ts,
+                    }
+                ]
                 for c in status.get("containerStatuses") or []:
-                    c.update(ready=False, started=False,
-                             state={"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": ts}})
+                    c.update(
+                        ready=False, started=False, state={"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": ts}}
+                    )
                 validate(pod)
                 self._write("pods", ns, pod, "MODIFIED")
                 if not owner_job_name(pod):
                     self._remove_pod(ns, pname)
                 evicted.append(f"{ns}/{pname}")
             return evicted
+
         return self.call(do)
 
     def fail(self, method: str, path_regex: str, status: int = 500, times: int = 1):
@@ -281,16 +330,23 @@ class KubeDouble(JobsMixin, RayMixin):
         return self.call(lambda: copy.deepcopy(self.objects.get((plural, namespace, name))))
 
     def list(self, plural, namespace=None) -> list[dict]:
-        return self.call(lambda: [copy.deepcopy(o) for (p, ns, _), o in sorted(self.objects.items(), key=lambda kv: str(kv[0]))
-                                  if p == plural and (namespace is None or ns == namespace)])
+        return self.call(
+            lambda: [
+                copy.deepcopy(o)
+                for (p, ns, _), o in sorted(self.objects.items(), key=lambda kv: str(kv[0]))
+                if p == plural and (namespace is None or ns == namespace)
+            ]
+        )
 
     def last_written(self, plural, namespace, name) -> dict | None:
         """The object as last written, even if deleted since (a preempted pod's Workload goes with it)."""
+
         def find():
             for _, _, p, obj in reversed(self.history):
                 if p == plural and obj["metadata"].get("namespace") == namespace and obj["metadata"]["name"] == name:
                     return copy.deepcopy(obj)
             return None
+
         return self.call(find)
 
     def workload_for(self, namespace, pod_name) -> dict | None:
@@ -302,14 +358,17 @@ class KubeDouble(JobsMixin, RayMixin):
 
     def set_kueue(self, up: bool):
         """Kueue's controller and webhook go down or come back (finalizers are then released)."""
+
         def do():
             self.kueue_up = up
             if up:
                 self._release_finalizers()
+
         self.call(do)
 
     def create(self, plural: str, namespace: str, obj: dict) -> tuple[int, dict]:
         """POST an object as a client would (status code, body): for tests of admission paths."""
+
         async def do():
             body = copy.deepcopy(obj)
             if plural == "pods":
@@ -317,6 +376,7 @@ class KubeDouble(JobsMixin, RayMixin):
             else:
                 resp = web.json_response(self._write(plural, namespace, body, "ADDED"), status=201)
             return resp.status, json.loads(resp.body)
+
         return self.call(do)
 
     def delete(self, plural: str, namespace: str, name: str, grace: int = 0) -> dict:
@@ -327,8 +387,9 @@ class KubeDouble(JobsMixin, RayMixin):
         return self.call(lambda: any(w.plural == plural for w in self.watchers))
 
     def count(self, method: str | None = None, what: str | None = None) -> int:
-        return self.call(lambda: sum(n for (m, w), n in self.calls.items()
-                                     if (method is None or m == method) and (what is None or w == what)))
+        return self.call(
+            lambda: sum(n for (m, w), n in self.calls.items() if (method is None or m == method) and (what is None or w == what))
+        )
 
     # -- storage and watch fan-out -----------------------------------------------------
     def _write(self, plural, namespace, obj, event_type):
@@ -409,7 +470,11 @@ class KubeDouble(JobsMixin, RayMixin):
                 return await self._jobs_route(request, parts[3:])  # jobs.py
             if parts[:3] == ["apis", "ray.io", "v1"]:
                 return await self._ray_route(request, parts[3:])  # ray.py
-            if parts[:3] == ["apis", "networking.k8s.io", "v1"] and parts[3:4] == ["namespaces"] and parts[5:6] == ["networkpolicies"]:
+            if (
+                parts[:3] == ["apis", "networking.k8s.io", "v1"]
+                and parts[3:4] == ["namespaces"]
+                and parts[5:6] == ["networkpolicies"]
+            ):
                 return await self._netpol_route(request, parts[4], parts[6] if len(parts) > 6 else None)
             if parts[:3] == ["apis", "visibility.kueue.x-k8s.io", "v1beta2"]:
                 self.calls[("GET", "pendingworkloads")] += 1
@@ -434,13 +499,24 @@ class KubeDouble(JobsMixin, RayMixin):
             body["metadata"]["namespace"] = ns
             validate_core(body)
             if ("networkpolicies", ns, body["metadata"]["name"]) in self.objects:
-                return _status(409, "AlreadyExists", f'networkpolicies.networking.k8s.io "{body["metadata"]["name"]}" already exists')
+                return _status(
+                    409, "AlreadyExists", f'networkpolicies.networking.k8s.io "{body["metadata"]["name"]}" already exists'
+                )
             return web.json_response(self._write("networkpolicies", ns, body, "ADDED"), status=201)
         if request.method == "GET" and name is None:
-            items = [copy.deepcopy(o) for (p, n, _), o in self.objects.items() if p == "networkpolicies" and n == ns
-                     and _match_labels(o, request.query.get("labelSelector", ""))]
-            return web.json_response({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicyList",
-                                      "metadata": {"resourceVersion": str(self.last_rv)}, "items": items})
+            items = [
+                copy.deepcopy(o)
+                for (p, n, _), o in self.objects.items()
+                if p == "networkpolicies" and n == ns and _match_labels(o, request.query.get("labelSelector", ""))
+            ]
+            return web.json_response(
+                {
+                    "apiVersion": "networking.k8s.io/v1",
+                    "kind": "NetworkPolicyList",
+                    "metadata": {"resourceVersion": str(self.last_rv)},
+                    "items": items,
+                }
+            )
         obj = self.objects.get(("networkpolicies", ns, name))
         if obj is None:
             return _status(404, "NotFound", f'networkpolicies.networking.k8s.io "{name}" not found')
@@ -467,12 +543,19 @@ class KubeDouble(JobsMixin, RayMixin):
                 self.calls[("WATCH", plural)] += 1
                 return await self._watch(request, plural, ns)
             self.calls[("LIST", plural)] += 1
-            items = [copy.deepcopy(o) for (p, n, _), o in self.objects.items()
-                     if p == plural and (ns is None or n == ns)
-                     and _match_labels(o, q.get("labelSelector", "")) and _match_fields(o, q.get("fieldSelector", ""))]
+            items = [
+                copy.deepcopy(o)
+                for (p, n, _), o in self.objects.items()
+                if p == plural
+                and (ns is None or n == ns)
+                and _match_labels(o, q.get("labelSelector", ""))
+                and _match_fields(o, q.get("fieldSelector", ""))
+            ]
             kind = (CORE_KINDS.get(plural) or KUEUE_KINDS[plural]) + "List"
             api = "v1" if plural in CORE_KINDS else API_VERSION
-            return web.json_response({"apiVersion": api, "kind": kind, "metadata": {"resourceVersion": str(self.last_rv)}, "items": items})
+            return web.json_response(
+                {"apiVersion": api, "kind": kind, "metadata": {"resourceVersion": str(self.last_rv)}, "items": items}
+            )
         self.calls[(method, plural)] += 1
         key = (plural, ns, name)
         if method == "GET":
@@ -506,12 +589,19 @@ class KubeDouble(JobsMixin, RayMixin):
             patch = await request.json()
             expected = (patch.get("metadata") or {}).get("resourceVersion")
             if expected and expected != obj["metadata"]["resourceVersion"]:
-                return _status(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": the object has been modified')
+                return _status(
+                    409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": the object has been modified'
+                )
             ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
             if ctype not in ("application/merge-patch+json", "application/strategic-merge-patch+json") or (
-                    ctype.startswith("application/strategic") and plural not in CORE_KINDS):
+                ctype.startswith("application/strategic") and plural not in CORE_KINDS
+            ):
                 # The real API server: a JSON patch must be a list; no strategic merge for custom resources.
-                return _status(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml")
+                return _status(
+                    415,
+                    "UnsupportedMediaType",
+                    "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml",
+                )
             merged = _merge(copy.deepcopy(obj), patch)
             validate(merged)
             written = self._write(plural, ns, merged, "MODIFIED")
@@ -534,8 +624,15 @@ class KubeDouble(JobsMixin, RayMixin):
             rv = int(rv)
             oldest = self.history[0][0] if self.history else self.last_rv + 1
             if rv < oldest - 1:
-                gone = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired", "code": 410,
-                        "message": f"too old resource version: {rv} ({oldest - 1})", "metadata": {}}
+                gone = {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "reason": "Expired",
+                    "code": 410,
+                    "message": f"too old resource version: {rv} ({oldest - 1})",
+                    "metadata": {},
+                }
                 await resp.write((json.dumps({"type": "ERROR", "object": gone}) + "\n").encode())
                 return resp
             initial = [(t, o) for r, t, p, o in self.history if r > rv and w.wants(p, o)]
@@ -577,16 +674,24 @@ class KubeDouble(JobsMixin, RayMixin):
         name = pod["metadata"]["name"]
         if self._webhook_applies(ns) and not self.kueue_up:
             # The API server's words when a failurePolicy: Fail webhook has no endpoints.
-            return _status(500, "InternalError", (
-                f'Internal error occurred: failed calling webhook "{K.POD_MUTATING_WEBHOOK}": failed to call webhook: '
-                f'Post "https://{K.WEBHOOK_SERVICE}.{K.WEBHOOK_NAMESPACE}.svc:443/mutate--v1-pod?timeout=10s": '
-                f'no endpoints available for service "{K.WEBHOOK_SERVICE}"'))
+            return _status(
+                500,
+                "InternalError",
+                (
+                    f'Internal error occurred: failed calling webhook "{K.POD_MUTATING_WEBHOOK}": failed to call webhook: '
+                    f'Post "https://{K.WEBHOOK_SERVICE}.{K.WEBHOOK_NAMESPACE}.svc:443/mutate--v1-pod?timeout=10s": '
+                    f'no endpoints available for service "{K.WEBHOOK_SERVICE}"'
+                ),
+            )
         if ("pods", ns, name) in self.objects:
             return _status(409, "AlreadyExists", f'pods "{name}" already exists')
         _canonical_resources(pod["spec"])  # the API server stores quantities as canonical strings
         labels = pod["metadata"].setdefault("labels", {})
-        queued = QUEUE_LABEL in labels and self._webhook_applies(ns) and (
-            self.managed_namespaces is None or ns in self.managed_namespaces)
+        queued = (
+            QUEUE_LABEL in labels
+            and self._webhook_applies(ns)
+            and (self.managed_namespaces is None or ns in self.managed_namespaces)
+        )
         if queued:  # Kueue's pod webhook (pod_webhook.go Default)
             labels[MANAGED_LABEL] = K.MANAGED_VALUE
             pod["metadata"].setdefault("finalizers", []).append(POD_FINALIZER)
@@ -607,16 +712,32 @@ class KubeDouble(JobsMixin, RayMixin):
         wpc = self.objects.get(("workloadpriorityclasses", None, pclass)) if pclass else None
         spec_template = {k: v for k, v in pod["spec"].items() if k != "schedulingGates"}
         wl = {
-            "apiVersion": API_VERSION, "kind": "Workload",
+            "apiVersion": API_VERSION,
+            "kind": "Workload",
             "metadata": {
-                "name": f"pod-{meta['name']}-{digest}", "namespace": meta["namespace"],
+                "name": f"pod-{meta['name']}-{digest}",
+                "namespace": meta["namespace"],
                 "labels": {JOB_UID_LABEL: meta["uid"]},
-                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"],
-                                     "controller": True, "blockOwnerDeletion": True}],
+                "ownerReferences": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "name": meta["name"],
+                        "uid": meta["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
             },
             "spec": {
                 "queueName": meta["labels"][QUEUE_LABEL],
-                "podSets": [{"name": "main", "count": 1, "template": {"metadata": {"labels": dict(meta["labels"])}, "spec": spec_template}}],
+                "podSets": [
+                    {
+                        "name": "main",
+                        "count": 1,
+                        "template": {"metadata": {"labels": dict(meta["labels"])}, "spec": spec_template},
+                    }
+                ],
                 "priority": wpc["value"] if wpc else 0,
                 "active": True,
             },
@@ -626,9 +747,15 @@ class KubeDouble(JobsMixin, RayMixin):
         validate(wl)
         self._write("workloads", meta["namespace"], wl, "ADDED")
         # Events are recorded asynchronously, as Kueue's recorder does: after the pod's answer.
-        self.loop.call_soon(lambda: self._event(
-            pod, K.EVENT_CREATED_WORKLOAD, K.msg_created_workload(meta["namespace"], wl["metadata"]["name"]),
-            component=K.EVENT_REPORTING_CONTROLLER, action=K.EVENT_CREATED_WORKLOAD))
+        self.loop.call_soon(
+            lambda: self._event(
+                pod,
+                K.EVENT_CREATED_WORKLOAD,
+                K.msg_created_workload(meta["namespace"], wl["metadata"]["name"]),
+                component=K.EVENT_REPORTING_CONTROLLER,
+                action=K.EVENT_CREATED_WORKLOAD,
+            )
+        )
 
     def _delete(self, plural, ns, name, grace):
         obj = self.objects[(plural, ns, name)]
@@ -691,7 +818,11 @@ class KubeDouble(JobsMixin, RayMixin):
 
     def _release_finalizers(self):
         for (p, ns, name), pod in list(self.objects.items()):
-            if p == "pods" and pod["metadata"].get("deletionTimestamp") and POD_FINALIZER in (pod["metadata"].get("finalizers") or []):
+            if (
+                p == "pods"
+                and pod["metadata"].get("deletionTimestamp")
+                and POD_FINALIZER in (pod["metadata"].get("finalizers") or [])
+            ):
                 self._remove_pod(ns, name)
 
     @staticmethod
@@ -706,18 +837,33 @@ class KubeDouble(JobsMixin, RayMixin):
     def _event(self, pod, reason, message, etype="Normal", component="kubelet", action=None):
         ts = now_iso()
         ev = {
-            "apiVersion": "v1", "kind": "Event",
+            "apiVersion": "v1",
+            "kind": "Event",
             "metadata": {"name": f"{pod['metadata']['name']}.{uuid.uuid4().hex[:16]}", "namespace": pod["metadata"]["namespace"]},
-            "involvedObject": {"kind": "Pod", "name": pod["metadata"]["name"], "namespace": pod["metadata"]["namespace"],
-                               "uid": pod["metadata"]["uid"], "apiVersion": "v1"},
-            "reason": reason, "message": message, "type": etype, "count": 1,
-            "firstTimestamp": ts, "lastTimestamp": ts,
+            "involvedObject": {
+                "kind": "Pod",
+                "name": pod["metadata"]["name"],
+                "namespace": pod["metadata"]["namespace"],
+                "uid": pod["metadata"]["uid"],
+                "apiVersion": "v1",
+            },
+            "reason": reason,
+            "message": message,
+            "type": etype,
+            "count": 1,
+            "firstTimestamp": ts,
+            "lastTimestamp": ts,
         }
         if component == "kubelet":
             ev["source"] = {"component": "kubelet", "host": "double-node-1"}
         else:  # events.k8s.io/v1 events (Kueue's recorder) as the core API shows them
-            ev.update(reportingComponent=component, reportingInstance=f"{component}-double", action=action or reason,
-                      eventTime=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"), source={})
+            ev.update(
+                reportingComponent=component,
+                reportingInstance=f"{component}-double",
+                action=action or reason,
+                eventTime=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                source={},
+            )
         validate(ev)
         self._write("events", pod["metadata"]["namespace"], ev, "ADDED")
 
@@ -750,7 +896,9 @@ class KubeDouble(JobsMixin, RayMixin):
             if "value" not in item:
                 raise InvalidObject(f"env {item['name']}: valueFrom is not supported by the double's kubelet")
             # $(VAR) expands from variables defined earlier in the list (the kubelet's rule).
-            env[item["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"])
+            env[item["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"]
+            )
         home = self.workdir / f"{ns}-{name}"
         home.mkdir(parents=True, exist_ok=True)
         env.setdefault("HOME", str(home))
@@ -779,11 +927,26 @@ class KubeDouble(JobsMixin, RayMixin):
         pod = copy.deepcopy(self.objects[("pods", ns, name)])
         flag = "True" if ready else "False"
         pod["status"] = {
-            "phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1", "startTime": ts, "qosClass": "Guaranteed",
-            "conditions": [{"type": t, "status": "True" if t in ("PodScheduled", "Initialized") else flag,
-                            "lastTransitionTime": ts} for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
-            "containerStatuses": [{"name": container["name"], "ready": ready, "started": ready, "restartCount": 0,
-                                   "image": container["image"], "imageID": "", "state": {"running": {"startedAt": ts}}}],
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "hostIP": "127.0.0.1",
+            "startTime": ts,
+            "qosClass": "Guaranteed",
+            "conditions": [
+                {"type": t, "status": "True" if t in ("PodScheduled", "Initialized") else flag, "lastTransitionTime": ts}
+                for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+            ],
+            "containerStatuses": [
+                {
+                    "name": container["name"],
+                    "ready": ready,
+                    "started": ready,
+                    "restartCount": 0,
+                    "image": container["image"],
+                    "imageID": "",
+                    "state": {"running": {"startedAt": ts}},
+                }
+            ],
         }
         validate(pod)
         self._write("pods", ns, pod, "MODIFIED")
@@ -800,8 +963,9 @@ class KubeDouble(JobsMixin, RayMixin):
         async with aiohttp.ClientSession() as session:
             while f"{ns}/{name}" in self.processes and self.processes[f"{ns}/{name}"].poll() is None:
                 try:
-                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=probe.get("timeoutSeconds", 1)),
-                                           allow_redirects=False) as r:
+                    async with session.get(
+                        url, timeout=aiohttp.ClientTimeout(total=probe.get("timeoutSeconds", 1)), allow_redirects=False
+                    ) as r:
                         if 200 <= r.status < 400:
                             if ("pods", ns, name) in self.objects:
                                 self._set_running(ns, name, container, ready=True)
@@ -821,10 +985,16 @@ class KubeDouble(JobsMixin, RayMixin):
                 continue
             pod = copy.deepcopy(pod)
             c = pod["status"]["containerStatuses"][0]
-            c.update(ready=False, started=False, state={"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}})
+            c.update(
+                ready=False,
+                started=False,
+                state={"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}},
+            )
             pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
             self._write("pods", ns, pod, "MODIFIED")
-            wl = next((w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_pod_name(w) == name), None)
+            wl = next(
+                (w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_pod_name(w) == name), None
+            )
             if wl:
                 wl = copy.deepcopy(wl)
                 _set_condition(wl, "Finished", "True", "Succeeded" if code == 0 else "Failed", f"exit code {code}")
@@ -928,8 +1098,11 @@ class KubeDouble(JobsMixin, RayMixin):
         name = cq["metadata"]["name"]
         bwc = (quotas.preemption[name].get("borrowWithinCohort") or {}).get("policy", K.BORROW_WITHIN_COHORT_NEVER)
         can_preempt_while_borrowing = bwc != K.BORROW_WITHIN_COHORT_NEVER
-        reasons = [K.MSG_RESOURCE_UNAVAILABLE.format(resource=res) for res in request
-                   if not any(res in rg["coveredResources"] for rg in cq["spec"]["resourceGroups"])]
+        reasons = [
+            K.MSG_RESOURCE_UNAVAILABLE.format(resource=res)
+            for res in request
+            if not any(res in rg["coveredResources"] for rg in cq["spec"]["resourceGroups"])
+        ]
         if reasons:
             return None, set(), reasons
         assignment, need, no_fit = {}, set(), False
@@ -950,11 +1123,20 @@ class KubeDouble(JobsMixin, RayMixin):
                     fr = (fl["name"], res)
                     val, cap, free = request[res], quotas.potential(name, fr), quotas.available(name, fr, used)
                     if val > cap:  # one pod set: nothing previously considered
-                        group_reasons.append(K.MSG_MAX_CAPACITY.format(
-                            resource=res, flavor=fl["name"], previous=_fmt(res, 0), request=_fmt(res, val), capacity=_fmt(res, cap)))
+                        group_reasons.append(
+                            K.MSG_MAX_CAPACITY.format(
+                                resource=res,
+                                flavor=fl["name"],
+                                previous=_fmt(res, 0),
+                                request=_fmt(res, val),
+                                capacity=_fmt(res, cap),
+                            )
+                        )
                         mode = "NoFit"
                     elif val > free:
-                        group_reasons.append(K.MSG_UNUSED_QUOTA.format(resource=res, flavor=fl["name"], more=_fmt(res, val - free)))
+                        group_reasons.append(
+                            K.MSG_UNUSED_QUOTA.format(resource=res, flavor=fl["name"], more=_fmt(res, val - free))
+                        )
                         nominal = quotas.nominal(name, fr)
                         may_reclaim = bool(quotas.cohort.get(name)) and used[(name, *fr)] + val <= nominal
                         if nominal >= val or may_reclaim or can_preempt_while_borrowing:
@@ -1063,8 +1245,10 @@ class KubeDouble(JobsMixin, RayMixin):
             assignment, need, _ = self._assign(cq, pod_spec, request, used, quotas)
             if head_at_start and assignment is not None and not need:  # Kueue nominates one head per queue
                 fitted.add(wl["metadata"]["uid"])
-            borrows = any(used[(name, flavor, res)] + request[res] > quotas.nominal(name, (flavor, res))
-                          for res, flavor in (assignment or {}).items())
+            borrows = any(
+                used[(name, flavor, res)] + request[res] > quotas.nominal(name, (flavor, res))
+                for res, flavor in (assignment or {}).items()
+            )
             return (borrows, -(wl["spec"].get("priority") or 0), _creation_rank(wl))
 
         heads = {name: (key(items[0], head_at_start=True), 0) for name, items in queues.items()}
@@ -1078,13 +1262,18 @@ class KubeDouble(JobsMixin, RayMixin):
 
     def _evict_for(self, target: "_Holder", reason: str, preemptor: dict, preemptor_cq: str, quotas: "_Quotas"):
         """IssuePreemptions for one target: Kueue's message, then the job integration stops it."""
+
         def path(cq):
             return "/" + "/".join(filter(None, [quotas.cohort.get(cq), cq]))
 
         meta = preemptor["metadata"]
         message = K.MSG_PREEMPTED.format(
-            uid=meta.get("uid") or K.UNKNOWN, job_uid=(meta.get("labels") or {}).get(JOB_UID_LABEL) or K.UNKNOWN,
-            why=K.PREEMPTION_WHY.get(reason, ""), preemptor_path=path(preemptor_cq), preemptee_path=path(target.cq))
+            uid=meta.get("uid") or K.UNKNOWN,
+            job_uid=(meta.get("labels") or {}).get(JOB_UID_LABEL) or K.UNKNOWN,
+            why=K.PREEMPTION_WHY.get(reason, ""),
+            preemptor_path=path(preemptor_cq),
+            preemptee_path=path(target.cq),
+        )
         ns = target.wl["metadata"]["namespace"]
         pod_name = owner_pod_name(target.wl)
         if pod_name:
@@ -1116,12 +1305,19 @@ class KubeDouble(JobsMixin, RayMixin):
         wl = copy.deepcopy(wl)
         per_pod_set = _pod_set_requests(wl)
         if len(per_pod_set) == 1 and per_pod_set[0][0] == "main":
-            psas = [{"name": "main", "count": 1, "flavors": assignment,
-                     "resourceUsage": {r: _fmt(r, request[r]) for r in assignment}}]
+            psas = [
+                {"name": "main", "count": 1, "flavors": assignment, "resourceUsage": {r: _fmt(r, request[r]) for r in assignment}}
+            ]
         else:  # several pod sets (a RayCluster's head and worker groups): each its own assignment
-            psas = [{"name": ps, "count": count, "flavors": {r: assignment[r] for r in req if r in assignment},
-                     "resourceUsage": {r: _fmt(r, count * req[r]) for r in req if r in assignment}}
-                    for ps, count, req in per_pod_set]
+            psas = [
+                {
+                    "name": ps,
+                    "count": count,
+                    "flavors": {r: assignment[r] for r in req if r in assignment},
+                    "resourceUsage": {r: _fmt(r, count * req[r]) for r in req if r in assignment},
+                }
+                for ps, count, req in per_pod_set
+            ]
         wl.setdefault("status", {})["admission"] = {"clusterQueue": cq["metadata"]["name"], "podSetAssignments": psas}
         _set_condition(wl, K.QUOTA_RESERVED, "True", "QuotaReserved", K.MSG_QUOTA_RESERVED.format(name=cq["metadata"]["name"]))
         for ctype in (K.EVICTED, K.PREEMPTED):  # SetQuotaReservation: resetActiveCondition
@@ -1155,12 +1351,19 @@ class KubeDouble(JobsMixin, RayMixin):
         cq = ((wl or {}).get("status") or {}).get("admission", {}).get("clusterQueue")
         cq_obj = self.objects.get(("clusterqueues", None, cq)) if cq else None
         path = "/" + "/".join(filter(None, [(cq_obj or {}).get("spec", {}).get("cohortName"), cq])) if cq else K.UNKNOWN
-        return K.MSG_PREEMPTED.format(uid=K.UNKNOWN, job_uid=K.UNKNOWN, why=K.PREEMPTION_WHY.get(preempted_reason, ""),
-                                      preemptor_path=K.UNKNOWN, preemptee_path=path)
+        return K.MSG_PREEMPTED.format(
+            uid=K.UNKNOWN,
+            job_uid=K.UNKNOWN,
+            why=K.PREEMPTION_WHY.get(preempted_reason, ""),
+            preemptor_path=K.UNKNOWN,
+            preemptee_path=path,
+        )
 
     def _preempt(self, ns, pod_name, preempted_reason, message=None):
         """Kueue evicts a plain pod's Workload; the pod integration stops the pod (condition, delete)."""
-        wl = next((w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_pod_name(w) == pod_name), None)
+        wl = next(
+            (w for (p, n, _), w in self.objects.items() if p == "workloads" and n == ns and owner_pod_name(w) == pod_name), None
+        )
         message = message or self._default_preemption_message(wl, preempted_reason)
         if wl:
             wl = copy.deepcopy(wl)
@@ -1171,8 +1374,14 @@ class KubeDouble(JobsMixin, RayMixin):
         pod = copy.deepcopy(self.objects.get(("pods", ns, pod_name)))
         if pod:
             pod["status"].setdefault("conditions", []).append(
-                {"type": K.POD_TERMINATION_TARGET, "status": "True", "reason": K.stop_reason_for_eviction(K.EVICTED_BY_PREEMPTION),
-                 "message": message, "lastTransitionTime": now_iso()})
+                {
+                    "type": K.POD_TERMINATION_TARGET,
+                    "status": "True",
+                    "reason": K.stop_reason_for_eviction(K.EVICTED_BY_PREEMPTION),
+                    "message": message,
+                    "lastTransitionTime": now_iso(),
+                }
+            )
             validate(pod)
             self._write("pods", ns, pod, "MODIFIED")
             self._event(pod, K.EVENT_STOPPED, message, component=K.EVENT_REPORTING_CONTROLLER)
@@ -1189,13 +1398,21 @@ class KubeDouble(JobsMixin, RayMixin):
             per_lq = Counter()
             for pos, wl in enumerate(wls):
                 key = (wl["metadata"]["namespace"], wl["spec"]["queueName"])
-                items.append({
-                    "metadata": {"name": wl["metadata"]["name"], "namespace": wl["metadata"]["namespace"],
-                                 "creationTimestamp": wl["metadata"]["creationTimestamp"],
-                                 "ownerReferences": wl["metadata"]["ownerReferences"]},
-                    "priority": wl["spec"].get("priority", 0), "localQueueName": wl["spec"]["queueName"],
-                    "positionInClusterQueue": pos, "positionInLocalQueue": per_lq[key], "_cq": cq_name,
-                })
+                items.append(
+                    {
+                        "metadata": {
+                            "name": wl["metadata"]["name"],
+                            "namespace": wl["metadata"]["namespace"],
+                            "creationTimestamp": wl["metadata"]["creationTimestamp"],
+                            "ownerReferences": wl["metadata"]["ownerReferences"],
+                        },
+                        "priority": wl["spec"].get("priority", 0),
+                        "localQueueName": wl["spec"]["queueName"],
+                        "positionInClusterQueue": pos,
+                        "positionInLocalQueue": per_lq[key],
+                        "_cq": cq_name,
+                    }
+                )
                 per_lq[key] += 1
         if lq:
             items = [i for i in items if (i["metadata"]["namespace"], i["localQueueName"]) == lq]
@@ -1203,8 +1420,14 @@ class KubeDouble(JobsMixin, RayMixin):
             items = [i for i in items if i["_cq"] == cq]
         for i in items:
             del i["_cq"]
-        return web.json_response({"apiVersion": "visibility.kueue.x-k8s.io/v1beta2", "kind": "PendingWorkloadsSummary",
-                                  "metadata": {"creationTimestamp": None}, "items": items})
+        return web.json_response(
+            {
+                "apiVersion": "visibility.kueue.x-k8s.io/v1beta2",
+                "kind": "PendingWorkloadsSummary",
+                "metadata": {"creationTimestamp": None},
+                "items": items,
+            }
+        )
 
 
 GC_DELAY = 1.0  # seconds from an owner's deletion to its dependents' (the garbage collector's lag)
@@ -1365,8 +1588,10 @@ def _satisfies(policy: str, preemptor: dict, candidate: _Holder) -> bool:
     if policy == K.PREEMPTION_LOWER_PRIORITY:
         return mine > theirs
     if policy == K.PREEMPTION_LOWER_OR_NEWER_EQUAL_PRIORITY:
-        return mine > theirs or (mine == theirs and _time(preemptor["metadata"].get("creationTimestamp"))
-                                 < _time(candidate.wl["metadata"].get("creationTimestamp")))
+        return mine > theirs or (
+            mine == theirs
+            and _time(preemptor["metadata"].get("creationTimestamp")) < _time(candidate.wl["metadata"].get("creationTimestamp"))
+        )
     return policy == K.PREEMPTION_ANY
 
 
@@ -1416,7 +1641,9 @@ def _preemption_targets(wl, cq, requests, need, used, holders, quotas: _Quotas) 
 
     def order(c):  # common/ordering.go CandidatesOrdering (none is already evicted in the double)
         h = c[0]
-        reserved = next((x.get("lastTransitionTime") for x in h.wl["status"].get("conditions") or [] if x["type"] == K.QUOTA_RESERVED), None)
+        reserved = next(
+            (x.get("lastTransitionTime") for x in h.wl["status"].get("conditions") or [] if x["type"] == K.QUOTA_RESERVED), None
+        )
         return h.cq == cq, h.priority, -_time(reserved), h.wl["metadata"].get("uid", "")
 
     candidates = sorted(hierarchy, key=order) + sorted(by_priority, key=order) + sorted(same, key=order)

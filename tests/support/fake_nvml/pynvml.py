@@ -127,6 +127,7 @@ def _extractNVMLErrorsAsClasses():
         def gen_new(val):
             def new(typ, *args):
                 return NVMLError.__new__(typ, val)
+
             return new
 
         cls = type(class_name, (NVMLError,), {"__new__": gen_new(err_val)})
@@ -384,10 +385,19 @@ class c_nvmlGpmMetricsGet_t:
 def nvmlGpmMetricsGet(metricsGet):
     _check()
     a, b = metricsGet.sample1, metricsGet.sample2
-    if (metricsGet.version != NVML_GPM_METRICS_GET_VERSION or a is None or b is None or a.freed or b.freed
-            or a.at is None or b.at is None or a.source != b.source or not 0 < metricsGet.numMetrics <= _GPM_METRIC_SLOTS):
+    if (
+        metricsGet.version != NVML_GPM_METRICS_GET_VERSION
+        or a is None
+        or b is None
+        or a.freed
+        or b.freed
+        or a.at is None
+        or b.at is None
+        or a.source != b.source
+        or not 0 < metricsGet.numMetrics <= _GPM_METRIC_SLOTS
+    ):
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-    for metric in metricsGet.metrics[:metricsGet.numMetrics]:
+    for metric in metricsGet.metrics[: metricsGet.numMetrics]:
         if metric.metricId in (NVML_GPM_METRIC_GRAPHICS_UTIL, NVML_GPM_METRIC_SM_UTIL) and b.reading is not None:
             metric.nvmlReturn, metric.value = NVML_SUCCESS, float(b.reading)
         else:
@@ -425,8 +435,17 @@ def nvmlDeviceGetFieldValues(handle, fieldIds):
             ret, val = NVML_SUCCESS, int(d.get("recovery_action", 0))
         else:
             ret, val = NVML_ERROR_NOT_SUPPORTED, 0
-        out.append(SimpleNamespace(fieldId=fid, scopeId=scope, timestamp=int(time.time() * 1e6), latencyUsec=0,
-                                   valueType=1, nvmlReturn=ret, value=SimpleNamespace(uiVal=val, ullVal=val)))
+        out.append(
+            SimpleNamespace(
+                fieldId=fid,
+                scopeId=scope,
+                timestamp=int(time.time() * 1e6),
+                latencyUsec=0,
+                valueType=1,
+                nvmlReturn=ret,
+                value=SimpleNamespace(uiVal=val, ullVal=val),
+            )
+        )
     return out
 
 
@@ -473,9 +492,13 @@ def nvmlEventSetWait_v2(eventSet, timeoutms):
                 if (index, e["id"]) in eventSet.delivered or not e.get("type", nvmlEventTypeXidCriticalError) & mask:
                     continue
                 eventSet.delivered.add((index, e["id"]))
-                return SimpleNamespace(device=("fake", index), eventType=e.get("type", nvmlEventTypeXidCriticalError),
-                                       eventData=int(e.get("data", 0)), gpuInstanceId=0xFFFFFFFF,
-                                       computeInstanceId=0xFFFFFFFF)
+                return SimpleNamespace(
+                    device=("fake", index),
+                    eventType=e.get("type", nvmlEventTypeXidCriticalError),
+                    eventData=int(e.get("data", 0)),
+                    gpuInstanceId=0xFFFFFFFF,
+                    computeInstanceId=0xFFFFFFFF,
+                )
         if time.monotonic() >= deadline:
             raise NVMLError(NVML_ERROR_TIMEOUT)
         time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))

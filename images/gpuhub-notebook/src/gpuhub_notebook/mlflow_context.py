@@ -20,23 +20,24 @@ from . import gitinfo, identity
 TAG_PREFIX = "gpuhub."
 
 
-def tags_for(ident: identity.ServerIdentity | None, git: gitinfo.GitState | None,
-             notebook: str | None = None) -> dict[str, str]:
+def tags_for(ident: identity.ServerIdentity | None, git: gitinfo.GitState | None, notebook: str | None = None) -> dict[str, str]:
     tags: dict[str, str] = {}
     if notebook:
         # MLflow's own source is the kernel launcher; the notebook is what users recognise.
         tags["mlflow.source.name"] = notebook
         tags[f"{TAG_PREFIX}notebook"] = notebook
     if ident is not None:
-        tags.update({
-            "mlflow.user": ident.user,
-            f"{TAG_PREFIX}user": ident.user,
-            f"{TAG_PREFIX}team": ident.team,
-            f"{TAG_PREFIX}profile": ident.profile,
-            f"{TAG_PREFIX}gpu.flavor": ident.gpu_flavor or "none",
-            f"{TAG_PREFIX}gpu.count": str(ident.gpu_count),
-            f"{TAG_PREFIX}server": ident.server_name or "default",
-        })
+        tags.update(
+            {
+                "mlflow.user": ident.user,
+                f"{TAG_PREFIX}user": ident.user,
+                f"{TAG_PREFIX}team": ident.team,
+                f"{TAG_PREFIX}profile": ident.profile,
+                f"{TAG_PREFIX}gpu.flavor": ident.gpu_flavor or "none",
+                f"{TAG_PREFIX}gpu.count": str(ident.gpu_count),
+                f"{TAG_PREFIX}server": ident.server_name or "default",
+            }
+        )
         if ident.image:  # Kubernetes: the pod's image; one machine runs in no image
             tags[f"{TAG_PREFIX}image"] = ident.image
         if ident.runtime:
@@ -44,11 +45,13 @@ def tags_for(ident: identity.ServerIdentity | None, git: gitinfo.GitState | None
         if ident.image_digest:
             tags[f"{TAG_PREFIX}image.digest"] = ident.image_digest
     if git is not None:
-        tags.update({
-            "mlflow.source.git.commit": git.commit,
-            f"{TAG_PREFIX}git.commit": git.commit,
-            f"{TAG_PREFIX}git.dirty": "true" if git.dirty else "false",
-        })
+        tags.update(
+            {
+                "mlflow.source.git.commit": git.commit,
+                f"{TAG_PREFIX}git.commit": git.commit,
+                f"{TAG_PREFIX}git.dirty": "true" if git.dirty else "false",
+            }
+        )
         if git.branch and git.branch != "HEAD":
             tags["mlflow.source.git.branch"] = git.branch
     return tags

@@ -106,10 +106,22 @@ async def dashboard_port(cluster: str, environ=None) -> tuple[int | None, str]:
     url, token = env.get("JUPYTERHUB_API_URL", "").rstrip("/"), env.get("JUPYTERHUB_API_TOKEN", "")
     if not (url and token):
         return None, "not running under a gpuhub hub"
-    ssl = {k: env[v] for k, v in (("client_cert", "JUPYTERHUB_SSL_CERTFILE"), ("client_key", "JUPYTERHUB_SSL_KEYFILE"),
-                                  ("ca_certs", "JUPYTERHUB_SSL_CLIENT_CA")) if env.get(v)}
-    req = HTTPRequest(f"{url}/gpuhub/ray/{quote(cluster, safe='')}", headers={
-        "Authorization": f"token {token}", "Accept": "application/json"}, request_timeout=10, connect_timeout=10, **ssl)
+    ssl = {
+        k: env[v]
+        for k, v in (
+            ("client_cert", "JUPYTERHUB_SSL_CERTFILE"),
+            ("client_key", "JUPYTERHUB_SSL_KEYFILE"),
+            ("ca_certs", "JUPYTERHUB_SSL_CLIENT_CA"),
+        )
+        if env.get(v)
+    }
+    req = HTTPRequest(
+        f"{url}/gpuhub/ray/{quote(cluster, safe='')}",
+        headers={"Authorization": f"token {token}", "Accept": "application/json"},
+        request_timeout=10,
+        connect_timeout=10,
+        **ssl,
+    )
     try:
         resp = await AsyncHTTPClient().fetch(req, raise_error=False)
     except (OSError, HTTPClientError, asyncio.TimeoutError) as e:
@@ -179,17 +191,27 @@ class RayDashboardHandler(JupyterHandler):
         if owners != {os.getuid()}:
             # Nothing listens yet, or another account's process holds the port: the user's
             # token and requests go only to the user's own dashboard.
-            self.log.warning("Ray dashboard port %s of %s is held by uid(s) %s, not %s: not forwarded",
-                             port, cluster, sorted(owners), os.getuid())
+            self.log.warning(
+                "Ray dashboard port %s of %s is held by uid(s) %s, not %s: not forwarded",
+                port,
+                cluster,
+                sorted(owners),
+                os.getuid(),
+            )
             raise web.HTTPError(502, f"The dashboard of Ray cluster {cluster} is not listening on its port.")
         headers = {k: v for k, v in self.request.headers.items() if k.lower() in FORWARDED}
         token = ray_token()
         if token:
             headers["Authorization"] = f"Bearer {token}"
         query = ("?" + self.request.query) if self.request.query else ""
-        req = HTTPRequest(f"http://127.0.0.1:{port}/{path}{query}", method=self.request.method, headers=headers,
-                          body=self.request.body if self.request.method == "POST" else None,
-                          follow_redirects=False, request_timeout=60)
+        req = HTTPRequest(
+            f"http://127.0.0.1:{port}/{path}{query}",
+            method=self.request.method,
+            headers=headers,
+            body=self.request.body if self.request.method == "POST" else None,
+            follow_redirects=False,
+            request_timeout=60,
+        )
         resp = await AsyncHTTPClient().fetch(req, raise_error=False)
         if resp.code == 599:
             raise web.HTTPError(502, "The Ray dashboard did not answer.")

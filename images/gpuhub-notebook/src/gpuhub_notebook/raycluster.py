@@ -34,9 +34,12 @@ def _call(method: str, path: str, body: dict | None = None) -> dict:
     token = os.environ.get("JUPYTERHUB_API_TOKEN", "")
     if not base or not token:
         raise RayClusterError("not inside a gpuhub server (JUPYTERHUB_API_URL / JUPYTERHUB_API_TOKEN are not set)")
-    req = urllib.request.Request(f"{base}/gpuhub/ray{path}", method=method,
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{base}/gpuhub/ray{path}",
+        method=method,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read() or b"{}")
@@ -49,8 +52,15 @@ def _call(method: str, path: str, body: dict | None = None) -> dict:
 
 
 @contextlib.contextmanager
-def ray_cluster(gpus: int | None = None, workers: int = 0, profile: str | None = None, name: str | None = None,
-                timeout: float | None = None, keep: bool = False, out=None):
+def ray_cluster(
+    gpus: int | None = None,
+    workers: int = 0,
+    profile: str | None = None,
+    name: str | None = None,
+    timeout: float | None = None,
+    keep: bool = False,
+    out=None,
+):
     out = out or sys.stdout
     body = {k: v for k, v in {"gpus": gpus, "workers": workers, "profile": profile, "name": name}.items() if v is not None}
     view = _call("POST", "", body)

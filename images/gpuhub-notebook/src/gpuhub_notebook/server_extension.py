@@ -77,9 +77,15 @@ def hub_environment(environ=None) -> dict | None:
         "user": user,
         "server": env.get("JUPYTERHUB_SERVER_NAME", ""),
         # internal_ssl: the hub wants this server's client certificate.
-        "ssl": {k: env[v] for k, v in (("client_cert", "JUPYTERHUB_SSL_CERTFILE"),
-                                       ("client_key", "JUPYTERHUB_SSL_KEYFILE"),
-                                       ("ca_certs", "JUPYTERHUB_SSL_CLIENT_CA")) if env.get(v)},
+        "ssl": {
+            k: env[v]
+            for k, v in (
+                ("client_cert", "JUPYTERHUB_SSL_CERTFILE"),
+                ("client_key", "JUPYTERHUB_SSL_KEYFILE"),
+                ("ca_certs", "JUPYTERHUB_SSL_CLIENT_CA"),
+            )
+            if env.get(v)
+        },
     }
 
 
@@ -93,8 +99,7 @@ async def _hub_request(hub: dict, path: str, method: str = "GET", body: dict | N
     req = HTTPRequest(
         f"{hub['url']}/gpuhub/culling/{quote(hub['user'], safe='')}{path}{query}",
         method=method,
-        headers={"Authorization": f"token {hub['token']}", "Content-Type": "application/json",
-                 "Accept": "application/json"},
+        headers={"Authorization": f"token {hub['token']}", "Content-Type": "application/json", "Accept": "application/json"},
         body=json.dumps(body) if body is not None else None,
         request_timeout=HUB_TIMEOUT + wait,
         connect_timeout=HUB_TIMEOUT,
@@ -134,12 +139,14 @@ class CullingHandler(APIHandler):
             raise web.HTTPError(400, f"wait must be between 0 and {MAX_GPU_WAIT:g} seconds")
         hub = hub_environment()
         if hub is None:
-            self.finish(json.dumps({"enabled": False, "server": None, "now": time.time(), "warning": None,
-                                    "gpu_failed": None, "gpu_wait": 0}))
+            self.finish(
+                json.dumps(
+                    {"enabled": False, "server": None, "now": time.time(), "warning": None, "gpu_failed": None, "gpu_wait": 0}
+                )
+            )
             return
         status, data = await _hub_request(hub, "", wait=wait)
-        reply = {"enabled": True, "server": hub["server"], "now": time.time(), "warning": None,
-                 "gpu_failed": None, "gpu_wait": 0}
+        reply = {"enabled": True, "server": hub["server"], "now": time.time(), "warning": None, "gpu_failed": None, "gpu_wait": 0}
         if status == 200:
             entry = (data.get("servers") or {}).get(hub["server"])
             reply["warning"] = entry if isinstance(entry, dict) else None
@@ -229,9 +236,12 @@ def busy_kernels_are_activity(serverapp) -> PeriodicCallback:
 def load(serverapp) -> None:
     web_app = serverapp.web_app
     base = web_app.settings["base_url"]
-    web_app.add_handlers(".*$", [
-        (url_path_join(base, "gpuhub", "activity"), ActivityHandler),
-        (url_path_join(base, "gpuhub", "culling"), CullingHandler),
-    ])
+    web_app.add_handlers(
+        ".*$",
+        [
+            (url_path_join(base, "gpuhub", "activity"), ActivityHandler),
+            (url_path_join(base, "gpuhub", "culling"), CullingHandler),
+        ],
+    )
     serverapp.log.info("gpuhub_notebook: serving %sgpuhub/activity and %sgpuhub/culling", base, base)
     busy_kernels_are_activity(serverapp)

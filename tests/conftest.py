@@ -26,7 +26,7 @@ _socket.getaddrinfo = _getaddrinfo
 # Python's cookie jar treats a dotless host ("localhost") as "localhost.local" (RFC 2965) and
 # then neither matches nor returns the hub's session cookie for Domain=localhost, which all
 # <user>.localhost origins share. Browsers follow RFC 6265 here; so do the tests.
-import http.cookiejar as _cookiejar
+import http.cookiejar as _cookiejar  # noqa: E402 (after the comment that says why)
 
 
 def _is_localhost(name: str) -> bool:

@@ -68,7 +68,7 @@ def own_start(hub: Hub, token: str, home: Path) -> float:
                 return time.perf_counter() - t0
             except OSError:
                 if proc.poll() is not None:
-                    raise RuntimeError(proc.stderr.read().decode(errors="replace")[-2000:])
+                    raise RuntimeError(proc.stderr.read().decode(errors="replace")[-2000:]) from None
                 time.sleep(0.005)
     finally:
         proc.terminate()

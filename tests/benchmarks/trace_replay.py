@@ -524,13 +524,12 @@ async def replay(p: Params, trace: list[TraceUser], policy: Policy, scenario: st
                 else:
                     run = s.run
                     busy_reading = bool(code & GPU_BIT) or (run is not None and run.progress not in run.plan.dips)
-                    gpu_idle = None
                     if u.gpus:
                         if s.gpu_last_busy is None:
                             s.gpu_last_busy = s.start  # idle since start until seen busy
                         if busy_reading:
                             s.gpu_last_busy = now
-                        gpu_idle = (now - s.gpu_last_busy) * 60.0
+                        (now - s.gpu_last_busy) * 60.0
                     r = rules[u.trace.profile]
                     # What the real hub decides from: its own records only (start, the
                     # proxy's and the server's activity, trusted GPU readings); no probe

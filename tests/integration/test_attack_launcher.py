@@ -291,7 +291,7 @@ def test_the_root_launcher_gets_a_fixed_environment_and_no_secret_on_argv(hub, u
     server = [c for c in seen if len(c) >= 2 and "JUPYTERHUB_API_TOKEN" in c[1][1]]
     job = [c for c in seen if len(c) >= 2 and c[1][1].get("ALICE_SECRET") == marker]
     assert server and job, [c[-1][0][:4] for c in seen]
-    for (argv, env), (user_argv, user_env) in (server[0][:2], job[0][:2]):
+    for (argv, env), (_user_argv, user_env) in (server[0][:2], job[0][:2]):
         # As root: the fixed environment only, and nothing secret or user-given on argv.
         assert env == FIXED_ENV, env
         secrets = [user_env.get("JUPYTERHUB_API_TOKEN"), user_env.get("ALICE_SECRET"), hub.run_id]

@@ -94,7 +94,7 @@ def culling(client, name=None, **params):
 
 
 def test_the_long_poll_is_bounded_and_answers_only_the_users_own(hub, users):
-    alice, bob = users["alice"], users["bob"]
+    alice, _bob = users["alice"], users["bob"]
     for bad in ("26", "-1", "nan", "soon"):
         assert culling(alice, gpu_wait=bad).status_code == 400, bad
     assert culling(alice, name="bob").status_code == 404  # no hint that bob exists

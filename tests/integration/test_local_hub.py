@@ -154,7 +154,10 @@ def test_admission_delay_after_stop(hub, clean):
     log = hub.log.read_text()
     released = [l for l in log.splitlines() if "Released alice/" in l][-1]
     admitted = [l for l in log.splitlines() if "Admitted bob/" in l][-1]
-    ts = lambda line: time.mktime(time.strptime(line[3:22], "%Y-%m-%d %H:%M:%S")) + float("0." + line[23:26])
+
+    def ts(line):
+        return time.mktime(time.strptime(line[3:22], "%Y-%m-%d %H:%M:%S")) + float("0." + line[23:26])
+
     delay = ts(admitted) - ts(released)
     print(f"\n[measure] release -> admission of next: {delay * 1000:.0f} ms")
     lines = log.splitlines()

@@ -52,7 +52,7 @@ def test_leaving_out_the_profile_does_not_skip_the_per_user_cap(clean):
     servers = wait_for(settled, 90, f"bob's servers to settle ({codes})", interval=0.2)
     assert 1 <= len(servers) <= 2, (codes, servers)
     # The hub's record holds the resolved choice, not the empty request.
-    for name, model in bob.model()["servers"].items():
+    for _name, model in bob.model()["servers"].items():
         assert model["user_options"] == {"profile": "cpu", "team": "vision"}, model
     r = bob.api.post(bob.url("/users/bob/servers/extra"), json={})
     assert r.status_code == 403 and "allows 2 server(s) per user" in r.json()["message"]

@@ -89,7 +89,9 @@ async def test_queue_cap_stop_and_kueues_words(manager, make_spawner, kube):
             manager,
         )
     except AssertionError:
-        raise AssertionError(f"bob's status: {manager.status(bview.id, 'bob')}; workload {manager.workloads.get(bview.id)}")
+        raise AssertionError(
+            f"bob's status: {manager.status(bview.id, 'bob')}; workload {manager.workloads.get(bview.id)}"
+        ) from None
     assert words.startswith("queued: ") and "Vision Lab" in words, words
     assert [v.name for v in manager.list("bob")] == [bview.name] and len(manager.list()) == 2
 

@@ -47,7 +47,10 @@ async def server_pod(spawner) -> dict:
     return ApiClient().sanitize_for_serialization(await spawner.get_pod_manifest())
 
 
-async def _cluster(make_spawner, policy_store, autoscaling=False, workers=(WorkerGroup("gpu", 2, 1),), **rules):
+ONE_GPU_GROUP = (WorkerGroup("gpu", 2, 1),)
+
+
+async def _cluster(make_spawner, policy_store, autoscaling=False, workers=ONE_GPU_GROUP, **rules):
     spawner = make_spawner(user="alice", groups=("vision-lab",), profile="a100-1")
     pod = await server_pod(spawner)
     policy = _with_ray(policy_store.policy, autoscaling=autoscaling, **rules)

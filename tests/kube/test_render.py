@@ -199,8 +199,11 @@ def test_cli_output_is_deterministic_yaml(capsys, tmp_path):
         ("LocalQueue", "vision"),
     ]
     assert all(d["metadata"].get("namespace") in (None, "ml") for d in docs)
+
     # GPU flavor order inside a ClusterQueue is Kueue's try-order, so it follows the policy file.
-    strip = lambda text: [d for d in yaml.safe_load_all(text) if d["kind"] != "ClusterQueue"]
+    def strip(text):
+        return [d for d in yaml.safe_load_all(text) if d["kind"] != "ClusterQueue"]
+
     assert strip(first) == strip(second)
     assert main(["kueue", str(POLICY), "--namespace", "ml"]) == 0
     assert capsys.readouterr().out == first

@@ -326,7 +326,10 @@ def test_tags_from_identity_and_a_real_git_repo(tmp_path):
         "PATH": "/usr/bin:/bin",
         "HOME": str(tmp_path),
     }
-    run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, env=genv, check=True, capture_output=True, text=True)
+
+    def run(*a):
+        return subprocess.run(["git", *a], cwd=tmp_path, env=genv, check=True, capture_output=True, text=True)
+
     (tmp_path / "f.py").write_text("1\n")
     run("init", "-q")
     run("add", ".")

@@ -194,7 +194,7 @@ class NotebookServer:
         self.port = 0
 
     def start(self, timeout: float = 40) -> "NotebookServer":
-        for attempt in range(3):  # a free port can be taken between probe and bind
+        for _attempt in range(3):  # a free port can be taken between probe and bind
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}{self.base_url}"
             log = open(self.log_path, "ab")

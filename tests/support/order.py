@@ -92,7 +92,7 @@ def _arrange(entries: list, depth: int, mode: str, seed: str) -> list:
     else:
         ordered.sort(key=lambda g: _key(seed, g[0].nodeid))
     out = []
-    for node, members in ordered:
+    for _node, members in ordered:
         leaves = [e for e in members if len(e[1]) == depth + 1]  # the item itself
         inner = [e for e in members if len(e[1]) > depth + 1]  # inside a class at this level
         out.extend(leaves)

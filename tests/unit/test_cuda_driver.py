@@ -92,10 +92,12 @@ def test_kubernetes_pods_go_only_to_nodes_whose_driver_supports_the_cuda():
 
         return any(all(ok(e) for e in t["matchExpressions"]) for t in terms)
 
-    node = lambda major, minor: {
-        "nvidia.com/cuda.runtime-version.major": major,  # noqa: E731
-        "nvidia.com/cuda.runtime-version.minor": minor,
-    }
+    def node(major, minor):
+        return {
+            "nvidia.com/cuda.runtime-version.major": major,  # noqa: E731
+            "nvidia.com/cuda.runtime-version.minor": minor,
+        }
+
     assert fits(node("12", "8")) and fits(node("12", "9")) and fits(node("13", "0"))
     assert not fits(node("12", "4")) and not fits(node("11", "8")) and not fits({})
     assert cuda_node_terms(13, 0)[1] == {

@@ -67,7 +67,7 @@ async def test_every_waiter_sees_each_change_in_a_crowd():
     for i, (_, ev) in enumerate(streams):
         assert (await asyncio.wait_for(ev.__anext__(), 1))["gpuhub"]["position"] == i + 1
     q.release("holder/")  # u0 is admitted, everyone else moves up one
-    for i, (ticket, ev) in enumerate(streams):
+    for i, (_ticket, ev) in enumerate(streams):
         evt = await asyncio.wait_for(ev.__anext__(), 1)
         if i == 0:
             assert evt["message"].startswith("Admitted")

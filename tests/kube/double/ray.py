@@ -226,7 +226,7 @@ class RayMixin:
         counts = R.pod_set_counts(rc)
         for podset, tmpl in R.pod_templates(rc):
             kind = "head" if podset == R.HEAD_POD_SET else "worker"
-            for i in range(counts[podset]):
+            for _i in range(counts[podset]):
                 tmpl_c = copy.deepcopy(tmpl)
                 labels = dict((tmpl_c.get("metadata") or {}).get("labels") or {})
                 labels.update(

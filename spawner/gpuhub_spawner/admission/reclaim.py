@@ -154,7 +154,7 @@ def plan(
             continue
         gpu_keys = [k for k in req.demand if k.startswith("gpu/") and req.demand[k] > 0]
 
-        def fits(t, f) -> bool:
+        def fits(t, f, team=team, req=req, gpu_keys=gpu_keys) -> bool:
             if not check_fit(policy, t, team, dict(req.demand)).fits:
                 return False
             return f is None or all(f.get(k, 0) >= req.demand[k] for k in gpu_keys)

@@ -230,7 +230,7 @@ class JobLogsHandler(_JobsMixin, APIHandler):
             except OSError:
                 continue
             if offset < pos + size and len(out) < MAX_LOG_CHUNK:
-                with open(path, "rb") as f:
+                with open(path, "rb") as f:  # noqa: ASYNC230 (at most MAX_LOG_CHUNK of a local file)
                     f.seek(max(0, offset - pos))
                     out += f.read(MAX_LOG_CHUNK - len(out))
             pos += size

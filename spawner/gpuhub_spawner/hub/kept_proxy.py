@@ -219,7 +219,7 @@ class KeptProxy(ConfigurableHTTPProxy):
         return resp.code == 200
 
     async def _adopt_previous(self) -> bool:
-        if not (self.keep_running_proxy and self.pid_file and os.path.exists(self.pid_file)):
+        if not (self.keep_running_proxy and self.pid_file and os.path.exists(self.pid_file)):  # noqa: ASYNC240 (one stat at start)
             return False
         pid = self._read_pid_file()
         if pid is None or proc_start_time(pid) is None:

@@ -144,7 +144,7 @@ class WorkloadReflector(_RemembersGone, NamespacedResourceReflector):
         return found[0] if found else None
 
     def gone_for_pod(self, namespace: str, pod_name: str, since: float = 0.0, uid: str | None = None) -> dict | None:
-        for key, (when, wl) in reversed(list(self.gone.items())):
+        for when, wl in reversed(list(self.gone.values())):
             if (
                 when >= since
                 and wl["metadata"].get("namespace") == namespace

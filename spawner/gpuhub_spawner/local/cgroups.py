@@ -236,7 +236,7 @@ class ServerCgroup:
                 _write(d / "cpu.max", f"{cpu_millis * PERIOD_US // 1000} {PERIOD_US}")
             self._set_pids(d, pids)
         elif self.host.version == 1:
-            for ctrl, d in self.paths.items():
+            for d in self.paths.values():
                 _mkdir_under(d)
             if nested and "pids" in self.paths:
                 self._set_pids(self.paths["pids"].parent, user_pids)

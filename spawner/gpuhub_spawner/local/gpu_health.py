@@ -245,7 +245,7 @@ class GpuHealthMonitor:
         for index, counters in readings.items():
             verdicts = classify_counters(counters)
             for dev in self.ids_of.get(index, []):
-                self._apply(dev, lambda d=dev: self.book.poll(d, verdicts))
+                self._apply(dev, lambda d=dev, v=verdicts: self.book.poll(d, v))
 
     # -- changes -----------------------------------------------------------------------------------
     def _apply(self, dev: str, change, persist: bool = False) -> None:

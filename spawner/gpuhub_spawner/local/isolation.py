@@ -496,7 +496,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             await self._launch_isolated(loop, cmd, env, popen, cpu, memory)
         else:
             self.log.info("Spawning %s as the hub's own user (single-user mode, no isolation)", self._log_name)
-            self.proc = Popen(cmd, **popen)
+            self.proc = Popen(cmd, **popen)  # noqa: ASYNC220 (as LocalProcessSpawner: fork+exec, no wait)
             self.pid = self.proc.pid
             self._start_time = process_start_time(self.pid)
         if self.serves_http:

@@ -477,7 +477,7 @@ class JobManager(SingletonConfigurable):
             message += f"; {launcher.process_limit_note}"
         await mlflow_runs.collect_runs(rec, att, {**configured, **env}, token, outcome=reason)
         mlflow_runs.revoke(token)
-        with open(att.log, "a") as f:
+        with open(att.log, "a") as f:  # noqa: ASYNC230 (one line appended to a local file)
             f.write(f"[gpuhub] attempt {att.number} ended at {_ts(time.time())}: {reason} ({message})\n")
         live.launcher = None
         return reason, code if code >= 0 else None, message

@@ -254,7 +254,7 @@ class ListenWatcher:
                 mine = w.uid in owners.values()
             else:  # everyone is the hub's user: look for the socket among the tree's files
                 found = await asyncio.to_thread(
-                    lambda: socket_inodes(process_tree(w.pid, self.proc), self.proc, wanted=set(owners))
+                    lambda w=w, owners=owners: socket_inodes(process_tree(w.pid, self.proc), self.proc, wanted=set(owners))
                 )
                 mine = found is None or bool(set(owners) & found)
             if w.future.done():

@@ -400,7 +400,7 @@ async def hand_over(proc, wfd: int, payload: bytes, timeout: float = HAND_OVER_T
                 n = os.write(wfd, view)
             except BlockingIOError:
                 ready = loop.create_future()
-                loop.add_writer(wfd, lambda: ready.done() or ready.set_result(None))
+                loop.add_writer(wfd, lambda ready=ready: ready.done() or ready.set_result(None))
                 try:
                     await ready
                 finally:

@@ -684,7 +684,7 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             if self._has_body:
                 queue = self._queue
 
-                async def produce(write):
+                async def produce(write, queue=queue):
                     while True:
                         item = await queue.get()
                         if item is _END:

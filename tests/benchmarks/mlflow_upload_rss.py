@@ -81,7 +81,7 @@ def main() -> None:
     port = free_port()
     options = f", service_options={{'max_upload_size': {args.max_upload_mb * MiB}}}" if args.max_upload_mb else ""
     extra = (
-        "from gpuhub_spawner.mlflow import configure as _configure_mlflow\n"
+        "from gpuhub_spawner.wiring.mlflow import configure as _configure_mlflow\n"
         "import os as _os\n"
         f"_configure_mlflow(c, data_dir=_os.path.join(_os.environ['GPUHUB_DATA_DIR'], 'mlflow'), port={port},\n"
         f"                  policy_path=_os.environ['GPUHUB_POLICY']{options})\n"

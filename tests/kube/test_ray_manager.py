@@ -151,7 +151,7 @@ async def test_a_kueue_spawner_hub_gets_the_kubernetes_manager(monkeypatch):
     from traitlets.config import Config
 
     from gpuhub_spawner.kube.spawner import KueueSpawner
-    from gpuhub_spawner.wiring import ray as wiring_ray
+    from gpuhub_spawner.wiring import app as wiring_app
 
     from jupyterhub.app import JupyterHub
 
@@ -159,7 +159,7 @@ async def test_a_kueue_spawner_hub_gets_the_kubernetes_manager(monkeypatch):
     c.KubeSpawner.namespace = "gpuhub-users"
     monkeypatch.setattr(JupyterHub, "initialized", classmethod(lambda cls: True))
     monkeypatch.setattr(JupyterHub, "instance", classmethod(lambda cls, *a, **k: SimpleNamespace(spawner_class=KueueSpawner)))
-    m = wiring_ray._current_manager(c)
+    m = wiring_app.ray_manager(c)
     assert isinstance(m, KubeRayManager) and m.namespace == "gpuhub-users"
 
 

@@ -20,7 +20,7 @@ POLICY = (REPO / "jupyterhub_config" / "profiles.yaml").read_text()
 def mlflow_extra_config(service_port: int, service_options: dict | None = None) -> str:
     # Called after the harness sets c.Spawner.environment, so the merge is exercised.
     return (
-        "from gpuhub_spawner.mlflow import configure as _configure_mlflow\n"
+        "from gpuhub_spawner.wiring.mlflow import configure as _configure_mlflow\n"
         "import os as _os\n"
         f"_configure_mlflow(c, data_dir=_os.path.join(_os.environ['GPUHUB_DATA_DIR'], 'mlflow'), port={service_port},\n"
         f"                  policy_path=_os.environ['GPUHUB_POLICY'], reconcile_interval=2,\n"

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from traitlets.config import Config
 
-from gpuhub_spawner.mlflow import configure
+from gpuhub_spawner.wiring.mlflow import configure
 from gpuhub_spawner.mlflow.paths import AmbiguousPath, decode_path, encode_path
 from gpuhub_spawner.mlflow.proxy import Refused, account_route, rewrite_request, same_origin_error
 from gpuhub_spawner.mlflow.secrets import Passwords, load_or_create_key

@@ -13,6 +13,7 @@ LAYER_TESTS = {
         "unit/test_policy_checks.py",
         "unit/test_idle_rule_validation.py",
         "unit/test_bounded_input.py",
+        "unit/test_atomic_files.py",
         "unit/test_mig.py",
         "unit/test_ray_policy.py",
         "unit/test_validate_large_policy.py",

@@ -184,3 +184,52 @@ def test_no_two_test_files_share_a_name():
     tests = Path(__file__).resolve().parents[1]
     names = Counter(p.name for p in tests.rglob("test_*.py"))
     assert sorted(n for n, c in names.items() if c > 1) == []
+
+
+# Module-level state the package may keep, each with its reason (docs/architecture.md, "The
+# application object"). Everything else a hub shares lives on its application object
+# (hub/context.py), handed in through tornado_settings, or on a traitlets singleton.
+MUTABLE_ALLOWED = {
+    "wiring.startup._tasks": "the event loop keeps only weak references to tasks (asyncio docs); "
+    "this set keeps the hub's start-up work alive until it finishes",
+}
+ROUTE_TABLES = {"__all__", "handlers", "extra_handlers"}  # written once at import, read by JupyterHub
+_MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter", "WeakSet", "WeakValueDictionary"}
+
+
+def _module_state(name: str, text: str) -> list[str]:
+    """``global`` statements anywhere, and module-level names bound to a mutable container."""
+    found = []
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.append(f"{name}:{node.lineno} global {', '.join(node.names)}")
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        v = node.value
+        call = v.func.id if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) else None
+        if not (isinstance(v, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or call in _MUTABLE_CALLS):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            var = getattr(t, "id", "?")
+            if var.isupper() or var in ROUTE_TABLES or f"{name}.{var}" in MUTABLE_ALLOWED:
+                continue  # a constant (ALL_CAPS, never rebound: there is no `global` to rebind it)
+            found.append(f"{name}:{node.lineno} {var} = <mutable {type(v).__name__ if call is None else call}>")
+    return found
+
+
+def test_the_checker_sees_a_registry_and_a_module_cache():
+    sample = "_seen = {}\n_provider = None\n\ndef provide(p):\n    global _provider\n    _provider = p\n"
+    assert _module_state("m", sample) == ["m:5 global _provider", "m:1 _seen = <mutable Dict>"]
+
+
+def test_no_module_level_mutable_state():
+    """A hub's shared objects are handed in (the application object in tornado_settings, spawner
+    and service traits), never kept in module globals the import graph cannot see: a second hub
+    in one process would share them, and a reach from a lower layer to a higher one hides there."""
+    found = []
+    for name, f in sorted(_modules().items()):
+        found += _module_state(name.removeprefix("gpuhub_spawner."), f.read_text())
+    assert found == [], "hand it in through the application object (hub/context.py) or add it to MUTABLE_ALLOWED with the reason"

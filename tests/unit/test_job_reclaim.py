@@ -36,6 +36,7 @@ def manager(tmp_path):
     cfg = Config()
     cfg.PolicyStore.policy_file = str(tmp_path / "p.yaml")
     cfg.JobManager.data_dir = str(tmp_path)
+    cfg.LocalBroker.job_manager_class = JobManager  # as wiring.jobs hands it in
     m = JobManager.instance(config=cfg)
     yield m
     for cls in (PolicyStore, LocalBroker, JobManager):

@@ -319,6 +319,7 @@ def test_the_masked_text_is_made_once_per_version_off_the_loop(monkeypatch):
     import threading
 
     from gpuhub_spawner.hub import policy_api
+    from gpuhub_spawner.hub.context import PolicyChanges
 
     made = []
 
@@ -327,10 +328,14 @@ def test_the_masked_text_is_made_once_per_version_off_the_loop(monkeypatch):
         return "masked"
 
     monkeypatch.setattr(policy_api, "masked_text", counting)
-    monkeypatch.setattr(policy_api, "_masked", {})
+    changes = PolicyChanges()  # what the hub's application object keeps between requests
 
     async def twice():
-        return [await policy_api.masked_of(OLD), await policy_api.masked_of(OLD), await policy_api.masked_of(NEW)]
+        return [
+            await policy_api.masked_of(changes, OLD),
+            await policy_api.masked_of(changes, OLD),
+            await policy_api.masked_of(changes, NEW),
+        ]
 
     assert asyncio.run(twice()) == ["masked"] * 3
     assert len(made) == 2 and all(name.startswith("gpuhub-policy") for name in made)

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from .queue import Ticket
+from ..policy.files import write_atomically
 
 log = logging.getLogger("JupyterHub.gpuhub.journal")
 
@@ -107,18 +108,8 @@ class QueueJournal:
 
     def _compact(self) -> None:
         self.close()
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                for e in sorted(self._live.values(), key=lambda e: (e["created"], e.get("seq", 0))):
-                    f.write(json.dumps(e, separators=(",", ":")) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, self.path)
+        live = sorted(self._live.values(), key=lambda e: (e["created"], e.get("seq", 0)))
+        write_atomically(self.path, "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in live), 0o600)
         self._lines = len(self._live)
 
     def close(self) -> None:

@@ -25,7 +25,6 @@ import asyncio
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -41,6 +40,7 @@ from . import metrics
 from ..usage import recorder as usage
 from .gpu import DcgmPrometheusReader, read_nvml
 from .rules import GPU_IDLE, TIMEOUT, CullState, Decision, Signals, decide, due_rules, snooze
+from ..policy.files import write_atomically
 
 log = logging.getLogger("JupyterHub.gpuhub.culler")
 
@@ -161,19 +161,7 @@ class CullBoard(SingletonConfigurable):
         }
         path = Path(self.state_file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".culling-", suffix=".tmp")  # mode 0600
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomically(path, json.dumps(data), 0o600)
         self._dirty = False
         self._saved_at = time.time()
 

@@ -37,6 +37,7 @@ from ..policy.access import active_profiles
 from ..policy.bounded import MAX_SMALL_BODY_BYTES, InputRefused, loads_json
 from ..policy.quantities import format_duration
 from ..policy.scopes import CULLING, allowed
+from .context import app_of
 
 CULLER_SERVICE = "gpuhub-culler"
 MAX_DECISIONS_BODY_BYTES = 256 * 1024  # {"servers": ["user/name", ...]}: ~10,000 servers
@@ -279,7 +280,6 @@ class CullDecisionsHandler(_Base):
 MAX_GPU_WAIT = 25.0  # s: under the usual 60 s idle timeout of proxies in front of the hub
 MAX_GPU_WAITERS = 2000  # long polls held at once, all users; past it, answered at once
 MAX_GPU_WAITERS_PER_USER = 8  # a few open JupyterLab tabs; past it, answered at once
-_gpu_waiters: dict[str, int] = {}
 
 
 class CullWarningsHandler(_Base):
@@ -295,7 +295,7 @@ class CullWarningsHandler(_Base):
     def _gpu_failed(self, user) -> dict:
         from .gpus_api import gpu_failures_of
 
-        return {f.pop("server"): f for f in gpu_failures_of(self.config, user.name)}
+        return {f.pop("server"): f for f in gpu_failures_of(app_of(self), self.config, user.name)}
 
     async def get(self, name):
         user = self.target_user(name)
@@ -312,12 +312,13 @@ class CullWarningsHandler(_Base):
         if wait:
             from .gpus_api import health_monitor
 
-            monitor = health_monitor(self.config)
-            mine = _gpu_waiters.get(user.name, 0)
-            if monitor is None or mine >= MAX_GPU_WAITERS_PER_USER or sum(_gpu_waiters.values()) >= MAX_GPU_WAITERS:
+            monitor = health_monitor(app_of(self), self.config)
+            waiters = app_of(self).gpu_waiters  # the hub's, not this module's: one per hub
+            mine = waiters.get(user.name, 0)
+            if monitor is None or mine >= MAX_GPU_WAITERS_PER_USER or sum(waiters.values()) >= MAX_GPU_WAITERS:
                 wait = 0.0
             else:
-                _gpu_waiters[user.name] = mine + 1
+                waiters[user.name] = mine + 1
                 try:
                     deadline = time.monotonic() + wait
                     while (left := deadline - time.monotonic()) > 0:
@@ -328,11 +329,11 @@ class CullWarningsHandler(_Base):
                             failed = now_failed
                             break
                 finally:
-                    n = _gpu_waiters.get(user.name, 1) - 1
+                    n = waiters.get(user.name, 1) - 1
                     if n > 0:
-                        _gpu_waiters[user.name] = n
+                        waiters[user.name] = n
                     else:
-                        _gpu_waiters.pop(user.name, None)
+                        waiters.pop(user.name, None)
         profiles = self.profiles_of(user)
         self.set_header("Cache-Control", "no-store")
         self.write(

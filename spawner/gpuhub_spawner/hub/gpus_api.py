@@ -20,12 +20,12 @@ from jupyterhub.apihandlers import APIHandler
 from tornado import web
 
 from ..admission.health import BAD
-from ..admission.view import admission_view
 from ..policy.scopes import STATUS_ALL, allowed
+from .context import GpuHubApp, app_of
 
 
-def _monitor(config):
-    broker = admission_view(config)
+def _monitor(handler):
+    broker = app_of(handler).admission_view(handler.config)
     monitor = getattr(broker, "gpu_health", None)
     if monitor is None:
         raise web.HTTPError(404, "GPU health is read by the cluster on Kubernetes (docs/gpu-health.md)")
@@ -37,7 +37,7 @@ class GpuListHandler(APIHandler):
     def get(self):
         if not allowed(self, STATUS_ALL):
             raise web.HTTPError(403, f"This needs the scope {STATUS_ALL}.")
-        self.write(json.dumps({"gpus": _monitor(self.config).listing()}))
+        self.write(json.dumps({"gpus": _monitor(self).listing()}))
 
 
 class GpuActionHandler(APIHandler):
@@ -45,7 +45,7 @@ class GpuActionHandler(APIHandler):
     def post(self, device, action):
         if not self.has_scope("admin:servers"):
             raise web.HTTPError(403, "Only admins may drain or uncordon a GPU (scope admin:servers).")
-        monitor = _monitor(self.config)
+        monitor = _monitor(self)
         if device not in {d.id for d in monitor.table.devices}:
             raise web.HTTPError(404, f"no GPU {device!r} on this machine")
         by = getattr(self.current_user, "name", "?")
@@ -70,12 +70,12 @@ class GpuActionHandler(APIHandler):
 MAX_REASON = 200  # what one notice carries of a device's reason (the hub's own words; bounded all the same)
 
 
-def gpu_failures_of(config, user_name: str) -> list[dict]:
+def gpu_failures_of(app: GpuHubApp, config, user_name: str) -> list[dict]:
     """The servers of ``user_name`` holding a device that went bad, in plain data (never anyone
     else's, never a batch job's: a job's attempt ends ``gpu-failed`` on its own). One entry per
     server: ``{"server", "devices", "since", "reason", "xid"}``, the earliest failure first."""
     try:
-        broker = admission_view(config)
+        broker = app.admission_view(config)
     except RuntimeError:
         return []
     cluster = getattr(broker, "node_health", None)
@@ -103,22 +103,22 @@ def gpu_failures_of(config, user_name: str) -> list[dict]:
     return out
 
 
-def health_monitor(config):
+def health_monitor(app: GpuHubApp, config):
     """What a long poll for ``gpu_failed`` waits on (``wait_change``): the one-machine monitor,
     the Kubernetes capacity keeper (kube/capacity.py, reading the nodes' health taints), or None."""
     try:
-        broker = admission_view(config)
+        broker = app.admission_view(config)
     except RuntimeError:
         return None
     return getattr(broker, "gpu_health", None) or getattr(broker, "node_health", None)
 
 
-def template_vars(config) -> dict:
+def template_vars(app: GpuHubApp, config) -> dict:
     def gpu_failures(user) -> list[dict]:
         """The reader's own servers holding a device that went bad (never anyone else's)."""
         if user is None or not hasattr(user, "spawners"):
             return []
-        return gpu_failures_of(config, user.name)
+        return gpu_failures_of(app, config, user.name)
 
     return {"gpuhub_gpu_failures": gpu_failures}
 

@@ -35,10 +35,10 @@ from tornado import web
 from ..policy import PolicyError, PolicyStore
 from ..policy.access import ChoiceError, no_team_message, teams_for
 from ..policy.bounded import MAX_JOB_BODY_BYTES, MAX_JOB_FILE_BYTES, MAX_JOB_FILE_NODES, InputRefused, loads_json
-from ..jobs import current_manager
 from ..jobs.common import _ts as when
 from ..jobs.records import JOB_ID, FINAL
 from ..jobs.spec import parse_job
+from .context import app_of
 
 JOBS = "custom:gpuhub:jobs"
 JOBS_ALL = "custom:gpuhub:jobs:all"
@@ -65,7 +65,7 @@ class _JobsMixin:
     @property
     def manager(self):
         """This hub's jobs backend (``local.job_manager`` or ``kube.job_manager``)."""
-        return current_manager(self.config)
+        return app_of(self).jobs(self.config)
 
     async def fresh(self, rec):
         """On Kubernetes, read the Job back before answering (one machine is always current)."""

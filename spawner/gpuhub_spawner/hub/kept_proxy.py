@@ -46,8 +46,6 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.ioloop import PeriodicCallback
 from traitlets import Any, Bool, Float, Unicode, default
 
-from ..local.listening import PortTaken, listening_sockets, watcher
-
 
 def keep_secret_file(path: str | os.PathLike) -> str:
     """The token in ``path``; made (0600 from the first byte, O_EXCL) when missing or empty."""
@@ -140,6 +138,13 @@ class KeptProxy(ConfigurableHTTPProxy):
         help="Seconds the proxy has, once its API answers, to be seen listening on the public "
         "address before the hub refuses to run; a port another process holds is refused "
         "as soon as the listen watcher is sure (half a second).",
+    )
+    listening = Any(
+        None,
+        config=True,
+        help="""The machine's socket table and listen watcher (``local/listening.py``: ``watcher()``,
+        ``listening_sockets()``, ``PortTaken``), handed in by ``wiring.configure_local``, so this
+        proxy checks who holds its public port without importing a backend. None: not checked.""",
     )
     adopted_pid = Any(None, help="pid of the proxy adopted at start (no Popen for it)")
     _adopted_start_time = Any(None)
@@ -294,16 +299,16 @@ class KeptProxy(ConfigurableHTTPProxy):
         this is checked, from the kernel's socket table, not assumed.
         """
         server = Server.from_url(self.public_url)
-        if server._unix_socket:
+        if server._unix_socket or self.listening is None:
             return  # a socket file: the proxy creates it; nobody else answers at that path
         port = int(server.port)
         try:  # the listen watcher servers' start-ups use: the proxy's own socket, or PortTaken
-            seen = await watcher().wait(port, pid, self.public_listen_timeout)
-        except PortTaken:
+            seen = await self.listening.watcher().wait(port, pid, self.public_listen_timeout)
+        except self.listening.PortTaken:
             seen = "taken"
         if seen == "listening":
             return
-        holders = listening_sockets().get(port, {})
+        holders = self.listening.listening_sockets().get(port, {})
         owners = sorted(set(holders.values()))
         why = "it exited" if seen == "exited" else f"not within {self.public_listen_timeout:g} s"
         raise PublicPortTaken(

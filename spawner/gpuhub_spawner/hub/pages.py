@@ -22,13 +22,13 @@ from jupyterhub.apihandlers import APIHandler
 from jupyterhub.handlers import BaseHandler
 from tornado import web
 
-from ..admission.view import admission_view
 from ..culling.board import CullBoard
 from ..policy import PolicyStore
 from ..policy.access import teams_for
 from ..policy.quantities import format_duration, format_memory
 from ..policy.scopes import LEAD, STATUS, STATUS_ALL, allowed
 from ..usage.metrics import lent_and_borrowed
+from .context import app_of
 
 _HIDDEN = ("user", "profile", "held_for", "idle_for", "stops_at", "key")
 
@@ -186,7 +186,7 @@ class _StatusMixin:
     def snapshot_for_request(self) -> dict:
         if not allowed(self, STATUS):
             raise web.HTTPError(403, f"This needs the scope {STATUS}.")
-        broker = admission_view(self.config)
+        broker = app_of(self).admission_view(self.config)
         user = self.current_user
         groups = [g.name for g in getattr(user, "groups", [])] if getattr(user, "kind", "user") == "user" else []
         policy = broker.policy
@@ -208,7 +208,9 @@ class StatusPageHandler(_StatusMixin, BaseHandler):
         snap = self.snapshot_for_request()
         # Drain / uncordon buttons: the same API and scope as `gpuhub gpu drain|uncordon`
         # (hub/gpus_api.py checks it again on every POST); one machine only.
-        gpu_actions = self.has_scope("admin:servers") and getattr(admission_view(self.config), "gpu_health", None) is not None
+        gpu_actions = (
+            self.has_scope("admin:servers") and getattr(app_of(self).admission_view(self.config), "gpu_health", None) is not None
+        )
         html = await self.render_template("gpuhub_status.html", snap=snap, user=self.current_user, gpu_actions=gpu_actions)
         self.finish(html)
 

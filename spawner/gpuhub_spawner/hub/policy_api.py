@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from jupyterhub import orm
@@ -32,56 +31,56 @@ from jupyterhub.handlers import BaseHandler
 from tornado import web
 
 from ..admission.impact import Holding, Person, Request, impact, read_candidate, touched_teams
-from ..admission.view import admission_view
 from ..policy import PolicyStore
 from ..policy.bounded import InputRefused, loads_json
 from ..policy.scopes import LEAD, POLICY, allowed
 from ..usage.policy_versions import MASK, PolicyVersions, VersionNotFound, masked_text, text_hash
+from .context import PolicyChanges, app_of
 
 MAX_BODY_BYTES = 256 * 1024  # the hub's limit for every request body (policy.bounded)
 
 log = logging.getLogger("JupyterHub.gpuhub.policy")
-_versions: PolicyVersions | None = None
-_apply_lock: asyncio.Lock | None = None
-# Evaluations (parse, impact), masking and applies run here, one at a time: never in the default
-# pool that spawns (ensure_account), reloads and the culler share, never on the hub's loop.
-_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuhub-policy")
-_in_flight: set[str] = set()  # users with an evaluation queued or running: at most one each
-_masked: dict[str, str | None] = {}  # file hash -> masked text (None: does not parse), per version
+# The state between requests is the hub's (hub/context.py, PolicyChanges): evaluations (parse,
+# impact), masking and applies run in its one thread, one at a time: never in the default pool
+# that spawns (ensure_account), reloads and the culler share, never on the hub's loop.
 
 
-def off_loop(fn, *args):
-    return asyncio.get_running_loop().run_in_executor(_executor, fn, *args)
+def off_loop(changes: PolicyChanges, fn, *args):
+    return asyncio.get_running_loop().run_in_executor(changes.executor, fn, *args)
 
 
-async def masked_of(text: str) -> str | None:
+async def masked_of(changes: PolicyChanges, text: str) -> str | None:
     """The masked text of ``text``, computed once per hash, in the policy executor."""
     h = text_hash(text)
-    if h not in _masked:
-        value = await off_loop(masked_text, text)
-        if len(_masked) >= 16:
-            _masked.pop(next(iter(_masked)))
-        _masked[h] = value
-    return _masked[h]
+    masked = changes.masked
+    if h not in masked:
+        value = await off_loop(changes, masked_text, text)
+        if len(masked) >= changes.MASKED_KEPT:
+            masked.pop(next(iter(masked)))
+        masked[h] = value
+    return masked[h]
 
 
-def start_versions(app, directory: str, writer=None) -> PolicyVersions:
+def start_versions(hub, directory: str, writer=None) -> PolicyVersions:
     """At hub start (``wiring``): the versions store of this hub's policy file, following its
     reloads. ``writer``: where applies write when not that file (Kubernetes: the ConfigMap)."""
-    global _versions
-    store = PolicyStore.instance(config=app.config)
-    _versions = PolicyVersions(directory, store.policy_file, writer)
-    _versions.follow(store)
-    return _versions
-
-
-def versions() -> PolicyVersions:
-    if _versions is None:
-        raise web.HTTPError(503, "policy versions are not set up on this hub")
-    return _versions
+    store = PolicyStore.instance(config=hub.config)
+    versions = PolicyVersions(directory, store.policy_file, writer)
+    versions.follow(store)
+    app_of(hub.tornado_settings).policy_changes.versions = versions
+    return versions
 
 
 class _PolicyMixin:
+    @property
+    def changes(self) -> PolicyChanges:
+        return app_of(self).policy_changes
+
+    def versions(self) -> PolicyVersions:
+        if self.changes.versions is None:
+            raise web.HTTPError(503, "policy versions are not set up on this hub")
+        return self.changes.versions
+
     @property
     def store(self) -> PolicyStore:
         return PolicyStore.instance(config=self.config)
@@ -120,7 +119,7 @@ class _PolicyMixin:
     def state(self) -> dict:
         """The hub's users, what is admitted and what waits: the impact's inputs (on the loop)."""
         people = [Person(u.name, tuple(g.name for g in u.groups)) for u in self.db.query(orm.User)]
-        view = admission_view(self.config)
+        view = app_of(self).admission_view(self.config)
         queue = view.queue
         held = [
             Holding(a.key, a.user, a.team, a.profile, dict(a.demand), a.since, a.priority, self._last_activity(a.key))
@@ -151,21 +150,20 @@ class _PolicyMixin:
         One evaluation per user at a time (429), in the policy executor; a lead's edit of another
         team is refused from the touched teams alone, before any impact is computed."""
         who = getattr(self.current_user, "name", "?")
-        if who in _in_flight:
+        in_flight = self.changes.in_flight
+        if who in in_flight:
             raise web.HTTPError(429, "You already have a policy change being checked: wait for its answer, then try again.")
-        _in_flight.add(who)
+        in_flight.add(who)
         try:
             return await self._evaluate(text, admin, leads)
         finally:
-            _in_flight.discard(who)
+            in_flight.discard(who)
 
     async def _evaluate(self, text: str, admin: bool, leads: set[str]) -> dict:
         current = self.store.current
         state = self.state()
         insiders = {p.name for p in state["people"] if {t.name for t in current.teams if set(p.groups) & set(t.groups)} & leads}
-        from ..kube.ledger import KueueLedger
-
-        kube = KueueLedger.initialized()
+        app = app_of(self)
 
         def work():
             policy, errors = read_candidate(text)
@@ -184,17 +182,14 @@ class _PolicyMixin:
                         f"A team lead may preview changes to their own team(s) ({', '.join(sorted(leads))}) only: {why}.",
                     )
             found = impact(current, policy, literal_env=literal, **state)
-            if kube:  # the Kueue objects the edit changes, and what Kueue refuses
-                from ..kube.kueue_diff import kueue_changes
-
-                try:
-                    for words, teams in kueue_changes(current, policy):
-                        found.add("kueue", words, teams=teams)
-                except ValueError as e:  # a flavor named like the CPU flavor: render refuses it
-                    found.add("kueue", f"The Kueue objects cannot be rendered: {e}.", teams=found.touched_teams)
+            try:  # the backend's own objects the edit changes (Kubernetes: Kueue's), and what it refuses
+                for words, teams in app.backend_changes(current, policy) or []:
+                    found.add("kueue", words, teams=teams)
+            except ValueError as e:  # a flavor named like the CPU flavor: render refuses it
+                found.add("kueue", f"The Kueue objects cannot be rendered: {e}.", teams=found.touched_teams)
             return policy, [], found
 
-        policy, errors, found = await off_loop(work)
+        policy, errors, found = await off_loop(self.changes, work)
         if errors is None:
             raise web.HTTPError(403, found)
         if errors:
@@ -260,7 +255,7 @@ class PolicyAPIHandler(_PolicyMixin, APIHandler):
     async def get(self):
         admin, leads = self.reader()
         text = self.current_text()
-        vs = versions()
+        vs = self.versions()
         latest = vs.latest()
         current = dict(latest) if latest and latest["hash"] == text_hash(text) else None
         note = None
@@ -268,12 +263,12 @@ class PolicyAPIHandler(_PolicyMixin, APIHandler):
             shown = text
             history = list(reversed(vs.versions()))
         else:
-            shown = await masked_of(text)
+            shown = await masked_of(self.changes, text)
             if shown is None:  # never the raw text: the last version that parses, masked
                 note = "The policy file on disk does not parse"
                 for v in reversed(vs.versions()):
                     try:
-                        shown = await masked_of(vs.text_of(v))
+                        shown = await masked_of(self.changes, vs.text_of(v))
                     except OSError:
                         continue
                     if shown is not None:
@@ -327,8 +322,8 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             if not isinstance(ref, (str, int)) or isinstance(ref, bool) or len(str(ref)) > 64:
                 raise web.HTTPError(400, 'say which version: {"version": 3} or a hash')
             try:
-                rollback_to = versions().find(ref)
-                text = versions().text_of(rollback_to)
+                rollback_to = self.versions().find(ref)
+                text = self.versions().text_of(rollback_to)
             except VersionNotFound as e:
                 raise web.HTTPError(404, str(e)) from None
         else:
@@ -360,11 +355,10 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
                 json.dumps({"ok": True, "impact": found.as_dict(), "text": found.text(), "base": text_hash(self.current_text())})
             )
             return
-        text = await off_loop(unmask_text, text, current)  # masked values ('***') keep the values in force
-        global _apply_lock
-        if _apply_lock is None:
-            _apply_lock = asyncio.Lock()
-        async with _apply_lock:
+        text = await off_loop(self.changes, unmask_text, text, current)  # masked values ('***') keep the values in force
+        if self.changes.apply_lock is None:
+            self.changes.apply_lock = asyncio.Lock()
+        async with self.changes.apply_lock:
             before = self.current_text()
             base = body.get("base")
             if action == "apply" and isinstance(base, str) and base and base != text_hash(before):
@@ -384,7 +378,8 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             by = getattr(self.current_user, "name", "?")
             try:  # the write, its fsyncs and the audited diff off the loop
                 version = await off_loop(
-                    lambda: versions().apply(
+                    self.changes,
+                    lambda: self.versions().apply(
                         text,
                         by,
                         summary,
@@ -392,7 +387,7 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
                         expected_hash=text_hash(before),
                         teams=sorted(found.touched_teams),
                         every_team=bool(found.global_changes),
-                    )
+                    ),
                 )
             except OSError as e:
                 raise web.HTTPError(
@@ -404,10 +399,10 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             except RuntimeError as e:  # the writer's place changed under it (the ConfigMap): nothing written
                 raise web.HTTPError(409, str(e)) from None
             except Exception as e:  # noqa: BLE001 - the API server refused (RBAC, unreachable): nothing written
-                log.warning("Policy apply by %s failed at %s: %s", by, versions().where, e)
+                log.warning("Policy apply by %s failed at %s: %s", by, self.versions().where, e)
                 raise web.HTTPError(
                     502,
-                    f"could not write the policy to {versions().where}: "
+                    f"could not write the policy to {self.versions().where}: "
                     f"{getattr(e, 'reason', None) or type(e).__name__}; nothing was applied",
                 ) from None
             await self.store.fresh()

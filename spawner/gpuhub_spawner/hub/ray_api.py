@@ -31,7 +31,8 @@ from tornado import web
 
 from ..policy.access import ChoiceError
 from ..policy.bounded import InputRefused, loads_json
-from ..rayclusters import BY_USER, FINAL, RayRequest, current_manager
+from ..rayclusters import BY_USER, FINAL, RayRequest
+from .context import app_of
 from .jobs_api import _JobsMixin
 
 CLUSTER = r"([a-z0-9][-a-z0-9]{0,40})"
@@ -40,7 +41,7 @@ CLUSTER = r"([a-z0-9][-a-z0-9]{0,40})"
 class _RayMixin(_JobsMixin):
     @property
     def ray(self):
-        return current_manager(self.config)
+        return app_of(self).ray(self.config)
 
     def cluster_for_request(self, cluster: str):
         me = getattr(self.current_user, "name", None)

@@ -24,13 +24,13 @@ from tornado import web
 from traitlets import Float
 from traitlets.config import SingletonConfigurable
 
-from ..admission.view import admission_view
 from ..culling.board import CullBoard
 from ..policy.quantities import parse_duration
 from ..policy.scopes import AUDIT, allowed
 from ..usage import charts
 from ..usage.history import iso, summarize, to_csv
 from ..usage.recorder import UsageRecorder, note_end
+from .context import app_of
 from .roles import View, view_for
 
 MAX_SINCE = 366 * 86400
@@ -47,7 +47,7 @@ class LeadActions(SingletonConfigurable):
 class _Base:
     @property
     def broker(self):
-        return admission_view(self.config)
+        return app_of(self).admission_view(self.config)
 
     @property
     def recorder(self) -> UsageRecorder:

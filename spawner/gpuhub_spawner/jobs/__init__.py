@@ -11,23 +11,6 @@ The hub API and pages are ``hub.jobs_api``; ``wiring.jobs`` wires them into a hu
 
 from __future__ import annotations
 
-from typing import Callable
-
 JOBS_SCOPE = "custom:gpuhub:jobs"
 JOBS_ALL_SCOPE = "custom:gpuhub:jobs:all"
 JOBS, JOBS_ALL = JOBS_SCOPE, JOBS_ALL_SCOPE
-
-_provider: Callable | None = None
-
-
-def provide_manager(provider: Callable) -> None:
-    """Set what ``current_manager(config)`` returns (the composition root does: ``wiring.jobs``)."""
-    global _provider
-    _provider = provider
-
-
-def current_manager(config):
-    """The jobs backend of this hub (Kueue when it spawns with KueueSpawner, else one machine)."""
-    if _provider is None:
-        raise RuntimeError("no jobs backend wired into this hub: import gpuhub_spawner.wiring.jobs (hub configs do)")
-    return _provider(config)

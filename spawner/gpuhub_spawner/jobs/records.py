@@ -21,6 +21,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from ..policy.files import write_atomically
 
 JOB_ID = re.compile(r"^job-[0-9a-f]{10}$")
 
@@ -115,18 +116,7 @@ class JobStore:
         return d
 
     def save(self, rec: JobRecord) -> None:
-        path = self.path(rec.id)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(rec.to_dict(), f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, path)
+        write_atomically(self.path(rec.id), json.dumps(rec.to_dict(), indent=1, sort_keys=True), 0o600)
 
     def save_env(self, job_id: str, env: dict[str, str]) -> None:
         """The job file's env *values*: hub-private, read only to start attempts."""

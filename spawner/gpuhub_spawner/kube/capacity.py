@@ -377,24 +377,3 @@ class CapacityKeeper:
                 flavor,
                 team,
             )
-
-
-_keeper: CapacityKeeper | None = None
-
-
-def keeper() -> CapacityKeeper | None:
-    """The hub's keeper, once started (waiting messages read what it last saw)."""
-    return _keeper
-
-
-def start_keeper(policy_of, **clients) -> CapacityKeeper:
-    global _keeper
-    if _keeper is None:
-        _keeper = CapacityKeeper(policy_of, **clients)
-        _keeper.start()
-    return _keeper
-
-
-def fault_of(node: str | None) -> NodeFault | None:
-    """The health taint of ``node`` as the hub's keeper last read it (None: none, or no keeper)."""
-    return _keeper.faults.get(node or "") if _keeper is not None else None

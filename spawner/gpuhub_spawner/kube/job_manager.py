@@ -31,7 +31,7 @@ from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
 from . import messages as M
-from .capacity import NodeFault, fault_of, node_faults
+from .capacity import NodeFault, node_faults
 from .kueue import GROUP, JOB_UID_LABEL, VERSION, condition, is_true, timestamp
 from ..policy import PolicyStore
 from ..policy.access import Choice, ChoiceError, active_profiles, check_job_caps, resolve_choice
@@ -41,7 +41,7 @@ from ..jobs.common import TIME_LIMIT, job_priority, policy_hash
 from ..jobs.spec import GPU_FAILED, JobSpec
 from ..usage import recorder as usage
 from .job_manifest import JOB_LABEL, job_manifest
-from .ledger import RECLAIM_ANNOTATION, register_job_manager
+from .ledger import RECLAIM_ANNOTATION, KueueLedger
 from .policy_configmap import hub_namespace
 from .spawner import KueueSpawner
 from .walls import put_up, wall
@@ -274,7 +274,7 @@ class KubeJobManager(SingletonConfigurable):
             status = pod.get("status") or {}
             att.started = att.started or timestamp(status.get("startTime"))
             term = ((status.get("containerStatuses") or [{}])[0].get("state") or {}).get("terminated")
-            fault = fault_of(pod["spec"].get("nodeName"))
+            fault = _fault_of(pod["spec"].get("nodeName"))
             if att.finished is None and status.get("phase") in ("Succeeded", "Failed") and term:
                 att.finished = timestamp(term.get("finishedAt")) or time.time()
                 att.exit_code = term.get("exitCode")
@@ -313,7 +313,7 @@ class KubeJobManager(SingletonConfigurable):
                 if reclaimed:
                     preempted, evicted = True, reclaimed
                 node = att.devices[0] if att.devices else None
-                fault = None if counted or reclaimed else (fault_of(node) or await self._read_fault(node))
+                fault = None if counted or reclaimed else (_fault_of(node) or await self._read_fault(node))
                 if fault is not None:  # evicted by its node's health taint
                     att.reason, att.message = GPU_FAILED, gpu_failed_message(fault)
                     continue
@@ -470,4 +470,6 @@ class KubeJobManager(SingletonConfigurable):
         return rec
 
 
-register_job_manager(KubeJobManager)  # the ledger tells it about reclaimed jobs and their owners
+def _fault_of(node: str | None) -> NodeFault | None:
+    """The health taint of ``node`` as the hub's capacity keeper last read it (on the ledger)."""
+    return KueueLedger.instance().fault_of(node) if KueueLedger.initialized() else None

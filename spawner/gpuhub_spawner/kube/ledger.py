@@ -25,7 +25,7 @@ import logging
 import time
 
 from tornado.ioloop import PeriodicCallback
-from traitlets import Float
+from traitlets import Float, Type
 from traitlets.config import SingletonConfigurable
 
 from ..admission.queue import Admission, Ticket
@@ -36,6 +36,7 @@ from ..policy.quantities import parse_cpu_millis, parse_memory_bytes
 from ..culling.reclaimer import Reclaimer  # borrowed servers given back with notice
 from ..usage import recorder as usage
 from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
+from .capacity import CapacityKeeper, NodeFault
 from .job_manifest import JOB_LABEL
 from .ray_manifest import RAY_LABEL
 from .kueue import (
@@ -164,6 +165,14 @@ class WorkloadQueue:
 
 
 class KueueLedger(SingletonConfigurable):
+    job_manager_class = Type(
+        None,
+        klass=SingletonConfigurable,
+        allow_none=True,
+        help="""The job manager this hub runs batch jobs with (``kube.job_manager.KubeJobManager``), handed in by the
+        composition root (``wiring.jobs``): it builds on this class, so this class never imports
+        it. None: no jobs on this hub, so none to reclaim or name the owner of.""",
+    ).tag(config=True)
     """One per hub process on Kubernetes (what ``LocalBroker`` is on one machine)."""
 
     sync_interval = Float(
@@ -191,6 +200,9 @@ class KueueLedger(SingletonConfigurable):
         self._taken_back: dict[tuple[str, str], tuple[str | None, float]] = {}
         self._evicted: dict[str, str] = {}
         self.synced = asyncio.Event()
+        # The GPU capacity keeper (kube/capacity.py), started by the composition root once the
+        # cluster's credentials are loaded (wiring.kube): lowered quotas, nodes whose GPUs failed.
+        self.node_health: CapacityKeeper | None = None
         UsageRecorder.instance(config=self.config).attach(self)
         self.reclaimer = Reclaimer(self)
 
@@ -271,8 +283,19 @@ class KueueLedger(SingletonConfigurable):
                 waiting[key] = Ticket(key, user, team, profile, demand, priority, created=created)
         return admitted, waiting
 
-    @staticmethod
-    def _identify(wl: dict, pods: dict, gone_pods: dict) -> tuple[str, str, str, str] | None:
+    def fault_of(self, node: str | None) -> NodeFault | None:
+        """The health taint of ``node`` as the keeper last read it (None: none, or no keeper)."""
+        return self.node_health.faults.get(node or "") if self.node_health is not None else None
+
+    def _job_owner(self, job_id: str) -> str | None:
+        """The user who submitted ``job_id`` (the hub's job records), if this hub knows it."""
+        jobs = self.job_manager_class
+        if jobs is None or not jobs.initialized():
+            return None
+        rec = jobs.instance().jobs.get(job_id)
+        return rec.user if rec else None
+
+    def _identify(self, wl: dict, pods: dict, gone_pods: dict) -> tuple[str, str, str, str] | None:
         labels = (((wl["spec"].get("podSets") or [{}])[0].get("template") or {}).get("metadata") or {}).get("labels") or {}
         kind, name = _owner(wl)
         ns = wl["metadata"].get("namespace")
@@ -292,7 +315,7 @@ class KueueLedger(SingletonConfigurable):
                 or labels.get(USER_ANNOTATION)
                 or ""
             )
-            return f"job:{name}", _job_owner(name) or user, labels.get(TEAM_LABEL, ""), labels.get(PROFILE_LABEL, "")
+            return f"job:{name}", self._job_owner(name) or user, labels.get(TEAM_LABEL, ""), labels.get(PROFILE_LABEL, "")
         if kind == "RayCluster" and labels.get(RAY_LABEL) == name:
             # A Ray cluster is a job of a kind, as on one machine (where it is one): held under
             # ``job:<cluster id>``, so usage history, the reclaimer and the status pages count
@@ -335,7 +358,9 @@ class KueueLedger(SingletonConfigurable):
             return True
         self._taken_back[where] = (for_key, time.monotonic())
         usage.note_end(key, "reclaimed", by="gpuhub-reclaim")
-        _job_reclaimed(key.partition(":")[2], message)
+        jobs = self.job_manager_class
+        if jobs is not None and jobs.initialized():
+            jobs.instance().reclaimed[key.partition(":")[2]] = message
         log.warning(
             "Reclaim: deactivating job %s (priority %d, not below the lender's) so that it re-queues: %s",
             key,
@@ -389,26 +414,3 @@ class KueueLedger(SingletonConfigurable):
             self._taken_back.pop(where, None)
         finally:
             self._patching.discard(where)
-
-
-# The Kubernetes job manager (kube.job_manager) registers its class here when it is
-# imported: it builds on the spawner, which builds on this ledger.
-_job_manager = None
-
-
-def register_job_manager(cls) -> None:
-    global _job_manager
-    _job_manager = cls
-
-
-def _job_reclaimed(job_id: str, message: str) -> None:
-    if _job_manager is not None and _job_manager.initialized():
-        _job_manager.instance().reclaimed[job_id] = message
-
-
-def _job_owner(job_id: str) -> str | None:
-    """The user who submitted ``job_id`` (the hub's job records), if this hub knows it."""
-    if _job_manager is None or not _job_manager.initialized():
-        return None
-    rec = _job_manager.instance().jobs.get(job_id)
-    return rec.user if rec else None

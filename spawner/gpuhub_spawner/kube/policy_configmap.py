@@ -31,9 +31,9 @@ import asyncio
 import hashlib
 import logging
 import os
-import tempfile
 import threading
 from pathlib import Path
+from ..policy.files import write_atomically
 
 log = logging.getLogger("JupyterHub.gpuhub.policy")
 
@@ -73,20 +73,7 @@ def _rv(value) -> int:
 def write_file(path: Path, text: str) -> None:
     """Atomically (a temporary file beside it, fsync, rename), mode 0644 like the mount."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomically(path, text, 0o644)
 
 
 class ConfigMapPolicy:

@@ -500,14 +500,13 @@ class KubeRayManager(RayClusterManager):
 
 
 def _users_with_servers() -> set[str] | None:
-    """Users with a server admitted by Kueue, from the hub's admission view (the KueueLedger:
-    servers are ``user/server``, jobs ``job:<id>``); None where no view is provided."""
-    try:
-        from ..admission.view import admission_view
+    """Users with a server admitted by Kueue, from the hub's admission view (this backend's
+    KueueLedger: servers are ``user/server``, jobs ``job:<id>``); None where the hub has none."""
+    from .ledger import KueueLedger
 
-        queue = admission_view().queue
-    except Exception:  # noqa: BLE001 - no view wired (a test, a CLI): never stop for this
+    if not KueueLedger.initialized():  # no ledger (a test, a CLI): never stop for this
         return None
+    queue = KueueLedger.instance().queue
     return {adm.user for key, adm in list(queue.admitted.items()) if "/" in key and not key.startswith("job:")}
 
 

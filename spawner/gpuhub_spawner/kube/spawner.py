@@ -61,7 +61,6 @@ from .kueue import (
     pod_is_gated,
 )
 from .messages import event_message, eviction_message, waiting_message
-from . import capacity  # GPUs out of service, said in waiting messages
 from .state import GoneAwarePodReflector, PendingPollers, WorkloadReflector
 
 # Traits the policy sets per start; their configured values are the base each start builds on.
@@ -485,7 +484,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             queue_length = len(snapshot.items) if snapshot.fetched_at else None
             ledger = self._ledger()
             why = own_quota.why_waiting(self.policy, self.choice, self._server_key, ledger)
-            kept = capacity.keeper()
+            kept = ledger.node_health if ledger else None
             gone = kept.out.get(self.choice.flavor) if kept and self.choice.flavor else None
             text = waiting_message(
                 self.policy, self.choice, workload, pending, queue_length, why, (gone.out, gone.total) if gone else None

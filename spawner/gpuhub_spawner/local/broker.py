@@ -12,7 +12,7 @@ import logging
 from functools import partial
 
 from tornado.ioloop import PeriodicCallback
-from traitlets import Integer, Unicode
+from traitlets import Integer, Type, Unicode
 from traitlets.config import SingletonConfigurable
 
 from ..admission.journal import QueueJournal
@@ -28,18 +28,15 @@ from .gpu_health import GpuHealthMonitor
 log = logging.getLogger("JupyterHub.gpuhub.broker")
 
 
-# The one-machine job manager (local.job_manager) registers its class here when it is
-# imported, so the broker can preempt a borrowing job without importing the job manager
-# (which builds on the broker).
-_job_manager = None
-
-
-def register_job_manager(cls) -> None:
-    global _job_manager
-    _job_manager = cls
-
-
 class LocalBroker(SingletonConfigurable):
+    job_manager_class = Type(
+        None,
+        klass=SingletonConfigurable,
+        allow_none=True,
+        help="""The job manager this hub runs batch jobs with (``local.job_manager.JobManager``), handed in by the
+        composition root (``wiring.jobs``): it builds on this class, so this class never imports
+        it. None: no jobs on this hub, so none to preempt or end.""",
+    ).tag(config=True)
     launch_concurrency = Integer(
         8,
         help="""Admitted servers that may be launching at once.
@@ -124,7 +121,7 @@ class LocalBroker(SingletonConfigurable):
     def preempt_job(self, key: str, message: str, for_key: str | None = None) -> bool:
         """Stop a borrowing job at once and re-queue it (the reclaimer's); False while it is
         admitted but not yet launched (the reclaimer looks again)."""
-        jobs = _job_manager
+        jobs = self.job_manager_class
         if jobs is None or not jobs.initialized():
             return False
         return jobs.instance().preempt(key.partition(":")[2], message)
@@ -132,7 +129,7 @@ class LocalBroker(SingletonConfigurable):
     def gpu_failed_job(self, key: str, gpu: str) -> bool:
         """A GPU the job ``key`` holds went bad (gpu_health; ``gpu``: 'id (why)'): end its
         attempt as gpu-failed."""
-        jobs = _job_manager
+        jobs = self.job_manager_class
         if jobs is None or not jobs.initialized():
             return False
         return jobs.instance().gpu_failed(key.partition(":")[2], [gpu])

@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import os
-import tempfile
 import threading
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from ..admission.health import BAD, HEALTHY, RANK, Counters, classify_counters, classify_xid, xid_text
 from ..usage.recorder import audit
+from ..policy.files import write_atomically
 
 log = logging.getLogger("JupyterHub.gpuhub.health")
 
@@ -343,10 +343,7 @@ class GpuHealthMonitor:
         path = Path(self.state_file)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gpu-health-", suffix=".tmp")  # 0600
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.book.to_json(), f)
-            os.replace(tmp, path)
+            write_atomically(path, json.dumps(self.book.to_json()), 0o600)
         except OSError as e:
             log.error("GPU health: cannot save %s: %s", path, e)
 
@@ -409,15 +406,15 @@ class _HealthCollector:
         yield from (health, drained, usable)
 
 
-_collector: _HealthCollector | None = None
+# One per process, registered at import (Prometheus's registry is the process's); it yields
+# nothing until a hub's monitor hands itself in.
+HEALTH = _HealthCollector()
+REGISTRY.register(HEALTH)
 
 
 def register_metrics(monitor: GpuHealthMonitor) -> None:
-    global _collector
-    if _collector is None:
-        _collector = _HealthCollector()
-        REGISTRY.register(_collector)
-    _collector.monitor = monitor
+    """Scrapes describe ``monitor``'s GPUs from now on."""
+    HEALTH.monitor = monitor
 
 
 __all__ = ["GpuHealthMonitor", "read_counters", "HEALTHY", "BAD"]

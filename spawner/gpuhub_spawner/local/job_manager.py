@@ -46,7 +46,7 @@ from traitlets.config import SingletonConfigurable
 
 from ..admission.queue import QueueRefused, Ticket
 from ..admission.quota import add_usage, check_fit, demand_for, describe
-from .broker import LocalBroker, register_job_manager
+from .broker import LocalBroker
 from .devices import cuda_refusal
 from .isolation import process_start_time
 from .runtime import one_machine_runtime
@@ -720,6 +720,3 @@ def _git_evidence(git) -> dict | None:
 
 def _team(policy: Policy, name: str):
     return next((t for t in policy.teams if t.name == name), None)
-
-
-register_job_manager(JobManager)  # the broker preempts borrowing jobs through it

@@ -15,6 +15,7 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from ..policy.files import write_atomically
 
 KEY_FILE = "service.key"
 
@@ -36,11 +37,7 @@ def load_or_create_key(state_dir: Path) -> bytes:
     except FileNotFoundError:
         pass
     key = secrets.token_hex(32).encode()
-    tmp = state_dir / f".{KEY_FILE}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
-    os.replace(tmp, path)
+    write_atomically(path, key, 0o600)
     return key
 
 

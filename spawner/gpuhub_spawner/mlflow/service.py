@@ -32,6 +32,7 @@ from .accounts import Accounts
 from .proxy import MlflowProxyHandler, RootRedirect, make_http_client, normalize_origin
 from .secrets import Passwords, ensure_private_dir, load_or_create_key
 from .upstream import ADMIN_USERNAME, MlflowServer, ServerSettings
+from ..policy.files import write_atomically
 
 log = logging.getLogger("JupyterHub.gpuhub.mlflow")
 
@@ -155,9 +156,7 @@ class ServiceState:
                 self._save_provisioned()
 
     def _save_provisioned(self):
-        tmp = self._provisioned_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(self.provisioned)))
-        os.replace(tmp, self._provisioned_file)
+        write_atomically(self._provisioned_file, json.dumps(sorted(self.provisioned)), 0o600)
 
     # -- removing users that left the hub ---------------------------------------------
     async def hub_usernames(self, hub_auth: HubOAuth) -> set[str]:

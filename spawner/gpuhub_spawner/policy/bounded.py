@@ -23,6 +23,7 @@ of gpuhub.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any, Mapping
@@ -318,74 +319,67 @@ def unsafe_env_reason(name: str, instead: str = JOB_ENV_INSTEAD) -> str | None:
 DRAIN_CEILING_BYTES = 64 * 2**20
 
 
-_SERVER_CLASSES: tuple[type, type] | None = None
-
-
+@functools.cache
 def _server_classes() -> tuple[type, type]:
     """``(_BodyLimit, LimitedHTTPServer)``, defined on first use: tornado takes ~0.2 s to
     import, which what only reads a policy (`gpuhub validate`, the profile env check) skips."""
-    global _SERVER_CLASSES
-    if _SERVER_CLASSES is None:
-        from tornado import httputil
-        from tornado.httpserver import HTTPServer
+    from tornado import httputil
+    from tornado.httpserver import HTTPServer
 
-        class _BodyLimit(httputil.HTTPMessageDelegate):
-            """Passes a request on unless its body is over the limit; then drains the body and says 413."""
+    class _BodyLimit(httputil.HTTPMessageDelegate):
+        """Passes a request on unless its body is over the limit; then drains the body and says 413."""
 
-            def __init__(self, inner: httputil.HTTPMessageDelegate, connection: httputil.HTTPConnection, limit: int):
-                self.inner, self.connection, self.limit = inner, connection, limit
-                self.received = 0
-                self.refused = False
-                self.started = False
+        def __init__(self, inner: httputil.HTTPMessageDelegate, connection: httputil.HTTPConnection, limit: int):
+            self.inner, self.connection, self.limit = inner, connection, limit
+            self.received = 0
+            self.refused = False
+            self.started = False
 
-            def headers_received(self, start_line, headers):
-                length = headers.get("Content-Length", "")
-                if length.strip().isdigit() and int(length) > self.limit:
-                    self.refused = True  # the application never sees this request
-                    return None
-                self.started = True
-                return self.inner.headers_received(start_line, headers)
-
-            def data_received(self, chunk):
-                if self.refused:
-                    return None
-                self.received += len(chunk)
-                if self.received > self.limit:  # a chunked body: stop passing it on
-                    self.refused = True
-                    self.inner.on_connection_close()  # the application never gets the rest, nor finish()
-                    return None
-                return self.inner.data_received(chunk)
-
-            def finish(self):
-                if not self.refused:
-                    return self.inner.finish()
-                body = json.dumps(
-                    {"status": 413, "message": f"Request body too large: this hub accepts at most {self.limit} bytes."}
-                )
-                self.connection.write_headers(
-                    httputil.ResponseStartLine("HTTP/1.1", 413, "Payload Too Large"),
-                    httputil.HTTPHeaders({"Content-Type": "application/json", "Content-Length": str(len(body))}),
-                    body.encode(),
-                )
-                self.connection.finish()
+        def headers_received(self, start_line, headers):
+            length = headers.get("Content-Length", "")
+            if length.strip().isdigit() and int(length) > self.limit:
+                self.refused = True  # the application never sees this request
                 return None
+            self.started = True
+            return self.inner.headers_received(start_line, headers)
 
-            def on_connection_close(self):
-                if self.started and not self.refused:
-                    self.inner.on_connection_close()
+        def data_received(self, chunk):
+            if self.refused:
+                return None
+            self.received += len(chunk)
+            if self.received > self.limit:  # a chunked body: stop passing it on
+                self.refused = True
+                self.inner.on_connection_close()  # the application never gets the rest, nor finish()
+                return None
+            return self.inner.data_received(chunk)
 
-        class LimitedHTTPServer(HTTPServer):
-            """tornado's server, with every request's body bounded by ``body_limit`` (413 over it)."""
+        def finish(self):
+            if not self.refused:
+                return self.inner.finish()
+            body = json.dumps({"status": 413, "message": f"Request body too large: this hub accepts at most {self.limit} bytes."})
+            self.connection.write_headers(
+                httputil.ResponseStartLine("HTTP/1.1", 413, "Payload Too Large"),
+                httputil.HTTPHeaders({"Content-Type": "application/json", "Content-Length": str(len(body))}),
+                body.encode(),
+            )
+            self.connection.finish()
+            return None
 
-            def initialize(self, *args, body_limit: int = MAX_REQUEST_BODY_BYTES, **kwargs):
-                self.body_limit = body_limit
-                super().initialize(*args, **kwargs)
+        def on_connection_close(self):
+            if self.started and not self.refused:
+                self.inner.on_connection_close()
 
-            def start_request(self, server_conn, request_conn):
-                return _BodyLimit(super().start_request(server_conn, request_conn), request_conn, self.body_limit)
+    class LimitedHTTPServer(HTTPServer):
+        """tornado's server, with every request's body bounded by ``body_limit`` (413 over it)."""
 
-        _SERVER_CLASSES = (_BodyLimit, LimitedHTTPServer)
-    return _SERVER_CLASSES
+        def initialize(self, *args, body_limit: int = MAX_REQUEST_BODY_BYTES, **kwargs):
+            self.body_limit = body_limit
+            super().initialize(*args, **kwargs)
+
+        def start_request(self, server_conn, request_conn):
+            return _BodyLimit(super().start_request(server_conn, request_conn), request_conn, self.body_limit)
+
+    return (_BodyLimit, LimitedHTTPServer)
 
 
 def __getattr__(name: str):

@@ -7,8 +7,8 @@ What both backends share (layer 3, after ``jobs`` and ``usage``):
   teams and profiles, refused with the reason (``ChoiceError``) before anything queues;
 - ``RayClusterView``: what ``list`` and ``status`` answer (the API's JSON, the CLI's lines);
 - ``RayClusterManager``: the interface each backend implements (``local.ray_manager`` on one
-  machine, ``kube.ray_manager`` on Kubernetes), reached through ``current_manager(config)``
-  like ``jobs.current_manager``; the composition root provides it (``wiring.ray``).
+  machine, ``kube.ray_manager`` on Kubernetes), reached through the hub's application object
+  (``hub.context.GpuHubApp.ray``); the composition root chooses it (``wiring.app``).
 
 A cluster is sized by a profile: ``--gpus N`` picks the profile of the user's team with N
 GPUs (``--profile`` names one), so its flavor, CPU, memory, priority and idle rules are
@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 from ..policy.access import ChoiceError, profiles_for, teams_for, no_team_message
 from ..policy.model import Policy, Profile, Team
@@ -167,18 +167,3 @@ class RayClusterManager(ABC):
     @abstractmethod
     async def stop(self, cluster: str, reason: str = BY_USER, user_name: str | None = None) -> RayClusterView | None:
         """Leave the queue or stop it; its GPUs are back in the queue when this returns."""
-
-
-_provider: Callable | None = None
-
-
-def provide_manager(provider: Callable) -> None:
-    """Set what ``current_manager(config)`` returns (the composition root does: ``wiring.ray``)."""
-    global _provider
-    _provider = provider
-
-
-def current_manager(config) -> RayClusterManager:
-    if _provider is None:
-        raise RuntimeError("no Ray backend wired into this hub: import gpuhub_spawner.wiring.ray (hub configs do)")
-    return _provider(config)

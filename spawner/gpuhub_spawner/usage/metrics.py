@@ -21,15 +21,10 @@ TEAM_WAIT = Histogram(
     buckets=(1, 5, 30, 60, 300, 900, 1800, 3600, 7200, float("inf")),
 )
 
-_registered = None
-
 
 def register(broker, recorder) -> None:
-    global _registered
-    if _registered is None:
-        _registered = QuotaCollector()
-        REGISTRY.register(_registered)
-    _registered.broker, _registered.recorder = broker, recorder
+    """Scrapes describe ``broker``'s queue from now on (the hub's recorder attaches it)."""
+    QUOTA.broker, QUOTA.recorder = broker, recorder
 
 
 def lent_and_borrowed(policy, usage: dict[str, dict[str, int]], flavor: str) -> tuple[dict[str, int], dict[str, int]]:
@@ -151,3 +146,9 @@ class QuotaCollector:
         loaded = GaugeMetricFamily("gpuhub_policy_loaded_timestamp_seconds", "When the policy in force was loaded")
         loaded.add_metric([], status.loaded_at or 0)
         yield loaded
+
+
+# One per process, registered at import like the histograms above (Prometheus's registry is
+# the process's); it yields nothing until a hub's recorder hands it the admission view.
+QUOTA = QuotaCollector()
+REGISTRY.register(QUOTA)

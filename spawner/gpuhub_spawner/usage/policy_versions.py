@@ -37,6 +37,7 @@ from . import recorder
 # The masked text and the diff live in policy_text.py (a child process imports it to diff a large
 # policy); importable from here as before.
 from .policy_text import BESIDE_FROM, MASK, diff_beside, masked_text, policy_diff
+from ..policy.files import write_atomically as write_file
 
 __all__ = ["MASK", "masked_text", "policy_diff", "text_hash", "write_atomically", "PolicyVersions", "VersionNotFound"]
 
@@ -68,21 +69,7 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
 
 
 def _replace(target: Path, data: bytes, mode: int) -> None:
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_file(target, data, mode)
     dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)

@@ -34,24 +34,27 @@ from .history import History
 
 log = logging.getLogger("JupyterHub.gpuhub.usage")
 
-_current: "UsageRecorder | None" = None
-
 
 def current() -> "UsageRecorder | None":
-    return _current
+    """The hub's recorder once it listens to an admission view (``attach``); None before, and
+    in processes that record nothing (the CLI, a test without one)."""
+    if not UsageRecorder.initialized():
+        return None
+    rec = UsageRecorder.instance()
+    return rec if rec.broker is not None else None
 
 
 # -- hooks other modules call (cheap no-ops without a recorder) ---------------------------------
 def note_end(key: str, reason: str, by: str | None = None) -> None:
     """``key``'s coming release ends it for ``reason`` (first note wins)."""
-    if _current is not None:
-        _current._ends.setdefault(key, (reason, by, time.time()))
+    if (rec := current()) is not None:
+        rec._ends.setdefault(key, (reason, by, time.time()))
 
 
 def note_started(key: str, user: str, url: str | None = None) -> None:
-    if _current is not None:
-        adm = _current.broker.queue.admitted.get(key) if _current.broker else None
-        _current.audit.record(
+    if (rec := current()) is not None:
+        adm = rec.broker.queue.admitted.get(key)
+        rec.audit.record(
             "started",
             key=key,
             user=user,
@@ -62,16 +65,16 @@ def note_started(key: str, user: str, url: str | None = None) -> None:
 
 
 def audit(event: str, **fields) -> None:
-    if _current is not None:
-        _current.audit.record(event, **fields)
+    if (rec := current()) is not None:
+        rec.audit.record(event, **fields)
 
 
 def gpu_pass(
     readings: dict[str, tuple[int, float | None, bool]], elapsed: float, devices: dict[str, float] | None = None
 ) -> None:
     """A culler pass: per server key (GPUs held, utilisation or None, idle?) over ``elapsed`` s."""
-    if _current is not None:
-        _current._gpu_pass(readings, elapsed, devices or {})
+    if (rec := current()) is not None:
+        rec._gpu_pass(readings, elapsed, devices or {})
 
 
 # The policy's masked text (``policy_text.data_text``, formerly here): made in a child process
@@ -128,11 +131,9 @@ class UsageRecorder(SingletonConfigurable):
     # -- wiring ---------------------------------------------------------------------------
     def attach(self, broker) -> None:
         """Listen to ``broker``'s queue and policy store (once per hub process)."""
-        global _current
         if self.broker is broker:
             return
         self.broker = broker
-        _current = self
         q = broker.queue
         q.on_submit.append(self._submitted)
         q.on_queued.append(self._queued)

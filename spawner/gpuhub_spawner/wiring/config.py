@@ -93,7 +93,9 @@ def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, 
     history persist in ``state_dir`` (default: beside the hub's sqlite database).
     """
     from ..hub.culling_api import handlers, template_vars as culling_template_vars
+    from .app import app_of
 
+    app_of(c)  # the culling API's long polls are counted on the hub's application object
     every = cull_every or int(os.environ.get("GPUHUB_CULL_EVERY", 60))
     c.JupyterHub.services = _merged_list(c.JupyterHub, "services") + [
         {
@@ -152,7 +154,7 @@ def bound_what_users_send() -> None:
 
 def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip: str = "127.0.0.1") -> None:
     from ..hub.pages import extra_handlers, policy_banner
-    from . import backend  # noqa: F401 - the one-machine broker provides the admission view
+    from .app import app_of  # the one-machine broker provides the admission view (wiring/app.py)
 
     data = private_dir(data_dir)  # database, secrets, homes: the hub's user only
     (data / "home").mkdir(mode=0o700, exist_ok=True)
@@ -172,6 +174,14 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     c.ConfigurableHTTPProxy.pid_file = str(data / "proxy.pid")
     # A hub restart keeps the running proxy and its routes (open Labs see no outage).
     c.JupyterHub.proxy_class = "gpuhub_spawner.hub.kept_proxy.KeptProxy"
+    from types import SimpleNamespace
+
+    from ..local import listening
+
+    # Who holds the public port: the machine's socket table (configs are deep-copied: no module here).
+    c.KeptProxy.listening = SimpleNamespace(
+        watcher=listening.watcher, listening_sockets=listening.listening_sockets, PortTaken=listening.PortTaken
+    )
     c.KeptProxy.auth_token_file = str(data / "proxy-auth-token")
     c.JupyterHub.db_url = f"sqlite:///{data / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(data / "jupyterhub_cookie_secret")
@@ -186,7 +196,7 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     from ..hub.gpus_api import handlers as gpu_handlers, template_vars as gpu_template_vars
 
     c.JupyterHub.extra_handlers = list(extra_handlers) + list(gpu_handlers)
-    c.JupyterHub.template_vars = dict(c.JupyterHub.template_vars, **gpu_template_vars(c))
+    c.JupyterHub.template_vars = dict(c.JupyterHub.template_vars, **gpu_template_vars(app_of(c), c))
     c.LocalBroker.gpu_health_file = str(data / "gpu-health.json")
 
     # Queued servers are pending spawns; JupyterHub's limit would count them and lock
@@ -266,7 +276,7 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
 
     # Central MLflow, managed by the hub (after template_vars: it adds its home-page link).
     if os.environ.get("GPUHUB_MLFLOW", "1") != "0":
-        from ..mlflow import configure as configure_mlflow
+        from .mlflow import configure as configure_mlflow
 
         configure_mlflow(
             c,

@@ -5,19 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jupyterhub.app import JupyterHub
-
 from ..hub.jobs_api import handlers
-from ..jobs import JOBS, JOBS_ALL, provide_manager
+from ..jobs import JOBS, JOBS_ALL
 from ..local.job_manager import JobManager
 from ..policy.scopes import grant_server_token, merged_setting
+from .app import app_of, jobs_manager
 from .startup import when_started
 
 try:
     from ..kube.job_manager import KubeJobManager
-    from ..kube.spawner import KueueSpawner
 except ImportError:  # lazy: heavy optional dependency (kubespawner, only on Kubernetes hubs)
-    KubeJobManager = KueueSpawner = None
+    KubeJobManager = None  # type: ignore[assignment,misc]
 
 
 def configure_jobs(c, data_dir) -> None:
@@ -28,6 +26,12 @@ def configure_jobs(c, data_dir) -> None:
     terminal); admins read and cancel everyone's (``custom:gpuhub:jobs:all``, implied by
     ``admin:servers`` like gpuhub's other admin scopes).
     """
+    app_of(c)  # the jobs API finds this hub's manager through it
+    # The broker and the ledger preempt or reclaim borrowing jobs through the job manager, which
+    # builds on them: handed in here, never imported by them.
+    c.LocalBroker.job_manager_class = JobManager
+    if KubeJobManager is not None:
+        c.KueueLedger.job_manager_class = KubeJobManager
     c.JobManager.data_dir = str(Path(data_dir).resolve())
     c.KubeJobManager.data_dir = str(Path(data_dir).resolve())
     c.JupyterHub.extra_handlers = merged_setting(c.JupyterHub, "extra_handlers", []) + list(handlers)
@@ -53,18 +57,7 @@ def configure_jobs(c, data_dir) -> None:
 
 def _start_with_hub(app) -> None:
     """Bring jobs back once the hub has re-registered running servers (their devices first)."""
-    manager = _current_manager(app.config)
+    manager = jobs_manager(app.config)
     if isinstance(manager, JobManager) and not manager.hub_api_url:
         manager.hub_api_url = app.hub.api_url
     manager.recover()
-
-
-def _current_manager(config):
-    """The jobs backend of this hub: Kueue when it spawns with KueueSpawner, else one machine."""
-    if JupyterHub.initialized():
-        if KueueSpawner is not None and issubclass(JupyterHub.instance().spawner_class, KueueSpawner):
-            return KubeJobManager.instance(config=config)
-    return JobManager.instance(config=config)
-
-
-provide_manager(_current_manager)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 from jupyterhub.app import JupyterHub
 
-from ..kube.capacity import start_keeper
+from ..kube.capacity import CapacityKeeper
 from ..kube.ledger import KueueLedger
 from ..kube.spawner import KueueSpawner
-from . import backend  # noqa: F401 - the ledger provides the admission view once created
+from .app import app_of  # the ledger provides the admission view once created
 from .startup import when_started
 
 log = logging.getLogger("JupyterHub.gpuhub.ledger")
@@ -25,6 +25,7 @@ def configure_ledger(c) -> None:
     Kubernetes view from the first request; it starts reading the reflectors once the
     hub has re-registered its servers.
     """
+    app_of(c)
     try:
         asyncio.get_running_loop().call_soon(_create)  # the config file has been read by then
     except RuntimeError:
@@ -58,4 +59,6 @@ async def _watch(app) -> None:
     # server pods on a node whose health taint says its GPUs failed: the hub's culling API and
     # home page read ``node_health`` of the admission view (hub/gpus_api.py), as they read the
     # one-machine monitor (``gpu_health``), and its long poll waits on it.
-    ledger.node_health = start_keeper(lambda: ledger.store.current, pods=lambda: spawner.pod_reflector)
+    if ledger.node_health is None:
+        ledger.node_health = CapacityKeeper(lambda: ledger.store.current, pods=lambda: spawner.pod_reflector)
+        ledger.node_health.start()

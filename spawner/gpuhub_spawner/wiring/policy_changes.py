@@ -18,6 +18,9 @@ def configure_policy_changes(c, data_dir, configmap: str | None = None, key: str
     (``<data_dir>/policy-live/<key>``, seeded from the mounted ``c.PolicyStore.policy_file``,
     kept current by a watch): call this before anything creates the ``PolicyStore``."""
     from ..hub.policy_api import handlers, start_versions
+    from .app import app_of
+
+    app_of(c)  # the versions store and the apply lock are kept on it
 
     existing = list(c.JupyterHub.extra_handlers) if "extra_handlers" in c.JupyterHub else []
     c.JupyterHub.extra_handlers = existing + [h for h in handlers if h not in existing]

@@ -4,36 +4,17 @@ owner's origin, and this hub's backend, started with the hub. Access rides on th
 
 from __future__ import annotations
 
-from jupyterhub.app import JupyterHub
-
 from ..hub.ray_api import handlers
-from ..local.ray_manager import LocalRayManager
 from ..policy.scopes import merged_setting
-from ..rayclusters import provide_manager
+from .app import app_of, ray_manager
 from .startup import when_started
-
-try:
-    from ..kube.ray_manager import KubeRayManager
-    from ..kube.spawner import KueueSpawner
-except ImportError:  # lazy: heavy optional dependency (kubespawner, only on Kubernetes hubs)
-    KubeRayManager = KueueSpawner = None
 
 
 def configure_ray(c) -> None:
+    app_of(c)  # the Ray API finds this hub's manager through it
     c.JupyterHub.extra_handlers = merged_setting(c.JupyterHub, "extra_handlers", []) + list(handlers)
     # Every server's kernels speak Ray's token authentication, so a plain `ray.init()` joins the
     # user's cluster (found in their private /tmp, token in their ~/.ray/auth_token). Harmless
     # without one: Ray makes itself a token for a new local cluster.
     c.Spawner.environment = dict(merged_setting(c.Spawner, "environment", {}), RAY_AUTH_MODE="token")
-    when_started(lambda app: _current_manager(app.config).recover())
-
-
-def _current_manager(config):
-    """This hub's Ray backend: KubeRay RayClusters through Kueue when it spawns with
-    KueueSpawner (kube/ray_manager.py, docs/ray-kubernetes.md), else one machine's clusters."""
-    if JupyterHub.initialized() and KueueSpawner is not None and issubclass(JupyterHub.instance().spawner_class, KueueSpawner):
-        return KubeRayManager.instance(config)
-    return LocalRayManager.instance(config)
-
-
-provide_manager(_current_manager)
+    when_started(lambda app: ray_manager(app.config).recover())

@@ -15,7 +15,7 @@ from jupyterhub.log import log_request
 from ..hub.roles import configure_policy_roles, follow_policy_roles
 from ..hub.usage_api import handlers
 from ..usage import recorder
-from . import backend  # noqa: F401 - provides the admission view the usage pages read
+from .app import app_of  # the usage pages read the admission view through it
 from .startup import when_started
 
 
@@ -76,6 +76,7 @@ def _audit_page_spawn(spawner) -> None:
 
 def configure_usage(c, data_dir, policy=None) -> None:
     """History, audit trail, metrics, roles, pages (after ``configure_scopes``; one-machine hub)."""
+    app_of(c)
     data = Path(data_dir)
     c.UsageRecorder.audit_file = str(data / "gpuhub-audit.jsonl")
     if "db_url" in c.JupyterHub:

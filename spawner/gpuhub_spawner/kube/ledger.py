@@ -36,6 +36,7 @@ from ..policy.quantities import parse_cpu_millis, parse_memory_bytes
 from ..culling.reclaimer import Reclaimer  # borrowed servers given back with notice
 from ..usage import recorder as usage
 from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
+from .capacity import CapacityKeeper
 from .job_manifest import JOB_LABEL
 from .ray_manifest import RAY_LABEL
 from .kueue import (
@@ -177,6 +178,7 @@ class KueueLedger(SingletonConfigurable):
     ).tag(config=True)
 
     devices = None  # Kubernetes places pods on nodes; no device table in the hub
+    node_health: CapacityKeeper | None = None  # the nodes' GPU health (wiring/kube.py starts it)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -260,9 +262,8 @@ class KueueLedger(SingletonConfigurable):
                 continue  # deactivated: out of Kueue's queue (the hub reactivates what it reclaimed)
             priority = int(wl["spec"].get("priority") or 0)
             if is_true(wl, QUOTA_RESERVED):
-                since = (
-                    timestamp((condition(wl, ADMITTED) or condition(wl, QUOTA_RESERVED)).get("lastTransitionTime")) or time.time()
-                )
+                reserved = condition(wl, ADMITTED) or condition(wl, QUOTA_RESERVED)  # is_true: there is one
+                since = timestamp(reserved.get("lastTransitionTime") if reserved else None) or time.time()
                 admitted[key] = Admission(key, user, team, profile, admitted_demand(wl), [], since=since, priority=priority)
             else:
                 prof = policy.profile(profile)
@@ -286,7 +287,7 @@ class KueueLedger(SingletonConfigurable):
             if not user or TEAM_LABEL not in plabels:
                 return None
             return f"{user}/{ann.get(SERVER_ANNOTATION, '')}", user, plabels[TEAM_LABEL], plabels.get(PROFILE_LABEL, "")
-        if kind == "Job" and labels.get(JOB_LABEL) == name:
+        if kind == "Job" and name is not None and labels.get(JOB_LABEL) == name:  # (an owner reference has a name)
             user = (
                 (wl["spec"]["podSets"][0]["template"]["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
                 or labels.get(USER_ANNOTATION)

@@ -16,8 +16,10 @@ from .startup import when_started
 try:
     from ..kube.job_manager import KubeJobManager
     from ..kube.spawner import KueueSpawner
+
+    _KUBE = True
 except ImportError:  # lazy: heavy optional dependency (kubespawner, only on Kubernetes hubs)
-    KubeJobManager = KueueSpawner = None
+    _KUBE = False
 
 
 def configure_jobs(c, data_dir) -> None:
@@ -62,7 +64,7 @@ def _start_with_hub(app) -> None:
 def _current_manager(config):
     """The jobs backend of this hub: Kueue when it spawns with KueueSpawner, else one machine."""
     if JupyterHub.initialized():
-        if KueueSpawner is not None and issubclass(JupyterHub.instance().spawner_class, KueueSpawner):
+        if _KUBE and issubclass(JupyterHub.instance().spawner_class, KueueSpawner):
             return KubeJobManager.instance(config=config)
     return JobManager.instance(config=config)
 

@@ -15,8 +15,10 @@ from .startup import when_started
 try:
     from ..kube.ray_manager import KubeRayManager
     from ..kube.spawner import KueueSpawner
+
+    _KUBE = True
 except ImportError:  # lazy: heavy optional dependency (kubespawner, only on Kubernetes hubs)
-    KubeRayManager = KueueSpawner = None
+    _KUBE = False
 
 
 def configure_ray(c) -> None:
@@ -31,7 +33,7 @@ def configure_ray(c) -> None:
 def _current_manager(config):
     """This hub's Ray backend: KubeRay RayClusters through Kueue when it spawns with
     KueueSpawner (kube/ray_manager.py, docs/ray-kubernetes.md), else one machine's clusters."""
-    if JupyterHub.initialized() and KueueSpawner is not None and issubclass(JupyterHub.instance().spawner_class, KueueSpawner):
+    if JupyterHub.initialized() and _KUBE and issubclass(JupyterHub.instance().spawner_class, KueueSpawner):
         return KubeRayManager.instance(config)
     return LocalRayManager.instance(config)
 

@@ -8,6 +8,7 @@ A mixin placed before the backend's spawner class (``LocalProcessSpawner`` or
 from __future__ import annotations
 
 import html
+from typing import TYPE_CHECKING, Any
 
 from tornado import web
 
@@ -27,11 +28,25 @@ from .policy.model import Policy, Profile
 from .policy.quantities import format_memory
 from .usage import recorder as usage
 
+if TYPE_CHECKING:
+    import logging
+
+    from traitlets.config import Config
+
 
 class PolicySpawnerMixin:
     """Profiles filtered by team, re-validated at start; identity env for the server."""
 
     choice: Choice | None = None
+
+    if TYPE_CHECKING:
+        # What the spawner class this mixin goes before provides (jupyterhub.spawner.Spawner).
+        config: Config
+        log: logging.Logger
+        user: Any  # jupyterhub.user.User (untyped)
+        name: str  # the server's name, "" for the default server
+        user_options: dict[str, Any]
+        db: Any  # the hub's SQLAlchemy session
 
     @property
     def policy_store(self) -> PolicyStore:
@@ -84,7 +99,7 @@ class PolicySpawnerMixin:
                 checked = " checked" if team is teams[0] and profile is preselected else ""
                 gpu = (
                     f"{profile.gpu.count}× {html.escape(policy.flavor(profile.gpu.flavor).display_name or profile.gpu.flavor)} GPU"
-                    if profile.gpu_count
+                    if profile.gpu is not None and profile.gpu.count  # profile.gpu_count
                     else "no GPU"
                 )
                 res = f"{(profile.cpu or policy.defaults.cpu) / 1000:g} CPU, {format_memory(profile.memory or policy.defaults.memory)} memory, {gpu}"

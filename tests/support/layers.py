@@ -40,6 +40,7 @@ LAYER_TESTS = {
         "unit/test_profile_form.py",
         "unit/test_trace_replay.py",
         "unit/test_mlflow_graphql_rule.py",
+        "unit/test_mlflow_tag_rewrite.py",
     ],
     "backends": [
         "unit/test_job_reclaim.py",

@@ -134,7 +134,7 @@ class Impact:
         """What a lead of ``teams`` may see: lines about those teams only, naming only ``insiders``
         (the people of those teams under the policy in force); anyone else is counted, not named
         ("3 people outside your teams would join Vision Lab")."""
-        kept: list[Line] = []
+        kept: list[Line | None] = []
         counted: dict[tuple[str, str], tuple[int, set[str], set[str]]] = {}
         for ln in self.lines:
             if not ln.teams & teams:
@@ -312,9 +312,9 @@ def touched_teams(old: Policy, new: Policy, literal_env: Iterable[str] = ()) -> 
             continue
         teams.add(name)
         if a is None or b is None or a.cohort != b.cohort or a.quota != b.quota:
-            for pol, t in ((old, a), (new, b)):
-                if t is not None and t.cohort:
-                    teams.update(m.name for m in pol.cohort_members(t))
+            for pol, side in ((old, a), (new, b)):
+                if side is not None and side.cohort:
+                    teams.update(m.name for m in pol.cohort_members(side))
         for g in set(b.groups if b else ()) - set(a.groups if a else ()):
             teams.update(by_group.get(g, ()))
     old_p = {p.slug: p for p in old.profiles}
@@ -322,10 +322,10 @@ def touched_teams(old: Policy, new: Policy, literal_env: Iterable[str] = ()) -> 
     literal = set(literal_env)
     every = False
     for slug in set(old_p) | set(new_p):
-        a, b = old_p.get(slug), new_p.get(slug)
-        if a == b and slug not in literal:
+        was, now = old_p.get(slug), new_p.get(slug)
+        if was == now and slug not in literal:
             continue
-        for prof in (a, b):
+        for prof in (was, now):
             if prof is None:
                 continue
             if "*" in prof.teams:
@@ -386,8 +386,8 @@ class _Offers:
         self.own: dict[str, set[str]] = {}
         for p in pol.profiles:
             if "*" not in p.teams:
-                for t in p.teams:
-                    self.own.setdefault(t, set()).add(p.slug)
+                for team_name in p.teams:
+                    self.own.setdefault(team_name, set()).add(p.slug)
         self.by_group: dict[str, list[Team]] = {}
         for t in pol.teams:
             for g in t.groups:
@@ -421,6 +421,7 @@ def _profiles(out: Impact, old: Policy, new: Policy, people: list[Person]) -> No
     for slug in [p.slug for p in old.profiles if new.profile(p.slug) is None]:
         users = [u.name for u in people if slug in mine[u.name][2]]
         p = old.profile(slug)
+        assert p is not None, slug  # a slug of old's profiles
         out.add(
             "profiles",
             f"Profile {p.display_name} ({slug}) is removed"
@@ -583,23 +584,23 @@ def _running(out: Impact, old: Policy, new: Policy, holdings: list[Holding]) -> 
         for user, hs in sorted(per_user.items()):
             servers = sum(1 for h in hs if not h.job)
             gpus = sum(v for h in hs for k, v in h.demand.items() if k.startswith("gpu/"))
-            over = []
+            over_caps: list[str] = []
             if (
                 caps.max_servers is not None
                 and servers > caps.max_servers
                 and not (old_caps.max_servers is not None and servers > old_caps.max_servers)
             ):
-                over.append(f"{servers} servers, new cap {caps.max_servers}")
+                over_caps.append(f"{servers} servers, new cap {caps.max_servers}")
             if (
                 caps.max_gpus is not None
                 and gpus > caps.max_gpus
                 and not (old_caps.max_gpus is not None and gpus > old_caps.max_gpus)
             ):
-                over.append(f"{gpus} GPUs, new cap {caps.max_gpus}")
-            if over:
+                over_caps.append(f"{gpus} GPUs, new cap {caps.max_gpus}")
+            if over_caps:
                 out.add(
                     "running",
-                    f"{user} is over {team.label}'s new per-user caps ({'; '.join(over)}): what is "
+                    f"{user} is over {team.label}'s new per-user caps ({'; '.join(over_caps)}): what is "
                     "running keeps running (caps are checked when a server or job starts); "
                     f"{user} cannot start another {team.label} server or GPU job until back under the cap.",
                     teams=[team_name],

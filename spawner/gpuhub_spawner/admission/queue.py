@@ -409,8 +409,7 @@ class AdmissionQueue:
                     devices = self.allocator.allocate(ticket.key, ticket.demand)
                     if devices is None:
                         continue
-                self._admit(ticket, devices or [])
-                admitted.append(ticket.admission)
+                admitted.append(self._admit(ticket, devices or []))
                 progress = True
                 break
             if not progress:
@@ -427,7 +426,7 @@ class AdmissionQueue:
         self._update_metrics(teams)
         return admitted
 
-    def _admit(self, ticket: Ticket, devices: list[str]) -> None:
+    def _admit(self, ticket: Ticket, devices: list[str]) -> Admission:
         adm = Admission(ticket.key, ticket.user, ticket.team, ticket.profile, ticket.demand, devices, priority=ticket.priority)
         queue = self._teams[ticket.team]
         del queue[self._index(queue, ticket)]
@@ -450,6 +449,7 @@ class AdmissionQueue:
         ticket._admit(adm)
         for hook in self.on_admit:
             hook(adm)
+        return adm
 
     def _refresh_statuses(self, policy: Policy, teams: set[str] | None) -> None:
         names = list(self._teams) if teams is None else [n for n in teams if n in self._teams]

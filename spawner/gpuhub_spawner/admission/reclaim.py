@@ -129,7 +129,7 @@ def plan(
     holders: Iterable[Holder],
     waiting: Iterable[Request],
     free_devices: Mapping[str, int] | None = None,
-    under_notice: set[str] = frozenset(),
+    under_notice: Collection[str] = frozenset(),
     held_down: Collection[str] = frozenset(),
 ) -> Plan:
     """What to take back so that every waiting within-nominal request fits.

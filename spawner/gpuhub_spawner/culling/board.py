@@ -252,7 +252,7 @@ class CullBoard(SingletonConfigurable):
             rec = self._record(v.key, v.started)
             util = readings.get(v.key)
             threshold = rules.gpu_busy_threshold if rules.gpu_busy_threshold is not None else DEFAULT_BUSY_THRESHOLD
-            if v.has_gpus:
+            if v.has_gpus and v.profile is not None:  # (has_gpus: a profile with GPUs)
                 if util is not None and util >= threshold:
                     rec.gpu_last_busy = now
                 else:  # idle, or no trusted reading: unknown is idle
@@ -262,7 +262,7 @@ class CullBoard(SingletonConfigurable):
             # unread GPU (a virtual one, the demo's) counts as idle and reads as it always has.
             unread = rules.gpu_unread if v.has_gpus and util is None else None
             by_activity = unread == "activity"
-            if rec.kept_until(rules, v.has_gpus, v.last_activity, now) and rec.basis[2] == by_activity:
+            if rec.kept_until(rules, v.has_gpus, v.last_activity, now) and rec.basis is not None and rec.basis[2] == by_activity:
                 decisions[v.key] = Decision("keep")  # nothing it depends on moved back: no rule due yet
                 continue
             signals = Signals(v.started, v.last_activity, rec.gpu_last_busy, v.has_gpus, unread)
@@ -293,9 +293,9 @@ class CullBoard(SingletonConfigurable):
                 gpu_readings,
                 max(0.0, elapsed),
                 {
-                    d: gpu_readings[v.key][1]
+                    d: reading[1]
                     for v in views
-                    if v.key in gpu_readings and gpu_readings[v.key][1] is not None
+                    if (reading := gpu_readings.get(v.key)) is not None and reading[1] is not None
                     for d in v.devices
                 },
             )

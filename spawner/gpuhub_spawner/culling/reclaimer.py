@@ -179,9 +179,10 @@ class Reclaimer:
         keys = {k for t in waiting for k in t.demand if k.startswith("gpu/")}
         table = self.broker.devices  # None on Kubernetes: Kueue counts quota, nodes place pods
         free = {k: len(table.free_devices(k[4:])) for k in keys} if table is not None else None
-        for a in leaving if free is not None else ():
-            for k in free:
-                free[k] += a.demand.get(k, 0)
+        if free is not None:
+            for a in leaving:
+                for k in free:
+                    free[k] += a.demand.get(k, 0)
         p = plan(policy, usage, holders, requests, free, under_notice=set(self.notices), held_down=held)
         for t in waiting:
             if p.covered.get(t.key):  # borrowers are reclaimed for it: counts for the hold-down

@@ -77,6 +77,7 @@ def configure_auth(c, auth: Auth, *, public_url: str, policy_groups: list[str], 
     c.JupyterHub.authenticator_class = {"github": "github", "oidc": "generic-oauth", "entra": "azuread"}[auth.kind]
     s = getattr(c, section)
     s.client_id = auth.client_id
+    assert auth.client_secret_file is not None  # Auth._complete requires it for github, oidc and entra
     s.client_secret = read_secret(auth.client_secret_file)
     s.oauth_callback_url = callback
     s.manage_groups = True

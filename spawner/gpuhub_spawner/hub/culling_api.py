@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
+from typing import Any
 
 from dateutil.parser import parse as parse_date
 from jupyterhub import orm
@@ -139,6 +140,8 @@ class _Cached:
 
 
 class CullDecisionsHandler(_Base):
+    _alive: set[str]  # every server the hub runs, ready or not (set by _views)
+
     def _all_views(self) -> list[ServerView]:
         """Every ready server's view: cached ones refreshed with the hub's latest activity.
 
@@ -192,7 +195,7 @@ class CullDecisionsHandler(_Base):
         return views
 
     def _views(self, keys: list[str] | None) -> list[ServerView]:
-        self._alive: set[str] = set()  # every server the hub runs, ready or not
+        self._alive = set()
         if keys is None:
             return self._all_views()
         policy = self.board.policy
@@ -398,7 +401,7 @@ def template_vars(config) -> dict:
         out = []
         for name, profile in active_profiles(policy, user).items():
             spawner = user.spawners[name]
-            entry = {
+            entry: dict[str, Any] = {
                 "server": name,
                 "profile": profile.display_name if profile else "(no profile)",
                 "team": (spawner.user_options or {}).get("team") or "",

@@ -26,6 +26,7 @@ import inspect
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from jupyterhub.apihandlers import APIHandler
 from jupyterhub.handlers import BaseHandler
@@ -39,6 +40,9 @@ from ..jobs.common import _ts as when
 from ..jobs.records import JOB_ID, FINAL
 from ..jobs.spec import parse_job
 from .context import app_of
+
+if TYPE_CHECKING:
+    from traitlets.config import Config
 
 JOBS = "custom:gpuhub:jobs"
 JOBS_ALL = "custom:gpuhub:jobs:all"
@@ -62,6 +66,14 @@ def _scrub(value, replacements: list[tuple[str, str]]):
 
 
 class _JobsMixin:
+    if TYPE_CHECKING:
+        # What jupyterhub's BaseHandler (a tornado RequestHandler) gives the handlers this mixin goes before.
+        config: Config
+        current_user: Any  # jupyterhub.user.User, or the service (untyped)
+        parsed_scopes: dict[str, Any]  # scope -> its filters ({"user": {...}}) or Scope.ALL
+
+        def find_user(self, name: str) -> Any: ...  # jupyterhub.user.User | None
+
     @property
     def manager(self):
         """This hub's jobs backend (``local.job_manager`` or ``kube.job_manager``)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING, AbstractSet, Any
 
 from jupyterhub.apihandlers import APIHandler
 from jupyterhub.handlers import BaseHandler
@@ -30,11 +31,14 @@ from ..policy.scopes import LEAD, STATUS, STATUS_ALL, allowed
 from ..usage.metrics import lent_and_borrowed
 from .context import app_of
 
+if TYPE_CHECKING:
+    from traitlets.config import Config
+
 _HIDDEN = ("user", "profile", "held_for", "idle_for", "stops_at", "key")
 
 
 def status_snapshot(
-    broker, see_all: bool, own_teams: set[str] = frozenset(), me: str | None = None, member_teams: set[str] | None = None
+    broker, see_all: bool, own_teams: AbstractSet[str] = frozenset(), me: str | None = None, member_teams: set[str] | None = None
 ) -> dict:
     """The status as one reader may see it.
 
@@ -183,6 +187,11 @@ def _holder_lines(broker, holders, records, flavor_names, now, see_all, own_team
 
 
 class _StatusMixin:
+    if TYPE_CHECKING:
+        # What jupyterhub's BaseHandler (a tornado RequestHandler) gives the handlers this mixin goes before.
+        config: Config
+        current_user: Any  # jupyterhub.user.User, or the service (untyped)
+
     def snapshot_for_request(self) -> dict:
         if not allowed(self, STATUS):
             raise web.HTTPError(403, f"This needs the scope {STATUS}.")

@@ -24,6 +24,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from jupyterhub import orm
 from jupyterhub.apihandlers import APIHandler
@@ -36,6 +37,10 @@ from ..policy.bounded import InputRefused, loads_json
 from ..policy.scopes import LEAD, POLICY, allowed
 from ..usage.policy_versions import MASK, PolicyVersions, VersionNotFound, masked_text, text_hash
 from .context import PolicyChanges, app_of
+
+if TYPE_CHECKING:
+    from tornado.httputil import HTTPServerRequest
+    from traitlets.config import Config
 
 MAX_BODY_BYTES = 256 * 1024  # the hub's limit for every request body (policy.bounded)
 
@@ -72,6 +77,15 @@ def start_versions(hub, directory: str, writer=None) -> PolicyVersions:
 
 
 class _PolicyMixin:
+    if TYPE_CHECKING:
+        # What jupyterhub's BaseHandler (a tornado RequestHandler) gives the handlers this mixin goes before.
+        config: Config
+        current_user: Any  # jupyterhub.user.User, or the service (untyped)
+        request: HTTPServerRequest
+        db: Any  # the hub's SQLAlchemy session
+
+        def find_user(self, name: str) -> Any: ...  # jupyterhub.user.User | None
+
     @property
     def changes(self) -> PolicyChanges:
         return app_of(self).policy_changes
@@ -327,9 +341,10 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             except VersionNotFound as e:
                 raise web.HTTPError(404, str(e)) from None
         else:
-            text = body.get("yaml")
-            if not isinstance(text, str):
+            sent = body.get("yaml")
+            if not isinstance(sent, str):
                 raise web.HTTPError(400, 'send the new policy as {"yaml": "..."}')
+            text = sent
         current = self.store.current
         checked_against = text_hash(self.current_text())
         result = await self.evaluate(text, admin, leads)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from jupyterhub.apihandlers import APIHandler
@@ -39,6 +40,10 @@ CLUSTER = r"([a-z0-9][-a-z0-9]{0,40})"
 
 
 class _RayMixin(_JobsMixin):
+    if TYPE_CHECKING:
+        # What jupyterhub's BaseHandler (a tornado RequestHandler) gives the handlers this mixin goes before.
+        base_url: str
+
     @property
     def ray(self):
         return app_of(self).ray(self.config)

@@ -183,6 +183,7 @@ class PolicyRoles(SingletonConfigurable):
                 recorder.audit("roles_apply_failed", error=f"{type(error).__name__}: {error}")
                 sent[0] = None  # the next reload tries again
                 return
+            assert changed is not None  # None only with an error
             for key in keys:  # the hub's session reads them again at their next use
                 obj = db.identity_map.get(key)
                 if obj is not None:
@@ -202,7 +203,7 @@ class PolicyRoles(SingletonConfigurable):
                     loop = asyncio.get_running_loop()
                 except RuntimeError:
                     pass
-            if loop is None:  # here and now: the hub's own session
+            if loop is None or worker is None:  # here and now: the hub's own session (no worker: no loop either)
                 try:
                     changed, _ = write(db, policy, wanted)
                 except Exception as e:

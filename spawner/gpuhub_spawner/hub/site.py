@@ -113,9 +113,9 @@ def parse_site(text: str, filename: str = "<site>") -> Site:
         issues = []
         for err in e.errors():
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-            line_col = positions.mark(loc, key=err["type"] == "extra_forbidden") or (None, None)
+            line, col = positions.mark(loc, key=err["type"] == "extra_forbidden") or (None, None)
             msg = f"unknown key {loc[-1]!r}" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-            issues.append(PolicyIssue(format_loc(loc), *line_col, msg))
+            issues.append(PolicyIssue(format_loc(loc), line, col, msg))
         raise PolicyError(filename, issues) from None
 
 

@@ -16,6 +16,7 @@ import asyncio
 import json
 import time
 from datetime import timezone
+from typing import TYPE_CHECKING, Any
 
 from jupyterhub.apihandlers import APIHandler
 from jupyterhub.handlers import BaseHandler
@@ -33,6 +34,9 @@ from ..usage.recorder import UsageRecorder, note_end
 from .context import app_of
 from .roles import View, view_for
 
+if TYPE_CHECKING:
+    from traitlets.config import Config
+
 MAX_SINCE = 366 * 86400
 
 
@@ -45,6 +49,13 @@ class LeadActions(SingletonConfigurable):
 
 
 class _Base:
+    if TYPE_CHECKING:
+        # What jupyterhub's BaseHandler (a tornado RequestHandler) gives the handlers this mixin goes before.
+        config: Config
+        current_user: Any  # jupyterhub.user.User, or the service (untyped)
+
+        def get_argument(self, name: str, default: str, strip: bool = True) -> str: ...  # the overload used here
+
     @property
     def broker(self):
         return app_of(self).admission_view(self.config)
@@ -140,7 +151,8 @@ def _allocation_series(rows: list[dict], since: float, now: float) -> dict[str, 
             events[r["team"]].append((r["end"], -r["gpus"]))
     out = {}
     for team, evs in events.items():
-        level, pts = 0, []
+        level = 0
+        pts: list[tuple[float, float]] = []  # the chart's (time, GPUs held)
         for t, d in sorted(evs):
             level += d
             pts.append((t, level))

@@ -154,7 +154,7 @@ def main(argv: list[str]) -> int:
         return 1
     except HubError as e:
         report("gpuhub job", e)
-        for issue in e.issues:
-            print("  " + issue, file=sys.stderr)
+        for line in e.issues:
+            print("  " + line, file=sys.stderr)
         return 1
     return 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator
@@ -26,17 +26,17 @@ from ..policy.loader import PolicyError, PolicyIssue, _clean_loc, _message, _Pos
 from ..policy.quantities import parse_duration
 
 # Reasons an attempt can end with; the retryable ones are listed in ``retries.reasons``.
-PREEMPTED = "preempted"  # its GPUs were reclaimed (an interactive server, Kueue)
-INTERRUPTED = "interrupted"  # the hub restarted while it ran
-FAILED = "failed"  # non-zero exit (any code); list exit codes to retry only those
-OOM = "oom"  # went over the profile's memory limit
+PREEMPTED: Final = "preempted"  # its GPUs were reclaimed (an interactive server, Kueue)
+INTERRUPTED: Final = "interrupted"  # the hub restarted while it ran
+FAILED: Final = "failed"  # non-zero exit (any code); list exit codes to retry only those
+OOM: Final = "oom"  # went over the profile's memory limit
 # A GPU the attempt held went bad (docs/gpu-health.md). Not a word of ``retries.reasons``: it
 # is always retried and never charged (the platform's doing, like a preemption), and it
 # cannot loop: the failed GPU stays out of admission until an admin uncordons it.
 GPU_FAILED = "gpu-failed"
 PLATFORM_REASONS = (PREEMPTED, INTERRUPTED, GPU_FAILED)  # never count against retries.limit
 RETRY_WORDS = (PREEMPTED, INTERRUPTED, FAILED, OOM)
-DEFAULT_RETRY_ON = (PREEMPTED, INTERRUPTED)
+DEFAULT_RETRY_ON: Final = (PREEMPTED, INTERRUPTED)
 
 # Set by gpuhub for every attempt; a job file may not override them (the record and the
 # run tags must say what really ran, and the devices are the hub's decision).
@@ -169,7 +169,7 @@ class JobSpec(_Model):
         return ["/bin/sh", "-c", self.command] if isinstance(self.command, str) else list(self.command)
 
 
-_MODELS = {(): JobSpec, ("retries",): Retries}
+_MODELS: dict[tuple[str | int, ...], type[BaseModel]] = {(): JobSpec, ("retries",): Retries}
 
 
 def parse_job(text: str, filename: str = "job.yaml") -> JobSpec:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Any
 
 from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
 from ..policy.access import Choice
@@ -55,7 +56,7 @@ SERVER_ONLY_ENV = (
 
 def pod_failure_policy(spec: JobSpec) -> dict:
     reasons = spec.retries.reasons
-    rules = []
+    rules: list[dict[str, Any]] = []
     disruption = "Ignore" if (PREEMPTED in reasons or INTERRUPTED in reasons) else "FailJob"
     rules.append({"action": disruption, "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]})
     if FAILED in reasons:
@@ -155,7 +156,7 @@ def job_manifest(
 def workload_for(job: dict, priority_value: int = 0) -> dict:
     """The Workload Kueue's job controller derives from ``job`` (for contract tests)."""
     labels = job["metadata"]["labels"]
-    wl = {
+    wl: dict[str, Any] = {
         "apiVersion": "kueue.x-k8s.io/v1beta2",
         "kind": "Workload",
         "metadata": {"name": f"job-{job['metadata']['name']}", "namespace": job["metadata"]["namespace"]},

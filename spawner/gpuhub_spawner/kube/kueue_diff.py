@@ -56,6 +56,7 @@ def kueue_changes(
         if a == b:
             continue
         if a is None:
+            assert b is not None  # a key is in one of them at least
             out.append((f"{_name(key)} is created.", teams(key, b)))
         elif b is None:
             out.append((f"{_name(key)} is deleted.", teams(key, a)))

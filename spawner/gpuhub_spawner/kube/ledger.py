@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from tornado.ioloop import PeriodicCallback
 from traitlets import Float, Type
@@ -272,9 +273,8 @@ class KueueLedger(SingletonConfigurable):
                 continue  # deactivated: out of Kueue's queue (the hub reactivates what it reclaimed)
             priority = int(wl["spec"].get("priority") or 0)
             if is_true(wl, QUOTA_RESERVED):
-                since = (
-                    timestamp((condition(wl, ADMITTED) or condition(wl, QUOTA_RESERVED)).get("lastTransitionTime")) or time.time()
-                )
+                reserved = condition(wl, ADMITTED) or condition(wl, QUOTA_RESERVED)  # is_true: there is one
+                since = timestamp(reserved.get("lastTransitionTime") if reserved else None) or time.time()
                 admitted[key] = Admission(key, user, team, profile, admitted_demand(wl), [], since=since, priority=priority)
             else:
                 prof = policy.profile(profile)
@@ -287,12 +287,15 @@ class KueueLedger(SingletonConfigurable):
         """The health taint of ``node`` as the keeper last read it (None: none, or no keeper)."""
         return self.node_health.faults.get(node or "") if self.node_health is not None else None
 
+    def _jobs(self) -> Any:
+        """The hub's job manager, once it exists (None: no jobs on this hub, or none yet)."""
+        cls = self.job_manager_class
+        return cls.instance() if cls is not None and cls.initialized() else None
+
     def _job_owner(self, job_id: str) -> str | None:
         """The user who submitted ``job_id`` (the hub's job records), if this hub knows it."""
-        jobs = self.job_manager_class
-        if jobs is None or not jobs.initialized():
-            return None
-        rec = jobs.instance().jobs.get(job_id)
+        jobs = self._jobs()
+        rec = jobs.jobs.get(job_id) if jobs is not None else None
         return rec.user if rec else None
 
     def _identify(self, wl: dict, pods: dict, gone_pods: dict) -> tuple[str, str, str, str] | None:
@@ -309,7 +312,7 @@ class KueueLedger(SingletonConfigurable):
             if not user or TEAM_LABEL not in plabels:
                 return None
             return f"{user}/{ann.get(SERVER_ANNOTATION, '')}", user, plabels[TEAM_LABEL], plabels.get(PROFILE_LABEL, "")
-        if kind == "Job" and labels.get(JOB_LABEL) == name:
+        if kind == "Job" and name is not None and labels.get(JOB_LABEL) == name:  # (an owner reference has a name)
             user = (
                 (wl["spec"]["podSets"][0]["template"]["metadata"].get("annotations") or {}).get(USER_ANNOTATION)
                 or labels.get(USER_ANNOTATION)
@@ -358,9 +361,8 @@ class KueueLedger(SingletonConfigurable):
             return True
         self._taken_back[where] = (for_key, time.monotonic())
         usage.note_end(key, "reclaimed", by="gpuhub-reclaim")
-        jobs = self.job_manager_class
-        if jobs is not None and jobs.initialized():
-            jobs.instance().reclaimed[key.partition(":")[2]] = message
+        if (jobs := self._jobs()) is not None:
+            jobs.reclaimed[key.partition(":")[2]] = message
         log.warning(
             "Reclaim: deactivating job %s (priority %d, not below the lender's) so that it re-queues: %s",
             key,

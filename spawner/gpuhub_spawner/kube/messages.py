@@ -111,11 +111,11 @@ def waiting_message(
     kueue_says = (reserved or {}).get("message", "")
     short, never = shortages(policy, kueue_says)
     taken = K.MSG_NO_LONGER_FITS in kueue_says  # it fitted, but another request took the quota first
-    gone = out_of_service[0] if out_of_service else 0
+    gone, total = out_of_service or (0, 0)
     if never and gone:  # the quota is lowered while GPUs are out (kube/capacity.py): not for ever
         label = amount(policy, "gpu", choice.flavor, "2").split(" ", 1)[1]
         return (
-            f"Waiting: {gone} of {out_of_service[1]} {label} on the cluster "
+            f"Waiting: {gone} of {total} {label} on the cluster "
             f"{'is' if gone == 1 else 'are'} out of service (failed or drained), so team {team}'s queue "
             "cannot fit this server until they are back."
         )
@@ -137,7 +137,6 @@ def waiting_message(
     else:
         text = f"Waiting for quota in team {team}'s queue."
     if gone:
-        total = out_of_service[1]
         label = amount(policy, "gpu", choice.flavor, "2").split(" ", 1)[1]  # "L4 24GB GPUs"
         text += f" {gone} of {total} {label} on the cluster {'is' if gone == 1 else 'are'} out of service (failed or drained)."
     if pending is not None and pending.get("positionInLocalQueue") is not None:

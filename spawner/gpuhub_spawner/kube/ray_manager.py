@@ -28,11 +28,12 @@ busy (unknown is idle, as for servers).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import secrets
 import time
 from types import SimpleNamespace
-from typing import Callable
+from typing import Any, Callable
 
 from . import messages as M
 from .job_manifest import USER_ANNOTATION
@@ -113,8 +114,8 @@ class KubeRayManager(RayClusterManager):
         api: Callable | None = None,
     ):
         self.config = config
-        if api is not None:
-            self._api = api  # a CustomObjectsApi factory (tests: a client of another cluster)
+        # A CustomObjectsApi factory: the spawners' shared client (tests: a client of another cluster).
+        self._api: Callable[[], Any] = api if api is not None else _custom_objects_api
         self.users_with_servers = users_with_servers or _users_with_servers
         self._had_server: set[str] = set()
         self.namespace = namespace
@@ -122,7 +123,7 @@ class KubeRayManager(RayClusterManager):
         self.spawner_for = spawner_for or self._hub_spawner
         self.gpu_busy = gpu_busy
         self.clusters: dict[str, dict] = {}  # id (RayCluster name) -> object as last read
-        self.workloads: dict[str, dict] = {}  # id -> its Workload
+        self.workloads: dict[str, dict | None] = {}  # id -> its Workload (None: none found for it yet)
         self.ended: dict[str, RayClusterView] = {}  # stopped or gone, newest kept for list/status
         self.cull: dict[str, CullState] = {}
         self.warnings: dict[str, str] = {}  # id -> the warning in force (also in its annotation, for a restart)
@@ -160,12 +161,6 @@ class KubeRayManager(RayClusterManager):
             oauth_client_id="",
             orm_spawner=SimpleNamespace(name=name, server=None),
         )
-
-    @staticmethod
-    def _api():
-        from kubespawner.clients import shared_client
-
-        return shared_client("CustomObjectsApi")
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
@@ -381,6 +376,7 @@ class KubeRayManager(RayClusterManager):
         if view is None or view.state in FINAL:
             return view
         rc = self.clusters.get(view.id)
+        assert rc is not None  # a view not final is of a cluster read (ended ones are final)
         try:
             await self._api().delete_namespaced_custom_object(
                 GROUP, VERSION, rc["metadata"]["namespace"], PLURAL, view.id, propagation_policy="Background"
@@ -457,7 +453,7 @@ class KubeRayManager(RayClusterManager):
         )
         return decide(now, rules, signals, self.cull.setdefault(cid, CullState()))
 
-    async def cull_pass(self, now: float | None = None) -> list[tuple[str, Decision]]:
+    async def cull_pass(self, now: float | None = None) -> builtins.list[tuple[str, Decision]]:  # (list: the method above)
         now = time.time() if now is None else now
         out = []
         with_servers = self.users_with_servers() if self.policy.ray.stop_with_server else None
@@ -497,6 +493,12 @@ class KubeRayManager(RayClusterManager):
                 self.warnings.pop(cid, None)
                 await self._annotate(cid, {WARNING_ANNOTATION: None})
         return out
+
+
+def _custom_objects_api() -> Any:
+    from kubespawner.clients import shared_client
+
+    return shared_client("CustomObjectsApi")
 
 
 def _users_with_servers() -> set[str] | None:

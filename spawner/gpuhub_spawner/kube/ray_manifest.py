@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 from .job_manifest import SERVER_ONLY_ENV, USER_ANNOTATION
 from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
@@ -236,7 +237,7 @@ def workload_for(cluster: dict, priority_value: int = 0) -> dict:
     tests and the double): a ``head`` pod set and one per worker group."""
     meta = cluster["metadata"]
     counts = pod_set_counts(cluster)
-    wl = {
+    wl: dict[str, Any] = {
         "apiVersion": "kueue.x-k8s.io/v1beta2",
         "kind": "Workload",
         "metadata": {"name": f"raycluster-{meta['name']}", "namespace": meta["namespace"]},

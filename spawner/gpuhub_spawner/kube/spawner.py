@@ -177,7 +177,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         tolerations = list(self._sorted_dict_values(base["tolerations"]))
         env = dict(base["environment"])
         affinity = list(base["node_affinity_required"])
-        if choice.gpu_count:
+        if choice.gpu_count and choice.flavor is not None:  # (GPUs always come with their flavor)
             flavor = policy.flavor(choice.flavor)
             limits[flavor.resource] = guarantees[flavor.resource] = str(choice.gpu_count)
             node_selector.update(flavor.node_labels)
@@ -327,7 +327,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         """The server's URL if the watch shows its pod running and ready while KubeSpawner's
         start has only its back-off poll for that left; that poll is then cancelled."""
         pod = self._current_pod()
-        if not (self._hooks_done and self.is_pod_running(pod)):
+        if pod is None or not (self._hooks_done and self.is_pod_running(pod)):
             return None
         task.cancel()
         try:
@@ -339,6 +339,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
 
     async def _hold_within_own_quota(self) -> None:
         ledger = self._ledger()
+        assert self.choice is not None  # _start's load_user_options just made it
         if ledger is None or not self.choice.gpu_count:
             return
         await ledger.synced.wait()
@@ -453,6 +454,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 if pod is not None and not pod_is_gated(pod):
                     break
                 if time.monotonic() >= deadline:
+                    assert self.choice is not None  # the pod was made from it (load_user_options first)
                     team = self.choice.team.label
                     raise SpawnException(
                         f"Your server waited {format_duration(self.effective_queue_timeout)} in team {team}'s queue "
@@ -477,6 +479,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             what = f" ({self.choice.profile.display_name})" if self.choice else ""
             return {"progress": 5, "message": f"Preparing your server{what}."}
         if pod_is_gated(pod):
+            assert self.choice is not None  # its pod was made from it (start, or _resume after resolve_choice)
             wl_reflector = self.workload_reflector
             workload = wl_reflector.for_pod(self.namespace, self.pod_name, pod["metadata"].get("uid")) if wl_reflector else None
             snapshot = self._poller().snapshot

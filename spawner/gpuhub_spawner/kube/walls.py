@@ -24,6 +24,8 @@ enforced by the API server: a CNI with NetworkPolicy support does (Calico, Ciliu
 
 from __future__ import annotations
 
+from typing import Any
+
 USERNAME_LABEL = "hub.jupyter.org/username"
 COMPONENT_LABEL = "component"
 SERVER_COMPONENT = "singleuser-server"
@@ -55,7 +57,7 @@ def wall(
     meta_labels = {"app.kubernetes.io/managed-by": "gpuhub", WALL_LABEL: pod_labels[USERNAME_LABEL]}
 
     def meta(suffix: str) -> dict:
-        m = {"name": f"{name}-{suffix}", "namespace": namespace, "labels": dict(meta_labels)}
+        m: dict[str, Any] = {"name": f"{name}-{suffix}", "namespace": namespace, "labels": dict(meta_labels)}
         if owner is not None:
             m["ownerReferences"] = [
                 {
@@ -126,4 +128,6 @@ async def put_up(api_client, policies: list[dict]) -> None:
 
     api = NetworkingV1Api(api_client)
     for p in policies:
-        await api.create_namespaced_network_policy(p["metadata"]["namespace"], p)
+        # The client serializes a plain manifest dict as it does a V1NetworkPolicy (its
+        # sanitize_for_serialization); its annotations name only the model class.
+        await api.create_namespaced_network_policy(p["metadata"]["namespace"], p)  # type: ignore[arg-type]

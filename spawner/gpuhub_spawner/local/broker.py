@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from functools import partial
+from typing import Any
 
 from tornado.ioloop import PeriodicCallback
 from traitlets import Integer, Type, Unicode
@@ -118,21 +119,22 @@ class LocalBroker(SingletonConfigurable):
             self._launch_slots = asyncio.Semaphore(self.launch_concurrency)
         return self._launch_slots
 
+    def _jobs(self) -> Any:
+        """The hub's job manager, once it exists (None: no jobs on this hub, or none yet)."""
+        cls = self.job_manager_class
+        return cls.instance() if cls is not None and cls.initialized() else None
+
     def preempt_job(self, key: str, message: str, for_key: str | None = None) -> bool:
         """Stop a borrowing job at once and re-queue it (the reclaimer's); False while it is
         admitted but not yet launched (the reclaimer looks again)."""
-        jobs = self.job_manager_class
-        if jobs is None or not jobs.initialized():
-            return False
-        return jobs.instance().preempt(key.partition(":")[2], message)
+        jobs = self._jobs()
+        return jobs is not None and jobs.preempt(key.partition(":")[2], message)
 
     def gpu_failed_job(self, key: str, gpu: str) -> bool:
         """A GPU the job ``key`` holds went bad (gpu_health; ``gpu``: 'id (why)'): end its
         attempt as gpu-failed."""
-        jobs = self.job_manager_class
-        if jobs is None or not jobs.initialized():
-            return False
-        return jobs.instance().gpu_failed(key.partition(":")[2], [gpu])
+        jobs = self._jobs()
+        return jobs is not None and jobs.gpu_failed(key.partition(":")[2], [gpu])
 
     def _ensure_watcher(self) -> None:
         try:

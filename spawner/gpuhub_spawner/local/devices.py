@@ -336,17 +336,17 @@ class DeviceTable:
         for d in new:
             if not d.parent:
                 continue
-            siblings = [self.health.devices.get(o.uuid) for o in old.values() if o.parent == d.parent]
-            siblings = [h for h in siblings if h is not None]
+            known = [self.health.devices.get(o.uuid) for o in old.values() if o.parent == d.parent]
+            siblings = [h for h in known if h is not None]
             marks = {(m.state, m.reason, m.at, m.xid): m for h in siblings for m in h.marks}
             if marks:
                 entry = self.health._entry(d.uuid)
                 entry.marks = sorted(marks.values(), key=lambda m: m.at)[-20:]
                 entry._recompute(time.time())
                 log.warning("New MIG slice %s of GPU %s is %s like its siblings: %s", d.uuid, d.parent, entry.state, entry.reason)
-            drained = [h for h in siblings if h.drained]
+            drained = [h.drained for h in siblings if h.drained]  # by whom
             if siblings and len(drained) == len([o for o in old.values() if o.parent == d.parent]):
-                self.health.drain(d.uuid, drained[0].drained)
+                self.health.drain(d.uuid, drained[0])
 
     def _of(self, flavor: str) -> list[Device]:
         return [d for d in self.devices if d.flavor == flavor]

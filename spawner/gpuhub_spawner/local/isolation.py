@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from subprocess import Popen
+from typing import NoReturn
 
 from jupyterhub.spawner import LocalProcessSpawner
 from tornado import web
@@ -547,6 +548,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         self.proc = launched.proc
         self.pid = launched.proc.pid
         self._start_time = launched.start_time
+        assert self._account is not None  # _start made it before an isolated launch
         self.log.info(
             "Spawning %s as %s (%s; GPU nodes: %s)",
             self._log_name,
@@ -574,6 +576,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         launcher already ended here."""
         from .sandbox import host_nodes, start_launcher
 
+        assert self._account is not None  # _start made it before an isolated launch
         found = host_nodes(self.device_dir, nodes)
         pids, user_pids = pids
         oom_base = pids_base = user_pids_base = 0
@@ -742,7 +745,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         return path
 
     # -- leftovers: killed only when provably this hub's ------------------------------------------
-    def _refuse_start(self, log_msg: str, *args) -> None:
+    def _refuse_start(self, log_msg: str, *args) -> NoReturn:
         self.log.error(log_msg, *args)
         msg = (
             "Your server cannot start: this machine has processes in its place that this hub "
@@ -778,6 +781,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 stale,
                 self.account_prefix,
             )
+        assert self._account is not None  # _start made it before an isolated launch (the only caller's way here)
         uid = self._account.uid
         foreign = {pid: u for pid in stale if (u := process_uid(pid)) is not None and u != uid}
         if foreign:

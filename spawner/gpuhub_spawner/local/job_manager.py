@@ -147,7 +147,7 @@ class JobManager(SingletonConfigurable):
         shutil.rmtree(self.store.root / rec.id, ignore_errors=True)
 
     def _kill_leftover(self, rec: R.JobRecord, att: R.Attempt) -> None:
-        launcher = self._launcher(rec, att, [], {})
+        launcher = self._launcher(rec, att, {}, (None, None))  # for its cgroups' names only
         try:
             for cg in launcher.server_cgroups():  # where this gpuhub puts it, and where an older one did
                 cg.kill_all()
@@ -289,6 +289,7 @@ class JobManager(SingletonConfigurable):
                 first_ticket = False
                 rec.state, rec.message = R.QUEUED, ""
                 self.store.save(rec)
+                assert live.ticket is not None  # _enqueue set it: above, or in submit for the first attempt
                 try:
                     adm = await live.ticket.future
                 except asyncio.CancelledError:
@@ -346,7 +347,7 @@ class JobManager(SingletonConfigurable):
         reasons = rec.retries.get("reasons", [])
         return reason in reasons or (reason == FAILED and code is not None and code in reasons)
 
-    def _launcher(self, rec: R.JobRecord, att: R.Attempt, env: dict, limits) -> JobProcess:
+    def _launcher(self, rec: R.JobRecord, att: R.Attempt, env: dict, limits: tuple[int | None, int | None]) -> JobProcess:
         nodes = self.broker.devices.nodes_for(att.devices) if att.devices else []
         return JobProcess(
             user_name=rec.user,
@@ -443,6 +444,7 @@ class JobManager(SingletonConfigurable):
             async with asyncio.timeout(remaining):
                 await asyncio.shield(live.exited)
         except TimeoutError:
+            assert rec.time_limit is not None  # the only deadline (remaining) comes from it
             await self._stop(rec.id, TIME_LIMIT, f"stopped: it reached its time limit of {format_duration(rec.time_limit)}")
             await live.exited
         code = proc.poll()
@@ -635,7 +637,7 @@ class JobManager(SingletonConfigurable):
                     and r[0] not in taken
                     and any(k in r[2].demand for k in gpu_keys)
                 ),
-                key=lambda r: (r[1].priority, -(r[1].current.started or 0)),
+                key=lambda r: (r[1].priority, -_started(r[1])),
             )
             trial = {t: dict(u) for t, u in usage.items()}
             freed: dict[str, int] = {}
@@ -666,7 +668,8 @@ class JobManager(SingletonConfigurable):
             st = live.ticket.status if live and live.ticket else None
             if st is not None:
                 reason = st.reason[0].lower() + st.reason[1:] if st.reason else ""
-                label = (_team(self.policy, rec.team) or type("T", (), {"label": rec.team})).label
+                team = _team(self.policy, rec.team)
+                label = team.label if team is not None else rec.team
                 return f"queued: position {st.position} of {st.waiting_in_team} in {label}'s queue; this job {reason}."
             return "queued: waiting for the scheduler."
         if rec.state == R.RUNNING:
@@ -708,13 +711,21 @@ def _exit_future(pid: int) -> asyncio.Future:
     return fut
 
 
+def _started(rec: R.JobRecord) -> float:
+    """When the job's current attempt started (0: none has)."""
+    att = rec.current
+    return (att.started if att is not None else None) or 0
+
+
 def _git_evidence(git) -> dict | None:
     """Only the expected shape of what the job's first step reported (it runs as the user)."""
     import re
 
     if not isinstance(git, dict) or not isinstance(git.get("commit"), str) or not re.fullmatch(r"[0-9a-f]{40,64}", git["commit"]):
         return None
-    branch = git.get("branch") if isinstance(git.get("branch"), str) else ""
+    branch = git.get("branch")
+    if not isinstance(branch, str):
+        branch = ""
     return {"commit": git["commit"], "dirty": bool(git.get("dirty")), "branch": branch[:200]}
 
 

@@ -125,7 +125,8 @@ def _proc_listening(proc_net: str) -> dict[int, dict[int, int]]:
 
 def process_tree(pid: int, proc: str = "/proc", limit: int = MAX_SCAN) -> list[int]:
     """``pid`` and its descendants (through each task's ``children`` list), at most ``limit``."""
-    seen, todo = [], [pid]
+    seen: list[int] = []
+    todo = [pid]
     while todo and len(seen) < limit:
         p = todo.pop()
         if p in seen:
@@ -138,6 +139,11 @@ def process_tree(pid: int, proc: str = "/proc", limit: int = MAX_SCAN) -> list[i
         except (OSError, ValueError):
             continue
     return seen
+
+
+def _tree_sockets(pid: int, proc: str, wanted: set[int]) -> set[int] | None:
+    """Which of ``wanted`` the process tree of ``pid`` has open (``socket_inodes``; in a thread)."""
+    return socket_inodes(process_tree(pid, proc), proc, wanted=wanted)
 
 
 def socket_inodes(pids: list[int], proc: str = "/proc", wanted: set[int] | None = None, limit: int = MAX_SCAN) -> set[int] | None:
@@ -253,9 +259,7 @@ class ListenWatcher:
             if w.uid is not None:  # the kernel says whose socket it is
                 mine = w.uid in owners.values()
             else:  # everyone is the hub's user: look for the socket among the tree's files
-                found = await asyncio.to_thread(
-                    lambda w=w, owners=owners: socket_inodes(process_tree(w.pid, self.proc), self.proc, wanted=set(owners))
-                )
+                found = await asyncio.to_thread(_tree_sockets, w.pid, self.proc, set(owners))
                 mine = found is None or bool(set(owners) & found)
             if w.future.done():
                 continue
@@ -313,7 +317,9 @@ class PortBook:
             raise RuntimeError(f"no free port in {span.start}-{span.stop - 1} ({len(self.held)} held by this hub's servers)")
         pick = self._pick
         if pick is None:
-            from jupyterhub.utils import random_port as pick
+            from jupyterhub.utils import random_port
+
+            pick = random_port
         for _ in range(self.tries):
             port = pick()
             if port not in self.held:

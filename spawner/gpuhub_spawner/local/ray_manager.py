@@ -276,7 +276,7 @@ class LocalRayManager(RayClusterManager):
             v.status = self.jobs.status_line(rec).replace("this job", "this Ray cluster")
         elif rec.state == R.RUNNING and ready is None:
             v.state, v.status = STARTING, f"starting: admitted with {', '.join(v.devices) or 'no GPU'}; the head is starting."
-        elif rec.state == R.RUNNING:
+        elif rec.state == R.RUNNING and ready is not None:  # (not ready: just above)
             v.state = RUNNING
             v.address = ready["address"]
             v.dashboard = f"gpuhub/ray/{v.name}/dashboard/"  # served by the owner's server, on their origin
@@ -367,6 +367,7 @@ class LocalRayManager(RayClusterManager):
             if profile is None:
                 continue
             rules = policy.idle_rules(profile)
+            assert att is not None  # a running record is in an attempt
             readings = [util[d] for d in att.devices if d in util]
             threshold = rules.gpu_busy_threshold if rules.gpu_busy_threshold is not None else 5
             if readings and max(readings) > threshold:

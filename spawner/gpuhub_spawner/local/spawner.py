@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import TYPE_CHECKING
 
 from jupyterhub.spawner import SimpleLocalProcessSpawner
 from tornado import web
@@ -38,6 +39,13 @@ class QueuedGpuMixin(PolicySpawnerMixin):
     _admission: Admission | None = None
     _exit_fd: int | None = None
     _ending: asyncio.Future | None = None  # the exit watcher's ending (sweep, then release) under way
+
+    if TYPE_CHECKING:
+        # More of what jupyterhub.spawner.Spawner gives (besides PolicySpawnerMixin's list).
+        _spawn_pending: bool
+        _stop_pending: bool
+
+        async def poll_and_notify(self) -> int | None: ...
 
     @property
     def broker(self) -> LocalBroker:

@@ -400,7 +400,7 @@ def _machine_forwarding_back() -> None:
 
 def remove_walls(prefix: str) -> list[str]:
     """Remove every wall (bridge, users' namespaces) made for account ``prefix``; their bridges."""
-    removed = []
+    removed: list[str] = []
     try:
         folders = [d for d in REGISTRY.iterdir() if (d / WALL_FILE).is_file()]
     except FileNotFoundError:
@@ -534,6 +534,7 @@ def configure_wall(c, isolated: bool, stream=None) -> str | None:
         print(msg, file=out, flush=True)
         log.warning(msg)
         return None
+    assert wall is not None  # built, as there was no problem
     for section in ("LocalGpuSpawner", "IsolatedProcessSpawner"):
         c[section].network_wall = "on"
         c[section].user_network = str(wall.network)

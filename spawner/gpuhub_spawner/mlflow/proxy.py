@@ -291,9 +291,10 @@ def is_rewritten(rel_path: str, method: str) -> bool:
 
 
 def _force_user_tags(tags: object, username: str) -> list:
-    tags = [t for t in (tags or []) if isinstance(t, dict) and t.get("key") != USER_TAG]
-    tags.append({"key": USER_TAG, "value": username})
-    return tags
+    """The tags, the owner's user tag set; anything not a list of tag objects holds no tag."""
+    kept = [t for t in tags if isinstance(t, dict) and t.get("key") != USER_TAG] if isinstance(tags, list) else []
+    kept.append({"key": USER_TAG, "value": username})
+    return kept
 
 
 def rewrite_request(rel_path: str, method: str, body: bytes, username: str) -> bytes:
@@ -316,8 +317,9 @@ def rewrite_request(rel_path: str, method: str, body: bytes, username: str) -> b
         if data.get("key") == USER_TAG:
             data["value"] = username
     elif RUNS_LOG_BATCH.match(rel_path):
-        if any(isinstance(t, dict) and t.get("key") == USER_TAG for t in data.get("tags") or []):
-            data["tags"] = _force_user_tags(data.get("tags"), username)
+        tags = data.get("tags")
+        if isinstance(tags, list) and any(isinstance(t, dict) and t.get("key") == USER_TAG for t in tags):
+            data["tags"] = _force_user_tags(tags, username)
     elif EXPERIMENTS_CREATE.match(rel_path):
         check_experiment_name(data.get("name"), username)
     elif EXPERIMENTS_UPDATE.match(rel_path):
@@ -531,10 +533,13 @@ class MlflowProxyHandler(HubOAuthenticated, web.RequestHandler):
             return
         if self._buffered:
             self._chunks.append(chunk)
-        elif not self._upstream.done():  # else MLflow answered without the body: drop it
+            return
+        assert self._upstream is not None  # not buffered: prepare started the request upstream
+        if not self._upstream.done():  # else MLflow answered without the body: drop it
             await self._put(chunk)
 
     async def _put(self, item) -> None:
+        assert self._queue is not None and self._upstream is not None  # streamed: prepare made both
         put = asyncio.ensure_future(self._queue.put(item))
         await asyncio.wait({put, self._upstream}, return_when=asyncio.FIRST_COMPLETED)
         if not put.done():

@@ -101,6 +101,7 @@ class MlflowServer:
 
     def command(self) -> list[str]:
         s = self.settings
+        assert s.artifacts_destination is not None  # resolved() filled it in
         cmd = [
             *s.mlflow_executable,
             "server",
@@ -126,6 +127,7 @@ class MlflowServer:
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_MLFLOW_"))}
+        assert self.settings.auth_db_uri is not None and self.settings.backend_store_uri is not None  # resolved() filled them in
         ini = self.settings.data_dir / "basic_auth.ini"
         fd = os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold a DB password
         with os.fdopen(fd, "w") as f:

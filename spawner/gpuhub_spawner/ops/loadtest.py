@@ -392,6 +392,7 @@ def job_spec(user: UserRun, args, seconds_left: float) -> str:
     cleanup's time (the cleanup cancels it first, so the report says what the run did)."""
     import yaml
 
+    assert user.job is not None  # a user who submits a job
     limit = max(1, int(seconds_left + args.cleanup_timeout)) + 60
     return yaml.safe_dump(
         {
@@ -420,6 +421,7 @@ def job_figures(job: JobRun, record: dict) -> None:
 async def _run_job(api: Api, user: UserRun, args, deadline: float) -> None:
     """Submit the job with the user's own token, then follow it until it ends or the deadline."""
     job = user.job
+    assert job is not None  # _simulate runs it for a user with a job
     base = f"{api.hub_url}/hub/api{JOBS_API}"
     text = job_spec(user, args, deadline - time.monotonic())
     t0 = time.monotonic()
@@ -502,19 +504,21 @@ async def _cancel_jobs(api: Api, u: UserRun, deadline: float) -> list[str]:
     """Cancel every unfinished job of the user (with their own token: the jobs they would see
     with ``gpuhub job list``, so one whose submission got no answer too) and wait until the hub
     says it ended. What could not be."""
+    job = u.job
+    assert job is not None  # _cleanup calls it for a user with a job
     base = f"{api.hub_url}/hub/api{JOBS_API}"
     states: dict[str, str | None] = {}
-    if u.job.id:
-        states[u.job.id] = u.job.state
+    if job.id:
+        states[job.id] = job.state
     r = await api.fetch("GET", base, token=u.token, count=False)
     if r.code == 200:
         for record in json.loads(r.body).get("jobs", []):
             if record.get("user") != u.name:
                 continue
             states[record["id"]] = record.get("state")
-            if record["id"] == u.job.id:
-                job_figures(u.job, record)  # it may have ended after its last read
-    elif not u.job.id or u.job.state is None:
+            if record["id"] == job.id:
+                job_figures(job, record)  # it may have ended after its last read
+    elif not job.id or job.state is None:
         return [f"{u.name}'s jobs: not listed ({r.code} {_message(r)}), a job whose submission got no answer may be left"]
     left = []
     for job_id, state in states.items():
@@ -532,9 +536,9 @@ async def _cancel_jobs(api: Api, u: UserRun, deadline: float) -> list[str]:
         if state not in JOB_FINAL:
             left.append(f"job {job_id} of {u.name}: still {state} after cancelling")
             continue
-        if job_id == u.job.id:
-            u.job.cancelled_in_cleanup = state == "cancelled"
-            u.job.state = state
+        if job_id == job.id:
+            job.cancelled_in_cleanup = state == "cancelled"
+            job.state = state
     return left
 
 
@@ -575,7 +579,9 @@ def plan(args) -> list[UserRun]:
         for i in range(args.users)
     ]
     for u in users[: args.jobs]:
-        u.job = JobRun(args.job_profile or u.profile)
+        profile = args.job_profile or u.profile
+        assert profile is not None  # _job_problems refused jobs of a mix without a profile
+        u.job = JobRun(profile)
     return users
 
 
@@ -865,6 +871,7 @@ def main(argv: list[str]) -> int:
         for line in problems:
             print(f"gpuhub loadtest: {line}", file=sys.stderr)
         return 2
+    assert token is not None  # else a problem above
     try:
         report = asyncio.run(run(args, token))
     except HubRefused as e:

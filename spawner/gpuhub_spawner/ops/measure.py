@@ -81,7 +81,8 @@ class Sampler:
         self.first: dict | None = None
         self.last: dict | None = None
         self.hub_rss_max = 0.0
-        self.proxy_first = self.proxy_last = None
+        self.proxy_first: tuple[float, float] | None = None  # (when, CPU seconds)
+        self.proxy_last: tuple[float, float] | None = None
         self.proxy_rss_max = 0
         self.t_first = self.t_last = 0.0
         self.unreadable: str | None = None

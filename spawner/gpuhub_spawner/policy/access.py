@@ -37,7 +37,8 @@ class Choice:
 
     @property
     def flavor(self) -> str | None:
-        return self.profile.gpu.flavor if self.profile.gpu_count else None
+        gpu = self.profile.gpu
+        return gpu.flavor if gpu is not None and gpu.count else None  # as gpu_count: no GPU, or none of them
 
 
 def teams_for(policy: Policy, groups: Iterable[str]) -> list[Team]:

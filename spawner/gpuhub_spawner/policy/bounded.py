@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import yaml
 
@@ -189,8 +189,8 @@ def loads_json(
     if not body.strip():
         return empty
     limit = max_nodes if max_containers is None else max_containers
-    opening = (b"[", b"{") if isinstance(body, bytes) else ("[", "{")
-    if body.count(opening[0]) + body.count(opening[1]) > limit:  # before a single one is allocated
+    containers = body.count(b"[") + body.count(b"{") if isinstance(body, bytes) else body.count("[") + body.count("{")
+    if containers > limit:  # before a single one is allocated
         raise InputRefused(400, f"{what} holds too many lists and objects (at most {limit})")
     try:
         data = json.loads(body)
@@ -213,6 +213,7 @@ def check_shape(
     nodes = 1
     while stack:
         value, depth = stack.pop()
+        children: Collection[Any]
         if isinstance(value, dict):
             children = value.values()
         elif isinstance(value, list):

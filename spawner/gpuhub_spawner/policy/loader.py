@@ -11,7 +11,7 @@ import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -102,7 +102,7 @@ class _Positions:
             if isinstance(node, yaml.MappingNode):
                 seen: set[str] = set()
                 for k, v in node.value:
-                    name = getattr(k, "value", None)
+                    name = k.value
                     if name in seen:
                         yield loc + (name,), k
                     seen.add(name)
@@ -147,14 +147,14 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
-def suggest(word: str, choices: Iterable[str]) -> str:
+def suggest(word: str | int, choices: Iterable[str]) -> str:
     import difflib  # only for a mistake
 
     close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _message(err: dict) -> str:
+def _message(err: Mapping[str, Any]) -> str:
     kind = err["type"]
     got = err.get("input")
     if kind in ("int_type", "int_from_float", "int_parsing"):
@@ -185,7 +185,10 @@ def _clean_loc(loc: Loc) -> Loc:
 
 # libyaml (C) when PyYAML was built with it: ~20x faster than the pure-Python parser on
 # a 500-team, 2,000-profile policy. Same safe tag set, same node marks (line:column).
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+if TYPE_CHECKING:
+    from yaml import SafeLoader as _Loader  # the same interface as CSafeLoader
+else:
+    _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _SCALAR, _MAPPING, _SEQUENCE = yaml.ScalarNode, yaml.MappingNode, yaml.SequenceNode
 _STR, _MAP, _SEQ = "tag:yaml.org,2002:str", "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 
@@ -439,8 +442,8 @@ def _parse_now(text: str, filename: str) -> tuple[Policy, Any]:
     issues: list[PolicyIssue] = []
 
     def add(loc: Loc, message: str, key: bool = False) -> None:
-        line_col = positions.mark(loc, key=key) or (None, None)
-        issues.append(PolicyIssue(format_loc(loc), *line_col, message))
+        line, col = positions.mark(loc, key=key) or (None, None)
+        issues.append(PolicyIssue(format_loc(loc), line, col, message))
 
     issues.extend(positions.duplicate_key_issues(duplicates))
 

@@ -77,10 +77,10 @@ def mig_checks(policy: Policy) -> Iterable[tuple[tuple, str]]:
         if gm.borrowing_limit is not None and not team.cohort:
             yield loc + ("borrowingLimit",), "borrowingLimit needs the team to be in a cohort"
         for fi, name in enumerate(gm.flavors):
-            flavor = next((f for f in policy.flavors if f.name == name), None)
-            if flavor is None:
+            counted = next((f for f in policy.flavors if f.name == name), None)
+            if counted is None:
                 yield loc + ("flavors", fi), f"unknown flavor {name!r}"
-            elif flavor.mig is None:
+            elif counted.mig is None:
                 yield (
                     loc + ("flavors", fi),
                     (
@@ -88,7 +88,7 @@ def mig_checks(policy: Policy) -> Iterable[tuple[tuple, str]]:
                         f"shape names); give whole GPUs a quota in gpus"
                     ),
                 )
-            elif flavor.mig.strategy == "single":
+            elif counted.mig.strategy == "single":
                 yield (
                     loc + ("flavors", fi),
                     (

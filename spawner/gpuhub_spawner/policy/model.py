@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -110,7 +110,9 @@ class MigSlice(_Model):
         """Bytes of GPU memory a slice of this shape counts in a team's ``gpuMemory`` quota: the
         number its name gives (1g.10gb: 10Gi), the arithmetic Kueue's resource transformation
         applies on Kubernetes (``gpuhub render kueue-config``), so both modes agree."""
-        return int(re.search(r"g\.([0-9]+)gb", self.profile).group(1)) * 2**30
+        found = re.search(r"g\.([0-9]+)gb", self.profile)
+        assert found is not None, self.profile  # _profile_name let only <slices>g.<memory>gb names in
+        return int(found.group(1)) * 2**30
 
 
 def _mig_resource(value: Any) -> Any:
@@ -189,7 +191,7 @@ class TeamQuota(_Model):
     gpu_memory: GpuMemoryQuota | None = None  # gpuMemory: MIG slices of mixed shapes, in memory
 
 
-def _over(own: "_Model", base: "_Model") -> "_Model":
+def _over(own: _M, base: _M) -> _M:
     """``own``'s values, with those it leaves unset (None) taken from ``base`` (same model).
 
     Both are validated already, so the merge is not validated again (``model_construct``): a
@@ -199,7 +201,13 @@ def _over(own: "_Model", base: "_Model") -> "_Model":
     values, fallback = own.__dict__, base.__dict__
     if type(base) is cls and all(values[name] is None for name in cls.model_fields):
         return base
-    return cls.model_construct(**{name: fallback[name] if values[name] is None else values[name] for name in cls.model_fields})
+    merged = cls.model_construct(**{name: fallback[name] if values[name] is None else values[name] for name in cls.model_fields})
+    # pydantic's mypy plugin types model_construct as returning the model that declares the
+    # fields (here _Model's subclass as written), not the class it is called on: it is type(own).
+    return cast(_M, merged)
+
+
+_M = TypeVar("_M", bound=_Model)
 
 
 class ReclaimRules(_Model):
@@ -220,7 +228,8 @@ class ReclaimRules(_Model):
 
 # A team gets lent quota back within ``notice`` (10 min, enough to save a notebook; at most
 # half of queueTimeout when no notice is written); servers may borrow; reclaim applies.
-RECLAIM_DEFAULTS = ReclaimRules(enabled=True, notice=600.0, interactive_borrowing=True)
+RECLAIM_NOTICE = 600.0
+RECLAIM_DEFAULTS = ReclaimRules(enabled=True, notice=RECLAIM_NOTICE, interactive_borrowing=True)
 
 
 class PerUser(_Model):
@@ -283,7 +292,7 @@ class IdleRules(_Model):
         """
         from .quantities import format_duration as fmt
 
-        out = []
+        out: list[tuple[tuple[str, ...], str]] = []
         w = self.warning or 0
         for name, label in (("timeout", "timeout"), ("gpu_idle_timeout", "gpuIdleTimeout"), ("max_age", "maxAge")):
             limit = getattr(self, name)
@@ -537,8 +546,10 @@ class Policy(_Model):
     # Dict look-ups: a queue event asks for teams and cohorts per waiting request, and a
     # large policy has hundreds of teams. (Cached per frozen policy; first name wins.)
     @cached_property
-    def _by_name(self) -> tuple[dict, dict, dict]:
-        teams, profiles, cohorts = {}, {}, {}
+    def _by_name(self) -> tuple[dict[str, Team], dict[str, Profile], dict[str, list[Team]]]:
+        teams: dict[str, Team] = {}
+        profiles: dict[str, Profile] = {}
+        cohorts: dict[str, list[Team]] = {}
         for t in self.teams:
             teams.setdefault(t.name, t)
             if t.cohort:
@@ -602,6 +613,7 @@ class Policy(_Model):
                     return ("defaults", "idle", IdleRules.model_fields[f].alias)
             return base_loc
 
+        checks: list[tuple[IdleRules, IdleRules, tuple[str | int, ...], bool]]
         checks = [(self.defaults.idle, self.defaults.idle, ("defaults", "idle"), True)]
         for i, prof in enumerate(self.profiles):
             checks.append((self.idle_rules(prof), prof.idle, ("profiles", i, "idle"), bool(prof.gpu_count)))
@@ -693,7 +705,7 @@ class Policy(_Model):
         rules = team.reclaim.over(self.defaults.reclaim.over(RECLAIM_DEFAULTS))
         if team.reclaim.notice is None and self.defaults.reclaim.notice is None:
             # Nobody chose a notice: 10 min, but never more than half the queue timeout.
-            rules = rules.model_copy(update={"notice": min(RECLAIM_DEFAULTS.notice, self.defaults.queue_timeout / 2)})
+            rules = rules.model_copy(update={"notice": min(RECLAIM_NOTICE, self.defaults.queue_timeout / 2)})
         return rules
 
     @model_validator(mode="after")
@@ -702,6 +714,7 @@ class Policy(_Model):
         from .quantities import format_duration as fmt
 
         errors = []
+        checks: list[tuple[tuple[str | int, ...], float | None]]
         checks = [(("defaults", "reclaim", "notice"), self.defaults.reclaim.notice)]
         checks += [(("teams", i, "reclaim", "notice"), t.reclaim.notice) for i, t in enumerate(self.teams)]
         for loc, notice in checks:

@@ -85,10 +85,10 @@ for v in data.values():
 """
 
 
-def _item_models() -> dict[str, type]:
+def _item_models() -> dict[str, type[BaseModel]]:
     """The policy's list fields whose items are models (teams, profiles, flavors, ...), by the
     key the file uses (camelCase) and by field name."""
-    out: dict[str, type] = {}
+    out: dict[str, type[BaseModel]] = {}
     for name, info in Policy.model_fields.items():
         args = typing.get_args(info.annotation)
         if typing.get_origin(info.annotation) is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
@@ -341,6 +341,7 @@ class PolicyStore(SingletonConfigurable):
                 "\n  ".join(self.status.errors),
             )
             return False
+        assert policy is not None, outcome  # an outcome without an error carries its policy (_timed_load, build)
         self._policy = policy
         self._data = data
         self.status = PolicyStatus(path=str(path), loaded_at=time.time(), loaded_mtime=sig[0] if sig else None)

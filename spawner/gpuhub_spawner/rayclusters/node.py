@@ -90,6 +90,7 @@ def shares(devices: list[str], gpus: int, workers: int) -> list[list[str]]:
 
 def _pump(pr: subprocess.Popen, joined: threading.Event) -> None:
     """Copy a worker's output to ours; note when it has joined the cluster."""
+    assert pr.stdout is not None  # started with stdout=PIPE
     for line in pr.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()

@@ -57,6 +57,7 @@ class AuditLog:
             if self.path is None:
                 self._memory.append(entry)
             else:
+                assert self._fd is not None  # opened with the path, in __init__
                 os.write(self._fd, (line + "\n").encode())
         log.debug("audit %s", line)
         return entry

@@ -225,7 +225,7 @@ def _ui_url_for(service_name: str):
         services = (getattr(spawner.user, "settings", None) or {}).get("services") or {}
         svc = services.get(service_name)
         host = getattr(svc, "host", "") or ""
-        return f"{host}{svc.prefix}" if host else ""
+        return f"{host}{svc.prefix}" if host and svc is not None else ""
 
     return ui_url
 

@@ -8,7 +8,7 @@ and mirroring Kueue all need that. Config files run before it, so they schedule 
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from typing import Any, Callable
 
 _tasks: set = set()  # the event loop keeps only weak references to tasks
 
@@ -30,8 +30,9 @@ async def started_hub():
     return app
 
 
-def when_started(work: Callable[[object], Awaitable[None] | None]) -> None:
-    """Run ``work(app)`` once the hub has started (nothing when the config is read outside a running hub)."""
+def when_started(work: Callable[[Any], object]) -> None:
+    """Run ``work(app)`` once the hub has started (nothing when the config is read outside a running hub);
+    ``app``: the JupyterHub application. What it returns is awaited if it is a coroutine, else ignored."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:

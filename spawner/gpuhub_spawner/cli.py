@@ -162,6 +162,10 @@ def _main(argv: list[str]) -> int:
         from .ops.loadtest import main as loadtest_main  # operators: peak load against a live hub (docs/loadtest.md)
 
         return loadtest_main(argv[1:])
+    if argv[:2] == ["mlflow", "import-history"]:
+        from .mlflow.migrate import main as migrate_main  # history from an existing server: docs/mlflow.md
+
+        return migrate_main(argv[2:])
     if argv[:1] == ["render"]:
         from .kube.render import main as render_main
 
@@ -198,6 +202,10 @@ def _main(argv: list[str]) -> int:
 
         add_service_parser(sub)
     sub.add_parser("render", help="render cluster objects: `gpuhub render kueue FILE`")
+    sub.add_parser(
+        "mlflow",
+        help="admins: `gpuhub mlflow import-history --from URL ...` copies an existing server's experiments in (docs/mlflow.md)",
+    )
     sub.add_parser("job", help="batch jobs in your team's GPU queue: `gpuhub job submit job.yaml` (docs/jobs.md)")
     sub.add_parser("ray", help="Ray clusters in your team's GPU queue: `gpuhub ray up --gpus 2` (docs/ray.md)")
     sub.add_parser("usage", help="GPU-hours by team or user: `gpuhub usage --since 7d --by team` (docs/usage.md)")

@@ -274,3 +274,78 @@ def test_permissions_are_as_before(old, fronted):
     assert account("oldtimer") == 200, "the sweep deleted an account the service never made"
     r = admin.get(old.url + API + "/runs/get", params={"run_id": old.history["oldtimer"]["run"]})
     assert r.status_code == 200 and r.json()["run"]["data"]["params"] == [{"key": "lr", "value": "0.1"}], r.text[:300]
+
+
+def _as_hub_user(mlflow, token: str, code: str) -> dict:
+    """``code`` run by MLflow's own client against the hub's service with a hub token (as a
+    notebook would, without a kernel); its last printed line, as JSON."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(MLFLOW_TRACKING_URI=mlflow.direct, MLFLOW_TRACKING_TOKEN=token, MLFLOW_DISABLE_TELEMETRY="true")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_history_moves_into_the_hub_managed_mlflow_with_its_owners(old, mlflow_hub, tmp_path):
+    """docs/mlflow.md "Moving history into the hub's MLflow": `gpuhub mlflow import-history`
+    copies the old server's experiments (MLflow's export/import tool) into the hub-managed
+    server and gives each experiment's users the permissions they had; twice is harmless."""
+    hub, mlflow = mlflow_hub
+    alice, bob = hub.login("alice"), hub.login("bob")
+    mlflow.wait_ready(alice.token)
+    creds = tmp_path / "old-admin.json"
+    fd = os.open(creds, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"username": old.admin[0], "password": old.admin[1]}, f)
+    gpuhub = os.path.join(os.path.dirname(sys.executable), "gpuhub")
+    command = [gpuhub, "mlflow", "import-history", "--from", old.url, "--from-credentials", str(creds)]
+    command += ["--data-dir", str(mlflow.data)]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "imported 'vision-baseline'" in first.stdout and "imported 'oldtimer-2023'" in first.stdout, first.stdout
+    before = old.history["alice"]
+    seen = _as_hub_user(
+        mlflow,
+        alice.token,
+        "import json, mlflow\n"
+        "c = mlflow.MlflowClient()\n"
+        "e = c.get_experiment_by_name('vision-baseline')\n"
+        f"r = [r for r in c.search_runs([e.experiment_id]) if r.data.tags.get('mlflow_exim.run_info.run_id') == {before['run']!r}][0]\n"
+        "print(json.dumps({'params': r.data.params, 'tags': r.data.tags, 'run': r.info.run_id,\n"
+        "                  'acc': [m.value for m in c.get_metric_history(r.info.run_id, 'acc')],\n"
+        "                  'notes': mlflow.artifacts.load_text(r.info.artifact_uri + '/model/notes.txt'),\n"
+        "                  'experiment': e.experiment_id}))\n",
+    )
+    assert seen["params"] == {"lr": "0.1"} and seen["tags"]["dataset"] == "imagenet-subset", seen
+    assert seen["acc"] == [0.5, 0.7, 0.8] and seen["notes"] == "weights before gpuhub", seen
+    assert seen["tags"].get("mlflow_exim.run_info.user_id") == "alice", "the run's original owner was not kept"
+    # Owners kept, nobody else let in: bob reads neither; alice does not read oldtimer's.
+    admin = mlflow.admin()
+    ids = {
+        name: admin.get(admin.base + API + "/experiments/get-by-name", params={"experiment_name": name}).json()["experiment"][
+            "experiment_id"
+        ]
+        for name in ("vision-baseline", "oldtimer-2023")
+    }
+    assert ids["vision-baseline"] == seen["experiment"]
+
+    def get(token, name):  # (a search answers 200 with what the caller may see; a get says no)
+        r = mlflow.api(token).get(mlflow.direct + API + "/experiments/get", params={"experiment_id": ids[name]})
+        return r.status_code
+
+    # Only what the old server granted: alice's own; bob had nothing there and gets nothing here
+    # (the hub's team sharing applies to experiments made through it, not to imported ones).
+    assert get(alice.token, "vision-baseline") == 200
+    assert get(bob.token, "vision-baseline") in (403, 404)
+    assert get(alice.token, "oldtimer-2023") in (403, 404)
+    grant = admin.get(
+        admin.base + "/api/3.0/mlflow/users/permissions/get",
+        params={"username": "oldtimer", "resource_type": "experiment", "resource_id": ids["oldtimer-2023"]},
+    )
+    assert grant.status_code == 200 and grant.json().get("permission") == "MANAGE", grant.text[:300]
+    # Twice: nothing imported again.
+    runs = len(admin.post(admin.base + API + "/runs/search", json={"experiment_ids": [ids["vision-baseline"]]}).json()["runs"])
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "0 imported, 2 skipped" in again.stdout, (again.stdout, again.stderr[-1000:])
+    after = admin.post(admin.base + API + "/runs/search", json={"experiment_ids": [ids["vision-baseline"]]}).json()["runs"]
+    assert len(after) == runs

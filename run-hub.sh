@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./scripts-lib.sh
-ensure_venv ".[lab,mlflow]"
+ensure_venv ".[lab,mlflow,ray]"  # ray: `gpuhub ray up` on the demo (docs/ray.md)
 ensure_node_proxy
 ensure_wall_tools
 exec .venv/bin/gpuhub run "$@"

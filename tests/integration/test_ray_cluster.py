@@ -289,8 +289,9 @@ def test_notebook_helper_with_a_worker_and_the_cluster_stops_with_the_server(hub
         textwrap.dedent("""\
         import ray, gpuhub_notebook
         with gpuhub_notebook.ray_cluster(gpus=2, workers=1, name="helper", keep=True) as address:
-            ray.init(address, log_to_driver=False)
+            ctx = ray.init(address, log_to_driver=False)
             print("nodes", sorted(n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]))
+            print("ray's link", ctx.dashboard_url)  # what ray.init's repr shows the user
             ray.shutdown()
     """),
         timeout=900,
@@ -298,6 +299,11 @@ def test_notebook_helper_with_a_worker_and_the_cluster_stops_with_the_server(hub
     assert "Ray cluster helper: queued" in out or "Ray cluster helper: starting" in out, out
     assert "Ray cluster helper: running: since" in out and "nodes [0.0, 2.0]" in out, out  # the worker holds both
     k.close()
+    dashboard = view(alice, "helper").json()["dashboard"]  # on her own origin, through her server
+    assert f"Ray dashboard: {dashboard}" in out, out
+    # Ray's own link is the working one too, never Ray's dead 127.0.0.1:<port> inside the machine.
+    link = re.search(r"^ray's link (\S+)$", out, re.M)
+    assert link and dashboard.endswith(link.group(1).split("://")[-1]) and "127.0.0.1" not in link.group(1), out
     assert view(alice, "helper").json()["state"] == "running"
     alice.stop()
     alice.wait_gone()

@@ -80,6 +80,12 @@ def ray_cluster(
         print(f"Ray cluster {name}: {view['status']}", file=out, flush=True)
         os.environ["RAY_ADDRESS"] = view["address"]
         os.environ["RAY_AUTH_MODE"] = "token"
+        if view.get("dashboard"):
+            # Ray's own link (``ray.init``'s "View the dashboard at 127.0.0.1:<port>") points
+            # inside the machine, where the browser cannot go: the working one is on the user's
+            # own origin, through their server (gpuhub_notebook.ray_dashboard).
+            os.environ["RAY_OVERRIDE_DASHBOARD_URL"] = view["dashboard"]
+            print(f"Ray dashboard: {view['dashboard']}", file=out, flush=True)
         yield view["address"]
     finally:
         if not keep:
@@ -92,3 +98,5 @@ def ray_cluster(
                 _call("POST", f"/{name}/stop")
             if os.environ.get("RAY_ADDRESS") == view.get("address"):
                 os.environ.pop("RAY_ADDRESS", None)
+            if view.get("dashboard") and os.environ.get("RAY_OVERRIDE_DASHBOARD_URL") == view["dashboard"]:
+                os.environ.pop("RAY_OVERRIDE_DASHBOARD_URL", None)

@@ -615,6 +615,12 @@ class JobManager(SingletonConfigurable):
         usage = queue.usage()
         chosen: list[tuple[str, str]] = []
         taken: set[str] = set()
+        # Fair share's minimum runtime (Slurm's PreemptExemptTime): a job younger than that stays.
+        fs = policy.fair
+        min_runtime = fs.min_runtime if fs is not None else 0.0
+        young_before = time.time() - min_runtime
+        if min_runtime > 0:
+            running = [r for r in running if ((r[1].current.started or 0) if r[1].current else 0) <= young_before]
         for ticket in sorted(queue.waiting, key=Ticket.sort_key):
             if ticket.key.startswith(KEY_PREFIX) or ticket.restored:
                 continue

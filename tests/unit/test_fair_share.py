@@ -1,0 +1,254 @@
+"""Fair share over time (docs/fair-share.md): the policy section, the decayed usage, and the
+order the one-machine queue admits in because of it."""
+
+import math
+
+import pytest
+
+from gpuhub_spawner.admission import AdmissionQueue, Ticket
+from gpuhub_spawner.admission.fairshare import Interval, UsageLedger
+from gpuhub_spawner.admission.reclaim import Holder, Request, plan
+from gpuhub_spawner.local.devices import DeviceTable
+from gpuhub_spawner.policy import PolicyError, parse_policy
+
+HOUR = 3600.0
+
+POLICY = """\
+flavors:
+  - name: a100
+    local: {virtual: 4}
+  - name: t4
+    local: {virtual: 2}
+teams:
+  - name: nlp
+    displayName: NLP
+    groups: [nlp]
+    cohort: lab
+    weight: 3
+    quota: {gpus: {a100: {nominal: 2}}}
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision]
+    cohort: lab
+    weight: 2
+    quota: {gpus: {a100: {nominal: 1}, t4: {nominal: 2}}}
+  - name: speech
+    groups: [speech]
+    cohort: lab
+    quota: {gpus: {a100: {nominal: 1}}}
+profiles:
+  - {slug: g1, displayName: g1, gpu: {count: 1, flavor: a100}, teams: "*"}
+  - {slug: t1, displayName: t1, gpu: {count: 1, flavor: t4}, teams: "*"}
+"""
+
+FAIR = """\
+fairShare:
+  halfLife: 1h
+  flavorWeights: {a100: 2, t4: 1}
+"""
+
+
+class Clock:
+    def __init__(self, t=1_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def errors(text):
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, "p.yaml")
+    return [i.format("p.yaml") for i in e.value.issues]
+
+
+def ticket(key, team, flavor="a100", n=1, created=0.0, priority=0):
+    return Ticket(
+        key=key, user=key.split("/")[0], team=team, profile="g1", demand={f"gpu/{flavor}": n}, created=created, priority=priority
+    )
+
+
+def queue_for(policy, clock):
+    return AdmissionQueue(lambda: policy, DeviceTable(lambda: policy, discover=lambda: []), clock=clock)
+
+
+# -- policy ----------------------------------------------------------------------------------
+
+
+def test_a_policy_that_says_nothing_keeps_fifo():
+    policy = parse_policy(POLICY.replace("    weight: 3\n", "").replace("    weight: 2\n", ""))
+    assert policy.fair is None and all(t.weight == 1 for t in policy.teams)
+
+
+def test_defaults_and_shares():
+    policy = parse_policy(POLICY + "fairShare: {}\n")
+    fs = policy.fair
+    assert fs.half_life == 24 * HOUR and fs.min_runtime == 0 and fs.users is False
+    assert fs.flavor_weight("a100") == 1.0
+    assert [round(policy.share_of(t) * 100) for t in policy.teams] == [50, 33, 17]
+    assert parse_policy(POLICY + "fairShare: {enabled: false}\n").fair is None
+
+
+def test_located_errors():
+    bad = POLICY + "fairShare:\n  halfLife: 10s\n  flavorWeights: {a10: 2}\n  minRuntime: 2h\n  userz: true\n"
+    msgs = "\n".join(errors(bad))
+    assert "fairShare.halfLife: must be between 1m and 365d" in msgs
+    assert "fairShare.userz: unknown key 'userz' (did you mean 'users'?)" in msgs
+    bad = POLICY + "fairShare:\n  flavorWeights: {a10: 2}\n  minRuntime: 2h\n"
+    msgs = "\n".join(errors(bad))
+    assert "fairShare.flavorWeights.a10: unknown flavor 'a10' (did you mean 'a100'?)" in msgs
+    assert (
+        "fairShare.minRuntime: minRuntime (2h) plus the reclaim notice (10m) must be shorter than defaults.queueTimeout (1h)"
+        in msgs
+    )
+    # a weight without fair share would silently do nothing: said, at the weight's line
+    (msg,) = errors(POLICY)
+    assert msg.startswith("p.yaml:11:13: teams[0].weight: a weight only counts with fair share on")
+    assert "p.yaml:11:13: teams[0].weight: must be at least 0.0 (got -1)" in "\n".join(
+        errors(POLICY.replace("weight: 3", "weight: -1") + FAIR)
+    )
+
+
+# -- decayed usage ---------------------------------------------------------------------------
+
+
+def test_usage_decays_by_half_life_and_weights_flavors():
+    clock = Clock()
+    policy = parse_policy(POLICY + FAIR)
+    ledger = UsageLedger(clock, half_life=HOUR)
+    ledger.admit("a/", "nlp", "a", {"gpu/a100": 1, "cpu": 1000}, policy)
+    clock.t += HOUR
+    held = 2 * HOUR / math.log(2) * 0.5  # integral of 2 (a100 weight) over one half-life
+    assert ledger.team("nlp") == pytest.approx(held)
+    ledger.release("a/")
+    clock.t += HOUR
+    assert ledger.team("nlp") == pytest.approx(held / 2)
+    assert ledger.user("nlp", "a") == pytest.approx(held / 2)
+    assert ledger.team("vision") == 0
+
+
+def test_seed_from_history_equals_what_was_counted_live():
+    clock = Clock()
+    policy = parse_policy(POLICY + FAIR)
+    live = UsageLedger(clock, half_life=HOUR)
+    t0 = clock.t
+    live.admit("a/", "nlp", "a", {"gpu/a100": 2}, policy)
+    live.admit("b/", "vision", "b", {"gpu/t4": 1}, policy)
+    clock.t += 2 * HOUR
+    live.release("a/")
+    clock.t += 0.5 * HOUR
+    # a restart: a new ledger reads the same allocations from the history (b still held)
+    seeded = UsageLedger(clock, half_life=HOUR)
+    seeded.seed([Interval("nlp", "a", "a100", 2, t0, t0 + 2 * HOUR), Interval("vision", "b", "t4", 1, t0, None)], policy)
+    seeded.admit("b/", "vision", "b", {"gpu/t4": 1}, policy)
+    for team in ("nlp", "vision"):
+        assert seeded.team(team) == pytest.approx(live.team(team))
+    clock.t += HOUR
+    assert seeded.team("vision") == pytest.approx(live.team("vision"))
+
+
+# -- the queue's order -----------------------------------------------------------------------
+
+
+def fill(q, clock, n=4):
+    """Every a100 taken by speech (borrowing), so the next requests wait."""
+    for i in range(n):
+        q.submit(ticket(f"s{i}/", "speech", created=clock.t))
+    assert sum(q.usage()["speech"].values()) == n
+
+
+def test_without_fair_share_arrival_decides():
+    clock = Clock()
+    policy = parse_policy(POLICY.replace("    weight: 3\n", "").replace("    weight: 2\n", ""))
+    q = queue_for(policy, clock)
+    q.fair.admit("old/", "nlp", "x", {"gpu/a100": 4}, policy)  # heavy history for nlp
+    clock.t += 2 * HOUR
+    fill(q, clock)
+    q.submit(ticket("n/", "nlp", created=clock.t))
+    q.submit(ticket("v/", "vision", created=clock.t + 1))
+    q.release("s0/")
+    assert "n/" in q.admitted and "v/" not in q.admitted
+
+
+def test_team_with_less_recent_use_is_admitted_first_and_told_why():
+    clock = Clock()
+    policy = parse_policy(POLICY.replace("weight: 2", "weight: 3") + FAIR)
+    q = queue_for(policy, clock)
+    q.fair.admit("old/", "nlp", "x", {"gpu/a100": 2}, policy)  # nlp held 2 GPUs for 3 hours
+    clock.t += 3 * HOUR
+    q.fair.release("old/")
+    fill(q, clock)
+    q.submit(ticket("n/", "nlp", created=clock.t))  # nlp asks first
+    q.submit(ticket("v/", "vision", created=clock.t + 1))
+    words = q.ticket("n/").status.message
+    assert "Fair share: NLP used" in words and "against a share of 43%" in words
+    assert "Vision Lab 0 against 43%: Vision Lab goes first" in words
+    assert "no team waiting beside it used less" in q.ticket("v/").status.message
+    q.release("s0/")
+    assert "v/" in q.admitted and "n/" not in q.admitted
+
+
+def test_weight_counts_usage_per_unit_of_weight():
+    clock = Clock()
+    policy = parse_policy(POLICY + FAIR)  # nlp weight 3, vision 2
+    q = queue_for(policy, clock)
+    q.fair.admit("a/", "nlp", "a", {"gpu/a100": 1}, policy)
+    q.fair.admit("b/", "vision", "b", {"gpu/a100": 1}, policy)
+    clock.t += HOUR
+    q.fair.release("a/")
+    q.fair.release("b/")
+    # equal usage: nlp's is smaller per unit of weight
+    fill(q, clock)
+    q.submit(ticket("v/", "vision", created=clock.t))
+    q.submit(ticket("n/", "nlp", created=clock.t + 1))
+    q.release("s0/")
+    assert "n/" in q.admitted
+
+
+def test_borrowed_capacity_is_shared_by_weight():
+    clock = Clock()
+    policy = parse_policy(POLICY + FAIR)  # 4 a100s; nominal nlp 2 (weight 3), vision 1 (weight 2), speech 1
+    q = queue_for(policy, clock)
+    for key, team in [("n0/", "nlp"), ("n1/", "nlp"), ("v0/", "vision"), ("s0/", "speech")]:
+        q.submit(ticket(key, team, created=clock.t))
+    # both want more than their nominal: vision asks first, twice; nlp after
+    q.submit(ticket("v1/", "vision", created=clock.t + 1))
+    q.submit(ticket("v2/", "vision", created=clock.t + 2))
+    q.submit(ticket("n2/", "nlp", created=clock.t + 3))
+    q.submit(ticket("n3/", "nlp", created=clock.t + 4))
+    q.release("s0/")  # one idle GPU to lend: borrowing 1 is 2/3 of nlp's weight, 2/2 of vision's
+    assert "n2/" in q.admitted and "v1/" not in q.admitted
+    q.release("n0/")  # nlp is back at its nominal: borrowing 1 is again 2/3 per weight against vision's 2/2
+    assert "n3/" in q.admitted
+    q.release("n1/")  # nlp has nothing waiting: vision borrows
+    assert "v1/" in q.admitted
+
+
+def test_users_inside_a_team_by_recent_use():
+    clock = Clock()
+    policy = parse_policy(POLICY + FAIR + "  users: true\n")
+    q = queue_for(policy, clock)
+    q.fair.admit("old/", "nlp", "greedy", {"gpu/a100": 2}, policy)
+    clock.t += HOUR
+    q.fair.release("old/")
+    fill(q, clock)
+    for i in range(3):
+        q.submit(ticket(f"greedy/{i}", "nlp", created=clock.t + i))
+    q.submit(ticket("quiet/", "nlp", created=clock.t + 10))
+    st = q.ticket("quiet/").status
+    assert st.position == 1 and "Within NLP, you used 0 GPU-hours lately" in st.message
+    assert q.ticket("greedy/0").status.position == 2
+    q.release("s0/")
+    assert "quiet/" in q.admitted
+
+
+def test_minimum_runtime_protects_a_young_borrower():
+    policy = parse_policy(POLICY + FAIR + "  minRuntime: 20m\n")
+    now = 10_000.0
+    holders = [Holder("s/", "speech", {"gpu/a100": 3}, admitted=now - 60)]
+    usage = {"speech": {"gpu/a100": 3}, "nlp": {"gpu/a100": 1}}
+    req = [Request("n/", "nlp", {"gpu/a100": 1})]
+    p = plan(policy, usage, holders, req, {"gpu/a100": 0}, now=now, min_runtime=1200)
+    assert p.reclaim == {} and p.protected == {"n/": now - 60 + 1200}
+    p = plan(policy, usage, holders, req, {"gpu/a100": 0}, now=now + 1200, min_runtime=1200)
+    assert p.reclaim == {"s/": ("nlp", "n/")}

@@ -69,7 +69,12 @@ def may_borrow(policy: Policy, team, ticket: "Ticket") -> bool:
 
 
 def _shape(ticket: "Ticket") -> tuple:
-    return (ticket.key.startswith("job:"), tuple(sorted(ticket.demand.items())))
+    # Kept on the ticket while its demand is the same dict: a pass asks per waiting ticket.
+    demand = ticket.demand
+    hit = ticket.__dict__.get("_shape")
+    if hit is None or hit[0] is not demand:
+        hit = ticket.__dict__["_shape"] = (demand, (ticket.key.startswith("job:"), tuple(sorted(demand.items()))))
+    return hit[1]
 
 
 class QueueRefused(Exception):
@@ -448,14 +453,29 @@ class AdmissionQueue:
             free_before = self._free(set(self._device_blocked) | set(freed or ()))
         while not self.held:  # each admission changes usage: re-pick the best candidate
             progress = False
+            # Fair share: devices a request fits its quota for but cannot have yet (too few
+            # free) are kept for it against requests of other teams that come after it in
+            # fair-share order: otherwise small requests take every GPU as it frees, and the
+            # bigger request of the team with the better share never starts. (cohort, key) -> team.
+            reserved: dict[tuple[str, str], str] = {}
             for _borrows, ticket in self._candidates(policy, names):
                 team = policy.team(ticket.team)
-                if not check_fit(policy, self._usage, team, ticket.demand, may_borrow(policy, team, ticket)).fits:
+                gpu_keys = [k for k in ticket.demand if k.startswith("gpu/")]
+                if reserved and any(reserved.get((team.cohort or "", k), team.name) != team.name for k in gpu_keys):
+                    continue
+                fit = check_fit(policy, self._usage, team, ticket.demand, may_borrow(policy, team, ticket))
+                if not fit.fits:
+                    if policy.fair and team.cohort and not any(sh.capped for sh in fit.shortages):
+                        for k in gpu_keys:  # the cohort has too little free now: what frees is kept for it
+                            reserved.setdefault((team.cohort, k), team.name)
                     continue
                 devices: list[str] | None = []
                 if self.allocator:
                     devices = self.allocator.allocate(ticket.key, ticket.demand)
                     if devices is None:
+                        if policy.fair:
+                            for k in gpu_keys:
+                                reserved.setdefault((team.cohort or "", k), team.name)
                         continue
                 self._admit(ticket, devices or [])
                 admitted.append(ticket.admission)
@@ -546,7 +566,12 @@ class AdmissionQueue:
             return hours(self.fair.team(t.name, order.now))
 
         mine = order.team_ratio(team)
-        ahead = [t for t in ranked if t is not team and order.team_ratio(t) < mine][:3]
+        ahead = []  # ranked is in fair-share order: those ahead are its first ones (O(1), not O(teams))
+        for t in ranked:
+            if len(ahead) == 3 or order.team_ratio(t) >= mine:
+                break
+            if t is not team:
+                ahead.append(t)
         text = (
             f"Fair share: {team.label} used {used(team)} GPU-hours lately (usage halves every "
             f"{format_duration(order.fs.half_life)}) against a share of {policy.share_of(team) * 100:.0f}%"

@@ -69,7 +69,9 @@ def ticket(key, team, flavor="a100", n=1, created=0.0, priority=0):
 
 
 def queue_for(policy, clock):
-    return AdmissionQueue(lambda: policy, DeviceTable(lambda: policy, discover=lambda: []), clock=clock)
+    q = AdmissionQueue(lambda: policy, DeviceTable(lambda: policy, discover=lambda: []), clock=clock)
+    q.fair.configure(policy)  # the hub's recorder does this before seeding (usage/recorder.py)
+    return q
 
 
 # -- policy ----------------------------------------------------------------------------------
@@ -182,7 +184,8 @@ def test_team_with_less_recent_use_is_admitted_first_and_told_why():
     q.submit(ticket("v/", "vision", created=clock.t + 1))
     words = q.ticket("n/").status.message
     assert "Fair share: NLP used" in words and "against a share of 43%" in words
-    assert "Vision Lab 0 against 43%: Vision Lab goes first" in words
+    assert "NLP used 5 GPU-hours lately (usage halves every 1h)" in words  # 2 GPUs (weight 2) x 3 h, decayed
+    assert "Vision Lab no GPU time against 43%: Vision Lab goes first" in words
     assert "no team waiting beside it used less" in q.ticket("v/").status.message
     q.release("s0/")
     assert "v/" in q.admitted and "n/" not in q.admitted
@@ -236,7 +239,7 @@ def test_users_inside_a_team_by_recent_use():
         q.submit(ticket(f"greedy/{i}", "nlp", created=clock.t + i))
     q.submit(ticket("quiet/", "nlp", created=clock.t + 10))
     st = q.ticket("quiet/").status
-    assert st.position == 1 and "Within NLP, you used 0 GPU-hours lately" in st.message
+    assert st.position == 1 and "Within NLP, you used no GPU time lately" in st.message
     assert q.ticket("greedy/0").status.position == 2
     q.release("s0/")
     assert "quiet/" in q.admitted

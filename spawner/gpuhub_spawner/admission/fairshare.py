@@ -215,9 +215,15 @@ class FairOrder:
         return UsageLedger.ratio(over, team.weight) if over else 0.0
 
 
-def hours(gpu_seconds: float) -> str:
-    """'41', '3', '0.4': recent GPU-hours as a person reads them."""
+def gpu_time(gpu_seconds: float) -> str:
+    """'41 GPU-hours', '0.4 GPU-hours', '12 GPU-minutes', 'no GPU time': as a person reads it."""
     h = gpu_seconds / 3600.0
-    if h >= 10 or h == 0:
-        return f"{h:.0f}"
-    return f"{h:.1f}".rstrip("0").rstrip(".") if h >= 0.05 else "0"
+    if h >= 9.95:
+        return f"{h:.0f} GPU-hours"
+    if h >= 0.095:
+        n = f"{h:.1f}".rstrip("0").rstrip(".")
+        return f"{n} GPU-hour{'' if n == '1' else 's'}"
+    m = round(gpu_seconds / 60.0)
+    if m >= 1:
+        return f"{m} GPU-minute{'' if m == 1 else 's'}"
+    return "no GPU time"

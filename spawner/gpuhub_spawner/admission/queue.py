@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Protocol
 from prometheus_client import Gauge, Histogram
 
 from ..policy.model import Policy
-from .fairshare import FairOrder, UsageLedger, hours
+from .fairshare import FairOrder, UsageLedger, gpu_time
 from .quota import Demand, add_usage, check_fit
 from .reclaim import borrowing
 
@@ -563,7 +563,7 @@ class AdmissionQueue:
         from ..policy.quantities import format_duration
 
         def used(t) -> str:
-            return hours(self.fair.team(t.name, order.now))
+            return gpu_time(self.fair.team(t.name, order.now))
 
         mine = order.team_ratio(team)
         ahead = []  # ranked is in fair-share order: those ahead are its first ones (O(1), not O(teams))
@@ -573,7 +573,7 @@ class AdmissionQueue:
             if t is not team:
                 ahead.append(t)
         text = (
-            f"Fair share: {team.label} used {used(team)} GPU-hours lately (usage halves every "
+            f"Fair share: {team.label} used {used(team)} lately (usage halves every "
             f"{format_duration(order.fs.half_life)}) against a share of {policy.share_of(team) * 100:.0f}%"
         )
         if not ahead:
@@ -636,7 +636,7 @@ class AdmissionQueue:
                 message += f" {fair}."
             if by_user and len(queue) > 1:
                 message += (
-                    f" Within {label}, you used {hours(order.user_usage(team_name, ticket.user))} GPU-hours lately; "
+                    f" Within {label}, you used {gpu_time(order.user_usage(team_name, ticket.user))} lately; "
                     "teammates who used less go first."
                 )
             status = WaitStatus(pos, len(queue), reason, team_name, in_use, message, fair)

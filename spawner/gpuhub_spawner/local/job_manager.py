@@ -673,7 +673,8 @@ class JobManager(SingletonConfigurable):
             if st is not None:
                 reason = st.reason[0].lower() + st.reason[1:] if st.reason else ""
                 label = (_team(self.policy, rec.team) or type("T", (), {"label": rec.team})).label
-                return f"queued: position {st.position} of {st.waiting_in_team} in {label}'s queue; this job {reason}."
+                line = f"queued: position {st.position} of {st.waiting_in_team} in {label}'s queue; this job {reason}."
+                return f"{line} {st.fair}." if getattr(st, "fair", "") else line
             return "queued: waiting for the scheduler."
         if rec.state == R.RUNNING:
             att = rec.current

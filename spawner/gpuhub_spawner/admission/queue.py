@@ -558,7 +558,7 @@ class AdmissionQueue:
         """Plain words for where fair share puts ``team`` among the teams waiting beside it
         ("" when none waits beside it: then fair share decides nothing for it)."""
         ranked = self._rivals(policy, order, team, {} if groups is None else groups)
-        if len(ranked) < 2 or team not in ranked:
+        if len(ranked) < 2 or not any(t is team for t in ranked):  # identity: pydantic's == compares fields
             return ""
         from ..policy.quantities import format_duration
 

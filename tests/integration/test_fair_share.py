@@ -137,6 +137,11 @@ def test_less_recent_use_goes_first_with_the_reason_on_the_spawn_page(hub, users
         assert figures["nlp"]["share_pct"] == 33.3
         page = admin.session.get(hub.url + "/hub/gpuhub", timeout=30).text
         assert 'id="gpuhub-fair-share"' in page and "Vision Lab goes first" in page
+        # the usage page: each team's recent use against its share over the window
+        usage = admin.session.get(hub.url + "/hub/gpuhub/usage?since=7d", timeout=30).text
+        assert 'id="gpuhub-chart-fair"' in usage
+        now = {n: float(re.search(rf"<title>{n}: now ([\d.]+)</title>", usage).group(1)) for n in ("NLP", "Vision Lab")}
+        assert now["NLP"] > 1 > now["Vision Lab"]  # NLP used more than its third lately, Vision Lab less
         metrics = requests.get(hub.url + "/hub/metrics", headers={"Authorization": f"token {admin.token}"}, timeout=30).text
         nlp_hours = float(re.search(r'gpuhub_fair_share_recent_gpu_hours\{team="nlp"\} ([\d.e+-]+)', metrics).group(1))
         assert nlp_hours == pytest.approx(figures["nlp"]["recent_gpu_hours"], abs=0.1)

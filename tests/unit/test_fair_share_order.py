@@ -6,7 +6,7 @@ import math
 import pytest
 
 from gpuhub_spawner.admission import AdmissionQueue, Ticket
-from gpuhub_spawner.admission.fairshare import Interval, UsageLedger
+from gpuhub_spawner.admission.fairshare import Interval, UsageLedger, use_per_share
 from gpuhub_spawner.admission.reclaim import Holder, Request, plan
 from gpuhub_spawner.local.devices import DeviceTable
 from gpuhub_spawner.policy import PolicyError, parse_policy
@@ -302,3 +302,19 @@ def test_replay_benchmark_is_fairer_than_fifo():
         assert fair.deviation() <= 5
     finally:
         sys.modules.pop(spec.name, None)
+
+
+def test_use_per_share_over_time_for_the_usage_page():
+    policy = parse_policy(POLICY + FAIR)  # a100 weighs 2, t4 1; shares 50 / 33 / 17 %
+    t0 = 1_000_000.0
+    rows = [
+        Interval("nlp", "a", "a100", 1, t0, t0 + HOUR),  # weighted 2 per hour
+        Interval("vision", "b", "t4", 2, t0, None),  # weighted 2 per hour, still held
+    ]
+    series = use_per_share(policy, rows, [t0, t0 + HOUR], teams={"nlp", "vision"})
+    assert set(series) == {"nlp", "vision"}
+    assert series["nlp"][0] == (t0, 0.0)  # nothing used yet
+    # one hour in: equal use, so half each: nlp at 0.5 / 0.5 = 1, vision at 0.5 / (1/3) = 1.5
+    assert series["nlp"][1][1] == pytest.approx(1.0, abs=1e-3)
+    assert series["vision"][1][1] == pytest.approx(1.5, abs=1e-3)
+    assert use_per_share(parse_policy(POLICY.replace("    weight: 3\n", "").replace("    weight: 2\n", "")), rows, [t0]) == {}

@@ -176,6 +176,44 @@ class UsageLedger:
         self._teams, self._users = teams, users
 
 
+def use_per_share(
+    policy: Policy, intervals: Iterable[Interval], times: list[float], teams: set[str] | None = None
+) -> dict[str, list[tuple[float, float]]]:
+    """Each team's recent use as a part of its cohort's, divided by its share, at ``times``: 1
+    means it used exactly its share lately, 2 twice, 0.5 half (the usage page's chart). Only
+    with fair share on (empty otherwise); ``teams``: whose series to return."""
+    fs = policy.fair
+    if fs is None or not times:
+        return {}
+    lam = LN2 / fs.half_life
+    used: dict[str, list[float]] = {}
+    for iv in intervals:
+        if iv.gpus <= 0 or not iv.flavor or policy.team_or_none(iv.team) is None:
+            continue
+        w = iv.gpus * fs.flavor_weight(iv.flavor)
+        row = used.setdefault(iv.team, [0.0] * len(times))
+        for i, t in enumerate(times):
+            if iv.start >= t:
+                continue
+            end = t if iv.end is None else min(iv.end, t)
+            row[i] += w * (math.exp(-lam * (t - end)) - math.exp(-lam * (t - iv.start))) / lam
+    totals: dict[str, list[float]] = {}
+    for name, row in used.items():
+        group = policy.team(name).cohort or ""
+        acc = totals.setdefault(group, [0.0] * len(times))
+        for i, v in enumerate(row):
+            acc[i] += v
+    out: dict[str, list[tuple[float, float]]] = {}
+    for t in policy.teams:
+        if teams is not None and t.name not in teams:
+            continue
+        share = policy.share_of(t)
+        row = used.get(t.name, [0.0] * len(times))
+        total = totals.get(t.cohort or "", [0.0] * len(times))
+        out[t.name] = [(ts, round(row[i] / total[i] / share, 3) if total[i] and share else 0.0) for i, ts in enumerate(times)]
+    return out
+
+
 class FairOrder:
     """The fair-share part of one scheduling pass's sort keys (cached per pass: O(1) reads)."""
 

@@ -12,7 +12,10 @@ alice (Vision Lab) second; when erin stops, alice gets the GPU.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -137,6 +140,15 @@ def test_less_recent_use_goes_first_with_the_reason_on_the_spawn_page(hub, users
         assert figures["nlp"]["share_pct"] == 33.3
         page = admin.session.get(hub.url + "/hub/gpuhub", timeout=30).text
         assert 'id="gpuhub-fair-share"' in page and "Vision Lab goes first" in page
+        # `gpuhub usage` in a terminal: the same figures, lowest use per share first
+        env = dict(os.environ, JUPYTERHUB_API_URL=hub.url + "/hub/api", JUPYTERHUB_API_TOKEN=admin.token)
+        env.pop("GPUHUB_TOKEN", None)
+        cli = subprocess.run(
+            [sys.executable, "-m", "gpuhub_spawner.cli", "usage"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert cli.returncode == 0, cli.stderr
+        table = cli.stdout.split("fair share now (recent GPU use, halving every 2d;", 1)[1].splitlines()[2:5]
+        assert [line.split()[0] for line in table] == ["Students", "Vision", "NLP"], cli.stdout
         # the usage page: each team's recent use against its share over the window
         usage = admin.session.get(hub.url + "/hub/gpuhub/usage?since=7d", timeout=30).text
         assert 'id="gpuhub-chart-fair"' in usage

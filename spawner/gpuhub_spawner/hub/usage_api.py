@@ -91,7 +91,13 @@ class _Base:
         policy = self.broker.policy
         visible_teams = {t.name for t in policy.teams if view.sees_totals_of(t.name)}
         queue = [(at, team, n) for at, team, n in history.queue_series(since) if team in visible_teams]
+        from .pages import fair_share_figures  # team figures: what the status page shows everyone
+
+        fair = fair_share_figures(policy, getattr(self.broker, "queue", None))
+        if fair is not None:
+            fair["teams"] = [f for f in fair["teams"] if f["name"] in visible_teams]
         return {
+            "fair_share": fair,
             "view": view.role,
             "user": view.user,
             "since": since,

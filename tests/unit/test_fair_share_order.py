@@ -318,3 +318,16 @@ def test_use_per_share_over_time_for_the_usage_page():
     assert series["nlp"][1][1] == pytest.approx(1.0, abs=1e-3)
     assert series["vision"][1][1] == pytest.approx(1.5, abs=1e-3)
     assert use_per_share(parse_policy(POLICY.replace("    weight: 3\n", "").replace("    weight: 2\n", "")), rows, [t0]) == {}
+
+
+def test_no_capacity_is_kept_for_a_request_the_usable_devices_cannot_hold():
+    """2 t4 on the machine, one drained: vision's 2-GPU t4 request cannot start until it is back,
+    and must not hold the flavor meanwhile (speech's 1-GPU request goes)."""
+    clock = Clock()
+    policy = parse_policy(POLICY + FAIR)
+    q = queue_for(policy, clock)
+    q.allocator.health.drain(q.allocator.devices[-1].id, by="admin")
+    assert [d.flavor for d in q.allocator.devices].count("t4") == 2 and q.allocator.devices[-1].flavor == "t4"
+    q.submit(Ticket("v/", "v", "vision", "t1", {"gpu/t4": 2}, created=clock.t))
+    q.submit(Ticket("s/", "s", "speech", "t1", {"gpu/t4": 1}, created=clock.t + 1))
+    assert "s/" in q.admitted and "v/" not in q.admitted

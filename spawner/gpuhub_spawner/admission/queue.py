@@ -425,6 +425,20 @@ class AdmissionQueue:
                 best[shape] = (key, t)
         return [t for _k, t in best.values()]
 
+    def _usable_for(self, demand: Demand) -> bool:
+        """Could the machine's usable devices (in service) ever hold ``demand``? Devices are
+        kept only for a request they can serve: a drained GPU must not block a flavor."""
+        devices = getattr(self.allocator, "devices", None)
+        out = getattr(self.allocator, "out_of_service", None)
+        if devices is None or out is None:
+            return True
+        for key, amount in demand.items():
+            if key.startswith("gpu/") and amount > 0:
+                flavor = key[4:]
+                if sum(1 for d in devices if d.flavor == flavor) - len(out(flavor)) < amount:
+                    return False
+        return True
+
     def _free(self, keys: Iterable[str]) -> dict[str, int]:
         count = getattr(self.allocator, "free_devices", None)
         return {k: len(count(k[4:])) for k in keys if k.startswith("gpu/")} if count else {}
@@ -453,29 +467,34 @@ class AdmissionQueue:
             free_before = self._free(set(self._device_blocked) | set(freed or ()))
         while not self.held:  # each admission changes usage: re-pick the best candidate
             progress = False
-            # Fair share: devices a request fits its quota for but cannot have yet (too few
-            # free) are kept for it against requests of other teams that come after it in
-            # fair-share order: otherwise small requests take every GPU as it frees, and the
-            # bigger request of the team with the better share never starts. (cohort, key) -> team.
-            reserved: dict[tuple[str, str], str] = {}
-            for _borrows, ticket in self._candidates(policy, names):
+            # Fair share keeps capacity for the request ahead in fair-share order, against the
+            # requests of other teams after it: otherwise small requests take every GPU as it
+            # frees, and the bigger request of the team with the better share never starts.
+            # Quota: what a team waits for from its cohort (its own lent quota, or a share of
+            # the pool) is not lent to a later borrower. Devices: what a request fits its quota
+            # for but cannot have yet (too few free) goes to no later request of another team.
+            quota_kept: dict[tuple[str, str], str] = {}  # (cohort, gpu key) -> team
+            devices_kept: dict[str, str] = {}  # gpu key -> team
+            for borrows, ticket in self._candidates(policy, names):
                 team = policy.team(ticket.team)
                 gpu_keys = [k for k in ticket.demand if k.startswith("gpu/")]
-                if reserved and any(reserved.get((team.cohort or "", k), team.name) != team.name for k in gpu_keys):
+                if devices_kept and any(devices_kept.get(k, team.name) != team.name for k in gpu_keys):
+                    continue
+                if borrows and quota_kept and any(quota_kept.get((team.cohort, k), team.name) != team.name for k in gpu_keys):
                     continue
                 fit = check_fit(policy, self._usage, team, ticket.demand, may_borrow(policy, team, ticket))
                 if not fit.fits:
                     if policy.fair and team.cohort and not any(sh.capped for sh in fit.shortages):
                         for k in gpu_keys:  # the cohort has too little free now: what frees is kept for it
-                            reserved.setdefault((team.cohort, k), team.name)
+                            quota_kept.setdefault((team.cohort, k), team.name)
                     continue
                 devices: list[str] | None = []
                 if self.allocator:
                     devices = self.allocator.allocate(ticket.key, ticket.demand)
                     if devices is None:
-                        if policy.fair:
+                        if policy.fair and self._usable_for(ticket.demand):
                             for k in gpu_keys:
-                                reserved.setdefault((team.cohort or "", k), team.name)
+                                devices_kept.setdefault(k, team.name)
                         continue
                 self._admit(ticket, devices or [])
                 admitted.append(ticket.admission)

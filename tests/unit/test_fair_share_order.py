@@ -273,6 +273,9 @@ def test_freed_gpus_wait_for_the_bigger_request_of_the_team_ahead(fair):
     q.release("s0/")  # one GPU frees: not enough for nlp's two
     if fair:
         assert "s3/" not in q.admitted and len(q.admitted) == 3  # kept for nlp, not lent again
+        assert "what frees is kept for a larger request of NLP, ahead of yours in fair-share order" in (
+            q.ticket("s3/").status.message
+        )
         q.release("s1/")
         assert "n/" in q.admitted
     else:

@@ -219,6 +219,7 @@ class AdmissionQueue:
         # requests that waited before must be back in the queue before anything jumps it.
         self.held = False
         self._configured: Policy | None = None
+        self._kept: tuple[dict, dict] = ({}, {})  # fair share's kept capacity at the last pass (for the words)
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -425,6 +426,24 @@ class AdmissionQueue:
                 best[shape] = (key, t)
         return [t for _k, t in best.values()]
 
+    def _kept_words(self, policy: Policy, team, ticket: Ticket, fit) -> str:
+        """Why a request that would fit waits: what it needs is kept for the request of another
+        team ahead of it in fair-share order (the last pass's ``_kept``)."""
+        quota_kept, devices_kept = self._kept
+        for key in (k for k in ticket.demand if k.startswith("gpu/")):
+            holder = devices_kept.get(key)
+            if holder is None and fit.borrows:
+                holder = quota_kept.get((team.cohort, key))
+            if holder is not None and holder != team.name:
+                other = policy.team_or_none(holder)
+                from .quota import describe
+
+                return (
+                    f"needs {describe(key, ticket.demand[key], policy)}: what frees is kept for a larger request of "
+                    f"{other.label if other else holder}, ahead of yours in fair-share order, until it can start"
+                )
+        return ""
+
     def _usable_for(self, demand: Demand) -> bool:
         """Could the machine's usable devices (in service) ever hold ``demand``? Devices are
         kept only for a request they can serve: a drained GPU must not block a flavor."""
@@ -501,6 +520,7 @@ class AdmissionQueue:
                 progress = True
                 break
             if not progress:
+                self._kept = (quota_kept, devices_kept)
                 break
         teams = None
         if touched is not None:
@@ -639,6 +659,8 @@ class AdmissionQueue:
                     if fit.fits and self.allocator:
                         watch = [k for k in ticket.demand if k.startswith("gpu/")]
                         reason = self.allocator.shortage(ticket.demand) or ""
+                    if not reason or (not fit.fits and fit.borrows):
+                        reason = self._kept_words(policy, team, ticket, fit) or reason
                 cache[shape] = (reason, watch)
             reason, watch = cache[shape]
             reason = self.notes.get(ticket.key) or reason

@@ -26,6 +26,7 @@ LAYER_TESTS = {
         "unit/test_concurrency.py",
         "unit/test_policy_impact.py",
         "unit/test_gpu_health.py",
+        "unit/test_fair_share_order.py",
     ],
     "services": [
         "unit/test_cull_rules.py",
@@ -62,6 +63,7 @@ LAYER_TESTS = {
         "kube/test_job_manifest.py",
         "kube/test_render.py",
         "kube/test_render_mig.py",
+        "unit/test_fair_share_render.py",
         "kube/test_webhook_exclusion.py",
         "kube/test_kueue_diff.py",
         "kube/test_ray_manifest.py",

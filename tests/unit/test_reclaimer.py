@@ -88,3 +88,27 @@ async def test_notice_board_message_withdrawal_and_restart(config, tmp_path):
     await settle()
     assert r2.notices == {} and CullBoard.instance(config=config).reclaims == {}
     assert CullBoard.instance(config=config).warnings_for("bob", {"": None}) == {}
+
+
+async def test_minimum_runtime_protects_a_borrower_and_the_lender_is_told_until_when(config):
+    """fairShare.minRuntime (docs/fair-share.md): a borrower that just started is not warned;
+    the lender's message says from when it can be; once the runtime is reached, it is."""
+    policy = parse_policy(
+        POLICY.model_dump_json(by_alias=True, exclude_none=True).replace(
+            '"teams":[{', '"fairShare":{"minRuntime":1200},"teams":[{', 1
+        )
+    )
+    assert policy.fair.min_runtime == 1200
+    q = AdmissionQueue(lambda: policy, DeviceTable(lambda: policy, discover=lambda: []))
+    broker = SimpleNamespace(queue=q, store=SimpleNamespace(current=policy), devices=q.allocator, config=config)
+    r = Reclaimer(broker)
+    q.submit(T("alice/", "vision"))
+    q.submit(T("bob/", "vision"))  # borrows NLP's GPU, admitted now
+    carol = q.submit(T("carol/", "nlp"))
+    await settle()
+    assert r.notices == {}  # bob's server started less than 20 minutes ago
+    assert "whose server started less than 20m ago (fair share's minimum runtime); it can be reclaimed from" in (
+        carol.status.message
+    )
+    r.evaluate(now=q.admitted["bob/"].since + 1201)
+    assert list(r.notices) == ["bob/"]

@@ -5,7 +5,11 @@ whatever now fits and refreshes the plain-words status of the waiting tickets th
 touched. There is no polling: a stop, a cancel, a new request or a policy reload is the
 trigger. Ordering follows Kueue's scheduler: requests that fit within their team's
 nominal quota go before requests that must borrow, then higher priority, then earlier
-arrival.
+arrival. With ``fairShare`` on (admission/fairshare.py, docs/fair-share.md), requests of
+equal priority go by fair share instead of arrival: a borrower by the share of idle
+capacity its team would hold per unit of weight (Kueue's Fair Sharing), then by its team's
+decayed usage per unit of weight; inside a team (``fairShare.users``) the user with less
+recent use first. Arrival breaks the remaining ties.
 
 Cost per event (a storm can leave thousands waiting): each team keeps its own sorted
 queue, usage is kept incrementally, a pass tries each waiting team once per distinct
@@ -26,7 +30,8 @@ from typing import Callable, Iterable, Protocol
 
 from prometheus_client import Gauge, Histogram
 
-from ..policy.model import Policy
+from ..policy.model import Policy, Team
+from .fairshare import FairOrder, UsageLedger, gpu_time
 from .quota import Demand, add_usage, check_fit
 from .reclaim import borrowing
 
@@ -64,7 +69,12 @@ def may_borrow(policy: Policy, team, ticket: "Ticket") -> bool:
 
 
 def _shape(ticket: "Ticket") -> tuple:
-    return (ticket.key.startswith("job:"), tuple(sorted(ticket.demand.items())))
+    # Kept on the ticket while its demand is the same dict: a pass asks per waiting ticket.
+    demand = ticket.demand
+    hit = ticket.__dict__.get("_shape")
+    if hit is None or hit[0] is not demand:
+        hit = ticket.__dict__["_shape"] = (demand, (ticket.key.startswith("job:"), tuple(sorted(demand.items()))))
+    return hit[1]
 
 
 class QueueRefused(Exception):
@@ -79,6 +89,7 @@ class WaitStatus:
     team: str
     in_use: dict[str, int]  # the team's admitted amount per requested resource
     message: str = ""
+    fair: str = ""  # fair share's words for this place ("" when fair share is off or decides nothing)
 
 
 @dataclass
@@ -173,8 +184,17 @@ class Ticket:
 
 
 class AdmissionQueue:
-    def __init__(self, policy: Callable[[], Policy], allocator: Allocator | None = None, journal: Journal | None = None):
+    def __init__(
+        self,
+        policy: Callable[[], Policy],
+        allocator: Allocator | None = None,
+        journal: Journal | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self._policy = policy
+        self.clock = clock
+        # Decayed GPU usage per team and user (kept whether fair share is on or not: O(1) per event).
+        self.fair = UsageLedger(clock)
         self.allocator = allocator
         self.journal = journal
         self._teams: dict[str, list[Ticket]] = {}  # team -> waiting, in (priority, arrival) order
@@ -198,6 +218,8 @@ class AdmissionQueue:
         # While set, nothing is admitted (statuses still update): after a restart the
         # requests that waited before must be back in the queue before anything jumps it.
         self.held = False
+        self._configured: Policy | None = None
+        self._kept: tuple[dict, dict] = ({}, {})  # fair share's kept capacity at the last pass (for the words)
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -316,6 +338,7 @@ class AdmissionQueue:
         self._restored.pop(key, None)
         free_before = self._free(set(self._device_blocked) | set(adm.demand))
         add_usage(self._usage, adm.team, adm.demand, -1)
+        self.fair.release(key)
         if self.allocator:
             self.allocator.free(key)
         log.info("Released %s (%s, team %s): %s", key, adm.profile, adm.team, adm.devices or "no devices")
@@ -331,6 +354,7 @@ class AdmissionQueue:
             self.allocator.restore(adm.key, adm.devices)
         self.admitted[adm.key] = adm
         add_usage(self._usage, adm.team, adm.demand)
+        self.fair.admit(adm.key, adm.team, adm.user, adm.demand, self._policy())
         self._update_metrics({adm.team})
 
     # -- the scheduler ---------------------------------------------------------------------
@@ -354,14 +378,20 @@ class AdmissionQueue:
         return out
 
     def _candidates(self, policy: Policy, names: Iterable[str]) -> list[tuple[bool, Ticket]]:
-        """Per waiting team in ``names``, its first ticket of each request shape, in Kueue's order."""
+        """Per waiting team in ``names``, its first ticket of each request shape, in Kueue's order
+        (with fair share: fair-share order among equal priorities)."""
+        order = FairOrder(policy, self.fair, self._usage) if policy.fair else None
+        by_user = order is not None and order.fs.users
         out = []
+        keyed = []
         for name in names:
             queue = self._teams.get(name)
             team = policy.team_or_none(name)
             if team is None or not queue:
                 continue
-            if team.queueing_strategy == "StrictFIFO":
+            if by_user and order is not None:
+                heads = self._fair_heads(order, team, queue)
+            elif team.queueing_strategy == "StrictFIFO":
                 heads = queue[:1]
             else:
                 seen, heads = set(), []
@@ -371,9 +401,62 @@ class AdmissionQueue:
                         seen.add(shape)
                         heads.append(t)
             for t in heads:
-                out.append((check_fit(policy, self._usage, team, t.demand, may_borrow(policy, team, t)).borrows, t))
+                borrows = check_fit(policy, self._usage, team, t.demand, may_borrow(policy, team, t)).borrows
+                out.append((borrows, t))
+                if order is not None:
+                    share = order.borrowed_share(team, t.demand) if borrows else 0.0
+                    keyed.append(((borrows, -t.priority, share, order.team_ratio(team), t.created, t.seq), (borrows, t)))
+        if order is not None:
+            keyed.sort(key=lambda e: e[0])
+            return [e[1] for e in keyed]
         out.sort(key=lambda e: (e[0], -e[1].priority, e[1].created, e[1].seq))
         return out
+
+    @staticmethod
+    def _fair_heads(order: FairOrder, team, queue: list[Ticket]) -> list[Ticket]:
+        """With fairness between users: per request shape (StrictFIFO: overall), the ticket of the
+        highest priority whose user has the least recent use (then arrival)."""
+        strict = team.queueing_strategy == "StrictFIFO"
+        best: dict[tuple, tuple] = {}
+        for t in queue:
+            shape = () if strict else _shape(t)
+            key = (-t.priority, order.user_usage(t.team, t.user), t.created, t.seq)
+            got = best.get(shape)
+            if got is None or key < got[0]:
+                best[shape] = (key, t)
+        return [t for _k, t in best.values()]
+
+    def _kept_words(self, policy: Policy, team, ticket: Ticket, fit) -> str:
+        """Why a request that would fit waits: what it needs is kept for the request of another
+        team ahead of it in fair-share order (the last pass's ``_kept``)."""
+        quota_kept, devices_kept = self._kept
+        for key in (k for k in ticket.demand if k.startswith("gpu/")):
+            holder = devices_kept.get(key)
+            if holder is None and fit.borrows:
+                holder = quota_kept.get((team.cohort, key))
+            if holder is not None and holder != team.name:
+                other = policy.team_or_none(holder)
+                from .quota import describe
+
+                return (
+                    f"needs {describe(key, ticket.demand[key], policy)}: what frees is kept for a larger request of "
+                    f"{other.label if other else holder}, ahead of yours in fair-share order, until it can start"
+                )
+        return ""
+
+    def _usable_for(self, demand: Demand) -> bool:
+        """Could the machine's usable devices (in service) ever hold ``demand``? Devices are
+        kept only for a request they can serve: a drained GPU must not block a flavor."""
+        devices = getattr(self.allocator, "devices", None)
+        out = getattr(self.allocator, "out_of_service", None)
+        if devices is None or out is None:
+            return True
+        for key, amount in demand.items():
+            if key.startswith("gpu/") and amount > 0:
+                flavor = key[4:]
+                if sum(1 for d in devices if d.flavor == flavor) - len(out(flavor)) < amount:
+                    return False
+        return True
 
     def _free(self, keys: Iterable[str]) -> dict[str, int]:
         count = getattr(self.allocator, "free_devices", None)
@@ -389,6 +472,9 @@ class AdmissionQueue:
         be admitted now; everybody else's answer is unchanged.
         """
         policy = self._policy()
+        if policy is not self._configured:
+            self.fair.configure(policy)
+            self._configured = policy
         admitted: list[Admission] = []
         if touched is None:
             names = set(self._teams)
@@ -400,19 +486,40 @@ class AdmissionQueue:
             free_before = self._free(set(self._device_blocked) | set(freed or ()))
         while not self.held:  # each admission changes usage: re-pick the best candidate
             progress = False
-            for _borrows, ticket in self._candidates(policy, names):
+            # Fair share keeps capacity for the request ahead in fair-share order, against the
+            # requests of other teams after it: otherwise small requests take every GPU as it
+            # frees, and the bigger request of the team with the better share never starts.
+            # Quota: what a team waits for from its cohort (its own lent quota, or a share of
+            # the pool) is not lent to a later borrower. Devices: what a request fits its quota
+            # for but cannot have yet (too few free) goes to no later request of another team.
+            quota_kept: dict[tuple[str | None, str], str] = {}  # (cohort, gpu key) -> team
+            devices_kept: dict[str, str] = {}  # gpu key -> team
+            for borrows, ticket in self._candidates(policy, names):
                 team = policy.team(ticket.team)
-                if not check_fit(policy, self._usage, team, ticket.demand, may_borrow(policy, team, ticket)).fits:
+                gpu_keys = [k for k in ticket.demand if k.startswith("gpu/")]
+                if devices_kept and any(devices_kept.get(k, team.name) != team.name for k in gpu_keys):
+                    continue
+                if borrows and quota_kept and any(quota_kept.get((team.cohort, k), team.name) != team.name for k in gpu_keys):
+                    continue
+                fit = check_fit(policy, self._usage, team, ticket.demand, may_borrow(policy, team, ticket))
+                if not fit.fits:
+                    if policy.fair and team.cohort and not any(sh.capped for sh in fit.shortages):
+                        for k in gpu_keys:  # the cohort has too little free now: what frees is kept for it
+                            quota_kept.setdefault((team.cohort, k), team.name)
                     continue
                 devices: list[str] | None = []
                 if self.allocator:
                     devices = self.allocator.allocate(ticket.key, ticket.demand)
                     if devices is None:
+                        if policy.fair and self._usable_for(ticket.demand):
+                            for k in gpu_keys:
+                                devices_kept.setdefault(k, team.name)
                         continue
                 admitted.append(self._admit(ticket, devices or []))
                 progress = True
                 break
             if not progress:
+                self._kept = (quota_kept, devices_kept)
                 break
         teams = None
         if touched is not None:
@@ -427,7 +534,16 @@ class AdmissionQueue:
         return admitted
 
     def _admit(self, ticket: Ticket, devices: list[str]) -> Admission:
-        adm = Admission(ticket.key, ticket.user, ticket.team, ticket.profile, ticket.demand, devices, priority=ticket.priority)
+        adm = Admission(
+            ticket.key,
+            ticket.user,
+            ticket.team,
+            ticket.profile,
+            ticket.demand,
+            devices,
+            since=self.clock(),
+            priority=ticket.priority,
+        )
         queue = self._teams[ticket.team]
         del queue[self._index(queue, ticket)]
         if not queue:
@@ -436,6 +552,7 @@ class AdmissionQueue:
         self.admitted[ticket.key] = adm
         add_usage(self._usage, ticket.team, ticket.demand)
         policy = self._policy()
+        self.fair.admit(adm.key, adm.team, adm.user, adm.demand, policy)
         for key, amount in ticket.demand.items():
             if key.startswith("gpu/") and amount > 0:
                 over = min(amount, borrowing(policy, self._usage, ticket.team, key))
@@ -444,7 +561,7 @@ class AdmissionQueue:
         if self.journal is not None:
             # Before the launch: a restart must never re-admit what may already run.
             self.journal.removed(ticket.key)
-        ADMISSION_WAIT.observe(time.time() - ticket.created)
+        ADMISSION_WAIT.observe(max(0.0, self.clock() - ticket.created))
         log.info("Admitted %s (%s, team %s) devices=%s", ticket.key, ticket.profile, ticket.team, adm.devices)
         ticket._admit(adm)
         for hook in self.on_admit:
@@ -458,13 +575,60 @@ class AdmissionQueue:
         for name in names:
             for blocked in self._device_blocked.values():
                 blocked.discard(name)
+        order = FairOrder(policy, self.fair, self._usage) if policy.fair else None
+        groups: dict = {}
         for name in names:
-            self._refresh_team(policy, name, self._teams[name])
+            self._refresh_team(policy, name, self._teams[name], order, groups)
 
-    def _refresh_team(self, policy: Policy, team_name: str, queue: list[Ticket]) -> None:
+    def _rivals(self, policy: Policy, order: FairOrder, team, groups: dict) -> list:
+        """The waiting teams ``team`` competes with (its cohort; without one, the other teams
+        without one: they share the machine's devices), in fair-share order (once per refresh)."""
+        group = team.cohort or ""
+        ranked = groups.get(group)
+        if ranked is None:
+            if team.cohort:
+                members = [m for m in policy.cohort_members(team) if m.name in self._teams]
+            else:
+                members = [t for n in self._teams if (t := policy.team_or_none(n)) is not None and not t.cohort]
+            ranked = groups[group] = sorted(members, key=lambda m: (order.team_ratio(m), m.name))
+        return ranked
+
+    def fair_words(self, policy: Policy, order: FairOrder, team, groups: dict | None = None) -> str:
+        """Plain words for where fair share puts ``team`` among the teams waiting beside it
+        ("" when none waits beside it: then fair share decides nothing for it)."""
+        ranked = self._rivals(policy, order, team, {} if groups is None else groups)
+        if len(ranked) < 2 or not any(t is team for t in ranked):  # identity: pydantic's == compares fields
+            return ""
+        from ..policy.quantities import format_duration
+
+        def used(t) -> str:
+            return gpu_time(self.fair.team(t.name, order.now))
+
+        mine = order.team_ratio(team)
+        ahead: list[Team] = []  # ranked is in fair-share order: those ahead are its first ones (O(1), not O(teams))
+        for t in ranked:
+            if len(ahead) == 3 or order.team_ratio(t) >= mine:
+                break
+            if t is not team:
+                ahead.append(t)
+        text = (
+            f"Fair share: {team.label} used {used(team)} lately (usage halves every "
+            f"{format_duration(order.fs.half_life)}) against a share of {policy.share_of(team) * 100:.0f}%"
+        )
+        if not ahead:
+            return text + "; no team waiting beside it used less for its share, so its requests go first among equal priorities"
+        others = [f"{t.label} {used(t)} against {policy.share_of(t) * 100:.0f}%" for t in ahead]
+        names = " and ".join(t.label for t in ahead)
+        verb = "goes" if len(ahead) == 1 else "go"
+        return text + ", " + ", ".join(others) + f": {names} {verb} first"
+
+    def _refresh_team(
+        self, policy: Policy, team_name: str, queue: list[Ticket], order: FairOrder | None = None, groups: dict | None = None
+    ) -> None:
         team = policy.team_or_none(team_name)
         label = team.label if team else team_name
         fits: dict[tuple, object] = {}
+        by_user = order is not None and order.fs.users
 
         def fit_of(ticket):
             shape = _shape(ticket)
@@ -472,9 +636,16 @@ class AdmissionQueue:
                 fits[shape] = check_fit(policy, self._usage, team, ticket.demand, may_borrow(policy, team, ticket))
             return shape, fits[shape]
 
-        # Kueue's order inside the team: within-nominal requests before borrowers.
-        if team is not None:
+        # Kueue's order inside the team: within-nominal requests before borrowers (with
+        # fairness between users: then the user with less recent use first).
+        if team is not None and by_user and order is not None:
+            fair_order = order  # (narrowed for the key below)
+            queue = sorted(
+                queue, key=lambda t: (fit_of(t)[1].borrows, -t.priority, fair_order.user_usage(t.team, t.user), t.created, t.seq)
+            )
+        elif team is not None:
             queue = sorted(queue, key=lambda t: fit_of(t)[1].borrows)
+        fair = self.fair_words(policy, order, team, groups) if order is not None and team is not None else ""
         used = self._usage.get(team_name, {})
         cache: dict[tuple, tuple[str, list[str]]] = {}
         for pos, ticket in enumerate(queue, 1):
@@ -489,6 +660,8 @@ class AdmissionQueue:
                     if fit.fits and self.allocator:
                         watch = [k for k in ticket.demand if k.startswith("gpu/")]
                         reason = self.allocator.shortage(ticket.demand) or ""
+                    if not reason or (not fit.fits and fit.borrows):
+                        reason = self._kept_words(policy, team, ticket, fit) or reason
                 cache[shape] = (reason, watch)
             reason, watch = cache[shape]
             reason = self.notes.get(ticket.key) or reason
@@ -501,7 +674,14 @@ class AdmissionQueue:
                 f"Waiting in the queue: position {pos} of {len(queue)} in {label}'s queue. "
                 f"This server {reason[0].lower() + reason[1:] if reason else ''}."
             )
-            status = WaitStatus(pos, len(queue), reason, team_name, in_use, message)
+            if fair:
+                message += f" {fair}."
+            if by_user and order is not None and len(queue) > 1:
+                message += (
+                    f" Within {label}, you used {gpu_time(order.user_usage(team_name, ticket.user))} lately; "
+                    "teammates who used less go first."
+                )
+            status = WaitStatus(pos, len(queue), reason, team_name, in_use, message, fair)
             if status != ticket.status:
                 ticket.status = status
                 ticket._notify()

@@ -94,6 +94,7 @@ class Shortage:
     nominal: int
     borrowable_now: int  # what the cohort could lend right now
     reason: str  # plain words
+    capped: bool = False  # at the most the team may hold (not: the cohort has too little free now)
 
 
 @dataclass
@@ -175,7 +176,9 @@ def check_fit(policy: Policy, usage: Usage, team: Team, demand: Demand, may_borr
                     f"your team {team.label} uses its quota of {n(own.nominal)} and the {team.cohort} cohort "
                     f"has {n(max(0, pool_free))} free to lend (the other teams use their own quota)"
                 )
-            result.shortages.append(Shortage(key, amount, used, own.nominal, max(0, pool_free), f"needs {what}: {why}"))
+            result.shortages.append(
+                Shortage(key, amount, used, own.nominal, max(0, pool_free), f"needs {what}: {why}", after > ceiling)
+            )
     return result
 
 

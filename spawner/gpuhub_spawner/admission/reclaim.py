@@ -14,6 +14,10 @@ given is never moved to someone else (and never given twice). Like Kueue, a team
 being a candidate as soon as it is no longer above its nominal quota, and holders the
 request turns out not to need after all are put back (newest pick first).
 
+A minimum runtime (``fairShare.minRuntime``, Slurm's ``PreemptExemptTime``) protects a
+borrower admitted less than that long ago: it is no candidate until then, and the request
+it would have served notes when it can be (``Plan.protected``).
+
 A hold-down keeps a lender from preempting at will (``HoldDown``): a lender who withdraws
 a request for which borrowers were reclaimed (cancelled while waiting, or stopped soon
 after admission) has nothing reclaimed for any request of theirs until one notice period
@@ -59,6 +63,8 @@ class Plan:
     reclaim: dict[str, tuple[str, str]] = field(default_factory=dict)
     covered: dict[str, list[str]] = field(default_factory=dict)  # request key -> holders it waits for
     held: list[str] = field(default_factory=list)  # requests that needed a reclaim but are held down
+    # request key -> when the earliest borrower protected by the minimum runtime may be reclaimed
+    protected: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,6 +137,8 @@ def plan(
     free_devices: Mapping[str, int] | None = None,
     under_notice: Collection[str] = frozenset(),
     held_down: Collection[str] = frozenset(),
+    now: float = 0.0,
+    min_runtime: float = 0.0,
 ) -> Plan:
     """What to take back so that every waiting within-nominal request fits.
 
@@ -140,6 +148,8 @@ def plan(
     top of the earlier ones (what they take, what they get back). Teams whose
     ``reclaim.enabled`` is false never take anything back, nor do requests whose
     ``lender`` is in ``held_down`` (``HoldDown.held``): those are listed in ``Plan.held``.
+    A holder admitted less than ``min_runtime`` before ``now`` is never picked (already under
+    notice excepted: a warning once given stands); ``Plan.protected`` says until when.
     """
     trial: dict[str, dict[str, int]] = {t: dict(u) for t, u in usage.items()}
     free = dict(free_devices) if free_devices is not None else None
@@ -166,10 +176,11 @@ def plan(
             out.held.append(req.key)  # withdrew a request that reclaimed: not again within the notice
             continue
         members = {m.name for m in policy.cohort_members(team)} - {team.name}
-        candidates = sorted(
-            (h for h in pool if h.key not in taken and h.team in members and any(h.demand.get(k) for k in gpu_keys)),
-            key=lambda h: (h.key not in under_notice, h.priority, -h.admitted, h.key),
-        )
+        eligible = [h for h in pool if h.key not in taken and h.team in members and any(h.demand.get(k) for k in gpu_keys)]
+        young = [h for h in eligible if min_runtime > 0 and h.key not in under_notice and now - h.admitted < min_runtime]
+        if young:
+            eligible = [h for h in eligible if h not in young]
+        candidates = sorted(eligible, key=lambda h: (h.key not in under_notice, h.priority, -h.admitted, h.key))
         t2 = {t: dict(u) for t, u in trial.items()}
         f2 = dict(free) if free is not None else None
         picks: list[Holder] = []
@@ -181,6 +192,8 @@ def plan(
             if fits(t2, f2):
                 break
         else:
+            if young and any(borrowing(policy, t2, h.team, k) > 0 for h in young for k in gpu_keys if h.demand.get(k)):
+                out.protected[req.key] = min(h.admitted for h in young) + min_runtime
             continue  # cannot be made to fit by reclaiming (teammates, other teams' own quota)
         # Put back what turned out not to be needed (Kueue: newest pick first, except the last).
         for h in reversed(picks[:-1]):

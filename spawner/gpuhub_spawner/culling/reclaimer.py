@@ -78,6 +78,7 @@ class Reclaimer:
         self._stopping: set[str] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._pending = False
+        self._wake: tuple[float, asyncio.TimerHandle] | None = None  # the next planning at a runtime's end
         self.hold = HoldDown()
         q = broker.queue
         q.on_queued.append(self._poke)
@@ -183,7 +184,21 @@ class Reclaimer:
             for a in leaving:
                 for k in free:
                     free[k] += a.demand.get(k, 0)
-        p = plan(policy, usage, holders, requests, free, under_notice=set(self.notices), held_down=held)
+        fs = policy.fair
+        min_runtime = fs.min_runtime if fs is not None else 0.0
+        p = plan(
+            policy,
+            usage,
+            holders,
+            requests,
+            free,
+            under_notice=set(self.notices),
+            held_down=held,
+            now=now,
+            min_runtime=min_runtime,
+        )
+        if p.protected:
+            self._wake_at(min(p.protected.values()))
         for t in waiting:
             if p.covered.get(t.key):  # borrowers are reclaimed for it: counts for the hold-down
                 lender_team = policy.team_or_none(t.team)
@@ -210,6 +225,13 @@ class Reclaimer:
                     f"needs {what}: {team.label}'s GPU is on loan to another team; it is being "
                     f"reclaimed and will be yours by {_by(by)} at the latest"
                 )
+            elif t.key in p.protected:
+                what = ", ".join(describe(k, v, policy) for k, v in t.demand.items() if k.startswith("gpu/"))
+                notes[t.key] = (
+                    f"needs {what}: {team.label}'s GPU is on loan to another team, whose server started less than "
+                    f"{format_duration(min_runtime)} ago (fair share's minimum runtime); it can be reclaimed from "
+                    f"{_clock_s(p.protected[t.key])}"
+                )
             elif t.key in p.held:
                 what = ", ".join(describe(k, v, policy) for k, v in t.demand.items() if k.startswith("gpu/"))
                 notes[t.key] = (
@@ -224,6 +246,18 @@ class Reclaimer:
         queue.notes = notes
         if changed:
             queue.refresh(changed)
+
+    def _wake_at(self, when: float) -> None:
+        """Plan again when a borrower's minimum runtime ends (the safety pass would, later)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._wake is not None and self._wake[0] <= when:
+            if not self._wake[1].cancelled() and self._wake[0] > time.time():
+                return
+        handle = loop.call_later(max(0.0, when - time.time()) + 0.05, self._poke)
+        self._wake = (when, handle)
 
     @staticmethod
     def _anyone_borrows(policy, usage) -> bool:

@@ -100,6 +100,7 @@ def status_snapshot(
                     "waited": format_duration(now - t.created),
                     "position": t.status.position if t.status else None,
                     "reason": t.status.reason if t.status else "",
+                    "fair": t.status.fair if t.status else "",
                 }
             )
     lending = {f.name: lent_and_borrowed(policy, usage, f.name) for f in policy.flavors}
@@ -145,9 +146,44 @@ def status_snapshot(
         teams.append(entry)
     view = "all" if see_all else ("team" if own_teams else "counts")
     out = {"devices": devices, "teams": teams, "view": view, "waiting": waiting_list, "now": now}
+    fair = fair_share_figures(policy, queue)
+    if fair is not None:
+        out["fair_share"] = fair
     if see_all:
         out["policy"] = broker.store.status.as_dict()
     return out
+
+
+def fair_share_figures(policy, queue) -> dict | None:
+    """Each team's recent (decayed) GPU use against its weight (docs/fair-share.md): team
+    figures only, which every reader of the status may see. None while fair share is off."""
+    ledger = getattr(queue, "fair", None)
+    if policy.fair is None or ledger is None:
+        return None
+    used = ledger.teams()
+    groups: dict[str, float] = {}
+    for t in policy.teams:
+        groups[t.cohort or ""] = groups.get(t.cohort or "", 0.0) + used.get(t.name, 0.0)
+    rows = []
+    for t in policy.teams:
+        mine = used.get(t.name, 0.0)
+        total = groups[t.cohort or ""]
+        share = policy.share_of(t)
+        of_use = mine / total if total else 0.0
+        rows.append(
+            {
+                "name": t.name,
+                "label": t.label,
+                "cohort": t.cohort,
+                "weight": t.weight,
+                "share_pct": round(100 * share, 1),
+                "recent_gpu_hours": round(mine / 3600, 1),
+                "use_pct": round(100 * of_use, 1),
+                # above 1: used more than its share lately (its requests go after the others')
+                "use_per_share": round(of_use / share, 2) if share else None,
+            }
+        )
+    return {"half_life": format_duration(policy.fair.half_life), "users": policy.fair.users, "teams": rows}
 
 
 def holders_of_gpus(queue) -> list:

@@ -1,4 +1,4 @@
-"""Hub API for Ray clusters (docs/ray.md); the backend through ``rayclusters.current_manager``.
+"""Hub API for Ray clusters (docs/ray.md); the backend through the hub's application object (``app_of(self).ray``).
 
 - ``POST /hub/api/gpuhub/ray`` ``{"gpus": 2, "workers": 0, "profile": null, "team": null, "name": null}``:
   start one. 403/409/400 with the reason when the policy refuses it (nothing queues); 201

@@ -26,7 +26,7 @@ from traitlets import Float
 from traitlets.config import SingletonConfigurable
 
 from ..culling.board import CullBoard
-from ..policy.quantities import parse_duration
+from ..policy.quantities import format_duration, parse_duration
 from ..policy.scopes import AUDIT, allowed
 from ..usage import charts
 from ..usage.history import iso, summarize, to_csv
@@ -102,7 +102,13 @@ class _Base:
         policy = self.broker.policy
         visible_teams = {t.name for t in policy.teams if view.sees_totals_of(t.name)}
         queue = [(at, team, n) for at, team, n in history.queue_series(since) if team in visible_teams]
+        from .pages import fair_share_figures  # team figures: what the status page shows everyone
+
+        fair = fair_share_figures(policy, getattr(self.broker, "queue", None))
+        if fair is not None:
+            fair["teams"] = [f for f in fair["teams"] if f["name"] in visible_teams]
         return {
+            "fair_share": fair,
             "view": view.role,
             "user": view.user,
             "since": since,
@@ -188,6 +194,7 @@ class UsagePageHandler(_Base, BaseHandler):
             for n, v in totals.items()
         }
         svgs = {
+            "fair": self._fair_chart(view, since, now, labels),
             "allocation": charts.step_chart(
                 "gpuhub-chart-allocation", "GPUs allocated per team (dashed: nominal quota)", alloc, since, now, "GPUs", quota
             ),
@@ -216,6 +223,24 @@ class UsagePageHandler(_Base, BaseHandler):
             csv_url=url_path_join(self.hub.base_url, "gpuhub/usage.csv") + f"?since={self.get_argument('since', '7d')}",
         )
         self.finish(html)
+
+    def _fair_chart(self, view, since: float, now: float, labels: dict) -> str:
+        """Fair share (docs/fair-share.md): each visible team's recent use against its share over
+        the window, 48 points, from the usage history (with the half-lives before the window)."""
+        from ..admission.fairshare import SEED_HALF_LIVES, use_per_share
+
+        policy = self.broker.policy
+        if policy.fair is None:
+            return ""
+        rows = self.recorder.history.rows(since - SEED_HALF_LIVES * policy.fair.half_life)
+        teams = {t.name for t in policy.teams if view.sees_totals_of(t.name)}
+        times = [since + (now - since) * i / 47 for i in range(48)]
+        series = {labels.get(n, n): pts for n, pts in use_per_share(policy, rows, times, teams).items()}
+        title = (
+            f"Fair share: recent GPU use ÷ share (1 = exactly its share; use halves every "
+            f"{format_duration(policy.fair.half_life)})"
+        )
+        return charts.step_chart("gpuhub-chart-fair", title, series, since, now, "use ÷ share")
 
 
 class AuditAPIHandler(APIHandler):

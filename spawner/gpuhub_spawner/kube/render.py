@@ -34,13 +34,26 @@ Choices (also in docs/install-kubernetes.md):
   resources; a team counting the same shapes in slices its slice quota and a placeholder on the
   memory (both placeholders with ``lendingLimit: 0``). The memory sits in the CPU group, on
   ``gpuhub-default``.
+* Fair share (``fairShare``, docs/fair-share.md), in Kueue v0.19.2's own mechanisms: each
+  ClusterQueue's ``fairSharing.weight`` is its team's ``weight`` (Kueue's Fair Sharing shares
+  a cohort's unused quota by borrowed share per unit of weight); with ``fairShare.users`` a
+  ClusterQueue also gets ``admissionScope.admissionMode: UsageBasedAdmissionFairSharing`` and
+  each user their own LocalQueue in it (``user_local_queue``; Kueue orders the ClusterQueue's
+  workloads by their LocalQueue's decayed usage). ``gpuhub render kueue-config`` adds
+  ``fairSharing`` and ``admissionFairSharing`` (``usageHalfLifeTime`` = ``halfLife``,
+  ``resourceWeights`` per device resource from ``flavorWeights``, and 0 for CPU, memory and
+  ephemeral storage, which Kueue would otherwise count at weight 1, in bytes). v0.19.2 has no
+  preemption protection (KEP-9876 came later): ``minRuntime`` is not rendered; the hub's
+  reclaimer keeps it for the servers it reclaims.
 * Output is sorted (kind in apply order, then name; keys sorted) so it diffs cleanly.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import re
 import sys
 from collections import defaultdict
 
@@ -132,18 +145,74 @@ def memory_counted(policy: Policy) -> dict[str, int]:
 def kueue_config(policy: Policy) -> dict:
     """The part of Kueue's Configuration (``controller_manager_config.yaml``) the policy needs: one
     resource transformation per MIG shape some team counts in memory, ``Retain`` so a team counting
-    the same shape in slices still sees the slice. Empty when no team counts in memory."""
+    the same shape in slices still sees the slice; and with fair share on, Fair Sharing and
+    Admission Fair Sharing (``fair_share_config``). Empty when the policy needs neither."""
+    out: dict = {}
     inputs = memory_counted(policy)
-    if not inputs:
-        return {}
-    return {
-        "resources": {
+    if inputs:
+        out["resources"] = {
             "transformations": [
                 {"input": res, "strategy": "Retain", "outputs": {MIG_MEMORY_RESOURCE: format_memory(inputs[res])}}
                 for res in sorted(inputs)
             ]
         }
+    out.update(fair_share_config(policy))
+    return out
+
+
+# Kueue's preemption strategies under Fair Sharing (v0.19.2 accepts exactly these lists): first
+# only where the preemptor's share with its workload stays at or below the target's without its
+# own, then where it is below the target's share before. Kueue's documented default.
+FAIR_PREEMPTION_STRATEGIES = ["LessThanOrEqualToFinalShare", "LessThanInitialShare"]
+AFS_SAMPLING = "5m"  # Kueue's default usageSamplingInterval, written out
+
+
+def _duration(seconds: float) -> str:
+    """A Go duration (metav1.Duration) for whole seconds: 86400 -> '24h', 5400 -> '1h30m'."""
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return "".join(f"{v}{u}" for v, u in ((h, "h"), (m, "m"), (sec, "s")) if v) or "0s"
+
+
+def fair_share_config(policy: Policy) -> dict:
+    """Kueue's ``fairSharing`` and ``admissionFairSharing`` for the policy's ``fairShare``.
+
+    ``resourceWeights`` is per device resource, not per flavor: flavors sharing one resource
+    name (``nvidia.com/gpu`` on A100 and H100 nodes) must have one weight, or Kueue cannot
+    say it (a ValueError explains). CPU, memory and ephemeral storage weigh 0: the hub counts
+    GPU time only, and Kueue would count a resource it is not told about at weight 1, in its
+    base unit (a 2Gi request as 2147483648)."""
+    fs = policy.fair
+    if fs is None:
+        return {}
+    weights: dict[str, float] = {"cpu": 0.0, "memory": 0.0, "ephemeral-storage": 0.0}
+    if memory_counted(policy):
+        weights[MIG_MEMORY_RESOURCE] = 0.0
+    by_resource: dict[str, dict[str, float]] = defaultdict(dict)
+    for f in policy.flavors:
+        by_resource[f.resource][f.name] = fs.flavor_weight(f.name)
+    for resource, flavors in sorted(by_resource.items()):
+        if len(set(flavors.values())) > 1:
+            listed = ", ".join(f"{n}: {w:g}" for n, w in sorted(flavors.items()))
+            raise ValueError(
+                f"fairShare.flavorWeights: flavors {listed} share the device resource {resource}; Kueue v0.19.2 weighs "
+                "usage per resource (admissionFairSharing.resourceWeights), not per flavor: give them one weight"
+            )
+        weights[resource] = next(iter(flavors.values()))
+    return {
+        "fairSharing": {"preemptionStrategies": list(FAIR_PREEMPTION_STRATEGIES)},
+        "admissionFairSharing": {
+            "usageHalfLifeTime": _duration(fs.half_life),
+            "usageSamplingInterval": AFS_SAMPLING,
+            "resourceWeights": weights,
+        },
     }
+
+
+def _weight(value: float) -> str:
+    """A Kubernetes quantity for a weight: 3 -> '3', 0.5 -> '0.5' (Kueue parses it as a Quantity)."""
+    return f"{value:g}" if "e" not in f"{value:g}" else f"{value:.9f}".rstrip("0").rstrip(".")
 
 
 def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -> dict:
@@ -208,6 +277,10 @@ def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -
     }
     if team.cohort:
         spec["cohortName"] = team.cohort
+    if policy.fair is not None:
+        spec["fairSharing"] = {"weight": _weight(team.weight)}
+        if policy.fair.users:  # the team's users' LocalQueues are ordered by their decayed usage
+            spec["admissionScope"] = {"admissionMode": "UsageBasedAdmissionFairSharing"}
     return {"apiVersion": API_VERSION, "kind": "ClusterQueue", "metadata": _meta(team.name), "spec": spec}
 
 
@@ -222,6 +295,33 @@ def local_queue(team: Team, namespace: str) -> dict:
         "metadata": _meta(team.local_queue, namespace),
         "spec": {"clusterQueue": team.name},
     }
+
+
+_NOT_DNS = re.compile(r"[^a-z0-9-]+")
+
+
+def user_queue_name(team: Team, user: str) -> str:
+    """The LocalQueue of ``user`` in ``team`` when fairness between users is on: the team's
+    queue name, the user's name made DNS-safe, and a short hash of the exact name (two names
+    that clean up alike, 'a.b' and 'a-b', stay apart); at most 63 characters."""
+    digest = hashlib.sha256(user.encode()).hexdigest()[:6]
+    clean = _NOT_DNS.sub("-", user.lower()).strip("-") or "user"
+    base = f"{team.local_queue}-u-"
+    clean = clean[: 63 - len(base) - 7].strip("-") or "user"
+    return f"{base}{clean}-{digest}"
+
+
+def user_local_queue(team: Team, user: str, namespace: str = DEFAULT_NAMESPACE) -> dict:
+    """A user's own LocalQueue in the team's ClusterQueue (``fairShare.users``): Admission Fair
+    Sharing orders a ClusterQueue's workloads by the decayed usage of their LocalQueue, so one
+    LocalQueue per user is what makes it fairness between users. Users come and go with the
+    identity provider's groups, so these are made when a user first asks (by the hub), not by
+    ``gpuhub render kueue``."""
+    obj = local_queue(team, namespace)
+    obj["metadata"] = _meta(user_queue_name(team, user), namespace)
+    obj["metadata"].setdefault("labels", {})["gpuhub.io/team"] = team.name
+    obj["spec"]["fairSharing"] = {"weight": "1"}
+    return obj
 
 
 def render_objects(policy: Policy, namespace: str = DEFAULT_NAMESPACE, cpu_flavor: str = DEFAULT_CPU_FLAVOR) -> list[dict]:
@@ -361,7 +461,7 @@ def main(argv: list[str]) -> int:
     kcfg = sub.add_parser(
         "kueue-config",
         help="what to merge into Kueue's configuration: resource transformations "
-        "for MIG slices counted in GPU memory (docs/mig.md)",
+        "for MIG slices counted in GPU memory (docs/mig.md), Fair Sharing and Admission Fair Sharing (docs/fair-share.md)",
     )
     kcfg.add_argument("file", help="the policy YAML")
     prbac = sub.add_parser(
@@ -395,10 +495,14 @@ def main(argv: list[str]) -> int:
             fragment = kueue_config(policy)
             if not fragment:
                 print(
-                    f"{args.file}: no team counts MIG slices in GPU memory: Kueue's configuration needs nothing", file=sys.stderr
+                    f"{args.file}: no team counts MIG slices in GPU memory and fair share is off: "
+                    "Kueue's configuration needs nothing",
+                    file=sys.stderr,
                 )
                 return 0
-            sys.stdout.write("# merge into controller_manager_config.yaml of kueue-manager-config (docs/mig.md)\n")
+            sys.stdout.write(
+                "# merge into controller_manager_config.yaml of kueue-manager-config (docs/mig.md, docs/fair-share.md)\n"
+            )
             sys.stdout.write(yaml.safe_dump(fragment, sort_keys=True, default_flow_style=False))
             return 0
         objs = render_objects(policy, args.namespace, args.cpu_flavor)

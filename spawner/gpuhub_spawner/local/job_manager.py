@@ -617,6 +617,12 @@ class JobManager(SingletonConfigurable):
         usage = queue.usage()
         chosen: list[tuple[str, str]] = []
         taken: set[str] = set()
+        # Fair share's minimum runtime (Slurm's PreemptExemptTime): a job younger than that stays.
+        fs = policy.fair
+        min_runtime = fs.min_runtime if fs is not None else 0.0
+        young_before = time.time() - min_runtime
+        if min_runtime > 0:
+            running = [r for r in running if ((r[1].current.started or 0) if r[1].current else 0) <= young_before]
         for ticket in sorted(queue.waiting, key=Ticket.sort_key):
             if ticket.key.startswith(KEY_PREFIX) or ticket.restored:
                 continue
@@ -670,7 +676,8 @@ class JobManager(SingletonConfigurable):
                 reason = st.reason[0].lower() + st.reason[1:] if st.reason else ""
                 team = _team(self.policy, rec.team)
                 label = team.label if team is not None else rec.team
-                return f"queued: position {st.position} of {st.waiting_in_team} in {label}'s queue; this job {reason}."
+                line = f"queued: position {st.position} of {st.waiting_in_team} in {label}'s queue; this job {reason}."
+                return f"{line} {st.fair}." if getattr(st, "fair", "") else line
             return "queued: waiting for the scheduler."
         if rec.state == R.RUNNING:
             att = rec.current

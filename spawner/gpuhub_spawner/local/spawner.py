@@ -384,6 +384,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
                         "team": ticket.status.team,
                         "in_use": ticket.status.in_use,
                         "reason": ticket.status.reason,
+                        "fair": ticket.status.fair,
                         "waited": round(waited, 1),
                     },
                 }

@@ -551,6 +551,33 @@ def _reachable_slices_by_memory(policy: Policy, team, flavor: str) -> int:
     return reach // mig.memory
 
 
+def _fair_share_checks(policy: Policy, flavors: list[str]) -> Iterable[tuple[Loc, str]]:
+    """``fairShare`` and team weights (docs/fair-share.md)."""
+    from .quantities import format_duration as fmt
+
+    fs = policy.fair_share
+    if fs is None:
+        for ti, team in enumerate(policy.teams):
+            if "weight" in team.model_fields_set:
+                yield (
+                    ("teams", ti, "weight"),
+                    "a weight only counts with fair share on: add a fairShare section (fairShare: {} for the defaults)",
+                )
+                break  # one is enough to say it
+        return
+    for name in fs.flavor_weights:
+        if name not in flavors:
+            yield ("fairShare", "flavorWeights", name), f"unknown flavor {name!r}" + suggest(name, flavors)
+    notice = max((policy.reclaim_rules(t).notice or 0.0 for t in policy.teams), default=0.0)
+    if fs.min_runtime and fs.min_runtime + notice >= policy.defaults.queue_timeout:
+        yield (
+            ("fairShare", "minRuntime"),
+            f"minRuntime ({fmt(fs.min_runtime)}) plus the reclaim notice ({fmt(notice)}) must be shorter than "
+            f"defaults.queueTimeout ({fmt(policy.defaults.queue_timeout)}): a lending team would give up waiting "
+            "before a borrower could be asked to give its GPUs back",
+        )
+
+
 def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
     flavors = [f.name for f in policy.flavors]
     priorities = [p.name for p in policy.priority_classes]
@@ -576,6 +603,8 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
             ("defaults", "priority"),
             f"unknown priority class {policy.defaults.priority!r}" + suggest(policy.defaults.priority, priorities),
         )
+
+    yield from _fair_share_checks(policy, flavors)
 
     for ti, team in enumerate(policy.teams):
         if team.default_priority and team.default_priority not in priorities:

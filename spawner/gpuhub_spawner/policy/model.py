@@ -237,6 +237,11 @@ class PerUser(_Model):
     max_gpus: GpuCount | None = Field(None, alias="maxGPUs")
 
 
+# A team's share of contested capacity (fair share, docs/fair-share.md). Kueue's
+# ``fairSharing.weight``: 0 means "always last", otherwise above 10^-9.
+Weight = Annotated[float, Field(ge=0, le=1_000_000)]
+
+
 class Team(_Model):
     name: Name
     display_name: str | None = None
@@ -255,6 +260,15 @@ class Team(_Model):
     # and history and may stop its members' idle servers (hub/roles.py).
     leads: list[str] = []
     reclaim: ReclaimRules = ReclaimRules()
+    # Share of contested capacity against the other teams (only with a ``fairShare`` section).
+    weight: Weight = 1.0
+
+    @field_validator("weight")
+    @classmethod
+    def _weight(cls, value: float) -> float:
+        if 0 < value < 1e-9:
+            raise ValueError(f"a weight is 0 (always last) or at least 1e-9 (got {value!r}), as Kueue requires")
+        return value
 
     @property
     def local_queue(self) -> str:
@@ -405,6 +419,47 @@ class Defaults(_Model):
     reclaim: ReclaimRules = ReclaimRules()  # keys unset here: RECLAIM_DEFAULTS
 
 
+DEFAULT_HALF_LIFE = 24 * 3600.0  # yesterday counts half, last week under 1 %
+
+
+class FairShare(_Model):
+    """``fairShare:``: who used the GPUs lately decides who gets the next one (docs/fair-share.md).
+
+    Usage is GPU-seconds *held* (admitted), by flavor, times ``flavorWeights`` (default 1),
+    decayed with ``halfLife``. Idle time counts: a held GPU is denied to everyone else whether
+    it computes or not (the culler is what gives idle GPUs back), and Kueue counts admitted
+    requests the same way, so both modes agree. Absent section: today's order (priority, then
+    arrival), team weights unused.
+    """
+
+    enabled: bool = True
+    half_life: Seconds = DEFAULT_HALF_LIFE
+    flavor_weights: dict[str, Annotated[float, Field(ge=0, le=1000)]] = {}
+    # Inside a team, the user with less recent use goes first (Kueue: a LocalQueue per user
+    # in the team's ClusterQueue with Admission Fair Sharing); off: arrival order in the team.
+    users: bool = False
+    # A borrower runs at least this long before its GPUs are reclaimed or it is preempted
+    # (Slurm's PreemptExemptTime; Kueue KEP-9876, not in v0.19.2). 0: at once, as today.
+    min_runtime: Seconds = 0.0
+
+    @field_validator("half_life")
+    @classmethod
+    def _half_life(cls, value: float) -> float:
+        if not 60.0 <= value <= 365 * 86400.0:
+            raise ValueError(f"must be between 1m and 365d (got {value:g}s)")
+        return value
+
+    @field_validator("min_runtime")
+    @classmethod
+    def _min_runtime(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("cannot be negative")
+        return value
+
+    def flavor_weight(self, flavor: str) -> float:
+        return self.flavor_weights.get(flavor, 1.0)
+
+
 # NVIDIA's k8s-device-plugin (internal/rm/health.go) ignores these by default: errors of the
 # application that ran, not of the GPU (graphics engine exception, GPU memory page fault,
 # GPU stopped processing, preemptive cleanup, video processor exception, context switch timeout).
@@ -538,6 +593,31 @@ class Policy(_Model):
     roles: Roles = Roles()
     health: HealthRules = HealthRules()
     ray: RayRules = RayRules()
+    fair_share: FairShare | None = None
+
+    @property
+    def fair(self) -> FairShare | None:
+        """The fair-share rules in force (None: off, today's priority-then-arrival order)."""
+        fs = self.fair_share
+        return fs if fs is not None and fs.enabled else None
+
+    def share_of(self, team: Team) -> float:
+        """``team``'s weight as a fraction of its cohort's (no cohort: of all teams without one)."""
+        cache = self._share_cache
+        if cache.get("\0teams") is not self.teams:  # a model_copy with other teams: not stale
+            cache.clear()
+            cache["\0teams"] = self.teams
+            totals: dict[str | None, float] = {}
+            for t in self.teams:
+                totals[t.cohort] = totals.get(t.cohort, 0.0) + t.weight
+            for t in self.teams:
+                total = totals[t.cohort]
+                cache.setdefault(t.name, t.weight / total if total else 0.0)
+        return cache.get(team.name, 0.0)
+
+    @cached_property
+    def _share_cache(self) -> dict:
+        return {}
 
     # -- look-ups used by both backends -------------------------------------------------
     def flavor(self, name: str) -> Flavor:

@@ -61,4 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"queue waits: {w['count']} admissions, median {_fmt_s(w['median_seconds'])}, p95 {_fmt_s(w['p95_seconds'])}")
     if s["ended"]:
         print("ended: " + ", ".join(f"{k} {v}" for k, v in sorted(s["ended"].items())))
+    fair = rep.get("fair_share")
+    if fair and fair["teams"]:
+        # docs/fair-share.md: who goes first among equal priorities
+        print(f"fair share now (recent GPU use, halving every {fair['half_life']}; use/share above 1: used more than its share):")
+        width = max(len(f["label"]) for f in fair["teams"]) + 2
+        print(f"  {'team':<{width}}{'weight':>8}{'share':>8}{'recent GPU-h':>14}{'use/share':>11}")
+        for f in sorted(fair["teams"], key=lambda f: (f["use_per_share"] is None, f["use_per_share"] or 0)):
+            ratio = "-" if f["use_per_share"] is None else f"{f['use_per_share']:.2f}"
+            print(f"  {f['label']:<{width}}{f['weight']:>8g}{f['share_pct']:>7.1f}%{f['recent_gpu_hours']:>14.1f}{ratio:>11}")
     return 0

@@ -109,6 +109,7 @@ class QuotaCollector:
             waiting.add_metric([team.name], counts.get(team.name, 0))
             oldest.add_metric([team.name], round(now - first[team.name], 3) if team.name in first else 0)
         yield from (nominal, in_use, borrowed, lent, waiting, oldest)
+        yield from self._fair_share(policy, queue)
 
         if broker.devices is None:  # Kubernetes: Kueue counts quota; devices are the nodes' (DCGM)
             yield from self._policy_status(broker)
@@ -134,6 +135,28 @@ class QuotaCollector:
                     util.add_metric([d, flavor_of.get(d, ""), adm.team], readings[d])
         yield util
         yield from self._policy_status(broker)
+
+    @staticmethod
+    def _fair_share(policy, queue):
+        """Fair share's figures (docs/fair-share.md): each team's decayed GPU use and its weight."""
+        ledger = getattr(queue, "fair", None)
+        if policy.fair is None or ledger is None:
+            return
+        used = GaugeMetricFamily(
+            "gpuhub_fair_share_recent_gpu_hours",
+            "A team's recent GPU use: GPU-hours held, times the flavor weights, decayed by the fair-share half-life",
+            labels=["team"],
+        )
+        weight = GaugeMetricFamily("gpuhub_fair_share_weight", "A team's fair-share weight", labels=["team"])
+        share = GaugeMetricFamily(
+            "gpuhub_fair_share_share", "A team's weight as a fraction of its cohort's (0-1)", labels=["team", "cohort"]
+        )
+        now = ledger.teams()
+        for t in policy.teams:
+            used.add_metric([t.name], round(now.get(t.name, 0.0) / 3600, 4))
+            weight.add_metric([t.name], t.weight)
+            share.add_metric([t.name, t.cohort or ""], round(policy.share_of(t), 6))
+        yield from (used, weight, share)
 
     @staticmethod
     def _policy_status(broker):

@@ -30,6 +30,7 @@ from traitlets.config import SingletonConfigurable
 
 from . import policy_text
 from .audit import AuditLog
+from ..admission.fairshare import SEED_HALF_LIVES
 from .history import History
 
 log = logging.getLogger("JupyterHub.gpuhub.usage")
@@ -142,6 +143,13 @@ class UsageRecorder(SingletonConfigurable):
         q.on_admit.append(self._admitted)
         q.on_release.append(self._released)
         store = broker.store
+        # Fair share's memory (admission/fairshare.py) starts from the recorded history, so a
+        # restart forgets nothing; a policy with another half-life re-reads it from here.
+        fair = getattr(q, "fair", None)
+        if fair is not None:
+            fair.configure(store.current)  # half-life and weights first: then one read
+            fair.source = lambda since: self.history.rows(since)
+            fair.seed(fair.source(fair.clock() - SEED_HALF_LIVES * fair.half_life), store.current)
         self._policy_source = _source(store, store.current)  # dumped only when a reload needs the diff
         self._roles = role_map(store.current)
         store.on_change(self._policy_changed)

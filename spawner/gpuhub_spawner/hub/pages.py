@@ -271,6 +271,28 @@ def policy_banner(user) -> dict | None:
     return status.as_dict() if status.stale else None
 
 
+def viewer_only(user) -> bool:
+    """Template variable and ``viewer_home``: ``user`` is a viewer (the policy's
+    ``roles.viewers``) in no team and no admin: they read usage and may start nothing, so their
+    home shows no start controls and their landing page is the usage page."""
+    if user is None or getattr(user, "admin", False) or not hasattr(user, "groups"):
+        return False
+    if not PolicyStore.initialized():
+        return False
+    policy = PolicyStore.instance().current
+    groups = {g.name for g in user.groups}
+    return bool(groups & set(policy.roles.viewers)) and not teams_for(policy, groups)
+
+
+def viewer_home(handler) -> str | None:
+    """``JupyterHub.default_url``: a viewer lands on the usage page (not on a spawn form whose
+    Start would refuse them); everyone else where JupyterHub sends them (None)."""
+    user = handler.current_user
+    if viewer_only(user):
+        return f"{handler.hub.base_url}gpuhub/usage"
+    return None
+
+
 extra_handlers = [
     (r"/gpuhub/?", StatusPageHandler),
     (r"/api/gpuhub/status", StatusAPIHandler),

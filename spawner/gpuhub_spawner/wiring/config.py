@@ -132,7 +132,14 @@ def configure_culler(c, *, public_url: str = "", cull_every: int | None = None, 
     c.JupyterHub.extra_handlers = _merged_list(c.JupyterHub, "extra_handlers") + list(handlers)
     template_vars = dict(c.JupyterHub.template_vars) if "template_vars" in c.JupyterHub else {}
     template_vars.update(culling_template_vars(c))
+    # A viewer (policy roles.viewers, in no team) starts nothing: their home has no start
+    # controls and they land on the usage page (both backends' home page is templates/home.html).
+    from ..hub.pages import viewer_home, viewer_only
+
+    template_vars["gpuhub_viewer_only"] = viewer_only
     c.JupyterHub.template_vars = template_vars
+    if "default_url" not in c.JupyterHub:
+        c.JupyterHub.default_url = viewer_home
     paths = _merged_list(c.JupyterHub, "template_paths")
     c.JupyterHub.template_paths = paths if TEMPLATES in paths else [TEMPLATES, *paths]
 

@@ -1,0 +1,56 @@
+"""In a real Chromium, a viewer (the policy's roles.viewers, in no team; issue 43 item 5): victor
+logs in and lands on the usage page, not on a spawn form whose Start would refuse him; his home
+page has no Start or Add New Server controls and links the usage page. A researcher's home is
+unchanged (her Start button is there)."""
+
+import shutil
+
+import pytest
+
+from support.hub import PASSWORD, REPO, Hub
+from test_browser_queue import CHROMIUM, browser  # noqa: F401  (the module's Chromium, as a fixture)
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+
+POLICY = (REPO / "jupyterhub_config" / "profiles.yaml").read_text()  # the demo's: victor is a viewer
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    if not shutil.which(CHROMIUM):
+        pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
+    h = Hub(tmp_path_factory.mktemp("browser-viewer"), POLICY)
+    h.start()
+    yield h
+    h.stop()
+
+
+def login(browser, hub, name):
+    page = browser.new_context().new_page()
+    page.goto(hub.url + "/hub/login")
+    page.fill("#username_input", name)
+    page.fill("#password_input", PASSWORD)
+    page.click("#login_submit")
+    page.wait_for_load_state()
+    return page
+
+
+def test_a_viewer_lands_on_usage_and_has_no_start_controls(hub, browser):
+    victor = login(browser, hub, "victor")
+    victor.wait_for_url("**/hub/gpuhub/usage**", timeout=15_000)
+    assert "Server Options" not in victor.content()
+    victor.goto(hub.url + "/hub/home")
+    panel = victor.locator("#gpuhub-viewer-home")
+    panel.wait_for(timeout=15_000)
+    assert "You are a viewer" in panel.inner_text()
+    assert victor.locator("#start").count() == 0, "a Start My Server button for a viewer"
+    assert victor.get_by_text("Add New Server").count() == 0
+    victor.click("#gpuhub-usage-link")
+    victor.wait_for_url("**/hub/gpuhub/usage**", timeout=15_000)
+
+
+def test_a_researchers_home_keeps_its_start_button(hub, browser):
+    erin = login(browser, hub, "erin")
+    erin.goto(hub.url + "/hub/home")
+    erin.locator("#start").wait_for(timeout=15_000)
+    assert erin.locator("#gpuhub-viewer-home").count() == 0

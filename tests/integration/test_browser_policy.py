@@ -85,6 +85,19 @@ def test_a_lead_previews_an_admin_applies_a_researcher_is_refused(hub, browser, 
     assert hub.policy.read_text() == EDIT
     admin.screenshot(path=str(tmp_path / "admin-applied.png"), full_page=True)
 
+    # "Roll back to this" previews (issue 43 item 6): nothing changes until it is confirmed.
+    admin.locator("#gpuhub-policy-history tr.gpuhub-policy-version[data-n='1'] .gpuhub-rollback").click()
+    preview = admin.locator("#gpuhub-policy-rollback-preview")
+    preview.wait_for(timeout=15_000)
+    assert "Preview of rolling back to version 1" in preview.inner_text() and "nothing is applied yet" in preview.inner_text()
+    admin.locator("#gpuhub-policy-impact .gpuhub-impact-line").first.wait_for(timeout=15_000)
+    assert "Vision Lab: A100 GPUs quota 1 → 2 (+1)" in admin.inner_text("#gpuhub-policy-impact")
+    assert hub.policy.read_text() == EDIT, "a rollback was applied before it was confirmed"
+    admin.click("#gpuhub-policy-rollback-confirm")
+    admin.locator("#gpuhub-policy-result").filter(has_text="Rolled back: version 3").wait_for(timeout=15_000)
+    admin.locator("#gpuhub-policy-current").filter(has_text="In force: version 3").wait_for(timeout=15_000)
+    assert hub.policy.read_text() == POLICY
+
     carol, r = policy_page(browser, hub, "carol")
     assert r.status == 403
     assert "Only admins and team leads may see and preview policy changes" in carol.inner_text("body")

@@ -7,7 +7,9 @@
 - ``POST /hub/api/gpuhub/policy/apply`` ``{"yaml": ..., "base": HASH, "summary": ...}`` — validated,
   written atomically, versioned, audited with the diff, in force when the answer comes.
 - ``POST /hub/api/gpuhub/policy/rollback`` ``{"version": N or HASH}`` — an old version, through
-  the same checks.
+  the same checks; ``"preview": true`` answers its impact without applying it (the page
+  previews a rollback and asks to confirm it, as for an edit), ``"base": HASH`` refuses it (409)
+  when the policy changed since that preview.
 - ``/hub/gpuhub/policy`` — the page.
 
 Who: ``custom:gpuhub:policy`` (admins: implied by ``admin:servers``) previews anything and alone
@@ -365,7 +367,7 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             )
             return
         found = result["impact"]
-        if action == "preview":
+        if action == "preview" or (action == "rollback" and body.get("preview") is True):
             self.write(
                 json.dumps({"ok": True, "impact": found.as_dict(), "text": found.text(), "base": text_hash(self.current_text())})
             )
@@ -376,7 +378,7 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
         async with self.changes.apply_lock:
             before = self.current_text()
             base = body.get("base")
-            if action == "apply" and isinstance(base, str) and base and base != text_hash(before):
+            if action in ("apply", "rollback") and isinstance(base, str) and base and base != text_hash(before):
                 raise web.HTTPError(
                     409,
                     f"the policy changed since your preview (it is now {text_hash(before)}, "

@@ -232,6 +232,7 @@ def test_a_team_lead_cannot_offboard_anyone_and_bad_requests_change_nothing(hub,
 
 
 def test_the_users_page_offers_offboarding_to_admins_only(hub, admin):
+    hub.login("bob")  # an account of the hub (each test stands alone)
     page = admin.session.get(hub.url + "/hub/gpuhub/users")
     assert page.status_code == 200
     assert 'class="btn btn-sm btn-outline-danger gpuhub-offboard" data-user="bob"' in page.text

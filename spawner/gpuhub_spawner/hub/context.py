@@ -55,6 +55,7 @@ class GpuHubApp:
         # where archived homes go (both in the hub's data directory).
         self.offboarding_file: str = ""
         self.offboarding_archive_dir: str = ""
+        self.mlflow_state_dir: str = ""  # the managed MLflow service's state (wiring/mlflow.py)
 
     def __deepcopy__(self, memo):  # a service, not configuration: traitlets copies configs
         return self

@@ -44,6 +44,7 @@ from ..jobs.records import FINAL
 from ..rayclusters import BY_USER
 from ..rayclusters import FINAL as RAY_FINAL
 from ..policy import PolicyStore
+from ..policy.access import teams_for
 from ..policy.files import write_atomically
 from ..usage import recorder
 from .context import app_of
@@ -58,7 +59,7 @@ NAME = r"([^/]+)"
 
 
 class Blocklist:
-    """The off-boarded names, in a 0600 JSON file: ``{name: {"by": admin, "at": unix time}}``."""
+    """The off-boarded names, in a 0600 JSON file: ``{name: {"by": admin, "at": unix time, "groups": [...]}}``."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -73,12 +74,13 @@ class Blocklist:
     def get(self, name: str) -> dict | None:
         return self.read().get(name)
 
-    def add(self, name: str, by: str) -> bool:
-        """Block ``name``; False when it already was (the first entry stays)."""
+    def add(self, name: str, by: str, groups: list[str] | None = None) -> bool:
+        """Block ``name`` (``groups``: theirs when blocked); False when it already was (the
+        first entry stays)."""
         data = self.read()
         if name in data:
             return False
-        data[name] = {"by": by, "at": round(time.time(), 3)}
+        data[name] = {"by": by, "at": round(time.time(), 3), "groups": list(groups or [])}
         self._write(data)
         return True
 
@@ -130,6 +132,8 @@ def with_offboarding(cls: type, blocklist_file: str) -> type:
 
 
 class _OffboardMixin:
+    _leaver_groups: tuple[str, ...] = ()
+
     if TYPE_CHECKING:
         config: Config
         current_user: Any
@@ -180,7 +184,12 @@ class _OffboardMixin:
             raise web.HTTPError(404, f"No user {name!r} in this hub (nothing was changed).")
         policy = PolicyStore.instance(config=self.config).policy
         rules = policy.offboarding
-        already = not blocklist.add(name, by)
+        # Their groups as they were before the roles step empties them (kept in the block file:
+        # a second run hands MLflow experiments to the same leads).
+        earlier = blocklist.get(name)
+        groups = sorted(g.name for g in user.groups)
+        self._leaver_groups = tuple(earlier.get("groups", groups) if earlier else groups)
+        already = not blocklist.add(name, by, groups=groups)
         self._block_in_authenticator(name, True)
         steps: list[dict] = [{"step": "login", "done": f"blocked{' (already)' if already else ''}: refused until reinstated"}]
         recorder.audit("offboard_started", user=name, by=by, already=already)
@@ -313,10 +322,32 @@ class _OffboardMixin:
         return f"home archived to {target} (admins only, 0600) and removed (policy offboarding.home=archive)"
 
     async def _mlflow(self, user, by: str, rules) -> str:
-        return (
-            f"not changed: handing experiments over (offboarding.mlflow={rules.mlflow}) is not implemented yet; "
-            "the user's MLflow login ends with their hub tokens"
-        )
+        state_dir = app_of(self).mlflow_state_dir
+        if not state_dir:
+            return "no MLflow run by this hub (an external MLflow is not changed: hand its experiments over there)"
+        from ..mlflow.handover import admin_accounts, hand_over
+
+        accounts = admin_accounts(state_dir)
+        if accounts is None:
+            return "MLflow has not started on this hub yet: nothing of theirs there"
+        return await hand_over(accounts, user.name, rules.mlflow, self._leads_of(user.name))
+
+    def _leads_of(self, name: str) -> dict[str, tuple[str, ...]]:
+        """The leads of the teams the leaver was in (their groups before off-boarding), with
+        each lead's own teams: hub users in the teams' ``leads`` groups, the leaver excepted."""
+        from jupyterhub import orm
+
+        policy = PolicyStore.instance(config=self.config).policy
+        teams = teams_for(policy, self._leaver_groups)
+        out: dict[str, tuple[str, ...]] = {}
+        for team in teams:
+            for group_name in team.leads:
+                group = orm.Group.find(self.db, group_name)
+                for member in group.users if group is not None else []:
+                    if member.name != name:
+                        own = tuple(t.name for t in teams_for(policy, [g.name for g in member.groups]))
+                        out[member.name] = own
+        return out
 
 
 def archive_home(home: str, target: Path) -> None:

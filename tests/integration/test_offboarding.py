@@ -24,6 +24,8 @@ import pytest
 import requests
 
 from support.hub import PASSWORD, Hub, wait_for
+from test_browser_queue import CHROMIUM, browser  # noqa: F401  (the module's Chromium, as a fixture)
+from test_browser_queue import login as browser_login
 from test_runbooks import blocks, runbook, steps_run_by
 
 pytestmark = [
@@ -240,6 +242,37 @@ def test_the_users_page_offers_offboarding_to_admins_only(hub, admin):
     assert "window.confirm(" in page.text
     lena = hub.login("lena")
     assert lena.session.get(hub.url + "/hub/gpuhub/users").status_code == 403
+
+
+@pytest.mark.browser
+def test_in_a_browser_the_offboard_button_asks_first_and_shows_what_it_did(hub, admin, request):
+    import shutil
+
+    if not shutil.which(CHROMIUM):
+        pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
+    browser = request.getfixturevalue("browser")
+    carol, erin = hub.login("carol"), hub.login("erin")
+    page = browser_login(browser, hub, "admin")
+    try:
+        assert page.goto(hub.url + "/hub/gpuhub/users").status == 200
+        asked: list[str] = []
+        # Declined: nothing happens to carol.
+        page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+        page.click('button.gpuhub-offboard[data-user="carol"]')
+        assert asked and asked[0].startswith("Off-board carol?"), asked
+        assert carol.api.get(carol.url("/user")).status_code == 200
+        # Confirmed: erin is off-boarded and the page says what each step did.
+        page.once("dialog", lambda d: (asked.append(d.message), d.accept()))
+        page.click('button.gpuhub-offboard[data-user="erin"]')
+        result = page.locator("#gpuhub-users-result.alert-success")
+        result.wait_for(timeout=30_000)
+        shown = result.inner_text()
+        assert "login: blocked" in shown and "tokens: revoked" in shown and "roles: left groups ['students']" in shown, shown
+        assert erin.api.get(erin.url("/user")).status_code == 403
+        assert login_attempt(hub, "erin").status_code == 403
+    finally:
+        page.context.close()
+        admin.api.post(admin.url("/gpuhub/users/erin/reinstate"))
 
 
 def test_every_marked_block_of_the_page_is_run_by_a_test():

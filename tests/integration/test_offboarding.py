@@ -1,6 +1,6 @@
 """Issue 42 item 4: off-boarding a leaver, on a real hub run as root, through the runbook's blocks.
 
-A leaver with a running server, a batch job, a file in their home, an API token and a browser
+A leaver with a running server, a batch job, a Ray cluster, a file in their home, an API token and a browser
 session is off-boarded with ``gpuhub user offboard`` (docs/runbooks/offboarding.md): afterwards
 no process of their Unix account runs, the token gets 403, the browser session is sent to the
 login page, a login is refused with a message that says why (also after a hub restart), the home
@@ -12,6 +12,7 @@ One hub for the module.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pwd
 import re
@@ -45,6 +46,8 @@ profiles:
   - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}
 offboarding:
   home: archive
+ray:
+  enabled: true
 """
 
 
@@ -140,8 +143,19 @@ def test_a_leaver_is_offboarded_stays_out_across_a_restart_and_is_reinstated(hub
     assert job.status_code == 201, job.text
     job_id = job.json()["id"]
     wait_for(lambda: alice.api.get(alice.url(f"/gpuhub/jobs/{job_id}")).json()["state"] == "running", 90, f"{job_id} to run")
+    ray = importlib.util.find_spec("ray") is not None  # the ray extra (pip install -e '.[ray]')
+    if ray:
+        e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
+        up = subprocess.run(
+            [sys.executable, "-m", "gpuhub_spawner.cli", "ray", "--hub", hub.url, "up", "--gpus", "0", "--name", "leaver"],
+            capture_output=True,
+            text=True,
+            env=dict(e, GPUHUB_TOKEN=alice.token),
+            timeout=600,
+        )
+        assert "Ray cluster leaver: running" in up.stdout, up.stdout + up.stderr
     uid = pwd.getpwnam(account(hub, "alice")).pw_uid
-    assert processes_of(uid), "alice's server and job run under her account"
+    assert processes_of(uid), "alice's server, job and Ray cluster run under her account"
     assert alice.session.get(hub.url + "/hub/home", allow_redirects=False).status_code == 200
 
     out = runbook("offboarding", "check", env)
@@ -150,6 +164,7 @@ def test_a_leaver_is_offboarded_stays_out_across_a_restart_and_is_reinstated(hub
     out = runbook("offboarding", "offboard", env)
     assert "alice off-boarded by admin:" in out, out
     assert "jobs: cancelled 1 job(s)" in out and "servers: stopped 1 server(s)" in out, out
+    assert not ray or "ray: stopped 1 Ray cluster(s): leaver" in out, out
     assert re.search(r"tokens: revoked [1-9]\d* token\(s\)", out) and "roles: left groups ['vision-lab']" in out, out
     assert "home archived to" in out and "FAILED" not in out, out
 

@@ -40,4 +40,5 @@ def configure_offboarding(c, data_dir) -> None:
     c.Authenticator.blocked_users = blocked | names
     current = c.JupyterHub.authenticator_class if "authenticator_class" in c.JupyterHub else "pam"
     c.JupyterHub.authenticator_class = with_offboarding(_authenticator_class(current), app.offboarding_file)
-    c.JupyterHub.extra_handlers = (list(c.JupyterHub.extra_handlers) if "extra_handlers" in c.JupyterHub else []) + list(handlers)
+    have = list(c.JupyterHub.extra_handlers) if "extra_handlers" in c.JupyterHub else []
+    c.JupyterHub.extra_handlers = have + [h for h in handlers if h not in have]

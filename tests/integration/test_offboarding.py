@@ -259,6 +259,39 @@ def test_the_users_page_offers_offboarding_to_admins_only(hub, admin):
     assert lena.session.get(hub.url + "/hub/gpuhub/users").status_code == 403
 
 
+def test_a_step_that_fails_is_said_the_others_still_run_and_a_rerun_finishes_it(hub, admin):
+    dave = hub.login("dave")
+    home = hub.data / "home" / "dave"  # where the spawner keeps his home (he never started a server)
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "data.csv").write_text("1,2,3\n")
+    archives = hub.data / "offboarded-homes"
+    aside = hub.data / "offboarded-homes.aside"
+    if archives.exists():
+        archives.rename(aside)
+    archives.write_text("not a directory")  # the archive cannot be written
+    try:
+        r = gpuhub_user(hub, admin.token, "offboard", "dave")
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert re.search(r"^  home: FAILED: \w+Error", r.stdout, re.M), r.stdout
+        assert "tokens: revoked" in r.stdout and "roles: left groups" in r.stdout, r.stdout  # the others ran
+        assert "steps that failed: home" in r.stdout
+        assert (home / "data.csv").read_text() == "1,2,3\n"  # nothing lost
+        assert dave.api.get(dave.url("/user")).status_code == 403
+        assert login_attempt(hub, "dave").status_code == 403
+        (done,) = admin.api.get(admin.url("/gpuhub/audit"), params={"user": "dave", "event": "offboarded"}).json()["entries"]
+        assert done["by"] == "admin" and done["failed"] == ["home"], done
+    finally:
+        archives.unlink()
+        if aside.exists():
+            aside.rename(archives)
+    try:
+        r = gpuhub_user(hub, admin.token, "offboard", "dave")
+        assert r.returncode == 0 and "dave was already off-boarded" in r.stdout and "home: home archived to" in r.stdout, r.stdout
+        assert not home.exists() and list(archives.glob("dave-*.tar.gz"))
+    finally:
+        gpuhub_user(hub, admin.token, "reinstate", "dave")
+
+
 @pytest.mark.browser
 def test_in_a_browser_the_offboard_button_asks_first_and_shows_what_it_did(hub, admin, request):
     import shutil

@@ -206,8 +206,6 @@ class _OffboardMixin:
                 done = await fn(user, by, rules)
                 steps.append({"step": step, "done": done})
                 recorder.audit("offboard_step", user=name, by=by, step=step, done=done)
-            except web.HTTPError:
-                raise
             except Exception as e:  # noqa: BLE001 - every step is tried; each failure is said
                 self.log.exception("Off-boarding %s: step %s failed", name, step)
                 why = f"{type(e).__name__}: {e}"

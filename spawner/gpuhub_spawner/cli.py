@@ -158,6 +158,10 @@ def _main(argv: list[str]) -> int:
         from .usage.policy_cli import main as policy_main  # preview, apply, history, rollback: docs/policy-changes.md
 
         return policy_main(argv[1:])
+    if argv[:1] == ["user"]:
+        from .usage.users_cli import main as user_main  # admins: off-board a leaver (docs/runbooks/offboarding.md)
+
+        return user_main(argv[1:])
     if argv[:1] == ["loadtest"]:
         from .ops.loadtest import main as loadtest_main  # operators: peak load against a live hub (docs/loadtest.md)
 
@@ -216,6 +220,7 @@ def _main(argv: list[str]) -> int:
         "loadtest",
         help="operators: N simulated researchers against a live hub, `gpuhub loadtest --hub-url URL --yes URL` (docs/loadtest.md)",
     )
+    sub.add_parser("user", help="admins: `gpuhub user offboard NAME | reinstate NAME | list` (docs/runbooks/offboarding.md)")
     sub.add_parser("gpu", help="admins: GPU health, `gpuhub gpu list | drain ID | uncordon ID` (docs/gpu-health.md)")
     args = parser.parse_args(argv)
     return args.func(args)

@@ -72,3 +72,37 @@ def test_servers_open_jupyterlab_when_it_is_installed_and_the_hub_does_not_impor
     default_url, imported = out.stdout.split()[-2:]
     assert default_url == "/lab"
     assert imported == "False", "the hub's configuration imported JupyterLab to learn it is installed"
+
+
+def test_offboarding_wraps_whichever_authenticator_the_site_picks_and_its_block_survives_a_restart(tmp_path):
+    """An identity provider's login (GenericOAuthenticator, named by its entry point as the site
+    file's ``oidc`` names it) keeps its own settings, and refuses an off-boarded name with the
+    reason before JupyterHub's own blocked-users check; the block file's names are
+    ``blocked_users`` at every start (a new config reads the file again)."""
+    import asyncio
+
+    from tornado import web
+
+    from gpuhub_spawner.hub.offboarding import Blocklist, OffboardedLogin
+    from gpuhub_spawner.wiring.offboarding import configure_offboarding
+
+    Blocklist(tmp_path / "offboarded.json").add("alice", "admin", groups=["vision-lab"])
+    assert (tmp_path / "offboarded.json").stat().st_mode & 0o777 == 0o600
+    c = Config()
+    c.JupyterHub.authenticator_class = "generic-oauth"
+    c.GenericOAuthenticator.client_id = "gpuhub"
+    c.Authenticator.blocked_users = {"mallory"}
+    configure_offboarding(c, tmp_path)
+    cls = c.JupyterHub.authenticator_class
+    assert issubclass(cls, OffboardedLogin) and cls.__name__ == "GenericOAuthenticator"
+    assert c.Authenticator.blocked_users == {"mallory", "alice"}
+    auth = cls(config=c)
+    assert auth.client_id == "gpuhub"  # the identity provider's settings still apply
+    with pytest.raises(web.HTTPError) as refused:
+        asyncio.run(auth.check_blocked_users("alice", {"name": "alice", "groups": ["vision-lab"]}))
+    assert refused.value.status_code == 403 and "alice was off-boarded by admin" in refused.value.log_message
+    assert asyncio.run(auth.check_blocked_users("mallory")) is False  # JupyterHub's own list, as before
+    assert asyncio.run(auth.check_blocked_users("bob")) is True
+    configure_offboarding(c, tmp_path)  # twice (a second wiring call): wrapped once
+    assert c.JupyterHub.authenticator_class is cls
+    assert [h[0] for h in c.JupyterHub.extra_handlers].count("/api/gpuhub/users/([^/]+)/offboard") == 1

@@ -143,3 +143,12 @@ def test_the_direct_build_gives_what_pyyamls_constructor_gives(text):
     root, data, duplicates = _compose_and_construct(text)
     assert data == yaml.safe_load(text)
     assert [loc for loc, _ in duplicates] == [loc for loc, _ in _Positions(root).duplicate_keys()]
+
+
+def test_offboarding_rules_default_to_keeping_the_home_and_a_bad_value_is_located():
+    policy = parse_policy(BASE, "p.yaml")
+    assert (policy.offboarding.home, policy.offboarding.mlflow) == ("keep", "lead")
+    policy = parse_policy(BASE + "offboarding: {home: archive, mlflow: read-only}\n", "p.yaml")
+    assert (policy.offboarding.home, policy.offboarding.mlflow) == ("archive", "read-only")
+    (err,) = errors(BASE + "offboarding:\n  home: delete\n")
+    assert err.startswith("p.yaml:17:9: offboarding.home:") and "'keep' or 'archive'" in err, err

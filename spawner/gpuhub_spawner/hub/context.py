@@ -51,6 +51,11 @@ class GpuHubApp:
         self._backend_changes = backend_changes
         self.policy_changes = PolicyChanges()
         self.gpu_waiters: dict[str, int] = {}  # user -> GPU long polls held (hub/culling_api.py)
+        # Off-boarding (hub/offboarding.py), set by wiring/offboarding.py: the block file and
+        # where archived homes go (both in the hub's data directory).
+        self.offboarding_file: str = ""
+        self.offboarding_archive_dir: str = ""
+        self.mlflow_state_dir: str = ""  # the managed MLflow service's state (wiring/mlflow.py)
 
     def __deepcopy__(self, memo):  # a service, not configuration: traitlets copies configs
         return self

@@ -583,6 +583,21 @@ class RayRules(_Model):
     head_resources: RayHeadResources = RayHeadResources()
 
 
+class OffboardingRules(_Model):
+    """``offboarding:``: what ``gpuhub user offboard NAME`` does with a leaver's data
+    (hub/offboarding.py, docs/runbooks/offboarding.md).
+
+    ``home``: ``keep`` (default) leaves it where it is; ``archive`` packs it into a tar.gz in
+    the hub's data directory that only admins (root) can read, then removes it. On Kubernetes
+    the home's PVC is kept and labelled ``gpuhub.io/offboarded=true`` either way.
+    ``mlflow``: ``lead`` hands the leaver's experiments to their team's lead, ``read-only``
+    keeps them readable and unchanged.
+    """
+
+    home: Literal["keep", "archive"] = "keep"
+    mlflow: Literal["lead", "read-only"] = "lead"
+
+
 class Policy(_Model):
     api_version: Literal["gpuhub/v1"] = "gpuhub/v1"
     flavors: list[Flavor] = []
@@ -594,6 +609,7 @@ class Policy(_Model):
     health: HealthRules = HealthRules()
     ray: RayRules = RayRules()
     fair_share: FairShare | None = None
+    offboarding: OffboardingRules = OffboardingRules()
 
     @property
     def fair(self) -> FairShare | None:

@@ -298,3 +298,6 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     from .ray import configure_ray  # Ray clusters are jobs of a kind (docs/ray.md)
 
     configure_ray(c)
+    from .offboarding import configure_offboarding  # gpuhub user offboard NAME (after the login's choice)
+
+    configure_offboarding(c, data)

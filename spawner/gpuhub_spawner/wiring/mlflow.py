@@ -97,6 +97,12 @@ def configure(
     Returns the service definition that was added.
     """
     hub = c.JupyterHub
+    if not external_url:  # off-boarding hands experiments over as MLflow's admin (mlflow/handover.py)
+        import os.path
+
+        from .app import app_of
+
+        app_of(c).mlflow_state_dir = os.path.join(str(data_dir), "service")
     if host is None:
         hub_ip = _section_get(hub, "hub_ip", "") or ""
         host = hub_ip if hub_ip not in ("", "0.0.0.0", "::") else "127.0.0.1"

@@ -8,7 +8,7 @@ import pytest
 
 from support.hub import PASSWORD, Hub
 from test_browser_queue import CHROMIUM, browser  # noqa: F401  (the module's Chromium, as a fixture)
-from test_policy_changes import EDIT, LEAD_EDIT, POLICY
+from test_policy_changes import EDIT, IMPOSSIBLE, LEAD_EDIT, POLICY
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -96,6 +96,16 @@ def test_a_lead_previews_an_admin_applies_a_researcher_is_refused(hub, browser, 
     admin.click("#gpuhub-policy-rollback-confirm")
     admin.locator("#gpuhub-policy-result").filter(has_text="Rolled back: version 3").wait_for(timeout=15_000)
     admin.locator("#gpuhub-policy-current").filter(has_text="In force: version 3").wait_for(timeout=15_000)
+    assert hub.policy.read_text() == POLICY
+
+    # An impossible quota (issue 43 item 3): `gpuhub validate`'s warning next to the Apply button.
+    admin.fill("#gpuhub-policy-text", IMPOSSIBLE)
+    admin.click("#gpuhub-policy-preview")
+    box = admin.locator("#gpuhub-policy-confirm")
+    box.locator(".gpuhub-policy-warning").first.wait_for(timeout=15_000)
+    assert "promises what this hub cannot keep" in box.inner_text() and "8" in box.inner_text()
+    assert admin.inner_text("#gpuhub-policy-apply") == "Apply anyway"
+    assert admin.locator("#gpuhub-impact-section, .gpuhub-impact-section[data-section=warnings]").count() == 1
     assert hub.policy.read_text() == POLICY
 
     carol, r = policy_page(browser, hub, "carol")

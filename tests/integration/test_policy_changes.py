@@ -356,3 +356,44 @@ def test_an_edit_on_disk_keeps_working_and_is_recorded_as_such(hub, users):
             "the policy back as it was",
             interval=0.5,
         )
+
+
+IMPOSSIBLE = POLICY.replace("a100: {nominal: 2}", "a100: {nominal: 8}")  # on a machine of 3 A100s
+
+
+def test_an_impossible_quota_is_warned_in_the_preview_and_applies_only_when_confirmed(hub, users, tmp_path):
+    """Issue 43 item 3: what `gpuhub validate` warns (8 A100s promised on a machine of 3: the reclaim
+    guarantee cannot hold) is in the preview, refused by a plain apply, applied with force, and
+    `gpuhub policy diff|apply` say it too (apply needs --force)."""
+    admin = users["admin"]
+    assert IMPOSSIBLE != POLICY
+    r = post(admin, "preview", yaml=IMPOSSIBLE)
+    assert r.status_code == 200, r.text
+    warned = lines(r.json(), "warnings")
+    assert warned and any("a100" in w.lower() and "8" in w for w in warned), r.json()["impact"]
+    assert r.json()["confirm"] == warned
+    refused = post(admin, "apply", yaml=IMPOSSIBLE, base=r.json()["base"])
+    assert refused.status_code == 409 and "cannot keep" in refused.json()["message"], refused.text
+    assert hub.policy.read_text() == POLICY
+    new = tmp_path / "impossible.yaml"
+    new.write_text(IMPOSSIBLE)
+    env = dict(os.environ, GPUHUB_TOKEN=admin.token)
+    env.pop("JUPYTERHUB_API_URL", None)
+
+    def gpuhub(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "gpuhub_spawner.cli", "policy", *args, "--hub", hub.url],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    out = gpuhub("diff", str(new))
+    assert out.returncode == 0 and "Warnings: what the new policy promises that this hub cannot keep" in out.stdout, out
+    assert warned[0] in out.stdout
+    out = gpuhub("apply", str(new))
+    assert out.returncode == 1 and "--force" in out.stderr and hub.policy.read_text() == POLICY, out
+    out = gpuhub("apply", str(new), "--force", "--summary", "eight A100s, knowingly")
+    assert out.returncode == 0 and hub.policy.read_text() == IMPOSSIBLE, out
+    assert gpuhub("rollback", "1").returncode == 0 and hub.policy.read_text() == POLICY

@@ -84,8 +84,11 @@ class Request:
 
 
 # -- output ----------------------------------------------------------------------------------------
-SECTIONS = ("profiles", "quotas", "running", "waiting", "culling", "kueue")
+SECTIONS = ("warnings", "profiles", "quotas", "running", "waiting", "culling", "kueue")
 TITLES = {
+    # What `gpuhub validate` warns about the new policy on this hub (the machine's capacity, the
+    # warning interval): filled by the hub from its backend (hub/policy_api.py).
+    "warnings": "Warnings: what the new policy promises that this hub cannot keep",
     "profiles": "Who gains or loses profiles",
     "quotas": "Quotas, borrowing and lending",
     "running": "Running servers and jobs",

@@ -72,6 +72,17 @@ class GpuHubApp:
         May raise ValueError with the reason the backend refuses the edit."""
         return self._backend_changes(current, policy) if self._backend_changes is not None else None
 
+    def policy_warnings(self, config, policy) -> list[str]:
+        """What ``gpuhub validate`` warns about ``policy`` on this hub: the backend's own checks
+        (one machine: its GPUs, the activity interval: ``policy_warnings`` of the broker); none
+        where the backend has none."""
+        try:
+            view = self.admission_view(config)
+        except RuntimeError:
+            return []
+        check = getattr(view, "policy_warnings", None)
+        return list(check(policy)) if check is not None else []
+
     def jobs(self, config=None):
         """This hub's jobs backend (``local.job_manager`` or ``kube.job_manager``)."""
         if self._jobs is None:

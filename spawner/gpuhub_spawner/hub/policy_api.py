@@ -180,6 +180,8 @@ class _PolicyMixin:
         state = self.state()
         insiders = {p.name for p in state["people"] if {t.name for t in current.teams if set(p.groups) & set(t.groups)} & leads}
         app = app_of(self)
+        config = self.config
+        new_warnings: list[str] = []  # the candidate's warnings the policy in force does not have
 
         def work():
             policy, errors = read_candidate(text)
@@ -198,6 +200,11 @@ class _PolicyMixin:
                         f"A team lead may preview changes to their own team(s) ({', '.join(sorted(leads))}) only: {why}.",
                     )
             found = impact(current, policy, literal_env=literal, **state)
+            already = set(app.policy_warnings(config, current))
+            for warning in app.policy_warnings(config, policy):  # what `gpuhub validate` says, here too
+                found.add("warnings", warning, teams=found.touched_teams)
+                if warning not in already:
+                    new_warnings.append(warning)
             try:  # the backend's own objects the edit changes (Kubernetes: Kueue's), and what it refuses
                 for words, teams in app.backend_changes(current, policy) or []:
                     found.add("kueue", words, teams=teams)
@@ -213,7 +220,7 @@ class _PolicyMixin:
             return {"ok": False, "status": status, "errors": errors}
         if not admin:
             found = found.for_lead(leads, insiders)
-        return {"ok": True, "policy": policy, "impact": found}
+        return {"ok": True, "policy": policy, "impact": found, "new_warnings": new_warnings}
 
 
 def _literal_env(policy) -> set[str]:
@@ -367,11 +374,27 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             )
             return
         found = result["impact"]
+        confirm = result["new_warnings"]  # applying them needs "force": the admin saw and accepted them
         if action == "preview" or (action == "rollback" and body.get("preview") is True):
             self.write(
-                json.dumps({"ok": True, "impact": found.as_dict(), "text": found.text(), "base": text_hash(self.current_text())})
+                json.dumps(
+                    {
+                        "ok": True,
+                        "impact": found.as_dict(),
+                        "text": found.text(),
+                        "base": text_hash(self.current_text()),
+                        "confirm": confirm,
+                    }
+                )
             )
             return
+        if confirm and body.get("force") is not True:
+            raise web.HTTPError(
+                409,
+                "the new policy promises what this hub cannot keep: "
+                + "; ".join(confirm)
+                + ". Nothing was applied: confirm to apply it anyway (the page asks; the CLI takes --force).",
+            )
         text = await off_loop(self.changes, unmask_text, text, current)  # masked values ('***') keep the values in force
         if self.changes.apply_lock is None:
             self.changes.apply_lock = asyncio.Lock()

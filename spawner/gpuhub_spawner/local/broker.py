@@ -96,6 +96,11 @@ class LocalBroker(SingletonConfigurable):
         self._watcher: PeriodicCallback | None = None
         self._ensure_watcher()
 
+    def policy_warnings(self, policy: Policy) -> list[str]:
+        """What this machine cannot give that ``policy`` promises (policy/checks.py): the same
+        warnings as ``gpuhub validate``; also shown in a policy edit's preview (hub/policy_api.py)."""
+        return self._machine_checks(policy)
+
     def _machine_checks(self, policy: Policy) -> list[str]:
         """What this machine cannot give that the policy promises (policy/checks.py)."""
         hub = self.config.JupyterHub if "JupyterHub" in self.config else {}

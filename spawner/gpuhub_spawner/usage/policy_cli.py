@@ -59,9 +59,11 @@ def _diff(args) -> int:
 
 
 def _apply(args) -> int:
-    body = {"yaml": _read(args.file)}
+    body: dict = {"yaml": _read(args.file)}
     if args.summary:
         body["summary"] = args.summary
+    if args.force:
+        body["force"] = True  # apply even what breaks a promise the hub cannot keep (its warnings)
     rep = call(api_base(args.hub), "POST", "/gpuhub/policy/apply", body)
     v = rep["version"]
     print(f"Applied {args.file}: version {v['n']} ({v['hash']}) is in force.")
@@ -103,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("apply", parents=[hub], help="admins: make NEW.yaml the policy in force")
     a.add_argument("file")
     a.add_argument("--summary", help="one line for the history (default: what changed)")
+    a.add_argument(
+        "--force",
+        action="store_true",
+        help="apply although the new policy promises what this hub cannot keep (the warnings `diff` shows)",
+    )
     a.set_defaults(func=_apply)
     h = sub.add_parser("history", parents=[hub], help="the policy's versions: hash, who, when, summary")
     h.set_defaults(func=_history)

@@ -54,3 +54,29 @@ def test_a_researchers_home_keeps_its_start_button(hub, browser):
     erin.goto(hub.url + "/hub/home")
     erin.locator("#start").wait_for(timeout=15_000)
     assert erin.locator("#gpuhub-viewer-home").count() == 0
+
+
+def test_a_lead_previews_her_own_teams_quota_in_a_shared_cohort(hub):
+    """Issue 43 item 4, on the demo policy (Vision Lab and NLP share the cohort 'research'): lena,
+    Vision Lab's lead, previews lowering her own team's A100 quota; that is her team's edit (not
+    refused because NLP shares the cohort), and she sees what it does to NLP, read-only."""
+    import yaml
+
+    lena = hub.login("lena")
+    data = yaml.safe_load(lena.api.get(lena.url("/gpuhub/policy")).json()["text"])  # (env values masked)
+    teams = {t["name"]: t for t in data["teams"]}
+    teams["vision"]["quota"]["gpus"]["a100"] = {"nominal": 1, "borrowingLimit": 1}
+    r = lena.api.post(lena.url("/gpuhub/policy/preview"), json={"yaml": yaml.safe_dump(data, sort_keys=False)})
+    assert r.status_code == 200, r.text
+    shown = r.json()["text"]
+    assert "Vision Lab: A100 80GB GPUs quota 2 → 1 (-1)" in shown, shown
+    # Lending nothing to the cohort any more: what NLP may borrow, shown to her read-only.
+    teams["vision"]["quota"]["gpus"]["a100"] = {"nominal": 2, "borrowingLimit": 1, "lendingLimit": 0}
+    r = lena.api.post(lena.url("/gpuhub/policy/preview"), json={"yaml": yaml.safe_dump(data, sort_keys=False)})
+    assert r.status_code == 200, r.text
+    shown = r.json()["text"]
+    assert "NLP Group (cohort research, read-only here): may borrow up to 0 A100 80GB GPUs from its cohort (was 1)" in shown
+    teams["vision"]["quota"]["gpus"]["a100"] = {"nominal": 2, "borrowingLimit": 1, "lendingLimit": 1}
+    teams["nlp"]["quota"]["gpus"]["l4"] = {"nominal": 2}  # and an edit of NLP's own entry is still refused
+    r = lena.api.post(lena.url("/gpuhub/policy/preview"), json={"yaml": yaml.safe_dump(data, sort_keys=False)})
+    assert r.status_code == 403 and "you do not lead: nlp" in r.json()["message"], r.text

@@ -290,7 +290,7 @@ def _usage(holdings: Iterable[Holding]) -> dict[str, dict[str, int]]:
 
 
 # -- what changed in the file ---------------------------------------------------------------------
-def touched_teams(old: Policy, new: Policy, literal_env: Iterable[str] = ()) -> tuple[set[str], list[str]]:
+def touched_teams(old: Policy, new: Policy, literal_env: Iterable[str] = (), cohorts: bool = True) -> tuple[set[str], list[str]]:
     """Teams whose own entries or profiles the edit changes, and changes that concern every team
     (flavors, priority classes, defaults, roles, health): a lead may preview only the first kind,
     for their own teams.
@@ -300,6 +300,8 @@ def touched_teams(old: Policy, new: Policy, literal_env: Iterable[str] = ()) -> 
     adds (its members would join). ``literal_env``: slugs of candidate profiles with an
     environment value other than the mask ``***`` -- a change of that profile whatever the value,
     so that a lead cannot confirm a guess of a secret by whether the preview is refused.
+    ``cohorts=False``: only the teams whose own entries change, not their cohort's other members
+    (a lead may preview an edit of her own team; its effect on the cohort is shown, read-only).
     Linear in teams + profiles."""
     teams: set[str] = set()
     old_t = {t.name: t for t in old.teams}
@@ -314,7 +316,7 @@ def touched_teams(old: Policy, new: Policy, literal_env: Iterable[str] = ()) -> 
         if a == b:
             continue
         teams.add(name)
-        if a is None or b is None or a.cohort != b.cohort or a.quota != b.quota:
+        if cohorts and (a is None or b is None or a.cohort != b.cohort or a.quota != b.quota):
             for pol, side in ((old, a), (new, b)):
                 if side is not None and side.cohort:
                     teams.update(m.name for m in pol.cohort_members(side))
@@ -506,6 +508,46 @@ def _quotas(out: Impact, old: Policy, new: Policy) -> None:
     for name, t in old_t.items():
         if new.team_or_none(name) is None:
             out.add("quotas", f"Team {t.label} ({name}) is removed.", teams=[name])
+    _cohort_effects(out, old, new)
+
+
+def _borrowable(policy: Policy, team: Team, key: str) -> int | None:
+    """GPUs of ``key`` ``team`` may borrow from its cohort: what the other members may lend
+    (their nominal, or their lending limit), capped by its borrowing limit; None: no cohort."""
+    if not team.cohort:
+        return None
+    lendable = 0
+    for m in policy.cohort_members(team):
+        if m.name == team.name:
+            continue
+        lim = limits(m, key)
+        if lim is None:
+            continue
+        lendable += lim.nominal if lim.lending_limit is None else min(lim.lending_limit, lim.nominal)
+    own = limits(team, key)
+    cap = own.borrowing_limit if own is not None else None
+    return lendable if cap is None else min(cap, lendable)
+
+
+def _cohort_effects(out: Impact, old: Policy, new: Policy) -> None:
+    """What an edit of one team's quota does to the other teams of its cohort: how many GPUs each
+    may now borrow from it (a lead sees this for her cohort, read-only)."""
+    changed = {ln_team for ln in out.section("quotas") for ln_team in ln.teams}
+    old_t = {t.name: t for t in old.teams}
+    for team in new.teams:
+        before = old_t.get(team.name)
+        if team.name in changed or before is None or not (team.cohort or before.cohort):
+            continue
+        for key in sorted({f"gpu/{f}" for f in (*before.quota.gpus, *team.quota.gpus)}):
+            x, y = _borrowable(old, before, key), _borrowable(new, team, key)
+            if x != y and y is not None:
+                res = _resource(new, key)
+                was = f"was {x}" if x is not None else "it had no cohort"
+                out.add(
+                    "quotas",
+                    f"{team.label} (cohort {team.cohort}, read-only here): may borrow up to {y} {res} from its cohort ({was}).",
+                    teams=[team.name],
+                )
 
 
 def _reclaim_words(new: Policy, team: Team, key: str) -> str:

@@ -190,7 +190,8 @@ class _PolicyMixin:
             literal = () if admin else _literal_env(policy)
             policy = _unmask(policy, current)  # '***' keeps the value in force, for everyone
             if not admin:  # cheap (teams + profiles): refuse before computing any impact
-                touched, everyone = touched_teams(current, policy, literal)
+                # Her own team's entries: what she may edit; the cohort's other teams are only affected.
+                touched, everyone = touched_teams(current, policy, literal, cohorts=False)
                 outside = sorted(touched - leads)
                 if everyone or outside:
                     why = "; ".join(everyone + ([f"it changes team(s) you do not lead: {', '.join(outside)}"] if outside else []))
@@ -219,7 +220,9 @@ class _PolicyMixin:
             status = max((e.get("status", 400) for e in errors), default=400)
             return {"ok": False, "status": status, "errors": errors}
         if not admin:
-            found = found.for_lead(leads, insiders)
+            # The effect on the other teams of her cohort(s), read-only, their people not named.
+            peers = {m.name for t in current.teams if t.name in leads and t.cohort for m in current.cohort_members(t)}
+            found = found.for_lead(leads | peers, insiders)
         return {"ok": True, "policy": policy, "impact": found, "new_warnings": new_warnings}
 
 

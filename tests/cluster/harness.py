@@ -16,6 +16,8 @@ Nothing here imports the API double: these helpers talk to whatever serves the k
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -211,6 +213,19 @@ class RealCluster:
         return self.list("events", namespace, fieldSelector=f"involvedObject.name={name}")
 
 
+def restricted(spec: dict) -> dict:
+    """A pod spec a test creates in the users' namespace, made to meet Pod Security
+    ``restricted`` as gpuhub's own user pods do (issue 40: helm-values/user-namespace.yaml
+    enforces it): every container gets values.yaml's ``KubeSpawner.container_security_context``
+    plus what KubeSpawner adds (``allowPrivilegeEscalation: false``, z2jh's ``singleuser.uid``
+    1000). Returns ``spec``, changed in place."""
+    values = yaml.safe_load((REPO / "helm-values" / "values.yaml").read_text())
+    ctx = values["hub"]["config"]["KubeSpawner"]["container_security_context"]
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        c["securityContext"] = {**json.loads(json.dumps(ctx)), "allowPrivilegeEscalation": False, "runAsUser": 1000}
+    return spec
+
+
 HUB_NAMESPACE, HUB_SERVICE_ACCOUNT = "gpuhub", "hub"
 HUB_USER = f"system:serviceaccount:{HUB_NAMESPACE}:{HUB_SERVICE_ACCOUNT}"
 AUDIT_LOG = DIR / "logs" / "audit.log"
@@ -321,6 +336,45 @@ def guide_block(starts: str) -> str:
     raise AssertionError(f"no sh block starting {starts!r} in install-kubernetes.md")
 
 
+def kueue_module() -> Path:
+    return CACHE / "gopath" / "pkg" / "mod" / f"sigs.k8s.io/kueue@{versions()['KUEUE_VERSION']}"
+
+
+def release_manifests_available() -> bool:
+    return (kueue_module() / "config" / "components" / "manager" / "controller_manager_config.yaml").exists()
+
+
+def release_manifests_default_config() -> str:
+    """The ``controller_manager_config.yaml`` of Kueue's release ConfigMap (from its module)."""
+    return (kueue_module() / "config" / "components" / "manager" / "controller_manager_config.yaml").read_text()
+
+
+def kueue_metrics_url() -> str:
+    """Kueue's metrics endpoint as up.sh binds it (HTTPS, its metrics certificate)."""
+    base = int(os.environ.get("GPUHUB_CLUSTER_PORT_BASE", "32300"))
+    return f"https://127.0.0.1:{base + 85}/metrics"
+
+
+def release_manifests() -> str:
+    """What Kueue's release ``manifests.yaml`` holds, as this control plane installs it: the
+    objects ``up.sh`` applied (``kueue-install.yaml``: CRDs, namespace, webhooks, visibility
+    API, from the Kueue module by ``kueue_manifests.py``) and the release's ConfigMap
+    ``kueue-manager-config`` with the module's default ``controller_manager_config.yaml`` and
+    the labels of ``config/default`` (no Deployment or RBAC: Kueue runs as a process here)."""
+    default = release_manifests_default_config()
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "kueue-manager-config",
+            "namespace": "kueue-system",
+            "labels": {"app.kubernetes.io/name": "kueue", "control-plane": "controller-manager"},
+        },
+        "data": {"controller_manager_config.yaml": default},
+    }
+    return (DIR / "kueue-install.yaml").read_text().rstrip("\n") + "\n---\n" + yaml.safe_dump(cm, sort_keys=False)
+
+
 def ensure_up() -> tuple[RealCluster, bool]:
     """The running control plane, started with up.sh when it is not (returns whether it was)."""
     if KUBECONFIG.exists():
@@ -335,6 +389,66 @@ def ensure_up() -> tuple[RealCluster, bool]:
 
 def down() -> None:
     subprocess.run(["bash", str(HERE / "down.sh")], check=False, timeout=120)
+
+
+# Several pytest processes (./run-tests.sh's xdist workers) may use the one control plane.
+# Every real-plane test file resets the users' namespace and the Kueue objects, so a file
+# holds PLANE_LOCK (exclusive) while it uses the plane; each process that uses it holds
+# USERS_LOCK shared for its whole session, and the last to leave stops a plane a test run
+# started (STARTED_BY_TESTS), unless GPUHUB_CLUSTER_KEEP=1.
+PLANE_LOCK = Path(f"{DIR}.plane.lock")
+USERS_LOCK = Path(f"{DIR}.users.lock")
+STARTED_BY_TESTS = Path(f"{DIR}.started-by-tests")
+
+
+@contextlib.contextmanager
+def plane_lock():
+    """The control plane for this caller alone (other test processes wait here)."""
+    with PLANE_LOCK.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_users_file = None
+
+
+@contextlib.contextmanager
+def plane_user():
+    """This process uses the control plane (a shared lock, released by ``down_if_last_user``)."""
+    global _users_file
+    _users_file = USERS_LOCK.open("a")
+    fcntl.flock(_users_file, fcntl.LOCK_SH)
+    yield
+
+
+def ensure_up_for_tests() -> RealCluster:
+    cluster, started = ensure_up()
+    if started:
+        STARTED_BY_TESTS.write_text(str(os.getpid()))
+    return cluster
+
+
+def down_if_last_user() -> None:
+    """Stop the plane when no other test process uses it, if a test run started it."""
+    global _users_file
+    f, _users_file = _users_file, None
+    if f is None:
+        return
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # from shared: only if no one else holds it
+    except BlockingIOError:
+        f.close()
+        return
+    try:
+        if STARTED_BY_TESTS.exists() and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
+            with plane_lock():
+                down()
+            STARTED_BY_TESTS.unlink(missing_ok=True)
+    finally:
+        f.close()
 
 
 MIG_NODES_FILE = HERE / "nodes-mig.yaml"

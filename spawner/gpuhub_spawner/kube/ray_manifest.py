@@ -204,6 +204,14 @@ def ray_cluster_manifest(
     if elastic:
         annotations[ELASTIC_ANNOTATION] = "true"
         spec["enableInTreeAutoscaling"] = True
+        if hc.get("securityContext"):
+            # KubeRay adds the autoscaler sidecar to the head pod with no securityContext
+            # unless the RayCluster gives it one; the users' namespace enforces Pod Security
+            # `restricted` (issue 40), which would refuse the head pod. It gets the head
+            # container's (the server's: non-root, no privilege escalation, no capabilities,
+            # RuntimeDefault seccomp). KubeRay's own init container already copies the Ray
+            # container's.
+            spec["autoscalerOptions"] = {"securityContext": copy.deepcopy(hc["securityContext"])}
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,

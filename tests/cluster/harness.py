@@ -226,6 +226,106 @@ def restricted(spec: dict) -> dict:
     return spec
 
 
+def until(predicate, timeout: float, what: str):
+    """``predicate()``'s first truthy value within ``timeout`` seconds, or a TimeoutError naming
+    ``what`` was awaited."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"{what}: not reached in {timeout}s")
+
+
+class StandInProvisioner(threading.Thread):
+    """What a storage provisioner (a CSI driver's external-provisioner) does, for one
+    StorageClass it creates (``gpuhub.test/stand-in``, binding Immediate): for each claim of
+    that class still Pending, a PersistentVolume of the claim's size and access modes,
+    pre-bound to it (``claimRef``); the real PersistentVolume controller then binds the pair.
+    The volumes are hostPath stand-ins nothing mounts (kwok runs no kubelet); ``stop()``
+    removes them and the StorageClass."""
+
+    PROVISIONER = "gpuhub.test/stand-in"
+
+    def __init__(self, cluster: RealCluster, storage_class: str):
+        super().__init__(daemon=True, name=f"stand-in-provisioner {storage_class}")
+        self.cluster, self.storage_class = cluster, storage_class
+        self.made: list[str] = []
+        self.errors: list[str] = []
+        self._halt = threading.Event()
+
+    def begin(self) -> "StandInProvisioner":
+        self.cluster.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=yaml.safe_dump(
+                {
+                    "apiVersion": "storage.k8s.io/v1",
+                    "kind": "StorageClass",
+                    "metadata": {"name": self.storage_class},
+                    "provisioner": self.PROVISIONER,
+                    "volumeBindingMode": "Immediate",
+                    "reclaimPolicy": "Retain",
+                }
+            ),
+        )
+        self.start()
+        return self
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                claims = self.cluster.get("/api/v1/persistentvolumeclaims")["items"]
+                for c in claims:
+                    if (
+                        c["spec"].get("storageClassName") == self.storage_class
+                        and (c.get("status") or {}).get("phase") == "Pending"
+                    ):
+                        self._provision(c)
+            except Exception as e:  # surfaced by stop()
+                self.errors.append(repr(e))
+            self._halt.wait(0.3)
+
+    def _provision(self, claim: dict) -> None:
+        meta = claim["metadata"]
+        name = f"standin-{meta['uid']}"
+        if name in self.made:
+            return
+        pv = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": name, "annotations": {"pv.kubernetes.io/provisioned-by": self.PROVISIONER}},
+            "spec": {
+                "capacity": {"storage": claim["spec"]["resources"]["requests"]["storage"]},
+                "accessModes": claim["spec"]["accessModes"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": self.storage_class,
+                "claimRef": {
+                    "kind": "PersistentVolumeClaim",
+                    "namespace": meta["namespace"],
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                },
+                "hostPath": {"path": f"/tmp/gpuhub-standin-volumes/{name}"},
+            },
+        }
+        r = self.cluster.session.post(self.cluster.url + "/api/v1/persistentvolumes", json=pv, timeout=15)
+        if r.status_code >= 400:
+            self.errors.append(f"PV for {meta['namespace']}/{meta['name']}: {r.status_code} {r.text[:300]}")
+            return
+        self.made.append(name)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(10)
+        for name in self.made:
+            self.cluster.session.delete(self.cluster.url + f"/api/v1/persistentvolumes/{name}", timeout=15)
+        self.cluster.kubectl("delete", "storageclass", self.storage_class, "--ignore-not-found", check=False)
+        assert self.errors == [], self.errors
+
+
 HUB_NAMESPACE, HUB_SERVICE_ACCOUNT = "gpuhub", "hub"
 HUB_USER = f"system:serviceaccount:{HUB_NAMESPACE}:{HUB_SERVICE_ACCOUNT}"
 AUDIT_LOG = DIR / "logs" / "audit.log"

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from .job_manifest import SERVER_ONLY_ENV, USER_ANNOTATION
 from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
+from .storage import OWN, claim_name, use_work_volume
 from ..policy.access import Choice
 from ..policy.model import Policy
 
@@ -124,6 +125,7 @@ def ray_cluster_manifest(
     workers: list[WorkerGroup],
     namespace: str | None = None,
     autoscaling: bool | None = None,
+    work_volume: str = "home",
 ) -> dict:
     """The RayCluster ``name`` of ``user``; ``pod`` is the user's server pod for ``choice``
     (a dict, as ``KueueSpawner.get_pod_manifest`` makes it). ``autoscaling`` defaults to
@@ -155,6 +157,8 @@ def ray_cluster_manifest(
     )
     _strip_flavor_placement(head["spec"], policy, choice)
     hc = head["spec"]["containers"][0]
+    if work_volume == OWN:  # kube/storage.py: the cluster's own claim on the head only
+        use_work_volume(head["spec"], claim_name(name))
     head_res = {"cpu": _cpu(rules.head_resources.cpu), "memory": str(rules.head_resources.memory)}
     hc["resources"] = {"requests": dict(head_res), "limits": dict(head_res)}
 
@@ -177,6 +181,8 @@ def ray_cluster_manifest(
         c["resources"] = res
         if not wg.gpus:
             _strip_flavor_placement(tmpl["spec"], policy, choice)
+        if work_volume == OWN:  # a ReadWriteOnce claim cannot follow workers onto other nodes
+            use_work_volume(tmpl["spec"], None)
         group = {
             "groupName": wg.name,
             "replicas": wg.replicas,

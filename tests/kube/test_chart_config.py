@@ -53,6 +53,15 @@ def obj(docs, kind, name):
     return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
 
 
+def test_the_ingress_names_its_class(rendered):
+    """N9: the rendered Ingress carries values.yaml's ingressClassName (without one it is
+    served only where a default IngressClass exists)."""
+    values = yaml.safe_load((REPO / "helm-values" / "values.yaml").read_text())
+    ing = obj(rendered, "Ingress", "jupyterhub")
+    assert ing["spec"]["ingressClassName"] == values["ingress"]["ingressClassName"] == "nginx"
+    assert {r["host"] for r in ing["spec"]["rules"]} == {"hub.example.org", "*.hub.example.org"}
+
+
 def run_chart_config(docs, root: Path) -> Config:
     """Execute the rendered chart's jupyterhub_config.py as the hub container would."""
     cm, secret = obj(docs, "ConfigMap", "hub"), obj(docs, "Secret", "hub")

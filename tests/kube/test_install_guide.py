@@ -389,6 +389,20 @@ def follow_the_kueue_config_instructions(path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
+def test_the_certificate_is_shown_where_its_namespace_exists():
+    """N9: the guide's cert-manager Certificate is namespaced (``gpuhub``); it comes after the
+    step that creates that namespace, not among the prerequisites, where `kubectl apply` of it
+    would fail with ``namespaces "gpuhub" not found``."""
+    text = GUIDE.read_text()
+    cert = re.search(r"```yaml\n(apiVersion: cert-manager\.io/v1\nkind: Certificate\n.*?)```", text, re.S)
+    assert cert, "install-kubernetes.md has no cert-manager Certificate yaml block"
+    doc = yaml.safe_load(cert.group(1))
+    ns = doc["metadata"]["namespace"]
+    created = text.find(f"kubectl create namespace {ns}")
+    assert 0 <= created < cert.start(), f"the Certificate in {ns!r} comes before `kubectl create namespace {ns}`"
+    assert doc["spec"]["secretName"] == "gpuhub-tls" and "*.hub.example.org" in doc["spec"]["dnsNames"]
+
+
 def test_the_guides_wait_for_pods_ready_fits_the_policy():
     """The guide's timeout leaves the hub its launch timeout and more (the hub, not Kueue, gives
     up on a slow server first), and a job that can never start stops retrying."""

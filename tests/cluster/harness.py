@@ -16,6 +16,8 @@ Nothing here imports the API double: these helpers talk to whatever serves the k
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -179,13 +181,21 @@ class RealCluster:
         return self.kubectl("apply", "--server-side", "--field-manager=gpuhub-tests", "-f", str(workdir / "kueue.yaml")).stdout
 
     def ensure_namespace(self, name: str) -> None:
-        self.kubectl(
-            "apply",
-            "--server-side",
-            "-f",
-            "-",
-            input=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}),
+        """The namespace exists; one that does is left as it is. Not a server-side apply: on a
+        namespace that `kubectl apply -f helm-values/user-namespace.yaml` labelled, kubectl
+        moves the client-side apply's fields to the server-side applier (whatever its field
+        manager) and the apply, which names no labels, then removes the Pod Security labels
+        (seen on the real API server: enforce: restricted gone)."""
+        r = self.session.get(self.url + self.path("namespaces", None, name), timeout=15)
+        if r.status_code == 200:
+            return
+        r = self.session.post(
+            self.url + self.path("namespaces"),
+            json={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+            timeout=15,
         )
+        if r.status_code not in (201, 409):
+            raise RuntimeError(f"create namespace {name}: {r.status_code} {r.text}")
 
     def reset(self, namespace: str) -> None:
         """No pods, Workloads or Kueue queue objects left (finalizers removed as Kueue would)."""
@@ -209,6 +219,119 @@ class RealCluster:
 
     def events_for(self, namespace: str, name: str) -> list[dict]:
         return self.list("events", namespace, fieldSelector=f"involvedObject.name={name}")
+
+
+def restricted(spec: dict) -> dict:
+    """A pod spec a test creates in the users' namespace, made to meet Pod Security
+    ``restricted`` as gpuhub's own user pods do (issue 40: helm-values/user-namespace.yaml
+    enforces it): every container gets values.yaml's ``KubeSpawner.container_security_context``
+    plus what KubeSpawner adds (``allowPrivilegeEscalation: false``, z2jh's ``singleuser.uid``
+    1000). Returns ``spec``, changed in place."""
+    values = yaml.safe_load((REPO / "helm-values" / "values.yaml").read_text())
+    ctx = values["hub"]["config"]["KubeSpawner"]["container_security_context"]
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        c["securityContext"] = {**json.loads(json.dumps(ctx)), "allowPrivilegeEscalation": False, "runAsUser": 1000}
+    return spec
+
+
+def until(predicate, timeout: float, what: str):
+    """``predicate()``'s first truthy value within ``timeout`` seconds, or a TimeoutError naming
+    ``what`` was awaited."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"{what}: not reached in {timeout}s")
+
+
+class StandInProvisioner(threading.Thread):
+    """What a storage provisioner (a CSI driver's external-provisioner) does, for one
+    StorageClass it creates (``gpuhub.test/stand-in``, binding Immediate): for each claim of
+    that class still Pending, a PersistentVolume of the claim's size and access modes,
+    pre-bound to it (``claimRef``); the real PersistentVolume controller then binds the pair.
+    The volumes are hostPath stand-ins nothing mounts (kwok runs no kubelet); ``stop()``
+    removes them and the StorageClass."""
+
+    PROVISIONER = "gpuhub.test/stand-in"
+
+    def __init__(self, cluster: RealCluster, storage_class: str):
+        super().__init__(daemon=True, name=f"stand-in-provisioner {storage_class}")
+        self.cluster, self.storage_class = cluster, storage_class
+        self.made: list[str] = []
+        self.errors: list[str] = []
+        self._halt = threading.Event()
+
+    def begin(self) -> "StandInProvisioner":
+        self.cluster.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=yaml.safe_dump(
+                {
+                    "apiVersion": "storage.k8s.io/v1",
+                    "kind": "StorageClass",
+                    "metadata": {"name": self.storage_class},
+                    "provisioner": self.PROVISIONER,
+                    "volumeBindingMode": "Immediate",
+                    "reclaimPolicy": "Retain",
+                }
+            ),
+        )
+        self.start()
+        return self
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                claims = self.cluster.get("/api/v1/persistentvolumeclaims")["items"]
+                for c in claims:
+                    if (
+                        c["spec"].get("storageClassName") == self.storage_class
+                        and (c.get("status") or {}).get("phase") == "Pending"
+                    ):
+                        self._provision(c)
+            except Exception as e:  # surfaced by stop()
+                self.errors.append(repr(e))
+            self._halt.wait(0.3)
+
+    def _provision(self, claim: dict) -> None:
+        meta = claim["metadata"]
+        name = f"standin-{meta['uid']}"
+        if name in self.made:
+            return
+        pv = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": name, "annotations": {"pv.kubernetes.io/provisioned-by": self.PROVISIONER}},
+            "spec": {
+                "capacity": {"storage": claim["spec"]["resources"]["requests"]["storage"]},
+                "accessModes": claim["spec"]["accessModes"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": self.storage_class,
+                "claimRef": {
+                    "kind": "PersistentVolumeClaim",
+                    "namespace": meta["namespace"],
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                },
+                "hostPath": {"path": f"/tmp/gpuhub-standin-volumes/{name}"},
+            },
+        }
+        r = self.cluster.session.post(self.cluster.url + "/api/v1/persistentvolumes", json=pv, timeout=15)
+        if r.status_code >= 400:
+            self.errors.append(f"PV for {meta['namespace']}/{meta['name']}: {r.status_code} {r.text[:300]}")
+            return
+        self.made.append(name)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(10)
+        for name in self.made:
+            self.cluster.session.delete(self.cluster.url + f"/api/v1/persistentvolumes/{name}", timeout=15)
+        self.cluster.kubectl("delete", "storageclass", self.storage_class, "--ignore-not-found", check=False)
+        assert self.errors == [], self.errors
 
 
 HUB_NAMESPACE, HUB_SERVICE_ACCOUNT = "gpuhub", "hub"
@@ -321,6 +444,45 @@ def guide_block(starts: str) -> str:
     raise AssertionError(f"no sh block starting {starts!r} in install-kubernetes.md")
 
 
+def kueue_module() -> Path:
+    return CACHE / "gopath" / "pkg" / "mod" / f"sigs.k8s.io/kueue@{versions()['KUEUE_VERSION']}"
+
+
+def release_manifests_available() -> bool:
+    return (kueue_module() / "config" / "components" / "manager" / "controller_manager_config.yaml").exists()
+
+
+def release_manifests_default_config() -> str:
+    """The ``controller_manager_config.yaml`` of Kueue's release ConfigMap (from its module)."""
+    return (kueue_module() / "config" / "components" / "manager" / "controller_manager_config.yaml").read_text()
+
+
+def kueue_metrics_url() -> str:
+    """Kueue's metrics endpoint as up.sh binds it (HTTPS, its metrics certificate)."""
+    base = int(os.environ.get("GPUHUB_CLUSTER_PORT_BASE", "32300"))
+    return f"https://127.0.0.1:{base + 85}/metrics"
+
+
+def release_manifests() -> str:
+    """What Kueue's release ``manifests.yaml`` holds, as this control plane installs it: the
+    objects ``up.sh`` applied (``kueue-install.yaml``: CRDs, namespace, webhooks, visibility
+    API, from the Kueue module by ``kueue_manifests.py``) and the release's ConfigMap
+    ``kueue-manager-config`` with the module's default ``controller_manager_config.yaml`` and
+    the labels of ``config/default`` (no Deployment or RBAC: Kueue runs as a process here)."""
+    default = release_manifests_default_config()
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "kueue-manager-config",
+            "namespace": "kueue-system",
+            "labels": {"app.kubernetes.io/name": "kueue", "control-plane": "controller-manager"},
+        },
+        "data": {"controller_manager_config.yaml": default},
+    }
+    return (DIR / "kueue-install.yaml").read_text().rstrip("\n") + "\n---\n" + yaml.safe_dump(cm, sort_keys=False)
+
+
 def ensure_up() -> tuple[RealCluster, bool]:
     """The running control plane, started with up.sh when it is not (returns whether it was)."""
     if KUBECONFIG.exists():
@@ -335,6 +497,66 @@ def ensure_up() -> tuple[RealCluster, bool]:
 
 def down() -> None:
     subprocess.run(["bash", str(HERE / "down.sh")], check=False, timeout=120)
+
+
+# Several pytest processes (./run-tests.sh's xdist workers) may use the one control plane.
+# Every real-plane test file resets the users' namespace and the Kueue objects, so a file
+# holds PLANE_LOCK (exclusive) while it uses the plane; each process that uses it holds
+# USERS_LOCK shared for its whole session, and the last to leave stops a plane a test run
+# started (STARTED_BY_TESTS), unless GPUHUB_CLUSTER_KEEP=1.
+PLANE_LOCK = Path(f"{DIR}.plane.lock")
+USERS_LOCK = Path(f"{DIR}.users.lock")
+STARTED_BY_TESTS = Path(f"{DIR}.started-by-tests")
+
+
+@contextlib.contextmanager
+def plane_lock():
+    """The control plane for this caller alone (other test processes wait here)."""
+    with PLANE_LOCK.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_users_file = None
+
+
+@contextlib.contextmanager
+def plane_user():
+    """This process uses the control plane (a shared lock, released by ``down_if_last_user``)."""
+    global _users_file
+    _users_file = USERS_LOCK.open("a")
+    fcntl.flock(_users_file, fcntl.LOCK_SH)
+    yield
+
+
+def ensure_up_for_tests() -> RealCluster:
+    cluster, started = ensure_up()
+    if started:
+        STARTED_BY_TESTS.write_text(str(os.getpid()))
+    return cluster
+
+
+def down_if_last_user() -> None:
+    """Stop the plane when no other test process uses it, if a test run started it."""
+    global _users_file
+    f, _users_file = _users_file, None
+    if f is None:
+        return
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # from shared: only if no one else holds it
+    except BlockingIOError:
+        f.close()
+        return
+    try:
+        if STARTED_BY_TESTS.exists() and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
+            with plane_lock():
+                down()
+            STARTED_BY_TESTS.unlink(missing_ok=True)
+    finally:
+        f.close()
 
 
 MIG_NODES_FILE = HERE / "nodes-mig.yaml"

@@ -18,7 +18,7 @@ DIR="${GPUHUB_CLUSTER_DIR:-/tmp/gpuhub-cluster}"
 BASE="${GPUHUB_CLUSTER_PORT_BASE:-32300}"
 ETCD_PORT=$((BASE + 79)) ETCD_PEER=$((BASE + 80)) API_PORT=$((BASE + 43)) KCM_PORT=$((BASE + 57))
 SCHED_PORT=$((BASE + 59)) KWOK_PORT=$((BASE + 47)) WEBHOOK_PORT=$((BASE + 44)) VIS_PORT=$((BASE + 82))
-KUEUE_HEALTH=$((BASE + 81))
+KUEUE_HEALTH=$((BASE + 81)) KUEUE_METRICS=$((BASE + 85))
 BIN_ETCD="$CACHE/etcd-$ETCD_VERSION/bin" BIN_KUBE="$CACHE/kube-$KUBE_VERSION/bin"
 BIN_KWOK="$CACHE/kwok-$KWOK_VERSION/bin" BIN_KUEUE="$CACHE/kueue-$KUEUE_VERSION/bin"
 KUEUE_MOD="$CACHE/gopath/pkg/mod/sigs.k8s.io/kueue@$KUEUE_VERSION"
@@ -198,14 +198,17 @@ if ! k -n kueue-system get configmap kueue-manager-config >/dev/null 2>&1; then
     --from-file=controller_manager_config.yaml="$KUEUE_MOD/config/components/manager/controller_manager_config.yaml" >/dev/null
 fi
 k -n kueue-system get configmap kueue-manager-config -o jsonpath='{.data.controller_manager_config\.yaml}' >"$DIR/kueue-manager-config.yaml"
-python3 - "$DIR/kueue-manager-config.yaml" "$DIR/kueue-config.yaml" "$WEBHOOK_PORT" "$KUEUE_HEALTH" "$VIS_PORT" "$DIR/kueue-certs/webhook" <<'PY'
+python3 - "$DIR/kueue-manager-config.yaml" "$DIR/kueue-config.yaml" "$WEBHOOK_PORT" "$KUEUE_HEALTH" "$VIS_PORT" "$DIR/kueue-certs/webhook" "$KUEUE_METRICS" <<'PY'
 import sys, yaml
-src, out, wh, health, vis, certs = sys.argv[1:]
+src, out, wh, health, vis, certs, metrics = sys.argv[1:]
 cfg = yaml.safe_load(open(src))
 print(f"[up] Kueue integrations from kueue-manager-config: {cfg['integrations']['frameworks']}")
 cfg["namespace"] = "kueue-system"
 cfg["health"] = {"healthProbeBindAddress": f"127.0.0.1:{health}"}
-cfg["metrics"] = {"bindAddress": "0"}
+# Kueue's secure metrics endpoint (its certificate from /etc/kueue/metrics/certs, a bearer token
+# checked by TokenReview/SubjectAccessReview) on this machine's loopback; the rest of the
+# ConfigMap's metrics block (enableClusterQueueResources, the guide's step 4) is kept.
+cfg["metrics"] = {**(cfg.get("metrics") or {}), "bindAddress": f"127.0.0.1:{metrics}"}
 cfg["webhook"] = {"port": int(wh), "host": "127.0.0.1", "certDir": certs}
 cfg["leaderElection"] = {"leaderElect": False}
 cfg["internalCertManagement"] = {"enable": False}

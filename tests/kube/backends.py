@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 
 import harness as real  # noqa: E402  (tests/cluster/harness.py)
 
-from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE, apply_policy  # noqa: E402
+from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE, apply_policy, shipped_container_security_context  # noqa: E402
 from support.ports import pod_port_hook  # noqa: E402
 
 # What every Kubernetes hub of the end-to-end tests runs with (fast timings for tests).
@@ -38,6 +38,7 @@ c.KubeSpawner.args = []                         # allow_root comes from the "ima
 c.KubeSpawner.delete_grace_period = 1
 c.KubeSpawner.k8s_api_request_timeout = 10
 c.KubeSpawner.poll_interval = 1                 # production: 30 s; the hub notices a vanished pod sooner here
+c.KubeSpawner.container_security_context = {shipped_container_security_context()!r}  # values.yaml's: Pod Security restricted
 c.KueueSpawner.status_interval = 0.2
 c.KueueSpawner.queue_poll_interval = 0.5
 c.JupyterHub.init_spawners_timeout = 1          # as helm-values/values.yaml

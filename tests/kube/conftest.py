@@ -24,10 +24,12 @@ from double.harness import (  # noqa: E402  (sets $KUBECONFIG before kubernetes_
     KUBECONFIG,
     NAMESPACE,
     POLICY,
+    REPO,
     VENV_BIN,
     WORK,
     MockHub,
     MockUser,
+    shipped_container_security_context,
 )
 from double.schemas import shared_schemas  # noqa: E402
 from double.server import KubeDouble  # noqa: E402
@@ -71,21 +73,39 @@ def double(schemas_dir):
 
 
 @pytest.fixture(scope="session")
-def real_cluster():
-    """The real control plane of ``tests/cluster/up.sh``, for the whole session: started when
-    it is not running (and stopped at the end unless ``GPUHUB_CLUSTER_KEEP=1``); skipped with
-    the reason without ``GPUHUB_CLUSTER=1`` or the cached binaries. The one copy every
-    real-plane test file uses; what a test creates there it removes itself."""
+def _real_plane():
+    """This pytest process's share of the real control plane of ``tests/cluster/up.sh``:
+    started when it is not running (under ``harness.plane_lock``, so parallel workers start
+    it once), and stopped when the last process that used it finishes, if a test run started
+    it and ``GPUHUB_CLUSTER_KEEP=1`` is unset. Skipped with the reason without
+    ``GPUHUB_CLUSTER=1`` or the cached binaries."""
     reason = real.skip_reason()
     if reason:
         pytest.skip(reason)
-    cluster, started = real.ensure_up()
-    cluster.ensure_namespace(NAMESPACE)
-    yield cluster
-    if not real.kueue_running():  # a failed outage test left Kueue stopped
-        real.start_kueue()
-    if started and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
-        real.down()
+    with real.plane_user():
+        with real.plane_lock():
+            cluster = real.ensure_up_for_tests()
+        yield cluster
+    real.down_if_last_user()
+
+
+@pytest.fixture(scope="module")
+def real_cluster(_real_plane):
+    """The real control plane, one test file at a time: every real-plane file resets the
+    users' namespace and the Kueue objects, so under ``./run-tests.sh``'s parallel workers a
+    file holds ``harness.plane_lock`` from its first real-plane test to its end (the others
+    wait for it there). What a test creates there it removes itself."""
+    with real.plane_lock():
+        if not real.RealCluster().ready():  # a previous file's user stopped it
+            real.ensure_up_for_tests()
+        cluster = _real_plane
+        # The users' namespace as the install guide makes it (helm-values/user-namespace.yaml:
+        # Pod Security `restricted` enforced, the hub's Role, the NetworkPolicies), whatever an
+        # earlier file left: every pod a test makes there meets it (harness.restricted).
+        cluster.kubectl("apply", "-f", str(REPO / "helm-values" / "user-namespace.yaml"))
+        yield cluster
+        if not real.kueue_running():  # a failed outage test left Kueue stopped
+            real.start_kueue()
 
 
 @pytest.fixture
@@ -141,6 +161,7 @@ def make_spawner(kube):
         cfg.KueueSpawner.k8s_api_request_timeout = 5
         cfg.KueueSpawner.k8s_api_request_retry_timeout = 20
         cfg.KueueSpawner.delete_grace_period = 1
+        cfg.KueueSpawner.container_security_context = shipped_container_security_context()  # as values.yaml
         if traits.get("cmd", cfg.KueueSpawner.cmd) != ["jupyterhub-singleuser"]:
             # A stand-in that only has to exist serves no API for the startup probe to find:
             # without a probe its container is ready when started, as the kubelet does it.

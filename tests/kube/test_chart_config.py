@@ -53,6 +53,15 @@ def obj(docs, kind, name):
     return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
 
 
+def test_the_ingress_names_its_class(rendered):
+    """N9: the rendered Ingress carries values.yaml's ingressClassName (without one it is
+    served only where a default IngressClass exists)."""
+    values = yaml.safe_load((REPO / "helm-values" / "values.yaml").read_text())
+    ing = obj(rendered, "Ingress", "jupyterhub")
+    assert ing["spec"]["ingressClassName"] == values["ingress"]["ingressClassName"] == "nginx"
+    assert {r["host"] for r in ing["spec"]["rules"]} == {"hub.example.org", "*.hub.example.org"}
+
+
 def run_chart_config(docs, root: Path) -> Config:
     """Execute the rendered chart's jupyterhub_config.py as the hub container would."""
     cm, secret = obj(docs, "ConfigMap", "hub"), obj(docs, "Secret", "hub")
@@ -396,14 +405,15 @@ async def test_the_real_api_server_admits_gpuhubs_pods_under_pod_security_and_re
     spawner_for, real_cluster, tmp_path
 ):
     """On the real kube-apiserver 1.36 (its PodSecurity admission plugin), in gpuhub-users as
-    user-namespace.yaml labels it: every pod gpuhub makes is admitted (server-side dry run:
-    the whole admission chain, Kueue's webhooks included) with no `restricted` warning; the
-    same server pod with the chart's default init container (singleuser.cloudMetadata
-    .blockWithIptables: true, the chart's own config executed) is refused by `baseline`."""
+    user-namespace.yaml labels it (`restricted` enforced): every pod gpuhub makes is admitted
+    (server-side dry run: the whole admission chain, Kueue's webhooks included) with no
+    warning; the same server pod without gpuhub's securityContext is refused, and so is the
+    one with the chart's default init container (singleuser.cloudMetadata.blockWithIptables:
+    true, the chart's own config executed)."""
     cluster = real_cluster
     cluster.kubectl("apply", "-f", str(REPO / "helm-values" / "user-namespace.yaml"))
     labels = next(n for n in cluster.list("namespaces") if n["metadata"]["name"] == NAMESPACE)["metadata"]["labels"]
-    assert labels["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
     assert labels["pod-security.kubernetes.io/warn"] == "restricted"
 
     def dry_run(pod: dict) -> subprocess.CompletedProcess:
@@ -416,13 +426,14 @@ async def test_the_real_api_server_admits_gpuhubs_pods_under_pod_security_and_re
         assert out.returncode == 0, (what, out.stderr)
         assert "PodSecurity" not in out.stderr, (what, out.stderr)  # no `restricted` warning either
 
-    # The warning works: the same GPU server pod without gpuhub's container securityContext is
-    # admitted (baseline) with the API server's `restricted` warning.
+    # The label bites: the same GPU server pod without gpuhub's container securityContext is
+    # refused, with the API server's reasons.
     bare = copy.deepcopy((await _gpuhub_pods(spawner_for))["server-gpu"])
     bare["spec"]["containers"][0].pop("securityContext", None)
     out = dry_run(bare)
     report.append(f"  server-gpu without gpuhub's securityContext: rc {out.returncode} {out.stderr.strip()}")
-    assert out.returncode == 0 and 'would violate PodSecurity "restricted:v1.30"' in out.stderr, out.stderr
+    assert out.returncode != 0 and 'violates PodSecurity "restricted:v1.30"' in out.stderr, out.stderr
+    assert "runAsNonRoot" in out.stderr and "seccompProfile" in out.stderr, out.stderr
 
     on = tmp_path / "block-with-iptables.yaml"
     on.write_text(yaml.safe_dump({"singleuser": {"cloudMetadata": {"blockWithIptables": True}}}))
@@ -449,6 +460,6 @@ async def test_the_real_api_server_admits_gpuhubs_pods_under_pod_security_and_re
     assert [i["name"] for i in pod["spec"]["initContainers"]] == ["block-cloud-metadata"]
     out = dry_run(pod)
     report.append(f"  z2jh's default (block-cloud-metadata): rc {out.returncode} {out.stderr.strip()}")
-    print("\n[real] server-side dry runs in gpuhub-users (enforce baseline, warn restricted):\n" + "\n".join(report))
-    assert out.returncode != 0 and 'violates PodSecurity "baseline:v1.30"' in out.stderr, out.stderr
+    print("\n[real] server-side dry runs in gpuhub-users (enforce restricted):\n" + "\n".join(report))
+    assert out.returncode != 0 and 'violates PodSecurity "restricted:v1.30"' in out.stderr, out.stderr
     assert "privileged" in out.stderr and "NET_ADMIN" in out.stderr, out.stderr

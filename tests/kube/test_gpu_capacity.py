@@ -90,22 +90,24 @@ class Backend:
                     "namespace": NAMESPACE,
                     "labels": {"kueue.x-k8s.io/queue-name": "vision", "kueue.x-k8s.io/priority-class": "interactive"},
                 },
-                "spec": {
-                    "restartPolicy": "Never",
-                    "terminationGracePeriodSeconds": 1,
-                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                    "containers": [
-                        {
-                            "name": "notebook",
-                            "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
-                            "command": ["sleep", "600"],
-                            "resources": {
-                                "requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"},
-                                "limits": {"nvidia.com/gpu": "1"},
-                            },
-                        }
-                    ],
-                },
+                "spec": real.restricted(
+                    {
+                        "restartPolicy": "Never",
+                        "terminationGracePeriodSeconds": 1,
+                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                        "containers": [
+                            {
+                                "name": "notebook",
+                                "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                                "command": ["sleep", "600"],
+                                "resources": {
+                                    "requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"},
+                                    "limits": {"nvidia.com/gpu": "1"},
+                                },
+                            }
+                        ],
+                    }
+                ),
             },
         )
 

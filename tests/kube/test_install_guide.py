@@ -159,17 +159,19 @@ def _pending_pod(kube):
                 "name": f"jupyter-u{i}",
                 "labels": {"kueue.x-k8s.io/queue-name": "vision", "component": "singleuser-server"},
             },
-            "spec": {
-                "containers": [
-                    {
-                        "name": "notebook",
-                        "image": "x",
-                        "command": ["sleep", "600"],
-                        "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}},
-                    }
-                ],
-                "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
-            },
+            "spec": real.restricted(
+                {
+                    "containers": [
+                        {
+                            "name": "notebook",
+                            "image": "x",
+                            "command": ["sleep", "600"],
+                            "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}},
+                        }
+                    ],
+                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
+                }
+            ),
         }
         code, _ = kube.create("pods", NAMESPACE, pod)
         assert code == 201
@@ -204,6 +206,12 @@ NOT_ON_REAL = [
         r"kubectl apply --server-side -f https://github\.com/kubernetes-sigs/kueue/releases/",
         "fetches Kueue's release manifests from GitHub (no network here); tests/cluster/up.sh applies the same objects, "
         "made from the Kueue v0.19.2 module, with each webhook's Service swapped for a local URL (Kueue runs as a process)",
+    ),
+    (
+        r"curl -fsSL -o helm-values/kueue/manifests\.yaml https://github\.com/kubernetes-sigs/kueue/releases/",
+        "downloads the same release manifests (no network here); the test writes in their place what up.sh installed "
+        "(harness.release_manifests: the objects made from the Kueue v0.19.2 module and the release's ConfigMap "
+        "kueue-manager-config with the module's default configuration)",
     ),
     (
         r"kubectl -n kueue-system rollout (status|restart) deploy kueue-controller-manager",
@@ -369,7 +377,7 @@ def guide_wait_for_pods_ready() -> dict:
 
 
 def follow_the_kueue_config_instructions(path: Path) -> None:
-    """The guide's three edits of kueue-config.yaml, as an operator makes them."""
+    """The guide's four edits of kueue-config.yaml, as an operator makes them."""
     cfg = yaml.safe_load(path.read_text())
     frameworks = cfg.setdefault("integrations", {}).setdefault("frameworks", [])
     if "pod" not in frameworks:  # 1. add "pod", keep every other entry
@@ -377,7 +385,22 @@ def follow_the_kueue_config_instructions(path: Path) -> None:
     assert "managedJobsNamespaceSelector" not in cfg  # 2. absent: Kueue manages gpuhub-users; leave it
     assert "waitForPodsReady" not in cfg  # 3. absent from Kueue's default file: add the guide's block
     cfg["waitForPodsReady"] = guide_wait_for_pods_ready()
+    cfg.setdefault("metrics", {})["enableClusterQueueResources"] = True  # 4. the dashboard's quota panel
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def test_the_certificate_is_shown_where_its_namespace_exists():
+    """N9: the guide's cert-manager Certificate is namespaced (``gpuhub``); it comes after the
+    step that creates that namespace, not among the prerequisites, where `kubectl apply` of it
+    would fail with ``namespaces "gpuhub" not found``."""
+    text = GUIDE.read_text()
+    cert = re.search(r"```yaml\n(apiVersion: cert-manager\.io/v1\nkind: Certificate\n.*?)```", text, re.S)
+    assert cert, "install-kubernetes.md has no cert-manager Certificate yaml block"
+    doc = yaml.safe_load(cert.group(1))
+    ns = doc["metadata"]["namespace"]
+    created = text.find(f"kubectl create namespace {ns}")
+    assert 0 <= created < cert.start(), f"the Certificate in {ns!r} comes before `kubectl create namespace {ns}`"
+    assert doc["spec"]["secretName"] == "gpuhub-tls" and "*.hub.example.org" in doc["spec"]["dnsNames"]
 
 
 def test_the_guides_wait_for_pods_ready_fits_the_policy():
@@ -446,15 +469,17 @@ def fill_the_vision_queue(op: Operator) -> list[str]:
                 "namespace": USERS_NS,
                 "labels": {"kueue.x-k8s.io/queue-name": "vision", "component": "singleuser-server"},
             },
-            "spec": {
-                "containers": [
-                    {
-                        "name": "notebook",
-                        "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
-                        "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}},
-                    }
-                ]
-            },
+            "spec": real.restricted(
+                {
+                    "containers": [
+                        {
+                            "name": "notebook",
+                            "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                            "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}},
+                        }
+                    ]
+                }
+            ),
         }
         out = subprocess.run(
             ["kubectl", "create", "-f", "-", f"--as={HUB_SA}"],
@@ -559,6 +584,8 @@ def test_follow_the_guide_on_the_real_control_plane(guide_cluster, tmp_path):
             why = not_on_real(cmd)
             if why:
                 only_read.append(cmd)
+                if cmd.startswith("curl ") and "manifests.yaml" in cmd:
+                    (op.checkout / "helm-values" / "kueue" / "manifests.yaml").write_text(real.release_manifests())
                 if "rollout restart" in cmd:
                     restart_kueue()
                     running_cfg = yaml.safe_load((real.DIR / "kueue-config.yaml").read_text())
@@ -631,10 +658,14 @@ def check_step(cmd: str, out: str, op: Operator, others: list[str]) -> None:
         assert re.search(r"nvidia.com/gpu:\s+8", out), out
     elif cmd.startswith("kubectl get apiservice"):
         assert re.search(r"v1beta2.visibility.kueue.x-k8s.io\s+\S+\s+True", out), out
+    elif "get configmap kueue-manager-config" in cmd and "| grep" in cmd:  # section 6's check after an upgrade
+        assert re.search(r"^waitForPodsReady:\n\s+timeout: 10m", out, re.M), out
     elif "get configmap kueue-manager-config" in cmd:
-        follow_the_kueue_config_instructions(op.checkout / "kueue-config.yaml")
-    elif "create configmap kueue-manager-config" in cmd:
+        follow_the_kueue_config_instructions(op.checkout / "helm-values" / "kueue" / "kueue-config.yaml")
+    elif "-k helm-values/kueue/" in cmd:  # the put-back (section 1) and the upgrade (section 6)
         assert set(kueue_frameworks(cluster)) == set(others) | {"pod"}
+        cm = cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")
+        assert yaml.safe_load(cm["data"]["controller_manager_config.yaml"])["waitForPodsReady"] == guide_wait_for_pods_ready()
     elif cmd.startswith("for kind in mutating validating"):
         for kind in ("mutating", "validating"):
             cfg = json.loads(
@@ -683,7 +714,7 @@ def check_step(cmd: str, out: str, op: Operator, others: list[str]) -> None:
         assert other.stdout.strip() == "no", other.stdout + other.stderr
     elif cmd.startswith("kubectl get namespace gpuhub-users"):
         labels = json.loads(out.strip())
-        assert labels["pod-security.kubernetes.io/enforce"] == "baseline", labels  # the pods above were admitted under it
+        assert labels["pod-security.kubernetes.io/enforce"] == "restricted", labels  # the pods above were admitted under it
         assert labels["pod-security.kubernetes.io/warn"] == "restricted", labels
     elif cmd.startswith("kubectl -n gpuhub-users get workloads"):
         assert out.count("vision") >= 4, out

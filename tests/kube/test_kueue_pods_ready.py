@@ -96,33 +96,83 @@ def set_config(cluster: real.RealCluster, text: str) -> None:
     )
 
 
+OVERLAY = Path(__file__).resolve().parents[2] / "helm-values" / "kueue" / "kustomization.yaml"
+
+
+def kueue_config(cluster) -> str:
+    return cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")["data"][
+        "controller_manager_config.yaml"
+    ]
+
+
+def apply_overlay(cluster, overlay: Path) -> None:
+    """install-kubernetes.md's put-back and upgrade step, as written there."""
+    cluster.kubectl("apply", "--server-side", "--field-manager=gpuhub-kueue", "--force-conflicts", "-k", str(overlay))
+
+
 @pytest.fixture(scope="module")
 def kueue_with_the_guides_config(real_cluster, tmp_path_factory):
+    """Kueue configured as install-kubernetes.md says (its ``helm-values/kueue/`` overlay of the
+    release manifests, with the guide's edits in ``kueue-config.yaml``), then upgraded as its
+    section 6 says: the overlay applied a second time. A bare ``kubectl apply --server-side -f
+    manifests.yaml`` is tried in between. What each step left is recorded for
+    ``test_the_guides_kueue_config_survives_re_applying_kueues_manifests``; Kueue is restarted
+    (what the upgrade's new Deployment does) and runs with the configuration the ConfigMap
+    then holds, which the other tests see it enforce."""
     from test_install_guide import guide_wait_for_pods_ready
 
     cluster = real_cluster
-    before = cluster.get("/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config")["data"][
-        "controller_manager_config.yaml"
-    ]
+    before = kueue_config(cluster)
     cfg = yaml.safe_load(before)
     if "pod" not in cfg["integrations"]["frameworks"]:
         cfg["integrations"]["frameworks"].append("pod")
+    cfg.pop("waitForPodsReady", None)
     w = guide_wait_for_pods_ready()
     w["timeout"] = f"{TIMEOUT_S}s"
     w["requeuingStrategy"]["backoffBaseSeconds"] = 2
     cfg["waitForPodsReady"] = w
-    set_config(cluster, yaml.safe_dump(cfg, sort_keys=False))
+    overlay = tmp_path_factory.mktemp("kueue-overlay")
+    (overlay / "kustomization.yaml").write_text(OVERLAY.read_text())
+    (overlay / "manifests.yaml").write_text(real.release_manifests())
+    (overlay / "kueue-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    record = {}
+    # The install: Kueue's default configuration in place (another session's edit undone), then
+    # the guide's put-back through the overlay, and the restart.
+    set_config(cluster, yaml.safe_load(real.release_manifests().split("\n---\n")[-1])["data"]["controller_manager_config.yaml"])
+    apply_overlay(cluster, overlay)
+    record["installed"] = yaml.safe_load(kueue_config(cluster))
     restart_kueue()
-    running = yaml.safe_load((real.DIR / "kueue-config.yaml").read_text())
-    assert running["waitForPodsReady"] == w
+    # Someone follows Kueue's own install page for an upgrade: refused for the ConfigMap alone.
+    bare = cluster.kubectl("apply", "--server-side", "-f", str(overlay / "manifests.yaml"), check=False)
+    record["bare"] = (bare.returncode, bare.stderr)
+    record["after_bare"] = yaml.safe_load(kueue_config(cluster))
+    # The upgrade as the guide's section 6 says: the overlay applied again.
+    apply_overlay(cluster, overlay)
+    record["upgraded"] = yaml.safe_load(kueue_config(cluster))
+    restart_kueue()
+    record["running"] = yaml.safe_load((real.DIR / "kueue-config.yaml").read_text())
+    assert record["running"]["waitForPodsReady"] == w
     cluster.ensure_namespace(NS)
     cluster.reset(NS)
     cluster.apply_policy(POLICY, NS, tmp_path_factory.mktemp("policy"))
-    yield cluster, w
+    yield cluster, w, record
     cluster.kubectl("-n", NS, "delete", "jobs", "--all", "--wait=false")
     cluster.reset(NS)
     set_config(cluster, before)
     restart_kueue()
+
+
+@pytest.mark.cluster
+def test_the_guides_kueue_config_survives_re_applying_kueues_manifests(kueue_with_the_guides_config):
+    """Issue 40 item 4: an upgrade (the overlay applied again) keeps waitForPodsReady and the pod
+    integration; Kueue's documented bare apply is refused for the ConfigMap, not a silent
+    revert; the restarted Kueue runs with the guide's block (its enforcement: the tests below)."""
+    _, w, record = kueue_with_the_guides_config
+    for step in ("installed", "after_bare", "upgraded", "running"):
+        assert record[step]["waitForPodsReady"] == w, (step, record[step])
+        assert "pod" in record[step]["integrations"]["frameworks"], (step, record[step])
+    code, err = record["bare"]
+    assert code != 0 and 'conflict with "gpuhub-kueue"' in err and ".data.controller_manager_config.yaml" in err, err
 
 
 def workload_of(cluster, kind: str, name: str) -> dict | None:
@@ -161,28 +211,30 @@ def gpus_used(cluster) -> int:
 
 
 def pod_spec() -> dict:
-    return {
-        "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": 1,
-        "nodeSelector": dict(NEVER),
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "containers": [
-            {
-                "name": "main",
-                "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
-                "command": ["sleep", "600"],
-                "resources": {
-                    "requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"},
-                    "limits": {"nvidia.com/gpu": "1"},
-                },
-            }
-        ],
-    }
+    return real.restricted(
+        {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "nodeSelector": dict(NEVER),
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                    "command": ["sleep", "600"],
+                    "resources": {
+                        "requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"},
+                        "limits": {"nvidia.com/gpu": "1"},
+                    },
+                }
+            ],
+        }
+    )
 
 
 @pytest.mark.cluster
 def test_a_job_that_can_never_start_is_evicted_requeued_then_deactivated(kueue_with_the_guides_config):
-    cluster, w = kueue_with_the_guides_config
+    cluster, w, _ = kueue_with_the_guides_config
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -258,7 +310,7 @@ def test_a_job_that_can_never_start_is_evicted_requeued_then_deactivated(kueue_w
 
 @pytest.mark.cluster
 def test_a_server_pod_that_can_never_start_is_deleted_and_the_user_told_why(kueue_with_the_guides_config):
-    cluster, _ = kueue_with_the_guides_config
+    cluster, _, _ = kueue_with_the_guides_config
     cluster.create(
         "pods",
         NS,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,21 +77,23 @@ class Backend:
                     "namespace": NAMESPACE,
                     "labels": {"kueue.x-k8s.io/queue-name": queue, "kueue.x-k8s.io/priority-class": priority},
                 },
-                "spec": {
-                    "restartPolicy": "Never",
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [
-                        {
-                            "name": "notebook",
-                            "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
-                            "command": ["sleep", "600"],
-                            "resources": {
-                                "requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": str(gpus)},
-                                "limits": {"nvidia.com/gpu": str(gpus)},
-                            },
-                        }
-                    ],
-                },
+                "spec": real.restricted(
+                    {
+                        "restartPolicy": "Never",
+                        "terminationGracePeriodSeconds": 1,
+                        "containers": [
+                            {
+                                "name": "notebook",
+                                "image": "registry.example.com/gpuhub/notebook:cuda-0.1.0",
+                                "command": ["sleep", "600"],
+                                "resources": {
+                                    "requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": str(gpus)},
+                                    "limits": {"nvidia.com/gpu": str(gpus)},
+                                },
+                            }
+                        ],
+                    }
+                ),
             },
         )
 
@@ -138,6 +141,59 @@ def until(predicate, timeout: float = 60, what: str = "condition"):
             return value
         time.sleep(0.2)
     raise TimeoutError(f"{what} not reached in {timeout}s")
+
+
+class Watch(threading.Thread):
+    """A watch on ``path`` (the API server's or the double's), keeping every version of every
+    object it reports, the DELETED ones' last state included: what the hub's reflectors see."""
+
+    def __init__(self, api: real.RealCluster, path: str, **params: str):
+        super().__init__(daemon=True, name=f"watch {path}")
+        self.api, self.path, self.params = api, path, params
+        self.versions: list[tuple[str, dict]] = []
+        self.error: Exception | None = None
+        self._opened = threading.Event()
+        self._halt = threading.Event()
+
+    def begin(self) -> "Watch":
+        self.start()
+        if not self._opened.wait(15):
+            raise TimeoutError(f"the watch on {self.path} did not open in 15 s: {self.error}")
+        return self
+
+    def run(self) -> None:
+        # Short watches (the server ends each after 2 s), each resumed from the last
+        # resourceVersion seen, so a stop never has to close a stream under its reader.
+        rv = "0"
+        while not self._halt.is_set():
+            params = {**self.params, "watch": "1", "resourceVersion": rv, "timeoutSeconds": "2", "allowWatchBookmarks": "true"}
+            try:
+                with self.api.session.get(self.api.url + self.path, params=params, stream=True, timeout=(15, 30)) as r:
+                    r.raise_for_status()
+                    self._opened.set()
+                    for line in r.iter_lines():
+                        if not line:
+                            continue
+                        event = json.loads(line)
+                        rv = event["object"].get("metadata", {}).get("resourceVersion") or rv
+                        if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                            self.versions.append((event["type"], event["object"]))
+            except Exception as e:  # noqa: BLE001  (said by stop())
+                self.error = e
+                self._opened.set()
+                return
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(30)
+        assert not self.is_alive(), f"the watch on {self.path} did not end"
+        assert self.error is None, f"the watch on {self.path} failed: {self.error!r}"
+
+    def last(self, match) -> dict | None:
+        return next((obj for _, obj in reversed(self.versions) if match(obj)), None)
+
+    def deleted(self, name: str) -> bool:
+        return any(t == "DELETED" and obj["metadata"]["name"] == name for t, obj in self.versions)
 
 
 # real_cluster: the session's one real control plane (tests/kube/conftest.py)
@@ -226,23 +282,34 @@ def test_n4_n5_pod_events_and_preemption_cause(request, backend):
     # nlp's L4 taken, so vision-high cannot borrow: it preempts within vision's own queue
     backend.pod("nlp-1", "nlp", "high")
     until(lambda: backend.admitted("nlp-1"), what="nlp-1 admitted")
-    backend.pod("vision-high", "vision", "high")
-    seen: dict = {}
+    # Kueue preempts vision-low within a second and deletes its pod (and then its Workload):
+    # the victim's every version is read from watches, as the hub's reflectors see it (a poll
+    # every 0.2 s missed the moment on the real plane).
+    pods = Watch(backend.api, backend.api.path("pods", NAMESPACE), fieldSelector="metadata.name=vision-low").begin()
+    workloads = Watch(backend.api, backend.api.path("workloads", NAMESPACE)).begin()
+    try:
+        backend.pod("vision-high", "vision", "high")
 
-    def evicted() -> bool:  # keep the last view of the victim: Kueue deletes a preempted pod
-        wl, pod = backend.workload_of("vision-low"), backend.pods().get("vision-low")
-        if wl:
-            seen["workload"] = wl
-        if pod:
-            seen["pod"] = pod
-        c = next((c for c in ((wl or {}).get("status") or {}).get("conditions", []) if c["type"] == "Evicted"), None)
-        return bool(c and c["status"] == "True") or pod is None
+        def victim_workload() -> dict | None:
+            return workloads.last(lambda w: any(o["name"] == "vision-low" for o in w["metadata"].get("ownerReferences", [])))
 
-    until(evicted, what="vision-low evicted or deleted")
-    for _ in range(10):  # a few more looks while it goes
-        evicted()
-        time.sleep(0.1)
-    wl_status = (seen.get("workload") or {}).get("status") or {}  # the double may delete it within one poll
+        def evicted() -> bool:
+            c = next(
+                (c for c in ((victim_workload() or {}).get("status") or {}).get("conditions", []) if c["type"] == "Evicted"), None
+            )
+            return bool(c and c["status"] == "True") or pods.deleted("vision-low")
+
+        until(evicted, what="vision-low's Workload Evicted, or its pod deleted, in the watches")
+        until(lambda: backend.admitted("vision-high"), what="vision-high admitted")
+        until(
+            lambda: pods.deleted("vision-low") and "Preempted" in json.dumps(victim_workload()),
+            what="vision-low's pod deleted and its Workload's Preempted condition, in the watches",
+        )
+    finally:
+        pods.stop()
+        workloads.stop()
+    seen = {"workload": victim_workload(), "pod": pods.last(lambda p: p["metadata"]["name"] == "vision-low")}
+    wl_status = (seen.get("workload") or {}).get("status") or {}
     print(
         f"[{backend.name}] N5: preempted Workload conditions: "
         f"{json.dumps([c for c in wl_status.get('conditions', []) if c['type'] in ('Evicted', 'Preempted', 'Requeued')])}"
@@ -253,7 +320,6 @@ def test_n4_n5_pod_events_and_preemption_cause(request, backend):
         f"{json.dumps([c for c in ((seen.get('pod') or {}).get('status') or {}).get('conditions', []) if c['type'] == 'TerminationTarget'])}"
     )
     print(f"[{backend.name}] N5: preempted pod events: {backend.events('vision-low')}")
-    until(lambda: backend.admitted("vision-high"), what="vision-high admitted")
     assert kueue_events and all(e[0] == "pod-kueue-controller" for e in kueue_events), kueue_events
     preempted = next(c for c in wl_status["conditions"] if c["type"] == "Preempted")
     assert preempted["reason"] == "InClusterQueue" and preempted["message"].startswith("Preempted to accommodate a workload")

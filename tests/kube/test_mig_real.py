@@ -29,7 +29,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 import harness as real  # noqa: E402
 
-from double.harness import NAMESPACE, POLICY, MockHub, MockUser  # noqa: E402
+from double.harness import NAMESPACE, POLICY, MockHub, MockUser, shipped_container_security_context  # noqa: E402
 from gpuhub_spawner.kube import kueue as K  # noqa: E402
 from gpuhub_spawner.kube.messages import waiting_message  # noqa: E402
 from gpuhub_spawner.policy.access import resolve_choice  # noqa: E402
@@ -83,6 +83,8 @@ def server_pods(policy_file: Path, users: list[str]) -> list[dict]:
                 cfg = Config()
                 cfg.KueueSpawner.namespace = NS
                 cfg.KueueSpawner.cmd = ["jupyterhub-singleuser"]
+                # values.yaml's: gpuhub-users enforces Pod Security restricted (issue 40)
+                cfg.KueueSpawner.container_security_context = shipped_container_security_context()
                 spawner = KueueSpawner(
                     config=cfg,
                     user=MockUser(user, ["students"]),

@@ -13,7 +13,6 @@ nothing and says why; the hub's account can touch no other ConfigMap.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,10 +36,8 @@ POLICY_C = "# version C (kubectl edit)\nteams: []\n"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    if SKIP:
-        pytest.skip(SKIP)
-    cluster, started = real.ensure_up()
+def cluster(_real_plane):
+    cluster = _real_plane  # its own namespace: no need to hold the plane alone
     cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=true", check=False)
     cluster.ensure_namespace(NS)
     cluster.kubectl("-n", NS, "create", "serviceaccount", "hub")
@@ -56,8 +53,6 @@ def cluster():
         cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(cm))
     yield cluster
     cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=false", check=False)
-    if started and not os.environ.get("GPUHUB_CLUSTER_KEEP"):
-        real.down()
 
 
 def hub_account_client(cluster):

@@ -116,6 +116,11 @@ async def test_autoscaling_only_where_the_policy_allows_it(make_spawner, policy_
     validate(rc)
     assert rc["metadata"]["annotations"][ELASTIC_ANNOTATION] == "true" and rc["spec"]["enableInTreeAutoscaling"] is True
     assert rc["spec"]["workerGroupSpecs"][0]["minReplicas"] == 0
+    # KubeRay's autoscaler sidecar gets the head container's securityContext (Pod Security
+    # `restricted` in the users' namespace would refuse the head pod otherwise)
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert rc["spec"]["autoscalerOptions"] == {"securityContext": head["securityContext"]}
+    assert head["securityContext"]["runAsNonRoot"] is True and head["securityContext"]["allowPrivilegeEscalation"] is False
     policy, choice, pod, _ = await _cluster(make_spawner, policy_store, autoscaling=False)
     rc = ray_cluster_manifest("r", "alice", policy, choice, pod, [WorkerGroup("gpu", 1, 1)], autoscaling=True)
     assert ELASTIC_ANNOTATION not in rc["metadata"]["annotations"]  # a request cannot widen the policy

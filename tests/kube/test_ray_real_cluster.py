@@ -194,6 +194,7 @@ async def test_over_quota_waits_suspended_with_kueues_message_and_is_admitted_wh
 
 async def test_autoscaling_needs_kueues_elastic_job_annotation(ray_cluster_plane, make_spawner, policy_store):
     cluster, _ = ray_cluster_plane
+    cluster.kubectl("-n", NS, "delete", "rayclusters", "--all", "--wait=true", check=False)  # the quota free for it
     _, _, rc = await _manifest(make_spawner, policy_store, "ray-elastic", [WorkerGroup("gpu", 1, 1)], autoscaling=True)
     assert rc["metadata"]["annotations"][ELASTIC_ANNOTATION] == "true"
     bare = yaml.safe_load(yaml.safe_dump(rc))
@@ -208,6 +209,21 @@ async def test_autoscaling_needs_kueues_elastic_job_annotation(ray_cluster_plane
     gates = [g["name"] for g in created["spec"]["headGroupSpec"]["template"]["spec"].get("schedulingGates") or []]
     assert ELASTIC_GATE in gates, created["spec"]["headGroupSpec"]["template"]["spec"]
     until(lambda: workload_of(cluster, "ray-elastic"), 60, "the elastic RayCluster's Workload")
+    # Admitted, KubeRay makes the head pod with its autoscaler sidecar, which Pod Security
+    # `restricted` (enforced in gpuhub-users, issue 40) admits only with the securityContext
+    # gpuhub gives it (autoscalerOptions.securityContext); without it KubeRay's create is refused.
+    labels = next(n for n in cluster.list("namespaces") if n["metadata"]["name"] == NS)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted", labels
+    head = until(
+        lambda: next(
+            (p for p in pods_of(cluster, "ray-elastic") if p["metadata"]["labels"].get("ray.io/node-type") == "head"), None
+        ),
+        90,
+        "the elastic RayCluster's head pod, made by KubeRay under Pod Security restricted",
+    )
+    sidecar = next(c for c in head["spec"]["containers"] if c["name"] == "autoscaler")
+    assert sidecar["securityContext"] == rc["spec"]["autoscalerOptions"]["securityContext"], sidecar
+    assert sidecar["securityContext"]["runAsNonRoot"] is True and sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     cluster.session.delete(rc_url(cluster, "ray-elastic"), timeout=15)
     assert K.QUEUE_LABEL in created["metadata"]["labels"]
 

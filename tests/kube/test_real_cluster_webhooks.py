@@ -36,7 +36,9 @@ def objects(ns: str) -> list[dict]:
     """What the chart creates in its namespace: a Deployment (hub, proxy), a hook Job, a pod."""
     template = {
         "metadata": {"labels": {"app": "probe"}},
-        "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "registry.example.com/probe:1"}]},
+        "spec": real.restricted(
+            {"restartPolicy": "Never", "containers": [{"name": "c", "image": "registry.example.com/probe:1"}]}
+        ),
     }
     always = yaml.safe_load(yaml.safe_dump(template))
     always["spec"]["restartPolicy"] = "Always"

@@ -178,10 +178,12 @@ async def test_on_the_real_api_server_each_selector_selects_exactly_the_owners_p
                     "apiVersion": "v1",
                     "kind": "Pod",
                     "metadata": {"name": f"wall-{name}", "labels": labels},
-                    "spec": {
-                        "containers": [{"name": "c", "image": "registry.example.com/stand-in:1"}],
-                        "nodeSelector": {"gpuhub.io/no-such-node": "true"},
-                    },
+                    "spec": real.restricted(
+                        {
+                            "containers": [{"name": "c", "image": "registry.example.com/stand-in:1"}],
+                            "nodeSelector": {"gpuhub.io/no-such-node": "true"},
+                        }
+                    ),
                 },
             )
             made.append((ns, f"wall-{name}"))
@@ -196,10 +198,12 @@ async def test_on_the_real_api_server_each_selector_selects_exactly_the_owners_p
                 "spec": {
                     "suspend": True,
                     "template": {
-                        "spec": {
-                            "restartPolicy": "Never",
-                            "containers": [{"name": "c", "image": "registry.example.com/stand-in:1"}],
-                        }
+                        "spec": real.restricted(
+                            {
+                                "restartPolicy": "Never",
+                                "containers": [{"name": "c", "image": "registry.example.com/stand-in:1"}],
+                            }
+                        )
                     },
                 },
             },

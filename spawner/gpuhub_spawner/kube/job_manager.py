@@ -45,6 +45,7 @@ from .ledger import RECLAIM_ANNOTATION, KueueLedger
 from .policy_configmap import hub_namespace
 from .spawner import KueueSpawner
 from .walls import put_up, wall
+from .storage import OWN, create_claim, work_claim
 
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
 
@@ -150,7 +151,17 @@ class KubeJobManager(SingletonConfigurable):
         # The choice was checked above with the jobs' caps (GPUs, not maxServers); the spawner
         # applies it to the pod exactly as for a server of this profile.
         pod = await spawner.pod_for(choice)
-        job = job_manifest(job_id, user.name, spec, policy, choice, pod, job_priority_class=pclass, namespace=spawner.namespace)
+        job = job_manifest(
+            job_id,
+            user.name,
+            spec,
+            policy,
+            choice,
+            pod,
+            job_priority_class=pclass,
+            namespace=spawner.namespace,
+            work_volume=spawner.work_volume,
+        )
         container = job["spec"]["template"]["spec"]["containers"][0]
         profile = choice.profile
         rec = R.JobRecord(
@@ -192,6 +203,11 @@ class KubeJobManager(SingletonConfigurable):
                 self._client("BatchV1Api").api_client,
                 wall(job_id, spawner.namespace, {JOB_LABEL: job_id}, pod["metadata"]["labels"], hub_namespace(), owner=owner),
             )
+            if spawner.work_volume == OWN:  # kube/storage.py: the job's own claim, deleted with the Job
+                claim = work_claim(
+                    owner, spawner.namespace, spawner.work_volume_size, spawner.work_volume_storage_class, {JOB_LABEL: job_id}
+                )
+                await create_claim(self._client("BatchV1Api").api_client, claim)
         except Exception as e:  # noqa: BLE001
             try:
                 await self._client("BatchV1Api").delete_namespaced_job(job_id, spawner.namespace, propagation_policy="Background")
@@ -200,7 +216,8 @@ class KubeJobManager(SingletonConfigurable):
                     "Job %s: its NetworkPolicy was refused and it could not be deleted: %s", job_id, getattr(gone, "reason", gone)
                 )
             raise ChoiceError(
-                502, f"the cluster refused the job's NetworkPolicy: {getattr(e, 'reason', e)}; nothing was started"
+                502,
+                f"the cluster refused the job's NetworkPolicy or volume claim: {getattr(e, 'reason', e)}; nothing was started",
             ) from None
         rec.spec["uid"], rec.spec["namespace"] = created.metadata.uid, spawner.namespace
         rec.attempts.append(R.Attempt(number=1, queued=time.time()))

@@ -29,6 +29,7 @@ import json
 from typing import Any
 
 from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
+from .storage import OWN, claim_name, use_work_volume
 from ..policy.access import Choice
 from ..policy.model import Policy
 from ..jobs.spec import FAILED, INTERRUPTED, PREEMPTED, JobSpec
@@ -78,8 +79,11 @@ def job_manifest(
     pod: dict,
     job_priority_class: str | None = None,
     namespace: str | None = None,
+    work_volume: str = "home",
 ) -> dict:
-    """The suspended Job for ``spec``; ``pod`` is the user's server pod manifest (a dict)."""
+    """The suspended Job for ``spec``; ``pod`` is the user's server pod manifest (a dict).
+    ``work_volume`` (kube/storage.py): ``home`` keeps the server's volumes; ``own`` mounts the
+    job's own claim ``<job>-work`` at the home path instead (made by the job manager)."""
     pod = copy.deepcopy(pod)
     meta = pod.get("metadata") or {}
     labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in (QUEUE_LABEL, PRIORITY_LABEL)}
@@ -101,6 +105,8 @@ def job_manifest(
         container["workingDir"] = spec.working_dir if spec.working_dir.startswith("/") else f"{home}/{spec.working_dir}"
     if spec.image:
         container["image"] = spec.image
+    if work_volume == OWN:
+        use_work_volume(pod_spec, claim_name(job_id))
     ckpt = spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}"
     env = [e for e in container.get("env", []) if e.get("name") not in SERVER_ONLY_ENV and e.get("name") not in spec.env]
     env += [{"name": k, "value": v} for k, v in sorted(spec.env.items())]

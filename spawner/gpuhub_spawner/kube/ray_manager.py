@@ -52,6 +52,7 @@ from .kueue import (
 )
 from .policy_configmap import hub_namespace
 from .ray_manifest import GROUP, PLURAL, RAY_LABEL, VERSION, WorkerGroup, ray_cluster_manifest
+from .storage import OWN, create_claim, work_claim
 from .walls import put_up, wall
 from ..culling.rules import CullState, Decision, Signals, decide
 from ..policy import PolicyStore
@@ -196,7 +197,7 @@ class KubeRayManager(RayClusterManager):
         pod = await spawner.pod_for(choice)
         ns = self.namespace or spawner.namespace
         self.namespace = ns
-        body = ray_cluster_manifest(cid, user.name, policy, choice, pod, groups_, namespace=ns)
+        body = ray_cluster_manifest(cid, user.name, policy, choice, pod, groups_, namespace=ns, work_volume=spawner.work_volume)
         body["metadata"]["annotations"].update({NAME_ANNOTATION: name, WORKERS_ANNOTATION: str(max(1, request.workers))})
         try:
             created = await self._api().create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
@@ -210,6 +211,9 @@ class KubeRayManager(RayClusterManager):
             await put_up(
                 self._api().api_client, wall(cid, ns, {RAY_LABEL: cid}, pod["metadata"]["labels"], hub_namespace(), owner=created)
             )
+            if spawner.work_volume == OWN:  # kube/storage.py: the cluster's own claim, deleted with it
+                claim = work_claim(created, ns, spawner.work_volume_size, spawner.work_volume_storage_class, {RAY_LABEL: cid})
+                await create_claim(self._api().api_client, claim)
         except ApiException as e:
             try:
                 await self._api().delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, cid)

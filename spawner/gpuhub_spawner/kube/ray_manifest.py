@@ -38,6 +38,7 @@ from typing import Any
 
 from .job_manifest import SERVER_ONLY_ENV, USER_ANNOTATION
 from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
+from .storage import OWN, claim_name, use_work_volume
 from ..policy.access import Choice
 from ..policy.model import Policy
 
@@ -125,6 +126,7 @@ def ray_cluster_manifest(
     workers: list[WorkerGroup],
     namespace: str | None = None,
     autoscaling: bool | None = None,
+    work_volume: str = "home",
 ) -> dict:
     """The RayCluster ``name`` of ``user``; ``pod`` is the user's server pod for ``choice``
     (a dict, as ``KueueSpawner.get_pod_manifest`` makes it). ``autoscaling`` defaults to
@@ -156,6 +158,8 @@ def ray_cluster_manifest(
     )
     _strip_flavor_placement(head["spec"], policy, choice)
     hc = head["spec"]["containers"][0]
+    if work_volume == OWN:  # kube/storage.py: the cluster's own claim on the head only
+        use_work_volume(head["spec"], claim_name(name))
     head_res = {"cpu": _cpu(rules.head_resources.cpu), "memory": str(rules.head_resources.memory)}
     hc["resources"] = {"requests": dict(head_res), "limits": dict(head_res)}
 
@@ -178,6 +182,8 @@ def ray_cluster_manifest(
         c["resources"] = res
         if not wg.gpus:
             _strip_flavor_placement(tmpl["spec"], policy, choice)
+        if work_volume == OWN:  # a ReadWriteOnce claim cannot follow workers onto other nodes
+            use_work_volume(tmpl["spec"], None)
         group = {
             "groupName": wg.name,
             "replicas": wg.replicas,
@@ -205,6 +211,14 @@ def ray_cluster_manifest(
     if elastic:
         annotations[ELASTIC_ANNOTATION] = "true"
         spec["enableInTreeAutoscaling"] = True
+        if hc.get("securityContext"):
+            # KubeRay adds the autoscaler sidecar to the head pod with no securityContext
+            # unless the RayCluster gives it one; the users' namespace enforces Pod Security
+            # `restricted` (issue 40), which would refuse the head pod. It gets the head
+            # container's (the server's: non-root, no privilege escalation, no capabilities,
+            # RuntimeDefault seccomp). KubeRay's own init container already copies the Ray
+            # container's.
+            spec["autoscalerOptions"] = {"securityContext": copy.deepcopy(hc["securityContext"])}
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,

@@ -53,7 +53,8 @@ RIGHTS: tuple[Right, ...] = (
         "persistentvolumeclaims",
         ("create", "get", "delete"),
         "KubeSpawner creates each user's home volume claim (z2jh's singleuser.storage.type dynamic), "
-        "reads it when it exists already, deletes it with the user",
+        "reads it when it exists already, deletes it with the user; with work_volume: own the hub creates "
+        "each job's and Ray cluster's own claim (kube/storage.py; the garbage collector deletes it with its owner)",
     ),
     Right(
         USERS,

@@ -122,6 +122,17 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         help="Seconds from admission until the pod runs (default: the policy's defaults.launchTimeout).",
     )
     start_timeout_slack = Integer(60, config=True, help="Seconds added to queue + launch timeout for JupyterHub's start_timeout.")
+    work_volume = Unicode(
+        "home",
+        config=True,
+        help="Where jobs and Ray clusters keep their files on a multi-node cluster (kube/storage.py): "
+        "'home', the user's home claim (needs ReadWriteMany home claims: singleuser.storage.storageAccessModes), "
+        "or 'own', a ReadWriteOnce claim per job and per Ray cluster, deleted with it.",
+    )
+    work_volume_size = Unicode("20Gi", config=True, help="The size of each job's and Ray cluster's own claim (work_volume: own).")
+    work_volume_storage_class = Unicode(
+        None, allow_none=True, config=True, help="The StorageClass of those claims (None: the cluster's default)."
+    )
     queue_poll_interval = Float(
         5.0,
         config=True,

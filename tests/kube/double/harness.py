@@ -24,6 +24,17 @@ NAMESPACE = "gpuhub-users"
 HUB_NAMESPACE = "gpuhub"
 VENV_BIN = Path(sys.executable).parent
 
+
+def shipped_container_security_context() -> dict:
+    """``hub.config.KubeSpawner.container_security_context`` of helm-values/values.yaml: what
+    every user pod's container carries in a real install (Pod Security ``restricted`` in the
+    users' namespace, issue 40). Every test hub and spawner uses it, on both control planes."""
+    import yaml
+
+    values = yaml.safe_load((REPO / "helm-values" / "values.yaml").read_text())
+    return values["hub"]["config"]["KubeSpawner"]["container_security_context"]
+
+
 # A CI pod's service account must not be picked up: KubeSpawner prefers in-cluster config.
 WORK = Path(tempfile.mkdtemp(prefix="gpuhub-kube-double-"))
 WORK.chmod(0o755)  # not pytest's 0700 tmp dir: pod processes need to reach their HOME

@@ -91,4 +91,9 @@ def work_claim(owner: dict, namespace: str, size: str, storage_class: str | None
 async def create_claim(api_client, claim: dict) -> None:
     from kubernetes_asyncio.client import CoreV1Api  # lazy: heavy optional dependency
 
-    await CoreV1Api(api_client).create_namespaced_persistent_volume_claim(claim["metadata"]["namespace"], claim)
+    # kubernetes_asyncio types the body as V1PersistentVolumeClaim; it serializes a manifest dict
+    # the same way (sanitize_for_serialization), as for every object gpuhub creates.
+    await CoreV1Api(api_client).create_namespaced_persistent_volume_claim(
+        claim["metadata"]["namespace"],
+        claim,  # type: ignore[arg-type]
+    )

@@ -22,7 +22,7 @@ def hub(tmp_path_factory):
     if not shutil.which(CHROMIUM):
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
     # The product's default URL (JupyterLab), not the test hubs' lighter /tree.
-    h = Hub(tmp_path_factory.mktemp("browser"), POLICY, extra_config="c.Spawner.default_url = '/lab'\n")
+    h = Hub(tmp_path_factory.mktemp("browser"), POLICY, extra_config="c.Spawner.default_url = '/lab'\n", lab=True)
     h.start()
     yield h
     h.stop()

@@ -67,6 +67,7 @@ def hub(tmp_path_factory, gpus):
         POLICY,
         extra_config="c.PolicyStore.check_interval = 1\n",
         env=fake_nvml_env(gpus.path),
+        lab=True,  # the Lab notice and its buttons
     )
     h.start()
     yield h

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration]
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("keptproxy"), POLICY)
+    h = Hub(tmp_path_factory.mktemp("keptproxy"), POLICY, lab=True)  # an open JupyterLab across the restart
     h.start()
     yield h
     h.stop()

@@ -62,7 +62,9 @@ defaults:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("reclaim"), POLICY, env={"GPUHUB_CULL_EVERY": str(PASS)})
+    h = Hub(
+        tmp_path_factory.mktemp("reclaim"), POLICY, env={"GPUHUB_CULL_EVERY": str(PASS)}, lab=True
+    )  # bob's Lab shows the notice
     try:
         h.start()
         yield h

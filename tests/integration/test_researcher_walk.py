@@ -79,7 +79,12 @@ def hub(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("the demo isolates each server and job in its own Unix account: needs a hub running as root")
     h = Hub(
-        tmp_path_factory.mktemp("walk"), demo_policy(), extra_config=EXTRA_CONFIG, mlflow=True, env={"GPUHUB_CULL_EVERY": "5"}
+        tmp_path_factory.mktemp("walk"),
+        demo_policy(),
+        extra_config=EXTRA_CONFIG,
+        mlflow=True,
+        env={"GPUHUB_CULL_EVERY": "5"},
+        lab=True,
     )
     try:
         h.start(timeout=120)

@@ -12,6 +12,7 @@ import pytest
 from support.browser import ARGS, CHROMIUM
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
+JUPYTERLAB = True  # the notebook opens in JupyterLab (tests/mlflow/conftest.py)
 
 
 CELL = "import mlflow\nwith mlflow.start_run() as run:\n    mlflow.log_metric('loss', 0.1)\nprint('RUN', run.info.run_id)"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import shutil
 import socket
 import time
 from urllib.parse import quote, urlsplit
@@ -26,7 +25,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 import requests
 
-from support.browser import ARGS as BROWSER_ARGS, CHROMIUM
+from support.browser import ARGS as BROWSER_ARGS, fill_login_form
 from support.hub import PASSWORD, Hub
 from support.kernel import KernelSession
 from test_local_hub import POLICY
@@ -167,22 +166,8 @@ def origin(hub, name: str) -> str:
     return hub.url.replace(f"://{DOMAIN}", f"://{name}.{DOMAIN}")
 
 
-@pytest.fixture(scope="module")
-def browser():
-    if not shutil.which(CHROMIUM):
-        pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
-
-
 def _login_on_the_form(page, name: str) -> None:
-    page.fill("#username_input", name)
-    page.fill("#password_input", PASSWORD)
-    page.click("#login_submit")
+    fill_login_form(page, name)
 
 
 def _stolen_tokens(user) -> list:

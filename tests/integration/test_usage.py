@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from support.browser import ARGS, CHROMIUM
-from support.fake_gpus import fake_nvml_env
+from support.browser import CHROMIUM, chromium, log_in
+from support.fake_gpus import FakeGpus, fake_nvml_env
 from support.hub import PASSWORD, Hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -80,37 +80,11 @@ USERS = ["admin", "alice", "bob", "carol", "dave", "lena", "victor", "mallory"]
 SLACK = 1.0  # seconds: rounding of timestamps between the test's clock and the hub's
 
 
-class FakeGpus:
-    def __init__(self, path: Path, n: int):
-        self.path = path
-        self.devices = [
-            {"uuid": f"GPU-fake-{i}", "name": "NVIDIA Fake T1", "memory_total": 16 * 2**30, "memory_used": 0, "utilization": 80}
-            for i in range(n)
-        ]
-        self.write()
-
-    def write(self):
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"devices": self.devices}))
-        tmp.replace(self.path)
-
-    def set(self, device_id: str, utilization: int):
-        for d in self.devices:
-            if d["uuid"] == device_id or d["uuid"].endswith(f"-{device_id}"):
-                d["utilization"] = utilization
-        self.write()
-
-    def xid(self, uuid: str, xid: int):
-        """An XID event from the driver (the fake NVML delivers each once, to the hub's monitor)."""
-        d = next(d for d in self.devices if d["uuid"] == uuid)
-        events = d.setdefault("events", [])
-        events.append({"id": sum(len(x.get("events", [])) for x in self.devices) + 1, "type": 8, "data": xid})
-        self.write()
-
-
 @pytest.fixture(scope="module")
 def gpus(tmp_path_factory):
-    return FakeGpus(tmp_path_factory.mktemp("nvml") / "nvml.json", 3)
+    return FakeGpus(
+        tmp_path_factory.mktemp("nvml") / "nvml.json", 3, utilization=80, name="NVIDIA Fake T1", memory_total=16 * 2**30
+    )
 
 
 @pytest.fixture(scope="module")
@@ -656,8 +630,6 @@ def test_the_usage_page_renders_its_charts_for_each_role(day, hub, tmp_path):
     """Charts and tables in Chromium; each role sees its slice. GPUHUB_SCREENSHOTS=docs keeps the PNGs."""
     if not shutil.which(CHROMIUM):
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
-    from playwright.sync_api import sync_playwright
-
     shots = Path(os.environ.get("GPUHUB_SCREENSHOTS") or tmp_path)
     expect = {  # role's login: (view, users whose allocations it sees, teams in its totals)
         "admin": ("admin", {"alice", "bob", "carol", "dave"}, {"vision", "nlp"}),
@@ -665,15 +637,11 @@ def test_the_usage_page_renders_its_charts_for_each_role(day, hub, tmp_path):
         "victor": ("viewer", {"alice", "bob", "carol", "dave"}, {"vision", "nlp"}),
         "carol": ("researcher", {"carol"}, {"nlp"}),
     }
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as browser:
         try:
             for name, (view, who, teams) in expect.items():
                 page = browser.new_context(viewport={"width": 1000, "height": 1500}).new_page()
-                page.goto(hub.url + "/hub/login")
-                page.fill("#username_input", name)
-                page.fill("#password_input", PASSWORD)
-                page.click("#login_submit")
+                log_in(page, hub.url, name)
                 page.wait_for_load_state()
                 since = int(time.time() - day["alice"]["requested"]) + 60  # the whole compressed day, however slow
                 page.goto(hub.url + f"/hub/gpuhub/usage?since={since}s")
@@ -709,10 +677,7 @@ def test_the_usage_page_renders_its_charts_for_each_role(day, hub, tmp_path):
             alice.start("gpu-1")
             alice.wait_ready()
             page = browser.new_context(viewport={"width": 1000, "height": 1200}).new_page()
-            page.goto(hub.url + "/hub/login")
-            page.fill("#username_input", "admin")
-            page.fill("#password_input", PASSWORD)
-            page.click("#login_submit")
+            log_in(page, hub.url, "admin")
             page.wait_for_load_state()
             page.goto(hub.url + "/hub/gpuhub")
             page.click('button.gpuhub-stop[data-key="alice/"]')

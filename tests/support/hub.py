@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -309,6 +311,18 @@ class Hub:
             if u.server() is not None:
                 u.stop()
                 u.wait_gone()
+
+
+@contextmanager
+def running_hub(workdir: Path, policy_text: str, start_timeout: float = 120, **kwargs) -> Iterator[Hub]:
+    """A started ``Hub`` (arguments as ``Hub``'s), stopped with its proxy, servers and accounts
+    afterwards whatever happened: a module's hub fixture is ``with running_hub(...) as h: yield h``."""
+    h = Hub(workdir, policy_text, **kwargs)
+    try:
+        h.start(start_timeout)
+        yield h
+    finally:
+        h.stop()
 
 
 class UserClient:

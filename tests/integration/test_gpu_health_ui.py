@@ -101,7 +101,12 @@ def test_jupyterlab_tells_the_holder_of_a_gpu_gone_bad(hub, users, gpus, tmp_pat
             with page.expect_request(lambda r: "/gpuhub/culling?wait=" in r.url, timeout=120_000):
                 page.goto(lab)
             page.locator("#jp-main-dock-panel").wait_for()
-            time.sleep(0.5)  # the relay's request has reached the hub
+
+            def long_poll_held() -> bool:  # the hub holds one of alice's long polls now (its debug log)
+                log = hub.log.read_text(errors="replace")
+                return log.count("GPU-failure long poll of alice: held") > log.count("GPU-failure long poll of alice: let go")
+
+            wait_for(long_poll_held, 60, "the hub to hold the relay's long poll for alice")
             t0 = time.time()
             gpus.xid(mine, 79)
             toast = page.locator(".Toastify__toast", has_text="This server's GPU failed")

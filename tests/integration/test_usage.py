@@ -136,6 +136,17 @@ class PrometheusRun:
         except (requests.RequestException, KeyError, ValueError):
             return False
 
+    def wait_scrapes(self, n: int, since: float, timeout: float = 60) -> None:
+        """Until Prometheus has scraped the hub ``n`` times since ``since`` (its own sample times,
+        not a sleep: a loaded machine delays scrapes)."""
+
+        def count() -> int:
+            window_ms = max(1, int((time.time() - since) * 1000))
+            result = self.query(f'count_over_time(up{{job="gpuhub"}}[{window_ms}ms])')
+            return int(float(result[0]["value"][1])) if result else 0
+
+        wait_for(lambda: count() >= n, timeout, f"{n} scrapes of the hub by Prometheus since {since:.1f}", interval=0.5)
+
     def query(self, expr: str, at: float | None = None) -> list[dict]:
         params = {"query": expr}
         if at is not None:
@@ -236,7 +247,7 @@ def day(hub, users, gpus, prometheus):
             return sum(float(s["value"][1]) for s in prometheus.query("gpuhub_gpus_in_use"))
 
         wait_for(lambda: held() == 3, 30, "Prometheus to see the 3 held GPUs", interval=0.5)
-    time.sleep(2)
+        prometheus.wait_scrapes(2, since=time.time())  # two more samples for rate()
     clock["_all_held"]["scraped"] = time.time()
     stop_by("carol", "carol")
     ready("dave")
@@ -276,7 +287,8 @@ def day(hub, users, gpus, prometheus):
     # The history as the day left it: later tests start and stop servers of their own (each
     # test passes alone and in any order), which a report read then would count too.
     clock["_report"] = _rows(u["admin"])
-    time.sleep(2.5)  # Prometheus scrapes the hub after NLP stopped
+    if prometheus.url:
+        prometheus.wait_scrapes(2, since=time.time())  # Prometheus scrapes the hub after NLP stopped
     return clock
 
 

@@ -318,6 +318,7 @@ class CullWarningsHandler(_Base):
                 wait = 0.0
             else:
                 _gpu_waiters[user.name] = mine + 1
+                self.log.debug("GPU-failure long poll of %s: held up to %gs", user.name, wait)
                 try:
                     deadline = time.monotonic() + wait
                     while (left := deadline - time.monotonic()) > 0:
@@ -328,6 +329,7 @@ class CullWarningsHandler(_Base):
                             failed = now_failed
                             break
                 finally:
+                    self.log.debug("GPU-failure long poll of %s: let go", user.name)
                     n = _gpu_waiters.get(user.name, 1) - 1
                     if n > 0:
                         _gpu_waiters[user.name] = n

@@ -25,7 +25,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 import requests
 
-from support.browser import ARGS as BROWSER_ARGS, fill_login_form
+from support.browser import chromium, fill_login_form
 from support.hub import PASSWORD, Hub
 from support.kernel import KernelSession
 from test_local_hub import POLICY
@@ -33,7 +33,7 @@ from test_local_hub import POLICY
 pytestmark = pytest.mark.integration
 
 DOMAIN = "hub.test"  # RFC 2606: never a real host
-ARGS = [*BROWSER_ARGS, f"--host-resolver-rules=MAP {DOMAIN} 127.0.0.1, MAP *.{DOMAIN} 127.0.0.1"]
+RESOLVE = [f"--host-resolver-rules=MAP {DOMAIN} 127.0.0.1, MAP *.{DOMAIN} 127.0.0.1"]  # the domain, for Chromium
 REFUSED = "Not the hub's address"  # what the refusal says, on screen and in the body
 API = "/api/2.0/mlflow"
 
@@ -164,6 +164,13 @@ def attack_url(hub, users):
 def origin(hub, name: str) -> str:
     """``http://<name>.hub.test:PORT``: a user's or service's own host."""
     return hub.url.replace(f"://{DOMAIN}", f"://{name}.{DOMAIN}")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Chromium that resolves the hub's domain (and every host below it) to loopback."""
+    with chromium(RESOLVE) as b:
+        yield b
 
 
 def _login_on_the_form(page, name: str) -> None:

@@ -25,16 +25,17 @@ ARGS = [
 
 
 @contextmanager
-def chromium():
-    """Debian's Chromium, launched through Playwright with ``ARGS`` and closed afterwards. A test
-    that needs it is skipped where it is not installed (run-tests.sh installs it as root)."""
+def chromium(extra_args: list[str] = ()):
+    """Debian's Chromium, launched through Playwright with ``ARGS`` (and ``extra_args``) and closed
+    afterwards. A test that needs it is skipped where it is not installed (run-tests.sh installs
+    it as root)."""
     import pytest
 
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"no {CHROMIUM} (run-tests.sh installs Debian's chromium as root)")
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[*ARGS, *extra_args], headless=True)
         try:
             yield browser
         finally:

@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./scripts-lib.sh
+start_system_packages # Debian's tools, in the background while pip installs
 ensure_venv ".[lab,mlflow,ray,test]"
+wait_system_packages
 ensure_node_proxy
 ensure_wall_tools
 ensure_chromium
@@ -16,7 +18,13 @@ ensure_attack_tools
 # are handed out first (tests/conftest.py; --no-loadscope-reorder keeps that order, where
 # xdist would hand out the files with the most tests first). GPUHUB_TEST_WORKERS=1 runs serially; an explicit
 # -n / --numprocesses / -p no:xdist in the arguments wins.
-workers="${GPUHUB_TEST_WORKERS:-4}"
+# One layer (--layer NAME: unit tests, seconds each) runs in one process: four workers took
+# longer to start than its tests take.
+default_workers=4
+if printf '%s\n' "$@" | grep -qE '^--layer(=.*)?$'; then
+  default_workers=1
+fi
+workers="${GPUHUB_TEST_WORKERS:-$default_workers}"
 xdist=()
 if [ "$workers" != "1" ] && ! printf '%s\n' "$@" | grep -qE '^(-n|--numprocesses)(=?[0-9a-z]*)?$|^-n[0-9]+$|no:xdist'; then
   xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)

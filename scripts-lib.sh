@@ -15,13 +15,51 @@ ensure_venv() {
                  -type f -exec sha256sum {} + 2>/dev/null | sort) \
           | sha256sum | cut -c1-16) $extras"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
-    .venv/bin/python -m pip install --quiet -e "$extras"
-    if [ -f images/gpuhub-notebook/pyproject.toml ]; then
-      .venv/bin/python -m pip install --quiet -e images/gpuhub-notebook
-    fi
+    # One resolver run for the project and the notebook package; the venv's own pip (no
+    # self-upgrade first: the bundled one installs all of this).
+    local notebook=()
+    [ -f images/gpuhub-notebook/pyproject.toml ] && notebook=(-e images/gpuhub-notebook)
+    PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -e "$extras" "${notebook[@]}"
     echo "$want" > "$stamp"
   fi
+}
+
+# The Debian packages the ensure_* functions below would install, all in one apt-get (one
+# index update, not one per tool), started in the background so that it runs while pip
+# installs: neither needs the other. wait_system_packages waits for it; the ensure_*
+# functions then find their tools there (or say what is missing, as before).
+SYSTEM_PACKAGES_PID=""
+SYSTEM_PACKAGES_LOG=""
+start_system_packages() {
+  [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null || return 0
+  local plain=() full=()
+  command -v npm >/dev/null || plain+=(nodejs npm)
+  command -v ip >/dev/null || plain+=(iproute2)
+  command -v nft >/dev/null || [ -x /usr/sbin/nft ] || plain+=(nftables)
+  [ -x /usr/bin/chromium ] || full+=(chromium)  # with its recommends, as ensure_chromium
+  [ -x /usr/bin/prometheus ] || plain+=(prometheus)
+  command -v gcc >/dev/null || plain+=(gcc libc6-dev)
+  command -v strace >/dev/null || plain+=(strace)
+  [ "${#plain[@]}" -gt 0 ] || [ "${#full[@]}" -gt 0 ] || return 0
+  echo "Installing Debian's ${full[*]} ${plain[*]} (beside pip)..." >&2
+  SYSTEM_PACKAGES_LOG="$(mktemp)"
+  (
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    if [ "${#full[@]}" -gt 0 ]; then apt-get install -y -qq "${full[@]}"; fi
+    if [ "${#plain[@]}" -gt 0 ]; then apt-get install -y -qq --no-install-recommends "${plain[@]}"; fi
+  ) >"$SYSTEM_PACKAGES_LOG" 2>&1 &
+  SYSTEM_PACKAGES_PID=$!
+}
+
+wait_system_packages() {
+  [ -n "$SYSTEM_PACKAGES_PID" ] || return 0
+  if ! wait "$SYSTEM_PACKAGES_PID"; then
+    echo "apt-get in the background failed (the ensure_* steps try again):" >&2
+    tail -20 "$SYSTEM_PACKAGES_LOG" >&2
+  fi
+  rm -f "$SYSTEM_PACKAGES_LOG"
+  SYSTEM_PACKAGES_PID=""
 }
 
 # The Node configurable-http-proxy, as z2jh ships it: it routes by host (per-user subdomains)

@@ -138,6 +138,15 @@ SHUFFLED_FOLDERS = ("integration", "unit", "kube", "mlflow", "images", "notebook
 KEEP_FILE_ORDER = {}
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """One Chromium for a module's browser tests (tests/support/browser.py); skipped without it."""
+    from support.browser import chromium
+
+    with chromium() as b:
+        yield b
+
+
 def pytest_configure(config):
     from support.order import OrderCheck
 

@@ -194,6 +194,7 @@ def storm_once(
             policy(gpus),
             extra_config=users_config(names) + tiny_config() + extra + clock_config(clock) + sampler,
             env=env,
+            lab=True,
         )
         load0 = os.getloadavg()[0]
         hub.start()
@@ -448,7 +449,7 @@ def pos(evt):
 def pages(args):
     names = [f"p{i:03d}" for i in range(args.users + 1)]
     with tempfile.TemporaryDirectory() as tmp:
-        hub = Hub(Path(tmp), policy(1), extra_config=users_config(names) + tiny_config(), env=PROXIES[args.proxy])
+        hub = Hub(Path(tmp), policy(1), extra_config=users_config(names) + tiny_config(), env=PROXIES[args.proxy], lab=True)
         hub.start()
         opened = []
         try:
@@ -509,7 +510,7 @@ def pages(args):
 def handoff(args):
     names = ["h0", "h1", "h2"]
     with tempfile.TemporaryDirectory() as tmp:
-        hub = Hub(Path(tmp), policy(1), extra_config=users_config(names) + tiny_config(), env=PROXIES[args.proxy])
+        hub = Hub(Path(tmp), policy(1), extra_config=users_config(names) + tiny_config(), env=PROXIES[args.proxy], lab=True)
         hub.start()
         try:
             u = login_all(hub, names)
@@ -551,7 +552,7 @@ def spawn(args):
     out = {}
     for label, extra in (("gpuhub spawner", ""), ("stock SimpleLocalProcessSpawner", STOCK)):
         with tempfile.TemporaryDirectory() as tmp:
-            hub = Hub(Path(tmp), policy(1), extra_config=users_config(["w0"]) + extra, env=PROXIES[args.proxy])
+            hub = Hub(Path(tmp), policy(1), extra_config=users_config(["w0"]) + extra, env=PROXIES[args.proxy], lab=True)
             hub.start()
             try:
                 u = hub.login("w0")
@@ -611,4 +612,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from support.lifetime import end_on_sigterm
+
+    end_on_sigterm()  # stopped by `timeout`: its hubs and servers go with it
     main()

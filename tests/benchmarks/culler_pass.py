@@ -481,4 +481,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from support.lifetime import end_on_sigterm
+
+    end_on_sigterm()  # stopped by `timeout`: its hubs and servers go with it
     raise SystemExit(main())

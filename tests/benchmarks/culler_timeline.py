@@ -85,6 +85,7 @@ def main(argv=None) -> int:
             "GPUHUB_FAKE_NVML": str(nvml),
             "GPUHUB_CULL_EVERY": str(every),
         },
+        lab=True,
     )
     print(f"example policy scaled 1/{args.scale:g}: 1x A100 rules {rules}; culler pass {every}s, activity sync {sync}s")
     hub.start()
@@ -131,4 +132,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from support.lifetime import end_on_sigterm
+
+    end_on_sigterm()  # stopped by `timeout`: its hubs and servers go with it
     raise SystemExit(main())

@@ -41,7 +41,7 @@ def process_cpu(pid: int) -> float:
 
 
 def one_start(work: Path, env: dict) -> tuple[float, float]:
-    hub = Hub(work, POLICY, mlflow=False, env=env)
+    hub = Hub(work, POLICY, mlflow=False, env=env, lab=True)
     t0 = time.perf_counter()
     hub.start()
     took = time.perf_counter() - t0
@@ -88,4 +88,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from support.lifetime import end_on_sigterm
+
+    end_on_sigterm()  # stopped by `timeout`: its hubs and servers go with it
     main()

@@ -120,9 +120,9 @@ def main() -> int:
         return 2
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     work = Path(tempfile.mkdtemp(prefix="gpuhub-bench-"))
-    plain = Hub(work / "plain", POLICY, extra_config="c.LocalGpuSpawner.isolation = 'off'\n")
-    isolated = Hub(work / "isolated", POLICY, extra_config="c.LocalGpuSpawner.network_wall = 'off'\n")
-    walled = Hub(work / "walled", POLICY)
+    plain = Hub(work / "plain", POLICY, extra_config="c.LocalGpuSpawner.isolation = 'off'\n", lab=True)
+    isolated = Hub(work / "isolated", POLICY, extra_config="c.LocalGpuSpawner.network_wall = 'off'\n", lab=True)
+    walled = Hub(work / "walled", POLICY, lab=True)
     hubs = {"no isolation": plain, "isolated, no wall": isolated, "isolated + wall": walled}
     times: dict[str, list[float]] = {k: [] for k in hubs}
     first: dict[str, list[float]] = {k: [] for k in hubs}
@@ -171,4 +171,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from support.lifetime import end_on_sigterm
+
+    end_on_sigterm()  # stopped by `timeout`: its hubs and servers go with it
     sys.exit(main())

@@ -138,6 +138,9 @@ def main():
         finally:
             lock.release()
             remove_isolation(prefix)
+            from support.hub import remove_private_tmps
+
+            remove_private_tmps(prefix)
     print(
         f"\none isolated launch, step by step: {args.n} launches (4 accounts, made on the first), this process "
         f"~{args.ballast} MiB bigger; load average {os.getloadavg()[0]:.1f}"

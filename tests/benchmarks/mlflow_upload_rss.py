@@ -88,7 +88,7 @@ def main() -> None:
     )
     policy = (REPO / "jupyterhub_config" / "profiles.yaml").read_text()
     with tempfile.TemporaryDirectory() as tmp:
-        hub = Hub(Path(tmp), policy, extra_config=extra)
+        hub = Hub(Path(tmp), policy, extra_config=extra, lab=True)
         hub.start(timeout=90)
         try:
             run(hub, port, args.mb * MiB)
@@ -178,4 +178,7 @@ def run(hub: Hub, port: int, size: int) -> None:
 
 
 if __name__ == "__main__":
+    from support.lifetime import end_on_sigterm
+
+    end_on_sigterm()  # stopped by `timeout`: its hubs and servers go with it
     main()

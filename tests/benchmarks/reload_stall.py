@@ -109,7 +109,7 @@ class Subject:
         extra = ""
         if stacks:  # where the loop stalls: stall_sampler.py in the hub's process
             extra = f"\nimport sys; sys.path.insert(0, {str(HERE)!r}); import stall_sampler; stall_sampler.install({stacks!r})\n"
-        self.hub = Hub(workdir, text, extra_config=extra, mlflow=mlflow, env=env)
+        self.hub = Hub(workdir, text, extra_config=extra, mlflow=mlflow, env=env, lab=True)
         self.edits = 0
         self.probe: Probe | None = None
         self.edit_max: list[float] = []
@@ -304,4 +304,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from support.lifetime import end_on_sigterm
+
+    end_on_sigterm()  # stopped by `timeout`: its hubs and servers go with it
     main()

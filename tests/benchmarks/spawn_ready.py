@@ -90,10 +90,12 @@ def main() -> None:
         sys.exit(2)
     work = Path(tempfile.mkdtemp(prefix="gpuhub-spawn-ready-"))
     hubs = {
-        "gpuhub, isolated + wall": Hub(work / "isolated", POLICY),
-        "gpuhub, isolated, no wall": Hub(work / "nowall", POLICY, extra_config="c.LocalGpuSpawner.network_wall = 'off'\n"),
-        "gpuhub, no isolation": Hub(work / "plain", POLICY, extra_config="c.LocalGpuSpawner.isolation = 'off'\n"),
-        "stock SimpleLocalProcessSpawner": Hub(work / "stock", POLICY, extra_config=STOCK),
+        "gpuhub, isolated + wall": Hub(work / "isolated", POLICY, lab=True),
+        "gpuhub, isolated, no wall": Hub(
+            work / "nowall", POLICY, extra_config="c.LocalGpuSpawner.network_wall = 'off'\n", lab=True
+        ),
+        "gpuhub, no isolation": Hub(work / "plain", POLICY, extra_config="c.LocalGpuSpawner.isolation = 'off'\n", lab=True),
+        "stock SimpleLocalProcessSpawner": Hub(work / "stock", POLICY, extra_config=STOCK, lab=True),
     }
     try:
         for h in hubs.values():
@@ -129,4 +131,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from support.lifetime import end_on_sigterm
+
+    end_on_sigterm()  # stopped by `timeout`: its hubs and servers go with it
     main()

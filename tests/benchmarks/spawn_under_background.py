@@ -60,6 +60,7 @@ def main() -> None:
                 Path(tempfile.mkdtemp(prefix="bench-bg-")),
                 POLICY,
                 extra_config=f"c.IsolatedProcessSpawner.servers_cpu_weight = {w!r}\n",
+                lab=True,
             )
             hubs[w] = h.start()
         quiet = {w: [] for w in weights}
@@ -97,4 +98,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from support.lifetime import end_on_sigterm
+
+    end_on_sigterm()  # stopped by `timeout`: its hubs and servers go with it
     main()

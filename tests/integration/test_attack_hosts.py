@@ -18,7 +18,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import shutil
 import socket
 import time
 from urllib.parse import quote, urlsplit
@@ -26,7 +25,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 import requests
 
-from support.browser import ARGS as BROWSER_ARGS, CHROMIUM
+from support.browser import chromium, fill_login_form
 from support.hub import PASSWORD, Hub
 from support.kernel import KernelSession
 from test_local_hub import POLICY
@@ -34,7 +33,7 @@ from test_local_hub import POLICY
 pytestmark = pytest.mark.integration
 
 DOMAIN = "hub.test"  # RFC 2606: never a real host
-ARGS = [*BROWSER_ARGS, f"--host-resolver-rules=MAP {DOMAIN} 127.0.0.1, MAP *.{DOMAIN} 127.0.0.1"]
+RESOLVE = [f"--host-resolver-rules=MAP {DOMAIN} 127.0.0.1, MAP *.{DOMAIN} 127.0.0.1"]  # the domain, for Chromium
 REFUSED = "Not the hub's address"  # what the refusal says, on screen and in the body
 API = "/api/2.0/mlflow"
 
@@ -169,20 +168,13 @@ def origin(hub, name: str) -> str:
 
 @pytest.fixture(scope="module")
 def browser():
-    if not shutil.which(CHROMIUM):
-        pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    """Chromium that resolves the hub's domain (and every host below it) to loopback."""
+    with chromium(RESOLVE) as b:
         yield b
-        b.close()
 
 
 def _login_on_the_form(page, name: str) -> None:
-    page.fill("#username_input", name)
-    page.fill("#password_input", PASSWORD)
-    page.click("#login_submit")
+    fill_login_form(page, name)
 
 
 def _stolen_tokens(user) -> list:

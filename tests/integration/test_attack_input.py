@@ -19,7 +19,7 @@ import time
 import pytest
 import requests
 
-from support.hub import Hub, wait_for
+from support.hub import Hub, running_hub, wait_for
 
 pytestmark = [
     pytest.mark.integration,
@@ -56,12 +56,8 @@ def costly_json(size: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("attack"), POLICY)
-    try:
-        h.start()
+    with running_hub(tmp_path_factory.mktemp("attack"), POLICY) as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")

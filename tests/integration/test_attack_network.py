@@ -23,7 +23,7 @@ import uuid
 
 import pytest
 
-from support.hub import Hub, wait_for
+from support.hub import running_hub, wait_for
 from support.kernel import KernelSession
 
 pytestmark = [
@@ -152,12 +152,8 @@ def cli(hub, user, *args, timeout=600):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("wall"), POLICY, extra_config="c.LocalRayManager.check_interval = 1.0\n")
-    try:
-        h.start()
+    with running_hub(tmp_path_factory.mktemp("wall"), POLICY, extra_config="c.LocalRayManager.check_interval = 1.0\n") as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(autouse=True)

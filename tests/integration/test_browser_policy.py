@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from support.hub import PASSWORD, Hub
-from test_browser_queue import CHROMIUM, browser  # noqa: F401  (the module's Chromium, as a fixture)
+from support.hub import Hub
+from support.browser import CHROMIUM, log_in
 from test_policy_changes import EDIT, IMPOSSIBLE, LEAD_EDIT, POLICY
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -29,10 +29,7 @@ def hub(tmp_path_factory):
 
 def policy_page(browser, hub, name):
     page = browser.new_context().new_page()
-    page.goto(hub.url + "/hub/login")
-    page.fill("#username_input", name)
-    page.fill("#password_input", PASSWORD)
-    page.click("#login_submit")
+    log_in(page, hub.url, name)
     page.wait_for_load_state()
     response = page.goto(hub.url + "/hub/gpuhub/policy")
     return page, response

@@ -10,8 +10,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from support.browser import ARGS, CHROMIUM
-from support.hub import PASSWORD, Hub, processes_with_env
+from support.browser import CHROMIUM, log_in
+from support.hub import processes_with_env, running_hub
 from test_local_hub import POLICY
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -22,28 +22,13 @@ def hub(tmp_path_factory):
     if not shutil.which(CHROMIUM):
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
     # The product's default URL (JupyterLab), not the test hubs' lighter /tree.
-    h = Hub(tmp_path_factory.mktemp("browser"), POLICY, extra_config="c.Spawner.default_url = '/lab'\n")
-    h.start()
-    yield h
-    h.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
+    with running_hub(tmp_path_factory.mktemp("browser"), POLICY, extra_config="c.Spawner.default_url = '/lab'\n", lab=True) as h:
+        yield h
 
 
 def login(browser, hub, name):
     page = browser.new_context().new_page()
-    page.goto(hub.url + "/hub/login")
-    page.fill("#username_input", name)
-    page.fill("#password_input", PASSWORD)
-    page.click("#login_submit")
+    log_in(page, hub.url, name)
     page.wait_for_url("**/hub/spawn**")
     return page
 
@@ -114,10 +99,7 @@ def test_a_hub_going_down_does_not_end_the_waiting_page(hub, browser, last_word)
         ctx.route(hub_root, down)
         ctx.route(stream, last)
         page = ctx.new_page()
-        page.goto(hub.url + "/hub/login")
-        page.fill("#username_input", "bob")
-        page.fill("#password_input", PASSWORD)
-        page.click("#login_submit")
+        log_in(page, hub.url, "bob")
         page.wait_for_url("**/hub/spawn-pending/bob**")
         note = page.locator("#gpuhub-reconnect", has_text="Lost contact with the hub")
         note.wait_for(timeout=30_000)  # the last word was taken for a lost stream

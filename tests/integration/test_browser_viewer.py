@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from support.hub import PASSWORD, REPO, Hub
-from test_browser_queue import CHROMIUM, browser  # noqa: F401  (the module's Chromium, as a fixture)
+from support.browser import CHROMIUM, log_in
+from support.hub import REPO, Hub
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -27,10 +27,7 @@ def hub(tmp_path_factory):
 
 def login(browser, hub, name):
     page = browser.new_context().new_page()
-    page.goto(hub.url + "/hub/login")
-    page.fill("#username_input", name)
-    page.fill("#password_input", PASSWORD)
-    page.click("#login_submit")
+    log_in(page, hub.url, name)
     page.wait_for_load_state()
     return page
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support.hub import Hub, alive, wait_for
+from support.hub import alive, Hub, running_hub, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -105,10 +105,8 @@ def position(evt) -> int | None:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("crowd"), POLICY, extra_config=EXTRA)
-    h.start()
-    yield h
-    h.stop()
+    with running_hub(tmp_path_factory.mktemp("crowd"), POLICY, extra_config=EXTRA) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from traitlets.config import Config
 
 from gpuhub_spawner.culling.service import GONE, RESTARTED, STOPPED, STOPPING, GpuHubCuller, PassDecisions
 from gpuhub_spawner.wiring.config import configure_culler
-from support.hub import Hub, wait_for
+from support.hub import running_hub, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -50,10 +50,10 @@ def culler_scopes() -> list[str]:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("culler-stops"), POLICY, extra_config=EXTRA_CONFIG, env={"GPUHUB_CULL_EVERY": "3600"})
-    h.start()
-    yield h
-    h.stop()
+    with running_hub(
+        tmp_path_factory.mktemp("culler-stops"), POLICY, extra_config=EXTRA_CONFIG, env={"GPUHUB_CULL_EVERY": "3600"}
+    ) as h:
+        yield h
 
 
 def started_of(server: dict) -> float:

@@ -14,16 +14,15 @@ claims its GPU is 100 % busy and reports itself active every few seconds.
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
+from support.fake_gpus import FakeGpus, fake_nvml_env
 from support.hub import Hub, processes_with_env, wait_for, _environ
 
 pytestmark = pytest.mark.integration
 
-FAKE_NVML_DIR = Path(__file__).resolve().parents[1] / "support" / "fake_nvml"
 PASS = 5
 
 POLICY = """\
@@ -79,25 +78,6 @@ _a.read_gpus = lambda environ=None: {"gpus": [{"id": "forged", "utilization": 10
 """
 
 
-class FakeGpus:
-    def __init__(self, path: Path, n: int):
-        self.path = path
-        self.devices = [
-            {"uuid": f"GPU-fake-{i}", "name": "NVIDIA Fake A100", "memory_total": 80 * 2**30, "memory_used": 0, "utilization": 0}
-            for i in range(n)
-        ]
-        self.write()
-
-    def write(self):
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"devices": self.devices}))
-        tmp.replace(self.path)
-
-    def set(self, uuid: str, utilization: int):
-        next(d for d in self.devices if d["uuid"] == uuid)["utilization"] = utilization
-        self.write()
-
-
 @pytest.fixture(scope="module")
 def gpus(tmp_path_factory):
     return FakeGpus(tmp_path_factory.mktemp("nvml") / "nvml.json", 2)
@@ -109,7 +89,7 @@ def hub(tmp_path_factory, gpus):
         tmp_path_factory.mktemp("cull"),
         POLICY,
         extra_config=EXTRA_CONFIG,
-        env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path), "GPUHUB_CULL_EVERY": str(PASS)},
+        env=fake_nvml_env(gpus.path, GPUHUB_CULL_EVERY=str(PASS)),
     )
     for user, config in (("mallory", HEADER_LOGGER), ("carol", LIAR)):
         d = h.data / "home" / user / ".jupyter"
@@ -358,7 +338,7 @@ def test_a_pending_warning_and_its_snoozes_survive_a_hub_restart(tmp_path):
         tmp_path / "hub",
         POLICY,
         extra_config=EXTRA_CONFIG,
-        env={"PYTHONPATH": str(FAKE_NVML_DIR), "GPUHUB_FAKE_NVML": str(gpus.path), "GPUHUB_CULL_EVERY": str(PASS)},
+        env=fake_nvml_env(gpus.path, GPUHUB_CULL_EVERY=str(PASS)),
     )
     hub.start()
     try:

@@ -24,35 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from support.fake_gpus import FakeGpus, fake_nvml_env
-from support.hub import Hub, wait_for
+from support.fake_gpus import FakeGpus, fake_nvml_env, health_policy
+from support.hub import running_hub, wait_for
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 
-POLICY = """\
-flavors:
-  - name: a100
-    displayName: A100
-    local: {match: Fake}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    quota: {gpus: {a100: 3}}
-roles:
-  admins: [platform-admins]
-profiles:
-  - slug: gpu-1
-    displayName: One A100
-    cpu: 1
-    memory: 1Gi
-    gpu: {count: 1, flavor: a100}
-    teams: [vision]
-health:
-  pollInterval: 1s
-"""
+POLICY = health_policy(3)
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +41,10 @@ def gpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gpus):
-    h = Hub(
+    with running_hub(
         tmp_path_factory.mktemp("health"), POLICY, extra_config="c.PolicyStore.check_interval = 1\n", env=fake_nvml_env(gpus.path)
-    )
-    h.start()
-    yield h
-    h.stop()
+    ) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")

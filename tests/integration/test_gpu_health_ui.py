@@ -23,36 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from support.browser import ARGS, CHROMIUM
-from support.fake_gpus import FakeGpus, fake_nvml_env
-from support.hub import PASSWORD, Hub, wait_for
+from support.browser import CHROMIUM, chromium, log_in
+from support.fake_gpus import FakeGpus, fake_nvml_env, health_policy
+from support.hub import running_hub, wait_for
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 
-POLICY = """\
-flavors:
-  - name: a100
-    displayName: A100
-    local: {match: Fake}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    quota: {gpus: {a100: 2}}
-roles:
-  admins: [platform-admins]
-profiles:
-  - slug: gpu-1
-    displayName: One A100
-    cpu: 1
-    memory: 1Gi
-    gpu: {count: 1, flavor: a100}
-    teams: [vision]
-health:
-  pollInterval: 1s
-"""
+POLICY = health_policy(2)
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +41,14 @@ def gpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gpus):
-    h = Hub(
+    with running_hub(
         tmp_path_factory.mktemp("health-lab"),
         POLICY,
         extra_config="c.PolicyStore.check_interval = 1\n",
         env=fake_nvml_env(gpus.path),
-    )
-    h.start()
-    yield h
-    h.stop()
+        lab=True,  # the Lab notice and its buttons
+    ) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")
@@ -108,28 +86,27 @@ def test_the_long_poll_is_bounded_and_answers_only_the_users_own(hub, users):
 def test_jupyterlab_tells_the_holder_of_a_gpu_gone_bad(hub, users, gpus, tmp_path):
     if not os.path.exists(CHROMIUM):
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
-    from playwright.sync_api import sync_playwright
-
     admin, alice, bob = users["admin"], users["alice"], users["bob"]
     mine = held_by(admin, "alice")
     lab = hub.server_url(alice.server()["url"]) + "lab"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as browser:
         page = browser.new_context().new_page()
         page.set_default_timeout(90_000)
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         try:
-            page.goto(hub.url + "/hub/login")
-            page.fill("#username_input", "alice")
-            page.fill("#password_input", PASSWORD)
-            page.click("#login_submit")
+            log_in(page, hub.url, "alice")
             page.wait_for_load_state()
             # The long poll is in flight once Lab has loaded (no wait on the 30 s poll after this).
             with page.expect_request(lambda r: "/gpuhub/culling?wait=" in r.url, timeout=120_000):
                 page.goto(lab)
             page.locator("#jp-main-dock-panel").wait_for()
-            time.sleep(0.5)  # the relay's request has reached the hub
+
+            def long_poll_held() -> bool:  # the hub holds one of alice's long polls now (its debug log)
+                log = hub.log.read_text(errors="replace")
+                return log.count("GPU-failure long poll of alice: held") > log.count("GPU-failure long poll of alice: let go")
+
+            wait_for(long_poll_held, 60, "the hub to hold the relay's long poll for alice")
             t0 = time.time()
             gpus.xid(mine, 79)
             toast = page.locator(".Toastify__toast", has_text="This server's GPU failed")
@@ -208,19 +185,13 @@ def test_only_admins_drain_or_uncordon_from_the_status_page(hub, users):
 def test_an_admin_drains_and_uncordons_from_the_status_page(hub, users, tmp_path):
     if not os.path.exists(CHROMIUM):
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
-    from playwright.sync_api import sync_playwright
-
     admin = users["admin"]
     target = held_by(admin, "bob")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as browser:
         page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
         page.set_default_timeout(60_000)
         try:
-            page.goto(hub.url + "/hub/login")
-            page.fill("#username_input", "admin")
-            page.fill("#password_input", PASSWORD)
-            page.click("#login_submit")
+            log_in(page, hub.url, "admin")
             page.wait_for_load_state()
             page.goto(hub.url + "/hub/gpuhub")
             page.uncheck("#gpuhub-autorefresh")  # no reload between the click and its answer

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from support.browser import ARGS, CHROMIUM
-from support.hub import PASSWORD, Hub, alive, wait_for
+from support.browser import CHROMIUM, chromium, log_in
+from support.hub import alive, running_hub, wait_for
 from test_local_hub import POLICY
 
 pytestmark = [pytest.mark.integration]
@@ -29,10 +29,8 @@ pytestmark = [pytest.mark.integration]
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("keptproxy"), POLICY)
-    h.start()
-    yield h
-    h.stop()
+    with running_hub(tmp_path_factory.mktemp("keptproxy"), POLICY, lab=True) as h:  # an open JupyterLab across the restart
+        yield h
 
 
 def proxy_pid(hub) -> int:
@@ -96,24 +94,18 @@ def test_waiting_page_and_open_lab_survive_a_restart(hub, tmp_path):
     """In Chromium: bob waits behind alice in Vision Lab's queue, alice has JupyterLab open."""
     if not shutil.which(CHROMIUM):
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
-    from playwright.sync_api import sync_playwright
-
     hub.stop_servers("alice", "bob")
     alice_api = hub.login("alice")
     assert alice_api.start("gpu-1").status_code in (201, 202)
     alice_api.wait_ready()
     pid = proxy_pid(hub)
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as browser:
         try:
 
             def login(name):
                 page = browser.new_context().new_page()
-                page.goto(hub.url + "/hub/login")
-                page.fill("#username_input", name)
-                page.fill("#password_input", PASSWORD)
-                page.click("#login_submit")
+                log_in(page, hub.url, name)
                 page.wait_for_url(lambda u: "/hub/login" not in u, timeout=90_000)
                 return page
 

@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from support.hub import wait_for
+from support.hub import remove_private_tmps, wait_for
 
 pytestmark = [
     pytest.mark.integration,
@@ -40,6 +40,7 @@ def prefix():
     if lock is not None:
         lock.release()
     remove_isolation(p)
+    remove_private_tmps(p)
 
 
 async def until(predicate, timeout: float = 30.0) -> None:

@@ -9,7 +9,6 @@ removed at the end.
 """
 
 import errno
-import json
 import os
 import stat
 import uuid
@@ -335,30 +334,7 @@ def test_over_memory_stops_the_server_says_why_and_the_gpu_goes_on(hub, users):
     k = session(hub, alice)
     assert k.execute("print('ready')").strip() == "ready"
     # a cell that allocates (and touches) 1 GiB; no reply is awaited: the kernel dies
-    k.ws.send(
-        json.dumps(
-            {
-                "header": {
-                    "msg_id": uuid.uuid4().hex,
-                    "username": "alice",
-                    "session": uuid.uuid4().hex,
-                    "msg_type": "execute_request",
-                    "version": "5.3",
-                },
-                "parent_header": {},
-                "metadata": {},
-                "channel": "shell",
-                "content": {
-                    "code": "x = bytearray(1024 * 2**20); x[::4096] = b'1' * len(x[::4096])",
-                    "silent": False,
-                    "store_history": False,
-                    "user_expressions": {},
-                    "allow_stdin": False,
-                    "stop_on_error": True,
-                },
-            }
-        )
-    )
+    k.send_execute("x = bytearray(1024 * 2**20); x[::4096] = b'1' * len(x[::4096])")
     alice.wait_gone(timeout=120)  # (reclaim before the OOM kill can take a while on a loaded machine)
     bob.wait_ready()  # the GPU went to the next in line
     form = alice.session.get(hub.url + "/hub/spawn/alice").text

@@ -44,7 +44,8 @@ defaults:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("hub"), POLICY)
+    # Queued spawns answer 202 after 3 s, not JupyterHub's 10 (nothing here tests that wait).
+    h = Hub(tmp_path_factory.mktemp("hub"), POLICY, slow_spawn_timeout=3)
     h.start()
     print(f"\n[measure] hub start: {h.started_in:.2f}s")
     yield h

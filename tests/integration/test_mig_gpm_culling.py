@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.fake_gpus import fake_nvml_env
-from support.hub import Hub, wait_for
+from support.hub import running_hub, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -84,15 +84,13 @@ def nvml(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, nvml):
-    h = Hub(
+    with running_hub(
         tmp_path_factory.mktemp("mig-gpm"),
         POLICY,
         extra_config=EXTRA_CONFIG,
         env=fake_nvml_env(nvml.path, GPUHUB_CULL_EVERY=str(PASS)),
-    )
-    h.start()
-    yield h
-    h.stop()
+    ) as h:
+        yield h
 
 
 def warning(client) -> dict | None:

@@ -25,8 +25,7 @@ import pytest
 import requests
 
 from support.hub import PASSWORD, Hub, wait_for
-from test_browser_queue import CHROMIUM, browser  # noqa: F401  (the module's Chromium, as a fixture)
-from test_browser_queue import login as browser_login
+from support.browser import CHROMIUM, log_in
 from test_runbooks import blocks, runbook, steps_run_by
 
 pytestmark = [
@@ -300,7 +299,9 @@ def test_in_a_browser_the_offboard_button_asks_first_and_shows_what_it_did(hub, 
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
     browser = request.getfixturevalue("browser")
     carol, erin = hub.login("carol"), hub.login("erin")
-    page = browser_login(browser, hub, "admin")
+    page = browser.new_context().new_page()
+    log_in(page, hub.url, "admin")
+    page.wait_for_load_state()
     try:
         assert page.goto(hub.url + "/hub/gpuhub/users").status == 200
         asked: list[str] = []

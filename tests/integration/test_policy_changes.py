@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from support.hub import Hub, wait_for
+from support.hub import running_hub, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -52,10 +52,8 @@ LEAD_EDIT = EDIT.replace("hf-secret-123", "'***'")  # what a lead can send: the 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("policy-changes"), POLICY)
-    h.start()
-    yield h
-    h.stop()
+    with running_hub(tmp_path_factory.mktemp("policy-changes"), POLICY) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")

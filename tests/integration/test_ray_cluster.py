@@ -25,7 +25,7 @@ import uuid
 import pytest
 import requests
 
-from support.hub import Hub, wait_for
+from support.hub import running_hub, wait_for
 from support.kernel import KernelSession
 
 pytestmark = [
@@ -64,12 +64,8 @@ ray:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("ray"), POLICY, extra_config="c.LocalRayManager.check_interval = 1.0\n")
-    try:
-        h.start()
+    with running_hub(tmp_path_factory.mktemp("ray"), POLICY, extra_config="c.LocalRayManager.check_interval = 1.0\n") as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from support.browser import ARGS, CHROMIUM
-from support.hub import Hub, wait_for
+from support.browser import CHROMIUM, chromium, log_in
+from support.hub import running_hub, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -62,12 +62,10 @@ defaults:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("reclaim"), POLICY, env={"GPUHUB_CULL_EVERY": str(PASS)})
-    try:
-        h.start()
+    with running_hub(
+        tmp_path_factory.mktemp("reclaim"), POLICY, env={"GPUHUB_CULL_EVERY": str(PASS)}, lab=True
+    ) as h:  # bob's Lab shows the notice
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")
@@ -265,24 +263,16 @@ def test_jupyterlab_and_the_spawn_page_in_chromium(hub, users):
     carol's spawn page says her team's GPU is being reclaimed and by when."""
     if not os.path.exists(CHROMIUM):
         pytest.skip("Debian's chromium is not installed (run-tests.sh installs it as root)")
-    from playwright.sync_api import sync_playwright
-
-    from support.hub import PASSWORD
-
     bob, carol = users["bob"], users["carol"]
     borrow(users)
     lab = hub.server_url(bob.server()["url"]) + "lab"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as browser:
         try:
 
             def login(name):
                 page = browser.new_context().new_page()
                 page.set_default_timeout(90_000)
-                page.goto(hub.url + "/hub/login")
-                page.fill("#username_input", name)
-                page.fill("#password_input", PASSWORD)
-                page.click("#login_submit")
+                log_in(page, hub.url, name)
                 page.wait_for_load_state()
                 return page
 

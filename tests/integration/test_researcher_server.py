@@ -23,7 +23,7 @@ import pytest
 import requests
 import websocket
 
-from support.hub import Hub, wait_for
+from support.hub import running_hub, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -51,10 +51,15 @@ c.Spawner.environment = dict(c.Spawner.environment, JUPYTERHUB_ACTIVITY_INTERVAL
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("researcher"), POLICY, extra_config=EXTRA_CONFIG, mlflow=True, env={"GPUHUB_CULL_EVERY": "5"})
-    h.start(timeout=120)
-    yield h
-    h.stop()
+    with running_hub(
+        tmp_path_factory.mktemp("researcher"),
+        POLICY,
+        extra_config=EXTRA_CONFIG,
+        mlflow=True,
+        env={"GPUHUB_CULL_EVERY": "5"},
+        start_timeout=120,
+    ) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from gpuhub_spawner.policy.quantities import format_duration
-from support.browser import ARGS, CHROMIUM
-from support.hub import PASSWORD, REPO, Hub, wait_for
+from support.browser import CHROMIUM, log_in
+from support.hub import REPO, running_hub, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -78,26 +78,22 @@ def hub(tmp_path_factory):
         pytest.skip("no /usr/bin/chromium (run-tests.sh installs Debian's chromium as root)")
     if os.geteuid() != 0:
         pytest.skip("the demo isolates each server and job in its own Unix account: needs a hub running as root")
-    h = Hub(
-        tmp_path_factory.mktemp("walk"), demo_policy(), extra_config=EXTRA_CONFIG, mlflow=True, env={"GPUHUB_CULL_EVERY": "5"}
-    )
-    try:
-        h.start(timeout=120)
+    with running_hub(
+        tmp_path_factory.mktemp("walk"),
+        demo_policy(),
+        extra_config=EXTRA_CONFIG,
+        mlflow=True,
+        env={"GPUHUB_CULL_EVERY": "5"},
+        lab=True,
+        start_timeout=120,
+    ) as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")
-def browser(hub):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            yield b
-        finally:
-            b.close()
+def browser(hub, browser):
+    """tests/conftest.py's Chromium, started after the hub and so closed before it stops."""
+    return browser
 
 
 class Timeline:
@@ -183,10 +179,7 @@ def test_a_new_researchers_first_session(hub, browser, tmp_path):
     timeline = Timeline()
     try:
         # -- 1. log in through the hub's login form ---------------------------------------------
-        page.goto(hub.url + "/hub/login")
-        page.fill("#username_input", "alice")
-        page.fill("#password_input", PASSWORD)
-        page.click("#login_submit")
+        log_in(page, hub.url, "alice")
         # The spawn page, as alice, offering what Vision Lab may use (not NLP's or the students' L4).
         form = page.locator("#gpuhub-profiles")
         form.wait_for()

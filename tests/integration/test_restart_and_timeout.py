@@ -3,7 +3,7 @@
 import requests
 import pytest
 
-from support.hub import Hub
+from support.hub import running_hub
 from test_local_hub import POLICY
 
 pytestmark = pytest.mark.integration
@@ -15,10 +15,8 @@ def status(hub, user):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("restart"), POLICY)
-    h.start()
-    yield h
-    h.stop()
+    with running_hub(tmp_path_factory.mktemp("restart"), POLICY) as h:
+        yield h
 
 
 def test_restart_keeps_allocations_and_queue_semantics(hub):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from support.hub import Hub, wait_for
+from support.hub import running_hub, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -48,10 +48,8 @@ def policy(admins="platform-admins", viewers="department-heads", leads="vision-l
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("roles"), policy())
-    h.start()
-    yield h
-    h.stop()
+    with running_hub(tmp_path_factory.mktemp("roles"), policy()) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")

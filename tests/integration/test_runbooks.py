@@ -28,7 +28,7 @@ import pytest
 import requests
 import yaml
 
-from support.hub import Hub, processes_with_env, wait_for
+from support.hub import Hub, processes_with_env, running_hub, wait_for
 from support.ports import free_port
 
 pytestmark = [pytest.mark.integration]
@@ -224,10 +224,8 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("runbooks"), POLICY, extra_config="c.PolicyStore.check_interval = 1\n")
-    h.start()
-    yield h
-    h.stop()
+    with running_hub(tmp_path_factory.mktemp("runbooks"), POLICY, extra_config="c.PolicyStore.check_interval = 1\n") as h:
+        yield h
 
 
 @pytest.fixture(scope="module")

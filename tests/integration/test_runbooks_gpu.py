@@ -15,7 +15,7 @@ import re
 import pytest
 
 from support.fake_gpus import FakeGpus, fake_nvml_env
-from support.hub import Hub, wait_for
+from support.hub import running_hub, wait_for
 from test_runbooks import Prometheus, blocks, env_of, runbook, steps_run_by
 
 pytestmark = [pytest.mark.integration]
@@ -62,15 +62,13 @@ def gpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gpus):
-    h = Hub(
+    with running_hub(
         tmp_path_factory.mktemp("runbooks-gpu"),
         POLICY,
         extra_config=EXTRA_CONFIG,
         env=fake_nvml_env(gpus.path, GPUHUB_CULL_EVERY=str(PASS)),
-    )
-    h.start()
-    yield h
-    h.stop()
+    ) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")

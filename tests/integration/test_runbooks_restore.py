@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support.hub import Hub
+from support.hub import Hub, running_hub
 from test_runbooks import POLICY, blocks, env_of, runbook, steps_run_by
 
 pytestmark = [pytest.mark.integration]
@@ -27,10 +27,8 @@ PAGES = ("home-full", "backup-restore")  # upgrade-rollback: its policy blocks r
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("runbooks-restore"), POLICY)
-    h.start()
-    yield h
-    h.stop()
+    with running_hub(tmp_path_factory.mktemp("runbooks-restore"), POLICY) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from support.browser import ARGS, CHROMIUM
-from support.hub import PASSWORD, Hub, wait_for
+from support.browser import CHROMIUM, chromium, log_in
+from support.hub import Hub, running_hub, wait_for
 from support.kernel import KernelSession
 from test_local_hub import POLICY, clean  # noqa: F401  (clean: every server stopped around a test)
 
@@ -25,10 +25,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("trust"), POLICY)
-    h.start()
-    yield h
-    h.stop()
+    with running_hub(tmp_path_factory.mktemp("trust"), POLICY) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")
@@ -175,16 +173,10 @@ def _publish_attack_page(hub, bob) -> str:
 
 
 def _run_attack(hub, url) -> dict:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as browser:
         try:
             page = browser.new_context().new_page()
-            page.goto(hub.url + "/hub/login")
-            page.fill("#username_input", "carol")
-            page.fill("#password_input", PASSWORD)
-            page.click("#login_submit")
+            log_in(page, hub.url, "carol")
             page.wait_for_url("**/hub/**")
             page.goto(url)
             page.wait_for_function("window.attackResult !== undefined", timeout=30_000)

@@ -14,9 +14,11 @@ from support.ports import free_port
 
 
 @pytest.fixture(scope="module")
-def mlflow_hub(tmp_path_factory):
+def mlflow_hub(tmp_path_factory, request):
     service_port = free_port()
-    hub = Hub(tmp_path_factory.mktemp("mlflow-hub"), POLICY, extra_config=mlflow_extra_config(service_port))
+    # JupyterLab only for a module that opens it in a browser (JUPYTERLAB = True there)
+    lab = getattr(request.module, "JUPYTERLAB", False)
+    hub = Hub(tmp_path_factory.mktemp("mlflow-hub"), POLICY, extra_config=mlflow_extra_config(service_port), lab=lab)
     hub.start(timeout=90)
     endpoint = MlflowEndpoint(hub, service_port)
     try:

@@ -9,26 +9,12 @@ import re
 
 import pytest
 
-from support.browser import ARGS, CHROMIUM
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
+JUPYTERLAB = True  # the notebook opens in JupyterLab (tests/mlflow/conftest.py)
 
 
 CELL = "import mlflow\nwith mlflow.start_run() as run:\n    mlflow.log_metric('loss', 0.1)\nprint('RUN', run.info.run_id)"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):

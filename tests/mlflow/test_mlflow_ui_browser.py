@@ -14,27 +14,12 @@ import re
 
 import pytest
 
-from support.browser import ARGS, CHROMIUM
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 API = "/api/2.0/mlflow"
 METRIC = "val_accuracy_nlp"
 ARTIFACT = "carol-secret-weights.bin"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 @pytest.fixture(scope="module")

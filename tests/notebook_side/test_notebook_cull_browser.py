@@ -8,23 +8,9 @@ import re
 
 import pytest
 
-from support.browser import ARGS, CHROMIUM
 from nbside import SERVER_NAME
 
 pytestmark = [pytest.mark.browser]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
-    playwright = pytest.importorskip("playwright.sync_api")
-    with playwright.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def test_warning_notification_and_snooze(nb_server, stand_in, browser, tmp_path):

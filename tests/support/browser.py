@@ -6,6 +6,11 @@ traffic a browser makes on its own (component updates, sync, safe-browsing lists
 leaves the machine.
 """
 
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
     "--headless",
@@ -17,3 +22,36 @@ ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+
+
+@contextmanager
+def chromium(extra_args: list[str] = ()):
+    """Debian's Chromium, launched through Playwright with ``ARGS`` (and ``extra_args``) and closed
+    afterwards. A test that needs it is skipped where it is not installed (run-tests.sh installs
+    it as root)."""
+    import pytest
+
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no {CHROMIUM} (run-tests.sh installs Debian's chromium as root)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[*ARGS, *extra_args], headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def log_in(page, hub_url: str, name: str, password: str | None = None) -> None:
+    """Log in on the hub's login form, as a user does (the caller waits for what it expects next)."""
+    page.goto(hub_url + "/hub/login")
+    fill_login_form(page, name, password)
+
+
+def fill_login_form(page, name: str, password: str | None = None) -> None:
+    """Fill and send the hub's login form on the page that shows it."""
+    from support.hub import PASSWORD
+
+    page.fill("#username_input", name)
+    page.fill("#password_input", PASSWORD if password is None else password)
+    page.click("#login_submit")

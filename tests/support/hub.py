@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -56,6 +58,21 @@ def processes_with_env(marker: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+PRIVATE_TMP_PARENT = Path("/tmp/gpuhub")  # the product's default IsolatedProcessSpawner.tmp_dir_template
+
+
+def remove_private_tmps(prefix: str) -> None:
+    """The private /tmp folders (``/tmp/gpuhub/<account>``) of this prefix's accounts, which go
+    with the accounts (a benchmark day left 1,015 of them). ``rmtree`` follows no link."""
+    import shutil
+
+    if not prefix or not PRIVATE_TMP_PARENT.is_dir():
+        return
+    for entry in PRIVATE_TMP_PARENT.iterdir():
+        if entry.name.startswith(prefix) and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def browser_like_session() -> requests.Session:
@@ -112,8 +129,49 @@ def user_network() -> str:
     raise RuntimeError("no free /24 in this worker's share of 10.217.0.0/16 for a test hub's users")
 
 
+# The single-user server a test hub starts, as light as the test allows (issue 45): the real
+# ``jupyterhub-singleuser`` (jupyter-server with the hub's extension, gpuhub_notebook's
+# endpoints, terminals, kernels) without JupyterLab, whose extensions (jupyterlab, jupyter_lsp,
+# notebook_shim) are ~40% of a server's start (0.57 against 0.34 CPU-s measured alone) and serve
+# nothing a test without a browser in Lab reads. Tests that look at Lab (a browser on /lab, the
+# lab extension) ask for ``lab=True``; the product's own servers are unchanged.
+WITHOUT_LAB = ("jupyterlab", "jupyter_lsp", "notebook_shim")
+
+
+def server_args_config(lab: bool) -> str:
+    if lab:
+        return ""
+    off = [f"--ServerApp.jpserver_extensions={name}=False" for name in WITHOUT_LAB]
+    return f"c.Spawner.args = (list(c.Spawner.args) if 'args' in c.Spawner else []) + {off!r}\n"
+
+
+def slow_spawn_config(seconds: float | None) -> str:
+    """JupyterHub holds a spawn's POST up to ``slow_spawn_timeout`` (10 s) before it answers 202;
+    a spawn that queues is held all of it, doing nothing. A module that queues spawns and does
+    not test that wait sets it shorter: a queued POST still answers 202, and a refusal (the
+    policy's, decided at the spawn's start, in milliseconds) still its error. Not where a test
+    expects an error that comes later in a start (an account that cannot be made, a queue
+    timeout shorter than 10 s: test_isolation, test_restart_and_timeout)."""
+    if seconds is None:
+        return ""
+    return (
+        "c.JupyterHub.tornado_settings = dict(c.JupyterHub.tornado_settings if 'tornado_settings' in c.JupyterHub else {}, "
+        f"slow_spawn_timeout={seconds!r})\n"
+    )
+
+
 class Hub:
-    def __init__(self, workdir: Path, policy_text: str, extra_config: str = "", mlflow: bool = False, env: dict | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        policy_text: str,
+        extra_config: str = "",
+        mlflow: bool = False,
+        env: dict | None = None,
+        lab: bool = False,
+        slow_spawn_timeout: float | None = None,
+    ):
+        self.lab = lab  # full JupyterLab in every server (browser tests that look at Lab)
         self.mlflow = mlflow  # the MLflow service costs ~450 MiB and ~10 s of CPU per hub
         self.extra_env = dict(env or {})
         self.workdir = Path(workdir)
@@ -140,6 +198,8 @@ class Hub:
             "c.JupyterHub.log_level = 'DEBUG'\n"
             "c.Spawner.debug = False\n"
             "c.Spawner.default_url = '/tree'\n"
+            + server_args_config(lab)
+            + slow_spawn_config(slow_spawn_timeout)
             # Servers listen on ports of this worker's block (support/ports.py), not where every
             # client connection on the machine takes its local port (a start lost its port so).
             + (f"c.IsolatedProcessSpawner.server_ports = '{servers.start}-{servers.stop - 1}'\n" if servers else "")
@@ -254,7 +314,9 @@ class Hub:
         if os.geteuid() == 0:  # the Unix accounts and cgroups this hub's servers ran in
             from gpuhub_spawner.local.isolation import remove_isolation
 
-            remove_isolation(self.env["GPUHUB_ACCOUNT_PREFIX"])
+            prefix = self.env["GPUHUB_ACCOUNT_PREFIX"]
+            remove_isolation(prefix)
+            remove_private_tmps(prefix)
 
     def login(self, name: str, password: str = PASSWORD) -> "UserClient":
         return UserClient(self, name, password)
@@ -266,6 +328,18 @@ class Hub:
             if u.server() is not None:
                 u.stop()
                 u.wait_gone()
+
+
+@contextmanager
+def running_hub(workdir: Path, policy_text: str, start_timeout: float = 120, **kwargs) -> Iterator[Hub]:
+    """A started ``Hub`` (arguments as ``Hub``'s), stopped with its proxy, servers and accounts
+    afterwards whatever happened: a module's hub fixture is ``with running_hub(...) as h: yield h``."""
+    h = Hub(workdir, policy_text, **kwargs)
+    try:
+        h.start(start_timeout)
+        yield h
+    finally:
+        h.stop()
 
 
 class UserClient:

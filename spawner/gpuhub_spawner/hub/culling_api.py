@@ -322,6 +322,7 @@ class CullWarningsHandler(_Base):
                 wait = 0.0
             else:
                 waiters[user.name] = mine + 1
+                self.log.debug("GPU-failure long poll of %s: held up to %gs", user.name, wait)
                 try:
                     deadline = time.monotonic() + wait
                     while (left := deadline - time.monotonic()) > 0:
@@ -332,6 +333,7 @@ class CullWarningsHandler(_Base):
                             failed = now_failed
                             break
                 finally:
+                    self.log.debug("GPU-failure long poll of %s: let go", user.name)
                     n = waiters.get(user.name, 1) - 1
                     if n > 0:
                         waiters[user.name] = n

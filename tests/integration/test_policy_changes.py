@@ -286,11 +286,9 @@ def test_an_admin_applying_masked_text_keeps_the_secrets_and_leads_see_only_thei
     assert hub.policy.read_text() == POLICY
 
 
-def test_the_same_through_the_gpuhub_policy_commands(hub, users, busy, tmp_path):
-    admin = users["admin"]
-    new = tmp_path / "new.yaml"
-    new.write_text(EDIT)
-    env = dict(os.environ, GPUHUB_TOKEN=admin.token)
+def policy_cli(hub, client):
+    """``gpuhub policy ARGS --hub URL`` as ``client``, with their token (the CLI's env)."""
+    env = dict(os.environ, GPUHUB_TOKEN=client.token)
     env.pop("JUPYTERHUB_API_URL", None)
 
     def gpuhub(*args):
@@ -301,6 +299,15 @@ def test_the_same_through_the_gpuhub_policy_commands(hub, users, busy, tmp_path)
             text=True,
             timeout=60,
         )
+
+    return gpuhub
+
+
+def test_the_same_through_the_gpuhub_policy_commands(hub, users, busy, tmp_path):
+    admin = users["admin"]
+    new = tmp_path / "new.yaml"
+    new.write_text(EDIT)
+    gpuhub = policy_cli(hub, admin)
 
     out = gpuhub("diff", str(new))
     assert out.returncode == 0, out.stderr
@@ -375,17 +382,7 @@ def test_an_impossible_quota_is_warned_in_the_preview_and_applies_only_when_conf
     assert hub.policy.read_text() == POLICY
     new = tmp_path / "impossible.yaml"
     new.write_text(IMPOSSIBLE)
-    env = dict(os.environ, GPUHUB_TOKEN=admin.token)
-    env.pop("JUPYTERHUB_API_URL", None)
-
-    def gpuhub(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "gpuhub_spawner.cli", "policy", *args, "--hub", hub.url],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+    gpuhub = policy_cli(hub, admin)
 
     out = gpuhub("diff", str(new))
     assert out.returncode == 0 and "Warnings: what the new policy promises that this hub cannot keep" in out.stdout, out

@@ -90,7 +90,7 @@ def processes_of(uid: int) -> list[int]:
         except OSError:
             continue
         m = re.search(r"^Uid:\s+(\d+)", status, re.M)
-        if m and int(m.group(1)) == uid:
+        if m and int(m.group(1)) == uid and not re.search(r"^State:\s+Z", status, re.M):  # a zombie has ended
             out.append(int(entry.name))
     return out
 

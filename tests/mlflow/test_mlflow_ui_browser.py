@@ -87,7 +87,7 @@ def test_a_viewer_opens_another_teams_run_in_the_mlflow_ui(mlflow_hub, carols_ru
         page.fill("input[name=username]", "victor")
         page.fill("input[name=password]", PASSWORD)
         page.click("[type=submit]")
-        page.wait_for_url(re.compile(r".*/hub/(home|spawn|usage|status).*"))
+        page.wait_for_url(re.compile(r".*/hub/(home|spawn|usage|status|gpuhub/usage).*"))  # a viewer lands on usage
         page.goto(hub.url + "/hub/home")
         page.click("#gpuhub-links a.gpuhub-link:has-text('MLflow')")
         page.get_by_text(re.compile(r"^Experiments$")).first.wait_for()

@@ -453,10 +453,18 @@ class UserClient:
             headers={"Authorization": f"token {self.token}"},
         )
         r.raise_for_status()
+        found = []
         for pid in processes_with_env(f"GPUHUB_TEST_RUN={self.hub.run_id}"):
             env = _environ(pid)
             if env.get("JUPYTERHUB_USER") == self.name and env.get("JUPYTERHUB_SERVER_NAME", "") == server:
+                found.append(env)
+        # The server itself, not one of its kernels (which jupyter-server starts without the
+        # server's JUPYTERHUB_SERVICE_URL) nor its launcher: the process that has the whole set.
+        for env in found:
+            if "JUPYTERHUB_SERVICE_URL" in env:
                 return env
+        if found:
+            return found[0]
         raise LookupError(f"no process for {self.name}/{server}")
 
 

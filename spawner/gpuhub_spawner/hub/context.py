@@ -46,9 +46,13 @@ class GpuHubApp:
         jobs: Callable[[Any], Any] | None = None,
         ray: Callable[[Any], Any] | None = None,
         backend_changes: Callable[[Any, Any], list | None] | None = None,
+        end_processes: Callable[[Any], str] | None = None,
     ) -> None:
         self._admission, self._jobs, self._ray = admission, jobs, ray
         self._backend_changes = backend_changes
+        # One machine: end every process of a user's account (off-boarding's last step), given
+        # their spawner; blocking (run it off the loop). None: the backend has no accounts.
+        self.end_processes = end_processes
         self.policy_changes = PolicyChanges()
         self.gpu_waiters: dict[str, int] = {}  # user -> GPU long polls held (hub/culling_api.py)
         # Off-boarding (hub/offboarding.py), set by wiring/offboarding.py: the block file and

@@ -197,6 +197,7 @@ class _OffboardMixin:
             ("ray", self._stop_ray),
             ("jobs", self._stop_jobs),
             ("servers", self._stop_servers),
+            ("processes", self._end_processes),
             ("tokens", self._revoke),
             ("roles", self._unrole),
             ("home", self._home),
@@ -264,6 +265,15 @@ class _OffboardMixin:
                     await future
             stopped.append(server or "(default)")
         return f"stopped {len(stopped)} server(s)" + (f": {', '.join(stopped)}" if stopped else "")
+
+    async def _end_processes(self, user, by: str, rules) -> str:
+        """Whatever still runs as the leaver's account once their servers, jobs and clusters
+        were stopped (one machine; Kubernetes: their pods are gone with those)."""
+        end = app_of(self).end_processes
+        if end is None:
+            return "nothing runs as them outside their servers, jobs and clusters on this backend"
+        spawner = user.spawners.get("") or user.get_spawner("")
+        return await asyncio.get_running_loop().run_in_executor(None, end, spawner)
 
     async def _revoke(self, user, by: str, rules) -> str:
         from jupyterhub.utils import new_token

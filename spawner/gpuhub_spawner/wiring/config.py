@@ -298,6 +298,7 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
     from .ray import configure_ray  # Ray clusters are jobs of a kind (docs/ray.md)
 
     configure_ray(c)
-    from .offboarding import configure_offboarding  # gpuhub user offboard NAME (after the login's choice)
+    from .offboarding import configure_offboarding, end_processes_of  # gpuhub user offboard NAME (after the login's choice)
 
     configure_offboarding(c, data)
+    app_of(c).end_processes = end_processes_of  # one machine: the leaver's account's processes end too

@@ -30,6 +30,16 @@ def _authenticator_class(value) -> type:
     return import_item(name)
 
 
+def end_processes_of(spawner) -> str:
+    """One machine (``GpuHubApp.end_processes``): every process of the user's own account ended
+    (local/leaver.py), where their servers run isolated as that account; else nothing to end."""
+    if not getattr(spawner, "isolated", False):
+        return "no account of their own (servers run as the hub's user): nothing to end"
+    from ..local.leaver import end_account_processes
+
+    return end_account_processes(spawner.account_name)
+
+
 def configure_offboarding(c, data_dir) -> None:
     data = Path(data_dir)
     app = app_of(c)

@@ -12,6 +12,7 @@ import asyncio
 import time
 
 import pytest
+import yaml
 
 from double.harness import NAMESPACE
 from gpuhub_spawner.kube.ray_manager import ACTIVITY_ANNOTATION, WARNING_ANNOTATION, KubeRayManager, worker_groups
@@ -23,8 +24,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="function")
 
 @pytest.fixture
 def ray_policy(policy_file):
-    text = policy_file.read_text()
-    policy_file.write_text(text + "\nray: {enabled: true, maxWorkers: 4}\n")
+    """The shipped policy with Ray on and room for 4 workers (its own ``ray:`` section replaced)."""
+    data = yaml.safe_load(policy_file.read_text())
+    data["ray"] = {"enabled": True, "maxWorkers": 4}
+    policy_file.write_text(yaml.safe_dump(data, sort_keys=False))
     return policy_file
 
 

@@ -196,20 +196,23 @@ def test_an_admin_drains_and_uncordons_from_the_status_page(hub, users, tmp_path
             page.goto(hub.url + "/hub/gpuhub")
             page.uncheck("#gpuhub-autorefresh")  # no reload between the click and its answer
             page.click(f'button.gpuhub-gpu-action[data-device="{target}"][data-action="drain"]')
-            page.wait_for_function("document.getElementById('gpuhub-action-result').textContent.startsWith('200')")
+            page.wait_for_function("document.getElementById('gpuhub-action-result').dataset.status === '200'")
             result = page.locator("#gpuhub-action-result").inner_text()
-            assert f"{target} drained: bob/ keeps it until it stops" in result, result
+            assert result.startswith(f"{target} drained: bob/ keeps it until it stops"), result  # words, no HTTP code
             g = gpu(admin, target)
             assert g["drained"] == "admin" and g["user"] == "bob" and not g["usable"]
             page.reload()
             row = page.locator("#gpuhub-devices tr", has_text=target)
             assert row.locator(".gpuhub-health").inner_text() == "drained"
+            # Why, on the page itself (not only in the badge's tooltip).
+            reason = row.locator(".gpuhub-health-reason")
+            assert reason.is_visible() and reason.inner_text() == row.locator(".gpuhub-health").get_attribute("title")
             assert row.locator('button[data-action="drain"]').count() == 0
             if os.environ.get("GPUHUB_SCREENSHOT_DIR"):
                 page.screenshot(path=os.path.join(os.environ["GPUHUB_SCREENSHOT_DIR"], "status-drained.png"))
             page.uncheck("#gpuhub-autorefresh")
             row.locator('button[data-action="uncordon"]').click()
-            page.wait_for_function("document.getElementById('gpuhub-action-result').textContent.startsWith('200')")
+            page.wait_for_function("document.getElementById('gpuhub-action-result').dataset.status === '200'")
             assert f"{target} is back in service" in page.locator("#gpuhub-action-result").inner_text()
             g = gpu(admin, target)
             assert not g["drained"] and g["usable"]

@@ -242,6 +242,9 @@ def test_a_hub_whose_public_port_is_taken_refuses_to_start(hub):
             hub.start(timeout=120)
         log = log_since(hub, offset)
         assert "is not served by its proxy" in log and f"already listens on port {hub.port}" in log, log[-3000:]
+        # Who holds it (the squatter is this test's own process) and the way out the README's
+        # command takes.
+        assert f"pid {os.getpid()}: " in log and "gpuhub run --port N" in log, log[-3000:]
         assert "JupyterHub is now running" not in log
         assert not _listening(hub.proxy_port), "the proxy was left running (its API still listens)"
     finally:

@@ -320,6 +320,7 @@ def test_the_same_through_the_gpuhub_policy_commands(hub, users, busy, tmp_path)
     assert hub.policy.read_text() == EDIT and "is in force" in out.stdout
     out = gpuhub("history")
     assert out.returncode == 0 and "Vision Lab down to one A100 *" in out.stdout, out.stdout
+    assert "* the version in force now" in out.stdout.splitlines()  # the mark's legend
     out = gpuhub("rollback", "1")
     assert out.returncode == 0, out.stderr
     assert hub.policy.read_text() == POLICY

@@ -159,9 +159,10 @@ def test_jupyterlab_gets_the_cull_warning_through_its_server_with_mlflow_on(hub,
 
 
 def test_the_home_page_says_what_the_server_holds_and_when_idleness_stops_it(hub, alice):
-    home = alice.session.get(hub.url + "/hub/home").text
+    home = alice.session.get(hub.url + "/hub/home").content.decode()  # UTF-8, as the page's <meta> says
     assert 'id="gpuhub-servers"' in home, home[:2000]
     row = home.split('class="gpuhub-server" data-server=""', 1)[1].split("</tr>", 1)[0]
     assert "One GPU" in row and "Vision Lab" in row
-    assert alice.server_env()["CUDA_VISIBLE_DEVICES"] in row  # the GPU it holds
+    # The GPU it holds, counted and named: "1 × Tesla (device 0)", not a bare device index.
+    assert f"1 × Tesla (device {alice.server_env()['CUDA_VISIBLE_DEVICES']})" in row, row
     assert "stopped after its GPUs idle for 20s or no use for 1h, with 15s warning" in row, row

@@ -379,6 +379,9 @@ def test_the_cli_answers_by_team_and_user(day, hub, users):
         and re.search(r"^vision\s+\d", out.stdout, re.M)
         and re.search(r"^nlp\s+\d", out.stdout, re.M)
     )
+    # How the day's four allocations ended, in words (it once read "ended: ended 1" for a job).
+    # (the day's 3 stopped and 1 culled, and whatever the module's other tests stopped before this one)
+    assert re.search(r"^how allocations ended: \d+ stopped, 1 culled for idleness$", out.stdout, re.M), out.stdout
     out = run(users["victor"], "--since", "7d", "--by", "user", "--csv")
     assert sorted(row["user"] for row in csv.DictReader(io.StringIO(out.stdout))) == ["alice", "bob", "carol", "dave"]
     out = run(users["carol"], "--since", "7d", "--by", "user", "--csv")  # a researcher: herself only
@@ -689,6 +692,13 @@ def test_the_usage_page_renders_its_charts_for_each_role(day, hub, tmp_path):
                 text = page.locator("#gpuhub-usage").inner_text()
                 for hidden in {"alice", "bob", "carol", "dave"} - who:
                     assert hidden not in text, (name, hidden)
+                if name == "admin":
+                    # What each allocation was, when, and how it ended, as a person reads them:
+                    # times to the second (no ISO milliseconds), the end in words.
+                    assert set(page.locator("td.gpuhub-usage-what").all_inner_texts()) == {"server"}
+                    rows = page.locator("#gpuhub-usage-rows").inner_text()
+                    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", rows) and not re.search(r"\.\d{3}Z", rows), rows
+                    assert re.search(r"How allocations ended: \d+ stopped, 1 culled for idleness\.", text), text
                 if name in ("admin", "lena", "victor"):
                     role = {"admin": "admin", "lena": "lead", "victor": "viewer"}[name]
                     page.screenshot(path=str(shots / f"usage-{role}.png"), full_page=True)
@@ -707,7 +717,9 @@ def test_the_usage_page_renders_its_charts_for_each_role(day, hub, tmp_path):
             page.wait_for_load_state()
             page.goto(hub.url + "/hub/gpuhub")
             page.click('button.gpuhub-stop[data-key="alice/"]')
-            page.wait_for_function("document.getElementById('gpuhub-action-result').textContent.startsWith('202')")
+            page.wait_for_function("document.getElementById('gpuhub-action-result').dataset.status === '202'")
+            result = page.locator("#gpuhub-action-result").inner_text()
+            assert not result.startswith("202") and "alice" in result, result  # words, not an HTTP code
             alice.wait_gone()
             page.context.close()
         finally:

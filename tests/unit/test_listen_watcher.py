@@ -256,3 +256,18 @@ def test_servers_can_be_given_ports_of_a_range_that_skips_what_something_else_ho
     for bad in ("20000", "30000-20000", "80-90", "2000x-3000"):
         with pytest.raises(TraitError, match="server_ports must be FIRST-LAST"):
             sp.server_ports = bad
+
+
+def test_the_holder_of_a_port_is_named_by_pid_and_command():
+    """The hub's "port taken" error names who holds its port (hub/kept_proxy.py), so the
+    operator need not look it up: the process holding the socket, found from its inode."""
+    from gpuhub_spawner.local.listening import socket_holders
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # held by this test's process for the whole check
+        s.listen()
+        inodes = set(listening_sockets()[s.getsockname()[1]])
+        holders = socket_holders(inodes)
+    assert list(holders) == [os.getpid()], holders
+    assert "pytest" in holders[os.getpid()] or sys.executable in holders[os.getpid()], holders
+    assert socket_holders({1}) == {}  # an inode nobody holds: nobody named

@@ -415,7 +415,16 @@ def template_vars(config) -> dict:
             team = policy.team_or_none(entry["team"]) if entry["team"] else None
             entry["team"] = team.label if team else entry["team"]
             adm = getattr(spawner, "_admission", None)
-            entry["gpus"] = list(getattr(adm, "devices", []) or [])
+            devices = list(getattr(adm, "devices", []) or [])
+            if devices and profile is not None and profile.gpu is not None:
+                # "1 × A100 (device 2)", not the bare device index ("GPUs 5" read as five GPUs).
+                flavor = policy.flavor(profile.gpu.flavor)
+                what = flavor.display_name or flavor.name
+                unit = f" {flavor.mig.profile} slice" if flavor.mig else ""
+                word = "device" if len(devices) == 1 else "devices"
+                entry["gpus"] = [f"{len(devices)} × {what}{unit} ({word} {', '.join(map(str, devices))})"]
+            else:
+                entry["gpus"] = devices
             entry["borrowed"] = bool(getattr(adm, "borrowed", None))
             if profile is not None:
                 rules = policy.idle_rules(profile)

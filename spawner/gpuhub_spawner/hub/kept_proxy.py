@@ -112,6 +112,20 @@ def as_executed(cmd: list[str]) -> list[list[str]]:
     return forms
 
 
+def _kept_proxy_hint(holders: dict[int, str]) -> str:
+    """Where the port's holder is a proxy (gpuhub keeps its proxy running across hub restarts),
+    say so: it is most likely the one an earlier hub of this machine kept, which a hub with that
+    hub's data directory takes over instead of starting a second one."""
+    proxies = [p for p, cmd in holders.items() if "configurable-http-proxy" in cmd or "gpuhub-proxy" in cmd]
+    if not proxies:
+        return ""
+    return (
+        f" It is a hub proxy (pid {', '.join(map(str, sorted(proxies)))}): most likely the one an earlier"
+        " gpuhub kept running when it stopped. Start the hub with that hub's --data-dir (it takes the"
+        " proxy over) or end the proxy."
+    )
+
+
 class PublicPortTaken(RuntimeError):
     """The proxy is not the process listening on the hub's public port."""
 
@@ -310,17 +324,21 @@ class KeptProxy(ConfigurableHTTPProxy):
             return
         holders = self.listening.listening_sockets().get(port, {})
         owners = sorted(set(holders.values()))
+        who = self.listening.socket_holders(set(holders)) if holders else {}
         why = "it exited" if seen == "exited" else f"not within {self.public_listen_timeout:g} s"
         raise PublicPortTaken(
             f"gpuhub cannot start: the hub's public address {self.public_url} (port {port}) is not "
             f"served by its proxy: "
             + (
-                f"another process (uid {', '.join(map(str, owners))}) already listens on port {port}, "
-                "and users would reach it instead of the hub."
+                f"another process (uid {', '.join(map(str, owners))}"
+                + "".join(f"; pid {p}: {cmd}" for p, cmd in sorted(who.items()))
+                + f") already listens on port {port}, and users would reach it instead of the hub."
                 if owners
                 else f"the proxy (pid {pid}) did not listen on port {port} ({why}; see its error above)."
             )
-            + " Stop that process or give the hub another port (GPUHUB_PORT, or JupyterHub.bind_url)."
+            + _kept_proxy_hint(who)
+            + " Stop that process or give the hub another port (`gpuhub run --port N`, which"
+            " ./run-hub.sh passes on; GPUHUB_PORT; or JupyterHub.bind_url)."
         )
 
     def _running(self) -> bool:

@@ -34,7 +34,7 @@ from .context import app_of
 if TYPE_CHECKING:
     from traitlets.config import Config
 
-_HIDDEN = ("user", "profile", "held_for", "idle_for", "stops_at", "key")
+_HIDDEN = ("user", "profile", "held_for", "idle_for", "idle_words", "stops_at", "key")
 
 
 def status_snapshot(
@@ -77,6 +77,10 @@ def status_snapshot(
             "profile": adm.profile if adm else None,
             "held_for": format_duration(now - adm.since) if adm else None,
             "idle_for": gpu_idle if gpu_idle != "0s" else None,
+            # The column in words: nothing for a free GPU, "busy now", or not yet measured.
+            "idle_words": (
+                None if adm is None else "not measured yet" if busy is None else gpu_idle if gpu_idle != "0s" else "busy now"
+            ),
             "stops_at": deadline,
         }
         health = broker.devices.health.of(d.id)  # admission.health: not private, everyone sees it
@@ -214,6 +218,10 @@ def _holder_lines(broker, holders, records, flavor_names, now, see_all, own_team
                 "profile": adm.profile,
                 "held_for": format_duration(now - adm.since),
                 "idle_for": gpu_idle if gpu_idle != "0s" else None,
+                # The column in words: nothing for a free GPU, "busy now", or not yet measured.
+                "idle_words": (
+                    None if adm is None else "not measured yet" if busy is None else gpu_idle if gpu_idle != "0s" else "busy now"
+                ),
                 "stops_at": getattr(getattr(rec, "state", None), "deadline", None),
             }
             if not see_all and adm.team not in own_teams and adm.user != me:

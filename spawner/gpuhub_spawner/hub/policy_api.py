@@ -357,7 +357,10 @@ class PolicyActionHandler(_PolicyMixin, APIHandler):
             if not isinstance(sent, str):
                 raise web.HTTPError(400, 'send the new policy as {"yaml": "..."}')
             text = sent
-        current = self.store.current
+        # The policy in force is the file's: an edit on disk the store has not re-read yet takes
+        # effect (and enters the history) first, so the impact and the summary are measured
+        # against what is really in force, not against the text before that edit.
+        current = await self.store.fresh()
         checked_against = text_hash(self.current_text())
         result = await self.evaluate(text, admin, leads)
         self.set_header("Content-Type", "application/json")

@@ -29,7 +29,7 @@ from ..culling.board import CullBoard
 from ..policy.quantities import format_duration, parse_duration
 from ..policy.scopes import AUDIT, allowed
 from ..usage import charts
-from ..usage.history import iso, summarize, to_csv
+from ..usage.history import describe_ends, iso, summarize, to_csv, when
 from ..usage.recorder import UsageRecorder, note_end
 from .context import app_of
 from .roles import View, view_for
@@ -218,7 +218,8 @@ class UsagePageHandler(_Base, BaseHandler):
             svgs=svgs,
             by_user=by_user,
             view=view,
-            iso=iso,
+            when=when,
+            describe_ends=describe_ends,
             since_arg=self.get_argument("since", "7d"),
             csv_url=url_path_join(self.hub.base_url, "gpuhub/usage.csv") + f"?since={self.get_argument('since', '7d')}",
         )
@@ -335,7 +336,7 @@ class ServerStopHandler(_Base, APIHandler):
         elif spawner.ready or held:
             await self.stop_single_user(user, server)
         self.set_status(202)
-        self.write(json.dumps({"stopping": key, "by": name, "as": how}))
+        self.write(json.dumps({"stopping": key, "by": name, "as": how, "message": f"Stopping {key} (as {how})."}))
 
     def _idle(self, key: str, spawner) -> tuple[bool, str]:
         rec = CullBoard.instance().records.get(key) if CullBoard.initialized() else None

@@ -176,6 +176,32 @@ def socket_inodes(pids: list[int], proc: str = "/proc", wanted: set[int] | None 
     return None if denied and not out else out
 
 
+def socket_holders(inodes: set[int], proc: str = "/proc", limit: int = MAX_SCAN) -> dict[int, str]:
+    """{pid: command line} of the processes holding any of the socket ``inodes``, for an error
+    that names who holds a port (at most ``limit`` processes and descriptors looked at; a
+    process whose descriptors cannot be read is skipped). The command line is cut at 200
+    characters: it is shown to an operator, not parsed."""
+    out: dict[int, str] = {}
+    budget = limit
+    try:
+        pids = sorted(int(n) for n in os.listdir(proc) if n.isdigit())
+    except OSError:
+        return out
+    for pid in pids:
+        if budget <= 0:
+            break
+        found = socket_inodes([pid], proc, wanted=inodes, limit=budget)
+        budget -= 1
+        if found and found & inodes:
+            try:
+                with open(f"{proc}/{pid}/cmdline", "rb") as f:
+                    cmd = f.read(400).replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmd = "?"
+            out[pid] = cmd[:200]
+    return out
+
+
 def _gone(pid: int, proc: str = "/proc") -> bool:
     """The process has exited (absent, or a zombie its parent has not reaped yet)."""
     try:

@@ -14,7 +14,7 @@ import io
 from urllib.parse import urlencode
 
 from ..jobs.client import HUB_HELP, HubError, api_base, call, report
-from .history import CSV_LINE_END, csv_cell
+from .history import CSV_LINE_END, csv_cell, describe_ends
 
 
 def _fmt_s(v) -> str:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     w = s["waits"]
     print(f"queue waits: {w['count']} admissions, median {_fmt_s(w['median_seconds'])}, p95 {_fmt_s(w['p95_seconds'])}")
     if s["ended"]:
-        print("ended: " + ", ".join(f"{k} {v}" for k, v in sorted(s["ended"].items())))
+        print("how allocations ended: " + describe_ends(s["ended"]))
     fair = rep.get("fair_share")
     if fair and fair["teams"]:
         # docs/fair-share.md: who goes first among equal priorities

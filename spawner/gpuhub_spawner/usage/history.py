@@ -62,6 +62,22 @@ queue_samples = Table(
 )
 
 END_REASONS = ("stopped", "culled", "reclaimed", "crashed", "ended")
+# How each allocation of the history ended (usage/history.py END_REASONS), in a person's words:
+# the records say "ended" for a job that finished by itself, which read "ended: ended 1".
+END_WORDS = {
+    "stopped": "stopped",
+    "culled": "culled for idleness",
+    "reclaimed": "reclaimed by the lending team",
+    "crashed": "crashed",
+    "ended": "jobs finished",
+}
+
+
+def describe_ends(ends: dict[str, int]) -> str:
+    """``{"stopped": 3, "culled": 1}`` -> ``"3 stopped, 1 culled for idleness"``."""
+    return ", ".join(f"{n} {END_WORDS.get(k, k)}" for k, n in sorted(ends.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 CSV_FIELDS = [
     "user",
     "server",
@@ -419,6 +435,11 @@ def summarize(rows: list[Row], since: float, now: float, by: str = "team", perio
         "waits": {"count": len(waits), "median_seconds": _percentile(waits, 0.5), "p95_seconds": _percentile(waits, 0.95)},
         "ended": ends,
     }
+
+
+def when(t: float) -> str:
+    """A time as a person reads it on a page, to the second (UTC, said in the heading)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
 
 
 def iso(t: float) -> str:

@@ -80,6 +80,8 @@ def _history(args) -> int:
         print(f"{v['n']:>7}  {v['hash']:<12}  {when:<19}  {v['by'][:20]:<20}  {v['source']:<15}  {v.get('summary') or '-'}{mark}")
     if not rep["versions"]:
         print("(no versions recorded yet)")
+    elif any(rep.get("version") and rep["version"]["n"] == v["n"] for v in rep["versions"]):
+        print("* the version in force now")
     if rep.get("role") == "lead":
         print("(a lead sees the summaries of versions that changed only their teams: '-' for the others)")
     return 0

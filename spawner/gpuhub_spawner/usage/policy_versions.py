@@ -220,7 +220,11 @@ class PolicyVersions:
         if rollback_to:
             extra["rollback_to"] = rollback_to["n"]
         with self._file_lock:
+            # An edit on disk whose reload has not been recorded yet (its record waits for this
+            # lock) goes into the history first: after this write it would find the new text and
+            # the version it put in force would be missing.
             if self.writer is None:
+                self._notice_file("")
                 before = self._file_text()
                 write_atomically(self.policy_file, text)
             else:

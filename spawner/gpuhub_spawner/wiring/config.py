@@ -187,7 +187,10 @@ def configure_local(c, *, data_dir: str, policy_file: str, port: int = 8000, ip:
 
     # Who holds the public port: the machine's socket table (configs are deep-copied: no module here).
     c.KeptProxy.listening = SimpleNamespace(
-        watcher=listening.watcher, listening_sockets=listening.listening_sockets, PortTaken=listening.PortTaken
+        watcher=listening.watcher,
+        listening_sockets=listening.listening_sockets,
+        socket_holders=listening.socket_holders,
+        PortTaken=listening.PortTaken,
     )
     c.KeptProxy.auth_token_file = str(data / "proxy-auth-token")
     c.JupyterHub.db_url = f"sqlite:///{data / 'jupyterhub.sqlite'}"

@@ -43,7 +43,7 @@ def test_every_mistake_is_located():
         "workingDir: ../elsewhere\n"
     )
     assert out == [
-        "job.yaml:1:1: command: is required",
+        "job.yaml:1:1: command: is required (or 'notebook': a notebook to execute)",
         "job.yaml:2:1: comand: unknown key 'comand' (did you mean 'command'?)",
         "job.yaml:3:18: retries.limit: must be at least 0 (got -1)",
         "job.yaml:3:32: retries.reasons[0]: must be one of preempted, interrupted, failed, oom or an exit code 1-255 (got 'preemptd')",

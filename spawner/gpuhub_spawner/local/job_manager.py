@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ from ..policy.access import ChoiceError, active_profiles, check_job_caps, resolv
 from ..policy.model import Policy, Profile
 from ..policy.quantities import format_duration, format_memory
 from ..jobs import mlflow_runs
+from ..jobs.notebook import failed_cell as notebook_failed_cell, load_bounded as notebook_load
 from ..jobs import records as R
 from ..jobs.common import TIME_LIMIT, _ts, job_priority, policy_hash
 from .job_launcher import JobProcess, launcher_config
@@ -160,24 +162,28 @@ class JobManager(SingletonConfigurable):
                 pass
 
     # -- submission ------------------------------------------------------------------------
-    def held_profiles(self, user) -> list[Profile | None]:
-        """The user's running or waiting servers and jobs (GPU caps count both)."""
+    def held_profiles(self, user, releasing: str | None = None) -> list[Profile | None]:
+        """The user's running or waiting servers and jobs (GPU caps count both); the server
+        ``releasing`` (stopped once the job is queued: ``--stop-server``) not counted."""
         policy = self.policy
-        held = list(active_profiles(policy, user).values())
+        held = [p for name, p in active_profiles(policy, user).items() if name != releasing]
         for rec in self.jobs.values():
             if rec.user == user.name and rec.state not in R.FINAL:
                 held.append(policy.profile(rec.profile["slug"]))
         return held
 
-    def submit(self, user, groups: list[str], spec: JobSpec) -> R.JobRecord:
-        """Check, queue and record a job; raise ``ChoiceError`` (4xx) before anything queues."""
+    def submit(self, user, groups: list[str], spec: JobSpec, releasing: str | None = None) -> R.JobRecord:
+        """Check, queue and record a job; raise ``ChoiceError`` (4xx) before anything queues.
+
+        ``releasing``: a server of the user the caller stops right after (its GPUs do not
+        count against the user's cap; the job queues behind it until it is gone)."""
         self.broker.store.refresh()
         policy = self.policy
         options = {"profile": spec.profile, **({"team": spec.team} if spec.team else {})}
         choice = resolve_choice(policy, groups, options)
         # The team's per-user GPUs (servers and jobs together), not maxServers (check_job_caps).
         team = choice.team
-        check_job_caps(choice, self.held_profiles(user))
+        check_job_caps(choice, self.held_profiles(user, releasing))
         unfinished = sum(1 for r in self.jobs.values() if r.user == user.name and r.state not in R.FINAL)
         if self.max_jobs_per_user and unfinished >= self.max_jobs_per_user:
             raise ChoiceError(
@@ -209,7 +215,8 @@ class JobManager(SingletonConfigurable):
             policy_sha256=policy_hash(policy),
             image=image,
             image_digest=image.rsplit("@", 1)[1] if "@" in image else "",
-            command=spec.argv,
+            # A notebook runs under the hub environment's Python, which has papermill.
+            command=spec.notebook_argv(sys.executable) if spec.notebook else spec.argv,
             working_dir=spec.working_dir or "",
             checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
             env_names=[],
@@ -218,6 +225,8 @@ class JobManager(SingletonConfigurable):
             retries=spec.retries.model_dump(),
             spec=spec.model_dump(by_alias=True, exclude={"env"}) | {"env": sorted(spec.env)},
             name=spec.name,
+            kind=spec.kind,
+            notebook={"path": spec.notebook, "parameters": dict(spec.parameters)} if spec.notebook else None,
         )
         self._env_values[job_id] = dict(spec.env)  # values: hub-private file, never in the record
         live = self._live.setdefault(job_id, _Live())
@@ -394,6 +403,8 @@ class JobManager(SingletonConfigurable):
             env["MLFLOW_EXPERIMENT_NAME"] = rec.experiment
         if self.hub_api_url:
             env["JUPYTERHUB_API_URL"] = self.hub_api_url
+        if rec.notebook:
+            env["GPUHUB_NOTEBOOK_PARAMETERS"] = json.dumps(rec.notebook.get("parameters") or {})
         return env
 
     async def _run_attempt(self, rec: R.JobRecord, att: R.Attempt, live: _Live) -> tuple[str, int | None, str]:
@@ -407,10 +418,19 @@ class JobManager(SingletonConfigurable):
         os.write(logfd, f"[gpuhub] {rec.id} attempt {att.number} admitted with {gpus} at {_ts(att.admitted)}\n".encode())
         rfd, wfd = os.pipe()
         env["GPUHUB_EVIDENCE_FD"] = str(wfd)
+        pass_fds: tuple[int, ...] = (wfd,)
+        nbfd = None
+        if rec.notebook:
+            # The executed notebook comes back through a descriptor of a file the hub made
+            # beside the log: the job writes it, the user's account can open it by no path.
+            att.notebook = str(logdir / f"attempt-{att.number}.ipynb")
+            nbfd = os.open(att.notebook, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            env["GPUHUB_NOTEBOOK_FD"] = str(nbfd)
+            pass_fds = (wfd, nbfd)
         configured = {k: (v(launcher) if callable(v) else v) for k, v in launcher.environment.items()}
         token = mlflow_runs.new_token(rec, env, configured)
         launcher.job_env = env
-        launcher.popen_kwargs = {"stdout": logfd, "stderr": logfd, "pass_fds": (wfd,)}
+        launcher.popen_kwargs = {"stdout": logfd, "stderr": logfd, "pass_fds": pass_fds}
         live.launcher, live.stop_reason, live.stop_message = launcher, None, ""
         evidence = asyncio.get_running_loop().create_future()
         try:
@@ -424,6 +444,8 @@ class JobManager(SingletonConfigurable):
         finally:
             os.close(wfd)
             os.close(logfd)
+            if nbfd is not None:
+                os.close(nbfd)
         self._read_evidence(rfd, evidence)
         if live.stop_reason:  # cancelled or preempted while it was starting
             await launcher.stop(now=True)
@@ -477,6 +499,12 @@ class JobManager(SingletonConfigurable):
             reason, message = FAILED, f"exit code {code}"
         if reason == FAILED and launcher.process_limit_note:
             message += f"; {launcher.process_limit_note}"
+        if att.notebook:
+            # Read back beside the loop: the user wrote it (bounded: jobs.notebook.load_bounded).
+            att.failed_cell = await asyncio.to_thread(lambda: notebook_failed_cell(notebook_load(att.notebook)))
+            if reason == FAILED and att.failed_cell:
+                fc = att.failed_cell
+                message = f"cell {fc['cell']} failed: {fc['ename']}: {fc['evalue']}"[:500] + f" ({message})"
         await mlflow_runs.collect_runs(rec, att, {**configured, **env}, token, outcome=reason)
         mlflow_runs.revoke(token)
         with open(att.log, "a") as f:  # noqa: ASYNC230 (one line appended to a local file)

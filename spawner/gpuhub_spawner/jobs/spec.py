@@ -40,7 +40,10 @@ DEFAULT_RETRY_ON: Final = (PREEMPTED, INTERRUPTED)
 
 # Set by gpuhub for every attempt; a job file may not override them (the record and the
 # run tags must say what really ran, and the devices are the hub's decision).
-RESERVED_ENV = re.compile(r"^(GPUHUB_|JUPYTERHUB_|JPY_|MLFLOW_RUN_CONTEXT$|CUDA_VISIBLE_DEVICES$|NVIDIA_VISIBLE_DEVICES$)")
+RESERVED_ENV = re.compile(
+    r"^(GPUHUB_|JUPYTERHUB_|JPY_|MLFLOW_RUN_CONTEXT$|CUDA_VISIBLE_DEVICES$|NVIDIA_VISIBLE_DEVICES$"
+    r"|MASTER_ADDR$|MASTER_PORT$|WORLD_SIZE$|RANK$|LOCAL_RANK$|LOCAL_WORLD_SIZE$)"
+)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_RETRIES = 20
 MAX_ISSUES = 50  # a file with thousands of mistakes is reported by its first 50
@@ -94,6 +97,7 @@ _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
 # The runner of a notebook job (``jobs.notebook``), run as the user like any command; the
 # backend puts its Python first (one machine: the hub's environment, which has papermill).
 NOTEBOOK_RUNNER = ("-m", "gpuhub_spawner.jobs.notebook", "--")
+MAX_WORKERS = 64
 MISSING_BOTH = "give either 'command' (what to run) or 'notebook' (a notebook to execute)"
 
 
@@ -105,6 +109,9 @@ class JobSpec(_Model):
     command: list[str] | str | None = None
     notebook: str | None = Field(None, min_length=1, max_length=1024)
     parameters: dict[str, str | int | float | bool | None] = {}
+    # Several processes admitted together (all or nothing), each with the profile's GPUs,
+    # CPU and memory, and a torchrun-style rendezvous (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK).
+    workers: Annotated[StrictInt, Field(ge=1, le=MAX_WORKERS)] = 1
     image: str | None = None  # Kubernetes; one machine runs in the machine's environment
     working_dir: str | None = None  # relative to the home directory
     env: dict[str, str] = {}
@@ -192,6 +199,8 @@ class JobSpec(_Model):
             raise ValueError(MISSING_BOTH)
         if self.command is not None and self.notebook is not None:
             raise ValueError("give either 'command' or 'notebook', not both")
+        if self.workers > 1 and self.notebook is not None:
+            raise ValueError("a notebook runs as one worker ('workers' is for a command)")
         if self.parameters and self.notebook is None:
             raise ValueError("'parameters' are for a notebook job ('notebook: train.ipynb')")
         return self

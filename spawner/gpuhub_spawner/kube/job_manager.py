@@ -144,6 +144,8 @@ class KubeJobManager(SingletonConfigurable):
             # Not yet: the pod would need papermill in its image and a way back for the
             # executed notebook (docs/jobs.md, "A notebook as a job").
             raise ChoiceError(501, "Notebook jobs run on one-machine hubs for now; on Kubernetes submit a command.")
+        if spec.workers > 1:
+            raise ChoiceError(501, "Jobs of several workers run on one-machine hubs for now (docs/jobs.md).")
         policy = self.policy
         choice = resolve_choice(policy, groups, {"profile": spec.profile, **({"team": spec.team} if spec.team else {})})
         team = choice.team

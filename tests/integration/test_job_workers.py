@@ -190,3 +190,24 @@ def test_a_failing_worker_ends_the_others_and_the_job_says_which(hub, users):
     rec = wait_state(bob, job_id, "failed", "succeeded")
     assert rec["status"].startswith("failed: exit code 7 (worker rank 1; the other workers were stopped)"), rec["status"]
     assert job_processes(job_id) == [] and held(users) == {}
+
+
+def test_a_hub_restart_ends_every_worker_of_a_running_job_and_runs_it_again_whole(hub, users):
+    bob = users["bob"]
+    spec = {"profile": "gpu-1", "workers": 2, "command": [sys.executable, "-c", WORKER], "env": {"HOLD": "1"}}
+    job_id = submit(bob, spec)
+    wait_for(lambda: "rank 0 up" in (o := logs(bob, job_id)) and "rank 1 up" in o, 90, "both workers to be up")
+    before = set(job_processes(job_id))
+    assert len(before) >= 2
+    hub.stop(kill_servers=False)  # the workers outlive the hub's process...
+    assert any(alive(p) for p in before)
+    hub.start()
+    users.update({n: hub.login(n) for n in ("alice", "bob", "admin")})
+    bob = users["bob"]
+    # ...and the restarted hub ends all of them, then runs the job again with both workers.
+    wait_for(lambda: logs(bob, job_id).count("rank 1 up") == 2, 120, "both workers of the attempt after the restart")
+    rec = record(bob, job_id)
+    assert rec["attempts"][0]["reason"] == "interrupted"
+    assert not any(alive(p) for p in before)
+    assert bob.api.post(bob.url(f"/gpuhub/jobs/{job_id}/cancel")).json()["state"] == "cancelled"
+    assert job_processes(job_id) == [] and held(users) == {}

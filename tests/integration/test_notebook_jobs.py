@@ -247,7 +247,10 @@ def test_another_users_job_cannot_read_the_executed_notebook_or_the_notebook(hub
 
 def test_a_failed_cell_fails_the_job_with_the_cell_and_traceback_on_the_jobs_page(hub, users):
     bob = users["bob"]
-    rel = put_notebook(hub, "bob", f"proj/failing-{uuid.uuid4().hex[:6]}.ipynb", FAILING)
+    # (A notebook that names no kernel nor language, as some tools write them: the machine's Python runs it.)
+    rel = put_notebook(
+        hub, "bob", f"proj/failing-{uuid.uuid4().hex[:6]}.ipynb", json.dumps({**json.loads(FAILING), "metadata": {}})
+    )
     job_id = submit(hub, bob, rel, "--profile", "cpu", "--retries", "2", "--retry-on", "preempted")
     rec = wait_state(bob, job_id, "failed", "succeeded")
     assert rec["state"] == "failed" and len(rec["attempts"]) == 1  # a failed cell is not retried unless asked

@@ -11,7 +11,7 @@ import pytest
 
 from gpuhub_spawner.jobs.cli import notebook_job, parameter_value
 from gpuhub_spawner.jobs.client import HubError
-from gpuhub_spawner.jobs.notebook import MAX_NOTEBOOK_BYTES, failed_cell, load_bounded, render_cells
+from gpuhub_spawner.jobs.notebook import MAX_NOTEBOOK_BYTES, defaults_for, failed_cell, load_bounded, render_cells
 from gpuhub_spawner.jobs.spec import parse_job
 from gpuhub_spawner.policy import PolicyError
 
@@ -196,3 +196,10 @@ def test_reading_an_executed_notebook_back_is_bounded_and_follows_no_link(tmp_pa
     assert load_bounded(str(link)) is None
     (tmp_path / "bad.ipynb").write_text("[1, 2]")
     assert load_bounded(str(tmp_path / "bad.ipynb")) is None
+
+
+def test_a_notebook_that_names_no_kernel_or_language_runs_on_the_machines_python():
+    assert defaults_for({"kernelspec": {"name": "python3", "language": "python"}}) == {}
+    assert defaults_for({"kernelspec": {"name": "ir"}, "language_info": {"name": "R"}}) == {}
+    assert defaults_for({"kernelspec": {"name": "python3"}}) == {"language": "python"}
+    assert defaults_for({}) == defaults_for(None) == defaults_for([]) == {"kernel_name": "python3", "language": "python"}

@@ -65,6 +65,21 @@ def _copy_to_fd(path: str, fd: int | None) -> None:
         print(f"[gpuhub] could not hand the executed notebook to the hub: {e}", file=sys.stderr, flush=True)
 
 
+def defaults_for(metadata: Any) -> dict:
+    """papermill's overrides for a notebook that does not name its kernel or language (written
+    by a tool other than JupyterLab): the machine's Python kernel."""
+    meta = metadata if isinstance(metadata, dict) else {}
+    ks_raw, info_raw = meta.get("kernelspec"), meta.get("language_info")
+    ks: dict = ks_raw if isinstance(ks_raw, dict) else {}
+    info: dict = info_raw if isinstance(info_raw, dict) else {}
+    out = {}
+    if not ks.get("name"):
+        out["kernel_name"] = "python3"
+    if not ks.get("language") and not info.get("name"):
+        out["language"] = "python"
+    return out
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "--":
         print("usage: python -m gpuhub_spawner.jobs.notebook -- NOTEBOOK.ipynb", file=sys.stderr)
@@ -98,6 +113,11 @@ def main(argv: list[str]) -> int:
 
     print(f"[gpuhub] executing ~/{notebook} with parameters {json.dumps(parameters)}", flush=True)
     try:
+        with open(source, "rb") as f:
+            overrides = defaults_for(json.load(f).get("metadata"))
+    except (OSError, ValueError, AttributeError):
+        overrides = {}  # papermill says what is wrong with it
+    try:
         papermill.execute_notebook(
             source,
             out,
@@ -107,6 +127,7 @@ def main(argv: list[str]) -> int:
             progress_bar=False,
             request_save_on_cell_execute=True,
             autosave_cell_every=AUTOSAVE_SECONDS,
+            **overrides,
         )
     except PapermillExecutionError as e:
         print(

@@ -548,3 +548,57 @@ def test_a_cancelled_jobs_mlflow_run_is_ended_killed_not_left_running(mlflow_hub
     info = status()
     assert info["status"] == "KILLED", info
     assert info["end_time"] and int(info["end_time"]) >= int(info["start_time"])
+
+
+def test_a_notebook_jobs_mlflow_run_carries_the_job_and_opens_from_its_page(mlflow_hub):
+    """A notebook as a job (issue 44): the kernel papermill starts inherits the job's MLflow
+    identity and tags; the run is in the record and linked from the job's page."""
+    from gpuhub_spawner.local.unix_users import ensure_account, ensure_home
+
+    hub, mlflow = mlflow_hub
+    bob = hub.login("bob")
+    mlflow.wait_ready(bob.token)
+    account = ensure_account("bob", hub.env["GPUHUB_ACCOUNT_PREFIX"])
+    home = hub.data / "home" / "bob"
+    ensure_home(str(home), account)
+    cells = [
+        {
+            "cell_type": "code",
+            "metadata": {"tags": ["parameters"]},
+            "execution_count": None,
+            "outputs": [],
+            "source": "loss = 1.0",
+        },
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "execution_count": None,
+            "outputs": [],
+            "source": "import mlflow\nwith mlflow.start_run(run_name='nb') as run:\n    mlflow.log_metric('loss', loss)\nprint('run', run.info.run_id)",
+        },
+    ]
+    nb = {
+        "cells": cells,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    rel = f"nb-mlflow-{uuid.uuid4().hex[:6]}.ipynb"
+    (home / rel).write_text(json.dumps(nb))
+    os.chown(home / rel, account.uid, account.gid)
+    r = bob.api.post(
+        bob.url("/gpuhub/jobs"), json={"spec": json.dumps({"profile": "cpu", "notebook": rel, "parameters": {"loss": 0.25}})}
+    )
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    rec = wait_state(bob, job_id, "succeeded", "failed", timeout=180)
+    out = logs(bob, job_id)
+    assert rec["state"] == "succeeded", out
+    run_id = out.split("run ")[-1].split()[0]
+    assert rec["attempts"][0]["mlflow_run_ids"] == [run_id]
+    run = mlflow.api(bob.token).get(mlflow.direct + "/api/2.0/mlflow/runs/get", params={"run_id": run_id}).json()["run"]
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    assert tags["gpuhub.job.id"] == job_id and tags["gpuhub.job.attempt"] == "1" and tags["mlflow.user"] == "bob"
+    assert {m["key"]: m["value"] for m in run["data"]["metrics"]} == {"loss": 0.25}  # the parameter reached the run
+    page = bob.session.get(f"{hub.url}/hub/gpuhub/jobs/{job_id}").text
+    assert f"#/runs/{run_id}" in page and f"gpuhub/jobs/{job_id}/notebook?attempt=1" in page

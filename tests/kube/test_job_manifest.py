@@ -266,3 +266,40 @@ async def test_the_double_applies_the_jobs_failure_policy(kube, make_spawner, po
         "the retried job to give up",
     )
     assert _cond(j, "Failed")["reason"] == "BackoffLimitExceeded" and j["status"]["failed"] == 2  # 1 retry
+
+
+async def test_several_workers_render_as_one_indexed_job_kueue_admits_all_or_nothing(make_spawner, policy_store):
+    """``workers: 3`` (issue 44): one Workload pod set of count 3 (quota for all three or none),
+    each pod one worker with the profile's GPU, ranks from the completion index, rank 0's
+    name through the Job's headless Service. Rendered and schema-checked only: the hub
+    refuses several workers on Kubernetes for now."""
+    from gpuhub_spawner.kube.job_manifest import COMPLETION_INDEX, rendezvous_service
+
+    spawner = make_spawner(user="alice", groups=("vision-lab",), profile="a100-1")
+    pod = await server_pod(spawner)
+    policy = policy_store.policy
+    spec = parse_job("profile: a100-1\nworkers: 3\ncommand: [python, train.py]\n")
+    choice = resolve_choice(policy, ["vision-lab"], {"profile": "a100-1"})
+    job = job_manifest("job-00000000aa", "alice", spec, policy, choice, pod, namespace=spawner.namespace)
+    validate(job)
+    js = job["spec"]
+    assert (js["parallelism"], js["completions"], js["completionMode"], js["suspend"]) == (3, 3, "Indexed", True)
+    tmpl = js["template"]["spec"]
+    assert tmpl["subdomain"] == "job-00000000aa"
+    c = tmpl["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"  # per worker: the profile's
+    env = {e["name"]: e for e in c["env"]}
+    assert env["MASTER_ADDR"]["value"] == "job-00000000aa-0.job-00000000aa" and env["MASTER_PORT"]["value"] == "29500"
+    assert env["WORLD_SIZE"]["value"] == "3" and env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == COMPLETION_INDEX
+    svc = rendezvous_service(job)
+    validate(svc)
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == {"gpuhub/job": "job-00000000aa"}
+    assert js["template"]["metadata"]["labels"]["gpuhub/job"] == "job-00000000aa"  # the Service selects the workers
+    wl = workload_for(job)
+    validate(wl)
+    assert [(ps["name"], ps["count"]) for ps in wl["spec"]["podSets"]] == [("main", 3)]
+    # One worker stays a plain Job.
+    one = job_manifest(
+        "job-00000000ab", "alice", parse_job("profile: a100-1\ncommand: [x]\n"), policy, choice, pod, namespace=spawner.namespace
+    )
+    assert "completionMode" not in one["spec"] and "subdomain" not in one["spec"]["template"]["spec"]

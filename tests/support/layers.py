@@ -37,6 +37,7 @@ LAYER_TESTS = {
         "unit/test_usage_units.py",
         "unit/test_usage_csv_injection.py",
         "unit/test_job_spec.py",
+        "unit/test_job_notebook.py",
         "unit/test_job_records.py",
         "unit/test_profile_form.py",
         "unit/test_trace_replay.py",

@@ -43,7 +43,7 @@ def test_every_mistake_is_located():
         "workingDir: ../elsewhere\n"
     )
     assert out == [
-        "job.yaml:1:1: command: is required",
+        "job.yaml:1:1: command: is required (or 'notebook': a notebook to execute)",
         "job.yaml:2:1: comand: unknown key 'comand' (did you mean 'command'?)",
         "job.yaml:3:18: retries.limit: must be at least 0 (got -1)",
         "job.yaml:3:32: retries.reasons[0]: must be one of preempted, interrupted, failed, oom or an exit code 1-255 (got 'preemptd')",
@@ -80,3 +80,23 @@ def test_a_teams_job_priority_must_be_a_priority_class():
     with pytest.raises(PolicyError) as e:
         parse_policy(base % "bach", "p.yaml")
     assert str(e.value) == "p.yaml:3:41: teams[0].jobPriority: unknown priority class 'bach' (did you mean 'batch'?)"
+
+
+def test_several_workers_are_a_count_for_a_command_and_their_rendezvous_names_are_gpuhubs():
+    assert parse_job("profile: gpu-1\nworkers: 4\ncommand: [python, train.py]\n").workers == 4
+    assert parse_job("profile: gpu-1\ncommand: [python, train.py]\n").workers == 1
+    assert errors("profile: gpu-1\nworkers: 0\ncommand: [x]\n") == ["job.yaml:2:10: workers: must be at least 1 (got 0)"]
+    assert "job.yaml:2:10: workers: must be at most 64 (got 65)" in errors("profile: gpu-1\nworkers: 65\ncommand: [x]\n")
+    assert any("a notebook runs as one worker" in e for e in errors("profile: gpu-1\nworkers: 2\nnotebook: a.ipynb\n"))
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK"):
+        assert any(
+            "is set by gpuhub for every attempt" in e for e in errors(f"profile: cpu\ncommand: [x]\nenv: {{{name}: '1'}}\n")
+        )
+
+
+def test_each_worker_gets_its_share_of_the_devices_and_the_job_asks_for_all_of_them_at_once():
+    from gpuhub_spawner.local.job_manager import _times, _worker_devices
+
+    assert _times({"cpu": 500, "memory": 2**30, "gpu/a100": 1}, 3) == {"cpu": 1500, "memory": 3 * 2**30, "gpu/a100": 3}
+    assert [_worker_devices(["0", "1", "2", "3"], 2, r) for r in (0, 1)] == [["0", "1"], ["2", "3"]]
+    assert _worker_devices(["0"], 1, 0) == ["0"] and _worker_devices([], 2, 1) == []

@@ -7,6 +7,10 @@
 - ``GET  /hub/api/gpuhub/jobs/<id>``: the record (``status`` starts with the state word).
 - ``GET  /hub/api/gpuhub/jobs/<id>/logs?offset=N``: log bytes from N (all attempts, in order).
 - ``POST /hub/api/gpuhub/jobs/<id>/cancel`` (or ``DELETE .../<id>``): its GPUs are free on return.
+- ``GET  /hub/api/gpuhub/jobs/<id>/notebook[?attempt=N]``: a notebook job's executed notebook
+  (a download), and ``/hub/gpuhub/jobs/<id>/notebook`` as a page: the owner's only.
+- ``"stop_server": "<name>"`` in a submission stops that server of the submitter once the job is
+  queued (its own token, or one with the user's server rights).
 - ``/hub/gpuhub/jobs`` and ``/hub/gpuhub/jobs/<id>``: the same as pages.
 
 Access is by the *request's* scopes: ``custom:gpuhub:jobs`` filtered to the owner
@@ -22,6 +26,7 @@ named, not located, and the hub's data directory never appears in a message.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import os
@@ -38,6 +43,7 @@ from ..policy.access import ChoiceError, no_team_message, teams_for
 from ..policy.bounded import MAX_JOB_BODY_BYTES, MAX_JOB_FILE_BYTES, MAX_JOB_FILE_NODES, InputRefused, loads_json
 from ..jobs.common import _ts as when
 from ..jobs.records import JOB_ID, FINAL
+from ..jobs.notebook import MAX_NOTEBOOK_BYTES, load_bounded as notebook_load, render_cells
 from ..jobs.spec import parse_job
 from .context import app_of
 
@@ -110,8 +116,9 @@ class _JobsMixin:
         """
         view = self.manager.view(rec)
         for a in view.get("attempts", []):
-            if a.get("log"):
-                a["log"] = os.path.basename(a["log"])
+            for key in ("log", "notebook"):
+                if a.get(key):
+                    a[key] = os.path.basename(a[key])
         return _scrub(view, self._host_paths(rec))
 
     def _host_paths(self, rec) -> list[tuple[str, str]]:
@@ -127,6 +134,34 @@ class _JobsMixin:
         if rec is None or not self.can_see(rec.user):
             raise web.HTTPError(404, "No such job.")
         return rec
+
+    def owner_only(self, job_id: str):
+        """A notebook job's executed notebook: its owner's only (their data, their outputs);
+        anyone else, admins included, gets the same 404 as for a job that does not exist."""
+        rec = self.manager.jobs.get(job_id) if JOB_ID.match(job_id) else None
+        me = getattr(self.current_user, "name", None)
+        if rec is None or rec.user != me or getattr(self.current_user, "kind", "user") != "user" or not self._allowed(JOBS, me):
+            raise web.HTTPError(404, "No such job.")
+        return rec
+
+    def executed_notebook(self, rec, attempt: str | None):
+        """The path of an attempt's executed notebook (the last attempt that has one by default)."""
+        atts = [a for a in rec.attempts if getattr(a, "notebook", "")]
+        if attempt:
+            atts = [a for a in atts if str(a.number) == attempt]
+        if not atts or not os.path.exists(atts[-1].notebook):
+            raise web.HTTPError(404, "This job has no executed notebook (yet).")
+        return atts[-1]
+
+    def may_stop_server(self, user, name: str) -> bool:
+        """Whether this request may stop ``user``'s server ``name``: a token with the user's
+        server rights, or that server's own token (a server may end itself)."""
+        for scope in ("delete:servers", "servers"):
+            f = self.parsed_scopes.get(scope)
+            if f == Scope.ALL or (f and (user.name in f.get("user", ()) or f"{user.name}/{name}" in f.get("server", ()))):
+                return True
+        f = self.parsed_scopes.get("access:servers")
+        return f is not None and f != Scope.ALL and f"{user.name}/{name}" in f.get("server", ())
 
     def requester(self):
         who = self.current_user
@@ -190,15 +225,38 @@ class JobsHandler(_JobsMixin, APIHandler):
                 )
             )
             return
+        stop = body.get("stop_server") if isinstance(body, dict) else None
+        stop = stop if isinstance(stop, str) and len(stop) <= 255 else None
+        releasing = stop if stop is not None and self._stoppable(user, stop) else None
         try:
-            rec = self.manager.submit(user, [g.name for g in user.groups], spec)
+            kwargs = {"releasing": releasing} if releasing is not None else {}
+            rec = self.manager.submit(user, [g.name for g in user.groups], spec, **kwargs)
             if inspect.isawaitable(rec):
                 rec = await rec
         except ChoiceError as e:
             self.log.warning("Refusing %s's job: %s", user.name, e.message)
             raise web.HTTPError(e.status, e.message) from None
+        view = self.shown(rec)
+        if stop is not None:
+            view["stopped_server"] = await self._stop_server(user, stop)
         self.set_status(201)
-        self.write(json.dumps(self.shown(rec)))
+        self.write(json.dumps(view))
+
+    def _stoppable(self, user, name: str) -> bool:
+        spawner = user.spawners[name] if name in user.spawners else None
+        return spawner is not None and spawner.active and self.may_stop_server(user, name)
+
+    async def _stop_server(self, user, name: str) -> str:
+        """'and stop my server': free the interactive GPU once the job is queued."""
+        spawner = user.spawners[name] if name in user.spawners else None
+        if spawner is None or not spawner.active:
+            return "no such server running"
+        if not self.may_stop_server(user, name):
+            return "not stopped: this token may not stop that server"
+        self.log.info("Stopping %s's server %r: its owner moved the work to a job", user.name, name)
+        # In the background: the answer goes back to the server that asked before it is stopped.
+        asyncio.ensure_future(self.stop_single_user(user, name))
+        return "stopping"
 
 
 class JobHandler(_JobsMixin, APIHandler):
@@ -261,6 +319,39 @@ class JobLogsHandler(_JobsMixin, APIHandler):
         )
 
 
+class JobNotebookHandler(_JobsMixin, APIHandler):
+    """The executed notebook as a file (``.ipynb``, a download: never rendered by the browser)."""
+
+    @web.authenticated
+    def get(self, job_id):
+        rec = self.owner_only(job_id)
+        att = self.executed_notebook(rec, self.get_argument("attempt", None))
+        with open(att.notebook, "rb") as f:  # noqa: ASYNC230 (bounded local file)
+            data = f.read(MAX_NOTEBOOK_BYTES + 1)
+        if len(data) > MAX_NOTEBOOK_BYTES:
+            raise web.HTTPError(413, f"The executed notebook is larger than {MAX_NOTEBOOK_BYTES // 2**20} MiB.")
+        self.set_header("Content-Type", "application/x-ipynb+json")
+        self.set_header("Content-Disposition", f'attachment; filename="{rec.id}-attempt-{att.number}.ipynb"')
+        self.set_header("X-Content-Type-Options", "nosniff")
+        self.finish(data)
+
+
+class JobNotebookPageHandler(_JobsMixin, BaseHandler):
+    """The executed notebook as a page: sources and text outputs escaped, PNG/JPEG images;
+    no HTML or script of the notebook reaches the hub's origin."""
+
+    @web.authenticated
+    async def get(self, job_id):
+        rec = self.owner_only(job_id)
+        att = self.executed_notebook(rec, self.get_argument("attempt", None))
+        nb = await asyncio.to_thread(notebook_load, att.notebook)
+        cells = await asyncio.to_thread(render_cells, nb) if nb else None
+        html = await self.render_template(
+            "gpuhub_job_notebook.html", job=self.shown(rec), attempt=att.number, cells=cells, when=when
+        )
+        self.finish(html)
+
+
 class JobsPageHandler(_JobsMixin, BaseHandler):
     @web.authenticated
     async def get(self, job_id=None):
@@ -278,6 +369,8 @@ handlers = [
     (rf"/api/gpuhub/jobs/{ID}", JobHandler),
     (rf"/api/gpuhub/jobs/{ID}/cancel", JobCancelHandler),
     (rf"/api/gpuhub/jobs/{ID}/logs", JobLogsHandler),
+    (rf"/api/gpuhub/jobs/{ID}/notebook", JobNotebookHandler),
+    (rf"/gpuhub/jobs/{ID}/notebook", JobNotebookPageHandler),
     (r"/gpuhub/jobs/?", JobsPageHandler),
     (rf"/gpuhub/jobs/{ID}", JobsPageHandler),
 ]

@@ -3,7 +3,8 @@
 What both backends share: ``spec`` (the job file, located validation), ``records`` (the
 evidence, 0600), ``common`` (time limit, policy hash, priority), ``mlflow_runs`` (an
 attempt's own MLflow token, the runs it logged), ``entry`` (first code of an attempt, as
-the user), ``cli`` (the client). The backends run them: ``local.job_manager`` (queue,
+the user), ``notebook`` (a notebook job's runner, as the user, and the hub's bounded reading of
+the executed notebook), ``cli`` (the client). The backends run them: ``local.job_manager`` (queue,
 attempts, retries, reclaim on one machine, with ``local.job_launcher``) and
 ``kube.job_manager`` (a suspended ``batch/v1`` Job for Kueue, ``kube.job_manifest``).
 The hub API and pages are ``hub.jobs_api``; ``wiring.jobs`` wires them into a hub.

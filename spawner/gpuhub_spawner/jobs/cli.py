@@ -26,14 +26,83 @@ def _time(t) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
+def parameter_value(text: str):
+    """``-p name=value``'s value as papermill's own CLI reads it: bool, None, int, float, else text."""
+    if text in ("True", "true"):
+        return True
+    if text in ("False", "false"):
+        return False
+    if text in ("None", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def notebook_job(args, home: str | None = None) -> tuple[str, str]:
+    """The job file (YAML text) a ``gpuhub job submit train.ipynb ...`` stands for, and its name.
+
+    The notebook runs from the user's home on the hub: a path on this machine must be in
+    the home (as in a server's terminal); with ``--home-path`` it is taken as relative to the
+    home on the hub (from a laptop)."""
+    import yaml
+
+    if not args.profile:
+        raise HubError(0, "a notebook job needs --profile (a profile your team may use)")
+    if args.home_path:
+        rel = args.file.lstrip("/") if not args.file.startswith("~/") else args.file[2:]
+    else:
+        home = os.path.realpath(home or os.path.expanduser("~"))
+        path = os.path.realpath(args.file)
+        if not os.path.isfile(path):
+            raise HubError(0, f"cannot read {args.file}: no such file (from a laptop, give --home-path)")
+        rel = os.path.relpath(path, home)
+        if rel.startswith(".."):
+            raise HubError(0, f"{args.file} is not in your home directory ({home}): jobs run from your home")
+    params: dict = {}
+    for item in args.parameter or []:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise HubError(0, f"-p {item!r}: give a parameter as name=value")
+        params[name] = parameter_value(value)
+    spec: dict = {"profile": args.profile, "notebook": rel}
+    for key, value in (("team", args.team), ("name", args.name), ("timeLimit", args.time_limit), ("experiment", args.experiment)):
+        if value:
+            spec[key] = value
+    if params:
+        spec["parameters"] = params
+    if args.retries is not None or args.retry_on:
+        spec["retries"] = {"limit": args.retries or 0, **({"reasons": _reasons(args.retry_on)} if args.retry_on else {})}
+    return yaml.safe_dump(spec, sort_keys=False), os.path.basename(args.file)
+
+
+def _reasons(text: str) -> list:
+    return [int(r) if r.strip().isdigit() else r.strip() for r in text.split(",") if r.strip()]
+
+
 def _submit(args, base):
-    try:
-        text = open(args.file).read()
-    except OSError as e:
-        raise HubError(0, f"cannot read {args.file}: {e.strerror}") from None
-    parse_job(text, args.file)  # located errors at once, before any network
-    job = call(base, "POST", "/gpuhub/jobs", {"spec": text, "filename": os.path.basename(args.file)})
+    if args.file.endswith(".ipynb"):
+        text, filename = notebook_job(args)
+    else:
+        if args.profile or args.parameter:
+            raise HubError(0, "--profile and -p are for a notebook (train.ipynb); a job file says them itself")
+        try:
+            text = open(args.file).read()
+        except OSError as e:
+            raise HubError(0, f"cannot read {args.file}: {e.strerror}") from None
+        filename = os.path.basename(args.file)
+    parse_job(text, filename)  # located errors at once, before any network
+    body = {"spec": text, "filename": filename}
+    if args.stop_server:
+        # Inside a server its name is set; from elsewhere, the default server.
+        body["stop_server"] = os.environ.get("JUPYTERHUB_SERVER_NAME", "")
+    job = call(base, "POST", "/gpuhub/jobs", body)
     print(job["status"])
+    if args.stop_server:
+        print(f"your server: {job.get('stopped_server', 'not stopped')}")
     print(job["id"])  # the last line is the id: JOB=$(gpuhub job submit job.yaml | tail -1)
 
 
@@ -123,8 +192,19 @@ def main(argv: list[str]) -> int:
     def add(name: str, **kwargs):
         return sub.add_parser(name, parents=[hub], **kwargs)
 
-    s = add("submit", help="validate and submit a job file; prints the job id last")
-    s.add_argument("file")
+    s = add("submit", help="validate and submit a job file or a notebook (.ipynb); prints the job id last")
+    s.add_argument("file", help="job.yaml, or a notebook to execute top to bottom as a job (train.ipynb)")
+    nb = s.add_argument_group("a notebook (train.ipynb)")
+    nb.add_argument("--profile", help="the profile it runs with")
+    nb.add_argument("-p", "--parameter", action="append", metavar="NAME=VALUE", help="into the cell tagged 'parameters'")
+    nb.add_argument("--team", help="only if you are in several teams")
+    nb.add_argument("--name", help="shown in lists and on the runs' tags")
+    nb.add_argument("--retries", type=int, help="how many of its own failures to retry")
+    nb.add_argument("--retry-on", help="comma-separated: preempted,interrupted,failed,oom or exit codes")
+    nb.add_argument("--time-limit", help="e.g. 6h")
+    nb.add_argument("--experiment", help="MLflow experiment")
+    nb.add_argument("--home-path", action="store_true", help="FILE is a path in your home on the hub (from a laptop)")
+    s.add_argument("--stop-server", action="store_true", help="and stop my server (frees its GPU) once the job is queued")
     s.set_defaults(func=_submit)
     lst = add("list", help="your jobs")
     lst.add_argument("--all", action="store_true", help="everyone's (admins)")

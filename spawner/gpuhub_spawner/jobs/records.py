@@ -46,6 +46,14 @@ class Attempt:
     log: str = ""
     git: dict | None = None  # {"commit", "dirty", "branch"} of workingDir, read as the user
     mlflow_run_ids: list[str] = field(default_factory=list)
+    # A notebook job: the executed notebook beside the log (written by the job through a
+    # descriptor the hub opened), and the cell that failed, read back from it.
+    notebook: str = ""
+    failed_cell: dict | None = None
+    # Several workers: {"master_addr", "master_port", "world_size"} and each worker's pid
+    # (rank 1...; rank 0 is ``pid``) with its start time, for the restart sweep.
+    rendezvous: dict | None = None
+    worker_pids: list[list[int | None]] = field(default_factory=list)
 
     def running_seconds(self, now: float | None = None) -> float:
         if self.started is None:
@@ -79,6 +87,9 @@ class JobRecord:
     finished: float | None = None
     attempts: list[Attempt] = field(default_factory=list)
     backend: str = "local"
+    kind: str = "command"  # or "notebook"
+    workers: int = 1
+    notebook: dict | None = None  # {"path": relative to home, "parameters": {...}}
 
     @property
     def current(self) -> Attempt | None:

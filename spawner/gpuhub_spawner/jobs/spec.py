@@ -18,7 +18,7 @@ import shlex
 from typing import Annotated, Any, Final, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from ..policy.bounded import MAX_JOB_FILE_BYTES, InputRefused, load_yaml, unsafe_env_reason
@@ -40,7 +40,10 @@ DEFAULT_RETRY_ON: Final = (PREEMPTED, INTERRUPTED)
 
 # Set by gpuhub for every attempt; a job file may not override them (the record and the
 # run tags must say what really ran, and the devices are the hub's decision).
-RESERVED_ENV = re.compile(r"^(GPUHUB_|JUPYTERHUB_|JPY_|MLFLOW_RUN_CONTEXT$|CUDA_VISIBLE_DEVICES$|NVIDIA_VISIBLE_DEVICES$)")
+RESERVED_ENV = re.compile(
+    r"^(GPUHUB_|JUPYTERHUB_|JPY_|MLFLOW_RUN_CONTEXT$|CUDA_VISIBLE_DEVICES$|NVIDIA_VISIBLE_DEVICES$"
+    r"|MASTER_ADDR$|MASTER_PORT$|WORLD_SIZE$|RANK$|LOCAL_RANK$|LOCAL_WORLD_SIZE$)"
+)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_RETRIES = 20
 MAX_ISSUES = 50  # a file with thousands of mistakes is reported by its first 50
@@ -87,11 +90,28 @@ class Retries(_Model):
         return reason == FAILED and exit_code is not None and exit_code in self.reasons
 
 
+# A notebook job's parameters (papermill's): identifiers to plain values, a bounded number.
+MAX_PARAMETERS = 100
+MAX_PARAMETER_CHARS = 4096
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
+# The runner of a notebook job (``jobs.notebook``), run as the user like any command; the
+# backend puts its Python first (one machine: the hub's environment, which has papermill).
+NOTEBOOK_RUNNER = ("-m", "gpuhub_spawner.jobs.notebook", "--")
+MAX_WORKERS = 64
+MISSING_BOTH = "give either 'command' (what to run) or 'notebook' (a notebook to execute)"
+
+
 class JobSpec(_Model):
     profile: str = Field(min_length=1)
     team: str | None = None  # for members of several teams
     name: str | None = Field(None, max_length=100)
-    command: list[str] | str
+    # Exactly one of: a command, or a notebook (relative to home) executed top to bottom.
+    command: list[str] | str | None = None
+    notebook: str | None = Field(None, min_length=1, max_length=1024)
+    parameters: dict[str, str | int | float | bool | None] = {}
+    # Several processes admitted together (all or nothing), each with the profile's GPUs,
+    # CPU and memory, and a torchrun-style rendezvous (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK).
+    workers: Annotated[StrictInt, Field(ge=1, le=MAX_WORKERS)] = 1
     image: str | None = None  # Kubernetes; one machine runs in the machine's environment
     working_dir: str | None = None  # relative to the home directory
     env: dict[str, str] = {}
@@ -146,7 +166,46 @@ class JobSpec(_Model):
             raise _EnvNamesRefused(unsafe)
         return out
 
-    @field_validator("working_dir", "checkpoint_dir")
+    @field_validator("notebook")
+    @classmethod
+    def _notebook(cls, value):
+        if value is None:
+            return value
+        if value.startswith("/"):
+            raise ValueError("must be a path relative to your home directory (no leading '/')")
+        if not value.endswith(".ipynb"):
+            raise ValueError("must be a notebook file (ending in .ipynb)")
+        return value
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _parameters(cls, value):
+        if not isinstance(value, dict):
+            return value
+        if len(value) > MAX_PARAMETERS:
+            raise ValueError(f"at most {MAX_PARAMETERS} parameters")
+        for key, v in value.items():
+            if not isinstance(key, str) or not _IDENTIFIER.match(key):
+                raise ValueError(f"{str(key)[:100]!r} is not a Python identifier (a parameter is a variable of the notebook)")
+            if isinstance(v, str) and len(v) > MAX_PARAMETER_CHARS:
+                raise ValueError(f"the value of {key} is longer than {MAX_PARAMETER_CHARS} characters")
+            if isinstance(v, (dict, list)):
+                raise ValueError(f"the value of {key} must be a string, number, boolean or null")
+        return value
+
+    @model_validator(mode="after")
+    def _one_of_command_or_notebook(self):
+        if self.command is None and self.notebook is None:
+            raise ValueError(MISSING_BOTH)
+        if self.command is not None and self.notebook is not None:
+            raise ValueError("give either 'command' or 'notebook', not both")
+        if self.workers > 1 and self.notebook is not None:
+            raise ValueError("a notebook runs as one worker ('workers' is for a command)")
+        if self.parameters and self.notebook is None:
+            raise ValueError("'parameters' are for a notebook job ('notebook: train.ipynb')")
+        return self
+
+    @field_validator("working_dir", "checkpoint_dir", "notebook")
     @classmethod
     def _relative(cls, value):
         if value is None:
@@ -164,9 +223,21 @@ class JobSpec(_Model):
         return value
 
     @property
+    def kind(self) -> str:
+        return "notebook" if self.notebook is not None else "command"
+
+    @property
     def argv(self) -> list[str]:
-        """The command as argv: a shell string runs under ``/bin/sh -c``."""
+        """The command as argv: a shell string runs under ``/bin/sh -c``; a notebook runs
+        under ``python -m gpuhub_spawner.jobs.notebook`` (see ``notebook_argv``)."""
+        if self.notebook is not None:
+            return self.notebook_argv("python3")
+        assert self.command is not None  # the model validator: one of the two
         return ["/bin/sh", "-c", self.command] if isinstance(self.command, str) else list(self.command)
+
+    def notebook_argv(self, python: str) -> list[str]:
+        assert self.notebook is not None
+        return [python, *NOTEBOOK_RUNNER, self.notebook]
 
 
 _MODELS: dict[tuple[str | int, ...], type[BaseModel]] = {(): JobSpec, ("retries",): Retries}
@@ -200,13 +271,17 @@ def parse_job(text: str, filename: str = "job.yaml") -> JobSpec:
 
     issues.extend(positions.duplicate_key_issues()[:MAX_ISSUES])
     if not isinstance(data, dict):
-        add((), "a job file must be a mapping with at least 'profile' and 'command'")
+        add((), "a job file must be a mapping with at least 'profile' and 'command' (or 'notebook')")
         raise PolicyError(filename, issues)
+    if "command" not in data and "notebook" not in data:
+        add(("command",), "is required (or 'notebook': a notebook to execute)")
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
         for err in e.errors()[:MAX_ISSUES]:
             loc = _clean_loc(err["loc"])
+            if not loc and MISSING_BOTH in str(err.get("msg", "")):
+                continue  # said above, located at 'command'
             if err["type"] == "extra_forbidden":
                 model = _MODELS.get(tuple(p for p in loc[:-1] if not isinstance(p, int)))
                 names = [f.alias or n for n, f in model.model_fields.items()] if model else []

@@ -17,6 +17,15 @@ Recovery maps onto the Job API:
   ``backoffLimit = retries.limit``; any other non-zero exit fails the Job at once;
 - ``timeLimit`` is ``activeDeadlineSeconds`` and Kueue's ``max-exec-time-seconds`` label.
 
+Several workers (``workers: N``) render as an *Indexed* Job of N pods (``parallelism`` =
+``completions`` = N): Kueue's Workload has one pod set of count N, so its quota is reserved
+for all N or none, and the operator's ``waitForPodsReady`` (helm-values/kueue) evicts and
+re-queues the whole Job when not all N run in time. Each pod is one worker with the
+profile's resources; the rendezvous is rank 0's stable name through a headless Service of
+the Job's own (``rendezvous_service``): ``MASTER_ADDR=<job>-0.<job>``, ``RANK`` from the
+pod's completion index. Rendered and checked against the schemas; the hub does not submit
+it yet (the job manager refuses several workers on Kubernetes).
+
 Tested against kubernetes-validate (strict), the Kueue v0.19.2 Workload CRD, and the API
 double's model of the Job controller and Kueue's job integration (admission, suspension
 on preemption, podFailurePolicy); the real controllers were not run.
@@ -35,6 +44,8 @@ from ..policy.model import Policy
 from ..jobs.spec import FAILED, INTERRUPTED, PREEMPTED, JobSpec
 
 JOB_LABEL = "gpuhub/job"
+RENDEZVOUS_PORT = 29500
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 JOB_COMPONENT = "gpuhub-job"  # the ``component`` label of a job's pods
 MAX_EXEC_LABEL = "kueue.x-k8s.io/max-exec-time-seconds"
 USER_ANNOTATION = "gpuhub/user"
@@ -119,6 +130,18 @@ def job_manifest(
         {"name": "GPUHUB_CHECKPOINT_DIR", "value": ckpt if ckpt.startswith("/") else f"{home}/{ckpt}"},
         {"name": "MLFLOW_RUN_CONTEXT", "value": json.dumps({"gpuhub.job.id": job_id, "gpuhub.job.attempt": "$(GPUHUB_POD)"})},
     ]
+    if spec.workers > 1:
+        # Rank 0's stable DNS name: <pod hostname>.<subdomain> through the Job's headless Service.
+        pod_spec["subdomain"] = job_id
+        env += [
+            {"name": "MASTER_ADDR", "value": f"{job_id}-0.{job_id}"},
+            {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
+            {"name": "WORLD_SIZE", "value": str(spec.workers)},
+            {"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
+            {"name": "GPUHUB_WORKER", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
+            {"name": "LOCAL_RANK", "value": "0"},  # one worker per pod
+            {"name": "LOCAL_WORLD_SIZE", "value": "1"},
+        ]
     if spec.experiment:
         env = [e for e in env if e.get("name") != "MLFLOW_EXPERIMENT_NAME"] + [
             {"name": "MLFLOW_EXPERIMENT_NAME", "value": spec.experiment}
@@ -138,14 +161,16 @@ def job_manifest(
         job_labels[MAX_EXEC_LABEL] = str(int(spec.time_limit))
     job_spec = {
         "suspend": True,  # Kueue un-suspends it on admission
-        "parallelism": 1,
-        "completions": 1,
+        "parallelism": spec.workers,
+        "completions": spec.workers,
         "backoffLimit": spec.retries.limit,
         "podFailurePolicy": pod_failure_policy(spec),
         "template": {"metadata": {"labels": labels, "annotations": meta.get("annotations") or {}}, "spec": pod_spec},
     }
     if spec.time_limit:
         job_spec["activeDeadlineSeconds"] = int(spec.time_limit)
+    if spec.workers > 1:
+        job_spec["completionMode"] = "Indexed"
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -156,6 +181,23 @@ def job_manifest(
             "annotations": {USER_ANNOTATION: user, **({"gpuhub/name": spec.name} if spec.name else {})},
         },
         "spec": job_spec,
+    }
+
+
+def rendezvous_service(job: dict) -> dict:
+    """The headless Service that gives a several-worker Job's pods their names
+    (``<job>-<index>.<job>``); owned by the Job, so it goes with it."""
+    meta = job["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"], "labels": {JOB_LABEL: meta["name"]}},
+        "spec": {
+            "clusterIP": "None",
+            "selector": {JOB_LABEL: meta["name"]},
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "protocol": "TCP"}],
+            "publishNotReadyAddresses": True,  # rank 0 is reachable before any readiness
+        },
     }
 
 

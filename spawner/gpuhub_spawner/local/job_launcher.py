@@ -60,16 +60,18 @@ class JobProcess(IsolatedProcessSpawner):
         devices: list[str],
         device_nodes: list[str],
         limits: tuple[int | None, int | None],
+        worker: int = 0,
         **kwargs,
     ):
         # Spawner.name is read from orm_spawner (a name= argument went to object.__init__: a
         # traitlets DeprecationWarning today, a TypeError in a later release); logs say user:job.
         super().__init__(
             user=SimpleNamespace(name=user_name, url=f"/user/{user_name}/", escaped_name=user_name),
-            orm_spawner=SimpleNamespace(name=job_id, server=None),
+            orm_spawner=SimpleNamespace(name=job_id if not worker else f"{job_id}.w{worker}", server=None),
             **kwargs,
         )
         self.job_id = job_id
+        self.worker = worker
         self.job_argv = list(argv)
         self.job_env = dict(env)
         self.job_devices = list(devices)
@@ -87,8 +89,9 @@ class JobProcess(IsolatedProcessSpawner):
         return self._limits
 
     def _cgroup_leaf(self) -> str:
-        # Server leaves are "<account>" or "<account>.<name>.<hash>"; jobs never collide.
-        return f"{self.account_name}.{self.job_id}"
+        # Server leaves are "<account>" or "<account>.<name>.<hash>"; jobs never collide; a
+        # job's further workers (rank 1...) each have a leaf of their own.
+        return f"{self.account_name}.{self.job_id}" + (f".w{self.worker}" if self.worker else "")
 
     def get_env(self):
         """From scratch: the hub's kept variables, the servers' configured environment

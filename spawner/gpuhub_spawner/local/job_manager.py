@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ from ..policy.access import ChoiceError, active_profiles, check_job_caps, resolv
 from ..policy.model import Policy, Profile
 from ..policy.quantities import format_duration, format_memory
 from ..jobs import mlflow_runs
+from ..jobs.notebook import failed_cell as notebook_failed_cell, load_bounded as notebook_load
 from ..jobs import records as R
 from ..jobs.common import TIME_LIMIT, _ts, job_priority, policy_hash
 from .job_launcher import JobProcess, launcher_config
@@ -82,6 +84,8 @@ class _Live:
     token: str | None = None
     demand: dict = field(default_factory=dict)
     stopping: asyncio.Future | None = None  # the hub's stop of the attempt (its cgroup's removal)
+    others: list[JobProcess] = field(default_factory=list)  # workers rank 1... (rank 0 is ``launcher``)
+    first_failure: tuple[int, int] | None = None  # (rank, exit code) of the worker that failed first
 
 
 class JobManager(SingletonConfigurable):
@@ -95,6 +99,12 @@ class JobManager(SingletonConfigurable):
     hub_api_url = Unicode("", help="The hub API URL given to jobs (JUPYTERHUB_API_URL).").tag(config=True)
     max_jobs_per_user = Integer(
         50, help="Unfinished (queued or running) jobs one user may have; more are refused (0: no limit)."
+    ).tag(config=True)
+    rendezvous_port = Integer(
+        29500,
+        help="MASTER_PORT of a multi-worker job (torch's default), on the user's own loopback (each user has a "
+        "network of their own); a user's further multi-worker jobs running at once get the next ports. "
+        "Below the ephemeral range, so no outgoing connection holds it.",
     ).tag(config=True)
 
     def __init__(self, **kwargs):
@@ -147,37 +157,44 @@ class JobManager(SingletonConfigurable):
         shutil.rmtree(self.store.root / rec.id, ignore_errors=True)
 
     def _kill_leftover(self, rec: R.JobRecord, att: R.Attempt) -> None:
-        launcher = self._launcher(rec, att, {}, (None, None))  # for its cgroups' names only
-        try:
-            for cg in launcher.server_cgroups():  # where this gpuhub puts it, and where an older one did
-                cg.kill_all()
-        except Exception:  # noqa: BLE001 - best effort; the pid check below still runs
-            log.exception("Cannot sweep the cgroup of %s", rec.id)
-        if att.pid and att.start_time is not None and process_start_time(att.pid) == att.start_time:
+        for worker in range(max(1, rec.workers)):
+            launcher = self._launcher(rec, att, {}, (None, None), worker=worker)  # for its cgroups' names only
             try:
-                os.killpg(att.pid, 9)
-            except OSError:
-                pass
+                for cg in launcher.server_cgroups():  # where this gpuhub puts it, and where an older one did
+                    cg.kill_all()
+            except Exception:  # noqa: BLE001 - best effort; the pid check below still runs
+                log.exception("Cannot sweep the cgroup of %s (worker %d)", rec.id, worker)
+        for pid, start in [(att.pid, att.start_time), *[(p[0], p[1]) for p in att.worker_pids if len(p) == 2]]:
+            if pid and start is not None and process_start_time(pid) == start:
+                try:
+                    os.killpg(pid, 9)
+                except OSError:
+                    pass
 
     # -- submission ------------------------------------------------------------------------
-    def held_profiles(self, user) -> list[Profile | None]:
-        """The user's running or waiting servers and jobs (GPU caps count both)."""
+    def held_profiles(self, user, releasing: str | None = None) -> list[Profile | None]:
+        """The user's running or waiting servers and jobs (GPU caps count both); the server
+        ``releasing`` (stopped once the job is queued: ``--stop-server``) not counted."""
         policy = self.policy
-        held = list(active_profiles(policy, user).values())
+        held = [p for name, p in active_profiles(policy, user).items() if name != releasing]
         for rec in self.jobs.values():
             if rec.user == user.name and rec.state not in R.FINAL:
-                held.append(policy.profile(rec.profile["slug"]))
+                held.extend([policy.profile(rec.profile["slug"])] * max(1, rec.workers))
         return held
 
-    def submit(self, user, groups: list[str], spec: JobSpec) -> R.JobRecord:
-        """Check, queue and record a job; raise ``ChoiceError`` (4xx) before anything queues."""
+    def submit(self, user, groups: list[str], spec: JobSpec, releasing: str | None = None) -> R.JobRecord:
+        """Check, queue and record a job; raise ``ChoiceError`` (4xx) before anything queues.
+
+        ``releasing``: a server of the user the caller stops right after (its GPUs do not
+        count against the user's cap; the job queues behind it until it is gone)."""
         self.broker.store.refresh()
         policy = self.policy
         options = {"profile": spec.profile, **({"team": spec.team} if spec.team else {})}
         choice = resolve_choice(policy, groups, options)
         # The team's per-user GPUs (servers and jobs together), not maxServers (check_job_caps).
         team = choice.team
-        check_job_caps(choice, self.held_profiles(user))
+        # N workers hold N times the profile: the cap sees the N-1 beside this request.
+        check_job_caps(choice, self.held_profiles(user, releasing) + [choice.profile] * (spec.workers - 1))
         unfinished = sum(1 for r in self.jobs.values() if r.user == user.name and r.state not in R.FINAL)
         if self.max_jobs_per_user and unfinished >= self.max_jobs_per_user:
             raise ChoiceError(
@@ -187,7 +204,7 @@ class JobManager(SingletonConfigurable):
             )
         pclass, priority = job_priority(policy, choice)
         profile = choice.profile
-        demand = demand_for(policy, profile)
+        demand = _times(demand_for(policy, profile), spec.workers)  # admitted all or nothing: one ticket
         never = self.broker.devices.never_fits(demand) or cuda_refusal(profile, self.broker.devices.driver())
         if never:
             raise ChoiceError(409, never)
@@ -209,7 +226,8 @@ class JobManager(SingletonConfigurable):
             policy_sha256=policy_hash(policy),
             image=image,
             image_digest=image.rsplit("@", 1)[1] if "@" in image else "",
-            command=spec.argv,
+            # A notebook runs under the hub environment's Python, which has papermill.
+            command=spec.notebook_argv(sys.executable) if spec.notebook else spec.argv,
             working_dir=spec.working_dir or "",
             checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
             env_names=[],
@@ -218,6 +236,9 @@ class JobManager(SingletonConfigurable):
             retries=spec.retries.model_dump(),
             spec=spec.model_dump(by_alias=True, exclude={"env"}) | {"env": sorted(spec.env)},
             name=spec.name,
+            kind=spec.kind,
+            workers=spec.workers,
+            notebook={"path": spec.notebook, "parameters": dict(spec.parameters)} if spec.notebook else None,
         )
         self._env_values[job_id] = dict(spec.env)  # values: hub-private file, never in the record
         live = self._live.setdefault(job_id, _Live())
@@ -243,7 +264,7 @@ class JobManager(SingletonConfigurable):
             profile = self.policy.profile(rec.profile["slug"])
             if profile is None:
                 raise QueueRefused(f"profile {rec.profile['slug']!r} is no longer in the policy")
-            live.demand = demand_for(self.policy, profile)
+            live.demand = _times(demand_for(self.policy, profile), rec.workers)
         ticket = Ticket(
             key=KEY_PREFIX + rec.id,
             user=rec.user,
@@ -347,18 +368,34 @@ class JobManager(SingletonConfigurable):
         reasons = rec.retries.get("reasons", [])
         return reason in reasons or (reason == FAILED and code is not None and code in reasons)
 
-    def _launcher(self, rec: R.JobRecord, att: R.Attempt, env: dict, limits: tuple[int | None, int | None]) -> JobProcess:
-        nodes = self.broker.devices.nodes_for(att.devices) if att.devices else []
+    def _launcher(
+        self, rec: R.JobRecord, att: R.Attempt, env: dict, limits: tuple[int | None, int | None], worker: int = 0
+    ) -> JobProcess:
+        devices = _worker_devices(att.devices, rec.workers, worker)
+        nodes = self.broker.devices.nodes_for(devices) if devices else []
         return JobProcess(
             user_name=rec.user,
             job_id=rec.id,
             argv=rec.command,
             env=env,
-            devices=att.devices,
+            devices=devices,
             device_nodes=nodes,
             limits=limits,
+            worker=worker,
             config=launcher_config(self.config),
         )
+
+    def _rendezvous(self, rec: R.JobRecord) -> dict:
+        """MASTER_ADDR/PORT of a multi-worker attempt: the user's own loopback (all of a user's
+        processes share one network namespace, which no other user reaches), a port no other
+        running multi-worker job of this user has."""
+        taken = {
+            r.current.rendezvous["master_port"]
+            for r in self.jobs.values()
+            if r.id != rec.id and r.user == rec.user and r.state == R.RUNNING and r.current and r.current.rendezvous
+        }
+        port = next(p for p in range(self.rendezvous_port, self.rendezvous_port + 1000) if p not in taken)
+        return {"master_addr": "127.0.0.1", "master_port": port, "world_size": rec.workers}
 
     def _job_env(self, rec: R.JobRecord, att: R.Attempt, home: str) -> dict[str, str]:
         policy = self.policy
@@ -394,6 +431,8 @@ class JobManager(SingletonConfigurable):
             env["MLFLOW_EXPERIMENT_NAME"] = rec.experiment
         if self.hub_api_url:
             env["JUPYTERHUB_API_URL"] = self.hub_api_url
+        if rec.notebook:
+            env["GPUHUB_NOTEBOOK_PARAMETERS"] = json.dumps(rec.notebook.get("parameters") or {})
         return env
 
     async def _run_attempt(self, rec: R.JobRecord, att: R.Attempt, live: _Live) -> tuple[str, int | None, str]:
@@ -407,33 +446,79 @@ class JobManager(SingletonConfigurable):
         os.write(logfd, f"[gpuhub] {rec.id} attempt {att.number} admitted with {gpus} at {_ts(att.admitted)}\n".encode())
         rfd, wfd = os.pipe()
         env["GPUHUB_EVIDENCE_FD"] = str(wfd)
+        pass_fds: tuple[int, ...] = (wfd,)
+        nbfd = None
+        if rec.notebook:
+            # The executed notebook comes back through a descriptor of a file the hub made
+            # beside the log: the job writes it, the user's account can open it by no path.
+            att.notebook = str(logdir / f"attempt-{att.number}.ipynb")
+            nbfd = os.open(att.notebook, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            env["GPUHUB_NOTEBOOK_FD"] = str(nbfd)
+            pass_fds = (wfd, nbfd)
         configured = {k: (v(launcher) if callable(v) else v) for k, v in launcher.environment.items()}
         token = mlflow_runs.new_token(rec, env, configured)
+        others: list[JobProcess] = []
+        if rec.workers > 1:
+            att.rendezvous = self._rendezvous(rec)
+            rdv = att.rendezvous
+            for rank in range(rec.workers):
+                worker = launcher if rank == 0 else self._launcher(rec, att, {}, limits, worker=rank)
+                worker_env = dict(env) if rank == 0 else {k: v for k, v in env.items() if k != "GPUHUB_EVIDENCE_FD"}
+                worker_env.update(
+                    MASTER_ADDR=rdv["master_addr"],
+                    MASTER_PORT=str(rdv["master_port"]),
+                    WORLD_SIZE=str(rec.workers),
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(rec.workers),
+                    GPUHUB_WORKER=str(rank),
+                )
+                worker.job_env = worker_env
+                if rank:
+                    worker.popen_kwargs = {"stdout": logfd, "stderr": logfd}
+                    others.append(worker)
+            env = launcher.job_env
+            devs = "; ".join(
+                f"rank {r}: {', '.join(_worker_devices(att.devices, rec.workers, r)) or 'no GPU'}" for r in range(rec.workers)
+            )
+            os.write(logfd, f"[gpuhub] {rec.workers} workers, rendezvous 127.0.0.1:{rdv['master_port']} ({devs})\n".encode())
         launcher.job_env = env
-        launcher.popen_kwargs = {"stdout": logfd, "stderr": logfd, "pass_fds": (wfd,)}
+        launcher.popen_kwargs = {"stdout": logfd, "stderr": logfd, "pass_fds": pass_fds}
         live.launcher, live.stop_reason, live.stop_message = launcher, None, ""
+        live.others = []
         evidence = asyncio.get_running_loop().create_future()
         try:
             await launcher.start()
+            # All of them or none: a worker that cannot start ends the ones already started.
+            for worker in others:
+                live.others.append(worker)
+                await worker.start()
         except Exception as e:  # noqa: BLE001
             os.close(rfd)
             os.write(logfd, f"[gpuhub] could not start: {e}\n".encode())
             mlflow_runs.revoke(token)
-            live.launcher = None
+            for started in [launcher, *live.others]:
+                if started.proc is not None:
+                    await started.stop(now=True)
+            live.launcher, live.others = None, []
             return FAILED, None, f"could not start: {e}"
         finally:
             os.close(wfd)
             os.close(logfd)
+            if nbfd is not None:
+                os.close(nbfd)
         self._read_evidence(rfd, evidence)
         if live.stop_reason:  # cancelled or preempted while it was starting
-            await launcher.stop(now=True)
+            for worker in [launcher, *live.others]:
+                await worker.stop(now=True)
         proc = launcher.proc
         att.started, att.pid, att.account = time.time(), proc.pid, launcher.account_name if launcher.isolated else None
         att.start_time = process_start_time(proc.pid)  # identity for the restart sweep
+        att.worker_pids = [[w.proc.pid, process_start_time(w.proc.pid)] for w in live.others]
         rec.env_names = sorted(launcher.get_env())
         rec.state, rec.message = R.RUNNING, ""
         self.store.save(rec)
-        live.exited = _exit_future(proc.pid)
+        live.exited = _exit_future(proc.pid) if not live.others else asyncio.ensure_future(self._workers_exited(rec, live))
         remaining = None
         if rec.time_limit:
             used = sum(a.running_seconds() for a in rec.attempts if a is not att)
@@ -452,6 +537,21 @@ class JobManager(SingletonConfigurable):
             await _exit_future(proc.pid)
             code = proc.poll()
         await launcher.end_after_exit()  # records an OOM kill; sweeps its cgroup beside the loop
+        worker_note = ""
+        for rank, worker in enumerate(live.others, start=1):
+            wcode = worker.proc.poll()
+            while wcode is None:
+                await _exit_future(worker.proc.pid)
+                wcode = worker.proc.poll()
+            await worker.end_after_exit()
+            if worker.stop_reason and not launcher.stop_reason:
+                launcher.stop_reason = worker.stop_reason  # one worker's OOM is the attempt's
+            if code == 0 and wcode != 0:
+                code, worker_note = wcode, f" (worker rank {rank})"
+        if live.first_failure is not None:  # the one that failed first; the others were stopped for it
+            rank, code = live.first_failure
+            worker_note = f" (worker rank {rank}; the other workers were stopped)"
+            live.first_failure = None
         try:
             async with asyncio.timeout(2):
                 ev = await evidence
@@ -472,17 +572,43 @@ class JobManager(SingletonConfigurable):
         elif code == 0:
             reason, message = "succeeded", "exit code 0"
         elif code < 0:
-            reason, message = FAILED, f"killed by signal {-code}"
+            reason, message = FAILED, f"killed by signal {-code}{worker_note}"
         else:
-            reason, message = FAILED, f"exit code {code}"
+            reason, message = FAILED, f"exit code {code}{worker_note}"
         if reason == FAILED and launcher.process_limit_note:
             message += f"; {launcher.process_limit_note}"
+        if att.notebook:
+            # Read back beside the loop: the user wrote it (bounded: jobs.notebook.load_bounded).
+            att.failed_cell = await asyncio.to_thread(lambda: notebook_failed_cell(notebook_load(att.notebook)))
+            if reason == FAILED and att.failed_cell:
+                fc = att.failed_cell
+                message = f"cell {fc['cell']} failed: {fc['ename']}: {fc['evalue']}"[:500] + f" ({message})"
         await mlflow_runs.collect_runs(rec, att, {**configured, **env}, token, outcome=reason)
         mlflow_runs.revoke(token)
         with open(att.log, "a") as f:  # noqa: ASYNC230 (one line appended to a local file)
             f.write(f"[gpuhub] attempt {att.number} ended at {_ts(time.time())}: {reason} ({message})\n")
-        live.launcher = None
+        live.launcher, live.others = None, []
         return reason, code if code >= 0 else None, message
+
+    async def _workers_exited(self, rec: R.JobRecord, live: _Live) -> None:
+        """Every worker has exited. Ended together: when one exits with an error, the others
+        are stopped (a distributed step cannot finish without it)."""
+        workers = [w for w in [live.launcher, *live.others] if w is not None and w.proc is not None]
+        pending = {_exit_future(w.proc.pid): w for w in workers}
+        stopped = False
+        while pending:
+            done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                worker = pending.pop(fut)
+                code = worker.proc.poll()
+                if code is None:  # a wake-up is not an exit
+                    pending[_exit_future(worker.proc.pid)] = worker
+                elif code != 0 and not stopped and live.stop_reason is None:
+                    stopped = True
+                    live.first_failure = (worker.worker, code)
+                    log.info("Job %s: worker rank %d exited with %s; stopping the others", rec.id, worker.worker, code)
+                    for other in pending.values():
+                        asyncio.ensure_future(other.stop(now=True))
 
     def _read_evidence(self, fd: int, fut: asyncio.Future) -> None:
         loop = asyncio.get_running_loop()
@@ -528,7 +654,8 @@ class JobManager(SingletonConfigurable):
         live.stop_reason, live.stop_message = reason, message
         launcher = live.launcher
         if launcher is not None and launcher.proc is not None:
-            await launcher.stop(now=True)  # SIGTERM, then SIGKILL; the whole cgroup goes
+            # SIGTERM, then SIGKILL; the whole cgroup goes; every worker at once
+            await asyncio.gather(*(w.stop(now=True) for w in [launcher, *live.others] if w.proc is not None))
             if live.exited is not None:
                 await live.exited
 
@@ -696,6 +823,19 @@ class JobManager(SingletonConfigurable):
 
     def log_files(self, rec: R.JobRecord) -> list[Path]:
         return [Path(a.log) for a in rec.attempts if a.log]
+
+
+def _times(demand: dict, n: int) -> dict:
+    """The demand of ``n`` workers of one profile: admitted as one request, all or nothing."""
+    return {k: v * n for k, v in demand.items()} if n > 1 else dict(demand)
+
+
+def _worker_devices(devices: list[str], workers: int, rank: int) -> list[str]:
+    """Rank ``rank``'s share of an attempt's devices (each worker the profile's count)."""
+    if workers <= 1:
+        return list(devices)
+    per = len(devices) // workers
+    return list(devices[rank * per : (rank + 1) * per])
 
 
 def _exit_future(pid: int) -> asyncio.Future:

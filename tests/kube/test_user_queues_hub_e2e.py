@@ -7,6 +7,7 @@ of it in the API server's audit log and checked against ``kube/rights.py``.
 * alice's and bob's servers (one team) queue in a LocalQueue each, which the hub created at
   their first start, pointing at the team's ClusterQueue (Kueue's Admission Fair Sharing then
   orders the team's queue by each one's usage: ``test_fair_share_kueue.py``);
+* lena, waiting, is told her place in the team's queue (not in her own);
 * alice's second start finds her queue there (the hub's create answers 409: no read right is
   needed) and it keeps her usage record, as it does across hub restarts and policy applies
   (``gpuhub render kueue`` never lists per-user queues, so applying it touches none);
@@ -86,6 +87,16 @@ def test_each_user_queues_in_a_localqueue_of_their_own_made_by_the_hub_and_remov
         lq = queues[queue]
         assert lq["spec"]["clusterQueue"] == "vision" and lq["metadata"]["annotations"]["gpuhub.io/user"] == name, lq
     assert "vision" in queues  # the team's own queue, from `gpuhub render kueue`, is still there
+
+    # lena waits (Vision's 2 L4s are held): her place is the team's queue's, from the visibility
+    # API of her own queue (positionInClusterQueue), not "1st of 1" in a queue of her own.
+    lena = kube_hub.login("lena")
+    pending = lena.start_background("l4-1")
+    events = lena.progress(until=lambda e: "in the Vision Lab queue" in e.get("message", ""), timeout=90)
+    assert events[-1]["message"].endswith("You are 1st in the Vision Lab queue."), events
+    assert pending.result(timeout=90).status_code in (201, 202)
+    lena.stop()
+    lena.wait_gone()
 
     # A second start: the queue exists (409), the server starts in it again.
     uid = queues[mine["alice"]]["metadata"]["uid"]

@@ -81,6 +81,20 @@ async def test_job_is_the_users_server_pod_with_the_jobs_command_suspended_in_th
     assert wl["spec"]["maximumExecutionTimeSeconds"] == 7200
 
 
+async def test_with_fairness_between_users_a_job_queues_in_its_users_own_localqueue(make_spawner, policy_store):
+    """``fairShare.users``: a job counts against its user as their servers do (Kueue's Admission
+    Fair Sharing orders the team's ClusterQueue by each LocalQueue's usage)."""
+    from gpuhub_spawner.kube.render import user_queue_name
+    from gpuhub_spawner.policy.model import FairShare
+
+    spawner = make_spawner(user="alice", groups=("vision-lab",), profile="a100-1")
+    pod = await server_pod(spawner)
+    policy = policy_store.policy.model_copy(update={"fair_share": FairShare(users=True)})
+    choice = resolve_choice(policy, ["vision-lab"], {"profile": "a100-1"})
+    job = job_manifest("job-0123456789", "alice", parse_job(JOB), policy, choice, pod, namespace=spawner.namespace)
+    assert job["metadata"]["labels"][QUEUE_LABEL] == user_queue_name(choice.team, "alice") != choice.team.local_queue
+
+
 async def test_a_cpu_job_sees_no_gpu_and_fails_on_any_exit_without_retries(make_spawner, policy_store):
     spawner = make_spawner(user="erin", groups=("students",), profile="cpu")
     pod = await server_pod(spawner)

@@ -110,6 +110,17 @@ async def test_head_is_cpu_only_and_workers_carry_the_profiles_gpus_in_the_teams
     assert [p["name"] for p in wl["spec"]["podSets"]] == ["head", "gpu"] and pod_set_counts(rc) == {"head": 1, "gpu": 2}
 
 
+async def test_with_fairness_between_users_a_ray_cluster_queues_in_its_users_own_localqueue(make_spawner, policy_store):
+    from gpuhub_spawner.kube.kueue import QUEUE_LABEL
+    from gpuhub_spawner.kube.render import user_queue_name
+    from gpuhub_spawner.policy.model import FairShare
+
+    policy, choice, pod, _ = await _cluster(make_spawner, policy_store)
+    policy = policy.model_copy(update={"fair_share": FairShare(users=True)})
+    rc = ray_cluster_manifest("r", "alice", policy, choice, pod, list(ONE_GPU_GROUP))
+    assert rc["metadata"]["labels"][QUEUE_LABEL] == user_queue_name(choice.team, "alice") != choice.team.local_queue
+
+
 async def test_autoscaling_only_where_the_policy_allows_it(make_spawner, policy_store):
     _crds_or_skip()
     _, _, _, rc = await _cluster(make_spawner, policy_store, autoscaling=True)

@@ -22,6 +22,7 @@ from gpuhub_spawner.kube.render import (
     FAIR_PREEMPTION_STRATEGIES,
     kueue_config,
     main,
+    queue_for,
     render_objects,
     user_local_queue,
     user_queue_name,
@@ -146,3 +147,30 @@ def test_cli_prints_the_configuration_fragment(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("# merge into controller_manager_config.yaml")
     check_config(yaml.safe_load(out))
+
+
+def test_kueue_samples_usage_often_enough_for_the_half_life():
+    """Kueue's default sampling (5m) for a half-life of an hour or more; a shorter half-life is
+    sampled 12 times per half-life, so a server that ran between two samples is not missed."""
+
+    def sampling(half_life: str) -> str:
+        return kueue_config(parse_policy(POLICY + f"fairShare: {{halfLife: {half_life}}}\n"))["admissionFairSharing"][
+            "usageSamplingInterval"
+        ]
+
+    assert [sampling(h) for h in ("36h", "1h", "30m", "1m")] == ["5m", "5m", "2m30s", "5s"]
+
+
+def test_each_user_has_a_queue_of_their_own_per_team_only_with_user_fairness():
+    policy = parse_policy(POLICY + "fairShare: {users: true}\n")
+    nlp, vision = policy.team("nlp"), policy.team("vision")
+    assert queue_for(policy, nlp, "alice") == user_queue_name(nlp, "alice") != queue_for(policy, vision, "alice")
+    assert queue_for(parse_policy(POLICY + FAIR), nlp, "alice") == nlp.local_queue  # users: false: the team's queue
+    # Named after the ClusterQueue (whose name a LocalQueue can never change), with 64 bits of
+    # hash over team and user: a name chosen to land in another user's queue is not found by trying.
+    renamed = parse_policy(
+        (POLICY + "fairShare: {users: true}\n").replace("    weight: 3\n", "    weight: 3\n    queue: nlp-q\n")
+    )
+    name = user_queue_name(renamed.team("nlp"), "alice")
+    assert name == user_queue_name(nlp, "alice") and re.fullmatch(r"nlp-u-alice-[0-9a-f]{16}", name), name
+    assert user_local_queue(nlp, "alice")["metadata"]["annotations"] == {"gpuhub.io/user": "alice"}

@@ -45,6 +45,23 @@ def test_a_later_waiter_without_any_kueue_condition_is_still_told_why():
     )
 
 
+def test_with_a_queue_per_user_the_place_is_the_teams_queue_not_the_users_own():
+    """fairShare.users: the visibility API of the user's own LocalQueue says 1st of 1 there; the
+    place that matters is positionInClusterQueue (Kueue's order of the team by recent use)."""
+    from gpuhub_spawner.policy.model import FairShare
+
+    policy = POLICY.model_copy(update={"fair_share": FairShare(users=True)})
+    pending = {"positionInLocalQueue": 0, "positionInClusterQueue": 2}
+    assert (
+        waiting_message(policy, CHOICE, workload(None), pending, 1, WHY)
+        == f"Your server {WHY}. You are 3rd in the Vision Lab queue."
+    )
+    assert (
+        waiting_message(POLICY, CHOICE, workload(None), pending, 1, WHY)
+        == f"Your server {WHY}. You are 1st of 1 in the Vision Lab queue."
+    )
+
+
 def test_a_request_another_took_the_quota_from_in_the_same_cycle():
     assert words(workload(K.MSG_NO_LONGER_FITS), WHY) == f"Your server {WHY}."
     assert words(workload(K.MSG_NO_LONGER_FITS)) == (

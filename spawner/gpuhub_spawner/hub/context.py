@@ -53,6 +53,9 @@ class GpuHubApp:
         # One machine: end every process of a user's account (off-boarding's last step), given
         # their spawner; blocking (run it off the loop). None: the backend has no accounts.
         self.end_processes = end_processes
+        # Kubernetes: delete a leaver's own LocalQueues (fairShare.users), given their spawner;
+        # a coroutine function. Set by wiring/kube.py; None: the backend has none.
+        self.delete_user_queues: Callable[[Any], Any] | None = None
         self.policy_changes = PolicyChanges()
         self.gpu_waiters: dict[str, int] = {}  # user -> GPU long polls held (hub/culling_api.py)
         # Off-boarding (hub/offboarding.py), set by wiring/offboarding.py: the block file and

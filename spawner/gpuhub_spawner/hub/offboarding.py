@@ -198,6 +198,7 @@ class _OffboardMixin:
             ("jobs", self._stop_jobs),
             ("servers", self._stop_servers),
             ("processes", self._end_processes),
+            ("queues", self._queues),
             ("tokens", self._revoke),
             ("roles", self._unrole),
             ("home", self._home),
@@ -274,6 +275,15 @@ class _OffboardMixin:
             return "nothing runs as them outside their servers, jobs and clusters on this backend"
         spawner = user.spawners.get("") or user.get_spawner("")
         return await asyncio.get_running_loop().run_in_executor(None, end, spawner)
+
+    async def _queues(self, user, by: str, rules) -> str:
+        """Kubernetes with ``fairShare.users``: the leaver's own LocalQueues go (their servers,
+        jobs and clusters were stopped in the steps before, so nothing waits in them)."""
+        delete = app_of(self).delete_user_queues
+        if delete is None:
+            return "no queues of their own on this backend"
+        spawner = user.spawners.get("") or user.get_spawner("")
+        return await delete(spawner)
 
     async def _revoke(self, user, by: str, rules) -> str:
         from jupyterhub.utils import new_token

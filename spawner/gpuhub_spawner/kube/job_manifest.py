@@ -38,6 +38,7 @@ import json
 from typing import Any
 
 from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
+from .render import queue_for
 from .storage import OWN, claim_name, use_work_volume
 from ..policy.access import Choice
 from ..policy.model import Policy
@@ -149,7 +150,7 @@ def job_manifest(
     container["env"] = env
     pclass = job_priority_class or choice.team.job_priority or choice.priority_class
     job_labels = {
-        QUEUE_LABEL: choice.team.local_queue,
+        QUEUE_LABEL: queue_for(policy, choice.team, user),
         TEAM_LABEL: choice.team.name,
         PROFILE_LABEL: choice.profile.slug,
         JOB_LABEL: job_id,

@@ -139,9 +139,14 @@ def waiting_message(
     if gone:
         label = amount(policy, "gpu", choice.flavor, "2").split(" ", 1)[1]  # "L4 24GB GPUs"
         text += f" {gone} of {total} {label} on the cluster {'is' if gone == 1 else 'are'} out of service (failed or drained)."
-    if pending is not None and pending.get("positionInLocalQueue") is not None:
-        pos = int(pending["positionInLocalQueue"]) + 1
-        of = f" of {queue_length}" if queue_length else ""
+    # With fairShare.users each user waits in a LocalQueue of their own (kube/render.py
+    # queue_for): their place in the team's queue is the ClusterQueue's (Kueue orders it by
+    # each user's recent use); the user's own queue's length is no length of the team's.
+    own = policy.fair is not None and policy.fair.users
+    where = "positionInClusterQueue" if own else "positionInLocalQueue"
+    if pending is not None and pending.get(where) is not None:
+        pos = int(pending[where]) + 1
+        of = f" of {queue_length}" if queue_length and not own else ""
         text += f" You are {ordinal(pos)}{of} in the {team} queue."
     return text
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from .job_manifest import SERVER_ONLY_ENV, USER_ANNOTATION
 from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
+from .render import queue_for
 from .storage import OWN, claim_name, use_work_volume
 from ..policy.access import Choice
 from ..policy.model import Policy
@@ -195,7 +196,7 @@ def ray_cluster_manifest(
         groups.append(group)
 
     labels = {
-        QUEUE_LABEL: choice.team.local_queue,
+        QUEUE_LABEL: queue_for(policy, choice.team, user),
         TEAM_LABEL: choice.team.name,
         PROFILE_LABEL: choice.profile.slug,
         RAY_LABEL: name,

@@ -164,7 +164,17 @@ def kueue_config(policy: Policy) -> dict:
 # only where the preemptor's share with its workload stays at or below the target's without its
 # own, then where it is below the target's share before. Kueue's documented default.
 FAIR_PREEMPTION_STRATEGIES = ["LessThanOrEqualToFinalShare", "LessThanInitialShare"]
-AFS_SAMPLING = "5m"  # Kueue's default usageSamplingInterval, written out
+AFS_SAMPLING = 300.0  # Kueue's default usageSamplingInterval (5m)
+AFS_SAMPLES_PER_HALF_LIFE = 12  # a half-life shorter than an hour is sampled more often
+
+
+def afs_sampling(half_life: float) -> float:
+    """Kueue's ``usageSamplingInterval``: its default 5m, or a twelfth of a half-life shorter
+    than an hour (at least 1s). Kueue folds the LocalQueues' admitted usage into their decayed
+    figure once per interval, so with few samples per half-life the figure moves in coarse
+    steps and a workload that ran between two samples is missed; each sample is one status
+    write per LocalQueue, which is why the default is not shorter."""
+    return max(1.0, min(AFS_SAMPLING, half_life / AFS_SAMPLES_PER_HALF_LIFE))
 
 
 def _duration(seconds: float) -> str:
@@ -204,7 +214,7 @@ def fair_share_config(policy: Policy) -> dict:
         "fairSharing": {"preemptionStrategies": list(FAIR_PREEMPTION_STRATEGIES)},
         "admissionFairSharing": {
             "usageHalfLifeTime": _duration(fs.half_life),
-            "usageSamplingInterval": AFS_SAMPLING,
+            "usageSamplingInterval": _duration(afs_sampling(fs.half_life)),
             "resourceWeights": weights,
         },
     }
@@ -300,15 +310,34 @@ def local_queue(team: Team, namespace: str) -> dict:
 _NOT_DNS = re.compile(r"[^a-z0-9-]+")
 
 
+# Hex digits of the user name's SHA-256 in a user's queue name: 64 bits, so nobody finds a name
+# of their own that lands in another user's queue (and shares or spoils its usage history) by
+# trying names; a long name's cleaned part is cut, so the hash alone must keep them apart.
+USER_QUEUE_HASH = 16
+
+
 def user_queue_name(team: Team, user: str) -> str:
     """The LocalQueue of ``user`` in ``team`` when fairness between users is on: the team's
-    queue name, the user's name made DNS-safe, and a short hash of the exact name (two names
-    that clean up alike, 'a.b' and 'a-b', stay apart); at most 63 characters."""
-    digest = hashlib.sha256(user.encode()).hexdigest()[:6]
+    name (its ClusterQueue's), the user's name made DNS-safe, and a hash of both exact names
+    (two names that clean up alike, 'a.b' and 'a-b', stay apart); at most 63 characters.
+
+    Named after the ClusterQueue, not the team's ``queue``: a LocalQueue's ``clusterQueue``
+    cannot change (Kueue: "field is immutable"), and a name that always means the same
+    ClusterQueue never needs to. A renamed team's users get new queues at their next start."""
+    digest = hashlib.sha256(f"{team.name}\0{user}".encode()).hexdigest()[:USER_QUEUE_HASH]
     clean = _NOT_DNS.sub("-", user.lower()).strip("-") or "user"
-    base = f"{team.local_queue}-u-"
-    clean = clean[: 63 - len(base) - 7].strip("-") or "user"
+    base = f"{team.name[:30].rstrip('-')}-u-"
+    clean = clean[: 63 - len(base) - USER_QUEUE_HASH - 1].strip("-") or "user"
     return f"{base}{clean}-{digest}"
+
+
+def queue_for(policy: Policy, team: Team, user: str) -> str:
+    """The LocalQueue a user's server, job or Ray cluster of ``team`` joins: their own
+    (``user_queue_name``) with ``fairShare.users``, so Admission Fair Sharing orders the
+    team's ClusterQueue by each user's decayed usage; the team's otherwise."""
+    if policy.fair is not None and policy.fair.users:
+        return user_queue_name(team, user)
+    return team.local_queue
 
 
 def user_local_queue(team: Team, user: str, namespace: str = DEFAULT_NAMESPACE) -> dict:
@@ -320,6 +349,7 @@ def user_local_queue(team: Team, user: str, namespace: str = DEFAULT_NAMESPACE) 
     obj = local_queue(team, namespace)
     obj["metadata"] = _meta(user_queue_name(team, user), namespace)
     obj["metadata"].setdefault("labels", {})["gpuhub.io/team"] = team.name
+    obj["metadata"]["annotations"] = {"gpuhub.io/user": user}  # whose it is, exactly (the name is cut and hashed)
     obj["spec"]["fairSharing"] = {"weight": "1"}
     return obj
 

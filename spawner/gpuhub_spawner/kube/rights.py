@@ -76,6 +76,15 @@ RIGHTS: tuple[Right, ...] = (
     ),
     Right(
         USERS,
+        "kueue.x-k8s.io",
+        "localqueues",
+        ("create", "delete"),
+        "with fairShare.users each user's own LocalQueue in their team's ClusterQueue, created at their first "
+        "start there (an existing one answers 409: no get needed) and deleted when they are off-boarded "
+        "(kube/spawner.py ensure_queue, delete_user_queues); the policy's team queues are the admin's apply",
+    ),
+    Right(
+        USERS,
         "visibility.kueue.x-k8s.io",
         "localqueues/pendingworkloads",
         ("get",),

@@ -60,7 +60,9 @@ from .kueue import (
     WEBHOOK_FAILED_MARKER,
     pod_is_gated,
 )
+from .kueue import GROUP, VERSION
 from .messages import event_message, eviction_message, waiting_message
+from .render import queue_for, user_local_queue
 from .state import GoneAwarePodReflector, PendingPollers, WorkloadReflector
 
 # Traits the policy sets per start; their configured values are the base each start builds on.
@@ -202,7 +204,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         env.update(self.choice_environment(choice))
         env["GPUHUB_IMAGE"] = self.image  # what the pod really runs (MLflow run tag)
         labels = dict(base["extra_labels"])
-        labels.update({QUEUE_LABEL: team.local_queue, TEAM_LABEL: team.name, PROFILE_LABEL: profile.slug})
+        labels.update({QUEUE_LABEL: queue_for(policy, team, self.user.name), TEAM_LABEL: team.name, PROFILE_LABEL: profile.slug})
         if choice.priority_class:
             labels[PRIORITY_LABEL] = choice.priority_class
         self.extra_resource_limits = limits
@@ -221,6 +223,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             self._base()
             self.choice = choice
             self.apply_choice(choice)
+            await self.ensure_queue(choice)
             # the shared client's serializer: a new ApiClient opens a session nothing closes
             return self.api.api_client.sanitize_for_serialization(await self.get_pod_manifest())
         except Exception as e:  # noqa: BLE001 - the same refusals as a server start
@@ -244,6 +247,83 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 failure_threshold=max(1, int(self.effective_launch_timeout // period) + 1),
             )
         return pod
+
+    async def ensure_queue(self, choice: Choice) -> None:
+        """With ``fairShare.users``, the user's own LocalQueue in the team's ClusterQueue
+        (``kube.render.user_local_queue``), made at their first start there: Kueue's Admission
+        Fair Sharing orders a ClusterQueue's waiting workloads by their LocalQueue's decayed
+        usage, so a queue per user is what makes it fairness between users. One ``create``
+        per start, no read (the hub needs no ``get`` on queues); an existing queue answers 409,
+        which is the common case. The queue outlives the server (its usage history lives in its
+        status) and is deleted when the user is off-boarded (``delete_user_queues``)."""
+        fair = self.policy.fair
+        if fair is None or not fair.users:
+            return
+        body = user_local_queue(choice.team, self.user.name, self.namespace)
+        name = body["metadata"]["name"]
+
+        async def create() -> bool:  # as KubeSpawner creates a pod: a slow or failing API server is retried
+            try:
+                await self.api.api_client.call_api(
+                    "/apis/{group}/{version}/namespaces/{namespace}/localqueues",
+                    "POST",
+                    path_params={"group": GROUP, "version": VERSION, "namespace": self.namespace},
+                    body=body,
+                    header_params={"Content-Type": "application/json", "Accept": "application/json"},
+                    response_types_map={201: "object"},
+                    auth_settings=["BearerToken"],
+                    _return_http_data_only=True,
+                    _request_timeout=self.k8s_api_request_timeout,
+                )
+                self.log.info("Created LocalQueue %s/%s for %s", self.namespace, name, self._log_name)
+                return True
+            except ApiException as e:
+                if e.status == 409:  # there already: the usual case
+                    return True
+                if e.status and (e.status >= 500 or e.status == 429):
+                    self.log.warning("Creating LocalQueue %s got HTTP %s; retrying", name, e.status)
+                    return False
+                raise
+            except asyncio.TimeoutError:
+                self.log.warning("Creating LocalQueue %s timed out; retrying", name)
+                return False
+
+        try:
+            await exponential_backoff(create, f"LocalQueue {name} not created", timeout=self.k8s_api_request_retry_timeout)
+        except TimeoutError:
+            raise SpawnException(
+                "Your queue could not be set up: the cluster's API server did not answer in time. Nothing was "
+                "started; try again in a few minutes.",
+                reason="queue_unavailable",
+                status_code=503,
+            ) from None
+
+    async def delete_user_queues(self) -> str:
+        """Off-boarding (``gpuhub user offboard``, Kubernetes): the user's own LocalQueues,
+        one per team of the policy (a queue of a team they left is found by its name too).
+        Their servers, jobs and clusters were stopped before, so nothing waits in them."""
+        fair = self.policy.fair
+        if fair is None or not fair.users:
+            return "no queues of their own (fairShare.users is off)"
+        deleted = []
+        for team in self.policy.teams:
+            name = queue_for(self.policy, team, self.user.name)
+            try:
+                await self.api.api_client.call_api(
+                    "/apis/{group}/{version}/namespaces/{namespace}/localqueues/{name}",
+                    "DELETE",
+                    path_params={"group": GROUP, "version": VERSION, "namespace": self.namespace, "name": name},
+                    header_params={"Accept": "application/json"},
+                    response_types_map={200: "object"},
+                    auth_settings=["BearerToken"],
+                    _return_http_data_only=True,
+                    _request_timeout=self.k8s_api_request_timeout,
+                )
+                deleted.append(name)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        return f"deleted {len(deleted)} LocalQueue(s) of their own" + (f": {', '.join(deleted)}" if deleted else "")
 
     def _prefix(self) -> str:
         """The server's URL prefix as JupyterHub tells it (``JUPYTERHUB_SERVICE_PREFIX``,
@@ -283,6 +363,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         """KubeSpawner's start, stopped early (and cleaned up) if Kueue deletes the pod."""
         try:
             await self.load_user_options()  # the choice (KubeSpawner's _start applies it again)
+            assert self.choice is not None
+            await self.ensure_queue(self.choice)
             await self._hold_within_own_quota()
         except BaseException:
             own_quota.release(self._server_key)
@@ -447,7 +529,11 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
 
     def _poller(self):
         return PendingPollers.get(
-            self.namespace, self.choice.team.local_queue, self.queue_poll_interval, self.k8s_api_request_timeout, self.log
+            self.namespace,
+            queue_for(self.policy, self.choice.team, self.user.name),
+            self.queue_poll_interval,
+            self.k8s_api_request_timeout,
+            self.log,
         )
 
     async def wait_for_admission(self) -> None:

@@ -25,7 +25,8 @@ def configure_ledger(c) -> None:
     Kubernetes view from the first request; it starts reading the reflectors once the
     hub has re-registered its servers.
     """
-    app_of(c)
+    app = app_of(c)
+    app.delete_user_queues = KueueSpawner.delete_user_queues  # off-boarding's "queues" step
     try:
         asyncio.get_running_loop().call_soon(_create)  # the config file has been read by then
     except RuntimeError:

@@ -176,6 +176,13 @@ class KubeDouble(JobsMixin, RayMixin):
         )
         # Namespaces Kueue manages pods in (managedJobsNamespaceSelector); None = all.
         self.managed_namespaces: set[str] | None = None
+        # Kueue's Configuration, the parts the double models (``gpuhub render kueue-config``'s
+        # fragment): ``fairSharing`` (the tournament between a cohort's ClusterQueues) and
+        # ``admissionFairSharing`` (a ClusterQueue's queue ordered by its LocalQueues' usage).
+        self.kueue_config: dict = {}
+        # Admission Fair Sharing: per (namespace, LocalQueue) the decayed admitted usage and when
+        # it was brought forward (Kueue: LocalQueue status consumedResources, lastUpdate).
+        self.afs_usage: dict[tuple[str, str], tuple[dict[str, float], float]] = {}
 
     def start(self) -> "KubeDouble":
         self._thread.start()
@@ -1067,8 +1074,81 @@ class KubeDouble(JobsMixin, RayMixin):
             if _cond(wl, "Requeued") == "False":  # evicted and not requeued (a preempted pod's): out of the queue
                 continue
             out.append(wl)
-        # Kueue orders by priority, then by creation (the order the pods were created here).
-        return sorted(out, key=lambda w: (-(w["spec"].get("priority") or 0), _creation_rank(w)))
+        # Kueue orders by priority, then by creation (the order the pods were created here);
+        # with Admission Fair Sharing, a ClusterQueue's queue by its LocalQueues' usage first.
+        afs = self._afs_queues()
+        return sorted(out, key=lambda w: (self._afs_key(w, afs), -(w["spec"].get("priority") or 0), _creation_rank(w)))
+
+    # -- Admission Fair Sharing (pkg/util/admissionfairsharing, localqueue_controller.go) ------------
+    def _afs_queues(self) -> dict[tuple[str, str], str]:
+        """(namespace, LocalQueue) -> ClusterQueue, for the ClusterQueues that use Admission Fair
+        Sharing (``admissionScope.admissionMode: UsageBasedAdmissionFairSharing``, and the
+        Configuration's ``admissionFairSharing`` block)."""
+        if not self.kueue_config.get("admissionFairSharing"):
+            return {}
+        on = {
+            name
+            for (p, _, name), cq in self.objects.items()
+            if p == "clusterqueues"
+            and ((cq["spec"].get("admissionScope") or {}).get("admissionMode")) == "UsageBasedAdmissionFairSharing"
+        }
+        return {
+            (ns, name): lq["spec"]["clusterQueue"]
+            for (p, ns, name), lq in self.objects.items()
+            if p == "localqueues" and lq["spec"]["clusterQueue"] in on
+        }
+
+    def _afs_advance(self) -> None:
+        """Each such LocalQueue's consumed resources brought forward to now: an exponentially
+        weighted average of its admitted usage with the configured half-life, as Kueue's
+        sampling computes it (CalculateDecayedConsumed), here at every scheduling pass instead
+        of every usageSamplingInterval; written to the LocalQueue's status as Kueue writes it."""
+        queues = self._afs_queues()
+        if not queues:
+            return
+        afs = self.kueue_config["admissionFairSharing"]
+        half_life = _go_seconds(afs.get("usageHalfLifeTime", "168h"))
+        now = time.time()
+        admitted: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for (p, ns, _), wl in self.objects.items():
+            if p == "workloads" and _cond(wl, "QuotaReserved") == "True" and _cond(wl, "Finished") != "True":
+                for psa in wl["status"]["admission"]["podSetAssignments"]:
+                    for res, qty in psa["resourceUsage"].items():
+                        admitted[(ns, wl["spec"]["queueName"])][res] += _amount(res, qty) / (1000 if res == "cpu" else 1)
+        for key in queues:
+            old, at = self.afs_usage.get(key, ({}, now))
+            alpha = 1.0 - 0.5 ** (max(0.0, now - at) / half_life) if half_life > 0 else 1.0
+            new_usage = admitted.get(key, {})
+            consumed = {r: old.get(r, 0.0) * (1 - alpha) + new_usage.get(r, 0.0) * alpha for r in set(old) | set(new_usage)}
+            self.afs_usage[key] = (consumed, now)
+            lq = self.objects.get(("localqueues", *key))
+            if lq is None:
+                continue
+            shown = {r: f"{int(v * 1e9)}n" if v else "0" for r, v in sorted(consumed.items())}
+            status = (lq.get("status") or {}).get("fairSharing", {}).get("admissionFairSharingStatus") or {}
+            last = status.get("lastUpdate")
+            if status.get("consumedResources") != shown and (last is None or now - _time(last) >= 1):
+                lq = copy.deepcopy(lq)
+                lq.setdefault("status", {}).setdefault("fairSharing", {"weightedShare": 0})["admissionFairSharingStatus"] = {
+                    "consumedResources": shown,
+                    "lastUpdate": datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                }
+                validate(lq)
+                self._write("localqueues", key[0], lq, "MODIFIED")
+
+    def _afs_key(self, wl, afs_queues: dict) -> float:
+        """CalculateUsage: the workload's LocalQueue's consumed resources, each times its
+        ``resourceWeights`` entry (1 when absent), divided by the LocalQueue's fairSharing
+        weight; 0 where Admission Fair Sharing is off (then only priority and arrival count)."""
+        key = (wl["metadata"]["namespace"], wl["spec"]["queueName"])
+        if key not in afs_queues:
+            return 0.0
+        weights = self.kueue_config["admissionFairSharing"].get("resourceWeights") or {}
+        consumed, _ = self.afs_usage.get(key, ({}, 0.0))
+        usage = sum(float(weights.get(r, 1.0)) * v for r, v in consumed.items())
+        lq = self.objects.get(("localqueues", *key)) or {}
+        weight = float(str(((lq.get("spec") or {}).get("fairSharing") or {}).get("weight", "1")))
+        return usage / weight if weight > 0 else float("inf")
 
     def _snapshot(self):
         """The scheduler's view at the start of a pass: quota in use per (ClusterQueue, flavor,
@@ -1165,6 +1245,7 @@ class KubeDouble(JobsMixin, RayMixin):
         self._reconcile_pending = False
         if not self.auto_admit or not self.kueue_up:
             return
+        self._afs_advance()
         pending = self._pending_workloads()
         if not pending:
             return
@@ -1249,8 +1330,10 @@ class KubeDouble(JobsMixin, RayMixin):
                 used[(name, flavor, res)] + request[res] > quotas.nominal(name, (flavor, res))
                 for res, flavor in (assignment or {}).items()
             )
-            return (borrows, -(wl["spec"].get("priority") or 0), _creation_rank(wl))
+            share = self._share_after(name, assignment or {}, request, used, quotas) if fair_sharing else 0.0
+            return (borrows, share, -(wl["spec"].get("priority") or 0), _creation_rank(wl))
 
+        fair_sharing = bool(self.kueue_config.get("fairSharing"))
         heads = {name: (key(items[0], head_at_start=True), 0) for name, items in queues.items()}
         while heads:
             name = min(heads, key=lambda n: heads[n][0])
@@ -1259,6 +1342,37 @@ class KubeDouble(JobsMixin, RayMixin):
             if i + 1 < len(queues[name]):
                 heads[name] = (key(queues[name][i + 1]), i + 1)
         return order, fitted
+
+    def _share_after(self, cq: str, assignment: dict, request: dict, used, quotas: "_Quotas") -> float:
+        """Fair Sharing's tournament key (fair_sharing_iterator.go, fair_sharing.go
+        dominantResourceShare): the ClusterQueue's dominant resource share with the workload
+        admitted: per resource, what it would borrow beyond its nominal quota, times 1000 over
+        what the cohort can lend of it, the largest of those, divided by ``fairSharing.weight``
+        (a weight of 0 that borrows: last). 0 when it borrows nothing or has no cohort. Computed
+        at the pass's start (Kueue recomputes it at each pop; one admission per pass here)."""
+        cohort = quotas.cohort.get(cq)
+        if not cohort:
+            return 0.0
+        borrowed: dict[str, int] = defaultdict(int)
+        for (name, flavor, res), (nominal, _, _) in quotas.quota.items():
+            if name != cq:
+                continue
+            extra = request.get(res, 0) if assignment.get(res) == flavor else 0
+            over = used[(cq, flavor, res)] + extra - nominal
+            if over > 0:
+                borrowed[res] += over
+        if not borrowed:
+            return 0.0
+        lendable: dict[str, int] = defaultdict(int)
+        for (name, flavor, res), (nominal, _, _) in quotas.quota.items():
+            if quotas.cohort.get(name) == cohort:
+                lendable[res] += nominal - quotas._local(name, (flavor, res))
+        ratio = max((b * 1000.0 / lendable[r] for r, b in borrowed.items() if lendable[r] > 0), default=0.0)
+        spec = (self.objects.get(("clusterqueues", None, cq)) or {}).get("spec") or {}
+        weight = float(str((spec.get("fairSharing") or {}).get("weight", "1")))
+        if weight == 0:
+            return float("inf") if ratio else 0.0
+        return ratio / weight
 
     def _evict_for(self, target: "_Holder", reason: str, preemptor: dict, preemptor_cq: str, quotas: "_Quotas"):
         """IssuePreemptions for one target: Kueue's message, then the job integration stops it."""
@@ -1491,6 +1605,12 @@ def _evicted_by_preemption(wl, preempted_reason, message, requeued: bool):
     _set_condition(wl, K.QUOTA_RESERVED, "False", K.REASON_PENDING, message)
     _set_condition(wl, K.ADMITTED, "False", K.ADMITTED_REASON_NO_RESERVATION, K.MSG_NO_RESERVATION)
     wl["status"].pop("admission", None)
+
+
+def _go_seconds(duration: str) -> float:
+    """A Go duration of the Configuration ("1m", "24h", "1h30m", "5s") in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration))
 
 
 def _time(stamp: str | None) -> float:

@@ -17,6 +17,7 @@ LAYER_TESTS = {
         "unit/test_mig.py",
         "unit/test_ray_policy.py",
         "unit/test_validate_large_policy.py",
+        "unit/test_policy_grants.py",
     ],
     "admission": [
         "unit/test_admission.py",
@@ -67,6 +68,7 @@ LAYER_TESTS = {
         "kube/test_webhook_exclusion.py",
         "kube/test_kueue_diff.py",
         "kube/test_ray_manifest.py",
+        "kube/test_grants_manifest.py",
     ],
     "hub": [
         "unit/test_policy_roles.py",

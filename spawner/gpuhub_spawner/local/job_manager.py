@@ -357,6 +357,7 @@ class JobManager(SingletonConfigurable):
             devices=att.devices,
             device_nodes=nodes,
             limits=limits,
+            scope=(self.policy, rec.team, rec.profile["slug"]),
             config=launcher_config(self.config),
         )
 

@@ -179,6 +179,16 @@ attempt('the admin file', lambda: open({secrets!r}).read())
 attempt('the admin dir', lambda: os.listdir({etc!r}))
 attempt('imagenet on the host', lambda: os.listdir({imagenet!r}))
 attempt('imagenet readme on the host', lambda: open({imagenet!r} + '/README').read())
+# Controls: the same probes do find what this account may read (its own environment; a
+# world-readable file of the machine), so a "not found" above is the wall, not a broken probe.
+own = os.environ['JUPYTERHUB_API_TOKEN'].encode()
+def readable(path):
+    try:
+        return open(path, 'rb').read()
+    except OSError:
+        return b''
+tried['control: own environ'] = any(own in readable(p) for p in glob.glob('/proc/[0-9]*/environ'))
+attempt('control: a readable file', lambda: len(open('/etc/passwd').read()) > 0)
 print(repr((found, tried)))
 """
 
@@ -245,6 +255,7 @@ def test_other_users_reach_none_of_it(hub, users, places):
         for what in ("her environ", "her root", "her cwd", "the admin file", "the admin dir", "imagenet on the host"):
             assert tried[what] in ("FileNotFoundError", "PermissionError"), (user.name, what, tried[what])
         assert tried["imagenet readme on the host"] in ("FileNotFoundError", "PermissionError"), tried
+        assert tried["control: own environ"] is True and tried["control: a readable file"] == "True", tried
     # bob's own token against alice's server: refused before her process sees it.
     import requests
 

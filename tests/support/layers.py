@@ -43,6 +43,7 @@ LAYER_TESTS = {
         "unit/test_trace_replay.py",
         "unit/test_mlflow_graphql_rule.py",
         "unit/test_mlflow_tag_rewrite.py",
+        "unit/test_user_envs.py",
     ],
     "backends": [
         "unit/test_job_reclaim.py",

@@ -37,7 +37,9 @@ def _machine_warnings(policy, args) -> list[str]:
     if getattr(args, "machine", True):
         from .local.devices import capacity_by_flavor, discover_nvml
 
-        out = capacity_warnings(policy, capacity_by_flavor(policy, discover_nvml())) + out
+        from .policy.grants import grant_warnings
+
+        out = capacity_warnings(policy, capacity_by_flavor(policy, discover_nvml())) + grant_warnings(policy) + out
     return out
 
 

@@ -339,5 +339,8 @@ def test_a_secret_that_cannot_be_read_stops_the_start_and_says_where(hub, users)
     events = bob.progress(timeout=60)
     failed = [e for e in events if e.get("failed")]
     assert failed and "secret or dataset its profile is granted is not available" in failed[-1]["message"], events
-    wait_for(lambda: "secrets[2] (gone).local.file" in hub.log.read_text(errors="replace"), 30, "the located reason in the log")
-    assert "does not exist" in hub.log.read_text(errors="replace")
+    line = "Cannot start bob: a granted secret or dataset: secrets[2] (gone).local.file"
+    wait_for(lambda: line in hub.log.read_text(errors="replace"), 30, "the located reason in the log")
+    assert "missing.yaml does not exist" in hub.log.read_text(errors="replace")
+    # ... which the policy's checks said when it loaded (admins see it on the status page)
+    assert "Policy" in hub.log.read_text(errors="replace") and "is live, but:" in hub.log.read_text(errors="replace")

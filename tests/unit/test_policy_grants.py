@@ -190,3 +190,31 @@ data:
     assert d.data == [{"name": "imagenet", "source": str(private / "imagenet"), "read_only": True}]
     assert d.delivered_as == {"wandb": "file", "num": "env NUM"}
     assert not local_delivery(policy, "nlp", "cpu")
+
+
+def test_validate_warns_of_a_grant_this_machine_cannot_deliver(secret_file, tmp_path):
+    from gpuhub_spawner.policy.grants import grant_warnings
+
+    text = (
+        BASE
+        + f"""\
+secrets:
+  - {{name: ok, local: {{file: {secret_file}, key: wandb}}, teams: [vision]}}
+  - {{name: typo, local: {{file: {secret_file}, key: wandbb}}, teams: [vision]}}
+  - {{name: cluster-only, kubernetes: {{secret: s, key: k}}, teams: [vision]}}
+data:
+  - {{name: nowhere, teams: [vision], local: {{path: {tmp_path / "missing"}}}}}
+"""
+    )
+    policy_file = tmp_path / "p.yaml"
+    policy_file.write_text(text)
+    warnings = grant_warnings(parse_policy(text, "p.yaml"))
+    assert warnings == [
+        f"secrets[1] (typo).local.key: {secret_file} has no key 'wandbb' (did you mean 'wandb'?)",
+        f"data[0] (nowhere).local.path {tmp_path / 'missing'} does not exist",
+    ]
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "validate", str(policy_file)], capture_output=True, text=True)
+    assert r.returncode == 0 and "warning: secrets[1] (typo).local.key" in r.stderr and VALUE not in r.stderr + r.stdout, r

@@ -162,3 +162,23 @@ def local_delivery(policy: Policy, team: str, profile: str) -> Delivery:
         check_data_dir(ds.local.path, where)
         out.data.append({"name": ds.name, "source": ds.local.path, "read_only": ds.read_only})
     return out
+
+
+def grant_warnings(policy: Policy) -> list[str]:
+    """Grants this machine could not deliver now (a missing file or key, an unsafe file, a dataset
+    any account could reach), located: ``gpuhub validate`` and the hub's policy checks say so
+    before a user's start is refused for it. Reads the admin's files; never returns a value."""
+    out = []
+    for grant in policy.secrets:
+        if grant.local is not None:
+            try:
+                read_secret_file(grant.local.file, grant.local.key, _where(policy, grant))
+            except GrantUnavailable as e:
+                out.append(str(e))
+    for i, ds in enumerate(policy.data):
+        if ds.local is not None:
+            try:
+                check_data_dir(ds.local.path, f"data[{i}] ({ds.name})")
+            except GrantUnavailable as e:
+                out.append(str(e))
+    return out

@@ -141,6 +141,9 @@ def test_refusals_are_located_and_never_show_the_value(secret_file, tmp_path):
     assert "not a YAML mapping" in refused(bad)
     (tmp_path / "etc").chmod(0o777)
     assert "its directory" in refused(secret_file)
+    (tmp_path / "etc").chmod(0o700)
+    (tmp_path / "via").symlink_to(tmp_path / "etc")  # a link anywhere on the way is refused too
+    assert "is a symbolic link; give the real path" in refused(tmp_path / "via" / "secrets.yaml")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")

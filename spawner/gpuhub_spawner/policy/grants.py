@@ -59,16 +59,29 @@ def _where(policy: Policy, grant: SecretGrant) -> str:
 def _check_owner(st: os.stat_result, what: str) -> None:
     if st.st_uid not in (0, os.geteuid()):
         raise GrantUnavailable(f"{what} is owned by uid {st.st_uid}: only root (or the hub's user) may own it")
-    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_mode & 0o002 == 0):
+    # A sticky directory (/tmp) lets others add entries but not replace root's: the next part is checked.
+    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
         raise GrantUnavailable(f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); make it 0600/0700")
+
+
+def _check_directories(path: str, where: str) -> None:
+    """Every directory above ``path``: a real directory (no link), root's (or the hub's user's),
+    writable by nobody else (a sticky one such as /tmp aside): so no user can swap a part of
+    the path for a way to a file of their choice."""
+    cur = ""
+    for part in ["", *path.strip("/").split("/")[:-1]]:
+        cur = cur.rstrip("/") + "/" + part if part else "/"
+        st = os.lstat(cur)
+        if stat.S_ISLNK(st.st_mode):
+            raise GrantUnavailable(f"{where}.local.file {path}: {cur} is a symbolic link; give the real path")
+        _check_owner(st, f"{where}: its directory {cur}")
 
 
 def read_secret_file(path: str, key: str, where: str) -> str:
     """The value of ``key`` in the YAML mapping at ``path`` (checked as the module says)."""
     what = f"{where}.local.file {path}"
-    parent = os.path.dirname(path) or "/"
     try:
-        _check_owner(os.stat(parent), f"{where}: its directory {parent}")
+        _check_directories(path, where)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise GrantUnavailable(f"{what} does not exist") from None

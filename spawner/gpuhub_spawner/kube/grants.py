@@ -40,6 +40,8 @@ def add_grants(pod, policy: Policy, team: str, profile: str, file_mode: int = 0o
     """Add the grants of ``team`` on ``profile`` to ``pod`` (a V1Pod; its first container);
     returns what was added by name, for the audit trail: ``{"secrets": [...], "data": [...]}``."""
     secrets, data = policy.secrets_for(team, profile), policy.data_for(team, profile)
+    if not secrets and not data:
+        return {}  # the pod as KubeSpawner made it
     spec, container = pod.spec, pod.spec.containers[0]
     volumes, mounts, env = list(spec.volumes or []), list(container.volume_mounts or []), list(container.env or [])
     projections = []

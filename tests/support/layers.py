@@ -55,6 +55,7 @@ LAYER_TESTS = {
         "unit/test_listen_watcher.py",
         "unit/test_cancel_reaches_the_launch.py",
         "unit/test_sandbox_launcher.py",
+        "unit/test_grants_single_user.py",
         "unit/test_process_limits_and_prefix_lock.py",
         "unit/test_kube_ledger.py",
         "unit/test_kube_waiting_words.py",

@@ -37,7 +37,9 @@ def _machine_warnings(policy, args) -> list[str]:
     if getattr(args, "machine", True):
         from .local.devices import capacity_by_flavor, discover_nvml
 
-        out = capacity_warnings(policy, capacity_by_flavor(policy, discover_nvml())) + out
+        from .policy.grants import grant_warnings
+
+        out = capacity_warnings(policy, capacity_by_flavor(policy, discover_nvml())) + grant_warnings(policy) + out
     return out
 
 
@@ -146,6 +148,10 @@ def _main(argv: list[str]) -> int:
         from .rayclusters.cli import main as ray_main  # Ray clusters: docs/ray.md
 
         return ray_main(argv[1:])
+    if argv[:1] == ["env"]:
+        from .user_envs import main as env_main  # your own packages in your home: docs/own-packages.md
+
+        return env_main(argv[1:])
     if argv[:1] == ["usage"]:
         from .usage.cli import main as usage_main  # GPU-hours per team/user: docs/usage.md
 
@@ -212,6 +218,9 @@ def _main(argv: list[str]) -> int:
     )
     sub.add_parser("job", help="batch jobs in your team's GPU queue: `gpuhub job submit job.yaml` (docs/jobs.md)")
     sub.add_parser("ray", help="Ray clusters in your team's GPU queue: `gpuhub ray up --gpus 2` (docs/ray.md)")
+    sub.add_parser(
+        "env", help="your own packages: `gpuhub env create NAME` (a venv in ~/.venvs with a kernel; docs/own-packages.md)"
+    )
     sub.add_parser("usage", help="GPU-hours by team or user: `gpuhub usage --since 7d --by team` (docs/usage.md)")
     sub.add_parser(
         "policy", help="admins: `gpuhub policy diff | apply NEW.yaml`, `history`, `rollback N` (docs/policy-changes.md)"

@@ -21,7 +21,7 @@ import websocket
 
 
 class KernelSession:
-    def __init__(self, hub_url: str, server_url: str, token: str, notebook_path: str):
+    def __init__(self, hub_url: str, server_url: str, token: str, notebook_path: str, kernel: str = "python3"):
         # server_url: a server model's url, absolute with per-user origins (else a path)
         self.base = server_url if "://" in server_url else hub_url + server_url
         self.token = token
@@ -33,7 +33,7 @@ class KernelSession:
                 "path": notebook_path,
                 "name": notebook_path.rsplit("/", 1)[-1],
                 "type": "notebook",
-                "kernel": {"name": "python3"},
+                "kernel": {"name": kernel},
             },
         )
         r.raise_for_status()

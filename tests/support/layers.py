@@ -17,6 +17,7 @@ LAYER_TESTS = {
         "unit/test_mig.py",
         "unit/test_ray_policy.py",
         "unit/test_validate_large_policy.py",
+        "unit/test_policy_grants.py",
     ],
     "admission": [
         "unit/test_admission.py",
@@ -43,6 +44,7 @@ LAYER_TESTS = {
         "unit/test_trace_replay.py",
         "unit/test_mlflow_graphql_rule.py",
         "unit/test_mlflow_tag_rewrite.py",
+        "unit/test_user_envs.py",
     ],
     "backends": [
         "unit/test_job_reclaim.py",
@@ -54,6 +56,7 @@ LAYER_TESTS = {
         "unit/test_listen_watcher.py",
         "unit/test_cancel_reaches_the_launch.py",
         "unit/test_sandbox_launcher.py",
+        "unit/test_grants_single_user.py",
         "unit/test_process_limits_and_prefix_lock.py",
         "unit/test_kube_ledger.py",
         "unit/test_kube_waiting_words.py",
@@ -68,6 +71,7 @@ LAYER_TESTS = {
         "kube/test_webhook_exclusion.py",
         "kube/test_kueue_diff.py",
         "kube/test_ray_manifest.py",
+        "kube/test_grants_manifest.py",
     ],
     "hub": [
         "unit/test_policy_roles.py",

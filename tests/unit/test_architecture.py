@@ -26,6 +26,7 @@ LAYERS = {
     "rayclusters": 3,  # Ray cluster requests and the manager interface both backends implement
     "mlflow": 3,  # the hub-managed MLflow service
     "policy_spawner": 3,  # the spawner mixin both backends' spawners are built on
+    "user_envs": 3,  # gpuhub env: a user's own packages in their home (stdlib only)
     "local": 4,  # one-machine backend
     "kube": 4,  # Kubernetes backend
     "hub": 5,  # JupyterHub-facing: handlers, pages, roles, login, origins, proxy
@@ -36,7 +37,7 @@ LAYERS = {
 # Within layer 3, services build on each other only upwards in this order (no circle between
 # packages): jobs (specs, records, the hub client) < usage (its CLI uses the jobs client) <
 # culling, mlflow and the spawner mixin (they record into usage).
-SERVICE_ORDER = {"jobs": 0, "usage": 1, "culling": 2, "mlflow": 2, "policy_spawner": 2, "rayclusters": 2}
+SERVICE_ORDER = {"jobs": 0, "usage": 1, "culling": 2, "mlflow": 2, "policy_spawner": 2, "rayclusters": 2, "user_envs": 2}
 BACKENDS = ("local", "kube")
 
 

@@ -201,6 +201,11 @@ class KubeJobManager(SingletonConfigurable):
             created = await self._client("BatchV1Api").create_namespaced_job(spawner.namespace, job)
         except Exception as e:  # noqa: BLE001
             raise ChoiceError(502, f"the cluster refused the Job: {getattr(e, 'reason', e)}") from None
+        granted = spawner.granted  # the policy's secrets and data in its pods, by name (kube/grants.py)
+        if granted.get("secrets"):
+            usage.audit("secrets_delivered", key=f"job:{job_id}", user=user.name, names=granted["secrets"])
+        if granted.get("data"):
+            usage.audit("data_mounted", key=f"job:{job_id}", user=user.name, datasets=granted["data"])
         # The wall (kube/walls.py): only the owner's pods and the hub reach the job's pods. Made
         # while the Job is still suspended (Kueue has not admitted it); no wall, no job.
         owner = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job_id, "uid": created.metadata.uid}}

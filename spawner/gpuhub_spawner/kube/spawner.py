@@ -41,6 +41,7 @@ from kubernetes_asyncio.client import ApiException
 from jupyterhub.utils import exponential_backoff, maybe_future, url_path_join
 from kubernetes_asyncio.client import V1DeleteOptions, V1HTTPGetAction, V1Probe
 from kubespawner import KubeSpawner
+from tornado import web
 from traitlets import Dict, Float, Integer, Unicode, default
 
 from ..policy.access import Choice
@@ -49,6 +50,7 @@ from ..policy_spawner import PolicySpawnerMixin
 from ..usage import recorder as usage
 from ..policy.access import ChoiceError, resolve_choice
 from . import own_quota
+from .grants import add_grants, missing_sources
 from .ledger import KueueLedger
 from .kueue import (
     timestamp,
@@ -236,6 +238,17 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         it gives up (and the kubelet restarts the container) only after the launch timeout."""
         pod = await super().get_pod_manifest()
         container = pod.spec.containers[0]
+        if self.choice is not None:  # the policy's secrets and team data, by reference (kube/grants.py)
+            policy, team, profile = self.policy, self.choice.team.name, self.choice.profile.slug
+            missing = missing_sources(policy, team, profile)
+            if missing:
+                msg = (
+                    "Your server cannot start: a secret or dataset its profile is granted has no source on "
+                    "this cluster. An administrator can find why in the hub's log."
+                )
+                self.log.error("Cannot start %s: %s name no kubernetes source", self._server_key, ", ".join(missing))
+                raise web.HTTPError(500, msg, reason=msg)
+            self.granted = add_grants(pod, policy, team, profile, 0o440 if self.fs_gid is not None else 0o444)
         period = self.startup_probe_period
         if period and container.startup_probe is None and container.readiness_probe is None:
             container.startup_probe = V1Probe(
@@ -389,6 +402,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             if ledger is not None and ledger.watching:
                 ledger.sync()  # its admission is recorded before its start (the audit's order)
             usage.note_started(self._server_key, self.user.name)
+            self._audit_grants()
             return result
         except TimeoutError:
             if self._admitted_at:
@@ -406,6 +420,15 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             raise
         finally:
             own_quota.release(self._server_key)
+
+    granted: dict[str, list[str]] = {}
+
+    def _audit_grants(self) -> None:
+        """Which granted secrets and datasets the started pod got, by name (never a value)."""
+        if self.granted.get("secrets"):
+            usage.audit("secrets_delivered", key=self._server_key, user=self.user.name, names=self.granted["secrets"])
+        if self.granted.get("data"):
+            usage.audit("data_mounted", key=self._server_key, user=self.user.name, datasets=self.granted["data"])
 
     # -- reclaim.interactiveBorrowing: false (kube/own_quota.py) ---------------------
     async def _pod_changed(self, timeout: float) -> None:

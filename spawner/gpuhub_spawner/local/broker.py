@@ -20,6 +20,7 @@ from ..admission.journal import QueueJournal
 from ..admission.queue import AdmissionQueue
 from ..policy import PolicyStore
 from ..policy.checks import capacity_warnings, warning_interval_warnings
+from ..policy.grants import grant_warnings
 from ..policy.model import Policy
 from ..culling.reclaimer import Reclaimer  # lent GPUs come back to their team (admission/reclaim.py)
 from ..usage.recorder import UsageRecorder  # history, audit trail, metrics (usage/)
@@ -110,8 +111,11 @@ class LocalBroker(SingletonConfigurable):
         except (TypeError, ValueError, AttributeError):
             server_interval = 300.0
         interval = max(float(hub.get("last_activity_interval", 300)), server_interval)
-        return capacity_warnings(policy, capacity_by_flavor(policy, self.devices.nvml)) + warning_interval_warnings(
-            policy, interval
+        grants = grant_warnings(policy)  # secrets' files and datasets (policy/grants.py)
+        return (
+            capacity_warnings(policy, capacity_by_flavor(policy, self.devices.nvml))
+            + grants
+            + warning_interval_warnings(policy, interval)
         )
 
     @property

@@ -6,7 +6,10 @@
 - the server's own cgroup with the profile's memory and CPU (``cgroups``);
 - a private ``/dev`` holding only its GPUs, ``no_new_privs`` (``sandbox``);
 - an environment built from scratch (JupyterHub's and gpuhub's variables only);
-- identity by pid *and* start time, recorded in the hub's own state, for restarts.
+- identity by pid *and* start time, recorded in the hub's own state, for restarts;
+- the secrets and team data the policy grants its team and profile (``secrets:``, ``data:``),
+  read at each start (a rotated secret reaches the next start) and mounted by the sandbox in
+  the server's own mount namespace only; each delivery is audited by name, never by value.
 
 ``isolation = "auto"`` isolates whenever the hub runs as root. Without root nothing of
 this is possible: servers run as the hub's user (single-user mode) and the hub says
@@ -30,6 +33,9 @@ from jupyterhub.spawner import LocalProcessSpawner
 from tornado import web
 from traitlets import CaselessStrEnum, Float, TraitError, Unicode, default, validate
 
+from ..policy.grants import Delivery, GrantUnavailable, local_delivery
+from ..policy.model import DATA_DIR, SECRETS_DIR, Policy
+from ..usage import recorder as usage
 from .cgroups import CgroupHost, ServerCgroup
 from .listening import PORTS, PortTaken
 from .listening import watcher as listen_watcher
@@ -293,6 +299,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
         return w
 
     stop_reason: str | None = None
+    _delivery: Delivery | None = None  # what this start was granted (policy secrets/data)
+    _grants_tmp: str | None = None  # single-user mode: the directory holding them
     _net = None  # user_network.UserNet: the user's side of the wall, while walled
     _account: Account | None = None
     _cgroup: ServerCgroup | None = None
@@ -403,6 +411,87 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             profile = policy.profile((getattr(self, "job_env", None) or {}).get("GPUHUB_PROFILE", ""))
         return policy.process_limit(profile)
 
+    # -- granted secrets and team data (policy ``secrets:``, ``data:``) -------------------------
+    def granted_scope(self) -> tuple[Policy, str, str] | None:
+        """(policy, team, profile) whose grants this start receives; None: nothing granted.
+        The server's spawner answers from its resolved choice, a job's launcher from its record."""
+        return None
+
+    @property
+    def grant_key(self) -> str:
+        """How the audit trail names what received the grants (a server's key, ``job:<id>``)."""
+        return f"{self.user.name}/{self.name}"
+
+    async def _resolve_grants(self, loop, env: dict) -> None:
+        """Read what is granted (off the loop: the admin's files), put its environment in ``env``.
+
+        A grant that cannot be delivered stops the start: the user is told which grant (by
+        name), the admin's log says where in the policy and why (never a value)."""
+        self._delivery = None
+        scope = self.granted_scope()
+        if scope is None or not (scope[0].secrets or scope[0].data):
+            return
+        try:
+            delivery = await loop.run_in_executor(_pool("launches"), local_delivery, *scope)
+        except GrantUnavailable as e:
+            self.log.error("Cannot start %s: a granted secret or dataset: %s", self._log_name, e)
+            msg = (
+                "Your server cannot start: a secret or dataset its profile is granted is not available "
+                "on this machine. An administrator can find why in the hub's log."
+            )
+            raise web.HTTPError(500, msg, reason=msg) from None
+        if not delivery:
+            return
+        env.update(delivery.env)
+        if delivery.files:
+            env["GPUHUB_SECRETS_DIR"] = SECRETS_DIR
+        if delivery.data:
+            env["GPUHUB_DATA_DIR"] = DATA_DIR
+        self._delivery = delivery
+
+    def _grants_single_user(self, env: dict) -> None:
+        """Single-user mode (no root, no sandbox): the same layout in a 0700 directory of the
+        hub's user, removed at stop. No isolation: every server runs as the hub's user."""
+        import tempfile
+
+        d = self._delivery
+        if d is None or not (d.files or d.data):
+            return
+        top = self._grants_tmp = tempfile.mkdtemp(prefix="gpuhub-grants-")
+        if d.files:
+            os.mkdir(os.path.join(top, "secrets"), 0o700)
+            for name, value in d.files.items():
+                fd = os.open(os.path.join(top, "secrets", name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+                with os.fdopen(fd, "w") as f:
+                    f.write(value)
+            env["GPUHUB_SECRETS_DIR"] = os.path.join(top, "secrets")
+        if d.data:
+            os.mkdir(os.path.join(top, "data"), 0o700)
+            for entry in d.data:
+                os.symlink(entry["source"], os.path.join(top, "data", entry["name"]))
+            env["GPUHUB_DATA_DIR"] = os.path.join(top, "data")
+
+    def _audit_grants(self) -> None:
+        d = self._delivery
+        if d is None:
+            return
+        user = self.user.name
+        if d.secret_names:
+            # names and how they went, never a value (the audit also drops fields named like secrets)
+            usage.audit("secrets_delivered", key=self.grant_key, user=user, names=d.secret_names, delivered_as=d.delivered_as)
+            self.log.info("%s received granted secrets %s", self._log_name, ", ".join(d.secret_names))
+        if d.data:
+            mounts = {e["name"]: "read-only" if e["read_only"] else "read-write" for e in d.data}
+            usage.audit("data_mounted", key=self.grant_key, user=user, datasets=mounts)
+        self._delivery = None  # the values live on in the server's namespace only, not in the hub
+
+    def _remove_grants_tmp(self) -> None:
+        if self._grants_tmp:
+            import shutil
+
+            shutil.rmtree(self._grants_tmp, ignore_errors=True)
+            self._grants_tmp = None
+
     # -- environment: nothing of the hub's but what is meant ---------------------------------
     def user_env(self, env):
         env["HOME"] = self.visible_home
@@ -488,6 +577,9 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 raise web.HTTPError(500, msg, reason=msg) from None
             self.ip = self._net.address  # the server listens on its user's address, inside the wall
         env = self.get_env()
+        await self._resolve_grants(loop, env)
+        if not isolated:
+            self._grants_single_user(env)
         cmd = [*self.cmd, *self.get_args()]
         popen = dict(start_new_session=True, env=env)
         if not isolated:
@@ -497,9 +589,14 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             await self._launch_isolated(loop, cmd, env, popen, cpu, memory)
         else:
             self.log.info("Spawning %s as the hub's own user (single-user mode, no isolation)", self._log_name)
-            self.proc = Popen(cmd, **popen)  # noqa: ASYNC220 (as LocalProcessSpawner: fork+exec, no wait)
+            try:
+                self.proc = Popen(cmd, **popen)  # noqa: ASYNC220 (as LocalProcessSpawner: fork+exec, no wait)
+            except BaseException:
+                self._remove_grants_tmp()
+                raise
             self.pid = self.proc.pid
             self._start_time = process_start_time(self.pid)
+        self._audit_grants()
         if self.serves_http:
             await self._wait_listening()
         return (self.ip or "127.0.0.1", self.port)
@@ -603,6 +700,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                 "tmp": self._private_tmp(),
                 "netns": self._net.path if self._net is not None else None,
                 "resolv_conf": self._net.resolv_conf if self._net is not None else None,
+                # granted secrets' values and team data: on the pipe, mounted in its namespace
+                "grants": self._delivery.sandbox_spec() if self._delivery is not None else None,
             }
             # cmd stays the user's command: start_launcher puts the sandbox launcher before it,
             # and spec + env go on a pipe (never argv, never the root launcher's environment).
@@ -999,6 +1098,7 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
                     self._cgroup = None
                     await asyncio.get_running_loop().run_in_executor(_pool("ends"), _end_group, cg)
             finally:  # the port only once the group's processes are gone (or the stop was cancelled)
+                self._remove_grants_tmp()
                 self._give_back_port()
                 self._note_stop_reason()
 

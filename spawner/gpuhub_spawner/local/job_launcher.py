@@ -61,6 +61,7 @@ class JobProcess(IsolatedProcessSpawner):
         device_nodes: list[str],
         limits: tuple[int | None, int | None],
         worker: int = 0,
+        scope: tuple | None = None,
         **kwargs,
     ):
         # Spawner.name is read from orm_spawner (a name= argument went to object.__init__: a
@@ -77,7 +78,15 @@ class JobProcess(IsolatedProcessSpawner):
         self.job_devices = list(devices)
         self._nodes = list(device_nodes)
         self._limits = limits
+        self._scope = scope  # (policy, team, profile): the grants the job's team and profile get
         self.cmd = [sys.executable, "-I", "-m", "gpuhub_spawner.jobs.entry", "--", *self.job_argv]
+
+    def granted_scope(self):
+        return self._scope
+
+    @property
+    def grant_key(self) -> str:
+        return f"job:{self.job_id}"
 
     def get_args(self):
         return []

@@ -382,6 +382,7 @@ class JobManager(SingletonConfigurable):
             device_nodes=nodes,
             limits=limits,
             worker=worker,
+            scope=(self.policy, rec.team, rec.profile["slug"]),
             config=launcher_config(self.config),
         )
 

@@ -30,6 +30,8 @@ In order:
 5. a private ``/tmp`` (and ``/var/tmp``): a file one user's kernel leaves there is not
    readable by another; its own ``/proc`` where the kernel allows it (Linux >= 5.8): other users' processes
    are invisible, not merely unreadable;
+5b. where the policy grants any, a private read-only tmpfs at ``/run/gpuhub`` with the granted
+   secrets as the account's own 0400 files and the team's datasets bound in (``mount_grants``);
 6. ``no_new_privs``, drop to the account (no supplementary groups), ``chdir`` home,
    ``execve`` with the server's environment.
 
@@ -277,6 +279,8 @@ def enter(spec: dict) -> None:
     _mount(None, "/", None, MS_REC | MS_SLAVE)
     dev_dir = spec.get("dev_dir", "/dev")
     gpu_nodes = host_nodes(dev_dir, spec.get("gpu_nodes", []))
+    grants = spec.get("grants")
+    sources = open_grant_sources(grants)
     old = os.umask(0)
     try:
         build_dev(gpu_nodes)
@@ -315,14 +319,81 @@ def enter(spec: dict) -> None:
                         os.close(tmp_fd)
                     _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
                     _restore_staged(target, kept)  # inside the user's tmp: never follows a link
+        if grants:
+            mount_grants(grants, spec["uid"], spec["gid"], sources)
     finally:
         os.umask(old)
+        for fd in sources.values():
+            os.close(fd)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
     os.setgroups([])
     os.setresgid(spec["gid"], spec["gid"], spec["gid"])
     os.setresuid(spec["uid"], spec["uid"], spec["uid"])
     os.chdir(spec["visible_home"])
     os.umask(0o022)
+
+
+RUN_DIR = "/run/gpuhub"  # policy.model.RUN_DIR (this module imports nothing of gpuhub: it runs as root)
+GRANTS_TMPFS_SIZE = "4m"
+
+
+def open_grant_sources(grants: dict | None) -> dict[str, int]:
+    """``O_PATH`` fds of the granted datasets' directories, opened before any mount of the
+    sandbox's could hide them (a dataset under /tmp is covered by the private /tmp)."""
+    fds: dict[str, int] = {}
+    try:
+        for entry in (grants or {}).get("data") or []:
+            fds[entry["name"]] = _open_own_dir(entry["source"], f"dataset {entry['name']}")
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
+def mount_grants(grants: dict, uid: int, gid: int, sources: dict[str, int]) -> None:
+    """Granted secrets and team data (policy ``secrets:``/``data:``), in this mount namespace only.
+
+    A tmpfs over ``/run/gpuhub`` (the host's, root's, holds nothing of the user's and stays
+    hidden) with ``secrets/<name>`` files (0400) in a 0500 directory, both the account's, and
+    ``data/<name>`` bind mounts of the team's directories (read-only unless granted
+    read-write); then the tmpfs is made read-only. Nobody else's mount namespace has them,
+    and another account cannot enter this one (``/proc/<pid>/root`` needs ptrace rights).
+    The values came on the pipe; nothing is written to a disk."""
+    os.makedirs(RUN_DIR, 0o755, exist_ok=True)  # the mount point, on the host: root's, empty
+    _mount("tmpfs", RUN_DIR, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"mode=0755,size={GRANTS_TMPFS_SIZE}")
+    secrets = grants.get("secrets") or {}
+    if secrets:
+        sdir = f"{RUN_DIR}/secrets"
+        os.mkdir(sdir, 0o500)
+        for name, value in secrets.items():
+            if not name or "/" in name or name in (".", ".."):
+                raise OSError(f"secret name {name!r} is not a file name")
+            fd = os.open(f"{sdir}/{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
+            try:
+                os.write(fd, value.encode())
+                os.fchown(fd, uid, gid)
+            finally:
+                os.close(fd)
+        os.chown(sdir, uid, gid)
+    data = grants.get("data") or []
+    if data:
+        os.mkdir(f"{RUN_DIR}/data", 0o755)
+    for entry in data:
+        name, source = entry["name"], entry["source"]
+        if not name or "/" in name or name in (".", ".."):
+            raise OSError(f"dataset name {name!r} is not a file name")
+        target = f"{RUN_DIR}/data/{name}"
+        os.mkdir(target, 0o755)
+        # The admin's directory (the hub checked it is under a root-only one): opened without
+        # following a link (open_grant_sources), bound as the directory it is; no submounts.
+        src_fd = sources.get(name)
+        if src_fd is None:
+            raise OSError(f"dataset {name} ({source}) was not opened")
+        _mount(f"/proc/self/fd/{src_fd}", target, None, MS_BIND)
+        flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV
+        _mount(None, target, None, flags | (MS_RDONLY if entry.get("read_only", True) else 0))
+    _mount(None, RUN_DIR, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, f"mode=0755,size={GRANTS_TMPFS_SIZE}")
 
 
 def _open_own_dir(path: str, what: str) -> int:

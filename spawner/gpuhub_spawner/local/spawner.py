@@ -178,6 +178,12 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         return env
 
     # -- what isolation enforces (local/isolation.py) ----------------------------------------
+    def granted_scope(self):
+        """The policy's secrets and team data for this server's team and profile."""
+        if self.choice is None:
+            return None
+        return self.broker.policy, self.choice.team.name, self.choice.profile.slug
+
     def device_nodes(self) -> list[str]:
         """Device nodes of exactly the admitted GPUs (plus control/UVM nodes if any)."""
         return self.broker.devices.nodes_for(self.devices)

@@ -11,13 +11,13 @@ import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from .mig import mig_checks
-from .model import Policy
+from .model import Policy, SecretGrant, TeamData
 
 Loc = tuple[str | int, ...]
 
@@ -496,6 +496,38 @@ def _duplicates(names: list[str], section: str, field: str) -> Iterable[tuple[Lo
         seen.setdefault(name, i)
 
 
+def _grant_checks(policy: Policy, teams: list[str]) -> Iterable[tuple[Loc, str]]:
+    """``secrets`` and ``data``: unique names, known teams and profiles, one secret per
+    environment variable for any server (docs/secrets-and-data.md)."""
+    slugs = [p.slug for p in policy.profiles]
+    team_set, slug_set = set(teams), set(slugs)
+    yield from _duplicates([s.name for s in policy.secrets], "secrets", "name")
+    yield from _duplicates([d.name for d in policy.data], "data", "name")
+    entries_of: list[tuple[str, Sequence[SecretGrant | TeamData]]] = [("secrets", policy.secrets), ("data", policy.data)]
+    for section, entries in entries_of:
+        for i, entry in enumerate(entries):
+            for j, t in enumerate(entry.teams):
+                if t != "*" and t not in team_set:
+                    yield (section, i, "teams", j), f"unknown team {t!r}" + suggest(t, teams)
+            for j, p in enumerate(entry.profiles):
+                if p != "*" and p not in slug_set:
+                    yield (section, i, "profiles", j), f"unknown profile {p!r}" + suggest(p, slugs)
+
+    def overlap(a: list[str], b: list[str]) -> bool:
+        return not a or not b or "*" in a or "*" in b or bool(set(a) & set(b))
+
+    for i, s in enumerate(policy.secrets):
+        if s.env is None:
+            continue
+        for k, other in enumerate(policy.secrets[:i]):
+            if other.env == s.env and overlap(s.teams, other.teams) and overlap(s.profiles, other.profiles):
+                yield (
+                    ("secrets", i, "env"),
+                    f"secrets[{k}] ({other.name!r}) also sets {s.env} for some of the same servers; one would silently win",
+                )
+                break
+
+
 def max_reachable_gpus(policy: Policy, team_name: str, flavor: str, lendable: dict | None = None) -> int:
     """The most GPUs of ``flavor`` a team could ever hold: nominal plus what it may borrow.
     ``lendable``: ``lendable_gpus(policy)``, for many questions about one policy."""
@@ -634,6 +666,8 @@ def cross_check(policy: Policy) -> Iterable[tuple[Loc, str]]:
                     ("teams", ti, "perUser", "maxGPUs"),
                     (f"per-user cap of {cap} GPUs is above what team {team.name!r} can ever hold ({reachable})"),
                 )
+
+    yield from _grant_checks(policy, teams)
 
     # Roles: a group cannot be both all-seeing admin and read-only viewer.
     admins = set(policy.roles.admins)

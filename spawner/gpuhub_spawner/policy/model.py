@@ -598,6 +598,139 @@ class OffboardingRules(_Model):
     mlflow: Literal["lead", "read-only"] = "lead"
 
 
+# Where a server or job finds what the policy grants it (both modes): files of granted secrets
+# under SECRETS_DIR, each team dataset at DATA_DIR/<name>. /run: nothing of the user's lives
+# there, and on one machine the sandbox mounts a private tmpfs over /run/gpuhub for them.
+RUN_DIR = "/run/gpuhub"
+SECRETS_DIR = RUN_DIR + "/secrets"
+DATA_DIR = RUN_DIR + "/data"
+# A Kubernetes Secret's key (and so a local key): letters, digits, '-', '_' and '.'.
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
+# Names the hub sets for every server: a granted secret must not replace them.
+_RESERVED_ENV = re.compile(r"^(GPUHUB_|JUPYTERHUB_|JPY_|MLFLOW_RUN_CONTEXT$|CUDA_VISIBLE_DEVICES$|HOME$|PATH$|USER$)")
+
+
+def _absolute_path(value: Any) -> Any:
+    if isinstance(value, str):
+        if not value.startswith("/") or "\0" in value or any(part in (".", "..") for part in value.split("/")):
+            raise ValueError(f"{value!r}: an absolute path without '.' or '..' components")
+        if len(value) > 4096:
+            raise ValueError("longer than 4096 characters")
+    return value
+
+
+AbsolutePath = Annotated[str, BeforeValidator(_absolute_path)]
+
+
+def _secret_key(value: Any) -> Any:
+    if isinstance(value, str) and not _SECRET_KEY.match(value):
+        raise ValueError(f"{value!r} is not a valid key: letters, digits, '-', '_' and '.' (as a Kubernetes Secret's keys)")
+    return value
+
+
+SecretKey = Annotated[str, BeforeValidator(_secret_key)]
+
+
+class LocalSecretSource(_Model):
+    """One machine: a YAML file the admin keeps outside the policy (root's, not writable by
+    anyone else), a mapping of keys to values; ``key`` picks one. Read at each server's or
+    job's start, so rewriting the file rotates the secret without a hub restart."""
+
+    file: AbsolutePath
+    key: SecretKey
+
+
+class KubernetesSecretSource(_Model):
+    """Kubernetes: a Secret in the users' namespace; ``key`` picks one of its data keys. The
+    pod refers to it by name (kubelet mounts it); the hub never reads it."""
+
+    secret: Name
+    key: SecretKey
+
+
+class SecretGrant(_Model):
+    """``secrets:``: one secret, by reference, and who gets it (docs/secrets-and-data.md).
+
+    A server or job gets it when its profile is in ``profiles`` and its team in ``teams``
+    (an empty list: any), at least one of them written. Delivered as the file
+    ``/run/gpuhub/secrets/<name>`` readable only by the user's processes, or with ``env``
+    as that environment variable instead."""
+
+    name: Name
+    description: str = ""
+    local: LocalSecretSource | None = None
+    kubernetes: KubernetesSecretSource | None = None
+    profiles: Annotated[list[str], BeforeValidator(_all_teams)] = []
+    teams: Annotated[list[str], BeforeValidator(_all_teams)] = []
+    env: str | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not _ENV_NAME.match(value):
+            raise ValueError(f"{value!r} is not a valid environment variable name")
+        if reason := unsafe_env_reason(value, "deliver it as a file instead (leave env out)"):
+            raise ValueError(reason)
+        if _RESERVED_ENV.match(value):
+            raise ValueError(f"{value!r} is set by gpuhub for every server; choose another name")
+        return value
+
+    @model_validator(mode="after")
+    def _complete(self) -> "SecretGrant":
+        if self.local is None and self.kubernetes is None:
+            raise ValueError("a secret needs a source: local (file + key) on one machine, kubernetes (secret + key) on a cluster")
+        if not self.profiles and not self.teams:
+            raise ValueError("grant it to profiles, teams or both (write '*' for all): a secret granted to nobody is a mistake")
+        return self
+
+    def granted(self, team: str, profile: str) -> bool:
+        return ("*" in self.teams or not self.teams or team in self.teams) and (
+            "*" in self.profiles or not self.profiles or profile in self.profiles
+        )
+
+
+class LocalDataSource(_Model):
+    """One machine: a directory, bind-mounted into the team's servers and jobs by the sandbox.
+    Keep it under a directory only root may enter (e.g. ``/srv/gpuhub-data``, mode 0700): the
+    bind is the only way in, so another team's members cannot reach it."""
+
+    path: AbsolutePath
+
+
+class KubernetesDataSource(_Model):
+    """Kubernetes: a PersistentVolumeClaim in the users' namespace (any CSI driver behind it)."""
+
+    claim: Name
+    sub_path: str | None = None
+
+
+class TeamData(_Model):
+    """``data:``: a dataset mounted at ``/run/gpuhub/data/<name>`` into the servers and jobs of
+    the members of ``teams`` (read-only unless ``readOnly: false``; optionally only for some
+    ``profiles``)."""
+
+    name: Name
+    description: str = ""
+    teams: list[str] = Field(min_length=1)
+    profiles: Annotated[list[str], BeforeValidator(_all_teams)] = []
+    read_only: bool = True
+    local: LocalDataSource | None = None
+    kubernetes: KubernetesDataSource | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> "TeamData":
+        if self.local is None and self.kubernetes is None:
+            raise ValueError("a dataset needs a source: local (path) on one machine, kubernetes (claim) on a cluster")
+        return self
+
+    def granted(self, team: str, profile: str) -> bool:
+        return (team in self.teams or "*" in self.teams) and (
+            "*" in self.profiles or not self.profiles or profile in self.profiles
+        )
+
+
 class Policy(_Model):
     api_version: Literal["gpuhub/v1"] = "gpuhub/v1"
     flavors: list[Flavor] = []
@@ -610,6 +743,16 @@ class Policy(_Model):
     ray: RayRules = RayRules()
     fair_share: FairShare | None = None
     offboarding: OffboardingRules = OffboardingRules()
+    secrets: list[SecretGrant] = []
+    data: list[TeamData] = []
+
+    def secrets_for(self, team: str, profile: str) -> list[SecretGrant]:
+        """The secrets a server or job of ``team`` on ``profile`` receives, in policy order."""
+        return [s for s in self.secrets if s.granted(team, profile)]
+
+    def data_for(self, team: str, profile: str) -> list[TeamData]:
+        """The team datasets mounted into a server or job of ``team`` on ``profile``."""
+        return [d for d in self.data if d.granted(team, profile)]
 
     @property
     def fair(self) -> FairShare | None:

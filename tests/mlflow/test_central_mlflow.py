@@ -160,6 +160,8 @@ def test_gpu_server_logs_system_metrics(alice_notebook):
 def test_artifacts_go_through_the_service_with_the_same_permissions(mlflow, users, alice_notebook):
     kernel, _ = alice_notebook
     out = kernel.execute(
+        "import os\n"
+        "os.environ['MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR'] = 'false'  # tqdm's bar, on stderr, joins the output\n"
         "import mlflow\n"
         "mlflow.end_run()\n"
         "with mlflow.start_run(run_name='artifacts') as run:\n"

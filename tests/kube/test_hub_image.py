@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,12 +143,16 @@ def test_package_installs_and_registers_in_a_clean_python_of_the_images_version(
             digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
     venv = Path.home() / ".cache" / "gpuhub-tests" / f"hub-image-venv-py{IMAGE_PYTHON}-{digest.hexdigest()[:16]}"
     py = venv / "bin" / "python"
-    if not (venv / ".installed").exists():
+    if not ((venv / ".installed").exists() and py.exists()):  # never made, or half removed
+        shutil.rmtree(venv, ignore_errors=True)
         dist = tmp_path / "dist"
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist), str(REPO)], check=True)
         [wheel] = dist.glob("gpuhub_spawner-*.whl")
-        for old in venv.parent.glob(f"hub-image-venv-py{IMAGE_PYTHON}-*"):  # one cached venv at most
-            shutil.rmtree(old, ignore_errors=True)
+        # Older venvs go, but not one another checkout's run may be using right now (a worktree
+        # beside this one with other sources has another digest): only those unused for an hour.
+        for old in venv.parent.glob(f"hub-image-venv-py{IMAGE_PYTHON}-*"):
+            if time.time() - old.stat().st_mtime > 3600:
+                shutil.rmtree(old, ignore_errors=True)
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
         subprocess.run([str(py), "-m", "pip", "install", "--quiet", str(wheel)], check=True)
         (venv / ".installed").write_text(wheel.name)
@@ -160,6 +166,7 @@ for name in eps:
 hub = JupyterHub(spawner_class="gpuhub-kube")
 print(sys.version_info[:2], sorted(eps), hub.spawner_class.__name__, md.version("jupyterhub"), md.version("jupyterhub-kubespawner"))
 """
+    os.utime(venv)  # in use: see the clean-up above
     done = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [

@@ -243,3 +243,31 @@ def test_a_stop_from_the_hub_waits_for_the_open_labs_answer_and_keeps_a_culls_wo
 
     asyncio.run(scenario())
     assert board.stopped_for("dave", {"": 200.0})[""]["rule"] == "gpu-idle"
+
+
+def test_a_stop_waits_for_the_poll_on_its_way_from_an_open_lab(config):
+    """Between two long polls of a visible JupyterLab (one answered, the next on its way), a stop
+    waits for the next one to come and be answered, not for nothing; a user with no JupyterLab
+    polling is not waited for."""
+    board = CullBoard(config=config)
+
+    async def scenario():
+        first = board.answering("carol")  # a poll came and was answered: carol's Lab is open
+        board.answered("carol", first)
+        told = []
+
+        async def next_poll():
+            await asyncio.sleep(0.05)  # on its way
+            held = board.answering("carol")
+            told.append(board.stopped_for("carol", {"": 100.0}))
+            board.answered("carol", held)
+
+        poll = asyncio.ensure_future(next_poll())
+        await asyncio.wait_for(board.stopping("carol/", 100.0, "from the hub", wait=5), 4)
+        assert told and told[0][""]["rule"] == "stop"
+        await poll
+        t0 = asyncio.get_running_loop().time()
+        await board.stopping("dave/", 100.0, "from the hub", wait=5)  # dave has no Lab open
+        assert asyncio.get_running_loop().time() - t0 < 1
+
+    asyncio.run(scenario())

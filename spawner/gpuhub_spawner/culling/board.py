@@ -48,6 +48,10 @@ log = logging.getLogger("JupyterHub.gpuhub.culler")
 DEFAULT_BUSY_THRESHOLD = 5
 HISTORY_PER_USER = 10
 SOFT_SAVE_EVERY = 60.0  # seconds between saves caused only by fresh GPU readings
+# A user whose long poll came this recently has a JupyterLab open and visible (the extension asks
+# again at once after each answer, at most every 25 s: culling_api.MAX_GPU_WAIT, plus slack).
+POLL_GAP = 30.0
+RELAY_GRACE = 0.5  # s the relay in a server gets to pass the hub's stop notice on before the stop
 
 
 @dataclass
@@ -129,6 +133,8 @@ class CullBoard(SingletonConfigurable):
         # answers still being written, per user (a stop waits for those before the server goes).
         self._waiters: set[asyncio.Future] = set()
         self._answering: dict[str, set[asyncio.Future]] = {}
+        self._polled: dict[str, float] = {}  # user -> when a long poll of theirs last came (monotonic)
+        self._next_answer: dict[str, set[asyncio.Future]] = {}  # stops waiting for a poll on its way
         self.load()
 
     # -- persistence ----------------------------------------------------------------------
@@ -512,11 +518,13 @@ class CullBoard(SingletonConfigurable):
         """A long poll of ``user`` holds this until its answer is written (``answered``)."""
         fut = asyncio.get_running_loop().create_future()
         self._answering.setdefault(user, set()).add(fut)
+        self._polled[user] = time.monotonic()
         return fut
 
     def answered(self, user: str, fut: asyncio.Future) -> None:
-        if not fut.done():
-            fut.set_result(None)
+        for f in [fut, *self._next_answer.pop(user, ())]:
+            if not f.done():
+                f.set_result(None)
         held = self._answering.get(user)
         if held is not None:
             held.discard(fut)
@@ -537,9 +545,20 @@ class CullBoard(SingletonConfigurable):
         for old in [k for k, e in self.stops.items() if e["at"] < now - 86400]:
             del self.stops[old]
         held = list(self._answering.get(user, ()))
+        if not held and time.monotonic() - self._polled.get(user, -1e9) < POLL_GAP:
+            # A JupyterLab of theirs polls (visible) but its next request is on its way: wait for
+            # it to come and be answered (at once: it finds the stop already).
+            fut = asyncio.get_running_loop().create_future()
+            self._next_answer.setdefault(user, set()).add(fut)
+            held = [fut]
         self.changed()
         if held:
-            await asyncio.wait(held, timeout=wait)
+            done, _ = await asyncio.wait(held, timeout=wait)
+            if done:
+                # The relay in the server passes the answer on in its own loop; the server's stop
+                # signal, sent the moment we return, would stop that loop first (seen: SIGINT
+                # 1 ms after the hub's answer, the browser's request hung up).
+                await asyncio.sleep(RELAY_GRACE)
 
     def stopped_for(self, user: str, started: dict[str, float | None]) -> dict[str, dict]:
         """Why each server of ``user`` stopped or is stopping, for the run that started at

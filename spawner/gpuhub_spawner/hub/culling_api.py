@@ -355,6 +355,8 @@ class CullWarningsHandler(_Base):
                 raise web.HTTPError(400, f"gpu_wait must be between 0 and {MAX_GPU_WAIT:g} seconds")
         answer = self._snapshot(user)
         held = None
+        if wait and any(answer["stopped"].get(name) for name, sp in user.spawners.items() if sp.active):
+            wait = 0.0  # a running server is being stopped: say so at once (a stop may wait for it)
         if wait:
             waiters = app_of(self).gpu_waiters  # the hub's, not this module's: one per hub
             mine = waiters.get(user.name, 0)
@@ -375,11 +377,12 @@ class CullWarningsHandler(_Base):
                         waiters.pop(user.name, None)
         self.set_header("Cache-Control", "no-store")
         try:
-            self.write(json.dumps(dict(answer, gpu_wait=wait)))
-            await self.finish()
+            self.finish(json.dumps(dict(answer, gpu_wait=wait)))  # written to the socket now
         finally:
             if held is not None:
                 self.board.answered(user.name, held)
+            elif answer["stopped"]:
+                self.board.answered(user.name, asyncio.get_running_loop().create_future())
 
 
 class SnoozeHandler(_Base):

@@ -401,16 +401,6 @@ class CullWatcher {
     const message = stopped
       ? stoppedMessage(stopped.at, stopped.reason, stopped.rule)
       : `This server is no longer running (stopped from the hub, or it ended)${STOPPED_TAIL}`;
-    const actions: Notification.IAction[] = [
-      {
-        label: 'Hub home',
-        caption: 'Start it again from the hub home page (why it stopped is there too)',
-        displayType: 'accent',
-        callback: () => {
-          window.location.href = this.hubHome();
-        }
-      }
-    ];
     if (this._id && Notification.manager.has(this._id)) {
       Notification.dismiss(this._id);
     }
@@ -418,8 +408,38 @@ class CullWatcher {
       Notification.dismiss(this._gpuId); // the stop notice says what to do now
     }
     this._gpuId = null;
-    this._id = Notification.info(message, { autoClose: false, actions });
+    this._id = null;
     this._key = null;
+    this.stopNotice(message);
+  }
+
+  /**
+   * The stop notice: a banner of this page's own, not a JupyterLab toast. JupyterLab loads its
+   * toasts' code from the server the first time one is shown, and the server is going away: a
+   * tab that had shown no toast yet could show none (seen: the chunk's request answered 424).
+   */
+  private stopNotice(message: string): void {
+    const box = document.createElement('div');
+    box.className = 'gpuhub-stop-notice';
+    box.setAttribute('role', 'alert');
+    box.style.cssText =
+      'position:fixed;top:8px;left:50%;transform:translateX(-50%);z-index:100000;max-width:640px;' +
+      'padding:10px 14px;border-radius:4px;border:1px solid var(--jp-brand-color1,#1976d2);' +
+      'background:var(--jp-layout-color1,#fff);color:var(--jp-ui-font-color1,#000);' +
+      'box-shadow:0 2px 8px rgba(0,0,0,.3);font:var(--jp-ui-font-size1,13px) var(--jp-ui-font-family,sans-serif);' +
+      'display:flex;gap:12px;align-items:center';
+    const text = document.createElement('span');
+    text.textContent = message;
+    const button = document.createElement('button');
+    button.type = 'button';
+    button.className = 'jp-Button jp-mod-styled jp-mod-accept';
+    button.textContent = 'Hub home';
+    button.title = 'Start it again from the hub home page (why it stopped is there too)';
+    button.addEventListener('click', () => {
+      window.location.href = this.hubHome();
+    });
+    box.append(text, button);
+    document.body.appendChild(box);
   }
 
   /** The countdown, on the browser's clock: every second in the last two minutes. */

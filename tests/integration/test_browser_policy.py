@@ -42,6 +42,8 @@ def test_a_lead_previews_an_admin_applies_a_researcher_is_refused(hub, browser, 
     assert "You lead vision" in lena.inner_text("#gpuhub-policy-role")
     assert lena.locator("#gpuhub-policy-apply").count() == 0  # leads have no Apply
     assert "nominal: 2" in lena.input_value("#gpuhub-policy-text")
+    # The admin's comments and layout, as written (issue 43 item 4): only environment values masked.
+    assert lena.input_value("#gpuhub-policy-text") == POLICY.replace("hf-secret-123", "'***'")
 
     # a broken edit: the error at its line, with the line itself
     lena.fill(
@@ -103,6 +105,16 @@ def test_a_lead_previews_an_admin_applies_a_researcher_is_refused(hub, browser, 
     assert "promises what this hub cannot keep" in box.inner_text() and "8" in box.inner_text()
     assert admin.inner_text("#gpuhub-policy-apply") == "Apply anyway"
     assert admin.locator("#gpuhub-impact-section, .gpuhub-impact-section[data-section=warnings]").count() == 1
+    assert hub.policy.read_text() == POLICY
+
+    # A profile-only edit names the change (issue 43 item 4), not "No change for anyone".
+    admin.fill("#gpuhub-policy-text", POLICY.replace("teams: [vision]}", "teams: [vision], memory: 8Gi}"))
+    admin.click("#gpuhub-policy-preview")
+    line = admin.locator("#gpuhub-policy-impact .gpuhub-impact-line", has_text="Profile 2× A100 (a100-2) changes")
+    line.wait_for(timeout=15_000)
+    # (the people the hub knows: those who have logged in here)
+    assert "changes: memory (default) -> 8Gi (for Vision Lab: alice, lena)." in line.inner_text(), line.inner_text()
+    assert "No change for anyone" not in admin.inner_text("#gpuhub-policy-impact")
     assert hub.policy.read_text() == POLICY
 
     carol, r = policy_page(browser, hub, "carol")

@@ -16,8 +16,8 @@ from support.hub import running_hub, wait_for
 pytestmark = pytest.mark.integration
 
 POLICY = """\
-flavors:
-  - {name: a100, displayName: A100, local: {virtual: 3}}
+flavors:  # The lab's GPU policy. Ask #gpu-admins before raising a quota.
+  - {name: a100, displayName: A100, local: {virtual: 3}}   # virtual: no NVIDIA driver here
 priorityClasses:
   - {name: interactive, value: 1000}
 roles:
@@ -150,6 +150,8 @@ def test_a_lead_previews_their_team_only_and_a_researcher_is_refused(hub, users,
     # changes nothing (the masks are read as the values in force, not as an edit of every team)
     state = lena.api.get(lena.url("/gpuhub/policy")).json()
     assert "hf-secret-123" not in state["text"] and "HF_TOKEN: '***'" in state["text"] and state["path"] is None
+    # ... as the admin wrote it (issue 43 item 4): comments, layout and flow style kept, only the values masked
+    assert state["text"] == POLICY.replace("hf-secret-123", "'***'"), state["text"]
     assert "hf-secret-123" in users["admin"].api.get(users["admin"].url("/gpuhub/policy")).json()["text"]
     r = post(lena, "preview", yaml=state["text"])
     assert r.status_code == 200, r.text
@@ -157,6 +159,12 @@ def test_a_lead_previews_their_team_only_and_a_researcher_is_refused(hub, users,
     r = post(lena, "preview", yaml=LEAD_EDIT)
     assert r.status_code == 200, r.text
     assert any("alice's server" in t for t in lines(r.json(), "running"))
+    # A profile-only edit is named, not "No change for anyone" (issue 43 item 4).
+    r = post(lena, "preview", yaml=state["text"].replace("teams: [vision]}", "teams: [vision], memory: 8Gi}"))
+    assert r.status_code == 200, r.text
+    assert lines(r.json(), "profiles") == [
+        "Profile 2× A100 (a100-2) changes: memory (default) -> 8Gi (for Vision Lab: alice, dave, lena)."
+    ], r.json()
     other = POLICY.replace("a100: {nominal: 1}}}\nprofiles", "a100: {nominal: 0}}}\nprofiles")
     r = post(lena, "preview", yaml=other)
     assert r.status_code == 403 and "changes team(s) you do not lead: nlp" in r.json()["message"]
@@ -264,18 +272,19 @@ def test_an_admin_applying_masked_text_keeps_the_secrets_and_leads_see_only_thei
     masked = lena.api.get(lena.url("/gpuhub/policy")).json()["text"]
     assert "HF_TOKEN: '***'" in masked
     # a lead adding a group: the people it brings in are counted, not named
-    r = post(lena, "preview", yaml=masked.replace("- vision-lab\n", "- vision-lab\n  - platform-admins\n", 1))
+    r = post(lena, "preview", yaml=masked.replace("groups: [vision-lab]", "groups: [vision-lab, platform-admins]", 1))
     assert r.status_code == 200, r.text
     words = " ".join(lines(r.json(), "profiles"))
     assert "1 person outside your teams would join Vision Lab" in words and "admin" not in words
-    r = post(lena, "preview", yaml=masked.replace("- vision-lab\n", "- vision-lab\n  - nlp-group\n", 1))
+    r = post(lena, "preview", yaml=masked.replace("groups: [vision-lab]", "groups: [vision-lab, nlp-group]", 1))
     assert r.status_code == 403 and "nlp" in r.json()["message"]
-    nlp_down = masked.replace("nominal: 1\n", "nominal: 0\n")
+    nlp_down = masked.replace("a100: {nominal: 1}}}\nprofiles", "a100: {nominal: 0}}}\nprofiles")
     assert nlp_down != masked
     r = post(admin, "apply", yaml=nlp_down, summary="NLP Group down to no A100")
     assert r.status_code == 200, r.text
     applied = r.json()["version"]
     assert 'HF_TOKEN: "hf-secret-123"' in hub.policy.read_text() and "***" not in hub.policy.read_text()
+    assert "flavors:  # The lab's GPU policy." in hub.policy.read_text()  # the lead's text, applied: comments kept
     history = {v["n"]: v for v in lena.api.get(lena.url("/gpuhub/policy")).json()["versions"]}
     assert set(history[applied["n"]]) == {"n", "hash", "by", "at", "source"}  # NLP's change: no summary
     vision_only = [v for v in history.values() if v.get("summary", "").startswith("Vision Lab: A100 GPUs quota 2 → 1")]

@@ -193,3 +193,81 @@ def test_the_state_file_keeps_what_a_restart_needs_not_every_quiet_server(config
     again = CullBoard(config=config)  # after a restart the quiet servers are judged as before
     d = decide(again, [cpu_server(again, user="q0", activity=50.0)], now=50.0 + rules_of(again).timeout + 1)
     assert d["q0/"].action == "warn"
+
+
+def test_an_open_lab_is_woken_by_a_cull_and_told_why_the_run_stopped(config):
+    """The long poll's wake-up and words (hub/culling_api.py): a cull decided wakes waiters at
+    once, and ``stopped_for`` says why this run stops; a later run of the server is not told."""
+    board = CullBoard(config=config)
+
+    async def scenario():
+        waiting = asyncio.ensure_future(board.wait_change(30))
+        await asyncio.sleep(0)
+        await board.decide_all([gpu_server(board)], now=1800.0)  # warned: a change
+        assert await asyncio.wait_for(waiting, 5) is True
+        assert await board.wait_change(0.05) is False  # nothing new: times out
+        waiting = asyncio.ensure_future(board.wait_change(30))
+        await asyncio.sleep(0)
+        await board.decide_all([gpu_server(board)], now=1800.0 + 900)  # the deadline: culled
+        assert await asyncio.wait_for(waiting, 5) is True
+
+    asyncio.run(scenario())
+    why = board.stopped_for("carol", {"": 0.0})[""]
+    assert why["rule"] == "gpu-idle" and "GPUs were idle for 30m" in why["reason"] and why["at"] == 2700.0
+    assert board.stopped_for("carol", {"": 3000.0}) == {}  # started again since: not news to it
+
+
+def test_a_stop_from_the_hub_waits_for_the_open_labs_answer_and_keeps_a_culls_words(config):
+    board = CullBoard(config=config)
+    written = []
+
+    async def lab_poll():  # what CullWarningsHandler does around its wait
+        held = board.answering("carol")
+        try:
+            await board.wait_change(30)
+            written.append(board.stopped_for("carol", {"": 100.0}))
+        finally:
+            board.answered("carol", held)
+
+    async def scenario():
+        poll = asyncio.ensure_future(lab_poll())
+        await asyncio.sleep(0)
+        await board.stopping("carol/", 100.0, "from the hub", wait=5)
+        assert written and written[0][""]["rule"] == "stop", written  # answered before the stop went on
+        await poll
+        assert board._answering == {}
+        # A cull of the same run keeps its words when the culler's stop arrives.
+        await board.decide_all([gpu_server(board, "dave", started=200.0)], now=2000.0)
+        await board.decide_all([gpu_server(board, "dave", started=200.0)], now=2900.0)
+        await board.stopping("dave/", 200.0, "from the hub", wait=0.1)
+
+    asyncio.run(scenario())
+    assert board.stopped_for("dave", {"": 200.0})[""]["rule"] == "gpu-idle"
+
+
+def test_a_stop_waits_for_the_poll_on_its_way_from_an_open_lab(config):
+    """Between two long polls of a visible JupyterLab (one answered, the next on its way), a stop
+    waits for the next one to come and be answered, not for nothing; a user with no JupyterLab
+    polling is not waited for."""
+    board = CullBoard(config=config)
+
+    async def scenario():
+        first = board.answering("carol")  # a poll came and was answered: carol's Lab is open
+        board.answered("carol", first)
+        told = []
+
+        async def next_poll():
+            await asyncio.sleep(0.05)  # on its way
+            held = board.answering("carol")
+            told.append(board.stopped_for("carol", {"": 100.0}))
+            board.answered("carol", held)
+
+        poll = asyncio.ensure_future(next_poll())
+        await asyncio.wait_for(board.stopping("carol/", 100.0, "from the hub", wait=5), 4)
+        assert told and told[0][""]["rule"] == "stop"
+        await poll
+        t0 = asyncio.get_running_loop().time()
+        await board.stopping("dave/", 100.0, "from the hub", wait=5)  # dave has no Lab open
+        assert asyncio.get_running_loop().time() - t0 < 1
+
+    asyncio.run(scenario())

@@ -327,7 +327,7 @@ def test_the_masked_text_is_made_once_per_version_off_the_loop(monkeypatch):
         made.append(threading.current_thread().name)
         return "masked"
 
-    monkeypatch.setattr(policy_api, "masked_text", counting)
+    monkeypatch.setattr(policy_api, "masked_text_as_written", counting)
     changes = PolicyChanges()  # what the hub's application object keeps between requests
 
     async def twice():
@@ -354,3 +354,55 @@ def test_a_leads_history_from_the_terminal_has_every_version_and_only_the_summar
     assert policy_cli._history(SimpleNamespace(hub="http://hub.example")) == 0
     out = capsys.readouterr().out
     assert "applied          - *" in out and "Vision Lab: quota" in out
+
+
+def test_the_masked_text_keeps_the_admins_comments_and_layout_but_nothing_inside_env():
+    """What a lead's text box shows (issue 43 item 4): the file as the admin wrote it, comments,
+    blank lines and flow style included, with every environment value masked and the comments
+    inside an env mapping (an old value?) gone; where that cannot be exact, the masked data."""
+    from gpuhub_spawner.usage.policy_text import masked_text_as_written as masked_text
+
+    written = "# Who may use what. Ask #gpu-admins before raising a quota.\n" + OLD.replace(
+        '  - {slug: cpu, displayName: CPU only, teams: "*", default: true}\n',
+        "  - slug: cpu   # everyone's\n"
+        "    displayName: CPU only\n"
+        '    teams: "*"\n'
+        "    default: true\n"
+        "    env:\n"
+        "      HF_TOKEN: hf-secret   # rotated 2026-11\n"
+        "      # OLD_TOKEN: hf-old-secret\n"
+        "      NOTE: |\n"
+        "        multi-line secret\n"
+        "\n"
+        "    # the GPU profiles\n",
+    ).replace("teams: [vision, nlp]}", "teams: [vision, nlp], env: {K: flow-secret}}  # both teams")
+    shown = masked_text(written)
+    for secret in ("hf-secret", "hf-old-secret", "multi-line secret", "flow-secret", "rotated"):
+        assert secret not in shown, shown
+    for kept in ("# Who may use what. Ask #gpu-admins", "- slug: cpu   # everyone's", "    # the GPU profiles", "# both teams"):
+        assert kept in shown, shown
+    assert "      HF_TOKEN: '***'\n      NOTE: '***'\n\n" in shown and "env: {K: '***'}" in shown
+    assert parse_policy(shown).profile("cpu").env == {"HF_TOKEN": "***", "NOTE": "***"}
+    # An env mapping shared through an anchor cannot be rewritten in place: the masked data instead.
+    anchored = "common: &e {K: kept-secret}\nprofiles:\n  - {slug: cpu, env: *e}\n"
+    assert "kept-secret" not in masked_text(anchored).split("profiles")[1]
+
+
+def test_a_profile_only_edit_names_the_change_and_who_has_the_profile():
+    new = OLD.replace(
+        "{slug: a100-1, displayName: 1× A100, gpu: {count: 1, flavor: a100}, teams: [vision, nlp]}",
+        "{slug: a100-1, displayName: 1× A100, gpu: {count: 1, flavor: a100}, teams: [vision, nlp], "
+        "image: 'quay.io/jupyter/pytorch-notebook:cuda12', memory: 8Gi, env: {TOKEN: t0ken}}",
+    )
+    imp = impact(parse_policy(OLD), parse_policy(new), PEOPLE)
+    lines = texts(imp, "profiles")
+    assert lines == [
+        "Profile 1× A100 (a100-1) changes: image (default) -> quay.io/jupyter/pytorch-notebook:cuda12; "
+        "memory (default) -> 8Gi; environment changed (for Vision Lab, NLP Group: alice, bob, carol, dave)."
+    ], lines
+    assert "t0ken" not in imp.text() and "No change for anyone" not in imp.text()
+    # A lead of NLP sees it, with Vision Lab's people unnamed.
+    lead = imp.for_lead({"nlp"}, {"carol", "dave"})
+    assert [ln.text for ln in lead.section("profiles")] == [
+        lines[0].replace("alice, bob", "someone outside your teams, someone outside your teams")
+    ]

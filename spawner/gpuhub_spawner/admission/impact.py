@@ -467,6 +467,71 @@ def _profiles(out: Impact, old: Policy, new: Policy, people: list[Person]) -> No
         if parts:
             out.add("profiles", f"{u.name} " + "; ".join(parts) + ".", teams=teams, users=[u.name])
             out.lines[-1].anon = "; ".join(anon)
+    _definitions(out, old, new, people, {name: m[3] for name, m in mine.items()})
+
+
+_PROFILE_FIELDS = {  # what a profile-only edit is named by (teams: the gains and losses above)
+    "display_name": "name",
+    "description": "description",
+    "image": "image",
+    "cpu": "CPU",
+    "memory": "memory",
+    "max_processes": "process limit",
+    "gpu": "GPUs",
+    "priority": "priority",
+    "idle": "idle rules",
+    "env": "environment",
+    "default": "default choice",
+}
+
+
+def _field_words(policy: Policy, name: str, value) -> str:
+    if value is None:
+        return "none" if name == "gpu" else "(default)"
+    if name == "cpu":
+        return format_cpu(value)
+    if name == "memory":
+        return format_memory(value)
+    if name == "gpu":
+        return _demand_words(policy, {f"gpu/{value.flavor}": value.count}) + (f", CUDA {value.cuda}" if value.cuda else "")
+    if name == "idle":
+        return (
+            ", ".join(
+                f"{k} {format_duration(v) if isinstance(v, (int, float)) and k not in ('gpuBusyThreshold', 'maxSnoozes') else v}"
+                for k, v in value.model_dump(by_alias=True, exclude_none=True).items()
+            )
+            or "(defaults)"
+        )
+    if name == "default":
+        return "yes" if value else "no"
+    return f"{value}"
+
+
+def _definitions(out: Impact, old: Policy, new: Policy, people: list[Person], offered: dict) -> None:
+    """A profile kept under its slug whose definition changes (image, resources, GPUs, idle rules,
+    environment ...): named, with who has it, so a profile-only edit never reads "No change for
+    anyone". Environment values are never shown (they may hold secrets): only that it changes."""
+    for p in new.profiles:
+        o = old.profile(p.slug)
+        if o is None or o == p:
+            continue
+        words = []
+        for name, label in _PROFILE_FIELDS.items():
+            before, after = getattr(o, name), getattr(p, name)
+            if before == after:
+                continue
+            if name in ("env", "description"):
+                words.append(f"{label} changed")
+            else:
+                words.append(f"{label} {_field_words(old, name, before)} -> {_field_words(new, name, after)}")
+        if not words:
+            continue  # only its teams changed: the gains and losses say it
+        users = sorted(u.name for u in people if p.slug in offered[u.name])
+        teams = [t.name for t in new.teams if p.usable_by(t.name)] or [t.name for t in old.teams if o.usable_by(t.name)]
+        labels = ", ".join(new.team(t).label for t in teams if new.team_or_none(t))
+        text = f"Profile {p.display_name} ({p.slug}) changes: " + "; ".join(words)
+        text += f" (for {labels}" + (f": {', '.join(users)}" if users else "") + ")." if labels else "."
+        out.add("profiles", text, teams=teams, users=users)  # (a lead sees outsiders unnamed: for_lead)
 
 
 def _quotas(out: Impact, old: Policy, new: Policy) -> None:

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import timezone
 from functools import cached_property
 from pathlib import Path
 
@@ -47,6 +48,10 @@ log = logging.getLogger("JupyterHub.gpuhub.culler")
 DEFAULT_BUSY_THRESHOLD = 5
 HISTORY_PER_USER = 10
 SOFT_SAVE_EVERY = 60.0  # seconds between saves caused only by fresh GPU readings
+# A user whose long poll came this recently has a JupyterLab open and visible (the extension asks
+# again at once after each answer, at most every 25 s: culling_api.MAX_GPU_WAIT, plus slack).
+POLL_GAP = 30.0
+RELAY_GRACE = 0.5  # s the relay in a server gets to pass the hub's stop notice on before the stop
 
 
 @dataclass
@@ -121,6 +126,15 @@ class CullBoard(SingletonConfigurable):
         self._rules_policy: Policy | None = None
         self._rules_cache: dict[int, tuple[Profile | None, IdleRules]] = {}
         self.dcgm = DcgmPrometheusReader(parent=self)
+        # user/server -> why it is being stopped right now (any stop: the culler's, a reclaim,
+        # the user's or an admin's from the hub), for the open JupyterLab; not persisted.
+        self.stops: dict[str, dict] = {}
+        # Long polls (hub/culling_api.py) waiting for what a user is told to change, and the
+        # answers still being written, per user (a stop waits for those before the server goes).
+        self._waiters: set[asyncio.Future] = set()
+        self._answering: dict[str, set[asyncio.Future]] = {}
+        self._polled: dict[str, float] = {}  # user -> when a long poll of theirs last came (monotonic)
+        self._next_answer: dict[str, set[asyncio.Future]] = {}  # stops waiting for a poll on its way
         self.load()
 
     # -- persistence ----------------------------------------------------------------------
@@ -332,6 +346,7 @@ class CullBoard(SingletonConfigurable):
             if before[0] is not None:
                 log.info("Warning withdrawn for %s (profile %s): %s", v.key, slug, idle_text)
                 self._dirty = True
+                self.changed()
             return
         if d.action == "cull":
             log.warning("Culling %s (profile %s): %s; %s", v.key, slug, d.reason, idle_text)
@@ -352,9 +367,11 @@ class CullBoard(SingletonConfigurable):
             del self.history[v.user][:-HISTORY_PER_USER]
             self.records.pop(v.key, None)
             self._dirty = True
+            self.changed()  # the open JupyterLab says why before the culler's stop arrives
             return
         if before[0] is None or before[0] != rec.state.deadline or before[1] != rec.state.snoozes:
             self._dirty = True
+            self.changed()
         if before[0] is None:
             metrics.WARNINGS.labels(rule=d.rule or "?").inc()
             usage.audit(
@@ -398,6 +415,7 @@ class CullBoard(SingletonConfigurable):
             usage.audit("snoozed", key=key, user=key.partition("/")[0], how="user", stops_at=rec.state.deadline)
             self._dirty = True
             self.save()
+            self.changed()
         return ok, message, rec.state.deadline
 
     def warnings_for(self, user: str, profiles: dict[str, Profile | None]) -> dict[str, dict]:
@@ -446,11 +464,13 @@ class CullBoard(SingletonConfigurable):
         self.reclaims[key] = notice
         self._dirty = True
         self.save()
+        self.changed()
 
     def clear_reclaim(self, key: str) -> None:
         if self.reclaims.pop(key, None) is not None:
             self._dirty = True
             self.save()
+            self.changed()
 
     def reclaimed(self, key: str, reason: str, warned_at: float) -> None:
         """The server was stopped to give its GPU back: the home page says so, like a cull."""
@@ -473,7 +493,115 @@ class CullBoard(SingletonConfigurable):
         self.records.pop(key, None)
         self._dirty = True
         self.save()
+        self.changed()
+
+    # -- what open JupyterLabs wait on (hub/culling_api.py's long poll) ------------------------
+    def changed(self) -> None:
+        """Wake every long poll: what some user is told may have changed (each compares)."""
+        for fut in list(self._waiters):
+            if not fut.done():
+                fut.get_loop().call_soon_threadsafe(_wake, fut)
+
+    async def wait_change(self, timeout: float) -> bool:
+        """True when ``changed()`` was called within ``timeout`` seconds."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.add(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self._waiters.discard(fut)
+
+    def answering(self, user: str) -> asyncio.Future:
+        """A long poll of ``user`` holds this until its answer is written (``answered``)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._answering.setdefault(user, set()).add(fut)
+        self._polled[user] = time.monotonic()
+        return fut
+
+    def answered(self, user: str, fut: asyncio.Future) -> None:
+        for f in [fut, *self._next_answer.pop(user, ())]:
+            if not f.done():
+                f.set_result(None)
+        held = self._answering.get(user)
+        if held is not None:
+            held.discard(fut)
+            if not held:
+                del self._answering[user]
+
+    async def stopping(self, key: str, started: float | None, reason: str, wait: float = 2.0) -> None:
+        """A server is about to stop (any stop: the culler's, a reclaim, the user's or an
+        admin's from the hub): its open JupyterLab is told why at once (the long poll answers),
+        and the stop waits for those answers to be written, at most ``wait`` seconds, so that
+        they leave before the server (the relay they pass through) goes away. A stop the
+        culler or a reclaim decided for this run keeps their words (``history``)."""
+        user, _, server = key.partition("/")
+        now = time.time()
+        last = next((e for e in reversed(self.history.get(user, [])) if e["server"] == server), None)
+        if last is None or started is None or last["at"] < started - 1:
+            self.stops[key] = {"server": server, "at": now, "reason": reason, "rule": "stop"}
+        for old in [k for k, e in self.stops.items() if e["at"] < now - 86400]:
+            del self.stops[old]
+        held = list(self._answering.get(user, ()))
+        if not held and time.monotonic() - self._polled.get(user, -1e9) < POLL_GAP:
+            # A JupyterLab of theirs polls (visible) but its next request is on its way: wait for
+            # it to come and be answered (at once: it finds the stop already).
+            fut = asyncio.get_running_loop().create_future()
+            self._next_answer.setdefault(user, set()).add(fut)
+            held = [fut]
+        self.changed()
+        if held:
+            done, _ = await asyncio.wait(held, timeout=wait)
+            if done:
+                # The relay in the server passes the answer on in its own loop; the server's stop
+                # signal, sent the moment we return, would stop that loop first (seen: SIGINT
+                # 1 ms after the hub's answer, the browser's request hung up).
+                await asyncio.sleep(RELAY_GRACE)
+
+    def stopped_for(self, user: str, started: dict[str, float | None]) -> dict[str, dict]:
+        """Why each server of ``user`` stopped or is stopping, for the run that started at
+        ``started[server]`` (epoch; None: not running): a stop in progress, else the last
+        cull or reclaim of that run (or the last one at all, for a server that is not running)."""
+        out: dict[str, dict] = {}
+        for entry in self.history.get(user, []):
+            out[entry["server"]] = entry
+        for key, entry in self.stops.items():
+            u, _, server = key.partition("/")
+            if u == user and (server not in out or entry["at"] >= out[server]["at"]):
+                out[server] = entry
+        result = {}
+        for server, entry in out.items():
+            if server not in started:
+                continue
+            since = started[server]
+            if since is None or entry["at"] >= since - 1:
+                result[server] = {k: entry.get(k) for k in ("at", "reason", "rule")}
+        return result
 
     def forget(self, key: str) -> None:
         if self.records.pop(key, None) is not None:
             self._dirty = True
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def tell_open_lab(spawner, wait: float = 2.0) -> None:
+    """Before a running server is stopped (by anyone): its open JupyterLab is told at once why,
+    through the long poll it holds on the hub (``CullBoard.stopping``), and the stop waits for
+    that answer to leave, at most ``wait`` seconds. Never fails a stop."""
+    orm_spawner = getattr(spawner, "orm_spawner", None)
+    if orm_spawner is None or orm_spawner.server is None or orm_spawner.started is None:
+        return  # waiting in the queue or never started: no JupyterLab is open on it
+    started = orm_spawner.started
+    if started.tzinfo is None:
+        started = started.replace(tzinfo=timezone.utc)  # the hub stores naive UTC
+    try:
+        board = CullBoard.instance(config=spawner.config)
+        await board.stopping(f"{spawner.user.name}/{spawner.name}", started.timestamp(), "from the hub", wait=wait)
+    except Exception:  # noqa: BLE001 (a notice; the stop goes on)
+        log.exception("Could not tell %s/%s's open JupyterLab that it stops", spawner.user.name, spawner.name)

@@ -22,6 +22,7 @@ hub or DCGM through Prometheus (``culling.gpu``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from datetime import datetime, timezone
@@ -286,19 +287,60 @@ MAX_GPU_WAITERS_PER_USER = 8  # a few open JupyterLab tabs; past it, answered at
 
 
 class CullWarningsHandler(_Base):
-    """``servers`` (pending stops), ``culled`` (recent culls) and ``gpu_failed`` (the user's
-    servers whose GPU went bad: ``{server: {devices, since, reason, xid}}``, one machine).
+    """``servers`` (pending stops), ``culled`` (recent culls), ``gpu_failed`` (the user's
+    servers whose GPU went bad: ``{server: {devices, since, reason, xid}}``) and ``stopped``
+    (why each running server is being stopped, or the last run of a stopped one was:
+    ``{server: {at, reason, rule}}``, rule ``stop`` for a stop from the hub).
 
-    ``?gpu_wait=S`` (0 < S <= 25): a long poll for JupyterLab. The answer waits until this
-    user's ``gpu_failed`` differs from what it was when the request came, or S seconds;
-    ``gpu_wait`` in the answer says how long it was allowed to wait (0: answered at once, e.g.
-    too many waiting already, or no health monitor: the caller polls at its normal pace).
+    ``?gpu_wait=S`` (0 < S <= 25): a long poll for JupyterLab. The answer waits until any of
+    this user's warnings, failed GPUs or stops differs from what it was when the request came,
+    or S seconds; ``gpu_wait`` in the answer says how long it was allowed to wait (0: answered
+    at once, too many waiting already: the caller polls at its normal pace). A stop waits for
+    these answers to be written before the server goes (``CullBoard.stopping``).
     """
 
     def _gpu_failed(self, user) -> dict:
         from .gpus_api import gpu_failures_of
 
         return {f.pop("server"): f for f in gpu_failures_of(app_of(self), self.config, user.name)}
+
+    def _snapshot(self, user) -> dict:
+        profiles = self.profiles_of(user)
+        started = {
+            name: (_epoch(sp.orm_spawner.started) if sp.active else None)
+            for name, sp in user.spawners.items()
+            if name in profiles or sp.active
+        }
+        return {
+            "servers": self.board.warnings_for(user.name, profiles),
+            "culled": self.board.culled_for(user.name, set(profiles)),
+            "gpu_failed": self._gpu_failed(user),
+            "stopped": self.board.stopped_for(user.name, started),
+        }
+
+    async def _wait_change(self, user, wait: float, before: dict) -> dict:
+        """What the user is told, once it differs from ``before`` or ``wait`` s have passed."""
+        from .gpus_api import health_monitor
+
+        board = self.board
+        monitor = health_monitor(app_of(self), self.config)
+        deadline = time.monotonic() + wait
+        now = before
+        while (left := deadline - time.monotonic()) > 0:
+            waits = [asyncio.ensure_future(board.wait_change(left))]
+            if monitor is not None:
+                waits.append(asyncio.ensure_future(monitor.wait_change(left)))
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            if not any(w.result() for w in done if not w.cancelled()):
+                break  # timed out
+            now = self._snapshot(user)
+            if now != before:
+                break
+        return now
 
     async def get(self, name):
         user = self.target_user(name)
@@ -311,27 +353,21 @@ class CullWarningsHandler(_Base):
                 raise web.HTTPError(400, "gpu_wait must be a number of seconds") from None
             if not 0 <= wait <= MAX_GPU_WAIT:  # nan fails both
                 raise web.HTTPError(400, f"gpu_wait must be between 0 and {MAX_GPU_WAIT:g} seconds")
-        failed = self._gpu_failed(user)
+        answer = self._snapshot(user)
+        held = None
+        if wait and any(answer["stopped"].get(name) for name, sp in user.spawners.items() if sp.active):
+            wait = 0.0  # a running server is being stopped: say so at once (a stop may wait for it)
         if wait:
-            from .gpus_api import health_monitor
-
-            monitor = health_monitor(app_of(self), self.config)
             waiters = app_of(self).gpu_waiters  # the hub's, not this module's: one per hub
             mine = waiters.get(user.name, 0)
-            if monitor is None or mine >= MAX_GPU_WAITERS_PER_USER or sum(waiters.values()) >= MAX_GPU_WAITERS:
+            if mine >= MAX_GPU_WAITERS_PER_USER or sum(waiters.values()) >= MAX_GPU_WAITERS:
                 wait = 0.0
             else:
                 waiters[user.name] = mine + 1
+                held = self.board.answering(user.name)
                 self.log.debug("GPU-failure long poll of %s: held up to %gs", user.name, wait)
                 try:
-                    deadline = time.monotonic() + wait
-                    while (left := deadline - time.monotonic()) > 0:
-                        if not await monitor.wait_change(left):
-                            break
-                        now_failed = self._gpu_failed(user)
-                        if now_failed != failed:
-                            failed = now_failed
-                            break
+                    answer = await self._wait_change(user, wait, answer)
                 finally:
                     self.log.debug("GPU-failure long poll of %s: let go", user.name)
                     n = waiters.get(user.name, 1) - 1
@@ -339,18 +375,14 @@ class CullWarningsHandler(_Base):
                         waiters[user.name] = n
                     else:
                         waiters.pop(user.name, None)
-        profiles = self.profiles_of(user)
         self.set_header("Cache-Control", "no-store")
-        self.write(
-            json.dumps(
-                {
-                    "servers": self.board.warnings_for(user.name, profiles),
-                    "culled": self.board.culled_for(user.name, set(profiles)),
-                    "gpu_failed": failed,
-                    "gpu_wait": wait,
-                }
-            )
-        )
+        try:
+            self.finish(json.dumps(dict(answer, gpu_wait=wait)))  # written to the socket now
+        finally:
+            if held is not None:
+                self.board.answered(user.name, held)
+            elif answer["stopped"]:
+                self.board.answered(user.name, asyncio.get_running_loop().create_future())
 
 
 class SnoozeHandler(_Base):

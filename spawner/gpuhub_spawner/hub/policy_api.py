@@ -37,7 +37,8 @@ from ..admission.impact import Holding, Person, Request, impact, read_candidate,
 from ..policy import PolicyStore
 from ..policy.bounded import InputRefused, loads_json
 from ..policy.scopes import LEAD, POLICY, allowed
-from ..usage.policy_versions import MASK, PolicyVersions, VersionNotFound, masked_text, text_hash
+from ..usage.policy_text import masked_text_as_written
+from ..usage.policy_versions import MASK, PolicyVersions, VersionNotFound, text_hash
 from .context import PolicyChanges, app_of
 
 if TYPE_CHECKING:
@@ -57,11 +58,12 @@ def off_loop(changes: PolicyChanges, fn, *args):
 
 
 async def masked_of(changes: PolicyChanges, text: str) -> str | None:
-    """The masked text of ``text``, computed once per hash, in the policy executor."""
+    """The masked text of ``text`` as the admin wrote it (comments and layout kept), computed once
+    per hash, in the policy executor."""
     h = text_hash(text)
     masked = changes.masked
     if h not in masked:
-        value = await off_loop(changes, masked_text, text)
+        value = await off_loop(changes, masked_text_as_written, text)
         if len(masked) >= changes.MASKED_KEPT:
             masked.pop(next(iter(masked)))
         masked[h] = value

@@ -47,6 +47,7 @@ from traitlets import Dict, Float, Integer, Unicode, default
 from ..policy.access import Choice
 from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
+from ..culling.board import tell_open_lab
 from ..usage import recorder as usage
 from ..policy.access import ChoiceError, resolve_choice
 from . import own_quota
@@ -822,6 +823,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
     async def stop(self, now=False):
         """KubeSpawner's stop, but a pod kept only by Kueue's finalizer counts as stopped:
         its containers are gone and its resources freed; Kueue removes the object when back."""
+        await tell_open_lab(self)  # its open JupyterLab says why before the pod goes
         self._pod_created = False
         self._started = False
         usage.note_end(self._server_key, "stopped")  # unless the culler or the reclaimer said why first

@@ -22,6 +22,7 @@ from ..admission.quota import demand_for, describe
 from ..policy.access import ChoiceError, resolve_choice
 from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
+from ..culling.board import tell_open_lab
 from ..usage import recorder as usage
 from .broker import LocalBroker
 from .devices import cuda_refusal
@@ -284,6 +285,7 @@ class QueuedGpuMixin(PolicySpawnerMixin):
         return status
 
     async def stop(self, now=False):
+        await tell_open_lab(self)  # its open JupyterLab says why before the server goes
         usage.note_end(self.server_key, "stopped")  # unless the culler said why first
         self.broker.queue.cancel(self.server_key)
         try:

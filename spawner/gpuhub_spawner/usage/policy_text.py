@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import subprocess
 import sys
 
@@ -29,12 +30,83 @@ def _mask(node, under_env: bool = False):
 def masked_text(text: str) -> str | None:
     """The policy as YAML with every environment value masked (an ``env`` mapping anywhere: they
     may hold secrets), or None when the text does not parse -- never the text itself, which a
-    team lead must not read. libyaml (C) where available."""
+    team lead must not read. Written out again from the data (libyaml where available), so the
+    audit trail's diffs show what changed in the policy, not in its comments."""
     try:
         data = yaml.load(text, Loader=_Loader)
     except (yaml.YAMLError, ValueError, RecursionError):
         return None
     return yaml.dump(_mask(data), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
+
+def masked_text_as_written(text: str) -> str | None:
+    """``masked_text``, but as the admin wrote it: comments, blank lines, quoting, flow style and
+    order kept, every environment value masked in place (``_masked_as_written``), so the policy
+    page's text box shows a team lead the admin's file. Where that cannot be done exactly (the
+    result must read as the masked data), ``masked_text``."""
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except (yaml.YAMLError, ValueError, RecursionError):
+        return None
+    want = _mask(data)
+    kept = _masked_as_written(text)
+    if kept is not None:
+        try:
+            if yaml.load(kept, Loader=_Loader) == want:  # the same document, masked: nothing else moved
+                return kept
+        except (yaml.YAMLError, ValueError, RecursionError):
+            pass
+    return yaml.dump(want, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TRAILING_COMMENT = re.compile(r"[ \t]+#[^\n]*")
+
+
+def _masked_as_written(text: str) -> str | None:
+    """``text`` with each ``env`` mapping rewritten in place as ``NAME: '***'`` entries, every other
+    character (comments, blank lines, quoting, order) as the admin wrote it. Comments inside an
+    ``env`` mapping go with it (they may hold an old value). None where the text has something
+    this cannot rewrite exactly (a key that is not a plain scalar); the caller also checks that
+    the result reads as the masked data (an anchor on an ``env`` mapping does not)."""
+    if "env" not in text:
+        return text  # nothing to mask (the caller's check still applies)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)  # marks in characters
+    except (yaml.YAMLError, ValueError, RecursionError):
+        return None
+    spans: dict[int, tuple[int, int, str]] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value == "env" and isinstance(v, yaml.MappingNode):
+                    if id(v) in spans:
+                        continue
+                    names = []
+                    for ek, _ev in v.value:
+                        if not isinstance(ek, yaml.ScalarNode):
+                            return None
+                        names.append(ek.value if _PLAIN_KEY.fullmatch(ek.value) else json.dumps(ek.value))
+                    entries = [f"{name}: '{MASK}'" for name in names]
+                    if v.flow_style or not entries:
+                        spans[id(v)] = (v.start_mark.index, v.end_mark.index, "{" + ", ".join(entries) + "}")
+                    else:
+                        start, end = v.start_mark.index, v.value[-1][1].end_mark.index
+                        while end > start and text[end - 1] == "\n":
+                            end -= 1  # a block scalar's newlines: the line breaks stay
+                        trailing = _TRAILING_COMMENT.match(text, end)
+                        if trailing:
+                            end = trailing.end()
+                        spans[id(v)] = (start, end, ("\n" + " " * v.start_mark.column).join(entries))
+                else:
+                    stack.extend((k, v))
+    for start, end, value in sorted(spans.values(), reverse=True):
+        text = text[:start] + value + text[end:]
+    return text
 
 
 _NOT_SHOWN = "# (this text does not parse as YAML: not shown, it may hold secrets)\n"

@@ -1,21 +1,22 @@
 /**
- * gpuhub cull warnings inside JupyterLab.
+ * gpuhub notices inside JupyterLab: cull warnings with Snooze, a failed GPU, and why the
+ * server stopped.
  *
- * Polls the server extension's `gpuhub/culling` relay (on load, every 30 s while the tab is
- * visible, and when it becomes visible again; a hidden tab does not poll, so it never keeps
- * its own server looking used). While the hub has warned this server, a JupyterLab
- * notification (never auto-closing) says when the server will be stopped and offers a Snooze
- * action that POSTs to the relay and updates the notification with the hub's answer.
+ * One long poll (`gpuhub/culling?wait=25`, relayed by the server extension to the hub) is held
+ * while the tab is visible: the hub answers as soon as anything this user is told changes (a
+ * warning, a snooze, a failed GPU, a stop), else after 25 s; a hidden tab asks nothing, so it
+ * never keeps its own server looking used. While the hub has warned this server, a JupyterLab
+ * notification (never auto-closing) says when the server will be stopped, counting down on the
+ * browser's clock, with a Snooze action.
  *
- * When the relay stops answering (the server was stopped), the warning is replaced by what
- * happened: stopped at, why, files kept, and a link to the hub home page to start it again.
- *
- * A GPU of this server that went bad (one machine: an XID 79, a double-bit ECC error ...) is
- * told at once: while the tab is visible a long poll (`gpuhub/culling?wait=25`) waits on the
- * hub for this user's GPU failures to change, and an error notification says what happened,
- * that the files are kept and that a restart gets a healthy GPU.
+ * Any stop (the culler, a reclaim, the user's or an admin's from the hub) is told by the hub
+ * before the server goes: the notice says when and why, that the files are kept, and offers
+ * the hub home page. JupyterLab's own "Server unavailable or unreachable… Restart?" dialog is
+ * replaced (this plugin provides `IConnectionLost`): when the server stops answering and no
+ * reason came, the notice says so in the same place.
  */
 import {
+  IConnectionLost,
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
@@ -25,8 +26,9 @@ import { ServerConnection } from '@jupyterlab/services';
 
 const POLL_MS = 30_000;
 const GPU_WAIT_S = 25; // the hub holds a long poll at most this long (culling_api.MAX_GPU_WAIT)
-const MAX_MESSAGE = 140;
-const REMIND_MINUTES = 5; // a warning the user closed comes back once this close to the deadline // JupyterLab truncates longer notification messages
+const MAX_MESSAGE = 140; // JupyterLab truncates longer notification messages
+const REMIND_MINUTES = 5; // a warning the user closed comes back once this close to the deadline
+const HUB_DOWN_RETRY_MS = 5_000; // the relay could not reach the hub (502): ask again after this
 
 interface ICullWarning {
   deadline: number;
@@ -34,6 +36,7 @@ interface ICullWarning {
   snoozes_left: number;
   snooze_seconds: number;
   warned_at: number;
+  rule?: string | null;
 }
 
 interface IGpuFailure {
@@ -43,12 +46,19 @@ interface IGpuFailure {
   xid: number | null;
 }
 
+interface IStopped {
+  at: number;
+  reason: string;
+  rule: string | null; // 'stop': from the hub (the user or an admin); else the culler's rule, 'reclaim'
+}
+
 interface ICullingReply {
   enabled: boolean;
   server: string | null;
   now: number;
   warning: ICullWarning | null;
   gpu_failed?: IGpuFailure | null;
+  stopped?: IStopped | null;
   gpu_wait?: number;
   error?: string;
 }
@@ -103,6 +113,29 @@ function gpuFailureMessage(f: IGpuFailure): string {
   return head + reason + tail;
 }
 
+const STOPPED_TAIL = '. Your files are kept; start it again from the hub home page.';
+const SHORT_TAIL = '. Your files are kept.'; // where the reason needs the room (the button says the rest)
+
+/** Why this server stopped (under JupyterLab's 140 characters). */
+function stoppedMessage(at: number | null, reason: string | null, rule: string | null): string {
+  const when = at !== null ? ` at ${clock(at)}` : '';
+  if (rule === 'stop') {
+    return `This server was stopped${when} from the hub${STOPPED_TAIL}`;
+  }
+  if (!reason) {
+    return `This server was stopped${when}${STOPPED_TAIL}`;
+  }
+  const head = `This server was stopped${when}: `;
+  let why = reason.trim().replace(/\.+$/, '');
+  const tail =
+    head.length + why.length + STOPPED_TAIL.length <= MAX_MESSAGE ? STOPPED_TAIL : SHORT_TAIL;
+  const room = MAX_MESSAGE - head.length - tail.length;
+  if (why.length > room) {
+    why = why.slice(0, Math.max(0, room - 1)) + '\u2026';
+  }
+  return head + why + tail;
+}
+
 function sleep(ms: number): Promise<void> {
   return new Promise(resolve => window.setTimeout(resolve, ms));
 }
@@ -120,19 +153,18 @@ class CullWatcher {
   constructor(private settings: ServerConnection.ISettings) {}
 
   start(): void {
-    void this.poll();
-    this._timer = window.setInterval(() => {
-      if (document.visibilityState === 'visible') {
-        void this.poll();
-      }
-    }, POLL_MS);
     document.addEventListener('visibilitychange', () => {
       if (document.visibilityState === 'visible') {
-        void this.poll();
-        void this.watchGpu();
+        void this.watch();
+        this.tick();
       }
     });
-    void this.watchGpu();
+    void this.watch();
+  }
+
+  /** Whether this tab already says that (and why) the server stopped. */
+  get stopShown(): boolean {
+    return this._goneShown;
   }
 
   private async request<T>(
@@ -162,50 +194,54 @@ class CullWatcher {
     return Date.now() / 1000 + this._offset;
   }
 
-  async poll(): Promise<void> {
-    if (this._busy) {
-      return;
-    }
-    this._busy = true;
+  /**
+   * What the hub says of this server, applied: the warning, a failed GPU, a stop. Returns
+   * 'gone' when our own server no longer answers (a network error, or the hub's 424 for a
+   * server that is not running), 'hub' when the relay could not reach the hub (502), and
+   * 'held' / 'quick' when the hub held the long poll / answered at once.
+   */
+  private async ask(wait: number): Promise<'held' | 'quick' | 'hub' | 'gone' | 'off'> {
+    let reply: IReply<ICullingReply>;
     try {
-      const { status, body } = await this.request<ICullingReply>('GET');
-      if (status === 200 && body && body.enabled === false) {
-        // Not under a hub: nothing will ever be culled here.
-        this._disabled = true;
-        window.clearInterval(this._timer);
-        return;
-      }
-      if (status !== 200 || !body) {
-        if (status !== 502) {
-          this.serverGone(); // our own server no longer answers: it was stopped
-        }
-        return; // 502: the hub briefly unreachable, keep whatever is shown
-      }
-      this._failures = 0;
-      if (typeof body.now === 'number') {
-        this._offset = body.now - Date.now() / 1000;
-      }
-      this.show(body.warning);
-      this.showGpuFailure(body.gpu_failed || null);
+      reply = await this.request<ICullingReply>('GET', wait);
     } catch (err) {
       console.debug('gpuhub: culling poll failed', err);
-      this.serverGone();
-    } finally {
-      this._busy = false;
+      return 'gone';
     }
+    const { status, body } = reply;
+    if (status === 200 && body && body.enabled === false) {
+      this._disabled = true; // not under a hub: nothing will ever be culled here
+      return 'off';
+    }
+    if (status === 502) {
+      return 'hub';
+    }
+    if (status !== 200 || !body) {
+      return 'gone';
+    }
+    if (typeof body.now === 'number') {
+      this._offset = body.now - Date.now() / 1000;
+    }
+    if (body.stopped) {
+      this.showStopped(body.stopped);
+      return 'held';
+    }
+    this.show(body.warning);
+    this.showGpuFailure(body.gpu_failed || null);
+    return typeof body.gpu_wait === 'number' && body.gpu_wait > 0
+      ? 'held'
+      : 'quick';
   }
 
   /**
-   * The long poll for GPU failures, while the tab is visible: the hub answers as soon as this
-   * user's failed GPUs change (or after GPU_WAIT_S). Where the hub does not hold it (an older
-   * hub, too many waiting, no health monitor on Kubernetes) it falls back to the 30 s poll's
-   * pace. Failures back off; only the regular poll decides that the server is gone.
+   * The long poll, while the tab is visible and the server runs. Where the hub does not hold
+   * it (too many waiting) it asks at the 30 s pace, and never more than once a second.
    */
-  async watchGpu(): Promise<void> {
-    if (this._gpuWatching) {
+  async watch(): Promise<void> {
+    if (this._watching) {
       return;
     }
-    this._gpuWatching = true;
+    this._watching = true;
     try {
       while (
         !this._goneShown &&
@@ -213,33 +249,56 @@ class CullWatcher {
         document.visibilityState === 'visible'
       ) {
         const started = Date.now();
-        let held = false;
-        try {
-          const { status, body } = await this.request<ICullingReply>(
-            'GET',
-            GPU_WAIT_S
-          );
-          if (status === 200 && body && body.enabled === false) {
-            return;
-          }
-          if (status === 200 && body) {
-            held = typeof body.gpu_wait === 'number' && body.gpu_wait > 0;
-            if (typeof body.now === 'number') {
-              this._offset = body.now - Date.now() / 1000;
-            }
-            this.showGpuFailure(body.gpu_failed || null);
-          }
-        } catch (err) {
-          console.debug('gpuhub: GPU health poll failed', err);
-        }
-        if (!held) {
+        const outcome = await this.ask(GPU_WAIT_S);
+        if (outcome === 'gone') {
+          await this.lost();
+        } else if (outcome === 'hub') {
+          await sleep(HUB_DOWN_RETRY_MS); // keep whatever is shown
+        } else if (outcome === 'quick') {
           await sleep(POLL_MS);
         } else if (Date.now() - started < 1000) {
-          await sleep(1000); // never more than one a second, whatever the hub says
+          await sleep(1000);
         }
       }
     } finally {
-      this._gpuWatching = false;
+      this._watching = false;
+    }
+  }
+
+  /**
+   * Our server stopped answering and the hub gave no reason first (a hidden tab, a server
+   * that ended by itself, a network cut). One more question tells a blip from a stop; then
+   * the notice says what is known: the warning's reason if its deadline has passed.
+   */
+  async lost(): Promise<void> {
+    if (this._goneShown || this._checking) {
+      return;
+    }
+    this._checking = true;
+    try {
+      const outcome = await this.ask(0);
+      if (outcome !== 'gone' || this._goneShown) {
+        return;
+      }
+      const w = this._last;
+      if (w && w.deadline <= this.now() + 5) {
+        this.showStopped({
+          at: Math.min(w.deadline, this.now()),
+          reason: w.reason || 'idle',
+          rule: w.rule || null
+        });
+      } else {
+        this.showStopped(null);
+      }
+    } finally {
+      this._checking = false;
+    }
+  }
+
+  /** JupyterLab lost its server: gpuhub's notice instead of the stock "Restart?" dialog. */
+  connectionLost(): void {
+    if (!this._goneShown) {
+      void this.lost();
     }
   }
 
@@ -332,34 +391,16 @@ class CullWatcher {
     return host + URLExt.join(prefix, 'home');
   }
 
-  /**
-   * Our server stopped answering. Two failed polls in a row (a restart of the proxy is one)
-   * replace whatever is shown — a stale "will be stopped" — by what happened.
-   */
-  private serverGone(): void {
-    this._failures += 1;
-    if (this._failures < 2 || this._goneShown) {
+  /** The server stopped (``stopped``: the hub's words; null: it stopped answering). */
+  private showStopped(stopped: IStopped | null): void {
+    if (this._goneShown) {
       return;
     }
     this._goneShown = true;
-    window.clearInterval(this._timer);
-    const w = this._last;
-    const when = w && w.deadline <= this.now() + POLL_MS / 1000 ? ` at ${clock(Math.min(w.deadline, this.now()))}` : '';
-    const why = w ? `: ${(w.reason || 'idle').trim().replace(/\.+$/, '')}` : '';
-    let message = `This server was stopped${when}${why}. Your files are kept; start it again from the hub home page.`;
-    if (message.length > MAX_MESSAGE) {
-      message = `This server was stopped${when}. Your files are kept; start it again from the hub home page.`;
-    }
-    const actions: Notification.IAction[] = [
-      {
-        label: 'Hub home',
-        caption: 'Why it stopped, and start it again',
-        displayType: 'accent',
-        callback: () => {
-          window.location.href = this.hubHome();
-        }
-      }
-    ];
+    this.stopTicker();
+    const message = stopped
+      ? stoppedMessage(stopped.at, stopped.reason, stopped.rule)
+      : `This server is no longer running (stopped from the hub, or it ended)${STOPPED_TAIL}`;
     if (this._id && Notification.manager.has(this._id)) {
       Notification.dismiss(this._id);
     }
@@ -367,13 +408,70 @@ class CullWatcher {
       Notification.dismiss(this._gpuId); // the stop notice says what to do now
     }
     this._gpuId = null;
-    this._id = Notification.info(message, { autoClose: false, actions });
+    this._id = null;
     this._key = null;
+    this.stopNotice(message);
+  }
+
+  /**
+   * The stop notice: a banner of this page's own, not a JupyterLab toast. JupyterLab loads its
+   * toasts' code from the server the first time one is shown, and the server is going away: a
+   * tab that had shown no toast yet could show none (seen: the chunk's request answered 424).
+   */
+  private stopNotice(message: string): void {
+    const box = document.createElement('div');
+    box.className = 'gpuhub-stop-notice';
+    box.setAttribute('role', 'alert');
+    box.style.cssText =
+      'position:fixed;top:8px;left:50%;transform:translateX(-50%);z-index:100000;max-width:640px;' +
+      'padding:10px 14px;border-radius:4px;border:1px solid var(--jp-brand-color1,#1976d2);' +
+      'background:var(--jp-layout-color1,#fff);color:var(--jp-ui-font-color1,#000);' +
+      'box-shadow:0 2px 8px rgba(0,0,0,.3);font:var(--jp-ui-font-size1,13px) var(--jp-ui-font-family,sans-serif);' +
+      'display:flex;gap:12px;align-items:center';
+    const text = document.createElement('span');
+    text.textContent = message;
+    const button = document.createElement('button');
+    button.type = 'button';
+    button.className = 'jp-Button jp-mod-styled jp-mod-accept';
+    button.textContent = 'Hub home';
+    button.title = 'Start it again from the hub home page (why it stopped is there too)';
+    button.addEventListener('click', () => {
+      window.location.href = this.hubHome();
+    });
+    box.append(text, button);
+    document.body.appendChild(box);
+  }
+
+  /** The countdown, on the browser's clock: every second in the last two minutes. */
+  private tick(): void {
+    const w = this._last;
+    if (!w || this._goneShown || !this._id) {
+      return;
+    }
+    if (document.visibilityState === 'visible') {
+      this.show(w, this._prefix);
+    }
+    const left = w.deadline - this.now();
+    const next = left > 130 ? 30_000 : 1000;
+    this.stopTicker();
+    this._ticker = window.setTimeout(() => this.tick(), next);
+  }
+
+  private stopTicker(): void {
+    if (this._ticker) {
+      window.clearTimeout(this._ticker);
+      this._ticker = 0;
+    }
   }
 
   private show(w: ICullWarning | null, prefix = ''): void {
+    const ticking = this._last !== null && this._ticker !== 0;
     this._last = w;
+    if (w && !ticking) {
+      this._ticker = window.setTimeout(() => this.tick(), 1000);
+    }
     if (!w) {
+      this.stopTicker();
       if (this._id && this._key !== null) {
         this.notify(
           'This server is no longer scheduled to be stopped.',
@@ -387,10 +485,14 @@ class CullWatcher {
       return;
     }
     const key = `${w.warned_at}:${w.deadline}`;
+    if (key === this._key && !prefix) {
+      prefix = this._prefix; // "Snoozed. " stays until the warning changes
+    }
     const message = warningMessage(w, this.now(), prefix);
     if (key !== this._key) {
       // A new warning (or a new deadline): show it even if an older one was dismissed.
       this._key = key;
+      this._prefix = prefix;
       this._reminded = minutesLeft(w.deadline, this.now()) <= REMIND_MINUTES;
       if (this._id && Notification.manager.has(this._id)) {
         Notification.dismiss(this._id);
@@ -458,6 +560,8 @@ class CullWatcher {
       if (w) {
         // Still warned, with the new deadline: say so on the same notification.
         this._key = `${w.warned_at}:${w.deadline}`;
+        this._prefix = 'Snoozed. ';
+        this._last = w;
         this._reminded = minutesLeft(w.deadline, this.now()) <= REMIND_MINUTES;
         this.notify(
           warningMessage(w, this.now(), 'Snoozed. '),
@@ -489,30 +593,40 @@ class CullWatcher {
     }
   }
 
-  private _busy = false;
+  private _checking = false;
   private _disabled = false;
   private _gpuId: string | null = null;
   private _gpuKey: string | null = null;
-  private _gpuWatching = false;
-  private _failures = 0;
+  private _watching = false;
   private _goneShown = false;
   private _last: ICullWarning | null = null;
   private _id: string | null = null;
   private _key: string | null = null;
   private _offset = 0;
   private _reminded = false;
+  private _prefix = '';
   private _shown = '';
-  private _timer = 0;
+  private _ticker = 0;
 }
 
-const plugin: JupyterFrontEndPlugin<void> = {
+/**
+ * Starts the watcher, and answers JupyterLab's "connection lost" (it replaces the hub
+ * extension's "Server unavailable or unreachable… Restart?" dialog, whose Restart cannot help
+ * a server gpuhub stopped; the package's page config disables that plugin too): silent when
+ * the stop notice already says why, otherwise the watcher finds out and says so.
+ */
+const plugin: JupyterFrontEndPlugin<IConnectionLost> = {
   id: 'gpuhub-notebook:cull-warning',
   description:
-    'Shows the hub cull warning for this server, with a Snooze action, and a failed GPU.',
+    'Shows the hub cull warning for this server, with a Snooze action, a failed GPU, and why the server stopped.',
   autoStart: true,
-  activate: (app: JupyterFrontEnd) => {
+  provides: IConnectionLost,
+  activate: (app: JupyterFrontEnd): IConnectionLost => {
     const watcher = new CullWatcher(app.serviceManager.serverSettings);
     void app.restored.then(() => watcher.start());
+    return async () => {
+      watcher.connectionLost();
+    };
   }
 };
 

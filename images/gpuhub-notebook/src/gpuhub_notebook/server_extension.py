@@ -12,11 +12,14 @@ Handlers, under the server's ``base_url`` and authenticated like every server AP
     with the server's own ``JUPYTERHUB_API_TOKEN``::
 
         {"enabled": true, "server": "<name>", "now": <epoch>, "warning": {...} | null,
-         "gpu_failed": {devices, since, reason, xid} | null, "gpu_wait": <s>}
+         "gpu_failed": {devices, since, reason, xid} | null,
+         "stopped": {at, reason, rule} | null, "gpu_wait": <s>}
 
     ``enabled`` is false outside a hub (no ``JUPYTERHUB_API_URL``); the lab extension stops polling.
-    ``?wait=S`` (at most 25) is a long poll: the hub answers when this user's GPU failures
-    change, or after S s; ``gpu_wait`` says how long the hub agreed to wait (0: at once).
+    ``?wait=S`` (at most 25) is a long poll: the hub answers when this user's warnings, GPU
+    failures or stops change, or after S s; ``gpu_wait`` says how long the hub agreed to wait
+    (0: at once). ``stopped``: this server is being stopped, and why (the hub answers before
+    the server goes, so the open JupyterLab says why at once).
 
 ``POST gpuhub/culling``
     Relays ``POST {JUPYTERHUB_API_URL}/gpuhub/culling/{user}/snooze`` with ``{"server": "<this
@@ -141,18 +144,37 @@ class CullingHandler(APIHandler):
         if hub is None:
             self.finish(
                 json.dumps(
-                    {"enabled": False, "server": None, "now": time.time(), "warning": None, "gpu_failed": None, "gpu_wait": 0}
+                    {
+                        "enabled": False,
+                        "server": None,
+                        "now": time.time(),
+                        "warning": None,
+                        "gpu_failed": None,
+                        "stopped": None,
+                        "gpu_wait": 0,
+                    }
                 )
             )
             return
         status, data = await _hub_request(hub, "", wait=wait)
-        reply = {"enabled": True, "server": hub["server"], "now": time.time(), "warning": None, "gpu_failed": None, "gpu_wait": 0}
+        reply = {
+            "enabled": True,
+            "server": hub["server"],
+            "now": time.time(),
+            "warning": None,
+            "gpu_failed": None,
+            "stopped": None,
+            "gpu_wait": 0,
+        }
         if status == 200:
             entry = (data.get("servers") or {}).get(hub["server"])
             reply["warning"] = entry if isinstance(entry, dict) else None
             failed = data.get("gpu_failed")
             failed = failed.get(hub["server"]) if isinstance(failed, dict) else None
             reply["gpu_failed"] = failed if isinstance(failed, dict) else None
+            stopped = data.get("stopped")
+            stopped = stopped.get(hub["server"]) if isinstance(stopped, dict) else None
+            reply["stopped"] = stopped if isinstance(stopped, dict) else None
             gpu_wait = data.get("gpu_wait")
             reply["gpu_wait"] = gpu_wait if isinstance(gpu_wait, (int, float)) else 0
         elif status == 404:

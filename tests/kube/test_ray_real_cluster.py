@@ -230,7 +230,11 @@ async def test_autoscaling_needs_kueues_elastic_job_annotation(ray_cluster_plane
 
 @pytest.fixture
 def ray_policy(policy_file):
-    policy_file.write_text(policy_file.read_text() + "\nray: {enabled: true, maxWorkers: 4}\n")
+    """The shipped policy with Ray on and room for 4 workers (its own ``ray:`` section replaced:
+    a second one is a duplicate key, and the policy store refuses the file)."""
+    data = yaml.safe_load(policy_file.read_text())
+    data["ray"] = {"enabled": True, "maxWorkers": 4}
+    policy_file.write_text(yaml.safe_dump(data, sort_keys=False))
     return policy_file
 
 

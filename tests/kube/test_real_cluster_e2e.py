@@ -203,9 +203,15 @@ def test_two_servers_on_a_gpu_node_a_third_waits_a_stop_admits_it(backend, hub):
     ]
     mark(f"dave's pod events: {events}")
 
-    for user in (bob, dave, lena):
+    # The waiter first, while nothing can admit her: stopped together, bob's stop gave her the
+    # L4 while her DELETE was under way, and on the real plane (fresh-clone run, issue 40) her
+    # server came up and stayed (the stop of a spawn admitted in that second did not take;
+    # not solved here, docs/kubernetes-testing.md) and the next test found her pod.
+    lena.stop()
+    lena.wait_gone()
+    for user in (bob, dave):
         user.stop()
-    for user in (bob, dave, lena):
+    for user in (bob, dave):
         user.wait_gone()
     until(lambda: backend.pods() == [], what="no pods left", hub=hub)
     mark("all stopped")

@@ -165,6 +165,31 @@ class WorkloadQueue:
             self._fire(self.on_admit, adm)
 
 
+class _Merged:
+    """The reflectors of several namespaces read as one (``tenancy.mode: team``: one pair of
+    watches per team namespace): ``resources`` keyed ``namespace/name`` as each reflector keys
+    them, and ``gone`` (the last state of deleted objects) oldest first."""
+
+    def __init__(self, reflectors):
+        self._reflectors = reflectors  # () -> the current reflectors
+
+    @property
+    def resources(self) -> dict:
+        out: dict = {}
+        for r in self._reflectors():
+            out.update(r.resources)
+        return out
+
+    @property
+    def pods(self) -> dict:
+        return self.resources
+
+    @property
+    def gone(self) -> dict:
+        items = [kv for r in self._reflectors() for kv in getattr(r, "gone", {}).items()]
+        return dict(sorted(items, key=lambda kv: kv[1][0]))
+
+
 class KueueLedger(SingletonConfigurable):
     job_manager_class = Type(
         None,
@@ -192,8 +217,13 @@ class KueueLedger(SingletonConfigurable):
         super().__init__(**kwargs)
         self.store = PolicyStore.instance(config=self.config)
         self.queue = WorkloadQueue()
-        self._pods = None
-        self._workloads = None
+        self._pods: Any = None
+        self._workloads: Any = None
+        # namespace -> (pod reflector, Workload reflector): every namespace where user pods run
+        # (the shared one, or each team's: the policy's tenancy), started by watch().
+        self._sources: dict[str, tuple[Any, Any]] = {}
+        self._adding: set[str] = set()
+        self._watcher: Any = None  # the spawner whose reflectors' machinery starts new ones
         self._sync: PeriodicCallback | None = None
         self._workload_of: dict[str, tuple[str, str]] = {}
         self._patching: set[tuple[str, str]] = set()
@@ -212,6 +242,11 @@ class KueueLedger(SingletonConfigurable):
         return self.store.policy
 
     @property
+    def pod_view(self) -> Any:
+        """Every watched namespace's server pods as one reflector-like view (None before watch())."""
+        return self._pods
+
+    @property
     def watching(self) -> bool:
         return self._sync is not None
 
@@ -220,18 +255,48 @@ class KueueLedger(SingletonConfigurable):
         """Read the reflectors ``spawner`` shares with every other spawner of its namespace."""
         if self._sync is not None:
             return
-        await spawner._start_watching_pods()
-        await spawner._start_watching_workloads()
+        namespaces = self._namespaces(spawner)
+        if namespaces == [spawner.namespace]:  # the shared namespace: the spawners' own reflectors
+            await spawner._start_watching_pods()
+            await spawner._start_watching_workloads()
+            self._sources.setdefault(spawner.namespace, (spawner.pod_reflector, spawner.workload_reflector))
+        else:
+            await self._add(spawner, namespaces)
         if self._sync is not None:
             return
-        self._pods, self._workloads = spawner.pod_reflector, spawner.workload_reflector
+        self._watcher = spawner
+        self._pods = _Merged(lambda: [p for p, _ in self._sources.values()])
+        self._workloads = _Merged(lambda: [w for _, w in self._sources.values()])
         self.sync()
         self._sync = PeriodicCallback(self.sync, self.sync_interval * 1000)
         self._sync.start()
-        log.info("Mirroring Kueue's Workloads in %s every %.1fs", spawner.namespace, self.sync_interval)
+        log.info("Mirroring Kueue's Workloads in %s every %.1fs", ", ".join(sorted(self._sources)), self.sync_interval)
+
+    def _namespaces(self, spawner) -> list[str]:
+        """Where user pods run now: the policy's tenancy (a policy edit may add a team)."""
+        return self.policy.user_namespaces(getattr(spawner, "_shared_namespace", spawner.namespace))
+
+    async def _add(self, spawner, namespaces: list[str]) -> None:
+        """Start the pod and Workload watches of ``namespaces`` not yet watched. A namespace
+        that cannot be watched (not created yet, or the hub has no Role there) is logged and
+        tried again at the next sync; the others are mirrored meanwhile."""
+        for ns in namespaces:
+            if ns in self._sources or ns in self._adding:
+                continue
+            self._adding.add(ns)
+            try:
+                self._sources[ns] = await spawner.reflectors_in(ns)
+            except Exception as e:  # noqa: BLE001
+                log.error("Cannot watch pods and Workloads in namespace %s (created? the hub's Role there?): %s", ns, e)
+            finally:
+                self._adding.discard(ns)
 
     # -- one read ------------------------------------------------------------------------------
     def sync(self) -> None:
+        if self._watcher is not None and not self._adding:
+            missing = [ns for ns in self._namespaces(self._watcher) if ns not in self._sources]
+            if missing:
+                asyncio.ensure_future(self._add(self._watcher, missing))
         try:
             admitted, waiting = self.read()
         except Exception:  # noqa: BLE001 - keep the last picture, try again next tick

@@ -64,6 +64,7 @@ from ..policy.mig import MIG_MEMORY_RESOURCE
 from ..policy.model import Policy, Team
 from ..policy.quantities import format_cpu, format_memory
 from .kueue import API_VERSION, MANAGED_BY
+from .tenancy import tenancy_objects
 from .webhooks import exclude_namespace
 
 DEFAULT_NAMESPACE = "gpuhub-users"
@@ -359,8 +360,10 @@ def render_objects(policy: Policy, namespace: str = DEFAULT_NAMESPACE, cpu_flavo
     if any(f.name == cpu_flavor for f in policy.flavors):
         raise ValueError(f"flavor name {cpu_flavor!r} is reserved for CPU and memory; pick another --cpu-flavor")
     objs = resource_flavors(policy, cpu_flavor) + priority_classes(policy)
-    objs += [cluster_queue(policy, t, namespace, cpu_flavor) for t in policy.teams]
-    objs += [local_queue(t, namespace) for t in policy.teams]
+    # tenancy.mode team: each team's LocalQueue in its own namespace, its ClusterQueue admitting
+    # only that namespace's pods (kube/tenancy.py renders the namespaces themselves).
+    objs += [cluster_queue(policy, t, policy.namespace_of(t, namespace), cpu_flavor) for t in policy.teams]
+    objs += [local_queue(t, policy.namespace_of(t, namespace)) for t in policy.teams]
     return sorted(objs, key=lambda o: (KIND_ORDER.index(o["kind"]), o["metadata"]["name"]))
 
 
@@ -488,6 +491,18 @@ def main(argv: list[str]) -> int:
     rbac.add_argument(
         "--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)"
     )
+    ten = sub.add_parser(
+        "tenancy",
+        help="every namespace where user pods run (the shared one, or each team's: the policy's tenancy) with "
+        "its Pod Security label, the hub's Role and RoleBinding and the NetworkPolicies",
+    )
+    ten.add_argument("file", help="the policy YAML (its tenancy section)")
+    ten.add_argument(
+        "-n", "--namespace", default=DEFAULT_NAMESPACE, help=f"the shared users' namespace (default {DEFAULT_NAMESPACE})"
+    )
+    ten.add_argument(
+        "--service-account", default="gpuhub:hub", help="the hub's service account, NAMESPACE:NAME (default gpuhub:hub)"
+    )
     kcfg = sub.add_parser(
         "kueue-config",
         help="what to merge into Kueue's configuration: resource transformations "
@@ -518,6 +533,9 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         policy = load_policy(args.file)
+        if args.what == "tenancy":
+            sys.stdout.write(to_yaml(tenancy_objects(policy, args.namespace, args.service_account)))
+            return 0
         if args.what == "capacity-rbac":
             sys.stdout.write(to_yaml(capacity_rbac(policy, args.service_account)))
             return 0

@@ -12,7 +12,8 @@ and the hub of the real-plane tests runs with that service account's token.
 
 Where the rights live (docs/install-kubernetes.md, section 2):
 
-* ``users``: the Role ``gpuhub-hub`` in the users' namespace (``user-namespace.yaml``);
+* ``users``: the Role ``gpuhub-hub`` in the users' namespace (``user-namespace.yaml``), or in each
+  team's namespace with the policy's ``tenancy.mode: team`` (``gpuhub render tenancy``, ``kube/tenancy.py``);
 * ``hub``: the Role ``gpuhub-policy-writer`` in the hub's namespace (``gpuhub render policy-rbac``),
   on the policy's ConfigMap only, by name;
 * ``cluster``: the ClusterRole ``gpuhub-gpu-capacity`` (``gpuhub render capacity-rbac``): nodes,
@@ -148,7 +149,10 @@ RIGHTS: tuple[Right, ...] = (
 NOT_USED = {
     ("", "secrets"): "KubeSpawner.internal_ssl (off)",
     ("", "services"): "KubeSpawner.services_enabled / internal_ssl (off)",
-    ("", "namespaces"): "KubeSpawner.enable_user_namespaces (off: one users' namespace, made by the install guide)",
+    (
+        "",
+        "namespaces",
+    ): "KubeSpawner.enable_user_namespaces (off: the users' namespaces, shared or per team, are made by the install guide)",
 }
 
 

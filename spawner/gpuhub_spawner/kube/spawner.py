@@ -165,6 +165,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         return []  # the policy is the profile list (PolicySpawnerMixin renders and checks it)
 
     # -- the policy applied to the pod ------------------------------------------------
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The configured users' namespace (before load_state puts a stopped server's in):
+        # every team's with tenancy.mode shared (the policy), none with mode team.
+        self._shared_namespace: str = self.namespace
+
     def _base(self) -> dict:
         if not hasattr(self, "_policy_base"):
             self._policy_base = {name: getattr(self, name) for name in _POLICY_TRAITS}
@@ -217,6 +223,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         self.node_affinity_required = affinity
         self.extra_labels = labels
         self.environment = env
+        # The policy's tenancy: the team's own namespace, or the shared one. Set per start (a
+        # user in two teams has a server, and a home claim, in each team's namespace); saved
+        # in the server's state, so stop() and a restarted hub find the pod where it is.
+        namespace = policy.namespace_of(team, self._shared_namespace)
+        self.namespace = namespace
+        self.dns_name = self.dns_name_template.format(namespace=namespace, name=self.pod_name)
 
     async def pod_for(self, choice: Choice) -> dict:
         """The pod this spawner would make for ``choice`` (checked by the caller), as plain data:
@@ -322,11 +334,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         deleted = []
         for team in self.policy.teams:
             name = queue_for(self.policy, team, self.user.name)
+            namespace = self.policy.namespace_of(team, self._shared_namespace)  # tenancy: the team's own, or shared
             try:
                 await self.api.api_client.call_api(
                     "/apis/{group}/{version}/namespaces/{namespace}/localqueues/{name}",
                     "DELETE",
-                    path_params={"group": GROUP, "version": VERSION, "namespace": self.namespace, "name": name},
+                    path_params={"group": GROUP, "version": VERSION, "namespace": namespace, "name": name},
                     header_params={"Accept": "application/json"},
                     response_types_map={200: "object"},
                     auth_settings=["BearerToken"],
@@ -547,6 +560,30 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
             omit_namespace=self.enable_user_namespaces,
             replace=replace,
         )
+
+    async def reflectors_in(self, namespace: str) -> tuple:
+        """The shared pod and Workload reflectors of ``namespace``, started if need be: what the
+        ledger mirrors in each namespace where user pods run (``tenancy.mode: team``: each
+        team's). The same shared instances KubeSpawner's ``_start_reflector`` keys by
+        ``(kind, namespace)``, so a spawner of that namespace finds them running."""
+        pods = await self._reflector_in(
+            "pods", namespace, GoneAwarePodReflector, labels={"component": self.component_label}, omit_namespace=False
+        )
+        return pods, await self._reflector_in("workloads", namespace, WorkloadReflector)
+
+    async def _reflector_in(self, kind: str, namespace: str, reflector_class, **kwargs):
+        key = (kind, namespace)
+        reflector = self.__class__.reflectors.get(key)
+        if reflector is None:
+            reflector = self.__class__.reflectors[key] = reflector_class(parent=self, namespace=namespace, **kwargs)
+            try:
+                await reflector.start()
+            except BaseException:
+                if self.__class__.reflectors.get(key) is reflector:  # not left half-started for the next caller
+                    del self.__class__.reflectors[key]
+                raise
+        await reflector.first_load_future
+        return reflector
 
     async def _start_watching_workloads(self, replace=False):
         return await self._start_reflector(kind="workloads", reflector_class=WorkloadReflector, replace=replace)

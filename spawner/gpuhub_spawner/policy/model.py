@@ -731,6 +731,42 @@ class TeamData(_Model):
         )
 
 
+TEAM_PLACEHOLDER = "{team}"
+
+
+class Tenancy(_Model):
+    """``tenancy:``: where a team's pods live on Kubernetes (docs/install-kubernetes.md,
+    "Tenancy"); the one-machine backend ignores it.
+
+    ``shared`` (default): every team's pods and LocalQueues in one users' namespace (the
+    spawner's ``namespace``, ``gpuhub render --namespace``). ``team``: each team in a namespace
+    of its own, ``namespace`` with ``{team}`` replaced by the team's name: its pods, its
+    LocalQueue, its NetworkPolicies, the hub's Role there and the Pod Security label
+    (``gpuhub render tenancy``). In the policy, not the spawner's config, because the hub and
+    ``gpuhub render`` must agree on it: both read this file.
+    """
+
+    mode: Literal["shared", "team"] = "shared"
+    namespace: str = "gpuhub-" + TEAM_PLACEHOLDER
+
+    @field_validator("namespace")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        rest = value.replace(TEAM_PLACEHOLDER, "", 1)
+        if value.count(TEAM_PLACEHOLDER) != 1 or "{" in rest or "}" in rest:
+            raise ValueError(f"{value!r}: write the namespace with {TEAM_PLACEHOLDER} once, e.g. 'gpuhub-{{team}}'")
+        probe = value.replace(TEAM_PLACEHOLDER, "a")
+        if not _DNS_LABEL.match(probe):
+            raise ValueError(
+                f"{value!r}: a namespace is lowercase letters, digits and '-', starting and ending with a letter or digit"
+            )
+        return value
+
+    def namespace_of(self, team: str, shared: str) -> str:
+        """The namespace of ``team``'s pods: its own (``team``) or ``shared``."""
+        return self.namespace.replace(TEAM_PLACEHOLDER, team) if self.mode == "team" else shared
+
+
 class Policy(_Model):
     api_version: Literal["gpuhub/v1"] = "gpuhub/v1"
     flavors: list[Flavor] = []
@@ -743,6 +779,7 @@ class Policy(_Model):
     ray: RayRules = RayRules()
     fair_share: FairShare | None = None
     offboarding: OffboardingRules = OffboardingRules()
+    tenancy: Tenancy = Tenancy()
     secrets: list[SecretGrant] = []
     data: list[TeamData] = []
 
@@ -902,6 +939,47 @@ class Policy(_Model):
                 )
         if errors:
             raise ValidationError.from_exception_data("Policy", errors)
+        return self
+
+    def namespace_of(self, team: Team | str, shared: str) -> str:
+        """The namespace of ``team``'s pods and LocalQueue (``tenancy``)."""
+        return self.tenancy.namespace_of(team if isinstance(team, str) else team.name, shared)
+
+    def user_namespaces(self, shared: str) -> list[str]:
+        """Every namespace where user pods run: ``shared``, or each team's (policy order)."""
+        return list(dict.fromkeys(self.namespace_of(t, shared) for t in self.teams))
+
+    @model_validator(mode="after")
+    def _team_namespaces_valid(self) -> "Policy":
+        """``tenancy.mode: team``: each team's namespace must be a valid name; Ray clusters are
+        watched in one namespace (kube/ray_manager.py), so they need the shared mode."""
+        if self.tenancy.mode != "team":
+            return self
+        errors: list[tuple[tuple[str | int, ...], str]] = []
+        for i, team in enumerate(self.teams):
+            ns = self.namespace_of(team, "")
+            if len(ns) > 63:
+                errors.append(
+                    (
+                        ("teams", i, "name"),
+                        f"team {team.name!r}'s namespace {ns!r} is longer than 63 characters (tenancy.namespace)",
+                    )
+                )
+        if self.ray.enabled:
+            errors.append(
+                (
+                    ("ray", "enabled"),
+                    "Ray clusters need tenancy.mode shared for now: the hub's Ray manager watches one namespace",
+                )
+            )
+        if errors:
+            raise ValidationError.from_exception_data(
+                "Policy",
+                [
+                    InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": m}), loc=loc, input=None)
+                    for loc, m in errors
+                ],
+            )
         return self
 
     @model_validator(mode="after")

@@ -61,5 +61,5 @@ async def _watch(app) -> None:
     # home page read ``node_health`` of the admission view (hub/gpus_api.py), as they read the
     # one-machine monitor (``gpu_health``), and its long poll waits on it.
     if ledger.node_health is None:
-        ledger.node_health = CapacityKeeper(lambda: ledger.store.current, pods=lambda: spawner.pod_reflector)
+        ledger.node_health = CapacityKeeper(lambda: ledger.store.current, pods=lambda: ledger.pod_view)
         ledger.node_health.start()

@@ -131,7 +131,9 @@ def test_a_backup_restored_into_a_fresh_hub_then_its_database_upgraded_and_rolle
         assert "users: admin alice bob" in out, out
         audit_after = int(re.search(r"^audit entries: (\d+)$", out, re.M).group(1))
         assert audit_after >= audit_before, (audit_before, out)
-        assert re.search(r"^alice\s+\d+\.\d+ ", out, re.M) and "ended: stopped" in out, out  # usage history, from the backup
+        assert re.search(r"^alice\s+\d+\.\d+ ", out, re.M) and re.search(r"^how allocations ended: \d+ stopped", out, re.M), (
+            out
+        )  # usage history, from the backup
     finally:
         fresh.stop()
 

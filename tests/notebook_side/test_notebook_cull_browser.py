@@ -108,7 +108,8 @@ def test_after_the_stop_the_warning_is_replaced_by_what_happened(fake_nvml, stan
         for _ in range(2):  # two polls that get no answer (a visible tab polls at once)
             page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
             page.wait_for_timeout(1000)
-        toast = page.locator(".Toastify__toast", has_text="This server was stopped")
+        # the page's own banner (issue 43 item 1: a JupyterLab toast needs code from the going server)
+        toast = page.locator(".gpuhub-stop-notice", has_text="This server was stopped")
         toast.wait_for()
         text = toast.inner_text()
         assert re.search(

@@ -182,7 +182,9 @@ class _OffboardMixin:
         blocklist = self.blocklist
         if user is None:
             raise web.HTTPError(404, f"No user {name!r} in this hub (nothing was changed).")
-        policy = PolicyStore.instance(config=self.config).policy
+        # The policy as the file says now: an admin who just changed offboarding: gets that rule,
+        # even when a large policy is re-read beside the loop (``.policy`` would answer the old one).
+        policy = await PolicyStore.instance(config=self.config).fresh()
         rules = policy.offboarding
         # Their groups as they were before the roles step empties them (kept in the block file:
         # a second run hands MLflow experiments to the same leads).

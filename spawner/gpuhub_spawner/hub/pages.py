@@ -34,6 +34,17 @@ from .context import app_of
 if TYPE_CHECKING:
     from traitlets.config import Config
 
+
+def idle_words(held: bool, last_busy: float | None, idle_for: str | None) -> str | None:
+    """The status page's "GPU idle for" column in words: nothing for a free GPU, "not measured
+    yet" before any trusted reading, "busy now", or how long it has been idle."""
+    if not held:
+        return None
+    if last_busy is None:
+        return "not measured yet"
+    return idle_for if idle_for != "0s" else "busy now"
+
+
 _HIDDEN = ("user", "profile", "held_for", "idle_for", "idle_words", "stops_at", "key")
 
 
@@ -77,10 +88,7 @@ def status_snapshot(
             "profile": adm.profile if adm else None,
             "held_for": format_duration(now - adm.since) if adm else None,
             "idle_for": gpu_idle if gpu_idle != "0s" else None,
-            # The column in words: nothing for a free GPU, "busy now", or not yet measured.
-            "idle_words": (
-                None if adm is None else "not measured yet" if busy is None else gpu_idle if gpu_idle != "0s" else "busy now"
-            ),
+            "idle_words": idle_words(adm is not None, busy, gpu_idle),
             "stops_at": deadline,
         }
         health = broker.devices.health.of(d.id)  # admission.health: not private, everyone sees it
@@ -218,10 +226,7 @@ def _holder_lines(broker, holders, records, flavor_names, now, see_all, own_team
                 "profile": adm.profile,
                 "held_for": format_duration(now - adm.since),
                 "idle_for": gpu_idle if gpu_idle != "0s" else None,
-                # The column in words: nothing for a free GPU, "busy now", or not yet measured.
-                "idle_words": (
-                    None if adm is None else "not measured yet" if busy is None else gpu_idle if gpu_idle != "0s" else "busy now"
-                ),
+                "idle_words": idle_words(adm is not None, busy, gpu_idle),
                 "stops_at": getattr(getattr(rec, "state", None), "deadline", None),
             }
             if not see_all and adm.team not in own_teams and adm.user != me:

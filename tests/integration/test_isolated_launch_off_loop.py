@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from support.hub import remove_private_tmps, wait_for
+from support.hub import remove_private_tmps, user_network, wait_for
 
 pytestmark = [
     pytest.mark.integration,
@@ -51,6 +51,21 @@ async def until(predicate, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def until_set(event: threading.Event, task: asyncio.Future, what: str, timeout: float = 60.0) -> None:
+    """Wait for ``event``, set by a patched step of the start in ``task``: a start that ended
+    first (with its own error, which is raised here) or a step never reached fails the test
+    saying what it waited for, where an unbounded wait held a CI run to its limit."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not event.is_set():
+        if task.done():
+            task.result()
+            raise AssertionError(f"the start ended without {what}")
+        if loop.time() > deadline:
+            raise AssertionError(f"waited {timeout:.0f} s for {what}; the start is still under way")
+        await asyncio.sleep(0.01)
+
+
 def job(prefix: str, tmp_path, name: str = "ada"):
     from gpuhub_spawner.local.job_launcher import JobProcess
     from gpuhub_spawner.local.isolation import cgroup_host
@@ -67,6 +82,9 @@ def job(prefix: str, tmp_path, name: str = "ada"):
         limits=(500, 2**28),
         account_prefix=prefix,
         home_dir_template=str(tmp_path / "home" / "{account}"),
+        # this worker's own network behind the wall: the product's default (10.213.0.0/16) may be
+        # a hub's on this machine (another worker's), and a start that finds it taken is refused
+        user_network=user_network(),
     )
     sp.cmd = ["/bin/sleep", "300"]
     return sp
@@ -162,8 +180,7 @@ def test_a_start_cancelled_during_the_launch_leaves_nothing_running(prefix, tmp_
 
     async def main():
         task = asyncio.ensure_future(sp.start())
-        while not launched.is_set():
-            await asyncio.sleep(0.01)
+        await until_set(launched, task, "the launcher to have been started")
         task.cancel()  # what JupyterHub does to a pending start that a user stops
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -24,8 +24,12 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 WAIT = 60
 
 
-async def until(predicate):
+async def until(predicate, timeout: float = WAIT):
+    """Wait for ``predicate``; past ``timeout`` fail naming the line that waited (no wait here is unbounded)."""
+    deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"waited {timeout} s for the condition at line {predicate.__code__.co_firstlineno}")
         await asyncio.sleep(0.05)
 
 

@@ -44,8 +44,12 @@ class Progress:
         return next(m for m in self.messages if predicate(m))
 
 
-async def until(predicate):
+async def until(predicate, timeout: float = WAIT):
+    """Wait for ``predicate``; past ``timeout`` fail naming the line that waited (no wait here is unbounded)."""
+    deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"waited {timeout} s for the condition at line {predicate.__code__.co_firstlineno}")
         await asyncio.sleep(0.05)
 
 
@@ -102,7 +106,7 @@ async def test_queued_then_admitted_then_running_then_stopped(kube, make_spawner
     assert await second.poll() is None
 
     await asyncio.wait_for(second.stop(), WAIT)
-    await until(lambda: kube.list("pods", NAMESPACE) == [])  # Kueue's finalizer may hold it a tick longer
+    await asyncio.wait_for(until(lambda: kube.list("pods", NAMESPACE) == []), WAIT)  # Kueue's finalizer may hold it a tick longer
     assert kube.list("workloads", NAMESPACE) == []
     assert await second.poll() == 1
     assert kube.invalid == [] and kube.errors == []
@@ -116,7 +120,7 @@ async def test_preempted_server_is_marked_stopped_and_the_user_told_why(kube, ma
     await asyncio.wait_for(until(lambda: kube.watching("workloads")), WAIT)
 
     kube.preempt(NAMESPACE, spawner.pod_name, "InClusterQueue")
-    await until(lambda: kube.get("pods", NAMESPACE, spawner.pod_name) is None)
+    await asyncio.wait_for(until(lambda: kube.get("pods", NAMESPACE, spawner.pod_name) is None), WAIT)
     await asyncio.wait_for(until(lambda: spawner._current_pod() is None), WAIT)
     assert await spawner.poll() == 1  # the hub now marks the server stopped
     assert "higher-priority server of your team" in spawner.stop_reason

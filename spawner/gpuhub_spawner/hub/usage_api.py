@@ -328,8 +328,11 @@ class ServerStopHandler(_Base, APIHandler):
         )
         note_end(key, "stopped", by=name)
         if spawner.pending == "spawn" and spawner._spawn_future:
-            spawner._spawn_future.cancel()
-            await asyncio.sleep(1)
+            # Cancel the spawn and wait for it to have ended (JupyterHub's own API sleeps a
+            # second here and hopes); then stop whatever part of it had started.
+            future = spawner._spawn_future
+            future.cancel()
+            await asyncio.wait({future}, timeout=30)
             await self.stop_single_user(user, server)
         elif spawner.pending:
             raise web.HTTPError(409, f"The server is {spawner.pending}; try again in a moment.")

@@ -11,6 +11,7 @@ import os
 
 from gpuhub_spawner.local.cgroups import CgroupHost
 from gpuhub_spawner.local.isolation import announce_isolation
+from support.fake_cgroups import fake_v2
 
 
 def test_not_root_is_single_user_mode_said_loudly(monkeypatch):
@@ -21,35 +22,10 @@ def test_not_root_is_single_user_mode_said_loudly(monkeypatch):
     assert "SINGLE-USER MODE" in text and "not enforced" in text and "run the hub\n  as root" in text
 
 
-def _fake_v2(root):
-    (root / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids rdma misc\n")
-    (root / "cgroup.subtree_control").write_text("")
-
-    real_mkdir = type(root).mkdir
-
-    def mkdir(self, *a, **k):  # the kernel populates a new group's interface files
-        real_mkdir(self, *a, **k)
-        for f in (
-            "cgroup.procs",
-            "cgroup.controllers",
-            "cgroup.subtree_control",
-            "memory.max",
-            "memory.swap.max",
-            "memory.oom.group",
-            "cpu.max",
-            "memory.events",
-            "cgroup.kill",
-        ):
-            (self / f).touch()
-        (self / "cgroup.controllers").write_text("cpu memory pids\n")
-
-    return mkdir
-
-
 def test_v2_limits_are_written_where_the_kernel_reads_them(tmp_path, monkeypatch):
     from gpuhub_spawner.local import cgroups
 
-    monkeypatch.setattr(type(tmp_path), "mkdir", _fake_v2(tmp_path))
+    monkeypatch.setattr(type(tmp_path), "mkdir", fake_v2(tmp_path))
     writes = []
     real_write = cgroups._write
     monkeypatch.setattr(cgroups, "_write", lambda path, value: (writes.append((str(path), value)), real_write(path, value)))

@@ -19,6 +19,7 @@ from gpuhub_spawner.local.cgroups import CgroupHost
 from gpuhub_spawner.local.service import PrefixHeld, hold_account_prefix, hold_prefix_at_hub_start
 from gpuhub_spawner.policy import PolicyError, parse_policy
 from gpuhub_spawner.policy.model import DEFAULT_MAX_PROCESSES
+from support.fake_cgroups import fake_v2
 
 POLICY = """\
 teams:
@@ -65,34 +66,10 @@ def test_process_limit_mistakes_are_located():
 # -- the cgroup files ------------------------------------------------------------------------
 
 
-def _fake_v2(root):
-    (root / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids rdma misc\n")
-    (root / "cgroup.subtree_control").write_text("")
-    real_mkdir = type(root).mkdir
-
-    def mkdir(self, *a, **k):  # the kernel populates a new group's interface files
-        real_mkdir(self, *a, **k)
-        for f in (
-            "cgroup.procs",
-            "cgroup.subtree_control",
-            "memory.max",
-            "memory.oom.group",
-            "cpu.max",
-            "memory.events",
-            "pids.max",
-            "pids.current",
-            "pids.events",
-        ):
-            (self / f).touch()
-        (self / "cgroup.controllers").write_text("cpu memory pids\n")
-
-    return mkdir
-
-
 def test_v2_pids_max_is_written_and_its_events_read(tmp_path, monkeypatch):
     from gpuhub_spawner.local import cgroups
 
-    monkeypatch.setattr(type(tmp_path), "mkdir", _fake_v2(tmp_path))
+    monkeypatch.setattr(type(tmp_path), "mkdir", fake_v2(tmp_path))
     writes = []
     real_write = cgroups._write
     monkeypatch.setattr(cgroups, "_write", lambda path, value: (writes.append((str(path), value)), real_write(path, value)))
@@ -113,7 +90,7 @@ def test_v2_pids_max_is_written_and_its_events_read(tmp_path, monkeypatch):
 
 
 def test_v2_a_users_group_holds_the_users_limit_and_goes_with_the_users_last_server(tmp_path, monkeypatch):
-    monkeypatch.setattr(type(tmp_path), "mkdir", _fake_v2(tmp_path))
+    monkeypatch.setattr(type(tmp_path), "mkdir", fake_v2(tmp_path))
     host = CgroupHost.detect(str(tmp_path), "gpuhub")
     a = host.server("gpuhub-alice", user="gpuhub-alice.user")
     b = host.server("gpuhub-alice.job-1", user="gpuhub-alice.user")
@@ -131,7 +108,7 @@ def test_v2_a_users_group_holds_the_users_limit_and_goes_with_the_users_last_ser
 
 
 def test_the_servers_group_is_capped_below_pid_max_with_a_reserve(tmp_path, monkeypatch):
-    monkeypatch.setattr(type(tmp_path), "mkdir", _fake_v2(tmp_path))
+    monkeypatch.setattr(type(tmp_path), "mkdir", fake_v2(tmp_path))
     host = CgroupHost.detect(str(tmp_path), "gpuhub")
     pid_max = int(open("/proc/sys/kernel/pid_max").read())
     cap = host.cap_processes()

@@ -179,9 +179,8 @@ class UsageRecorder(SingletonConfigurable):
         """The team's queue length for the queue chart (O(1): only the team the event touched)."""
         self.history.sample_queue({team: self.broker.queue.waiting_in(team)})
 
-    def _submitted(self, ticket) -> None:
-        self._ends.pop(ticket.key, None)
-        self._requested[ticket.key] = ticket.created
+    def _record_requested(self, ticket) -> None:
+        """The audit's "requested" entry: for every request, admitted, queued or refused."""
         self.audit.record(
             "requested",
             key=ticket.key,
@@ -191,6 +190,11 @@ class UsageRecorder(SingletonConfigurable):
             demand=ticket.demand,
             priority=ticket.priority,
         )
+
+    def _submitted(self, ticket) -> None:
+        self._ends.pop(ticket.key, None)
+        self._requested[ticket.key] = ticket.created
+        self._record_requested(ticket)
 
     def _queued(self, ticket) -> None:
         status = ticket.status
@@ -205,15 +209,7 @@ class UsageRecorder(SingletonConfigurable):
         self._sample(ticket.team)
 
     def _refused(self, ticket, reason: str) -> None:
-        self.audit.record(
-            "requested",
-            key=ticket.key,
-            user=ticket.user,
-            team=ticket.team,
-            profile=ticket.profile,
-            demand=ticket.demand,
-            priority=ticket.priority,
-        )
+        self._record_requested(ticket)
         self.audit.record("refused", key=ticket.key, user=ticket.user, team=ticket.team, profile=ticket.profile, reason=reason)
 
     def _cancelled(self, ticket) -> None:

@@ -28,6 +28,41 @@ import harness as real  # noqa: E402  (tests/cluster/harness.py)
 from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE, apply_policy, shipped_container_security_context  # noqa: E402
 from support.ports import pod_port_hook  # noqa: E402
 
+# The flavor every end-to-end policy names: the real plane's kwok L4 nodes, with their label and
+# taint (tests/cluster/nodes.yaml); ``virtual`` GPUs stand in for them on one machine.
+L4_FLAVOR = """\
+apiVersion: gpuhub/v1
+flavors:
+  - name: l4
+    displayName: L4 24GB
+    resource: nvidia.com/gpu
+    nodeLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}
+    tolerations:
+      - {{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}}
+    local: {{virtual: {virtual}}}
+"""
+
+
+def l4_policy(rest: str, virtual: int = 2) -> str:
+    """A scenario's policy: the L4 flavor, then its own priorities, teams and profiles."""
+    return L4_FLAVOR.format(virtual=virtual) + rest
+
+
+# The smallest scenario: one team with four L4s and a one-GPU profile.
+VISION_ON_L4 = l4_policy("""\
+priorityClasses:
+  - {name: interactive, value: 1000}
+teams:
+  - name: vision
+    displayName: Vision Lab
+    groups: [vision-lab]
+    defaultPriority: interactive
+    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 4}}}
+profiles:
+  - {slug: l4-1, displayName: One L4, gpu: {count: 1, flavor: l4}, teams: "*"}
+""")
+
+
 # What every Kubernetes hub of the end-to-end tests runs with (fast timings for tests).
 HUB_CONFIG = f"""
 c.JupyterHub.spawner_class = "gpuhub-kube"

@@ -63,17 +63,10 @@ from gpuhub_spawner.kube import kueue as K  # noqa: E402
 from gpuhub_spawner.kube.render import kueue_config, queue_for, user_local_queue  # noqa: E402
 from gpuhub_spawner.local.devices import DeviceTable  # noqa: E402
 from gpuhub_spawner.policy import parse_policy  # noqa: E402
+from backends import l4_policy  # noqa: E402
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    tolerations:
-      - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
-    local: {virtual: 6}
+POLICY = l4_policy(
+    """\
 priorityClasses:
   - {name: interactive, value: 1000}
 fairShare:
@@ -92,7 +85,9 @@ profiles:
   - {slug: l4-1, displayName: One L4, gpu: {count: 1, flavor: l4}, teams: "*"}
 defaults:
   queueTimeout: 1h
-"""
+""",
+    virtual=6,
+)
 
 TEAMS = ("nlp", "vision", "speech")
 HISTORY_S = 20.0  # how long the heavy users hold their team's GPU before the contest

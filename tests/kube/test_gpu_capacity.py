@@ -25,34 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 import harness as real  # noqa: E402
 
 from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE  # noqa: E402
+from backends import VISION_ON_L4  # noqa: E402
 
 NODE = "kwok-gpu-l4-1"
 L4_NODE = next(n for n in yaml.safe_load_all((Path(real.HERE) / "nodes.yaml").read_text()) if n["metadata"]["name"] == NODE)
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    tolerations:
-      - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
-    local: {virtual: 2}
-priorityClasses:
-  - {name: interactive, value: 1000}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 4}}}
-profiles:
-  - {slug: l4-1, displayName: One L4, gpu: {count: 1, flavor: l4}, teams: "*"}
+POLICY = (
+    VISION_ON_L4
+    + """\
 health:
   kubernetes:
     capacityQueue: {l4: vision}
 """
+)
 
 
 def until(predicate, timeout: float = 60, what: str = "condition"):

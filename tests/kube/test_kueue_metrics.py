@@ -25,6 +25,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 import harness as real  # noqa: E402
+from backends import VISION_ON_L4  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "docs" / "grafana" / "gpuhub-dashboard.json"
@@ -101,27 +102,7 @@ def test_the_guide_turns_on_the_quota_metrics_the_dashboard_reads():
 
 # -- the real control plane -----------------------------------------------------------------------
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    tolerations:
-      - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
-    local: {virtual: 2}
-priorityClasses:
-  - {name: interactive, value: 1000}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 4}}}
-profiles:
-  - {slug: l4-1, displayName: One L4, gpu: {count: 1, flavor: l4}, teams: "*"}
-"""
+POLICY = VISION_ON_L4
 
 
 def scraper_token(cluster: real.RealCluster) -> str:

@@ -32,31 +32,12 @@ import harness as real  # noqa: E402
 
 from gpuhub_spawner.kube import kueue as K  # noqa: E402
 from gpuhub_spawner.kube.messages import eviction_message  # noqa: E402
+from backends import VISION_ON_L4  # noqa: E402
 
 NS = "gpuhub-users"
 TIMEOUT_S = 10
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    tolerations:
-      - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
-    local: {virtual: 2}
-priorityClasses:
-  - {name: interactive, value: 1000}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 4}}}
-profiles:
-  - {slug: l4-1, displayName: One L4, gpu: {count: 1, flavor: l4}, teams: "*"}
-"""
+POLICY = VISION_ON_L4
 
 NEVER = {"gpuhub.test/no-node-has-this": "true"}  # the real scheduler finds no node for it
 

@@ -25,18 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 import harness as real  # noqa: E402
 
 from double.harness import NAMESPACE  # noqa: E402
+from backends import l4_policy  # noqa: E402
 
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    tolerations:
-      - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
-    local: {virtual: 2}
+POLICY = l4_policy(
+    """\
 priorityClasses:
   - {name: low, value: 100}
   - {name: high, value: 1000}
@@ -59,6 +52,7 @@ defaults:
   queueTimeout: 5m
   launchTimeout: 2m
 """
+)
 
 
 class Backend:

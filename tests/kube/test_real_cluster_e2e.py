@@ -24,22 +24,15 @@ import requests
 
 from backends import backend_fixture, real
 from support.hub import Hub
+from backends import l4_policy  # noqa: E402
 
 # Both sides opt-in: the double's side of these scenarios also runs in every ./run-tests.sh as
 # test_hub_e2e.py, so this file does not slow it.
 SKIP = real.skip_reason()
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.skipif(bool(SKIP), reason=SKIP or "")]
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    tolerations:
-      - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
-    local: {virtual: 2}
+POLICY = l4_policy(
+    """\
 priorityClasses:
   - {name: interactive, value: 1000}
 teams:
@@ -56,6 +49,7 @@ defaults:
   queueTimeout: 5m
   launchTimeout: 2m
 """
+)
 
 RAW = ("couldn't assign", "pod set", "nodes are available", "insufficient unused quota", "flavor l4")
 WAIT = 120

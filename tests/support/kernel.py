@@ -14,7 +14,6 @@ import json
 import queue
 import threading
 import time
-import uuid
 
 import requests
 import websocket
@@ -65,31 +64,10 @@ class KernelSession:
 
     def send_execute(self, code: str) -> str:
         """Send ``code`` to the kernel without waiting; return the request's message id."""
-        msg_id = uuid.uuid4().hex
-        self.ws.send(
-            json.dumps(
-                {
-                    "header": {
-                        "msg_id": msg_id,
-                        "username": "test",
-                        "session": uuid.uuid4().hex,
-                        "msg_type": "execute_request",
-                        "version": "5.3",
-                    },
-                    "parent_header": {},
-                    "metadata": {},
-                    "channel": "shell",
-                    "content": {
-                        "code": code,
-                        "silent": False,
-                        "store_history": False,
-                        "user_expressions": {},
-                        "allow_stdin": False,
-                        "stop_on_error": True,
-                    },
-                }
-            )
-        )
+        from gpuhub_spawner.ops.loadtest import execute_request
+
+        msg_id, request = execute_request(code, "test")
+        self.ws.send(json.dumps(request))
         return msg_id
 
     def execute(self, code: str, timeout: float = 120) -> str:

@@ -257,6 +257,32 @@ async def _follow_progress(api: Api, user: UserRun, token: str, deadline: float)
     return final
 
 
+def execute_request(code: str, username: str) -> tuple[str, dict]:
+    """A Jupyter messaging protocol 5.3 ``execute_request`` on the shell channel (a cell run as
+    the notebook UI runs it), with its message id: what a reply's parent_header names."""
+    msg_id = uuid.uuid4().hex
+    return msg_id, {
+        "header": {
+            "msg_id": msg_id,
+            "username": username,
+            "session": uuid.uuid4().hex,
+            "msg_type": "execute_request",
+            "version": "5.3",
+        },
+        "parent_header": {},
+        "metadata": {},
+        "channel": "shell",
+        "content": {
+            "code": code,
+            "silent": False,
+            "store_history": False,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": True,
+        },
+    }
+
+
 async def _run_cell(api: Api, server_url: str, token: str, code: str, timeout: float) -> None:
     """One cell in a new kernel, over the Jupyter websocket (as JupyterLab does), then closed."""
     from tornado.httpclient import HTTPRequest
@@ -281,31 +307,8 @@ async def _run_cell(api: Api, server_url: str, token: str, code: str, timeout: f
         async with asyncio.timeout(timeout):  # not wait_for: 3.11's loses a cancel that finds it done
             ws = await websocket_connect(HTTPRequest(url, headers=headers, connect_timeout=timeout, request_timeout=timeout))
         try:
-            msg_id = uuid.uuid4().hex
-            ws.write_message(
-                json.dumps(
-                    {
-                        "header": {
-                            "msg_id": msg_id,
-                            "username": "loadtest",
-                            "session": uuid.uuid4().hex,
-                            "msg_type": "execute_request",
-                            "version": "5.3",
-                        },
-                        "parent_header": {},
-                        "metadata": {},
-                        "channel": "shell",
-                        "content": {
-                            "code": code,
-                            "silent": False,
-                            "store_history": False,
-                            "user_expressions": {},
-                            "allow_stdin": False,
-                            "stop_on_error": True,
-                        },
-                    }
-                )
-            )
+            msg_id, request = execute_request(code, "loadtest")
+            ws.write_message(json.dumps(request))
             replied = idle = False
             end = time.monotonic() + timeout
             while not (replied and idle):

@@ -25,3 +25,14 @@ def mlflow_hub(tmp_path_factory, request):
         yield hub, endpoint
     finally:
         hub.stop()
+
+
+# What most modules here name them (a module with a hub of its own defines ``hub`` itself).
+@pytest.fixture(scope="module")
+def hub(mlflow_hub):
+    return mlflow_hub[0]
+
+
+@pytest.fixture(scope="module")
+def mlflow(mlflow_hub):
+    return mlflow_hub[1]

@@ -50,16 +50,6 @@ def _until(check, timeout: float, what: str):
 
 
 @pytest.fixture(scope="module")
-def hub(mlflow_hub):
-    return mlflow_hub[0]
-
-
-@pytest.fixture(scope="module")
-def mlflow(mlflow_hub):
-    return mlflow_hub[1]
-
-
-@pytest.fixture(scope="module")
 def users(hub, mlflow):
     clients = {name: hub.login(name) for name in ("alice", "bob", "carol", "admin")}
     mlflow.wait_ready(clients["alice"].token)

@@ -16,16 +16,6 @@ API = "/api/2.0/mlflow"
 
 
 @pytest.fixture(scope="module")
-def hub(mlflow_hub):
-    return mlflow_hub[0]
-
-
-@pytest.fixture(scope="module")
-def mlflow(mlflow_hub):
-    return mlflow_hub[1]
-
-
-@pytest.fixture(scope="module")
 def users(hub, mlflow):
     clients = {name: hub.login(name) for name in ("alice", "bob", "lena", "admin")}
     mlflow.wait_ready(clients["alice"].token)

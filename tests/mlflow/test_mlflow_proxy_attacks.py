@@ -45,11 +45,6 @@ def mlflow_hub(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mlflow(mlflow_hub):
-    return mlflow_hub[1]
-
-
-@pytest.fixture(scope="module")
 def users(mlflow_hub, mlflow):
     hub = mlflow_hub[0]
     clients = {name: hub.login(name) for name in ("alice", "bob", "carol", "erin")}

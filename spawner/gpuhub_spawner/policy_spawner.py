@@ -19,13 +19,13 @@ from .policy.access import (
     active_profiles,
     check_user_caps,
     no_team_message,
+    profile_resources,
     profiles_for,
     resolve_choice,
     teams_for,
 )
 from .policy.bounded import InputRefused, check_options, preview
 from .policy.model import Policy, Profile
-from .policy.quantities import format_memory
 from .usage import recorder as usage
 
 if TYPE_CHECKING:
@@ -97,12 +97,7 @@ class PolicySpawnerMixin:
             preselected = next((p for p in offered if p.default), offered[0] if offered else None)
             for profile in offered:
                 checked = " checked" if team is teams[0] and profile is preselected else ""
-                gpu = (
-                    f"{profile.gpu.count}× {html.escape(policy.flavor(profile.gpu.flavor).display_name or profile.gpu.flavor)} GPU"
-                    if profile.gpu is not None and profile.gpu.count  # profile.gpu_count
-                    else "no GPU"
-                )
-                res = f"{(profile.cpu or policy.defaults.cpu) / 1000:g} CPU, {format_memory(profile.memory or policy.defaults.memory)} memory, {gpu}"
+                res = html.escape(profile_resources(policy, profile))
                 status = self.profile_status_hook(team, profile)
                 pid = f"gpuhub-profile-{team.name}-{profile.slug}"
                 parts.append(

@@ -53,11 +53,15 @@ class FakeNvml:
 
 
 class HubStandIn:
-    """``GET/POST {api}/gpuhub/culling/{user}[/snooze]`` as the hub serves them, nothing else."""
+    """``GET/POST {api}/gpuhub/culling/{user}[/snooze]``, ``GET {api}/gpuhub/profiles`` and ``POST
+    {api}/gpuhub/jobs`` as the hub serves them, nothing else."""
 
     def __init__(self):
         self.warnings: dict[str, dict] = {}
         self.gpu_failed: dict[str, dict] = {}
+        self.teams: list[dict] = [
+            {"name": "vision", "displayName": "Vision Lab", "profiles": [{"slug": "gpu-1", "displayName": "One GPU"}]}
+        ]
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         stand_in = self
@@ -88,8 +92,16 @@ class HubStandIn:
                     )
                     if self.headers.get("Authorization") != f"token {HUB_TOKEN}":
                         return self._reply(403, {"message": "bad token"})
-                    prefix = "/hub/api/gpuhub/culling/"
-                    path = self.path.split("?")[0]  # ?gpu_wait= (a long poll): this stand-in answers at once
+                    path = self.path.split("?")[0]
+                    # "Run as job": the hub's profile list and job submission, answered as the hub does.
+                    if method == "GET" and path == "/hub/api/gpuhub/profiles":
+                        return self._reply(200, {"user": USER, "teams": stand_in.teams})
+                    if method == "POST" and path == "/hub/api/gpuhub/jobs":
+                        view = {"id": "job-0123456789", "status": "queued: position 1 of 1 in Vision Lab's queue"}
+                        if (json.loads(raw) or {}).get("stop_server") is not None:
+                            view["stopped_server"] = "stopping"
+                        return self._reply(201, view)
+                    prefix = "/hub/api/gpuhub/culling/"  # ?gpu_wait= (a long poll): this stand-in answers at once
                     if not path.startswith(prefix):
                         return self._reply(404, {"message": "Not Found"})
                     rest = path[len(prefix) :].split("/")

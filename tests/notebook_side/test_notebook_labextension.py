@@ -33,8 +33,15 @@ def test_committed_build_output_is_complete():
         "gpuhub",
         "culling",
         "gpuhub-notebook:cull-warning",
+        "gpuhub-notebook:run-as-job",
+        "Run as Job",
+        "and stop my server",
     ):
         assert text in bundle, text
+    # "Run as job" is in the Run menu (the plugin's schema, shipped with the build).
+    schema = json.loads((BUILT / "schemas" / "gpuhub-notebook" / "run-as-job.json").read_text())
+    run_menu = next(m for m in schema["jupyter.lab.menus"]["main"] if m["id"] == "jp-mainmenu-run")
+    assert {"command": "gpuhub-notebook:run-as-job", "rank": 1000} in run_menu["items"]
     assert not (BUILT / "static" / "node_modules").exists()
     total = sum(p.stat().st_size for p in BUILT.rglob("*") if p.is_file())
     assert total < 200_000, total

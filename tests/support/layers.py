@@ -39,6 +39,7 @@ LAYER_TESTS = {
         "unit/test_usage_csv_injection.py",
         "unit/test_job_spec.py",
         "unit/test_job_notebook.py",
+        "unit/test_run_as_job.py",
         "unit/test_job_records.py",
         "unit/test_profile_form.py",
         "unit/test_trace_replay.py",

@@ -12,6 +12,8 @@
 - ``"stop_server": "<name>"`` in a submission stops that server of the submitter once the job is
   queued (its own token, or one with the user's server rights).
 - ``/hub/gpuhub/jobs`` and ``/hub/gpuhub/jobs/<id>``: the same as pages.
+- ``GET  /hub/api/gpuhub/profiles``: the profiles the caller's teams may use, team by team, in the
+  spawn page's words (JupyterLab's "Run as job" picker); the caller's own teams only.
 
 Access is by the *request's* scopes: ``custom:gpuhub:jobs`` filtered to the owner
 (every user, their tokens and their servers' tokens), ``custom:gpuhub:jobs:all`` for
@@ -39,7 +41,7 @@ from jupyterhub.scopes import Scope
 from tornado import web
 
 from ..policy import PolicyError, PolicyStore
-from ..policy.access import ChoiceError, no_team_message, teams_for
+from ..policy.access import ChoiceError, no_team_message, profile_choices, teams_for
 from ..policy.bounded import MAX_JOB_BODY_BYTES, MAX_JOB_FILE_BYTES, MAX_JOB_FILE_NODES, InputRefused, loads_json
 from ..jobs.common import _ts as when
 from ..jobs.records import JOB_ID, FINAL
@@ -259,6 +261,23 @@ class JobsHandler(_JobsMixin, APIHandler):
         return "stopping"
 
 
+class ProfilesHandler(_JobsMixin, APIHandler):
+    """The spawn page's profile picker as data, for a job's submitter: the teams of the user the
+    token belongs to and the profiles each may use (``policy.access.profile_choices``). A menu,
+    not an authority: a submission is checked again (``resolve_choice``)."""
+
+    @web.authenticated
+    def get(self):
+        user = self.requester()
+        policy = PolicyStore.instance(config=self.config).policy  # re-read if the file changed
+        teams = profile_choices(policy, [g.name for g in user.groups])
+        body: dict[str, Any] = {"user": user.name, "teams": teams}
+        if not teams:
+            body["message"] = no_team_message(policy)
+        self.set_header("Cache-Control", "no-store")
+        self.write(json.dumps(body))
+
+
 class JobHandler(_JobsMixin, APIHandler):
     @web.authenticated
     async def get(self, job_id):
@@ -365,6 +384,7 @@ class JobsPageHandler(_JobsMixin, BaseHandler):
 
 
 handlers = [
+    (r"/api/gpuhub/profiles/?", ProfilesHandler),
     (r"/api/gpuhub/jobs/?", JobsHandler),
     (rf"/api/gpuhub/jobs/{ID}", JobHandler),
     (rf"/api/gpuhub/jobs/{ID}/cancel", JobCancelHandler),

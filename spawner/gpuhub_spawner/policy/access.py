@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from .model import Policy, Profile, Team
+from .quantities import format_memory
 
 ALLOWED_OPTIONS = {"profile", "team"}
 
@@ -48,6 +49,51 @@ def teams_for(policy: Policy, groups: Iterable[str]) -> list[Team]:
 
 def profiles_for(policy: Policy, team: Team) -> list[Profile]:
     return [p for p in policy.profiles if p.usable_by(team.name)]
+
+
+def profile_resources(policy: Policy, profile: Profile) -> str:
+    """What a profile gives, in the spawn page's words ("1 CPU, 1 GiB memory, 1× Tesla GPU"):
+    the spawn form and every other picker of profiles (JupyterLab's "Run as job") say the same."""
+    gpu = profile.gpu
+    if gpu is not None and gpu.count:  # profile.gpu_count
+        words = f"{gpu.count}\u00d7 {policy.flavor(gpu.flavor).display_name or gpu.flavor} GPU"
+    else:
+        words = "no GPU"
+    cpu = (profile.cpu or policy.defaults.cpu) / 1000
+    return f"{cpu:g} CPU, {format_memory(profile.memory or policy.defaults.memory)} memory, {words}"
+
+
+def profile_choices(policy: Policy, groups: Iterable[str]) -> list[dict]:
+    """The profiles a member of ``groups`` may use, team by team, as the spawn page offers them.
+
+    Plain data for an API (``GET /hub/api/gpuhub/profiles``): each team's name and label and its
+    profiles' slug, name, description, resources and whether it is the one preselected. Only the
+    caller's own teams: what another team may use is not theirs to read. Choosing is re-checked
+    where it counts (``resolve_choice`` at every start and submission), so this list is a menu,
+    never an authority.
+    """
+    out = []
+    for team in teams_for(policy, groups):
+        offered = profiles_for(policy, team)
+        preselected = next((p for p in offered if p.default), offered[0] if offered else None)
+        out.append(
+            {
+                "name": team.name,
+                "displayName": team.label,
+                "profiles": [
+                    {
+                        "slug": p.slug,
+                        "displayName": p.display_name,
+                        "description": p.description,
+                        "resources": profile_resources(policy, p),
+                        "gpus": p.gpu_count,
+                        "default": p is preselected,
+                    }
+                    for p in offered
+                ],
+            }
+        )
+    return out
 
 
 def no_team_message(policy: Policy) -> str:

@@ -20,9 +20,11 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import { Notification } from '@jupyterlab/apputils';
+import { ICommandPalette, Notification } from '@jupyterlab/apputils';
 import { PageConfig, URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
+
+import { addRunAsJob, RUN_AS_JOB } from './runAsJob';
 
 const POLL_MS = 30_000;
 const GPU_WAIT_S = 25; // the hub holds a long poll at most this long (culling_api.MAX_GPU_WAIT)
@@ -630,4 +632,21 @@ const plugin: JupyterFrontEndPlugin<IConnectionLost> = {
   }
 };
 
-export default plugin;
+/**
+ * "Run as job" on the open notebook (File and Run menus, the notebook's context menu and toolbar
+ * from `schema/run-as-job.json`, and the command palette): see `runAsJob.ts`.
+ */
+const runAsJob: JupyterFrontEndPlugin<void> = {
+  id: 'gpuhub-notebook:run-as-job',
+  description: 'Run the open notebook as a job in the team\'s GPU queue, optionally stopping this server.',
+  autoStart: true,
+  optional: [ICommandPalette],
+  activate: (app: JupyterFrontEnd, palette: ICommandPalette | null): void => {
+    addRunAsJob(app);
+    if (palette) {
+      palette.addItem({ command: RUN_AS_JOB, category: 'Notebook Operations' });
+    }
+  }
+};
+
+export default [plugin, runAsJob];

@@ -25,6 +25,22 @@ Handlers, under the server's ``base_url`` and authenticated like every server AP
     Relays ``POST {JUPYTERHUB_API_URL}/gpuhub/culling/{user}/snooze`` with ``{"server": "<this
     server>"}`` and passes the hub's status (200, 409, ...) and JSON body through.
 
+``GET gpuhub/jobs``
+    The profiles this user's teams may use, as the spawn page offers them (the hub's
+    ``GET {JUPYTERHUB_API_URL}/gpuhub/profiles``, with this server's token), for JupyterLab's
+    "Run as job" picker; plus ``server``, this server's name.
+
+``POST gpuhub/jobs``
+    "Run as job" on an open notebook: ``{"path": "<the notebook's path in JupyterLab>",
+    "profile": "<slug>", "team": "<name>" (optional), "parameters": "lr=0.01\nepochs=3"
+    (optional, one ``name=value`` a line, typed as ``gpuhub job submit -p`` types them),
+    "stop_server": true|false}`` becomes the hub's ``POST {JUPYTERHUB_API_URL}/gpuhub/jobs``
+    with a notebook job file, sent with this server's own token: the job is the user's, never
+    anyone else's, whatever the browser sends. ``stop_server`` stops *this* server once the job
+    is queued (the hub lets a server's token stop only that server). The hub's status and JSON
+    (201 with the job's record; 400 with located issues; 403/409 with the reason) are passed
+    through.
+
 Enabled by ``etc/jupyter/jupyter_server_config.d/gpuhub_notebook.json`` (installed with the
 package), or explicitly: ``c.ServerApp.jpserver_extensions = {"gpuhub_notebook": True}``.
 """
@@ -205,6 +221,174 @@ class CullingHandler(APIHandler):
         self.finish(json.dumps(data))
 
 
+MAX_RUN_AS_JOB_BODY = 64 * 1024  # a path, a slug and a few parameters; the hub bounds the job file too
+MAX_PARAMETERS = 100  # the hub's own limit (gpuhub_spawner.jobs.spec.MAX_PARAMETERS)
+
+
+class RunAsJobError(ValueError):
+    """A "Run as job" request that cannot be sent: said to the user, nothing sent to the hub."""
+
+
+def parameter_value(text: str):
+    """A parameter's value as ``gpuhub job submit -p name=value`` (and papermill's own CLI) reads
+    it: bool, None, int, float, else text. The same rules as
+    ``gpuhub_spawner.jobs.cli.parameter_value`` (a unit test holds the two together); this
+    package does not import the hub's."""
+    if text in ("True", "true"):
+        return True
+    if text in ("False", "false"):
+        return False
+    if text in ("None", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_parameters(text: str) -> dict:
+    """``name=value`` lines (blank lines and ``#`` comments skipped) as a job's parameters;
+    a bad line is named by its number."""
+    params: dict = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, eq, value = line.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise RunAsJobError(f"parameters, line {number}: give a parameter as name=value ({line[:60]!r})")
+        if not name.isidentifier():
+            raise RunAsJobError(f"parameters, line {number}: {name[:60]!r} is not a Python name (a variable of the notebook)")
+        params[name] = parameter_value(value.strip())
+        if len(params) > MAX_PARAMETERS:
+            raise RunAsJobError(f"at most {MAX_PARAMETERS} parameters")
+    return params
+
+
+def notebook_in_home(root_dir: str, path: str, home: str | None = None) -> str:
+    """The notebook JupyterLab calls ``path`` (relative to the server's root), as a path relative
+    to the user's home, where the job runs it from. Refused: not a notebook, not a file, outside
+    the server's root or the home (a link out of them included: the real path counts)."""
+    if not isinstance(path, str) or not path.strip() or len(path) > 1024 or "\0" in path:
+        raise RunAsJobError("name the notebook to run (its path in JupyterLab)")
+    if not path.endswith(".ipynb"):
+        raise RunAsJobError(f"{path[:200]}: only a notebook (.ipynb) runs as a job")
+    root = os.path.realpath(root_dir)
+    full = os.path.realpath(os.path.join(root, path.lstrip("/")))
+    home = os.path.realpath(home or os.path.expanduser("~"))
+    if os.path.commonpath([root, full]) != root:
+        raise RunAsJobError(f"{path[:200]}: not in this server's files")
+    if not os.path.isfile(full):
+        raise RunAsJobError(f"{path[:200]}: no such notebook (save it first)")
+    if os.path.commonpath([home, full]) != home:
+        raise RunAsJobError(f"{path[:200]} is not in your home directory: jobs run from your home")
+    return os.path.relpath(full, home)
+
+
+def run_as_job_request(body, root_dir: str, server: str, home: str | None = None) -> dict:
+    """The hub's job submission for a "Run as job" request from JupyterLab. Only the notebook,
+    the profile (and team), the parameters and whether to stop a server come from the browser;
+    which server is stopped is this one's name, never the browser's word."""
+    if not isinstance(body, dict):
+        raise RunAsJobError("send a JSON object")
+    rel = notebook_in_home(root_dir, body.get("path"), home)
+    profile = body.get("profile")
+    if not isinstance(profile, str) or not profile.strip() or len(profile) > 255:
+        raise RunAsJobError("choose a profile")
+    spec: dict = {"profile": profile.strip(), "notebook": rel}
+    team = body.get("team")
+    if isinstance(team, str) and team.strip():
+        spec["team"] = team.strip()[:255]
+    params = body.get("parameters") or ""
+    if not isinstance(params, str):
+        raise RunAsJobError("parameters: one name=value a line")
+    params = parse_parameters(params)
+    if params:
+        spec["parameters"] = params
+    submission: dict = {"spec": json.dumps(spec), "filename": os.path.basename(rel)}
+    if body.get("stop_server") is True:
+        submission["stop_server"] = server
+    return submission
+
+
+class RunAsJobHandler(APIHandler):
+    """JupyterLab's "Run as job": the profiles to choose from, and the submission, relayed to the
+    hub with this server's own token (see the module's docstring)."""
+
+    auth_resource = "api"
+
+    @web.authenticated
+    @authorized
+    async def get(self):
+        self.set_header("Cache-Control", "no-store")
+        hub = hub_environment()
+        if hub is None:
+            self.set_status(404)
+            self.finish(json.dumps({"message": "not running under JupyterHub: there is no queue to run a job in"}))
+            return
+        status, data = await _hub_api(hub, "/gpuhub/profiles")
+        self._relay(status, data, hub)
+
+    @web.authenticated
+    @authorized
+    async def post(self):
+        hub = hub_environment()
+        if hub is None:
+            self.set_status(404)
+            self.finish(json.dumps({"message": "not running under JupyterHub: there is no queue to run a job in"}))
+            return
+        if len(self.request.body or b"") > MAX_RUN_AS_JOB_BODY:
+            raise web.HTTPError(413, f"a Run as job request may have at most {MAX_RUN_AS_JOB_BODY} bytes")
+        try:
+            body = json.loads(self.request.body or b"{}")
+            submission = run_as_job_request(body, self.contents_manager.root_dir, hub["server"])
+        except ValueError as e:  # RunAsJobError, or JSON that does not parse
+            self.set_status(400)
+            self.finish(json.dumps({"message": str(e)[:500]}))
+            return
+        status, data = await _hub_api(hub, "/gpuhub/jobs", method="POST", body=submission)
+        self._relay(status, data, hub)
+
+    def _relay(self, status: int, data: dict, hub: dict) -> None:
+        if status == 0:
+            status = 502
+        elif status == 401:
+            # Our token was refused by the hub: not the browser's credentials, so not a 401 here.
+            data = {"message": f"the hub refused this server's token: {data.get('message', '')}".strip()}
+            status = 502
+        self.set_status(status)
+        data.setdefault("server", hub["server"])
+        self.finish(json.dumps(data))
+
+
+async def _hub_api(hub: dict, path: str, method: str = "GET", body: dict | None = None):
+    """(status, parsed JSON or {}) of ``{JUPYTERHUB_API_URL}{path}`` with this server's token;
+    status 0 when the hub could not be reached."""
+    req = HTTPRequest(
+        f"{hub['url']}{path}",
+        method=method,
+        headers={"Authorization": f"token {hub['token']}", "Content-Type": "application/json", "Accept": "application/json"},
+        body=json.dumps(body) if body is not None else None,
+        request_timeout=HUB_TIMEOUT,
+        connect_timeout=HUB_TIMEOUT,
+        **hub["ssl"],
+    )
+    try:
+        resp = await AsyncHTTPClient().fetch(req, raise_error=False)
+    except (OSError, HTTPClientError, asyncio.TimeoutError) as e:
+        return 0, {"message": f"hub unreachable: {e}"}
+    if resp.code == 599:  # tornado's code for connection errors and timeouts
+        return 0, {"message": f"hub unreachable: {resp.error}"}
+    try:
+        data = json.loads(resp.body or b"{}")
+    except ValueError:
+        data = {"message": (resp.body or b"")[:200].decode(errors="replace")}
+    return resp.code, data if isinstance(data, dict) else {"message": str(data)}
+
+
 def plain_terminal_shell(serverapp, environ=None) -> None:
     """JupyterLab's terminal: an interactive ``$SHELL``, not jupyter-server's login shell.
 
@@ -263,7 +447,8 @@ def load(serverapp) -> None:
         [
             (url_path_join(base, "gpuhub", "activity"), ActivityHandler),
             (url_path_join(base, "gpuhub", "culling"), CullingHandler),
+            (url_path_join(base, "gpuhub", "jobs"), RunAsJobHandler),
         ],
     )
-    serverapp.log.info("gpuhub_notebook: serving %sgpuhub/activity and %sgpuhub/culling", base, base)
+    serverapp.log.info("gpuhub_notebook: serving %sgpuhub/activity, %sgpuhub/culling and %sgpuhub/jobs", base, base, base)
     busy_kernels_are_activity(serverapp)

@@ -732,11 +732,16 @@ class StandInKubelet(threading.Thread):
             src = item.get("valueFrom") or {}
             if src.get("fieldRef"):
                 path = src["fieldRef"]["fieldPath"]
-                env[item["name"]] = {
-                    "metadata.name": pod["metadata"]["name"],
-                    "metadata.namespace": pod["metadata"]["namespace"],
-                    "status.podIP": pod["status"]["podIP"],
-                }.get(path, "")
+                m = re.fullmatch(r"metadata\.(annotations|labels)\['([^']+)'\]", path)
+                env[item["name"]] = (
+                    (pod["metadata"].get(m.group(1)) or {}).get(m.group(2), "")  # an Indexed Job's completion index
+                    if m
+                    else {
+                        "metadata.name": pod["metadata"]["name"],
+                        "metadata.namespace": pod["metadata"]["namespace"],
+                        "status.podIP": pod["status"]["podIP"],
+                    }.get(path, "")
+                )
             elif src.get("secretKeyRef"):
                 ref = src["secretKeyRef"]
                 import base64

@@ -45,6 +45,12 @@ Choices (also in docs/install-kubernetes.md):
   ephemeral storage, which Kueue would otherwise count at weight 1, in bytes). v0.19.2 has no
   preemption protection (KEP-9876 came later): ``minRuntime`` is not rendered; the hub's
   reclaimer keeps it for the servers it reclaims.
+* Topology-aware placement (Kueue TAS, beta and on by default in v0.19): a flavor with
+  ``topology: {name, level, mode}`` gets ``topologyName`` on its ResourceFlavor, and the
+  topology it names a ``Topology`` object (its node-label levels, broadest first). Nothing is
+  rendered for topologies no flavor names. A several-worker job on such a flavor carries the
+  pod-set annotation ``kueue.x-k8s.io/podset-{preferred,required}-topology: <level>``
+  (``kube/job_manifest.py``).
 * Output is sorted (kind in apply order, then name; keys sorted) so it diffs cleanly.
 """
 
@@ -73,7 +79,7 @@ UNLIMITED_CPU = "100k"
 UNLIMITED_MEMORY = "1Pi"
 UNLIMITED_EPHEMERAL = "1Pi"
 UNLIMITED_SLICES = "10k"  # a team counting slices in memory: Kueue still sees the slice resource
-KIND_ORDER = ["ResourceFlavor", "WorkloadPriorityClass", "ClusterQueue", "LocalQueue"]
+KIND_ORDER = ["Topology", "ResourceFlavor", "WorkloadPriorityClass", "ClusterQueue", "LocalQueue"]
 
 
 def _meta(name: str, namespace: str | None = None) -> dict:
@@ -91,8 +97,28 @@ def resource_flavors(policy: Policy, cpu_flavor: str) -> list[dict]:
             spec["nodeLabels"] = dict(flavor.node_labels)
         if flavor.tolerations:
             spec["tolerations"] = [t.model_dump(exclude_none=True) for t in flavor.tolerations]
+        if flavor.topology is not None:
+            # Kueue's topology-aware scheduling for this flavor: it reads the nodes' topology
+            # labels and places a job's workers per the pod set's topology annotation.
+            spec["topologyName"] = flavor.topology.name
         out.append({"apiVersion": API_VERSION, "kind": "ResourceFlavor", "metadata": _meta(flavor.name), "spec": spec})
     return out
+
+
+def topologies(policy: Policy) -> list[dict]:
+    """A Kueue ``Topology`` per topology a flavor names (docs/jobs.md, "Several workers"); none
+    when no flavor names one, so a policy without topology labels renders what it always did."""
+    named = {f.topology.name for f in policy.flavors if f.topology is not None}
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": "Topology",
+            "metadata": _meta(t.name),
+            "spec": {"levels": [{"nodeLabel": level} for level in t.levels]},
+        }
+        for t in policy.topologies
+        if t.name in named
+    ]
 
 
 def priority_classes(policy: Policy) -> list[dict]:
@@ -359,7 +385,7 @@ def render_objects(policy: Policy, namespace: str = DEFAULT_NAMESPACE, cpu_flavo
     """All Kueue objects for ``policy``, in apply order (flavors and classes first)."""
     if any(f.name == cpu_flavor for f in policy.flavors):
         raise ValueError(f"flavor name {cpu_flavor!r} is reserved for CPU and memory; pick another --cpu-flavor")
-    objs = resource_flavors(policy, cpu_flavor) + priority_classes(policy)
+    objs = topologies(policy) + resource_flavors(policy, cpu_flavor) + priority_classes(policy)
     # tenancy.mode team: each team's LocalQueue in its own namespace, its ClusterQueue admitting
     # only that namespace's pods (kube/tenancy.py renders the namespaces themselves).
     objs += [cluster_queue(policy, t, policy.namespace_of(t, namespace), cpu_flavor) for t in policy.teams]

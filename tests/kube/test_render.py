@@ -253,6 +253,22 @@ def test_a_flavor_placed_by_topology_renders_kueue_tas_objects(policy):
     assert flavors["a100"]["spec"]["topologyName"] == "dc"
     assert all("topologyName" not in f["spec"] for name, f in flavors.items() if name != "a100")
     validate(flavors["a100"])
+    # Kueue v0.19.2 gives a pod set asking for a topology one topology flavor for all it requests:
+    # a team holding a100 has one group for CPU, memory and devices (the plain flavor first).
+    for cq in by_kind(objs, "ClusterQueue").values():
+        validate(cq)
+        groups = cq["spec"]["resourceGroups"]
+        if any(f["name"] == "a100" for g in groups for f in g["flavors"]):
+            [group] = groups
+            assert group["coveredResources"][:3] == ["cpu", "memory", "ephemeral-storage"], group["coveredResources"]
+            names = [f["name"] for f in group["flavors"]]
+            assert names[0] == "gpuhub-default" and "a100" in names, names
+            a100 = next(f for f in group["flavors"] if f["name"] == "a100")
+            assert [r["name"] for r in a100["resources"]] == group["coveredResources"]
+            plain = group["flavors"][0]
+            assert {r["name"]: r["nominalQuota"] for r in plain["resources"]}.get("nvidia.com/gpu") == "0"
+        else:
+            assert len(groups) > 1 or groups[0]["coveredResources"][0] == "cpu"
     if kueue_module_crds() is None:
         pytest.skip("the Topology CRD comes from the Kueue v0.19.2 module (tests/cluster/build.sh); not fetched here")
     validate(topologies["dc"])

@@ -57,6 +57,7 @@ from ..jobs.spec import FAILED, INTERRUPTED, PREEMPTED, JobSpec
 
 JOB_LABEL = "gpuhub/job"
 TOPOLOGY_ANNOTATION = "kueue.x-k8s.io/podset-{mode}-topology"  # mode: preferred or required (Kueue TAS)
+UNCONSTRAINED_TOPOLOGY = "kueue.x-k8s.io/podset-unconstrained-topology"  # kube/spawner.py's, on a server pod
 RENDEZVOUS_PORT = 29500
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 JOB_COMPONENT = "gpuhub-job"  # the ``component`` label of a job's pods
@@ -180,7 +181,9 @@ def job_manifest(
     annotations = dict(meta.get("annotations") or {})
     flavor = next((f for f in policy.flavors if f.name == choice.flavor), None)
     if spec.workers > 1 and flavor is not None and flavor.topology is not None:
-        # Kueue TAS: all N workers inside one domain of the level the operator named.
+        # Kueue TAS: all N workers inside one domain of the level the operator named (in place
+        # of the server pod's "anywhere in the topology").
+        annotations.pop(UNCONSTRAINED_TOPOLOGY, None)
         annotations[TOPOLOGY_ANNOTATION.format(mode=flavor.topology.mode)] = flavor.topology.level
     job_spec = {
         "suspend": True,  # Kueue un-suspends it on admission

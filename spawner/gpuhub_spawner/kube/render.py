@@ -50,13 +50,22 @@ Choices (also in docs/install-kubernetes.md):
   topology it names a ``Topology`` object (its node-label levels, broadest first). Nothing is
   rendered for topologies no flavor names. A several-worker job on such a flavor carries the
   pod-set annotation ``kueue.x-k8s.io/podset-{preferred,required}-topology: <level>``
-  (``kube/job_manifest.py``).
+  (``kube/job_manifest.py``); servers and one-worker jobs on it
+  ``kueue.x-k8s.io/podset-unconstrained-topology`` (``kube/spawner.py``). Kueue v0.19.2 lets a
+  topology flavor serve only pod sets that ask for a topology, and gives such a pod set one
+  topology flavor for every resource it requests (``tas_flavorassigner.go``; found on the real
+  plane: "Flavor "gpuhub-default" does not support TopologyAwareScheduling", then "more than
+  one TAS flavor assigned"). So a team with quota on such a flavor gets one resource group for
+  CPU, memory and devices: ``gpuhub-default`` first (CPU and memory, no device), then each GPU
+  flavor with the team's CPU and memory quota beside its device quota. For that team, CPU and
+  memory are counted per flavor (a GPU pod's on its GPU flavor), not once for all its pods.
 * Output is sorted (kind in apply order, then name; keys sorted) so it diffs cleanly.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import re
@@ -304,8 +313,28 @@ def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -
         else:
             entry = _quota(q.nominal, q.borrowing_limit, q.lending_limit, cohort)
         by_resource[flavor.resource].append({"name": flavor.name, "resources": [{"name": flavor.resource, **entry}]})
-    for resource in sorted(by_resource):
-        groups.append({"coveredResources": [resource], "flavors": by_resource[resource]})
+    if any(f.topology is not None and f.name in team.quota.gpus for f in policy.flavors):
+        # Kueue TAS (v0.19.2's tas_flavorassigner.go, found on the real plane): a pod set placed
+        # by topology takes one topology flavor for every resource it asks, its CPU and memory
+        # too, and a topology flavor serves only such pod sets. So this team's CPU, memory and
+        # devices are one resource group: the plain flavor first (CPU and memory, no device:
+        # CPU-only servers), then each GPU flavor with the team's CPU and memory quota and its
+        # own device quota, so a GPU pod's CPU and memory come from its GPU flavor's nodes.
+        resources = sorted(by_resource)
+
+        def zero(r: str) -> dict:
+            return {"name": r, **_quota(0, None, None, cohort)}
+
+        flavors = [{"name": cpu_flavor, "resources": cpu_resources + [zero(r) for r in resources]}]
+        for r in resources:
+            for entry in by_resource[r]:
+                own = entry["resources"][0]
+                devices = [own if other == r else zero(other) for other in resources]
+                flavors.append({"name": entry["name"], "resources": copy.deepcopy(cpu_resources) + devices})
+        groups = [{"coveredResources": covered + resources, "flavors": flavors}]
+    else:
+        for resource in sorted(by_resource):
+            groups.append({"coveredResources": [resource], "flavors": by_resource[resource]})
     spec: dict = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
         "queueingStrategy": team.queueing_strategy,

@@ -5,9 +5,10 @@ runs: ``submit`` checks the choice and caps exactly as on one machine, builds th
 with ``jobs.kube.job_manifest`` from the user's server pod (``KueueSpawner``'s own code
 path), and creates it; from then on Kueue admits, preempts (suspends) and resumes it, and
 the Job controller retries per ``podFailurePolicy``. A watcher reads the Job, its pods
-and its Workload every ``poll_interval`` seconds into the record: each pod is an attempt;
-its log is copied into the hub's data directory when it ends (a preempted pod's log is
-whatever was read before Kueue deleted it).
+and its Workload every ``poll_interval`` seconds into the record: each pod is an attempt (with
+several workers, each run of all N pods; ``_read_workers``); its log is copied into the hub's
+data directory when it ends (a preempted pod's log is whatever was read before Kueue deleted
+it). A several-worker job also gets its headless rendezvous Service, owned by the Job.
 
 A GPU that fails (docs/gpu-health.md): an attempt whose pod runs on a node with a health
 taint (``kube/capacity.py``'s keeper reads them) ends ``gpu-failed`` at the next read: the

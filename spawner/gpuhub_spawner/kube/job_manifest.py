@@ -37,9 +37,11 @@ installed and Kueue's ``jobset`` integration enabled, for what one group of iden
 workers does not use (several replicated jobs, whole-set restarts; here a failing worker
 ends the attempt and ``retries`` never restart one worker alone).
 
-Tested against kubernetes-validate (strict), the Kueue v0.19.2 Workload CRD, and the API
+Tested against kubernetes-validate (strict), the Kueue v0.19.2 Workload CRD, the API
 double's model of the Job controller and Kueue's job integration (admission, suspension
-on preemption, podFailurePolicy); the real controllers were not run.
+on preemption, podFailurePolicy, Indexed Jobs), and on the real control plane (the Job
+controller, kube-scheduler and Kueue v0.19.2, its topology-aware scheduling included:
+tests/kube/test_job_hub_e2e.py, test_job_workers_hub_e2e.py, test_job_topology_real.py).
 """
 
 from __future__ import annotations

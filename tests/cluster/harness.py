@@ -582,6 +582,23 @@ def remove_mig_nodes(cluster: RealCluster) -> None:
     cluster.kubectl("delete", "node", *names, "--ignore-not-found", check=False)
 
 
+TAS_NODES_FILE = HERE / "nodes-tas.yaml"
+
+
+def add_tas_nodes(cluster: RealCluster, timeout: int = 90) -> list[str]:
+    """Put in the kwok nodes labelled with a rack topology (``nodes-tas.yaml``) and wait until
+    kwok reports them Ready; ``remove_tas_nodes`` takes them out again."""
+    names = [n["metadata"]["name"] for n in yaml.safe_load_all(TAS_NODES_FILE.read_text())]
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(TAS_NODES_FILE))
+    cluster.kubectl("wait", "--for=condition=Ready", *(f"node/{n}" for n in names), f"--timeout={timeout}s")
+    return names
+
+
+def remove_tas_nodes(cluster: RealCluster) -> None:
+    names = [n["metadata"]["name"] for n in yaml.safe_load_all(TAS_NODES_FILE.read_text())]
+    cluster.kubectl("delete", "node", *names, "--ignore-not-found", check=False)
+
+
 def kueue_pid() -> int | None:
     f = DIR / "run" / "kueue.pid"
     return int(f.read_text()) if f.exists() and f.read_text().strip() else None
@@ -732,11 +749,16 @@ class StandInKubelet(threading.Thread):
             src = item.get("valueFrom") or {}
             if src.get("fieldRef"):
                 path = src["fieldRef"]["fieldPath"]
-                env[item["name"]] = {
-                    "metadata.name": pod["metadata"]["name"],
-                    "metadata.namespace": pod["metadata"]["namespace"],
-                    "status.podIP": pod["status"]["podIP"],
-                }.get(path, "")
+                m = re.fullmatch(r"metadata\.(annotations|labels)\['([^']+)'\]", path)
+                env[item["name"]] = (
+                    (pod["metadata"].get(m.group(1)) or {}).get(m.group(2), "")  # an Indexed Job's completion index
+                    if m
+                    else {
+                        "metadata.name": pod["metadata"]["name"],
+                        "metadata.namespace": pod["metadata"]["namespace"],
+                        "status.podIP": pod["status"]["podIP"],
+                    }.get(path, "")
+                )
             elif src.get("secretKeyRef"):
                 ref = src["secretKeyRef"]
                 import base64

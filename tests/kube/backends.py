@@ -117,6 +117,9 @@ class DoubleBackend:
     def network_policies(self) -> list[dict]:
         return self.double.list("networkpolicies", NAMESPACE)
 
+    def services(self) -> list[dict]:
+        return self.double.list("services", NAMESPACE)
+
     def setup(self, policy: str, workdir: Path) -> None:
         apply_policy(self.double, policy)
 
@@ -240,6 +243,9 @@ class RealBackend:
 
     def network_policies(self) -> list[dict]:
         return self.cluster.get(f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies")["items"]
+
+    def services(self) -> list[dict]:
+        return self.cluster.get(f"/api/v1/namespaces/{NAMESPACE}/services")["items"]
 
     def hub_calls(self) -> list[dict]:
         """Every request the hub made since ``setup``, as the API server's audit log has it."""

@@ -51,6 +51,7 @@ NEVER = [
     (USERS_NS, ["delete", "workloads.kueue.x-k8s.io"]),
     (USERS_NS, ["create", "pods", "--subresource=exec"]),
     (USERS_NS, ["get", "secrets"]),
+    (USERS_NS, ["delete", "services"]),  # a job's rendezvous Service is only created; the garbage collector deletes it
     (USERS_NS, ["create", "rolebindings.rbac.authorization.k8s.io"]),
     ("default", ["create", "pods"]),
     ("default", ["patch", "workloads.kueue.x-k8s.io"]),

@@ -285,8 +285,9 @@ async def test_the_double_applies_the_jobs_failure_policy(kube, make_spawner, po
 async def test_several_workers_render_as_one_indexed_job_kueue_admits_all_or_nothing(make_spawner, policy_store):
     """``workers: 3`` (issue 44): one Workload pod set of count 3 (quota for all three or none),
     each pod one worker with the profile's GPU, ranks from the completion index, rank 0's
-    name through the Job's headless Service. Rendered and schema-checked only: the hub
-    refuses several workers on Kubernetes for now."""
+    name through the Job's headless Service (owned by the Job), and a failing worker fails the
+    whole Job (a rendezvous cannot go on with one worker restarted alone). The hub submitting
+    it: ``test_job_workers_hub_e2e.py``."""
     from gpuhub_spawner.kube.job_manifest import COMPLETION_INDEX, rendezvous_service
 
     spawner = make_spawner(user="alice", groups=("vision-lab",), profile="a100-1")
@@ -305,9 +306,16 @@ async def test_several_workers_render_as_one_indexed_job_kueue_admits_all_or_not
     env = {e["name"]: e for e in c["env"]}
     assert env["MASTER_ADDR"]["value"] == "job-00000000aa-0.job-00000000aa" and env["MASTER_PORT"]["value"] == "29500"
     assert env["WORLD_SIZE"]["value"] == "3" and env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == COMPLETION_INDEX
-    svc = rendezvous_service(job)
+    rules = js["podFailurePolicy"]["rules"]
+    assert rules[-1] == {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}}
+    assert not [r for r in rules if r["action"] == "Count"]  # no worker is restarted alone
+    svc = rendezvous_service({**job, "metadata": {**job["metadata"], "uid": "4f6a0c2e-0000-4000-8000-000000000001"}})
     validate(svc)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == {"gpuhub/job": "job-00000000aa"}
+    assert svc["metadata"]["ownerReferences"] == [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": "job-00000000aa", "uid": "4f6a0c2e-0000-4000-8000-000000000001"}
+    ]  # collected with its Job
+    assert not any(k.startswith("kueue.x-k8s.io/podset-") for k in js["template"]["metadata"]["annotations"])  # no topology
     assert js["template"]["metadata"]["labels"]["gpuhub/job"] == "job-00000000aa"  # the Service selects the workers
     wl = workload_for(job)
     validate(wl)
@@ -317,3 +325,45 @@ async def test_several_workers_render_as_one_indexed_job_kueue_admits_all_or_not
         "job-00000000ab", "alice", parse_job("profile: a100-1\ncommand: [x]\n"), policy, choice, pod, namespace=spawner.namespace
     )
     assert "completionMode" not in one["spec"] and "subdomain" not in one["spec"]["template"]["spec"]
+
+
+TOPOLOGY = {
+    "topologies": [{"name": "dc", "levels": ["example.com/block", "example.com/rack", "kubernetes.io/hostname"]}],
+}
+
+
+def _with_topology(policy_file, mode: str = "preferred"):
+    """The shipped policy, its A100 flavor placed by the topology ``dc`` (Kueue TAS)."""
+    import yaml
+
+    from gpuhub_spawner.policy.loader import parse_policy
+
+    data = yaml.safe_load(policy_file.read_text())
+    data.update(TOPOLOGY)
+    flavor = next(f for f in data["flavors"] if f["name"] == "a100")
+    flavor["topology"] = {"name": "dc", "level": "example.com/rack", "mode": mode}
+    return parse_policy(yaml.safe_dump(data))
+
+
+@pytest.mark.parametrize("mode", ["preferred", "required"])
+async def test_several_workers_on_a_flavor_with_a_topology_ask_kueue_for_one_domain(
+    make_spawner, policy_store, policy_file, mode
+):
+    """Where the operator labelled the topology (the flavor's ``topology``), a several-worker
+    job's pod set carries Kueue's TAS annotation for the flavor's level; one worker does not."""
+    spawner = make_spawner(user="alice", groups=("vision-lab",), profile="a100-1")
+    pod = await server_pod(spawner)
+    policy = _with_topology(policy_file, mode)
+    choice = resolve_choice(policy, ["vision-lab"], {"profile": "a100-1"})
+    spec = parse_job("profile: a100-1\nworkers: 2\ncommand: [python, train.py]\n")
+    job = job_manifest("job-00000000ac", "alice", spec, policy, choice, pod, namespace=spawner.namespace)
+    validate(job)
+    annotations = job["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[f"kueue.x-k8s.io/podset-{mode}-topology"] == "example.com/rack"
+    other = "required" if mode == "preferred" else "preferred"
+    assert f"kueue.x-k8s.io/podset-{other}-topology" not in annotations
+    validate(workload_for(job))  # the Workload's pod set template keeps it
+    one = job_manifest(
+        "job-00000000ad", "alice", parse_job("profile: a100-1\ncommand: [x]\n"), policy, choice, pod, namespace=spawner.namespace
+    )
+    assert not any(k.startswith("kueue.x-k8s.io/podset-") for k in one["spec"]["template"]["metadata"]["annotations"])

@@ -225,3 +225,56 @@ def test_cli_refuses_a_flavor_named_like_the_cpu_flavor(capsys, tmp_path):
     clash.write_text(POLICY.read_text())
     assert main(["kueue", str(clash), "--cpu-flavor", "a100"]) == 1
     assert "reserved for CPU and memory" in capsys.readouterr().err
+
+
+def test_a_flavor_placed_by_topology_renders_kueue_tas_objects(policy):
+    """Issue 44: where the policy names a topology, a Kueue ``Topology`` (its levels, broadest
+    first) and ``topologyName`` on the flavor's ResourceFlavor; validated against the v0.19.2
+    CRDs (Topology's from the Kueue module the real plane installs; skipped without it).
+    Nothing changes for a policy without one, nor for a declared topology no flavor names."""
+    from double.schemas import kueue_module_crds
+
+    data = yaml.safe_load(POLICY.read_text())
+    data["topologies"] = [
+        {"name": "dc", "levels": ["example.com/block", "example.com/rack", "kubernetes.io/hostname"]},
+        {"name": "unused", "levels": ["example.com/row"]},
+    ]
+    next(f for f in data["flavors"] if f["name"] == "a100")["topology"] = {"name": "dc", "level": "example.com/rack"}
+    objs = render_objects(parse_policy(yaml.safe_dump(data)), "research-hub")
+    topologies = by_kind(objs, "Topology")
+    assert list(topologies) == ["dc"]
+    assert topologies["dc"]["spec"]["levels"] == [
+        {"nodeLabel": "example.com/block"},
+        {"nodeLabel": "example.com/rack"},
+        {"nodeLabel": "kubernetes.io/hostname"},
+    ]
+    assert objs[0]["kind"] == "Topology"  # applied before the flavor naming it
+    flavors = by_kind(objs, "ResourceFlavor")
+    assert flavors["a100"]["spec"]["topologyName"] == "dc"
+    assert all("topologyName" not in f["spec"] for name, f in flavors.items() if name != "a100")
+    validate(flavors["a100"])
+    # Kueue v0.19.2 gives a pod set asking for a topology one topology flavor for all it requests:
+    # a team holding a100 has one group for CPU, memory and devices (the plain flavor first).
+    for cq in by_kind(objs, "ClusterQueue").values():
+        validate(cq)
+        groups = cq["spec"]["resourceGroups"]
+        if any(f["name"] == "a100" for g in groups for f in g["flavors"]):
+            [group] = groups
+            assert group["coveredResources"][:3] == ["cpu", "memory", "ephemeral-storage"], group["coveredResources"]
+            names = [f["name"] for f in group["flavors"]]
+            assert names[0] == "gpuhub-default" and "a100" in names, names
+            a100 = next(f for f in group["flavors"] if f["name"] == "a100")
+            assert [r["name"] for r in a100["resources"]] == group["coveredResources"]
+            plain = group["flavors"][0]
+            assert {r["name"]: r["nominalQuota"] for r in plain["resources"]}.get("nvidia.com/gpu") == "0"
+        else:
+            assert len(groups) > 1 or groups[0]["coveredResources"][0] == "cpu"
+    if kueue_module_crds() is None:
+        pytest.skip("the Topology CRD comes from the Kueue v0.19.2 module (tests/cluster/build.sh); not fetched here")
+    validate(topologies["dc"])
+    bad = copy.deepcopy(topologies["dc"])
+    bad["spec"]["levels"].reverse()
+    with pytest.raises(InvalidObject, match="hostname"):
+        validate(bad)
+    # Without topologies the policy renders exactly what it did.
+    assert "Topology" not in {o["kind"] for o in render_objects(policy, "research-hub")}

@@ -152,3 +152,72 @@ def test_offboarding_rules_default_to_keeping_the_home_and_a_bad_value_is_locate
     assert (policy.offboarding.home, policy.offboarding.mlflow) == ("archive", "read-only")
     (err,) = errors(BASE + "offboarding:\n  home: delete\n")
     assert err.startswith("p.yaml:17:9: offboarding.home:") and "'keep' or 'archive'" in err, err
+
+
+TOPOLOGY_BASE = """\
+topologies:
+  - name: dc
+    levels: [example.com/block, example.com/rack, kubernetes.io/hostname]
+flavors:
+  - name: a100
+    nodeLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}
+    topology: {name: dc, level: example.com/rack}
+    local: {virtual: 2}
+teams:
+  - name: vision
+    groups: [vision-lab]
+    quota: {gpus: {a100: {nominal: 2}}}
+profiles:
+  - {slug: gpu, displayName: One GPU, gpu: {count: 1, flavor: a100}, teams: [vision]}
+"""
+
+
+def test_a_flavor_placed_by_a_declared_topology_is_valid():
+    policy = parse_policy(TOPOLOGY_BASE)
+    topo = policy.flavor("a100").topology
+    assert (topo.name, topo.level, topo.mode) == ("dc", "example.com/rack", "preferred")
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        (
+            "topology: {name: dc,",
+            "topology: {name: racks,",
+            "p.yaml:7:22: flavors[0].topology.name: unknown topology 'racks' (topologies: dc)",
+        ),
+        (
+            "level: example.com/rack}",
+            "level: example.com/row}",
+            "p.yaml:7:33: flavors[0].topology.level: 'example.com/row' is not a level of topology 'dc' "
+            "(levels: example.com/block, example.com/rack, kubernetes.io/hostname)",
+        ),
+        (
+            "    nodeLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}\n",
+            "",
+            "p.yaml:5:5: flavors[0].nodeLabels: a flavor with a topology needs at least one node label",
+        ),
+        (
+            "[example.com/block, example.com/rack, kubernetes.io/hostname]",
+            "[kubernetes.io/hostname, example.com/rack]",
+            "p.yaml:3:13: topologies[0].levels: kubernetes.io/hostname can only be the last (lowest) level",
+        ),
+        (
+            "[example.com/block, example.com/rack,",
+            "[example.com/rack, example.com/rack,",
+            "each level once (example.com/rack repeated)",
+        ),
+        ("[example.com/block,", "['not a label!',", "is not a node label key"),
+        ("level: example.com/rack}", "level: example.com/rack, mode: always}", "flavors[0].topology.mode"),
+    ],
+)
+def test_topology_mistakes_are_located(old, new, expected):
+    """A topology only where the policy declares it; every mistake says where (issue 44)."""
+    assert old in TOPOLOGY_BASE
+    found = errors(TOPOLOGY_BASE.replace(old, new))
+    assert any(expected in e for e in found), found
+
+
+def test_a_topology_without_a_flavor_naming_it_is_allowed_and_a_flavor_without_one_is_unchanged():
+    policy = parse_policy(TOPOLOGY_BASE.replace("    topology: {name: dc, level: example.com/rack}\n", ""))
+    assert policy.flavor("a100").topology is None and [t.name for t in policy.topologies] == ["dc"]

@@ -5,9 +5,10 @@ runs: ``submit`` checks the choice and caps exactly as on one machine, builds th
 with ``jobs.kube.job_manifest`` from the user's server pod (``KueueSpawner``'s own code
 path), and creates it; from then on Kueue admits, preempts (suspends) and resumes it, and
 the Job controller retries per ``podFailurePolicy``. A watcher reads the Job, its pods
-and its Workload every ``poll_interval`` seconds into the record: each pod is an attempt;
-its log is copied into the hub's data directory when it ends (a preempted pod's log is
-whatever was read before Kueue deleted it).
+and its Workload every ``poll_interval`` seconds into the record: each pod is an attempt (with
+several workers, each run of all N pods; ``_read_workers``); its log is copied into the hub's
+data directory when it ends (a preempted pod's log is whatever was read before Kueue deleted
+it). A several-worker job also gets its headless rendezvous Service, owned by the Job.
 
 A GPU that fails (docs/gpu-health.md): an attempt whose pod runs on a node with a health
 taint (``kube/capacity.py``'s keeper reads them) ends ``gpu-failed`` at the next read: the
@@ -38,9 +39,9 @@ from ..policy.access import Choice, ChoiceError, active_profiles, check_job_caps
 from ..policy.model import Policy
 from ..jobs import records as R
 from ..jobs.common import TIME_LIMIT, job_priority, policy_hash
-from ..jobs.spec import GPU_FAILED, JobSpec
+from ..jobs.spec import FAILED, GPU_FAILED, JobSpec
 from ..usage import recorder as usage
-from .job_manifest import JOB_LABEL, job_manifest
+from .job_manifest import JOB_LABEL, RENDEZVOUS_PORT, job_manifest, rendezvous_service
 from .ledger import RECLAIM_ANNOTATION, KueueLedger
 from .policy_configmap import hub_namespace
 from .spawner import KueueSpawner
@@ -48,6 +49,8 @@ from .walls import put_up, wall
 from .storage import OWN, create_claim, work_claim
 
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
+
+COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"  # on an Indexed Job's pods (annotation and label)
 
 
 def _preemptions(wl: dict | None) -> int:
@@ -136,7 +139,9 @@ class KubeJobManager(SingletonConfigurable):
     def held_profiles(self, user, releasing: str | None = None):
         policy = self.policy
         held = [p for name, p in active_profiles(policy, user).items() if name != releasing]
-        held += [policy.profile(r.profile["slug"]) for r in self.jobs.values() if r.user == user.name and r.state not in R.FINAL]
+        for r in self.jobs.values():
+            if r.user == user.name and r.state not in R.FINAL:
+                held += [policy.profile(r.profile["slug"])] * max(1, r.workers)
         return held
 
     async def submit(self, user, groups: list[str], spec: JobSpec, releasing: str | None = None) -> R.JobRecord:
@@ -144,12 +149,18 @@ class KubeJobManager(SingletonConfigurable):
             # Not yet: the pod would need papermill in its image and a way back for the
             # executed notebook (docs/jobs.md, "A notebook as a job").
             raise ChoiceError(501, "Notebook jobs run on one-machine hubs for now; on Kubernetes submit a command.")
-        if spec.workers > 1:
-            raise ChoiceError(501, "Jobs of several workers run on one-machine hubs for now (docs/jobs.md).")
+        on_exit = FAILED in spec.retries.reasons or any(isinstance(r, int) for r in spec.retries.reasons)
+        if spec.workers > 1 and on_exit and spec.retries.limit:
+            raise ChoiceError(
+                400,
+                "retries.reasons: with several workers on Kubernetes a failing worker ends the whole job "
+                "(one worker restarted alone cannot rejoin the others); retry on preempted or interrupted only",
+            )
         policy = self.policy
         choice = resolve_choice(policy, groups, {"profile": spec.profile, **({"team": spec.team} if spec.team else {})})
         team = choice.team
-        check_job_caps(choice, self.held_profiles(user, releasing))
+        # N workers hold N times the profile: the per-user cap sees the N-1 beside this request.
+        check_job_caps(choice, self.held_profiles(user, releasing) + [choice.profile] * (spec.workers - 1))
         pclass, priority = job_priority(policy, choice)
         job_id = "job-" + secrets.token_hex(5)
         spawner = self._spawner(user, job_id)
@@ -196,6 +207,7 @@ class KubeJobManager(SingletonConfigurable):
             spec=spec.model_dump(by_alias=True, exclude={"env"}) | {"env": sorted(spec.env)},
             name=spec.name,
             backend="kubernetes",
+            workers=spec.workers,
         )
         try:
             created = await self._client("BatchV1Api").create_namespaced_job(spawner.namespace, job)
@@ -219,6 +231,10 @@ class KubeJobManager(SingletonConfigurable):
                     owner, spawner.namespace, spawner.work_volume_size, spawner.work_volume_storage_class, {JOB_LABEL: job_id}
                 )
                 await create_claim(self._client("BatchV1Api").api_client, claim)
+            if spec.workers > 1:
+                # The workers' names (<job>-<rank>.<job>): a headless Service owned by the Job.
+                svc = rendezvous_service({**job, "metadata": {**job["metadata"], "uid": created.metadata.uid}})
+                await self._client("CoreV1Api").create_namespaced_service(spawner.namespace, svc)
         except Exception as e:  # noqa: BLE001
             try:
                 await self._client("BatchV1Api").delete_namespaced_job(job_id, spawner.namespace, propagation_policy="Background")
@@ -228,7 +244,8 @@ class KubeJobManager(SingletonConfigurable):
                 )
             raise ChoiceError(
                 502,
-                f"the cluster refused the job's NetworkPolicy or volume claim: {getattr(e, 'reason', e)}; nothing was started",
+                f"the cluster refused the job's NetworkPolicy, volume claim or rendezvous Service: {getattr(e, 'reason', e)}; "
+                "nothing was started",
             ) from None
         rec.spec["uid"], rec.spec["namespace"] = created.metadata.uid, spawner.namespace
         rec.attempts.append(R.Attempt(number=1, queued=time.time()))
@@ -284,6 +301,48 @@ class KubeJobManager(SingletonConfigurable):
         wl = wls[0] if wls else None
         self._workloads[rec.id] = wl
         pods.sort(key=lambda p: p["metadata"].get("creationTimestamp") or "")
+        if rec.workers > 1:
+            await self._read_workers(rec, job, pods, wl, ns)
+        else:
+            await self._read_pods(rec, job, pods, wl, ns)
+        complete, failed = (condition(job, "Complete") or {}), (condition(job, "Failed") or {})
+        if complete.get("status") == "True":
+            rec.state, rec.message, rec.finished = R.SUCCEEDED, "", timestamp(job["status"].get("completionTime")) or time.time()
+        elif failed.get("status") == "True":
+            reason = failed.get("reason", "")
+            msg = {
+                "DeadlineExceeded": f"stopped: it reached its time limit of {rec.time_limit:g}s"
+                if rec.time_limit
+                else "deadline exceeded",
+                "BackoffLimitExceeded": f"No retries left ({rec.retries['limit']} allowed).",
+            }.get(reason, failed.get("message", ""))
+            if reason == "DeadlineExceeded" and rec.current is not None:
+                rec.current.reason = TIME_LIMIT
+            last = rec.current.message if rec.current else ""
+            rec.state, rec.message, rec.finished = R.FAILED, f"{last} {msg}".strip(), time.time()
+        elif job["spec"].get("suspend"):
+            # Waiting for (or back in) Kueue's queue: the next attempt is queued.
+            rec.state = R.QUEUED
+            if rec.current is None or rec.current.finished is not None:
+                rec.attempts.append(R.Attempt(number=len(rec.attempts) + 1, queued=time.time()))
+        else:
+            # Admitted: a pod runs, or the Job controller is between a pod's end and the
+            # Job's verdict (or its next pod): still the Job's running phase.
+            rec.state = R.RUNNING
+        if rec.state in (R.SUCCEEDED, R.FAILED):
+            # The Job's verdict is in and this record is read no more: an attempt still open
+            # (its pod outlived the verdict: a time limit's kill) ends here; none is left
+            # without an end.
+            for att in rec.attempts:
+                if att.account and att.finished is None:
+                    att.finished = time.time()
+                    if att.reason is None:
+                        att.reason = "interrupted"
+                        att.message = "its pod was still there when the job ended; the job's result is another attempt's"
+        self.store.save(rec)
+
+    async def _read_pods(self, rec: R.JobRecord, job: dict, pods: list[dict], wl: dict | None, ns: str) -> None:
+        """One worker: each pod is an attempt."""
         known = {a.account: a for a in rec.attempts if a.account}  # attempt per pod name
         for pod in pods:
             name = pod["metadata"]["name"]
@@ -329,61 +388,105 @@ class KubeJobManager(SingletonConfigurable):
         live = {p["metadata"]["name"] for p in pods}
         for att in rec.attempts:
             if att.account and att.account not in live and att.finished is None:
-                att.finished = time.time()
-                evicted = M.eviction_message(wl, None)
-                # Kueue turns Evicted back to False when it admits the Job again, which may
-                # happen before this poll; its eviction count does not go back.
-                counted = _preemptions(wl) > (
-                    sum(1 for a in rec.attempts if a.reason == "preempted") + int(rec.spec.get("gpuFailedDeactivations", 0))
-                )
-                preempted = counted or is_true(wl, "Evicted") or job["spec"].get("suspend")
-                reclaimed = self.reclaimed.pop(rec.id, None)  # the hub took its GPUs back (kube/ledger.py)
-                if reclaimed:
-                    preempted, evicted = True, reclaimed
-                node = att.devices[0] if att.devices else None
-                fault = None if counted or reclaimed else (_fault_of(node) or await self._read_fault(node))
-                if fault is not None:  # evicted by its node's health taint
-                    att.reason, att.message = GPU_FAILED, gpu_failed_message(fault)
-                    continue
-                att.reason = "preempted" if preempted else "interrupted"
-                if preempted and not evicted:  # re-admitted already: Kueue's words for it are gone
-                    evicted = "Your server was stopped by the queue to make room for other work; it was queued again."
-                att.message = (evicted or "").replace("server", "job")
-        complete, failed = (condition(job, "Complete") or {}), (condition(job, "Failed") or {})
-        if complete.get("status") == "True":
-            rec.state, rec.message, rec.finished = R.SUCCEEDED, "", timestamp(job["status"].get("completionTime")) or time.time()
-        elif failed.get("status") == "True":
-            reason = failed.get("reason", "")
-            msg = {
-                "DeadlineExceeded": f"stopped: it reached its time limit of {rec.time_limit:g}s"
-                if rec.time_limit
-                else "deadline exceeded",
-                "BackoffLimitExceeded": f"No retries left ({rec.retries['limit']} allowed).",
-            }.get(reason, failed.get("message", ""))
-            if reason == "DeadlineExceeded" and rec.current is not None:
-                rec.current.reason = TIME_LIMIT
-            last = rec.current.message if rec.current else ""
-            rec.state, rec.message, rec.finished = R.FAILED, f"{last} {msg}".strip(), time.time()
-        elif job["spec"].get("suspend"):
-            # Waiting for (or back in) Kueue's queue: the next attempt is queued.
-            rec.state = R.QUEUED
-            if rec.current is None or rec.current.finished is not None:
-                rec.attempts.append(R.Attempt(number=len(rec.attempts) + 1, queued=time.time()))
-        else:
-            # Admitted: a pod runs, or the Job controller is between a pod's end and the
-            # Job's verdict (or its next pod): still the Job's running phase.
-            rec.state = R.RUNNING
-        if rec.state in (R.SUCCEEDED, R.FAILED):
-            # The Job's verdict is in and this record is read no more: an attempt still open
-            # (its pod outlived the verdict: a time limit's kill) ends here; none is left
-            # without an end.
-            for att in rec.attempts:
-                if att.account and att.finished is None:
-                    att.finished = time.time()
-                    if att.reason is None:
-                        att.reason = "interrupted"
-                        att.message = "its pod was still there when the job ended; the job's result is another attempt's"
-        self.store.save(rec)
+                await self._gone(rec, att, job, wl)
+
+    async def _gone(self, rec: R.JobRecord, att: R.Attempt, job: dict, wl: dict | None) -> None:
+        """``att``'s pod (a worker's, with several) went without an end: Kueue preempted
+        (suspended) the Job, the hub took its GPUs back, or its node's GPUs failed."""
+        att.finished = time.time()
+        evicted = M.eviction_message(wl, None)
+        # Kueue turns Evicted back to False when it admits the Job again, which may
+        # happen before this poll; its eviction count does not go back.
+        counted = _preemptions(wl) > (
+            sum(1 for a in rec.attempts if a.reason == "preempted") + int(rec.spec.get("gpuFailedDeactivations", 0))
+        )
+        preempted = counted or is_true(wl, "Evicted") or job["spec"].get("suspend")
+        reclaimed = self.reclaimed.pop(rec.id, None)  # the hub took its GPUs back (kube/ledger.py)
+        if reclaimed:
+            preempted, evicted = True, reclaimed
+        node = att.devices[0] if att.devices else None
+        fault = None if counted or reclaimed else (_fault_of(node) or await self._read_fault(node))
+        if fault is not None:  # evicted by its node's health taint
+            att.reason, att.message = GPU_FAILED, gpu_failed_message(fault)
+            return
+        att.reason = "preempted" if preempted else "interrupted"
+        if preempted and not evicted:  # re-admitted already: Kueue's words for it are gone
+            evicted = "Your server was stopped by the queue to make room for other work; it was queued again."
+        att.message = (evicted or "").replace("server", "job")
+
+    async def _read_workers(self, rec: R.JobRecord, job: dict, pods: list[dict], wl: dict | None, ns: str) -> None:
+        """Several workers: one attempt is one run of all N pods (admitted together by Kueue).
+
+        ``att.rendezvous["pods"]`` names each rank's pod (its completion index), ``devices``
+        each rank's node, ``account`` rank 0's pod. The attempt ends when all N succeed, when
+        one fails (``podFailurePolicy`` fails the Job at once and the Job controller stops the
+        others: that worker's exit code is the attempt's), or when a worker's pod goes without
+        an end (Kueue preempted the Job: all N go, and all N come back together)."""
+        n = rec.workers
+        live = {p["metadata"]["name"] for p in pods}
+        ranks: dict[str, tuple[R.Attempt, int]] = {}
+        for att in rec.attempts:
+            for rank, name in enumerate((att.rendezvous or {}).get("pods") or []):
+                if name:
+                    ranks[name] = (att, rank)
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            index = ((pod["metadata"].get("annotations") or {}).get(COMPLETION_INDEX_KEY)) or (
+                (pod["metadata"].get("labels") or {}).get(COMPLETION_INDEX_KEY)
+            )
+            if index is None or not str(index).isdigit() or int(index) >= n:
+                continue  # not a worker of this Job (it has an index 0..N-1 by construction)
+            rank = int(index)
+            if name not in ranks:
+                cur = rec.current
+                slots = (cur.rendezvous or {}).get("pods") if cur is not None else None
+                whole = cur is not None and cur.finished is None and all(p in live for p in (slots or []) if p)
+                if cur is not None and whole and (not slots or not slots[rank]):
+                    att = cur
+                else:  # the attempt before lost a worker (or ended): this pod starts the next one
+                    att = R.Attempt(number=len(rec.attempts) + 1, queued=time.time())
+                    rec.attempts.append(att)
+                if att.rendezvous is None or not att.rendezvous.get("pods"):
+                    att.rendezvous = {
+                        "master_addr": f"{rec.id}-0.{rec.id}",
+                        "master_port": RENDEZVOUS_PORT,
+                        "world_size": n,
+                        "pods": [None] * n,
+                    }
+                    att.devices = [""] * n
+                    att.admitted = timestamp((condition(wl, "QuotaReserved") or {}).get("lastTransitionTime")) or time.time()
+                att.rendezvous["pods"][rank] = name
+                ranks[name] = (att, rank)
+            att, rank = ranks[name]
+            if att.finished is None:
+                att.devices[rank] = pod["spec"].get("nodeName") or att.devices[rank]
+                att.account = next((p for p in (att.rendezvous or {}).get("pods") or [] if p), name)  # rank 0's pod, once seen
+                started = timestamp((pod.get("status") or {}).get("startTime"))
+                if started and (att.started is None or started < att.started):
+                    att.started = started
+        for att in rec.attempts:
+            slots = (att.rendezvous or {}).get("pods") or []
+            if att.finished is not None or not any(slots):
+                continue
+            by_name = {p["metadata"]["name"]: p for p in pods}
+            ends = []  # (rank, phase, exit code, end time) of each worker that ended
+            for rank, name in enumerate(slots):
+                worker = by_name.get(name) if name else None
+                status = (worker or {}).get("status") or {}
+                term = ((status.get("containerStatuses") or [{}])[0].get("state") or {}).get("terminated")
+                if worker is not None and status.get("phase") in ("Succeeded", "Failed") and term:
+                    ends.append((rank, status["phase"], term.get("exitCode"), timestamp(term.get("finishedAt"))))
+            failed = [e for e in ends if e[1] == "Failed"]
+            if failed:
+                rank, _, code, at = failed[0]
+                att.finished, att.exit_code, att.reason = at or time.time(), code, "failed"
+                att.message = f"exit code {code} (worker rank {rank}; the other workers were stopped)"
+            elif len(ends) == n and all(slots):
+                att.finished = max((e[3] or 0 for e in ends), default=0) or time.time()
+                att.exit_code, att.reason, att.message = 0, "succeeded", "exit code 0 (all workers)"
+            elif any(name and name not in live for name in slots):
+                await self._gone(rec, att, job, wl)
+            await self._copy_worker_logs(rec, att, ns, [p for p in slots if p in live])
 
     async def _read_fault(self, node: str | None) -> NodeFault | None:
         """``node``'s health taint read now (``list`` nodes by name: the keeper's RBAC)."""
@@ -452,6 +555,43 @@ class KubeJobManager(SingletonConfigurable):
             f.write(text if isinstance(text, str) else str(text))
         att.log = str(path)
 
+    async def _copy_worker_logs(self, rec: R.JobRecord, att: R.Attempt, ns: str, pods: list[str]) -> None:
+        """Every worker's log in the attempt's one log file, rank by rank under a header (as on
+        one machine, all workers write to the attempt's log). Each rank's copy is kept beside it
+        (``attempt-N.rank-R.log``), so a worker whose pod is already gone keeps what the last
+        read copied."""
+        import os
+
+        slots = (att.rendezvous or {}).get("pods") or []
+        d = self.store.log_dir(rec.id)
+
+        def write(path: Path, text: str) -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+
+        changed = False
+        for rank, name in enumerate(slots):
+            if not name or name not in pods:
+                continue
+            try:
+                text = await self._client("CoreV1Api").read_namespaced_pod_log(name, ns)
+            except Exception:  # noqa: BLE001 - not started yet, or gone
+                continue
+            write(d / f"attempt-{att.number}.rank-{rank}.log", text if isinstance(text, str) else str(text))
+            changed = True
+        if not changed:
+            return
+        parts = []
+        for rank, name in enumerate(slots):
+            try:
+                text = (d / f"attempt-{att.number}.rank-{rank}.log").read_text()
+            except OSError:
+                continue
+            parts.append(f"[gpuhub] worker rank {rank} (pod {name}):\n{text}" + ("" if text.endswith("\n") or not text else "\n"))
+        write(d / f"attempt-{att.number}.log", "".join(parts))
+        att.log = str(d / f"attempt-{att.number}.log")
+
     # -- the API's view -------------------------------------------------------------------------
     def status_line(self, rec: R.JobRecord) -> str:
         if rec.state == R.QUEUED:
@@ -464,6 +604,9 @@ class KubeJobManager(SingletonConfigurable):
             return "queued"
         if rec.state == R.RUNNING:
             att = rec.current
+            pods = [p for p in ((att.rendezvous or {}).get("pods") or []) if p] if att else []
+            if rec.workers > 1:
+                return f"running: attempt {att.number if att else '?'}, {rec.workers} workers in pods {', '.join(pods) or '?'}."
             return f"running: attempt {att.number if att else '?'} in pod {att.account if att else '?'}."
         detail = rec.message or (rec.current.message if rec.current else "")
         return f"{rec.state}: {detail}" if detail else rec.state

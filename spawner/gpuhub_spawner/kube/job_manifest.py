@@ -17,18 +17,31 @@ Recovery maps onto the Job API:
   ``backoffLimit = retries.limit``; any other non-zero exit fails the Job at once;
 - ``timeLimit`` is ``activeDeadlineSeconds`` and Kueue's ``max-exec-time-seconds`` label.
 
-Several workers (``workers: N``) render as an *Indexed* Job of N pods (``parallelism`` =
+Several workers (``workers: N``) are an *Indexed* Job of N pods (``parallelism`` =
 ``completions`` = N): Kueue's Workload has one pod set of count N, so its quota is reserved
 for all N or none, and the operator's ``waitForPodsReady`` (helm-values/kueue) evicts and
 re-queues the whole Job when not all N run in time. Each pod is one worker with the
 profile's resources; the rendezvous is rank 0's stable name through a headless Service of
-the Job's own (``rendezvous_service``): ``MASTER_ADDR=<job>-0.<job>``, ``RANK`` from the
-pod's completion index. Rendered and checked against the schemas; the hub does not submit
-it yet (the job manager refuses several workers on Kubernetes).
+the Job's own (``rendezvous_service``, made by the job manager, owned by the Job):
+``MASTER_ADDR=<job>-0.<job>``, ``RANK`` from the pod's completion index. A worker's failing
+exit fails the whole Job (``podFailurePolicy`` ``FailJob``: the Job controller stops the
+other workers), since a rendezvous of N cannot go on with one worker restarted alone; a
+preemption suspends the whole Job and all N pods come back together. Where the profile's
+flavor names a topology (Kueue TAS), the pod template carries Kueue's pod-set topology
+annotation so the N pods land inside one domain of that level.
 
-Tested against kubernetes-validate (strict), the Kueue v0.19.2 Workload CRD, and the API
+Why an Indexed Job and not a JobSet: the Job controller is part of every cluster, Kueue's
+``batch/job`` integration (on by default) gives the all-or-nothing Workload, and the stable
+names come from a plain headless Service; a JobSet needs its own controller and CRD
+installed and Kueue's ``jobset`` integration enabled, for what one group of identical
+workers does not use (several replicated jobs, whole-set restarts; here a failing worker
+ends the attempt and ``retries`` never restart one worker alone).
+
+Tested against kubernetes-validate (strict), the Kueue v0.19.2 Workload CRD, the API
 double's model of the Job controller and Kueue's job integration (admission, suspension
-on preemption, podFailurePolicy); the real controllers were not run.
+on preemption, podFailurePolicy, Indexed Jobs), and on the real control plane (the Job
+controller, kube-scheduler and Kueue v0.19.2, its topology-aware scheduling included:
+tests/kube/test_job_hub_e2e.py, test_job_workers_hub_e2e.py, test_job_topology_real.py).
 """
 
 from __future__ import annotations
@@ -45,6 +58,8 @@ from ..policy.model import Policy
 from ..jobs.spec import FAILED, INTERRUPTED, PREEMPTED, JobSpec
 
 JOB_LABEL = "gpuhub/job"
+TOPOLOGY_ANNOTATION = "kueue.x-k8s.io/podset-{mode}-topology"  # mode: preferred or required (Kueue TAS)
+UNCONSTRAINED_TOPOLOGY = "kueue.x-k8s.io/podset-unconstrained-topology"  # kube/spawner.py's, on a server pod
 RENDEZVOUS_PORT = 29500
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 JOB_COMPONENT = "gpuhub-job"  # the ``component`` label of a job's pods
@@ -72,6 +87,11 @@ def pod_failure_policy(spec: JobSpec) -> dict:
     rules: list[dict[str, Any]] = []
     disruption = "Ignore" if (PREEMPTED in reasons or INTERRUPTED in reasons) else "FailJob"
     rules.append({"action": disruption, "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]})
+    if spec.workers > 1:
+        # One worker restarted alone cannot rejoin the others' rendezvous: any failing exit
+        # ends the Job (the job manager refuses retries on exits for several workers).
+        rules.append({"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}})
+        return {"rules": rules}
     if FAILED in reasons:
         rules.append({"action": "Count", "onExitCodes": {"operator": "NotIn", "values": [0]}})
     else:
@@ -160,13 +180,20 @@ def job_manifest(
     if spec.time_limit:
         # Kueue's own limit (Workload.spec.maximumExecutionTimeSeconds) besides the Job's deadline.
         job_labels[MAX_EXEC_LABEL] = str(int(spec.time_limit))
+    annotations = dict(meta.get("annotations") or {})
+    flavor = next((f for f in policy.flavors if f.name == choice.flavor), None)
+    if spec.workers > 1 and flavor is not None and flavor.topology is not None:
+        # Kueue TAS: all N workers inside one domain of the level the operator named (in place
+        # of the server pod's "anywhere in the topology").
+        annotations.pop(UNCONSTRAINED_TOPOLOGY, None)
+        annotations[TOPOLOGY_ANNOTATION.format(mode=flavor.topology.mode)] = flavor.topology.level
     job_spec = {
         "suspend": True,  # Kueue un-suspends it on admission
         "parallelism": spec.workers,
         "completions": spec.workers,
         "backoffLimit": spec.retries.limit,
         "podFailurePolicy": pod_failure_policy(spec),
-        "template": {"metadata": {"labels": labels, "annotations": meta.get("annotations") or {}}, "spec": pod_spec},
+        "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec},
     }
     if spec.time_limit:
         job_spec["activeDeadlineSeconds"] = int(spec.time_limit)
@@ -189,10 +216,16 @@ def rendezvous_service(job: dict) -> dict:
     """The headless Service that gives a several-worker Job's pods their names
     (``<job>-<index>.<job>``); owned by the Job, so it goes with it."""
     meta = job["metadata"]
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"]} if meta.get("uid") else None
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": meta["name"], "namespace": meta["namespace"], "labels": {JOB_LABEL: meta["name"]}},
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "labels": {JOB_LABEL: meta["name"]},
+            **({"ownerReferences": [owner]} if owner else {}),
+        },
         "spec": {
             "clusterIP": "None",
             "selector": {JOB_LABEL: meta["name"]},

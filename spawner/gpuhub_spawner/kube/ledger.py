@@ -344,6 +344,10 @@ class KueueLedger(SingletonConfigurable):
             else:
                 prof = policy.profile(profile)
                 demand = demand_for(policy, prof) if prof is not None else {}
+                pod_sets = wl["spec"].get("podSets") or []
+                if len(pod_sets) == 1 and int(pod_sets[0].get("count", 1)) > 1:
+                    # A several-worker job (an Indexed Job): one request of N times the profile.
+                    demand = {k: v * int(pod_sets[0]["count"]) for k, v in demand.items()}
                 created = timestamp(wl["metadata"].get("creationTimestamp")) or time.time()
                 waiting[key] = Ticket(key, user, team, profile, demand, priority, created=created)
         return admitted, waiting

@@ -45,12 +45,27 @@ Choices (also in docs/install-kubernetes.md):
   ephemeral storage, which Kueue would otherwise count at weight 1, in bytes). v0.19.2 has no
   preemption protection (KEP-9876 came later): ``minRuntime`` is not rendered; the hub's
   reclaimer keeps it for the servers it reclaims.
+* Topology-aware placement (Kueue TAS, beta and on by default in v0.19): a flavor with
+  ``topology: {name, level, mode}`` gets ``topologyName`` on its ResourceFlavor, and the
+  topology it names a ``Topology`` object (its node-label levels, broadest first). Nothing is
+  rendered for topologies no flavor names. A several-worker job on such a flavor carries the
+  pod-set annotation ``kueue.x-k8s.io/podset-{preferred,required}-topology: <level>``
+  (``kube/job_manifest.py``); servers and one-worker jobs on it
+  ``kueue.x-k8s.io/podset-unconstrained-topology`` (``kube/spawner.py``). Kueue v0.19.2 lets a
+  topology flavor serve only pod sets that ask for a topology, and gives such a pod set one
+  topology flavor for every resource it requests (``tas_flavorassigner.go``; found on the real
+  plane: "Flavor "gpuhub-default" does not support TopologyAwareScheduling", then "more than
+  one TAS flavor assigned"). So a team with quota on such a flavor gets one resource group for
+  CPU, memory and devices: ``gpuhub-default`` first (CPU and memory, no device), then each GPU
+  flavor with the team's CPU and memory quota beside its device quota. For that team, CPU and
+  memory are counted per flavor (a GPU pod's on its GPU flavor), not once for all its pods.
 * Output is sorted (kind in apply order, then name; keys sorted) so it diffs cleanly.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import re
@@ -73,7 +88,7 @@ UNLIMITED_CPU = "100k"
 UNLIMITED_MEMORY = "1Pi"
 UNLIMITED_EPHEMERAL = "1Pi"
 UNLIMITED_SLICES = "10k"  # a team counting slices in memory: Kueue still sees the slice resource
-KIND_ORDER = ["ResourceFlavor", "WorkloadPriorityClass", "ClusterQueue", "LocalQueue"]
+KIND_ORDER = ["Topology", "ResourceFlavor", "WorkloadPriorityClass", "ClusterQueue", "LocalQueue"]
 
 
 def _meta(name: str, namespace: str | None = None) -> dict:
@@ -91,8 +106,28 @@ def resource_flavors(policy: Policy, cpu_flavor: str) -> list[dict]:
             spec["nodeLabels"] = dict(flavor.node_labels)
         if flavor.tolerations:
             spec["tolerations"] = [t.model_dump(exclude_none=True) for t in flavor.tolerations]
+        if flavor.topology is not None:
+            # Kueue's topology-aware scheduling for this flavor: it reads the nodes' topology
+            # labels and places a job's workers per the pod set's topology annotation.
+            spec["topologyName"] = flavor.topology.name
         out.append({"apiVersion": API_VERSION, "kind": "ResourceFlavor", "metadata": _meta(flavor.name), "spec": spec})
     return out
+
+
+def topologies(policy: Policy) -> list[dict]:
+    """A Kueue ``Topology`` per topology a flavor names (docs/jobs.md, "Several workers"); none
+    when no flavor names one, so a policy without topology labels renders what it always did."""
+    named = {f.topology.name for f in policy.flavors if f.topology is not None}
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": "Topology",
+            "metadata": _meta(t.name),
+            "spec": {"levels": [{"nodeLabel": level} for level in t.levels]},
+        }
+        for t in policy.topologies
+        if t.name in named
+    ]
 
 
 def priority_classes(policy: Policy) -> list[dict]:
@@ -278,8 +313,28 @@ def cluster_queue(policy: Policy, team: Team, namespace: str, cpu_flavor: str) -
         else:
             entry = _quota(q.nominal, q.borrowing_limit, q.lending_limit, cohort)
         by_resource[flavor.resource].append({"name": flavor.name, "resources": [{"name": flavor.resource, **entry}]})
-    for resource in sorted(by_resource):
-        groups.append({"coveredResources": [resource], "flavors": by_resource[resource]})
+    if any(f.topology is not None and f.name in team.quota.gpus for f in policy.flavors):
+        # Kueue TAS (v0.19.2's tas_flavorassigner.go, found on the real plane): a pod set placed
+        # by topology takes one topology flavor for every resource it asks, its CPU and memory
+        # too, and a topology flavor serves only such pod sets. So this team's CPU, memory and
+        # devices are one resource group: the plain flavor first (CPU and memory, no device:
+        # CPU-only servers), then each GPU flavor with the team's CPU and memory quota and its
+        # own device quota, so a GPU pod's CPU and memory come from its GPU flavor's nodes.
+        resources = sorted(by_resource)
+
+        def zero(r: str) -> dict:
+            return {"name": r, **_quota(0, None, None, cohort)}
+
+        flavors = [{"name": cpu_flavor, "resources": cpu_resources + [zero(r) for r in resources]}]
+        for r in resources:
+            for entry in by_resource[r]:
+                own = entry["resources"][0]
+                devices = [own if other == r else zero(other) for other in resources]
+                flavors.append({"name": entry["name"], "resources": copy.deepcopy(cpu_resources) + devices})
+        groups = [{"coveredResources": covered + resources, "flavors": flavors}]
+    else:
+        for resource in sorted(by_resource):
+            groups.append({"coveredResources": [resource], "flavors": by_resource[resource]})
     spec: dict = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
         "queueingStrategy": team.queueing_strategy,
@@ -359,7 +414,7 @@ def render_objects(policy: Policy, namespace: str = DEFAULT_NAMESPACE, cpu_flavo
     """All Kueue objects for ``policy``, in apply order (flavors and classes first)."""
     if any(f.name == cpu_flavor for f in policy.flavors):
         raise ValueError(f"flavor name {cpu_flavor!r} is reserved for CPU and memory; pick another --cpu-flavor")
-    objs = resource_flavors(policy, cpu_flavor) + priority_classes(policy)
+    objs = topologies(policy) + resource_flavors(policy, cpu_flavor) + priority_classes(policy)
     # tenancy.mode team: each team's LocalQueue in its own namespace, its ClusterQueue admitting
     # only that namespace's pods (kube/tenancy.py renders the namespaces themselves).
     objs += [cluster_queue(policy, t, policy.namespace_of(t, namespace), cpu_flavor) for t in policy.teams]

@@ -114,6 +114,14 @@ RIGHTS: tuple[Right, ...] = (
         "the wall around each Ray cluster and batch job (kube/walls.py): two NetworkPolicies made with the "
         "object and owned by it (the garbage collector deletes them with it)",
     ),
+    Right(
+        USERS,
+        "",
+        "services",
+        ("create",),
+        "a several-worker job's headless Service, which gives its workers their names (MASTER_ADDR=<job>-0.<job>; "
+        "kube/job_manifest.py rendezvous_service): made with the Job and owned by it (the garbage collector deletes it)",
+    ),
     # The hub's own namespace: the policy's ConfigMap only.
     Right(
         HUB,
@@ -145,7 +153,9 @@ RIGHTS: tuple[Right, ...] = (
 )
 
 # KubeSpawner calls made only with settings gpuhub leaves off (its values and KueueSpawner):
-# no rights are granted for them. tests/unit/test_kube_rbac.py checks the settings.
+# no rights are granted for them (``services``: only ``create``, for gpuhub's own several-worker
+# jobs above; KubeSpawner's reads and deletes of a server's Service stay unused).
+# tests/unit/test_kube_rbac.py checks the settings.
 NOT_USED = {
     ("", "secrets"): "KubeSpawner.internal_ssl (off)",
     ("", "services"): "KubeSpawner.services_enabled / internal_ssl (off)",

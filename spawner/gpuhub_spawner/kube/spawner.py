@@ -80,9 +80,12 @@ _POLICY_TRAITS = (
     "node_selector",
     "tolerations",
     "extra_labels",
+    "extra_annotations",
     "environment",
     "node_affinity_required",
 )
+
+UNCONSTRAINED_TOPOLOGY = "kueue.x-k8s.io/podset-unconstrained-topology"  # Kueue TAS: anywhere in the topology
 
 # NVIDIA GPU feature discovery labels every GPU node with the newest CUDA its driver supports.
 CUDA_MAJOR_LABEL, CUDA_MINOR_LABEL = "nvidia.com/cuda.runtime-version.major", "nvidia.com/cuda.runtime-version.minor"
@@ -199,11 +202,16 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         tolerations = list(self._sorted_dict_values(base["tolerations"]))
         env = dict(base["environment"])
         affinity = list(base["node_affinity_required"])
+        annotations = dict(base["extra_annotations"])
         if choice.gpu_count and choice.flavor is not None:  # (GPUs always come with their flavor)
             flavor = policy.flavor(choice.flavor)
             limits[flavor.resource] = guarantees[flavor.resource] = str(choice.gpu_count)
             node_selector.update(flavor.node_labels)
             tolerations += [t.model_dump(exclude_none=True) for t in flavor.tolerations]
+            if flavor.topology is not None:
+                # Kueue v0.19 gives a topology flavor only to pod sets that ask for a topology:
+                # a server (or a one-worker job) asks to be placed anywhere in it.
+                annotations[UNCONSTRAINED_TOPOLOGY] = "true"
             need = profile.gpu.cuda_needed if profile.gpu else None
             if need:  # only nodes whose driver runs the profile's CUDA
                 affinity = and_terms(affinity, cuda_node_terms(*need))
@@ -222,6 +230,7 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         self.tolerations = tolerations
         self.node_affinity_required = affinity
         self.extra_labels = labels
+        self.extra_annotations = annotations
         self.environment = env
         # The policy's tenancy: the team's own namespace, or the shared one. Set per start (a
         # user in two teams has a server, and a home claim, in each team's namespace); saved

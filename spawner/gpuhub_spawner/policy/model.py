@@ -124,6 +124,51 @@ def _mig_resource(value: Any) -> Any:
     return value
 
 
+# A node label key as Kubernetes (and Kueue's Topology CRD) accepts it: an optional DNS prefix, a name.
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+)
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+def _label_key(value: Any) -> Any:
+    if isinstance(value, str) and (len(value) > 316 or not _LABEL_KEY.match(value)):
+        raise ValueError(f"{value[:100]!r} is not a node label key (like topology.kubernetes.io/zone)")
+    return value
+
+
+class Topology(_Model):
+    """How the operator labelled the nodes' physical layout, broadest level first (Kueue's
+    topology-aware scheduling, TAS): Kueue places a several-worker job's pods inside one domain
+    of a level (one rack, one block) when the flavor's ``topology`` asks for it. Rendered as a
+    Kueue ``Topology`` only when named by a flavor's ``topology``; levels follow Kueue's rules
+    (1-16, unique, ``kubernetes.io/hostname`` only as the last)."""
+
+    name: Name
+    levels: Annotated[list[Annotated[str, BeforeValidator(_label_key)]], Field(min_length=1, max_length=16)]
+
+    @field_validator("levels")
+    @classmethod
+    def _levels(cls, value: list[str]) -> list[str]:
+        dup = sorted({v for v in value if value.count(v) > 1})
+        if dup:
+            raise ValueError(f"each level once ({', '.join(dup)} repeated)")
+        if HOSTNAME_LABEL in value[:-1]:
+            raise ValueError(f"{HOSTNAME_LABEL} can only be the last (lowest) level")
+        return value
+
+
+class FlavorTopology(_Model):
+    """A flavor's placement of a job's workers: all inside one domain of ``level`` of the
+    topology ``name``; ``required`` (Kueue's ``podset-required-topology``: the job waits until
+    one domain fits all workers) or ``preferred`` (``podset-preferred-topology``: as close as
+    Kueue can, spread wider when no single domain fits)."""
+
+    name: Name
+    level: Annotated[str, BeforeValidator(_label_key)]
+    mode: Literal["preferred", "required"] = "preferred"
+
+
 class Flavor(_Model):
     name: Name
     resource: str = "nvidia.com/gpu"
@@ -132,6 +177,7 @@ class Flavor(_Model):
     tolerations: list[Toleration] = []
     local: LocalDevices = LocalDevices()
     mig: MigSlice | None = None  # a slice of a MIG-enabled GPU instead of a whole GPU
+    topology: FlavorTopology | None = None  # Kubernetes: where a job's workers go (Kueue TAS)
 
     @model_validator(mode="before")
     @classmethod
@@ -770,6 +816,7 @@ class Tenancy(_Model):
 class Policy(_Model):
     api_version: Literal["gpuhub/v1"] = "gpuhub/v1"
     flavors: list[Flavor] = []
+    topologies: list[Topology] = []
     priority_classes: list[PriorityClass] = []
     teams: list[Team] = Field(min_length=1)
     profiles: list[Profile] = Field(min_length=1)
@@ -972,6 +1019,49 @@ class Policy(_Model):
                     "Ray clusters need tenancy.mode shared for now: the hub's Ray manager watches one namespace",
                 )
             )
+        if errors:
+            raise ValidationError.from_exception_data(
+                "Policy",
+                [
+                    InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": m}), loc=loc, input=None)
+                    for loc, m in errors
+                ],
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _flavor_topologies_known(self) -> "Policy":
+        """A flavor's ``topology`` names a declared topology and one of its levels; Kueue wants
+        at least one node label on a flavor with a topology (its ResourceFlavor's CEL rule)."""
+        errors: list[tuple[tuple[str | int, ...], str]] = []
+        seen: set[str] = set()
+        for i, declared in enumerate(self.topologies):
+            if declared.name in seen:
+                errors.append((("topologies", i, "name"), f"topology {declared.name!r} is declared twice"))
+            seen.add(declared.name)
+        by_name = {t.name: t for t in self.topologies}
+        for i, flavor in enumerate(self.flavors):
+            ft = flavor.topology
+            if ft is None:
+                continue
+            topo = by_name.get(ft.name)
+            if topo is None:
+                known = ", ".join(sorted(by_name)) or "none; declare it under 'topologies'"
+                errors.append((("flavors", i, "topology", "name"), f"unknown topology {ft.name!r} (topologies: {known})"))
+            elif ft.level not in topo.levels:
+                errors.append(
+                    (
+                        ("flavors", i, "topology", "level"),
+                        f"{ft.level!r} is not a level of topology {ft.name!r} (levels: {', '.join(topo.levels)})",
+                    )
+                )
+            if not flavor.node_labels:
+                errors.append(
+                    (
+                        ("flavors", i, "nodeLabels"),
+                        "a flavor with a topology needs at least one node label (Kueue refuses a topology flavor without)",
+                    )
+                )
         if errors:
             raise ValidationError.from_exception_data(
                 "Policy",

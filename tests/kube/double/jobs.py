@@ -20,6 +20,11 @@ What it models, after Kubernetes' Job controller and Kueue v0.19's ``jobframewor
   Workload ``Finished``); a failure goes through ``podFailurePolicy`` (``Ignore`` /
   ``Count`` / ``FailJob``, first matching rule) and ``backoffLimit``; a counted failure
   below the limit gets a new pod.
+- An Indexed Job (``completionMode: Indexed``, a several-worker job): ``parallelism`` pods at
+  admission, each with its completion index (annotation and label
+  ``batch.kubernetes.io/job-completion-index``, name ``<job>-<index>-<5 chars>``, hostname
+  ``<job>-<index>``); complete when ``completions`` pods succeeded; a ``FailJob`` failure stops
+  the other pods; a retried failure restarts that index only.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from gpuhub_spawner.kube.kueue import API_VERSION, JOB_UID_LABEL, PRIORITY_LABEL
 from .schemas import validate
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # an Indexed Job's pods: annotation and label
 MAX_EXEC_LABEL = "kueue.x-k8s.io/max-exec-time-seconds"
 ACCOUNTED = "double.test/accounted"  # the Job controller counted this pod's end
 
@@ -180,22 +186,35 @@ class JobsMixin:
         _set_job_condition(job, "Suspended", "False", "JobResumed", "Job resumed")
         validate(job)
         self._write("jobs", ns, job, "MODIFIED")
-        self._start_job_pod(ns, name)
+        if _indexed(job):
+            for index in range(int(job["spec"].get("parallelism", 1))):
+                self._start_job_pod(ns, name, index)
+        else:
+            self._start_job_pod(ns, name)
 
     # -- the Job controller ---------------------------------------------------------------------
-    def _start_job_pod(self, ns: str, name: str) -> None:
+    def _start_job_pod(self, ns: str, name: str, index: int | None = None) -> None:
+        """A pod of the Job; of an Indexed Job, the pod of completion ``index``: named
+        ``<job>-<index>-<5 chars>``, hostname ``<job>-<index>``, the index as annotation and
+        label (the Job controller's own names)."""
         job = self.objects[("jobs", ns, name)]
         tmpl = copy.deepcopy(job["spec"]["template"])
         labels = dict((tmpl.get("metadata") or {}).get("labels") or {})
         labels.update({JOB_NAME_LABEL: name, "batch.kubernetes.io/controller-uid": job["metadata"]["uid"]})
+        annotations = dict((tmpl.get("metadata") or {}).get("annotations") or {})
+        if index is not None:
+            labels[COMPLETION_INDEX] = annotations[COMPLETION_INDEX] = str(index)
+            tmpl["spec"]["hostname"] = f"{name}-{index}"
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {
-                "name": f"{name}-{secrets.token_hex(3)[:5]}",
+                "name": f"{name}-{index}-{secrets.token_hex(3)[:5]}"
+                if index is not None
+                else f"{name}-{secrets.token_hex(3)[:5]}",
                 "namespace": ns,
                 "labels": labels,
-                "annotations": dict((tmpl.get("metadata") or {}).get("annotations") or {}),
+                "annotations": annotations,
                 "ownerReferences": [
                     {
                         "apiVersion": "batch/v1",
@@ -211,8 +230,18 @@ class JobsMixin:
         }
         self._create_pod(ns, pod)
         job = copy.deepcopy(self.objects[("jobs", ns, name)])
-        job["status"]["active"] = 1
+        job["status"]["active"] = len(self._active_pods(ns, name))
         self._write("jobs", ns, job, "MODIFIED")
+
+    def _active_pods(self, ns: str, name: str) -> list[dict]:
+        return [
+            o
+            for (p, n, _), o in self.objects.items()
+            if p == "pods"
+            and n == ns
+            and owner_job_name(o) == name
+            and (o.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        ]
 
     def _jobs_tick(self) -> None:
         for (p, ns, pname), pod in list(self.objects.items()):
@@ -229,11 +258,15 @@ class JobsMixin:
             if job is None or _job_finished(job):
                 continue
             job = copy.deepcopy(job)
-            job["status"]["active"] = 0
+            job["status"]["active"] = len(self._active_pods(ns, name))
             state = pod["status"]["containerStatuses"][0]["state"].get("terminated") or {}
             code = state.get("exitCode", 1)
+            index = pod["metadata"].get("annotations", {}).get(COMPLETION_INDEX) if _indexed(job) else None
             if phase == "Succeeded":
                 job["status"]["succeeded"] = job["status"].get("succeeded", 0) + 1
+                if job["status"]["succeeded"] < int(job["spec"].get("completions", 1)):
+                    self._write("jobs", ns, job, "MODIFIED")  # an Indexed Job: the other indexes still run
+                    continue
                 job["status"]["completionTime"] = _now()
                 _set_job_condition(
                     job, "SuccessCriteriaMet", "True", "CompletionsReached", "Reached expected number of succeeded pods"
@@ -242,9 +275,10 @@ class JobsMixin:
                 self._finish_job(job, "Succeeded", "Job finished successfully")
                 continue
             action = _failure_action(job, pod, code)
+            restart = int(index) if index is not None else None
             if action == "Ignore":
                 self._write("jobs", ns, job, "MODIFIED")
-                self._start_job_pod(ns, name)
+                self._start_job_pod(ns, name, restart)
                 continue
             job["status"]["failed"] = job["status"].get("failed", 0) + 1
             if action == "FailJob":
@@ -252,6 +286,8 @@ class JobsMixin:
                 _set_job_condition(job, "FailureTarget", "True", "PodFailurePolicy", msg)
                 _set_job_condition(job, "Failed", "True", "PodFailurePolicy", msg)
                 self._finish_job(job, "Failed", msg)
+                for other in self._active_pods(ns, name):  # the Job controller stops the rest
+                    self._remove_pod(ns, other["metadata"]["name"])
             elif job["status"]["failed"] > job["spec"].get("backoffLimit", 6):
                 msg = "Job has reached the specified backoff limit"
                 _set_job_condition(job, "FailureTarget", "True", "BackoffLimitExceeded", msg)
@@ -259,7 +295,7 @@ class JobsMixin:
                 self._finish_job(job, "Failed", msg)
             else:
                 self._write("jobs", ns, job, "MODIFIED")
-                self._start_job_pod(ns, name)
+                self._start_job_pod(ns, name, restart)
 
     def _finish_job(self, job: dict, reason: str, message: str) -> None:
         ns = job["metadata"]["namespace"]
@@ -319,6 +355,10 @@ def _now() -> str:
     from .server import now_iso
 
     return now_iso()
+
+
+def _indexed(job: dict) -> bool:
+    return job["spec"].get("completionMode") == "Indexed"
 
 
 def _job_finished(job: dict) -> bool:

@@ -49,10 +49,32 @@ def _strict(schema):
     return schema
 
 
+# Kinds gpuhub renders whose CRD is not among shared/schemas' files: read from the Kueue v0.19.2
+# Go module that tests/cluster/build.sh fetched (the same CRD files Kueue's release is made of).
+MODULE_ONLY_KINDS = {"Topology": "kueue.x-k8s.io_topologies.yaml"}
+
+
+def kueue_module_crds() -> Path | None:
+    """``config/components/crd/bases`` of the Kueue v0.19.2 module in the real plane's cache."""
+    import os
+
+    cache = Path(os.environ.get("GPUHUB_CLUSTER_CACHE", Path.home() / ".cache" / "gpuhub-cluster"))
+    d = cache / "gopath" / "pkg" / "mod" / "sigs.k8s.io" / "kueue@v0.19.2" / "config" / "components" / "crd" / "bases"
+    return d if d.is_dir() else None
+
+
 @functools.lru_cache(maxsize=None)
 def crd_validator(kind: str, version: str = "v1beta2"):
     base = shared_schemas() / "kueue-v0.19.2"
-    for path in sorted(base.glob("*.yaml")):
+    paths = sorted(base.glob("*.yaml"))
+    if kind in MODULE_ONLY_KINDS:
+        module = kueue_module_crds()
+        if module is None:
+            raise FileNotFoundError(
+                f"the {kind} CRD comes from the Kueue v0.19.2 module (tests/cluster/build.sh): not fetched here"
+            )
+        paths = [module / MODULE_ONLY_KINDS[kind]]
+    for path in paths:
         crd = yaml.safe_load(path.read_text())
         if crd["spec"]["names"]["kind"] != kind:
             continue
@@ -83,7 +105,15 @@ def _cel_checks(obj: dict) -> list[str]:
             and (pre.get("borrowWithinCohort") or {}).get("policy", "Never") != "Never"
         ):
             errors.append("reclaimWithinCohort=Never and borrowWithinCohort.Policy!=Never")
+    if kind == "Topology":
+        levels = [lv.get("nodeLabel") for lv in spec.get("levels") or []]
+        if len(set(levels)) != len(levels):
+            errors.append("levels: must be unique")
+        if "kubernetes.io/hostname" in levels[:-1]:
+            errors.append("the kubernetes.io/hostname label can only be used at the lowest level of topology")
     if kind == "ResourceFlavor":
+        if spec.get("topologyName") and not spec.get("nodeLabels"):
+            errors.append("at least one nodeLabel is required when topology is set")
         for t in spec.get("tolerations") or []:
             if not t.get("key") and t.get("operator") != "Exists":
                 errors.append("operator must be Exists when 'key' is empty")

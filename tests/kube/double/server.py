@@ -67,7 +67,8 @@ CORE_KINDS = {
     "events": "Event",
     "nodes": "Node",
     "configmaps": "ConfigMap",
-}  # configmaps: the policy (kube/policy_configmap.py)
+    "services": "Service",
+}  # configmaps: the policy (kube/policy_configmap.py); services: a several-worker job's headless Service
 CLUSTER_SCOPED = {"clusterqueues", "resourceflavors", "workloadpriorityclasses"}
 
 
@@ -536,10 +537,12 @@ class KubeDouble(JobsMixin, RayMixin):
 
     def _collect_owned(self, owner: dict) -> None:
         """The garbage collector: objects whose ownerReferences name ``owner``'s UID go with it
-        (here only what the double does not remove itself: NetworkPolicies)."""
+        (here only what the double does not remove itself: NetworkPolicies, Services)."""
         uid = owner["metadata"].get("uid")
         for (p, n, _), o in list(self.objects.items()):
-            if p == "networkpolicies" and any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or []):
+            if p in ("networkpolicies", "services") and any(
+                r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or []
+            ):
                 self._write(p, n, o, "DELETED")
 
     async def _resource(self, request, plural, ns, name):
@@ -897,8 +900,13 @@ class KubeDouble(JobsMixin, RayMixin):
         argv = list(container.get("command") or []) + list(container.get("args") or [])
         env = dict(self.node_env)
         for item in container.get("env") or []:
-            if item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            path = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            if path == "metadata.name":
                 env[item["name"]] = name  # the downward API, as the kubelet resolves it
+                continue
+            m = re.fullmatch(r"metadata\.(annotations|labels)\['([^']+)'\]", path or "")
+            if m:  # an Indexed Job's completion index (RANK), as the kubelet resolves it
+                env[item["name"]] = (pod["metadata"].get(m.group(1)) or {}).get(m.group(2), "")
                 continue
             if "value" not in item:
                 raise InvalidObject(f"env {item['name']}: valueFrom is not supported by the double's kubelet")
@@ -1420,7 +1428,12 @@ class KubeDouble(JobsMixin, RayMixin):
         per_pod_set = _pod_set_requests(wl)
         if len(per_pod_set) == 1 and per_pod_set[0][0] == "main":
             psas = [
-                {"name": "main", "count": 1, "flavors": assignment, "resourceUsage": {r: _fmt(r, request[r]) for r in assignment}}
+                {
+                    "name": "main",
+                    "count": per_pod_set[0][1],  # an Indexed Job's N workers: one pod set of N
+                    "flavors": assignment,
+                    "resourceUsage": {r: _fmt(r, request[r]) for r in assignment},
+                }
             ]
         else:  # several pod sets (a RayCluster's head and worker groups): each its own assignment
             psas = [
@@ -1884,7 +1897,8 @@ def _workload_request(wl) -> tuple[dict, dict[str, int]]:
     pod_sets = wl["spec"]["podSets"]
     if len(pod_sets) == 1:
         spec = pod_sets[0]["template"]["spec"]
-        return spec, _requests(spec)
+        count = int(pod_sets[0].get("count", 1))  # an Indexed Job's N workers: N x the pod's request
+        return spec, {res: count * amount for res, amount in _requests(spec).items()}
     total: dict[str, int] = defaultdict(int)
     selector: dict[str, str] = {}
     for ps in pod_sets:

@@ -135,6 +135,7 @@ def _show(args, base):
         ("priority", f"{job['priority_class'] or '-'} ({job['priority']})"),
         ("policy sha256", job["policy_sha256"]),
         ("image", job["image"] + (f" ({job['image_digest']})" if job["image_digest"] else "")),
+        *([("ray entrypoint", job["ray"]["entrypoint"])] if job.get("ray") else []),
         ("command", " ".join(job["command"])),
         ("working dir", "~/" + job["working_dir"]),
         ("checkpoints", _home_relative(job["checkpoint_dir"])),

@@ -252,7 +252,16 @@ def test_a_ray_job_runs_on_a_walled_cluster_of_its_own_preempted_whole_and_run_a
     assert "driver attempt 2" in out and '"status": "SUCCEEDED"' in out
     nothing_left(hub, "alice", "the job succeeded")
 
-    # A job of alice's like any other: the list, the page, usage history, the audit trail.
+    # A job of alice's like any other: `gpuhub job list/logs`, the API, the page, usage
+    # history, the audit trail.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))} | {
+        "GPUHUB_TOKEN": alice.token
+    }
+    gpuhub = [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url]
+    shown = subprocess.run(gpuhub + ["list"], capture_output=True, text=True, env=env, timeout=60)
+    assert any(ln.startswith(job_id) and "succeeded" in ln and "(ray)" in ln for ln in shown.stdout.splitlines()), shown
+    shown = subprocess.run(gpuhub + ["logs", job_id], capture_output=True, text=True, env=env, timeout=60)
+    assert "driver attempt 2" in shown.stdout, shown
     listed = {j["id"]: j for j in alice.api.get(alice.url("/gpuhub/jobs")).json()["jobs"]}
     assert listed[job_id]["kind"] == "ray" and listed[job_id]["user"] == "alice"
     page = alice.session.get(hub.url + f"/hub/gpuhub/jobs/{job_id}").text

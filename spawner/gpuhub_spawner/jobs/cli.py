@@ -114,6 +114,7 @@ def _list(args, base):
         print(
             f"{j['id']}  {j['state']:<9}  {j['user']:<12} {j['profile']['slug']:<12} attempts={len(j['attempts'])}  "
             f"submitted {_time(j['submitted'])}  {j.get('name') or ''}"
+            + (f" ({j['kind']})" if j.get("kind") not in (None, "command") else "")
         )
 
 

@@ -67,3 +67,28 @@ def test_git_evidence_keeps_only_the_expected_shape():
     assert _git_evidence(good) == {"commit": "a" * 40, "dirty": True, "branch": "main"}
     for bad in (None, "x", {"commit": "not-hex"}, {"commit": "a" * 39}, {"commit": ["a"]}):
         assert _git_evidence(bad) is None
+
+
+def test_a_ray_jobs_record_keeps_what_was_submitted_and_runs_one_launcher_with_every_gpu(tmp_path):
+    import json
+
+    from gpuhub_spawner.local.job_manager import _processes, _worker_devices, ray_node_argv
+
+    argv = ray_node_argv(
+        gpus=2, workers=2, cpus=4, name="job-0123456789", virtual=True, entrypoint="python t.py", runtime_env={"pip": ["x"]}
+    )
+    assert argv[1:4] == ["-I", "-m", "gpuhub_spawner.rayclusters.node"]  # gpuhub's Ray launcher, as `gpuhub ray up`'s
+    assert argv[argv.index("--entrypoint") + 1] == "python t.py"
+    assert json.loads(argv[argv.index("--runtime-env") + 1]) == {"pip": ["x"]}
+    assert "--entrypoint" not in ray_node_argv(gpus=1, workers=0, cpus=1, name="ray-a", virtual=False)
+    rec = make()
+    rec.kind, rec.workers, rec.command = "ray", 2, argv
+    rec.ray = {"entrypoint": "python t.py", "runtime_env": {"pip": ["x"]}, "workers": 2}
+    store = R.JobStore(tmp_path / "jobs")
+    store.save(rec)
+    [back] = R.JobStore(tmp_path / "jobs").load_all()
+    assert back.ray == rec.ray and back.kind == "ray"
+    # Two workers' worth of GPUs, one process tree: the launcher gets all of them (its nodes split them).
+    assert _processes(back) == 1 and _worker_devices(["0", "1"], _processes(back), 0) == ["0", "1"]
+    rec.kind = "command"
+    assert _processes(rec) == 2

@@ -100,3 +100,67 @@ def test_each_worker_gets_its_share_of_the_devices_and_the_job_asks_for_all_of_t
     assert _times({"cpu": 500, "memory": 2**30, "gpu/a100": 1}, 3) == {"cpu": 1500, "memory": 3 * 2**30, "gpu/a100": 3}
     assert [_worker_devices(["0", "1", "2", "3"], 2, r) for r in (0, 1)] == [["0", "1"], ["2", "3"]]
     assert _worker_devices(["0"], 1, 0) == ["0"] and _worker_devices([], 2, 1) == []
+
+
+def test_a_ray_job_names_its_entrypoint_and_rays_runtime_env():
+    spec = parse_job(
+        "kind: ray\nprofile: gpu-1\nentrypoint: python train.py --epochs 3\n"
+        "runtimeEnv:\n  env_vars: {EPOCHS: 3}\n  working_dir: proj\n  pip: [einops]\n"
+        "retries: {limit: 1, reasons: [preempted, failed]}\n"
+    )
+    assert spec.kind == "ray" and spec.ray_entrypoint == "python train.py --epochs 3"
+    # Ray's own spelling inside (as Ray's docs and KubeRay's runtimeEnvYAML write it)
+    assert spec.runtime_env is not None
+    assert spec.runtime_env.for_ray() == {"env_vars": {"EPOCHS": "3"}, "working_dir": "proj", "pip": ["einops"]}
+    # a list is quoted into Ray's one shell command
+    listed = parse_job("kind: ray\nprofile: p\nentrypoint: [python, -c, 'print(1)']\n")
+    assert listed.ray_entrypoint == "python -c 'print(1)'" and listed.runtime_env is None
+    # the record keeps the kind as written
+    assert spec.model_dump(by_alias=True)["kind"] == "ray"
+    # a job file without 'kind' is what it was: a command or a notebook
+    assert parse_job("profile: p\ncommand: [x]\n").kind == "command"
+    with pytest.raises(ValueError):
+        spec.argv  # noqa: B018 - a Ray job's command is the backend's launcher, never the entrypoint
+
+
+def test_ray_job_mistakes_are_located_at_the_key_they_are_about():
+    assert errors("kind: rya\nprofile: p\nentrypoint: x\n") == [
+        "job.yaml:1:7: kind: must be one of command, notebook, ray (got 'rya') (did you mean 'ray'?)"
+    ]
+    assert errors("profile: p\nkind: ray\n") == [
+        "job.yaml:2:7: entrypoint: is required for kind: ray (the shell command Ray runs on the job's cluster)"
+    ]
+    assert errors("kind: ray\nprofile: p\ncommand: [python]\nentrypoint: x\nparameters: {a: 1}\n") == [
+        "job.yaml:3:1: command: is not for kind: ray (a Ray job runs its 'entrypoint' on its own cluster)",
+        "job.yaml:5:1: parameters: are for a notebook job ('notebook: train.ipynb'), not for kind: ray",
+    ]
+    assert errors("profile: p\ncommand: [x]\nentrypoint: python x.py\n") == [
+        "job.yaml:3:1: entrypoint: is for kind: ray (add 'kind: ray' to run it on a Ray cluster of its own)"
+    ]
+    assert errors("kind: notebook\nprofile: p\ncommand: x\n") == [
+        "job.yaml:3:1: command: is not for kind: notebook (use kind: command, or leave 'kind' out)"
+    ]
+    assert errors("kind: ray\nprofile: p\nentrypoint: ''\n") == ["job.yaml:3:13: entrypoint: must not be empty"]
+
+
+def test_a_ray_jobs_runtime_env_offers_only_what_runs_inside_the_users_sandbox():
+    out = errors("kind: ray\nprofile: p\nentrypoint: x\nruntimeEnv:\n  conda: env\n  pipp: [a]\n")
+    assert out == [
+        "job.yaml:5:3: runtimeEnv.conda: Ray's 'conda' is not offered here: a Ray job's runtime environment may have "
+        "env_vars, working_dir, py_modules, pip, excludes",
+        "job.yaml:6:3: runtimeEnv.pipp: Ray's 'pipp' is not offered here (did you mean 'pip'?): a Ray job's runtime "
+        "environment may have env_vars, working_dir, py_modules, pip, excludes",
+    ]
+    # the cluster's token and address are gpuhub's, in the runtime env and in env alike
+    assert errors("kind: ray\nprofile: p\nentrypoint: x\nruntimeEnv:\n  env_vars: {RAY_AUTH_MODE: disabled}\n") == [
+        "job.yaml:5:13: runtimeEnv.env_vars: 'RAY_AUTH_MODE' is set by gpuhub for a Ray job (its cluster's address and token)"
+    ]
+    assert errors("kind: ray\nprofile: p\nentrypoint: x\nenv: {RAY_ADDRESS: elsewhere}\n") == [
+        "job.yaml:4:7: env.RAY_ADDRESS: is set by gpuhub for a Ray job (its cluster's address and token)"
+    ]
+    # the dynamic loader's names are refused there as in env
+    assert "LD_PRELOAD" in errors("kind: ray\nprofile: p\nentrypoint: x\nruntimeEnv: {env_vars: {LD_PRELOAD: /x.so}}\n")[0]
+    assert errors("kind: ray\nprofile: p\nentrypoint: x\nruntimeEnv: {working_dir: /etc, py_modules: [../x]}\n") == [
+        "job.yaml:4:27: runtimeEnv.working_dir: must be a relative path, inside your home directory (no leading '/')",
+        "job.yaml:4:45: runtimeEnv.py_modules: must stay inside your home directory (no '..')",
+    ]

@@ -227,6 +227,9 @@ class JobsHandler(_JobsMixin, APIHandler):
                 )
             )
             return
+        kinds = getattr(self.manager, "job_kinds", ("command", "notebook"))
+        if spec.kind not in kinds:
+            raise web.HTTPError(501, f"Jobs of kind {spec.kind!r} do not run on this hub's backend yet (docs/jobs.md).")
         stop = body.get("stop_server") if isinstance(body, dict) else None
         stop = stop if isinstance(stop, str) and len(stop) <= 255 else None
         releasing = stop if stop is not None and self._stoppable(user, stop) else None

@@ -114,6 +114,7 @@ def _list(args, base):
         print(
             f"{j['id']}  {j['state']:<9}  {j['user']:<12} {j['profile']['slug']:<12} attempts={len(j['attempts'])}  "
             f"submitted {_time(j['submitted'])}  {j.get('name') or ''}"
+            + (f" ({j['kind']})" if j.get("kind") not in (None, "command") else "")
         )
 
 
@@ -135,6 +136,7 @@ def _show(args, base):
         ("priority", f"{job['priority_class'] or '-'} ({job['priority']})"),
         ("policy sha256", job["policy_sha256"]),
         ("image", job["image"] + (f" ({job['image_digest']})" if job["image_digest"] else "")),
+        *([("ray entrypoint", job["ray"]["entrypoint"])] if job.get("ray") else []),
         ("command", " ".join(job["command"])),
         ("working dir", "~/" + job["working_dir"]),
         ("checkpoints", _home_relative(job["checkpoint_dir"])),

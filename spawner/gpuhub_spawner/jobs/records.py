@@ -87,9 +87,10 @@ class JobRecord:
     finished: float | None = None
     attempts: list[Attempt] = field(default_factory=list)
     backend: str = "local"
-    kind: str = "command"  # or "notebook"
+    kind: str = "command"  # or "notebook", "ray"
     workers: int = 1
     notebook: dict | None = None  # {"path": relative to home, "parameters": {...}}
+    ray: dict | None = None  # kind ray: {"entrypoint", "runtime_env", "workers"} as submitted
 
     @property
     def current(self) -> Attempt | None:

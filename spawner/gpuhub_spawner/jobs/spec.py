@@ -56,6 +56,37 @@ class _EnvNamesRefused(ValueError):
         super().__init__("; ".join(reason for _, reason in problems))
 
 
+def _checked_env(value: Any) -> Any:
+    """Names a job may set: valid, not gpuhub's, not the dynamic loader's; plain values."""
+    if not isinstance(value, dict):
+        return value
+    out, unsafe = {}, []
+    for key, v in value.items():
+        key = str(key)
+        if not _ENV_NAME.match(key):
+            raise ValueError(f"{key[:100]!r} is not a valid environment variable name")
+        if RESERVED_ENV.match(key):
+            raise ValueError(f"{key!r} is set by gpuhub for every attempt and cannot be overridden")
+        reason = unsafe_env_reason(key)
+        if reason:
+            unsafe.append((key, reason))
+            continue
+        if isinstance(v, (dict, list)) or v is None:
+            raise ValueError(f"the value of {key} must be a string, number or boolean")
+        out[key] = str(v).lower() if isinstance(v, bool) else str(v)
+    if unsafe:
+        raise _EnvNamesRefused(unsafe)
+    return out
+
+
+def _inside_home(value: str) -> str:
+    if value.startswith("/"):
+        raise ValueError("must be a relative path, inside your home directory (no leading '/')")
+    if ".." in value.split("/") or "\0" in value:
+        raise ValueError("must stay inside your home directory (no '..')")
+    return value
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
 
@@ -90,6 +121,45 @@ class Retries(_Model):
         return reason == FAILED and exit_code is not None and exit_code in self.reasons
 
 
+class RayRuntimeEnv(BaseModel):
+    """A Ray job's ``runtimeEnv``: Ray's keys, spelled as Ray spells them (snake_case).
+
+    Paths are relative to the job's working directory (where the entrypoint is submitted
+    from) and stay inside the user's home. Everything here is applied by Ray, as the user,
+    inside the job's sandbox."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    env_vars: dict[str, str] = {}
+    working_dir: str | None = Field(None, min_length=1, max_length=1024)
+    py_modules: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]], Field(max_length=MAX_RUNTIME_LIST)] = []
+    pip: Annotated[list[Annotated[str, Field(min_length=1, max_length=500)]], Field(max_length=MAX_RUNTIME_LIST)] = []
+    excludes: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]], Field(max_length=MAX_RUNTIME_LIST)] = []
+
+    @field_validator("env_vars", mode="before")
+    @classmethod
+    def _env_vars(cls, value):
+        value = _checked_env(value)
+        for key in value if isinstance(value, dict) else ():
+            if RAY_RESERVED_ENV.match(key):
+                raise ValueError(f"{key!r} is set by gpuhub for a Ray job (its cluster's address and token)")
+        return value
+
+    @field_validator("working_dir")
+    @classmethod
+    def _working_dir(cls, value):
+        return value if value is None else _inside_home(value)
+
+    @field_validator("py_modules")
+    @classmethod
+    def _py_modules(cls, value):
+        return [_inside_home(v) for v in value]
+
+    def for_ray(self) -> dict:
+        """What Ray's job submission takes as ``runtime_env`` (empty keys left out)."""
+        return {k: v for k, v in self.model_dump().items() if v}
+
+
 # A notebook job's parameters (papermill's): identifiers to plain values, a bounded number.
 MAX_PARAMETERS = 100
 MAX_PARAMETER_CHARS = 4096
@@ -99,9 +169,21 @@ _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
 NOTEBOOK_RUNNER = ("-m", "gpuhub_spawner.jobs.notebook", "--")
 MAX_WORKERS = 64
 MISSING_BOTH = "give either 'command' (what to run) or 'notebook' (a notebook to execute)"
+KINDS = ("command", "notebook", "ray")
+# A Ray job's runtime environment: Ray's own keys (as in Ray's docs and KubeRay's
+# runtimeEnvYAML), the ones that need nothing outside the user's sandbox but the package
+# index. conda, container and image_uri would run other programs on the machine: refused.
+RAY_RUNTIME_KEYS = ("env_vars", "working_dir", "py_modules", "pip", "excludes")
+MAX_ENTRYPOINT_CHARS = 8192
+MAX_RUNTIME_LIST = 100
+# Set by gpuhub for a Ray job (its cluster's token and address): the job file may not.
+RAY_RESERVED_ENV = re.compile(r"^(RAY_AUTH_|RAY_ADDRESS$|RAY_JOB_|RAY_RUNTIME_ENV)")
 
 
 class JobSpec(_Model):
+    # What runs: a command (the default), a notebook, or a Ray job on a cluster of its own.
+    # Named ``declared_kind`` because ``kind`` is the property every backend reads.
+    declared_kind: Literal["command", "notebook", "ray"] | None = Field(None, alias="kind")
     profile: str = Field(min_length=1)
     team: str | None = None  # for members of several teams
     name: str | None = Field(None, max_length=100)
@@ -109,6 +191,10 @@ class JobSpec(_Model):
     command: list[str] | str | None = None
     notebook: str | None = Field(None, min_length=1, max_length=1024)
     parameters: dict[str, str | int | float | bool | None] = {}
+    # kind: ray: a shell command submitted to the job's own Ray cluster (Ray's job
+    # submission API), with Ray's runtime environment.
+    entrypoint: list[str] | str | None = None
+    runtime_env: RayRuntimeEnv | None = None
     # Several processes admitted together (all or nothing), each with the profile's GPUs,
     # CPU and memory, and a torchrun-style rendezvous (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK).
     workers: Annotated[StrictInt, Field(ge=1, le=MAX_WORKERS)] = 1
@@ -120,7 +206,7 @@ class JobSpec(_Model):
     experiment: str | None = Field(None, min_length=1, max_length=200)
     time_limit: Annotated[float | None, BeforeValidator(_duration)] = None
 
-    @field_validator("command", mode="before")
+    @field_validator("command", "entrypoint", mode="before")
     @classmethod
     def _scalar_args(cls, value):
         # `[python, train.py, --epochs, 3]`, `[true]`: YAML makes numbers and booleans of
@@ -129,7 +215,7 @@ class JobSpec(_Model):
             return [str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v for v in value]
         return value
 
-    @field_validator("command")
+    @field_validator("command", "entrypoint")
     @classmethod
     def _command(cls, value):
         if isinstance(value, str):
@@ -146,25 +232,7 @@ class JobSpec(_Model):
     @field_validator("env", mode="before")
     @classmethod
     def _env(cls, value):
-        if not isinstance(value, dict):
-            return value
-        out, unsafe = {}, []
-        for key, v in value.items():
-            key = str(key)
-            if not _ENV_NAME.match(key):
-                raise ValueError(f"{key[:100]!r} is not a valid environment variable name")
-            if RESERVED_ENV.match(key):
-                raise ValueError(f"{key!r} is set by gpuhub for every attempt and cannot be overridden")
-            reason = unsafe_env_reason(key)
-            if reason:
-                unsafe.append((key, reason))
-                continue
-            if isinstance(v, (dict, list)) or v is None:
-                raise ValueError(f"the value of {key} must be a string, number or boolean")
-            out[key] = str(v).lower() if isinstance(v, bool) else str(v)
-        if unsafe:
-            raise _EnvNamesRefused(unsafe)
-        return out
+        return _checked_env(value)
 
     @field_validator("notebook")
     @classmethod
@@ -193,8 +261,20 @@ class JobSpec(_Model):
                 raise ValueError(f"the value of {key} must be a string, number, boolean or null")
         return value
 
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_size(cls, value):
+        if value is not None and len(value if isinstance(value, str) else shlex.join(value)) > MAX_ENTRYPOINT_CHARS:
+            raise ValueError(f"must be at most {MAX_ENTRYPOINT_CHARS} characters")
+        return value
+
     @model_validator(mode="after")
     def _one_of_command_or_notebook(self):
+        problems = kind_problems(self.model_dump(by_alias=True, exclude_none=True))
+        if problems:
+            raise ValueError(f"{problems[0][0][0]}: {problems[0][1]}")
+        if self.kind == "ray":
+            return self
         if self.command is None and self.notebook is None:
             raise ValueError(MISSING_BOTH)
         if self.command is not None and self.notebook is not None:
@@ -224,7 +304,15 @@ class JobSpec(_Model):
 
     @property
     def kind(self) -> str:
+        if self.declared_kind is not None:
+            return self.declared_kind
         return "notebook" if self.notebook is not None else "command"
+
+    @property
+    def ray_entrypoint(self) -> str:
+        """Ray's entrypoint is one shell command; a list is quoted into one."""
+        assert self.entrypoint is not None  # kind: ray (the model validator)
+        return self.entrypoint if isinstance(self.entrypoint, str) else shlex.join(self.entrypoint)
 
     @property
     def argv(self) -> list[str]:
@@ -232,6 +320,8 @@ class JobSpec(_Model):
         under ``python -m gpuhub_spawner.jobs.notebook`` (see ``notebook_argv``)."""
         if self.notebook is not None:
             return self.notebook_argv("python3")
+        if self.kind == "ray":
+            raise ValueError("a Ray job's command is its backend's (the cluster's launcher): see JobSpec.entrypoint")
         assert self.command is not None  # the model validator: one of the two
         return ["/bin/sh", "-c", self.command] if isinstance(self.command, str) else list(self.command)
 
@@ -240,7 +330,44 @@ class JobSpec(_Model):
         return [python, *NOTEBOOK_RUNNER, self.notebook]
 
 
-_MODELS: dict[tuple[str | int, ...], type[BaseModel]] = {(): JobSpec, ("retries",): Retries}
+_MODELS: dict[tuple[str | int, ...], type[BaseModel]] = {
+    (): JobSpec,
+    ("retries",): Retries,
+    ("runtimeEnv",): RayRuntimeEnv,
+    ("runtime_env",): RayRuntimeEnv,
+}
+
+
+def kind_problems(data: dict) -> list[tuple[tuple[str, ...], str]]:
+    """What the job file's kind and its keys say against each other, each at the key it is
+    about: ``entrypoint`` missing for ``kind: ray``, a ``command`` given to a Ray job, an
+    ``entrypoint`` without ``kind: ray``, ``kind: notebook`` with a command..."""
+    kind = data.get("kind")
+    if kind is not None and kind not in KINDS:
+        return []  # an unknown kind is said at 'kind' by the model; nothing more here
+    out: list[tuple[tuple[str, ...], str]] = []
+    has = lambda *keys: next((k for k in keys if k in data and data[k] is not None), None)  # noqa: E731
+    if kind == "ray":
+        if has("entrypoint") is None:
+            out.append((("entrypoint",), "is required for kind: ray (the shell command Ray runs on the job's cluster)"))
+        for key in ("command", "notebook"):
+            if has(key):
+                out.append(((key,), "is not for kind: ray (a Ray job runs its 'entrypoint' on its own cluster)"))
+        if data.get("parameters"):
+            out.append((("parameters",), "are for a notebook job ('notebook: train.ipynb'), not for kind: ray"))
+        env = data.get("env")
+        for name in env if isinstance(env, dict) else ():
+            if RAY_RESERVED_ENV.match(str(name)):
+                out.append((("env", str(name)), "is set by gpuhub for a Ray job (its cluster's address and token)"))
+        return out
+    for key in ("entrypoint", "runtimeEnv", "runtime_env"):
+        if has(key):
+            out.append(((key,), "is for kind: ray (add 'kind: ray' to run it on a Ray cluster of its own)"))
+    if kind == "command" and has("notebook"):
+        out.append((("notebook",), "is not for kind: command (use kind: notebook, or leave 'kind' out)"))
+    if kind == "notebook" and has("command"):
+        out.append((("command",), "is not for kind: notebook (use kind: command, or leave 'kind' out)"))
+    return out
 
 
 def parse_job(text: str, filename: str = "job.yaml") -> JobSpec:
@@ -273,16 +400,33 @@ def parse_job(text: str, filename: str = "job.yaml") -> JobSpec:
     if not isinstance(data, dict):
         add((), "a job file must be a mapping with at least 'profile' and 'command' (or 'notebook')")
         raise PolicyError(filename, issues)
-    if "command" not in data and "notebook" not in data:
+    located = kind_problems(data)
+    for where, message in located:
+        if where[0] in data:
+            add(where, message, key=True)
+        else:  # a key that is missing: said at the 'kind' that needs it
+            line, column = positions.mark(("kind",)) or (None, None)
+            issues.append(PolicyIssue(format_loc(where), line, column, message))
+    if data.get("kind") in (None, "command", "notebook") and "command" not in data and "notebook" not in data and not located:
         add(("command",), "is required (or 'notebook': a notebook to execute)")
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
         for err in e.errors()[:MAX_ISSUES]:
             loc = _clean_loc(err["loc"])
-            if not loc and MISSING_BOTH in str(err.get("msg", "")):
-                continue  # said above, located at 'command'
-            if err["type"] == "extra_forbidden":
+            if not loc and (MISSING_BOTH in str(err.get("msg", "")) or located):
+                continue  # said above, located at the key it is about
+            if err["type"] == "extra_forbidden" and loc[:1] in (("runtimeEnv",), ("runtime_env",)) and len(loc) == 2:
+                add(
+                    loc,
+                    f"Ray's {loc[-1]!r} is not offered here{suggest(loc[-1], list(RAY_RUNTIME_KEYS))}: a Ray job's "
+                    f"runtime environment may have {', '.join(RAY_RUNTIME_KEYS)}",
+                    key=True,
+                )
+            elif loc == ("kind",) and err["type"] == "literal_error":
+                got = str(err.get("input"))[:50]
+                add(loc, f"must be one of {', '.join(KINDS)} (got {got!r}){suggest(got, list(KINDS))}")
+            elif err["type"] == "extra_forbidden":
                 model = _MODELS.get(tuple(p for p in loc[:-1] if not isinstance(p, int)))
                 names = [f.alias or n for n, f in model.model_fields.items()] if model else []
                 add(loc, f"unknown key {loc[-1]!r}{suggest(loc[-1], names)}", key=True)

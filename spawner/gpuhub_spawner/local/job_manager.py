@@ -88,7 +88,39 @@ class _Live:
     first_failure: tuple[int, int] | None = None  # (rank, exit code) of the worker that failed first
 
 
+def ray_token(data_dir: str, user: str) -> str:
+    """The user's Ray token (one per user, ``<data>/ray/tokens/<user>``, 0600), made on first
+    use: every cluster of theirs, a ``gpuhub ray up`` one or a Ray job's, checks it."""
+    root = Path(data_dir) / "ray" / "tokens"
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(root.parent, 0o700)
+    path = root / user
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        tok = secrets.token_hex(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(tok)
+        return tok
+
+
+def ray_node_argv(
+    gpus: int, workers: int, cpus: int, name: str, virtual: bool, entrypoint: str | None = None, runtime_env: dict | None = None
+) -> list[str]:
+    """gpuhub's Ray launcher (``rayclusters.node``): the one command every one-machine Ray
+    cluster runs as, a ``gpuhub ray up`` cluster's or a Ray job's (with its entrypoint)."""
+    argv = [sys.executable, "-I", "-m", "gpuhub_spawner.rayclusters.node"]
+    argv += ["--gpus", str(gpus), "--workers", str(workers), "--cpus", str(cpus), "--name", name]
+    argv += ["--virtual"] if virtual else []
+    if entrypoint is not None:
+        argv += ["--entrypoint", entrypoint, "--runtime-env", json.dumps(runtime_env or {}, sort_keys=True)]
+    return argv
+
+
 class JobManager(SingletonConfigurable):
+    # What this backend runs (the hub refuses other kinds with 501 before submitting).
+    job_kinds = ("command", "notebook", "ray")
     data_dir = Unicode("data", help="The hub's data directory; records live in <data_dir>/jobs (0700).").tag(config=True)
     reclaim_interval = Float(
         1.0, help="Seconds between checks whether a waiting interactive server should reclaim GPUs from its team's jobs."
@@ -157,7 +189,7 @@ class JobManager(SingletonConfigurable):
         shutil.rmtree(self.store.root / rec.id, ignore_errors=True)
 
     def _kill_leftover(self, rec: R.JobRecord, att: R.Attempt) -> None:
-        for worker in range(max(1, rec.workers)):
+        for worker in range(_processes(rec)):
             launcher = self._launcher(rec, att, {}, (None, None), worker=worker)  # for its cgroups' names only
             try:
                 for cg in launcher.server_cgroups():  # where this gpuhub puts it, and where an older one did
@@ -191,6 +223,8 @@ class JobManager(SingletonConfigurable):
         policy = self.policy
         options = {"profile": spec.profile, **({"team": spec.team} if spec.team else {})}
         choice = resolve_choice(policy, groups, options)
+        if spec.kind == "ray":
+            _check_ray_job(policy, spec)
         # The team's per-user GPUs (servers and jobs together), not maxServers (check_job_caps).
         team = choice.team
         # N workers hold N times the profile: the cap sees the N-1 beside this request.
@@ -210,6 +244,11 @@ class JobManager(SingletonConfigurable):
             raise ChoiceError(409, never)
         job_id = "job-" + secrets.token_hex(5)
         image = spec.image or profile.image or policy.defaults.image
+        if spec.kind == "ray":
+            command = self._ray_command(job_id, spec, profile, choice.flavor, demand)
+        else:
+            # A notebook runs under the hub environment's Python, which has papermill.
+            command = spec.notebook_argv(sys.executable) if spec.notebook else spec.argv
         rec = R.JobRecord(
             id=job_id,
             user=user.name,
@@ -226,8 +265,7 @@ class JobManager(SingletonConfigurable):
             policy_sha256=policy_hash(policy),
             image=image,
             image_digest=image.rsplit("@", 1)[1] if "@" in image else "",
-            # A notebook runs under the hub environment's Python, which has papermill.
-            command=spec.notebook_argv(sys.executable) if spec.notebook else spec.argv,
+            command=command,
             working_dir=spec.working_dir or "",
             checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
             env_names=[],
@@ -239,6 +277,7 @@ class JobManager(SingletonConfigurable):
             kind=spec.kind,
             workers=spec.workers,
             notebook={"path": spec.notebook, "parameters": dict(spec.parameters)} if spec.notebook else None,
+            ray=_ray_evidence(spec) if spec.kind == "ray" else None,
         )
         self._env_values[job_id] = dict(spec.env)  # values: hub-private file, never in the record
         live = self._live.setdefault(job_id, _Live())
@@ -257,6 +296,21 @@ class JobManager(SingletonConfigurable):
         self._start_task(rec, first_ticket=True)
         self._ensure_reclaimer()
         return rec
+
+    def _ray_command(self, job_id: str, spec: JobSpec, profile: Profile, flavor: str | None, demand: dict) -> list[str]:
+        """A Ray job's command: gpuhub's Ray launcher with the entrypoint. All of its GPUs
+        (``workers`` times the profile's) go to one process tree in one cgroup: with one
+        worker the head holds them; with N, N Ray worker nodes each get the profile's."""
+        virtual = bool(flavor) and all(d.virtual for d in self.broker.devices.devices if d.flavor == flavor)
+        return ray_node_argv(
+            gpus=profile.gpu_count * spec.workers,
+            workers=spec.workers if spec.workers > 1 else 0,
+            cpus=max(1, int(demand.get("cpu", 1000)) // 1000),
+            name=job_id,
+            virtual=virtual,
+            entrypoint=spec.ray_entrypoint,
+            runtime_env=spec.runtime_env.for_ray() if spec.runtime_env else {},
+        )
 
     def _enqueue(self, rec: R.JobRecord, att: R.Attempt) -> Ticket:
         live = self._live.setdefault(rec.id, _Live())
@@ -371,7 +425,7 @@ class JobManager(SingletonConfigurable):
     def _launcher(
         self, rec: R.JobRecord, att: R.Attempt, env: dict, limits: tuple[int | None, int | None], worker: int = 0
     ) -> JobProcess:
-        devices = _worker_devices(att.devices, rec.workers, worker)
+        devices = _worker_devices(att.devices, _processes(rec), worker)
         nodes = self.broker.devices.nodes_for(devices) if devices else []
         return JobProcess(
             user_name=rec.user,
@@ -434,6 +488,10 @@ class JobManager(SingletonConfigurable):
             env["JUPYTERHUB_API_URL"] = self.hub_api_url
         if rec.notebook:
             env["GPUHUB_NOTEBOOK_PARAMETERS"] = json.dumps(rec.notebook.get("parameters") or {})
+        if rec.kind == "ray":
+            # The cluster's token: its RPC services and dashboard refuse a caller without it
+            # (the wall around the user keeps everyone else off every port anyway).
+            env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_token(self.data_dir, rec.user))
         return env
 
     async def _run_attempt(self, rec: R.JobRecord, att: R.Attempt, live: _Live) -> tuple[str, int | None, str]:
@@ -459,7 +517,7 @@ class JobManager(SingletonConfigurable):
         configured = {k: (v(launcher) if callable(v) else v) for k, v in launcher.environment.items()}
         token = mlflow_runs.new_token(rec, env, configured)
         others: list[JobProcess] = []
-        if rec.workers > 1:
+        if _processes(rec) > 1:
             att.rendezvous = self._rendezvous(rec)
             rdv = att.rendezvous
             for rank in range(rec.workers):
@@ -824,6 +882,33 @@ class JobManager(SingletonConfigurable):
 
     def log_files(self, rec: R.JobRecord) -> list[Path]:
         return [Path(a.log) for a in rec.attempts if a.log]
+
+
+def _processes(rec: R.JobRecord) -> int:
+    """Processes the hub starts per attempt: one per worker; one for a Ray job, whose
+    launcher starts the cluster's nodes itself (in one cgroup with all its GPUs)."""
+    return 1 if rec.kind == "ray" else max(1, rec.workers)
+
+
+def _check_ray_job(policy: Policy, spec: JobSpec) -> None:
+    """The policy's ``ray:`` section applies to a Ray job's cluster as to ``gpuhub ray up``'s."""
+    if not policy.ray.enabled:
+        raise ChoiceError(403, "Ray jobs are not enabled on this hub (the policy's ray.enabled is false).")
+    if spec.workers > 1 and spec.workers > policy.ray.max_workers:
+        raise ChoiceError(
+            403,
+            f"A Ray job's cluster may have at most {policy.ray.max_workers} workers on this hub "
+            f"(the policy's ray.maxWorkers); the job file asks for {spec.workers}.",
+        )
+
+
+def _ray_evidence(spec: JobSpec) -> dict:
+    """What a Ray job ran, for its record: the entrypoint and runtime environment as given."""
+    return {
+        "entrypoint": spec.ray_entrypoint,
+        "runtime_env": spec.runtime_env.for_ray() if spec.runtime_env else {},
+        "workers": spec.workers if spec.workers > 1 else 0,
+    }
 
 
 def _times(demand: dict, n: int) -> dict:

@@ -29,12 +29,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import secrets
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..culling.gpu import read_nvml
 from ..culling.rules import CullState, Signals, decide
@@ -57,7 +54,7 @@ from ..rayclusters import (
 )
 from ..rayclusters.node import READY
 from ..usage import recorder as usage
-from .job_manager import KEY_PREFIX, JobManager
+from .job_manager import KEY_PREFIX, JobManager, ray_node_argv, ray_token
 
 log = logging.getLogger("JupyterHub.gpuhub.ray")
 
@@ -110,18 +107,7 @@ class LocalRayManager(RayClusterManager):
 
     # -- the user's token -----------------------------------------------------------------
     def token(self, user: str) -> str:
-        root = Path(self.jobs.data_dir) / "ray" / "tokens"
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(root.parent, 0o700)
-        path = root / user
-        try:
-            return path.read_text().strip()
-        except FileNotFoundError:
-            tok = secrets.token_hex(32)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(tok)
-            return tok
+        return ray_token(self.jobs.data_dir, user)
 
     # -- start ------------------------------------------------------------------------------
     async def start(self, user, groups: list[str], request: RayRequest) -> RayClusterView:
@@ -135,20 +121,7 @@ class LocalRayManager(RayClusterManager):
         flavor = choice.profile.gpu.flavor if choice.profile.gpu else None
         virtual = bool(flavor) and all(d.virtual for d in jobs.broker.devices.devices if d.flavor == flavor)
         cpus = max(1, (choice.profile.cpu or policy.defaults.cpu) // 1000)
-        command = [
-            sys.executable,
-            "-I",
-            "-m",
-            "gpuhub_spawner.rayclusters.node",
-            "--gpus",
-            str(choice.gpus),
-            "--workers",
-            str(request.workers),
-            "--cpus",
-            str(cpus),
-            "--name",
-            name,
-        ] + (["--virtual"] if virtual else [])
+        command = ray_node_argv(gpus=choice.gpus, workers=request.workers, cpus=cpus, name=name, virtual=virtual)
         # Built, not parsed: MARK is in the names a job file may not set (GPUHUB_*), so no job
         # of the user's can pass for a cluster.
         spec = JobSpec.model_construct(

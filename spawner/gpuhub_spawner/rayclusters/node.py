@@ -18,6 +18,17 @@ When the head is up it prints one line the hub reads from the attempt's log::
 
 It ends when any of its Ray processes ends (``--block``) or on ``SIGTERM`` (the hub's stop:
 the whole cgroup goes after 5 s anyway).
+
+**A Ray job** (``kind: ray`` in a job file, docs/jobs.md) is the same cluster with an
+``--entrypoint``: once ready, the entrypoint is submitted to it through Ray's job submission
+API (``JobSubmissionClient`` on the cluster's own dashboard, with the user's token), its
+output is followed into the attempt's log, and the cluster is stopped when the entrypoint
+ends; the exit code is the driver's (0 when Ray says SUCCEEDED). Why submission rather than
+running the driver here against ``RAY_ADDRESS``: it is what Ray recommends for running work
+on a cluster and what KubeRay's ``RayJob`` does, so ``entrypoint`` and ``runtimeEnv`` mean
+the same on both backends; Ray applies the runtime environment (``working_dir``,
+``env_vars``, ``pip``, ``py_modules``) to the driver itself, where a driver started by hand
+gets it only for its tasks; and Ray keeps the driver's status and exit code.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ import threading
 import time
 
 READY = "[gpuhub-ray] ready "
+SUBMITTED = "[gpuhub-ray] submitted "
+ENDED = "[gpuhub-ray] entrypoint ended "
 
 
 def node_ports() -> list[str]:
@@ -105,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", type=int, default=1, help="logical CPUs Ray schedules on (the profile's)")
     p.add_argument("--name", default="ray")
     p.add_argument("--virtual", action="store_true", help="the GPUs are the hub's virtual stand-ins (no CUDA)")
+    p.add_argument("--entrypoint", default=None, help="a Ray job: the shell command submitted once the cluster is ready")
+    p.add_argument("--runtime-env", default="{}", help="a Ray job: Ray's runtime_env, as JSON")
     args = p.parse_args(argv)
     devices = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
     token = os.environ.get("RAY_AUTH_TOKEN", "")
@@ -126,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
-    gcs, dash, client = free_ports(3)  # Ray's client server defaults to 10001 for all
+    gcs, dash, client, monitor = free_ports(4)  # Ray's client server defaults to 10001 for all
+    # The head's autoscaler monitor serves metrics on 0.0.0.0:44217 in every cluster: a
+    # second cluster in the user's network would find it taken.
+    env["AUTOSCALER_METRIC_PORT"] = str(monitor)
     per = shares(devices, args.gpus, args.workers)
     head_gpus = per[0] if args.workers == 0 else []
     procs: list[subprocess.Popen] = []
@@ -214,13 +232,63 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
+    driver: dict = {}
+    done = threading.Event()
+    if args.entrypoint is not None:
+        threading.Thread(
+            target=_submit, args=(dash, args.entrypoint, json.loads(args.runtime_env), args.name, driver, done), daemon=True
+        ).start()
     while True:
+        if done.wait(1):
+            stop()
+            print(ENDED + json.dumps(driver), flush=True)
+            return int(driver.get("exit_code", 1))
         for pr in procs:
             if pr.poll() is not None:
                 print(f"[gpuhub-ray] a Ray process ended (exit {pr.returncode}); stopping the cluster", flush=True)
                 stop()
+                if args.entrypoint is not None:
+                    return pr.returncode or 1  # the entrypoint could not finish on a broken cluster
                 return 0 if pr.returncode == 0 else pr.returncode
-        time.sleep(1)
+
+
+def _submit(dash: int, entrypoint: str, runtime_env: dict, name: str, out: dict, done: threading.Event) -> None:
+    """Submit ``entrypoint`` to the cluster's own dashboard, follow its output, and note how
+    it ended in ``out`` (``status``, ``exit_code``, ``message``); ``done`` when it has."""
+    import asyncio
+
+    try:
+        from ray.job_submission import JobStatus, JobSubmissionClient  # lazy: heavy optional dependency
+
+        client = JobSubmissionClient(f"http://127.0.0.1:{dash}")
+        sid = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env or None, submission_id=f"{name}-{os.getpid()}")
+        out["submission_id"] = sid
+        print(SUBMITTED + json.dumps({"submission_id": sid, "entrypoint": entrypoint}), flush=True)
+
+        async def follow() -> None:
+            async for lines in client.tail_job_logs(sid):
+                sys.stdout.write(lines)
+                sys.stdout.flush()
+
+        try:
+            asyncio.run(follow())
+        except Exception as e:  # noqa: BLE001 - the log stream is best effort; the status below decides
+            print(f"[gpuhub-ray] following the entrypoint's output stopped: {e}", flush=True)
+        info = client.get_job_info(sid)
+        while info.status not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            time.sleep(0.5)  # the log stream ended first (it does when the driver's output closes)
+            info = client.get_job_info(sid)
+        out["status"] = str(info.status.value)
+        code = info.driver_exit_code
+        if info.status == JobStatus.SUCCEEDED:
+            out["exit_code"] = 0
+        else:
+            out["exit_code"] = code if isinstance(code, int) and 0 < code < 256 else 1
+        out["message"] = (info.message or "")[:500]
+    except Exception as e:  # noqa: BLE001 - the job must end, with the reason in its log
+        out.update(status="FAILED", exit_code=1, message=f"could not submit the entrypoint to the cluster: {e}"[:500])
+    finally:
+        done.set()
 
 
 if __name__ == "__main__":

@@ -166,6 +166,12 @@ def creation_second(obj: dict) -> int:
 
 
 def test_a_stop_in_the_instant_kueue_admits_the_server_wins(backend, hub):
+    t0 = time.time()
+    timeline: list[tuple[float, str]] = []
+
+    def mark(what: str) -> None:
+        timeline.append((time.time() - t0, what))
+
     alice, lena, dave = (hub.login(u) for u in ("alice", "lena", "dave"))
     assert alice.start("l4-1").status_code in (201, 202)
     alice.wait_ready(timeout=WAIT)
@@ -179,19 +185,27 @@ def test_a_stop_in_the_instant_kueue_admits_the_server_wins(backend, hub):
 
     # alice's stop frees the L4: Kueue admits lena, her pod runs, her start finishes and is held.
     assert alice.stop().status_code in (202, 204)
+    mark("alice stopped: the L4 is free")
     until(lambda: HELD in hub.log.read_text(errors="replace"), what="lena admitted and her start finished", hub=hub)
-    assert not backend.pods("lena")[0]["spec"].get("schedulingGates")
+    [pod] = backend.pods("lena")
+    assert not pod["spec"].get("schedulingGates")
+    mark(f"lena admitted by Kueue, her pod {pod['status'].get('phase')}, her start finished (held)")
 
     # Her stop arrives in that instant (the hold ends inside the DELETE handler).
     r = lena.stop()
+    mark(f"lena's DELETE answered {r.status_code}")
     assert r.status_code in (202, 204), f"the stop was refused: {r.status_code} {r.text}\n{hub.tail(60)}"
     lena.wait_gone(timeout=WAIT)  # the hub shows it stopped
+    mark("the hub shows lena's server stopped")
     until(lambda: not backend.pods("lena"), what="lena's pod gone", hub=hub)
+    mark("lena's pod gone")
     until(lambda: not owned_by(backend, "jupyter-lena"), what="lena's Workload gone", hub=hub)
+    mark("lena's Workload gone")
     assert "was asked to stop while its start finished; stopping it" in hub.log.read_text(errors="replace")
 
     # The GPU goes to the next in line, and lena's server does not come back.
     dave.wait_ready(timeout=WAIT)
+    mark("dave ready on the freed L4")
     assert lena.server() is None and not backend.pods("lena")
     backend.healthy()
     for user in (alice, dave):
@@ -199,3 +213,6 @@ def test_a_stop_in_the_instant_kueue_admits_the_server_wins(backend, hub):
     for user in (alice, dave):
         user.wait_gone()
     until(lambda: backend.pods() == [], what="no pods left", hub=hub)
+    print(f"\n[timeline, {backend.name}]")
+    for t, what in timeline:
+        print(f"  {t:7.2f}s  {what}")

@@ -197,10 +197,9 @@ def test_two_servers_on_a_gpu_node_a_third_waits_a_stop_admits_it(backend, hub):
     ]
     mark(f"dave's pod events: {events}")
 
-    # The waiter first, while nothing can admit her: stopped together, bob's stop gave her the
-    # L4 while her DELETE was under way, and on the real plane (fresh-clone run, issue 40) her
-    # server came up and stayed (the stop of a spawn admitted in that second did not take;
-    # not solved here, docs/kubernetes-testing.md) and the next test found her pod.
+    # The waiter first, while nothing can admit her. (Stopped together once, bob's stop gave
+    # her the L4 while her DELETE was under way and her server came up and stayed: fixed in
+    # kube/spawner.py, and that race is made to happen on purpose in test_stop_race.py.)
     lena.stop()
     lena.wait_gone()
     for user in (bob, dave):

@@ -61,6 +61,7 @@ LAYER_TESTS = {
         "unit/test_process_limits_and_prefix_lock.py",
         "unit/test_kube_ledger.py",
         "unit/test_kube_waiting_words.py",
+        "unit/test_kube_stop_wins.py",
         "unit/test_kube_capacity.py",
         "unit/test_kube_rbac.py",
         "unit/test_cuda_driver.py",

@@ -373,6 +373,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
 
     # -- start: queue wait, then launch ----------------------------------------------
     def start(self):
+        # JupyterHub calls start() from its spawn task; a stop of a pending spawn cancels that task.
+        self._spawn_task = asyncio.current_task()
         self._ledger()
         self._queued_at = time.monotonic()
         self._admitted_at = None
@@ -420,6 +422,8 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 result = await self._running_now(task)
                 if result is not None:
                     break
+            if self._stop_asked():  # a cancellation lost on its way here (see stop_asked)
+                raise asyncio.CancelledError("the hub was asked to stop this server while it started")
             self._started = True
             ledger = self._ledger()
             if ledger is not None and ledger.watching:
@@ -469,10 +473,12 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
         if pod is None or not (self._hooks_done and self.is_pod_running(pod)):
             return None
         task.cancel()
-        try:
-            return await task  # it may have finished on its own meanwhile
-        except asyncio.CancelledError:
-            pass
+        # Not ``await task``: a cancellation of this start itself (the hub stopping it) would
+        # arrive as that task's CancelledError and be taken for the one asked for just above,
+        # and the start would go on to "running" (Python 3.12's wait_for then loses the stop).
+        await asyncio.wait({task})
+        if not task.cancelled():
+            return task.result()  # it finished on its own meanwhile (or failed: raised here)
         self.pod_id = pod["metadata"]["uid"]
         return self._get_pod_url(pod)
 
@@ -854,6 +860,35 @@ class KueueSpawner(PolicySpawnerMixin, KubeSpawner):
                 resumed.set_exception(
                     SpawnException("Your server did not answer after starting.", reason="error", status_code=500)
                 )
+
+    # -- stop wins over a start that Kueue admits in the same instant ---------------------
+    _spawn_task: asyncio.Task | None = None
+
+    def _stop_asked(self) -> bool:
+        """Whether the hub was asked to stop this server while its start was under way.
+
+        JupyterHub stops a pending spawn by cancelling its spawn task, waiting a second, then
+        stopping the server, which it refuses ("pending spawn") while the spawn still runs. A
+        cancellation can be lost: Python 3.11's ``asyncio.wait_for`` returns ``start()``'s result
+        when the cancellation arrives after ``start()`` finished but before the spawn task resumed
+        (Kueue admitted the server in the same instant: seen on a real control plane), and then
+        the spawn went on to "ready", the stop was refused, and the server kept its GPU. The
+        request itself is never lost: it stays on the task (``Task.cancelling()``) until the task
+        ends, so it is the intent this spawner checks where the spawn goes on."""
+        task = self._spawn_task
+        return task is not None and not task.done() and task.cancelling() > 0
+
+    def start_polling(self):
+        """JupyterHub calls this in its spawn task right after ``start()`` returned: the first
+        point after asyncio's ``wait_for`` where a lost stop can be honoured. Raising
+        CancelledError here ends the spawn as cancelled, as the hub meant; its stop of the
+        server then runs (a second later) and deletes the pod, so the GPU goes to the next in
+        line."""
+        task = self._spawn_task
+        if task is not None and task is asyncio.current_task() and self._stop_asked():
+            self.log.warning("Server %s was asked to stop while its start finished; stopping it", self._log_name)
+            raise asyncio.CancelledError("the hub was asked to stop this server while it started")
+        return super().start_polling()
 
     # -- stop ----------------------------------------------------------------------------
     def _stopped_but_finalized(self, pod: dict | None) -> bool:

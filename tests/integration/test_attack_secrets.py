@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import textwrap
 import uuid
 from pathlib import Path
@@ -398,34 +397,56 @@ ray.shutdown()
 """
 
 
+def on(hub, user, profile) -> KernelSession:
+    """A kernel of ``user``'s server on ``profile``: the running one if it has that profile."""
+    s = user.server()
+    if s is not None and s.get("ready") and (s.get("user_options") or {}).get("profile") == profile:
+        return kernel(hub, user)
+    return started(hub, user, profile)
+
+
 def test_a_ray_cluster_gets_her_grants_as_her_jobs_do_and_another_team_reaches_none(hub, users, places):
     """docs/secrets-and-data.md: a Ray cluster is a job of its owner (``gpuhub ray up``), so it
     gets the profile's and team's grants; carol (NLP) gets none of Vision Lab's, neither in her
     own cluster nor from her kernel against alice's cluster's processes."""
     pytest.importorskip("ray", reason="the ray extra (pip install -e '.[ray]')")
     alice, carol = users["alice"], users["carol"]
-    # carol's smallest cluster (head only, no GPU), on the same profile: looked at, as root, in
-    # its own mount namespace as soon as its sandbox runs; then stopped (its head need not be up).
-    ray_cli(hub, carol, "up", "--profile", "secure", "--name", "theirs", "--no-wait")
+    # alice's smallest cluster (a head, no GPU); what needs no running head is done while it starts.
+    ray_cli(hub, alice, "up", "--profile", "secure", "--name", "vault", "--no-wait")
     try:
-        pid = wait_for(lambda: (c := cluster_pids(hub, "carol", "theirs")) and c[0], 120, "carol's cluster's processes")
-        root = Path(f"/proc/{pid}/root/run/gpuhub")
-        assert not (root / "secrets").exists() and sorted(os.listdir(root / "data")) == ["corpora"]
-        assert not any(v.encode() in Path(f"/proc/{pid}/environ").read_bytes() for v in VALUES)
-    finally:
-        ray_cli(hub, carol, "down", "theirs")
-
-    # alice's: a Ray task in it reads her secret file (hers alone, 0400), her HF_TOKEN, her
-    # team's datasets; imagenet is read-only there too.
-    out = ray_cli(hub, alice, "up", "--profile", "secure", "--name", "vault", "--timeout", "600")
-    address = re.search(r"export RAY_ADDRESS=(\S+)", out).group(1)
-    cluster = alice.api.get(alice.url("/gpuhub/ray/vault")).json()
-    try:
-        if alice.server() is None:
-            started(hub, alice, "secure").close()
-        k = kernel(hub, alice)
+        # carol's, on the same profile: looked at as root in its own mount namespace as soon as
+        # its sandbox runs, then stopped (its head need not be up).
+        ray_cli(hub, carol, "up", "--profile", "secure", "--name", "theirs", "--no-wait")
         try:
-            seen = eval(k.execute(RAY_TASK.format(address=address), timeout=420).strip().splitlines()[-1])
+            pid = wait_for(lambda: (c := cluster_pids(hub, "carol", "theirs")) and c[0], 120, "carol's cluster's processes")
+            root = Path(f"/proc/{pid}/root/run/gpuhub")
+            assert not (root / "secrets").exists() and sorted(os.listdir(root / "data")) == ["corpora"]
+            assert not any(v.encode() in Path(f"/proc/{pid}/environ").read_bytes() for v in VALUES)
+        finally:
+            ray_cli(hub, carol, "down", "theirs")
+
+        # From carol's seat (her kernel, her account) against alice's cluster's processes: their
+        # environment (her secret, her Ray token), the secret tmpfs through /proc/<pid>/root.
+        target = wait_for(lambda: (c := cluster_pids(hub, "alice", "vault")) and c[0], 120, "alice's cluster's processes")
+        token = (hub.data / "ray" / "tokens" / "alice").read_text().strip()
+        k = on(hub, carol, "secure")
+        try:
+            found, tried = attack(k, places, target, VALUES + (token,))
+        finally:
+            k.close()
+        assert_walled_off("carol", found, tried, "['corpora']")
+
+        # alice's own: a Ray task in it reads her secret file (hers alone, 0400), her HF_TOKEN,
+        # her team's datasets; imagenet is read-only there too.
+        k = on(hub, alice, "secure")
+        try:
+            cluster = wait_for(
+                lambda: (v := alice.api.get(alice.url("/gpuhub/ray/vault")).json())["state"] not in ("queued", "starting") and v,
+                420,
+                "alice's Ray head to run",
+            )
+            assert cluster["state"] == "running", cluster
+            seen = eval(k.execute(RAY_TASK.format(address=cluster["address"]), timeout=300).strip().splitlines()[-1])
         finally:
             k.close()
         assert seen["wandb"] == sha(WANDB) and seen["mode"] == "0o400" and seen["own"], seen
@@ -434,16 +455,5 @@ def test_a_ray_cluster_gets_her_grants_as_her_jobs_do_and_another_team_reaches_n
         admin = users["admin"]
         entries = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "secrets_delivered", "user": "alice"}).json()
         assert any(e["key"] == f"job:{cluster['id']}" and e["names"] == ["wandb", "hf"] for e in entries["entries"]), entries
-
-        # From carol's seat (her kernel, her account): the cluster's processes, their
-        # environment (the secret and alice's Ray token), the secret tmpfs through /proc/<pid>/root.
-        token = (hub.data / "ray" / "tokens" / "alice").read_text().strip()
-        target = cluster_pids(hub, "alice", "vault")[0]
-        k = started(hub, carol, "secure")
-        try:
-            found, tried = attack(k, places, target, VALUES + (token,))
-        finally:
-            k.close()
-        assert_walled_off("carol", found, tried, "['corpora']")
     finally:
         ray_cli(hub, alice, "down", "vault")

@@ -411,6 +411,8 @@ def test_a_ray_cluster_gets_her_grants_as_her_jobs_do_and_another_team_reaches_n
     own cluster nor from her kernel against alice's cluster's processes."""
     pytest.importorskip("ray", reason="the ray extra (pip install -e '.[ray]')")
     alice, carol = users["alice"], users["carol"]
+    # Their servers first: a Ray head starting takes the machine's CPUs for a minute.
+    k_alice, k_carol = on(hub, alice, "secure"), on(hub, carol, "secure")
     # alice's smallest cluster (a head, no GPU); what needs no running head is done while it starts.
     ray_cli(hub, alice, "up", "--profile", "secure", "--name", "vault", "--no-wait")
     try:
@@ -429,16 +431,14 @@ def test_a_ray_cluster_gets_her_grants_as_her_jobs_do_and_another_team_reaches_n
         # environment (her secret, her Ray token), the secret tmpfs through /proc/<pid>/root.
         target = wait_for(lambda: (c := cluster_pids(hub, "alice", "vault")) and c[0], 120, "alice's cluster's processes")
         token = (hub.data / "ray" / "tokens" / "alice").read_text().strip()
-        k = on(hub, carol, "secure")
         try:
-            found, tried = attack(k, places, target, VALUES + (token,))
+            found, tried = attack(k_carol, places, target, VALUES + (token,))
         finally:
-            k.close()
+            k_carol.close()
         assert_walled_off("carol", found, tried, "['corpora']")
 
         # alice's own: a Ray task in it reads her secret file (hers alone, 0400), her HF_TOKEN,
         # her team's datasets; imagenet is read-only there too.
-        k = on(hub, alice, "secure")
         try:
             cluster = wait_for(
                 lambda: (v := alice.api.get(alice.url("/gpuhub/ray/vault")).json())["state"] not in ("queued", "starting") and v,
@@ -446,9 +446,9 @@ def test_a_ray_cluster_gets_her_grants_as_her_jobs_do_and_another_team_reaches_n
                 "alice's Ray head to run",
             )
             assert cluster["state"] == "running", cluster
-            seen = eval(k.execute(RAY_TASK.format(address=cluster["address"]), timeout=300).strip().splitlines()[-1])
+            seen = eval(k_alice.execute(RAY_TASK.format(address=cluster["address"]), timeout=300).strip().splitlines()[-1])
         finally:
-            k.close()
+            k_alice.close()
         assert seen["wandb"] == sha(WANDB) and seen["mode"] == "0o400" and seen["own"], seen
         assert seen["hf"] == sha(HF) and seen["data"] == ["imagenet", "scratch"] and seen["imagenet"] == "EROFS", seen
         assert cluster["id"] in seen["cgroup"], seen  # it ran in the cluster's sandbox, not in her server

@@ -72,7 +72,7 @@ def hub(tmp_path_factory, places):
           - {{name: nlp, displayName: NLP, groups: [nlp-group]}}
         profiles:
           - {{slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}}
-          - {{slug: secure, displayName: With credentials, teams: [vision, nlp], cpu: 500m, memory: 1Gi}}
+          - {{slug: secure, displayName: With credentials, teams: [vision, nlp], cpu: 500m, memory: 4Gi}}
           - {{slug: broken, displayName: Missing credentials, teams: [vision], cpu: 500m, memory: 1Gi}}
         roles:
           viewers: [department-heads]
@@ -94,6 +94,8 @@ def hub(tmp_path_factory, places):
           - {{name: imagenet, teams: [vision], local: {{path: {places["data"] / "imagenet"}}}}}
           - {{name: scratch, teams: [vision], readOnly: false, local: {{path: {places["data"] / "scratch"}}}}}
           - {{name: corpora, teams: [nlp], local: {{path: {places["data"] / "corpora"}}}}}
+        ray:
+          enabled: true
     """)
     h = Hub(tmp_path_factory.mktemp("secrets-hub"), policy, slow_spawn_timeout=1)
     try:
@@ -193,10 +195,10 @@ print(repr((found, tried)))
 """
 
 
-def attack(k: KernelSession, places, pid: int) -> tuple[list, dict]:
+def attack(k: KernelSession, places, pid: int, values: tuple[str, ...] = VALUES) -> tuple[list, dict]:
     out = k.execute(
         ATTACK.format(
-            values=VALUES,
+            values=values,
             pid=pid,
             secrets=str(places["secrets"]),
             etc=str(places["secrets"].parent),
@@ -205,6 +207,17 @@ def attack(k: KernelSession, places, pid: int) -> tuple[list, dict]:
     )
     found, tried = eval(out.strip())  # the kernel printed two literals
     return found, tried
+
+
+def assert_walled_off(name: str, found: list, tried: dict, own_data: str) -> None:
+    """What ``attack`` found from ``name``'s kernel: nothing of anyone else's."""
+    assert found == [], f"{name} found a secret in {found}"
+    assert tried["own secrets dir"] == "FileNotFoundError", tried  # nothing granted to them
+    assert tried["own data dir"] == own_data, tried
+    for what in ("her environ", "her root", "her cwd", "the admin file", "the admin dir", "imagenet on the host"):
+        assert tried[what] in ("FileNotFoundError", "PermissionError"), (name, what, tried[what])
+    assert tried["imagenet readme on the host"] in ("FileNotFoundError", "PermissionError"), tried
+    assert tried["control: own environ"] is True and tried["control: a readable file"] == "True", tried
 
 
 def test_alice_reads_her_granted_secrets_and_team_data_only_as_herself(hub, users, places):
@@ -249,13 +262,7 @@ def test_other_users_reach_none_of_it(hub, users, places):
             found, tried = attack(k, places, pid)
         finally:
             k.close()
-        assert found == [], f"{user.name} found a secret in {found}"
-        assert tried["own secrets dir"] == "FileNotFoundError", tried  # nothing granted to them
-        assert tried["own data dir"] == own_data, tried
-        for what in ("her environ", "her root", "her cwd", "the admin file", "the admin dir", "imagenet on the host"):
-            assert tried[what] in ("FileNotFoundError", "PermissionError"), (user.name, what, tried[what])
-        assert tried["imagenet readme on the host"] in ("FileNotFoundError", "PermissionError"), tried
-        assert tried["control: own environ"] is True and tried["control: a readable file"] == "True", tried
+        assert_walled_off(user.name, found, tried, own_data)
     # bob's own token against alice's server: refused before her process sees it.
     import requests
 
@@ -344,3 +351,109 @@ def test_a_secret_that_cannot_be_read_stops_the_start_and_says_where(hub, users)
     assert "missing.yaml does not exist" in hub.log.read_text(errors="replace")
     # ... which the policy's checks said when it loaded (admins see it on the status page)
     assert "Policy" in hub.log.read_text(errors="replace") and "is live, but:" in hub.log.read_text(errors="replace")
+
+
+def ray_cli(hub, user, *args) -> str:
+    """``gpuhub ray ...`` from a laptop, with a token from the token page."""
+    import subprocess
+    import sys
+
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "GPUHUB_TOKEN"))}
+    e.update(GPUHUB_TOKEN=user.token)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "ray", "--hub", hub.url, *args], capture_output=True, text=True, env=e
+    )
+    assert r.returncode == 0, r.stdout + r.stderr + hub.tail(40)
+    return r.stdout
+
+
+def cluster_pids(hub, user: str, cluster: str) -> list[int]:
+    """As root: the processes of ``user``'s Ray cluster ``cluster`` (its job's sandbox), oldest first."""
+    from gpuhub_spawner.local.unix_users import system_username
+    import pwd
+
+    uid = pwd.getpwnam(system_username(user, hub.env["GPUHUB_ACCOUNT_PREFIX"])).pw_uid
+    return sorted(p for p in processes_with_env(f"GPUHUB_RAY_CLUSTER={cluster}") if os.stat(f"/proc/{p}").st_uid == uid)
+
+
+RAY_TASK = """\
+import errno, hashlib, os, stat, ray
+ray.init({address!r}, log_to_driver=False)
+@ray.remote
+def look():
+    p = os.environ["GPUHUB_SECRETS_DIR"] + "/wandb"
+    st = os.stat(p)
+    try:
+        open("/run/gpuhub/data/imagenet/from-ray", "w")
+        wrote = "written"
+    except OSError as e:
+        wrote = errno.errorcode[e.errno]
+    return {{"wandb": hashlib.sha256(open(p, "rb").read()).hexdigest(), "mode": oct(stat.S_IMODE(st.st_mode)),
+            "own": st.st_uid == os.getuid(), "hf": hashlib.sha256(os.environ.get("HF_TOKEN", "").encode()).hexdigest(),
+            "data": sorted(os.listdir(os.environ["GPUHUB_DATA_DIR"])), "imagenet": wrote,
+            "cgroup": open("/proc/self/cgroup").read().strip()}}
+print(repr(ray.get(look.remote(), timeout=300)))
+ray.shutdown()
+"""
+
+
+def on(hub, user, profile) -> KernelSession:
+    """A kernel of ``user``'s server on ``profile``: the running one if it has that profile."""
+    s = user.server()
+    if s is not None and s.get("ready") and (s.get("user_options") or {}).get("profile") == profile:
+        return kernel(hub, user)
+    return started(hub, user, profile)
+
+
+def test_a_ray_cluster_gets_her_grants_as_her_jobs_do_and_another_team_reaches_none(hub, users, places):
+    """docs/secrets-and-data.md: a Ray cluster is a job of its owner (``gpuhub ray up``), so it
+    gets the profile's and team's grants; carol (NLP) gets none of Vision Lab's, neither in her
+    own cluster nor from her kernel against alice's cluster's processes."""
+    pytest.importorskip("ray", reason="the ray extra (pip install -e '.[ray]')")
+    alice, carol = users["alice"], users["carol"]
+    # Their servers first: a Ray head starting takes the machine's CPUs for a minute.
+    k_alice, k_carol = on(hub, alice, "secure"), on(hub, carol, "secure")
+    # alice's smallest cluster (a head, no GPU); what needs no running head is done while it starts.
+    ray_cli(hub, alice, "up", "--profile", "secure", "--name", "vault", "--no-wait")
+    try:
+        # carol's, on the same profile: looked at as root in its own mount namespace as soon as
+        # its sandbox runs, then stopped (its head need not be up).
+        ray_cli(hub, carol, "up", "--profile", "secure", "--name", "theirs", "--no-wait")
+        try:
+            pid = wait_for(lambda: (c := cluster_pids(hub, "carol", "theirs")) and c[0], 120, "carol's cluster's processes")
+            root = Path(f"/proc/{pid}/root/run/gpuhub")
+            assert not (root / "secrets").exists() and sorted(os.listdir(root / "data")) == ["corpora"]
+            assert not any(v.encode() in Path(f"/proc/{pid}/environ").read_bytes() for v in VALUES)
+        finally:
+            ray_cli(hub, carol, "down", "theirs")
+
+        # From carol's seat (her kernel, her account) against alice's cluster's processes: their
+        # environment (her secret, her Ray token), the secret tmpfs through /proc/<pid>/root.
+        target = wait_for(lambda: (c := cluster_pids(hub, "alice", "vault")) and c[0], 120, "alice's cluster's processes")
+        token = (hub.data / "ray" / "tokens" / "alice").read_text().strip()
+        try:
+            found, tried = attack(k_carol, places, target, VALUES + (token,))
+        finally:
+            k_carol.close()
+        assert_walled_off("carol", found, tried, "['corpora']")
+
+        # alice's own: a Ray task in it reads her secret file (hers alone, 0400), her HF_TOKEN,
+        # her team's datasets; imagenet is read-only there too.
+        try:
+            cluster = wait_for(
+                lambda: (v := alice.api.get(alice.url("/gpuhub/ray/vault")).json())["state"] not in ("queued", "starting") and v,
+                420,
+                "alice's Ray head to run",
+            )
+            assert cluster["state"] == "running", cluster
+            seen = eval(k_alice.execute(RAY_TASK.format(address=cluster["address"]), timeout=300).strip().splitlines()[-1])
+        finally:
+            k_alice.close()
+        assert seen["wandb"] == sha(WANDB) and seen["mode"] == "0o400" and seen["own"], seen
+        assert seen["hf"] == sha(HF) and seen["data"] == ["imagenet", "scratch"] and seen["imagenet"] == "EROFS", seen
+        assert cluster["id"] in seen["cgroup"], seen  # it ran in the cluster's sandbox, not in her server
+        admin = users["admin"]
+        entries = admin.api.get(admin.url("/gpuhub/audit"), params={"event": "secrets_delivered", "user": "alice"}).json()
+        assert any(e["key"] == f"job:{cluster['id']}" and e["names"] == ["wandb", "hf"] for e in entries["entries"]), entries
+    finally:
+        ray_cli(hub, alice, "down", "vault")

@@ -30,7 +30,7 @@ def spawner_with(policy, team="vision", profile="cpu"):
     return sp
 
 
-def policy_for(tmp_path, key="wandb"):
+def policy_for(tmp_path, key="wandb", kernel=""):
     etc = tmp_path / "etc"
     etc.mkdir(mode=0o700)
     (etc / "s.yaml").write_text(f"wandb: {VALUE}\n")
@@ -47,7 +47,7 @@ profiles:
 secrets:
   - {{name: wandb, local: {{file: {etc / "s.yaml"}, key: {key}}}, teams: [vision]}}
 data:
-  - {{name: imagenet, teams: [vision], local: {{path: {data / "imagenet"}}}}}
+  - {{name: imagenet, teams: [vision], {kernel}local: {{path: {data / "imagenet"}}}}}
 """,
         "p.yaml",
     )
@@ -82,3 +82,27 @@ def test_an_unreadable_grant_refuses_the_start_without_naming_it_to_the_user(tmp
     assert e.value.status_code == 500 and "not available on this machine" in e.value.log_message
     assert "s.yaml" not in e.value.log_message and VALUE not in caplog.text
     assert "secrets[0] (wandb).local.key" in caplog.text
+
+
+def test_a_team_environment_is_listed_by_jupyter_as_a_kernel_of_its_python(tmp_path, monkeypatch):
+    """``data[].kernel``: the server's Jupyter (the real jupyter_client) lists a kernel that runs
+    the environment's own Python, where the server sees it (here: the private directory)."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    sp = spawner_with(policy_for(tmp_path, kernel='kernel: "Vision Lab (2026-12)", '))
+    env: dict[str, str] = {"JUPYTER_PATH": "/elsewhere"}
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(sp._resolve_grants(loop, env))
+    finally:
+        loop.close()
+    sp._grants_single_user(env)
+    try:
+        top = os.path.dirname(env["GPUHUB_DATA_DIR"])
+        assert env["JUPYTER_PATH"] == os.pathsep.join([os.path.join(top, "jupyter"), "/elsewhere"])
+        monkeypatch.setenv("JUPYTER_PATH", env["JUPYTER_PATH"])
+        spec = KernelSpecManager().get_kernel_spec("imagenet")
+        assert spec.display_name == "Vision Lab (2026-12)" and spec.language == "python"
+        assert spec.argv[:3] == [os.path.join(env["GPUHUB_DATA_DIR"], "imagenet", "bin", "python"), "-m", "ipykernel_launcher"]
+    finally:
+        sp._remove_grants_tmp()

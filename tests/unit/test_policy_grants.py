@@ -84,6 +84,11 @@ data:
         ("data:\n  - {name: d, teams: [vision], local: {path: /srv/../etc}}\n", "data[0].local.path"),
         ("data:\n  - {name: d, teams: [nlpp], local: {path: /srv/d}}\n", "data[0].teams[0]: unknown team 'nlpp'"),
         ("data:\n  - {name: d, teams: [vision]}\n", "a dataset needs a source"),
+        (
+            "data:\n  - {name: d, teams: [vision], kernel: Vision, readOnly: false, local: {path: /srv/d}}\n",
+            "a team environment (kernel) is mounted read-only",
+        ),
+        ('data:\n  - {name: d, teams: [vision], kernel: "a\\nb", local: {path: /srv/d}}\n', "data[0].kernel"),
     ],
 )
 def test_mistakes_are_located(section, expected):
@@ -221,3 +226,29 @@ data:
 
     r = subprocess.run([sys.executable, "-m", "gpuhub_spawner.cli", "validate", str(policy_file)], capture_output=True, text=True)
     assert r.returncode == 0 and "warning: secrets[1] (typo).local.key" in r.stderr and VALUE not in r.stderr + r.stdout, r
+
+
+def test_a_team_environment_is_a_dataset_with_a_kernel_and_validate_warns_without_its_python(tmp_path):
+    from gpuhub_spawner.policy.grants import grant_warnings
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "vision-env" / "bin").mkdir(parents=True)
+    text = (
+        BASE
+        + f"""\
+data:
+  - {{name: vision-env, teams: [vision], kernel: "Vision Lab (2026-12)", local: {{path: {private / "vision-env"}}}}}
+"""
+    )
+    policy = parse_policy(text, "p.yaml")
+    d = local_delivery(policy, "vision", "cpu")
+    assert d.kernels == {"vision-env": "Vision Lab (2026-12)"} and d.data[0]["read_only"] is True
+    assert d.sandbox_spec()["data"][0]["kernel"] == "Vision Lab (2026-12)"  # what the sandbox writes a kernelspec for
+    assert not local_delivery(policy, "nlp", "cpu").kernels
+    assert grant_warnings(policy) == [
+        f"data[0] (vision-env).kernel: {private / 'vision-env' / 'bin' / 'python'} does not exist, so the kernel "
+        "'Vision Lab (2026-12)' cannot start; build the environment there (docs/own-packages.md)"
+    ]
+    (private / "vision-env" / "bin" / "python").symlink_to("/usr/bin/python3")
+    assert grant_warnings(policy) == []

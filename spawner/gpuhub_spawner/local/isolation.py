@@ -34,7 +34,7 @@ from tornado import web
 from traitlets import CaselessStrEnum, Float, TraitError, Unicode, default, validate
 
 from ..policy.grants import Delivery, GrantUnavailable, local_delivery
-from ..policy.model import DATA_DIR, SECRETS_DIR, Policy
+from ..policy.model import DATA_DIR, JUPYTER_DIR, SECRETS_DIR, Policy
 from ..usage import recorder as usage
 from .cgroups import CgroupHost, ServerCgroup
 from .listening import PORTS, PortTaken
@@ -447,6 +447,8 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             env["GPUHUB_SECRETS_DIR"] = SECRETS_DIR
         if delivery.data:
             env["GPUHUB_DATA_DIR"] = DATA_DIR
+        if delivery.kernels:  # team environments: their kernelspecs, first on Jupyter's data path
+            env["JUPYTER_PATH"] = os.pathsep.join(p for p in (JUPYTER_DIR, env.get("JUPYTER_PATH")) if p)
         self._delivery = delivery
 
     def _grants_single_user(self, env: dict) -> None:
@@ -470,6 +472,18 @@ class IsolatedProcessSpawner(LocalProcessSpawner):
             for entry in d.data:
                 os.symlink(entry["source"], os.path.join(top, "data", entry["name"]))
             env["GPUHUB_DATA_DIR"] = os.path.join(top, "data")
+        if d.kernels:
+            from .sandbox import kernel_spec
+
+            kernels = os.path.join(top, "jupyter", "kernels")
+            os.makedirs(kernels, 0o700)
+            for name, display in d.kernels.items():
+                os.mkdir(os.path.join(kernels, name), 0o700)
+                python = os.path.join(top, "data", name, "bin", "python")
+                with open(os.path.join(kernels, name, "kernel.json"), "x") as f:
+                    f.write(kernel_spec(python, display, name))
+            rest = [p for p in env.get("JUPYTER_PATH", "").split(os.pathsep) if p and p != JUPYTER_DIR]
+            env["JUPYTER_PATH"] = os.pathsep.join([os.path.join(top, "jupyter"), *rest])
 
     def _audit_grants(self) -> None:
         d = self._delivery

@@ -31,7 +31,8 @@ In order:
    readable by another; its own ``/proc`` where the kernel allows it (Linux >= 5.8): other users' processes
    are invisible, not merely unreadable;
 5b. where the policy grants any, a private read-only tmpfs at ``/run/gpuhub`` with the granted
-   secrets as the account's own 0400 files and the team's datasets bound in (``mount_grants``);
+   secrets as the account's own 0400 files and the team's datasets bound in, with a kernelspec
+   (``jupyter/kernels/<name>``) for each one the policy makes a team environment (``mount_grants``);
 6. ``no_new_privs``, drop to the account (no supplementary groups), ``chdir`` home,
    ``execve`` with the server's environment.
 
@@ -357,7 +358,8 @@ def mount_grants(grants: dict, uid: int, gid: int, sources: dict[str, int]) -> N
     A tmpfs over ``/run/gpuhub`` (the host's, root's, holds nothing of the user's and stays
     hidden) with ``secrets/<name>`` files (0400) in a 0500 directory, both the account's, and
     ``data/<name>`` bind mounts of the team's directories (read-only unless granted
-    read-write); then the tmpfs is made read-only. Nobody else's mount namespace has them,
+    read-write), ``jupyter/kernels/<name>/kernel.json`` (root's, 0444) for each dataset that is
+    a team environment (``kernel``); then the tmpfs is made read-only. Nobody else's mount namespace has them,
     and another account cannot enter this one (``/proc/<pid>/root`` needs ptrace rights).
     The values came on the pipe; nothing is written to a disk."""
     os.makedirs(RUN_DIR, 0o755, exist_ok=True)  # the mount point, on the host: root's, empty
@@ -393,7 +395,32 @@ def mount_grants(grants: dict, uid: int, gid: int, sources: dict[str, int]) -> N
         _mount(f"/proc/self/fd/{src_fd}", target, None, MS_BIND)
         flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV
         _mount(None, target, None, flags | (MS_RDONLY if entry.get("read_only", True) else 0))
+    kernels = {e["name"]: e["kernel"] for e in data if e.get("kernel")}
+    if kernels:  # team environments: a kernelspec each, root's, in the read-only tmpfs
+        os.mkdir(f"{RUN_DIR}/jupyter", 0o755)  # (umask 0 here: modes as written)
+        os.mkdir(f"{RUN_DIR}/jupyter/kernels", 0o755)
+        for name, display in kernels.items():
+            os.mkdir(f"{RUN_DIR}/jupyter/kernels/{name}", 0o755)
+            path = f"{RUN_DIR}/jupyter/kernels/{name}/kernel.json"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+            try:
+                os.write(fd, kernel_spec(f"{RUN_DIR}/data/{name}/bin/python", str(display), name).encode())
+            finally:
+                os.close(fd)
     _mount(None, RUN_DIR, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, f"mode=0755,size={GRANTS_TMPFS_SIZE}")
+
+
+def kernel_spec(python: str, display: str, name: str) -> str:
+    """The ``kernel.json`` of a team environment (policy ``data[].kernel``): its own Python runs
+    ipykernel, which the admin installed into it (docs/own-packages.md)."""
+    return json.dumps(
+        {
+            "argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": display,
+            "language": "python",
+            "metadata": {"gpuhub": {"team_environment": name}},
+        }
+    )
 
 
 def _open_own_dir(path: str, what: str) -> int:

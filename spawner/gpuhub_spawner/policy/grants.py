@@ -38,12 +38,17 @@ class Delivery:
 
     files: dict[str, str] = field(default_factory=dict)  # secret name -> value (the file's text)
     env: dict[str, str] = field(default_factory=dict)  # variable -> value
-    data: list[dict] = field(default_factory=list)  # {"name", "source", "read_only"}
+    data: list[dict] = field(default_factory=list)  # {"name", "source", "read_only"[, "kernel"]}
     secret_names: list[str] = field(default_factory=list)
     delivered_as: dict[str, str] = field(default_factory=dict)  # secret name -> "file" | "env NAME"
 
     def __bool__(self) -> bool:
         return bool(self.files or self.env or self.data)
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """Team environments among the datasets: name -> the kernel's display name."""
+        return {d["name"]: d["kernel"] for d in self.data if d.get("kernel")}
 
     def sandbox_spec(self) -> dict | None:
         """The sandbox's ``grants`` (local.sandbox.mount_grants): on its pipe only."""
@@ -173,7 +178,10 @@ def local_delivery(policy: Policy, team: str, profile: str) -> Delivery:
         if ds.local is None:
             raise GrantUnavailable(f"{where} has no local source (path) for this machine")
         check_data_dir(ds.local.path, where)
-        out.data.append({"name": ds.name, "source": ds.local.path, "read_only": ds.read_only})
+        entry = {"name": ds.name, "source": ds.local.path, "read_only": ds.read_only}
+        if ds.kernel is not None:
+            entry["kernel"] = ds.kernel  # a team environment: the sandbox writes its kernelspec
+        out.data.append(entry)
     return out
 
 
@@ -194,4 +202,11 @@ def grant_warnings(policy: Policy) -> list[str]:
                 check_data_dir(ds.local.path, f"data[{i}] ({ds.name})")
             except GrantUnavailable as e:
                 out.append(str(e))
+                continue
+            python = os.path.join(ds.local.path, "bin", "python")
+            if ds.kernel is not None and not os.path.exists(python):
+                out.append(
+                    f"data[{i}] ({ds.name}).kernel: {python} does not exist, so the kernel "
+                    f"{ds.kernel!r} cannot start; build the environment there (docs/own-packages.md)"
+                )
     return out

@@ -650,6 +650,9 @@ class OffboardingRules(_Model):
 RUN_DIR = "/run/gpuhub"
 SECRETS_DIR = RUN_DIR + "/secrets"
 DATA_DIR = RUN_DIR + "/data"
+# Kernels of the team environments a server is granted (``data[].kernel``): a Jupyter data
+# directory (``JUPYTER_PATH``) holding ``kernels/<name>/kernel.json``.
+JUPYTER_DIR = RUN_DIR + "/jupyter"
 # A Kubernetes Secret's key (and so a local key): letters, digits, '-', '_' and '.'.
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 # Names the hub sets for every server: a granted secret must not replace them.
@@ -762,13 +765,26 @@ class TeamData(_Model):
     teams: list[str] = Field(min_length=1)
     profiles: Annotated[list[str], BeforeValidator(_all_teams)] = []
     read_only: bool = True
+    # A Python environment the admin pinned for the team (docs/own-packages.md): its servers list
+    # a Jupyter kernel of this display name running ``<DATA_DIR>/<name>/bin/python`` (one machine).
+    kernel: str | None = Field(default=None, min_length=1, max_length=100)
     local: LocalDataSource | None = None
     kubernetes: KubernetesDataSource | None = None
+
+    @field_validator("kernel")
+    @classmethod
+    def _display_name(cls, value: str | None) -> str | None:
+        if value is not None and any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+            raise ValueError("a kernel's display name is one line of text, without control characters")
+        return value
 
     @model_validator(mode="after")
     def _complete(self) -> "TeamData":
         if self.local is None and self.kubernetes is None:
             raise ValueError("a dataset needs a source: local (path) on one machine, kubernetes (claim) on a cluster")
+        if self.kernel is not None and not self.read_only:
+            # Every member's kernel runs what is in it: one member must not change it for the rest.
+            raise ValueError("a team environment (kernel) is mounted read-only: leave readOnly out")
         return self
 
     def granted(self, team: str, profile: str) -> bool:

@@ -99,8 +99,8 @@ def _mlflow_url(hub_url: str) -> str:
     """Where a browser opens the hub's MLflow service: its own origin with per-user origins
     (JupyterHub's service subdomain ``<name>--service.<domain>``), else under the hub."""
     if os.environ.get("GPUHUB_SUBDOMAINS", "1") == "0" or "://127.0.0.1" in hub_url:
-        return f"{hub_url}/services/mlflow/"
-    return hub_url.replace("://", "://mlflow--service.", 1) + "/services/mlflow/"
+        return f"{hub_url}/services/mlflow/#/experiments"
+    return hub_url.replace("://", "://mlflow--service.", 1) + "/services/mlflow/#/experiments"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,12 @@ class PolicySpawnerMixin:
         """Plain-text availability shown next to a profile (backends override)."""
         return ""
 
+    def profile_unavailable_hook(self, team, profile: Profile) -> str:
+        """Why this deployment can never serve ``profile`` for ``team`` ('' when it can): the form
+        greys the profile out with these words instead of offering a start that is refused
+        (backends override; a start is re-checked whatever the form showed)."""
+        return ""
+
     async def get_options_form(self) -> str:
         return self.render_options_form()
 
@@ -94,19 +100,29 @@ class PolicySpawnerMixin:
             hidden = "" if team is teams[0] else ' style="display:none"'
             parts.append(f'<fieldset class="gpuhub-team" data-team="{html.escape(team.name)}"{hidden}>')
             offered = profiles_for(policy, team)
-            preselected = next((p for p in offered if p.default), offered[0] if offered else None)
+            unavailable = {p.slug: self.profile_unavailable_hook(team, p) for p in offered}
+            usable = [p for p in offered if not unavailable[p.slug]]
+            preselected = next((p for p in usable if p.default), usable[0] if usable else None)
             for profile in offered:
                 checked = " checked" if team is teams[0] and profile is preselected else ""
+                why_not = unavailable[profile.slug]
                 res = html.escape(profile_resources(policy, profile))
-                status = self.profile_status_hook(team, profile)
+                status = "" if why_not else self.profile_status_hook(team, profile)
                 pid = f"gpuhub-profile-{team.name}-{profile.slug}"
                 parts.append(
-                    '<div class="form-check mb-2">'
+                    f'<div class="form-check mb-2{" gpuhub-profile-unavailable text-muted" if why_not else ""}">'
                     f'<input class="form-check-input" type="radio" name="profile" id="{pid}" '
-                    f'value="{html.escape(profile.slug)}" data-team="{html.escape(team.name)}"{checked}>'
+                    f'value="{html.escape(profile.slug)}" data-team="{html.escape(team.name)}"{checked}'
+                    + (' disabled data-unavailable="1"' if why_not else "")
+                    + ">"
                     f'<label class="form-check-label" for="{pid}"><strong>{html.escape(profile.display_name)}</strong> '
                     f'<small class="text-muted">({res})</small><br>{html.escape(profile.description)}'
                     + (f'<br><small class="gpuhub-availability">{html.escape(status)}</small>' if status else "")
+                    + (
+                        f'<br><small class="gpuhub-unavailable">Not offered here: {html.escape(why_not)}</small>'
+                        if why_not
+                        else ""
+                    )
                     + "</label></div>"
                 )
             parts.append("</fieldset>")
@@ -115,8 +131,8 @@ class PolicySpawnerMixin:
             parts.append(
                 "<script>(function(){var s=document.getElementById('gpuhub-team');"
                 "function show(){var t=s.value;document.querySelectorAll('fieldset.gpuhub-team').forEach(function(f){"
-                "var on=f.dataset.team===t;f.style.display=on?'':'none';f.querySelectorAll('input').forEach(function(i){i.disabled=!on;});"
-                "if(on&&!f.querySelector('input:checked')){var i=f.querySelector('input');if(i)i.checked=true;}});}"
+                "var on=f.dataset.team===t;f.style.display=on?'':'none';f.querySelectorAll('input').forEach(function(i){i.disabled=!on||i.dataset.unavailable==='1';});"
+                "if(on&&!f.querySelector('input:checked')){var i=f.querySelector('input:not([disabled])');if(i)i.checked=true;}});}"
                 "s.addEventListener('change',show);show();})();</script>"
             )
         return "".join(parts)

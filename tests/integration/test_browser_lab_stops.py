@@ -20,12 +20,12 @@ from __future__ import annotations
 import os
 import re
 import time
-from datetime import datetime
 
 import pytest
 
-from support.browser import CHROMIUM, log_in
+from support.browser import CHROMIUM
 from support.hub import running_hub, wait_for
+from support.lab_screen import assert_stop_shown, first_seen, log_time, open_lab, seen
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -68,44 +68,6 @@ defaults:
   idle: {{timeout: 1h, gpuIdleTimeout: 1h, warning: 5m}}
 """
 
-# Every toast and dialog JupyterLab shows, with the browser's time it appeared (epoch ms).
-WATCH_SCREEN = """() => {
-    window.__gpuhub_seen = [];
-    const note = (kind, el) => window.__gpuhub_seen.push({kind, at: Date.now(), text: (el.innerText || '').trim()});
-    new MutationObserver(records => {
-        for (const r of records) {
-            for (const n of r.addedNodes) {
-                if (!(n instanceof HTMLElement)) continue;
-                for (const el of [n, ...n.querySelectorAll('.jp-Dialog, .Toastify__toast, .gpuhub-stop-notice')]) {
-                    if (el.matches('.jp-Dialog')) note('dialog', el);
-                    else if (el.matches('.Toastify__toast, .gpuhub-stop-notice')) note('toast', el);
-                }
-            }
-            if (r.type === 'characterData' || r.type === 'childList') {
-                const t = r.target instanceof HTMLElement ? r.target : r.target.parentElement;
-                const toast = t && t.closest && t.closest('.Toastify__toast');
-                if (toast) note('toast', toast);
-            }
-        }
-    }).observe(document.body, {childList: true, subtree: true, characterData: true});
-}"""
-
-
-def seen(page) -> list[dict]:
-    return page.evaluate("() => window.__gpuhub_seen || []")
-
-
-def first_seen(page, kind: str, pattern: str) -> dict | None:
-    return next((e for e in seen(page) if e["kind"] == kind and re.search(pattern, e["text"])), None)
-
-
-def log_time(hub, needle: str) -> float:
-    """The time of the last hub log line containing ``needle`` (the hub's clock: this machine's)."""
-    lines = [line for line in hub.log.read_text(errors="replace").splitlines() if needle in line]
-    assert lines, f"no hub log line with {needle!r}"
-    m = re.search(r"\[\w (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)", lines[-1])
-    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
-
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
@@ -136,67 +98,11 @@ def clean(hub, users):
         u.wait_gone(name)
 
 
-def open_lab(browser, hub, client, tmp_path):
-    """The user's JupyterLab, loaded and visible, with the screen watch installed."""
-    ctx = browser.new_context()
-    ctx.set_default_timeout(90_000)
-    page = ctx.new_page()
-    page._gpuhub_console = []
-    page.on("console", lambda m: page._gpuhub_console.append(f"{m.type}: {m.text[:300]}"))
-    log_in(page, hub.url, client.name)
-    page.wait_for_load_state()
-    with page.expect_request(lambda r: "/gpuhub/culling?wait=" in r.url, timeout=120_000):
-        page.goto(hub.server_url(client.server()["url"]) + "lab")
-    page.locator("#jp-main-dock-panel").wait_for()
-    page.evaluate(WATCH_SCREEN)
-
-    def long_poll_held() -> bool:  # the hub holds one of the user's long polls now (its debug log)
-        log = hub.log.read_text(errors="replace")
-        return log.count(f"long poll of {client.name}: held") > log.count(f"long poll of {client.name}: let go")
-
-    # An open JupyterLab's usual state: its long poll held by the hub (the first is on its way here).
-    wait_for(long_poll_held, 60, f"the hub to hold {client.name}'s JupyterLab long poll")
-    return ctx, page
-
-
-def assert_stop_shown(page, hub, stopped_at: float, pattern: str) -> str:
-    """The stop notice is on screen, came at most 2 s after ``stopped_at``, the warning (and its
-    countdown) is gone, and no JupyterLab dialog came, even after JupyterLab's own polls met
-    the stopped server (its kernels poll answered 424 by the hub)."""
-    toast = page.locator(".gpuhub-stop-notice", has_text="This server was stopped")
-    try:
-        toast.wait_for()
-    except Exception:
-        print("on screen:", page.locator(".Toastify__toast").all_inner_texts(), "seen:", seen(page))
-        print("console:", getattr(page, "_gpuhub_console", []))
-        raise
-    text = toast.inner_text()
-    assert re.search(pattern, text), text
-    assert toast.get_by_role("button", name="Hub home").count() == 1
-    came = first_seen(page, "toast", "This server was stopped")
-    assert came is not None, seen(page)
-    late = came["at"] / 1000 - stopped_at
-    print(f"stop notice {late:+.2f} s after the hub's stop: {text!r}")
-    assert late <= 2.0, (late, seen(page))
-    assert page.locator(".Toastify__toast", has_text="will be stopped").count() == 0
-    # JupyterLab's own polls meet the stopped server (the hub answers 424 for it): where the
-    # stock dialog would come.
-    with page.expect_response(lambda r: re.search(r"/api/(kernels|sessions|terminals)\b", r.url) and r.status == 424):
-        pass
-    page.wait_for_function("() => document.readyState === 'complete'")
-    assert page.locator(".jp-Dialog").count() == 0, page.locator(".jp-Dialog").all_inner_texts()
-    assert [e for e in seen(page) if e["kind"] == "dialog"] == []
-    # Nor, for these users new to JupyterLab, its "get notified about official Jupyter news?" toast.
-    assert page.locator(".Toastify__toast", has_text="Jupyter news").count() == 0
-    assert not [e for e in seen(page) if "Jupyter news" in e["text"]]
-    return text
-
-
 def test_a_culled_servers_lab_says_why_at_once(hub, browser, users, tmp_path):
     alice = users["alice"]
     assert alice.start("gpu-short").status_code in (201, 202)
     alice.wait_ready()
-    ctx, page = open_lab(browser, hub, alice, tmp_path)
+    ctx, page = open_lab(browser, hub, alice)
     try:
         # The warning comes through the long poll, as soon as the hub warns (no tab switch).
         warning = page.locator(".Toastify__toast", has_text="This server will be stopped at")
@@ -238,7 +144,7 @@ def test_a_reclaimed_servers_lab_says_why_at_once(hub, browser, users, tmp_path)
     assert mine.result().status_code in (201, 202)
     assert bob.start("gpu-1").status_code in (201, 202)  # borrows NLP's
     bob.wait_ready()
-    ctx, page = open_lab(browser, hub, bob, tmp_path)
+    ctx, page = open_lab(browser, hub, bob)
     try:
         carol.start_background("gpu-1")  # NLP wants its GPU back
         warning = page.locator(".Toastify__toast", has_text="This server will be stopped")
@@ -264,7 +170,7 @@ def test_a_stop_from_the_hub_is_told_in_the_open_lab(hub, browser, users, tmp_pa
     alice = users["alice"]
     assert alice.start("gpu-1").status_code in (201, 202)
     alice.wait_ready()
-    ctx, page = open_lab(browser, hub, alice, tmp_path)
+    ctx, page = open_lab(browser, hub, alice)
     try:
         t0 = time.time()
         alice.stop()  # as the home page's Stop My Server does

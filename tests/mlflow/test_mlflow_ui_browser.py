@@ -91,6 +91,8 @@ def test_a_viewer_opens_another_teams_run_in_the_mlflow_ui(mlflow_hub, carols_ru
         page.goto(hub.url + "/hub/home")
         page.click("#gpuhub-links a.gpuhub-link:has-text('MLflow')")
         page.get_by_text(re.compile(r"^Experiments$")).first.wait_for()
+        # MLflow opens on its experiments list, not on its GenAI welcome page (issue 43's polish).
+        assert page.url.endswith("/services/mlflow/#/experiments"), page.url
         origin = re.match(r"(https?://[^/]+)", page.url).group(1)
         assert origin == mlflow.origin, (page.url, mlflow.origin)
         # The home page has loaded the experiment list (carol's among them).
@@ -129,8 +131,11 @@ def test_a_viewer_opens_another_teams_run_in_the_mlflow_ui(mlflow_hub, carols_ru
         with page.expect_response(lambda r: "artifacts/list" in r.url) as listed:
             page.get_by_role("tab", name=re.compile("Artifacts")).first.click(timeout=15_000)
         assert listed.value.status == 403  # the artifact listing stays refused
-        page.get_by_text(re.compile("artifacts are not available|Loading artifact failed")).first.wait_for()
+        page.get_by_text(re.compile("artifacts are not available to viewers")).first.wait_for()
         page.screenshot(path=str(shots / "viewer-artifacts.png"))
+        # The explanation, not MLflow's "Loading artifact failed" above it (issue 43's polish).
+        page.get_by_text("Read-only for viewers").first.wait_for()
+        assert "Loading artifact failed" not in page.locator("body").inner_text()
         assert ARTIFACT not in page.locator("body").inner_text()
         assert ARTIFACT not in page.content()
     except Exception:

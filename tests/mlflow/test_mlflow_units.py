@@ -48,7 +48,7 @@ def test_configure_merges_into_existing_config(tmp_path):
     assert c.JupyterHub.template_vars["other"] == 1
     assert c.JupyterHub.template_vars["gpuhub_links"] == [
         {"name": "GPUs", "url": "/hub/gpuhub"},
-        {"name": "MLflow", "url": "/services/mlflow/", "service": "mlflow"},
+        {"name": "MLflow", "url": "/services/mlflow/", "service": "mlflow", "fragment": "#/experiments"},
     ]
     # Nothing secret in the hub config: no password, no key.
     assert "password" not in json.dumps(c.JupyterHub.services).lower()
@@ -73,7 +73,9 @@ def test_configure_defaults_keep_the_server_role_scopes(tmp_path):
     assert {"users:activity!user", "access:servers!server", "access:services!service=mlflow"} <= set(server["scopes"])
     assert c.Spawner.environment["MLFLOW_TRACKING_URI"] == "http://proxy-public/services/mlflow"
     assert callable(c.Spawner.environment["MLFLOW_TRACKING_TOKEN"])
-    assert c.JupyterHub.template_vars["gpuhub_links"] == [{"name": "MLflow", "url": "/services/mlflow/", "service": "mlflow"}]
+    assert c.JupyterHub.template_vars["gpuhub_links"] == [
+        {"name": "MLflow", "url": "/services/mlflow/", "service": "mlflow", "fragment": "#/experiments"}
+    ]
 
 
 def test_configure_wraps_callable_token_scopes(tmp_path):

@@ -16,12 +16,12 @@ def test_help_lists_every_command(capsys):
 
 def test_banner_names_mlflow_where_a_browser_opens_it(monkeypatch):
     monkeypatch.delenv("GPUHUB_SUBDOMAINS", raising=False)
-    assert _mlflow_url("http://localhost:8000") == "http://mlflow--service.localhost:8000/services/mlflow/"
-    assert _mlflow_url("https://hub.example.org") == "https://mlflow--service.hub.example.org/services/mlflow/"
+    assert _mlflow_url("http://localhost:8000") == "http://mlflow--service.localhost:8000/services/mlflow/#/experiments"
+    assert _mlflow_url("https://hub.example.org") == "https://mlflow--service.hub.example.org/services/mlflow/#/experiments"
     # without per-user origins the service lives under the hub's own origin
-    assert _mlflow_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000/services/mlflow/"
+    assert _mlflow_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000/services/mlflow/#/experiments"
     monkeypatch.setenv("GPUHUB_SUBDOMAINS", "0")
-    assert _mlflow_url("http://localhost:8000") == "http://localhost:8000/services/mlflow/"
+    assert _mlflow_url("http://localhost:8000") == "http://localhost:8000/services/mlflow/#/experiments"
 
 
 def test_job_hub_option_goes_before_or_after_the_command(monkeypatch, capsys):

@@ -6,6 +6,7 @@ position) was swallowed until the next change or a 30 s timeout.
 """
 
 import asyncio
+import re
 from types import SimpleNamespace
 
 from gpuhub_spawner.admission import AdmissionQueue, Ticket
@@ -127,3 +128,66 @@ def test_the_spawn_form_says_before_the_click_that_a_start_would_borrow():
     after = QueuedGpuMixin.profile_status_hook(form, vision, gpu)
     assert "uses 1 of its quota of 1" in after
     assert "Starting now borrows another team's unused GPU: if that team needs it back, your server is warned" in after
+
+
+FORM_POLICY = """\
+flavors: [{name: gpu, displayName: Tesla, local: {virtual: 3}}]
+teams:
+  - {name: vision, displayName: Vision Lab, groups: [v], cohort: lab, quota: {gpus: {gpu: 1}}}
+  - {name: nlp, displayName: NLP Group, groups: [n], cohort: lab, quota: {gpus: {gpu: 4}}, reclaim: {notice: 10m}}
+profiles:
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true}
+  - {slug: g1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: "*"}
+  - {slug: g4, displayName: Four GPUs, gpu: {count: 4, flavor: gpu}, teams: "*"}
+"""
+
+
+class FormOfBroker(QueuedGpuMixin):
+    """The spawn form a user of ``groups`` gets from a local broker, as the hub renders it."""
+
+    def __init__(self, broker, groups):
+        self._broker = broker
+        self.user = SimpleNamespace(name="u", groups=[SimpleNamespace(name=g) for g in groups])
+
+    @property
+    def broker(self):
+        return self._broker
+
+    @property
+    def policy(self):
+        return self._broker.policy
+
+
+def test_the_spawn_form_says_what_the_machine_cannot_serve_and_what_a_start_would_do():
+    """Issue 43's polish: out-of-service GPUs counted, a profile the machine cannot serve greyed out
+    with the reason, a start that would queue or borrow said before the click, with the notice."""
+    policy = parse_policy(FORM_POLICY)
+    devices = DeviceTable(lambda: policy, discover=lambda: [])
+    q = AdmissionQueue(lambda: policy, devices)
+    broker = SimpleNamespace(policy=policy, queue=q, devices=devices)
+    vision = FormOfBroker(broker, ["v"])
+    html = vision.render_options_form()
+    # Four GPUs on a machine of three: greyed out, with why, never pre-selected.
+    four = re.search(r'<div class="form-check mb-2 gpuhub-profile-unavailable[^"]*"><input [^>]*value="g4"[^>]*>', html)
+    assert four and " disabled" in four.group(0) and " checked" not in four.group(0), html
+    assert "Not offered here: 4 Tesla GPUs" in html and "this machine has only 3 Tesla GPUs" in html, html
+    assert re.search(r'value="cpu"[^>]* checked', html)
+    # One out of service: counted beside the free ones.
+    devices.health.mark(devices.devices[2].id, "bad", "XID 79: GPU has fallen off the bus", 79)
+    one = QueuedGpuMixin.profile_status_hook(vision, policy.team("vision"), policy.profile("g1"))
+    assert one.startswith("Now: 2 of 3 free on this machine (1 out of service since"), one
+    assert "XID 79" in one and "borrows" not in one and "waits" not in one
+    # Vision Lab holds its own GPU: a second one borrows NLP's, and the notice is said.
+    q.submit(Ticket(key="alice/", user="alice", team="vision", profile="g1", demand={"gpu/gpu": 1}))
+    two = QueuedGpuMixin.profile_status_hook(vision, policy.team("vision"), policy.profile("g1"))
+    assert (
+        "Starting now borrows another team's unused GPU: if that team needs it back, your server is warned and "
+        "stopped after at least 10m (the newest borrower first)."
+    ) in two, two
+    # Two held by Vision Lab (one of them borrowed), the third out of service: an NLP start waits.
+    q.submit(Ticket(key="bob/", user="bob", team="vision", profile="g1", demand={"gpu/gpu": 1}))
+    nlp = FormOfBroker(broker, ["n"])
+    three = QueuedGpuMixin.profile_status_hook(nlp, policy.team("nlp"), policy.profile("g1"))
+    assert "Now: 0 of 3 free on this machine (1 out of service" in three, three
+    assert "Starting now waits in NLP Group's queue: needs 1 Tesla GPU" in three, three
+    assert "borrows" not in three

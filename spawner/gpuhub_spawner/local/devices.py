@@ -359,13 +359,15 @@ class DeviceTable:
         return [d for d in self._of(flavor) if not self.health.usable(d.id)]
 
     def out_of_service_words(self, flavor: str) -> str:
-        """'1 out of service since 10:42 (XID 79: GPU has fallen off the bus)'; '' when none."""
+        """'1 out of service since 10:42 (XID 79: GPU has fallen off the bus)', '1 out of service (drained
+        by admin since 10:42)'; '' when none."""
         out = self.out_of_service(flavor)
         if not out:
             return ""
         first = min((self.health.of(d.id) for d in out), key=lambda h: h.since or h.drained_at or 0)
         detail = first.summary()
-        detail = detail[len("out of service ") :] if detail.startswith("out of service ") else detail
+        # 'since 10:42 (XID 79: ...)' for a bad one; '(drained by admin since 10:42)' for a drained one
+        detail = detail[len("out of service ") :] if detail.startswith("out of service ") else f"({detail})"
         more = f"; {len(out) - 1} more" if len(out) > 1 else ""
         return f"{len(out)} out of service {detail}{more}"
 

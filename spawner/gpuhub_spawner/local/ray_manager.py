@@ -255,9 +255,8 @@ class LocalRayManager(RayClusterManager):
             v.dashboard = f"gpuhub/ray/{v.name}/dashboard/"  # served by the owner's server, on their origin
             v.dashboard_port = ready["dashboard_port"]
             virtual = " (virtual GPUs: Ray schedules on them, CUDA has none)" if ready.get("virtual") and gpus else ""
-            v.status = (
-                f'running: since {_ts(v.started)} with {gpus} GPU(s) {", ".join(v.devices)}{virtual}; ray.init("{v.address}")'
-            )
+            held = f" {', '.join(v.devices)}" if v.devices else ""  # (no GPU: no device list, no stray space)
+            v.status = f'running: since {_ts(v.started)} with {gpus} GPU(s){held}{virtual}; ray.init("{v.address}")'
             if v.warning:
                 v.status += f"; {v.warning}"
         else:

@@ -18,7 +18,7 @@ from jupyterhub.spawner import SimpleLocalProcessSpawner
 from tornado import web
 
 from ..admission.queue import Admission, QueueRefused, Ticket
-from ..admission.quota import demand_for, describe
+from ..admission.quota import check_fit, demand_for, describe
 from ..policy.access import ChoiceError, resolve_choice
 from ..policy.quantities import format_duration
 from ..policy_spawner import PolicySpawnerMixin
@@ -70,25 +70,43 @@ class QueuedGpuMixin(PolicySpawnerMixin):
     def profile_status_hook(self, team, profile) -> str:
         if not profile.gpu_count:
             return ""
-        key = f"gpu/{profile.gpu.flavor}"
+        policy = self.broker.policy
+        flavor = profile.gpu.flavor
+        key = f"gpu/{flavor}"
         table = self.broker.devices
-        free = len(table.free_devices(profile.gpu.flavor))
-        total = len([d for d in table.devices if d.flavor == profile.gpu.flavor])
+        free = len(table.free_devices(flavor))
+        total = len([d for d in table.devices if d.flavor == flavor])
+        out = table.out_of_service_words(flavor)
         used = self.broker.queue.usage().get(team.name, {}).get(key, 0)
-        quota = team.quota.gpus.get(profile.gpu.flavor)
+        quota = team.quota.gpus.get(flavor)
         waiting = sum(1 for t in self.broker.queue.waiting if t.team == team.name)
         nominal = quota.nominal if quota else 0
         text = (
-            f"Now: {free} of {total} free on this machine; {team.label} uses {used} of its quota of "
-            f"{nominal}; {waiting} waiting in {team.label}'s queue."
+            f"Now: {free} of {total} free on this machine{f' ({out})' if out else ''}; {team.label} uses {used} of "
+            f"its quota of {nominal}; {waiting} waiting in {team.label}'s queue."
         )
-        if free and used + profile.gpu_count > nominal and team.cohort:
-            # Said before the click: a start now would borrow, and what that means.
+        # Said before the click: what a start now would do (wait, or borrow and what that means).
+        demand = demand_for(policy, profile)
+        fit = check_fit(policy, self.broker.queue.usage(), team, demand, bool(policy.reclaim_rules(team).interactive_borrowing))
+        short = None if not fit.fits else table.shortage(demand)
+        if not fit.fits or short:
+            why = fit.shortages[0].reason if fit.shortages else short
+            text += f" Starting now waits in {team.label}'s queue: {why}."
+        elif fit.borrows and team.cohort:
             text += (
                 " Starting now borrows another team's unused GPU: if that team needs it back, your "
-                "server is warned and stopped after its notice (the newest borrower first)."
+                f"server is {reclaim_notice_words(policy, team)} (the newest borrower first)."
             )
         return text
+
+    def profile_unavailable_hook(self, team, profile) -> str:
+        """Why this machine (or the team's quota) can never serve ``profile``: more GPUs than the
+        machine has or the team may ever hold, or a CUDA the driver lacks. The form greys it out
+        with this reason; a start is refused with the same words."""
+        policy = self.broker.policy
+        demand = demand_for(policy, profile)
+        fit = check_fit(policy, {}, team, demand, bool(policy.reclaim_rules(team).interactive_borrowing))
+        return fit.never or self.broker.devices.never_fits(demand) or cuda_refusal(profile, self.broker.devices.driver()) or ""
 
     # -- start ----------------------------------------------------------------------------
     async def start(self):
@@ -418,17 +436,22 @@ def borrowed_words(policy, adm) -> str:
         parts.append(f"{n} {name} GPU{'s' if n != 1 else ''}")
     lenders = [t for t in policy.cohort_members(team) if t.name != adm.team] if team else []
     names = f" ({', '.join(sorted(t.label for t in lenders))})" if lenders else ""
-    notices = [policy.reclaim_rules(t).notice or 0 for t in lenders if policy.reclaim_rules(t).enabled]
-    when = (
-        f"warned and stopped after at least {format_duration(min(notices))}"
-        if notices
-        else "warned and stopped after the lending team's notice"
-    )
+    when = reclaim_notice_words(policy, team) if team else "warned and stopped after the lending team's notice"
     return (
         f"Borrowed: {' and '.join(parts)} of this {'is' if len(parts) == 1 else 'are'} other teams' unused "
         f"quota{names}, beyond {label}'s own. If a lending team needs it back, one of your team's borrowing "
         f"servers is {when}, the most recently started first; your files are kept."
     )
+
+
+def reclaim_notice_words(policy, team) -> str:
+    """How long a borrower of ``team``'s cohort has once a lender wants its GPUs back: the
+    shortest notice of the cohort's other teams ('warned and stopped after at least 10m')."""
+    lenders = [t for t in policy.cohort_members(team) if t.name != team.name]
+    notices = [policy.reclaim_rules(t).notice or 0 for t in lenders if policy.reclaim_rules(t).enabled]
+    if not notices:
+        return "warned and stopped after the lending team's notice"
+    return f"warned and stopped after at least {format_duration(min(notices))}"
 
 
 class LocalGpuSpawner(QueuedGpuMixin, IsolatedProcessSpawner):

@@ -124,6 +124,28 @@ UI_DEFAULTS_JS = b"""// gpuhub: defaults of the MLflow UI on this hub (see gpuhu
     for (k in unlessChosen) { if (s.getItem(k) === null) { s.setItem(k, JSON.stringify(unlessChosen[k])); } }
     for (k in always) { s.setItem(k, JSON.stringify(always[k])); }
   } catch (e) { /* no storage (private mode): MLflow's own defaults apply */ }
+  // A viewer's artifacts tab: MLflow titles the hub's refusal "Loading artifact failed", as if
+  // something broke, above the explanation. That title (and only beside that explanation) is
+  // replaced by what it is.
+  var FAILED = "Loading artifact failed", WHY = "not available to viewers";
+  function retitle(root) {
+    if (!root || !document.createTreeWalker || (root.textContent || "").indexOf(FAILED) < 0) { return; }
+    var walk = document.createTreeWalker(root, NodeFilter.SHOW_TEXT, null), n, box, i;
+    while ((n = walk.nextNode())) {
+      if (n.nodeValue !== FAILED) { continue; }
+      for (box = n.parentNode, i = 0; box && i < 6; box = box.parentNode, i++) {
+        if ((box.textContent || "").indexOf(WHY) >= 0) { n.nodeValue = "Read-only for viewers"; break; }
+      }
+    }
+  }
+  if (window.MutationObserver) {
+    new MutationObserver(function (records) {
+      for (var r = 0; r < records.length; r++) {
+        var t = records[r].target;
+        retitle(t.nodeType === 1 ? t : t.parentNode);
+      }
+    }).observe(document.documentElement, {childList: true, subtree: true, characterData: true});
+  }
 })();
 """
 # Not sent upstream for the UI's page, which the proxy rewrites: it needs the whole,

@@ -196,7 +196,8 @@ def configure(
     links = [l for l in tv.get("gpuhub_links", []) if l.get("name") != link_name]
     # "service": the page links to the service's own origin (its host and port) where the hub
     # has per-user origins; "url" is the path where it has not.
-    links.append({"name": link_name, "url": prefix, "service": service_name})
+    # "fragment": MLflow's UI opens on its experiments list, not on its GenAI welcome page.
+    links.append({"name": link_name, "url": prefix, "service": service_name, "fragment": "#/experiments"})
     tv["gpuhub_links"] = links
     hub.template_vars = tv
     return service

@@ -210,6 +210,11 @@ class CullWatcher {
       console.debug('gpuhub: culling poll failed', err);
       return 'gone';
     }
+    if (this._goneShown) {
+      // Another question (JupyterLab's lost connection, a second poll) already brought the stop:
+      // an answer that left the hub before it must not bring the warning back under the notice.
+      return 'held';
+    }
     const { status, body } = reply;
     if (status === 200 && body && body.enabled === false) {
       this._disabled = true; // not under a hub: nothing will ever be culled here
@@ -467,6 +472,9 @@ class CullWatcher {
   }
 
   private show(w: ICullWarning | null, prefix = ''): void {
+    if (this._goneShown) {
+      return; // the stop notice says what happened: no warning (nor countdown) after it
+    }
     const ticking = this._last !== null && this._ticker !== 0;
     this._last = w;
     if (w && !ticking) {

@@ -23,6 +23,12 @@ of the user's running cluster ``<name>`` on one machine. Why here and not in the
 - **writes** (the dashboard's POSTs: stopping a job, profiling) need Jupyter's XSRF token
   like every cookie-authenticated write to the server, so another site cannot make the
   owner's browser submit Ray jobs (code as the owner) through it.
+- **reads by the dashboard's own page.** JupyterHub accepts a login cookie on a script's GET
+  (``Sec-Fetch-Mode: cors``) only with its XSRF token, which Ray's dashboard app does not send:
+  every API call and font of the page it opened was sent to the hub's login instead ("No
+  cluster status." on an otherwise empty page; found by tests/integration/test_browser_walk.py).
+  A GET or HEAD whose browser says ``Sec-Fetch-Site: same-origin`` (the user's own origin,
+  a header no page can set) is taken without it: reads only, from the owner's own pages.
 
 - **GETs that act** (Ray's dashboard kills an actor with ``GET /api/actors/kill`` and starts
   profilers with ``GET /worker/...`` and ``/task/...``) are forwarded only when the request
@@ -167,6 +173,14 @@ class RayDashboardHandler(JupyterHandler):
         message = getattr(exc, "log_message", None) or self._reason
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps({"status": status_code, "message": message}))
+
+    def check_xsrf_cookie(self):
+        """Reads from the user's own origin need no XSRF token (see the module docstring); the
+        rest as Jupyter and JupyterHub check them. JupyterHub's login-cookie check calls this
+        handler's method, so this decides for this handler's requests only."""
+        if self.request.method in ("GET", "HEAD") and self.request.headers.get("Sec-Fetch-Site") == "same-origin":
+            return None
+        return super().check_xsrf_cookie()
 
     @web.authenticated
     async def get(self, cluster, path):

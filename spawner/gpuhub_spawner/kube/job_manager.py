@@ -170,6 +170,15 @@ class KubeJobManager(SingletonConfigurable):
         pclass, priority = job_priority(policy, choice)
         job_id = "job-" + secrets.token_hex(5)
         spawner = self._spawner(user, job_id)
+        if spec.workers > 1 and spawner.work_volume == OWN:
+            # One ReadWriteOnce claim cannot be attached on N nodes: the workers on other nodes
+            # would wait for it for ever while the Job holds N workers' quota.
+            raise ChoiceError(
+                501,
+                f"A job of {spec.workers} workers cannot run on this hub: each job gets one ReadWriteOnce volume "
+                "of its own (KueueSpawner.work_volume: own), which only one node can mount. Run one worker, "
+                "or ask the operator for work_volume: home (ReadWriteMany home volumes; docs/jobs.md).",
+            )
         spawner.user_options = {"profile": choice.profile.slug, "team": team.name}
         # The choice was checked above with the jobs' caps (GPUs, not maxServers); the spawner
         # applies it to the pod exactly as for a server of this profile.

@@ -47,6 +47,10 @@ def test_a_bad_request_is_refused_here_with_the_reason(nb_server, stand_in):
         assert r.status_code == 400 and words in r.json()["message"], r.text
     r = nb_server.post("gpuhub/jobs", data=b"{not json")
     assert r.status_code == 400
+    # JSON nested deeper than Python's parser goes (within the size bound): a 400 that says
+    # so, not a 500 with a RecursionError in the server's log.
+    r = nb_server.post("gpuhub/jobs", data=b"[" * 30000 + b"]" * 30000)
+    assert r.status_code == 400 and "JSON" in r.json()["message"], r.text
     assert nb_server.post("gpuhub/jobs", data=b"x" * (64 * 1024 + 1)).status_code == 413
     assert stand_in.requests == []  # nothing reached the hub
 

@@ -64,6 +64,8 @@ LAYER_TESTS = {
         "unit/test_kube_stop_wins.py",
         "unit/test_kube_capacity.py",
         "unit/test_kube_rbac.py",
+        "unit/test_attack_kube_job_logs.py",
+        "unit/test_attack_kube_workers_own_volume.py",
         "unit/test_cuda_driver.py",
         "unit/test_ray_manager_units.py",
         "kube/test_job_manifest.py",

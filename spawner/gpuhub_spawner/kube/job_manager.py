@@ -51,6 +51,12 @@ from .storage import OWN, create_claim, work_claim
 log = logging.getLogger("JupyterHub.gpuhub.jobs")
 
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"  # on an Indexed Job's pods (annotation and label)
+# What the hub copies of one attempt's output per read (all its workers together): the
+# output is the user's, and every read of a running job holds it in the hub's memory and
+# writes it to the hub's disk. The end of it is kept (a traceback is there).
+MAX_POD_LOG_BYTES = 4 * 1024 * 1024
+MAX_POD_LOG_LINES = 100_000
+MIN_WORKER_LOG_BYTES = 16 * 1024  # each worker's share, however many workers
 
 
 def _preemptions(wl: dict | None) -> int:
@@ -164,6 +170,15 @@ class KubeJobManager(SingletonConfigurable):
         pclass, priority = job_priority(policy, choice)
         job_id = "job-" + secrets.token_hex(5)
         spawner = self._spawner(user, job_id)
+        if spec.workers > 1 and spawner.work_volume == OWN:
+            # One ReadWriteOnce claim cannot be attached on N nodes: the workers on other nodes
+            # would wait for it for ever while the Job holds N workers' quota.
+            raise ChoiceError(
+                501,
+                f"A job of {spec.workers} workers cannot run on this hub: each job gets one ReadWriteOnce volume "
+                "of its own (KueueSpawner.work_volume: own), which only one node can mount. Run one worker, "
+                "or ask the operator for work_volume: home (ReadWriteMany home volumes; docs/jobs.md).",
+            )
         spawner.user_options = {"profile": choice.profile.slug, "team": team.name}
         # The choice was checked above with the jobs' caps (GPUs, not maxServers); the spawner
         # applies it to the pod exactly as for a server of this profile.
@@ -542,9 +557,30 @@ class KubeJobManager(SingletonConfigurable):
         usage.note_end(f"job:{rec.id}", "crashed")  # the history's word (usage/history.py END_REASONS)
         log.warning("Job %s attempt %d: %s", rec.id, att.number, att.message)
 
+    async def _read_pod_log(self, pod: str, ns: str, budget: int) -> str:
+        """The end of ``pod``'s log, at most ``budget`` bytes (``MAX_POD_LOG_BYTES``).
+
+        The API server cuts a log by ``tailLines`` and then ``limitBytes`` from the start of
+        what is left, so a log longer than the budget would keep the beginning of its tail: a
+        cut answer is asked for again with fewer lines (as many as fitted, less a quarter),
+        at most twice more; whatever comes back is cut to ``budget`` here too."""
+        api = self._client("CoreV1Api")
+        lines, text = MAX_POD_LOG_LINES, ""
+        for _ in range(3):
+            answer = await api.read_namespaced_pod_log(pod, ns, limit_bytes=budget, tail_lines=lines)
+            text = answer if isinstance(answer, str) else str(answer)
+            if len(text) < budget // 4 or len(text.encode("utf-8", "replace")) < budget:
+                return text
+            got = text.count("\n")
+            if got < 2:
+                break
+            lines = max(1, got * 3 // 4)
+        data = text.encode("utf-8", "replace")
+        return data[-budget:].decode("utf-8", "ignore") if len(data) > budget else text
+
     async def _copy_log(self, rec: R.JobRecord, att: R.Attempt, ns: str, pod: str) -> None:
         try:
-            text = await self._client("CoreV1Api").read_namespaced_pod_log(pod, ns)
+            text = await self._read_pod_log(pod, ns, MAX_POD_LOG_BYTES)
         except Exception:  # noqa: BLE001 - not started yet, or gone
             return
         path = self.store.log_dir(rec.id) / f"attempt-{att.number}.log"
@@ -571,11 +607,13 @@ class KubeJobManager(SingletonConfigurable):
                 f.write(text)
 
         changed = False
+        # All workers together within one attempt's bound: each its share of it.
+        budget = max(MIN_WORKER_LOG_BYTES, MAX_POD_LOG_BYTES // max(1, len(slots)))
         for rank, name in enumerate(slots):
             if not name or name not in pods:
                 continue
             try:
-                text = await self._client("CoreV1Api").read_namespaced_pod_log(name, ns)
+                text = await self._read_pod_log(name, ns, budget)
             except Exception:  # noqa: BLE001 - not started yet, or gone
                 continue
             write(d / f"attempt-{att.number}.rank-{rank}.log", text if isinstance(text, str) else str(text))

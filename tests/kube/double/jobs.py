@@ -63,14 +63,22 @@ class JobsMixin:
         return [p for p in self.list("pods", namespace) if owner_job_name(p) == name]
 
     # -- HTTP: a pod's log (what the container wrote), /apis/batch/v1/... -----------------------
-    def _pod_log(self, ns: str, name: str):
+    def _pod_log(self, ns: str, name: str, query=None):
+        """The kubelet's answer: ``tailLines`` (the last N lines), then ``limitBytes`` (the
+        first N bytes of what is left), as the API server documents them."""
         from .server import _status
 
         self.calls[("GET", "log")] += 1
         if ("pods", ns, name) not in self.objects:
             return _status(404, "NotFound", f'pods "{name}" not found')
         path = self.workdir / f"{ns}-{name}" / "container.log"
-        return web.Response(text=path.read_text(errors="replace") if path.exists() else "", content_type="text/plain")
+        data = path.read_bytes() if path.exists() else b""
+        query = query or {}
+        if query.get("tailLines"):
+            data = b"".join(data.splitlines(keepends=True)[-int(query["tailLines"]) :])
+        if query.get("limitBytes"):
+            data = data[: int(query["limitBytes"])]
+        return web.Response(text=data.decode(errors="replace"), content_type="text/plain")
 
     # -- HTTP: /apis/batch/v1/... --------------------------------------------------------------
     async def _jobs_route(self, request, rest: list[str]):

@@ -456,7 +456,7 @@ class KubeDouble(JobsMixin, RayMixin):
             if parts[:2] == ["api", "v1"] and len(parts) >= 4 and parts[2] == "namespaces":
                 ns, plural, name = parts[3], parts[4], (parts[5] if len(parts) > 5 else None)
                 if plural == "pods" and parts[6:] == ["log"]:
-                    return self._pod_log(ns, name)  # jobs.py
+                    return self._pod_log(ns, name, request.query)  # jobs.py
                 if plural not in CORE_KINDS or plural == "nodes":
                     return _status(404, "NotFound", f"the server could not find the requested resource ({plural})")
                 return await self._resource(request, plural, ns, name)

@@ -343,7 +343,10 @@ class RunAsJobHandler(APIHandler):
         if len(self.request.body or b"") > MAX_RUN_AS_JOB_BODY:
             raise web.HTTPError(413, f"a Run as job request may have at most {MAX_RUN_AS_JOB_BODY} bytes")
         try:
-            body = json.loads(self.request.body or b"{}")
+            try:
+                body = json.loads(self.request.body or b"{}")
+            except RecursionError:  # nested deeper than the parser goes (within 64 KiB)
+                raise RunAsJobError("send a JSON object (this JSON is nested too deeply)") from None
             submission = run_as_job_request(body, self.contents_manager.root_dir, hub["server"])
         except ValueError as e:  # RunAsJobError, or JSON that does not parse
             self.set_status(400)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -100,13 +101,34 @@ def browser_like_session() -> requests.Session:
 
 
 _NETWORKS_TAKEN = [0]
+_NETWORK_CLAIMS: list[int] = []  # flocked files, one per network this process handed out
+
+
+def _claim_network(net: str) -> bool:
+    """Claim ``net`` for this process across every test run on the machine (another checkout's
+    suite, a real-plane run beside this one): an flock on a file named for it, held until this
+    process ends, however it ends. Two runs' workers of the same number share a range of
+    networks, and a hub makes its bridge only seconds after the choice: without the claim both
+    took the same /24 and one hub's servers could not reach it through the wall."""
+    import fcntl
+
+    folder = Path(tempfile.gettempdir()) / "gpuhub-test-networks"
+    folder.mkdir(mode=0o755, exist_ok=True)
+    fd = os.open(folder / (net.replace("/", "_") + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _NETWORK_CLAIMS.append(fd)
+    return True
 
 
 def user_network() -> str:
     """A /24 for one test hub's users behind the wall (local/user_network.py): this xdist
     worker's share of 10.217.0.0/16 (32 networks each; not the product's default 10.213.0.0/16,
     which a hub the machine runs may use), one not on any interface now (a hub still
-    running, another run's leftover)."""
+    running, another run's leftover) and not claimed by another test process now."""
     import ipaddress
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
@@ -124,7 +146,7 @@ def user_network() -> str:
         k = _NETWORKS_TAKEN[0] % 32
         _NETWORKS_TAKEN[0] += 1
         net = ipaddress.ip_network(f"10.217.{index * 32 + k}.0/24")
-        if not any(net.overlaps(u) for u in used):
+        if not any(net.overlaps(u) for u in used) and _claim_network(str(net)):
             return str(net)
     raise RuntimeError("no free /24 in this worker's share of 10.217.0.0/16 for a test hub's users")
 

@@ -107,3 +107,120 @@ async def test_retries_only_on_preemption_are_not_a_kuberay_retry_and_a_bad_rayj
     rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] = "two"  # the schema can fail
     with pytest.raises(InvalidObject, match="replicas"):
         validate(rj)
+
+
+# -- the job record from the RayJob's status ---------------------------------------------------
+# KubeRay's status, as the operator writes it, validated against the v1.5.0 CRD (strict: a
+# field or value KubeRay does not have fails here), then read by the job manager.
+
+
+class _Api:
+    """The few calls ``KubeJobManager._refresh_ray`` makes, answering from ``self.rayjob``."""
+
+    def __init__(self):
+        self.rayjob: dict | None = None
+        self.pods: list[dict] = []
+        self.api_client = self
+
+    def sanitize_for_serialization(self, obj):
+        return obj
+
+    async def get_namespaced_custom_object(self, group, version, ns, plural, name):
+        from kubernetes_asyncio.client import ApiException
+
+        assert (group, version, plural) == ("ray.io", "v1", "rayjobs")
+        if self.rayjob is None:
+            raise ApiException(status=404, reason="Not Found")
+        return self.rayjob
+
+    async def list_namespaced_custom_object(self, *args, **kwargs):
+        return {"items": []}
+
+    async def list_namespaced_pod(self, ns, label_selector):
+        return {"items": self.pods}
+
+    async def read_namespaced_pod_log(self, name, ns):
+        return f"log of {name}\n"
+
+    async def list_node(self, **kwargs):
+        return {"items": []}
+
+
+def _status(rj: dict, **status) -> dict:
+    out = {**rj, "metadata": {**rj["metadata"], "uid": "u-1"}, "status": status}
+    validate(out)
+    return out
+
+
+async def test_the_job_record_follows_the_rayjobs_status(make_spawner, policy_store, tmp_path, monkeypatch):
+    _crds_or_skip()
+    from gpuhub_spawner.jobs import records as R
+    from gpuhub_spawner.kube.job_manager import KubeJobManager
+
+    _, _, _, rj = await _ray_job(make_spawner, policy_store, entrypoint="python train.py")
+    api = _Api()
+    monkeypatch.setattr(KubeJobManager, "_client", staticmethod(lambda kind: api))
+    mgr = KubeJobManager(data_dir=str(tmp_path))
+
+    def record():
+        rec = R.JobRecord(
+            id="job-0123456789",
+            user="alice",
+            team="vision",
+            profile={"slug": "a100-1"},
+            priority_class="batch",
+            priority=100,
+            policy_sha256="",
+            image="",
+            image_digest="",
+            command=[],
+            working_dir="",
+            checkpoint_dir="",
+            env_names=[],
+            experiment=None,
+            time_limit=None,
+            retries={"limit": 0, "reasons": []},
+            spec={"namespace": "gpuhub-users"},
+            backend="kubernetes",
+            kind="ray",
+            ray={"entrypoint": "python train.py"},
+        )
+        rec.attempts.append(R.Attempt(number=1, queued=0.0))
+        return rec
+
+    rec = record()
+    api.rayjob = _status(rj)  # just created: no status yet, suspended
+    await mgr.refresh(rec)
+    assert rec.state == R.QUEUED and len(rec.attempts) == 1
+
+    admitted = {**rj, "spec": {k: v for k, v in rj["spec"].items() if k != "suspend"}}  # Kueue un-suspended it (omitempty)
+    api.rayjob = _status(admitted, jobDeploymentStatus="Running", jobStatus="RUNNING", rayClusterName="job-0123456789-abcde")
+    submitter = {"metadata": {"name": "job-0123456789-sub", "labels": {"gpuhub/ray-role": "submitter"}}, "spec": {}, "status": {}}
+    worker = {"metadata": {"name": "w", "labels": {"gpuhub/ray-role": "worker"}}, "spec": {"nodeName": "gpu-1"}, "status": {}}
+    api.pods = [submitter, worker]
+    await mgr.refresh(rec)
+    assert rec.state == R.RUNNING and rec.current.account == "job-0123456789-sub" and rec.current.devices == ["gpu-1"]
+    assert "Ray job RUNNING (KubeRay: Running) on cluster job-0123456789-abcde" in mgr.status_line(rec)
+    assert open(rec.current.log).read() == "log of job-0123456789-sub\n"  # the submitter's: `ray job submit`'s output
+
+    api.rayjob = _status(admitted, jobDeploymentStatus="Complete", jobStatus="SUCCEEDED", endTime="2026-12-05T12:00:00Z")
+    await mgr.refresh(rec)
+    assert rec.state == R.SUCCEEDED and rec.current.reason == "succeeded" and len(rec.attempts) == 1
+
+    rec = record()
+    api.rayjob = _status(
+        admitted, jobDeploymentStatus="Complete", jobStatus="FAILED", reason="AppFailed", message="Job entrypoint command failed"
+    )
+    await mgr.refresh(rec)
+    assert rec.state == R.FAILED and rec.message == "Job entrypoint command failed" and rec.current.reason == "failed"
+
+    rec = record()
+    api.rayjob = _status(admitted, jobDeploymentStatus="Failed", reason="DeadlineExceeded", message="past its deadline")
+    rec.time_limit = 60
+    await mgr.refresh(rec)
+    assert rec.state == R.FAILED and rec.message == "stopped: it reached its time limit of 60s"
+
+    rec = record()
+    api.rayjob = None  # deleted behind the hub's back
+    await mgr.refresh(rec)
+    assert rec.state == R.CANCELLED and "RayJob was deleted" in rec.message

@@ -7,8 +7,9 @@ from __future__ import annotations
 import hashlib
 import time
 
-from ..policy.access import Choice
+from ..policy.access import Choice, ChoiceError
 from ..policy.model import Policy
+from .spec import JobSpec
 
 TIME_LIMIT = "time-limit"
 
@@ -25,3 +26,24 @@ def job_priority(policy: Policy, choice: Choice) -> tuple[str | None, int]:
 
 def _ts(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "-"
+
+
+def check_ray_job(policy: Policy, spec: JobSpec) -> None:
+    """The policy's ``ray:`` section applies to a Ray job's cluster as to ``gpuhub ray up``'s."""
+    if not policy.ray.enabled:
+        raise ChoiceError(403, "Ray jobs are not enabled on this hub (the policy's ray.enabled is false).")
+    if spec.workers > 1 and spec.workers > policy.ray.max_workers:
+        raise ChoiceError(
+            403,
+            f"A Ray job's cluster may have at most {policy.ray.max_workers} workers on this hub "
+            f"(the policy's ray.maxWorkers); the job file asks for {spec.workers}.",
+        )
+
+
+def ray_evidence(spec: JobSpec) -> dict:
+    """What a Ray job ran, for its record: the entrypoint and runtime environment as given."""
+    return {
+        "entrypoint": spec.ray_entrypoint,
+        "runtime_env": spec.runtime_env.for_ray() if spec.runtime_env else {},
+        "workers": spec.workers if spec.workers > 1 else 0,
+    }

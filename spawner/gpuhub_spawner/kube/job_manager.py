@@ -38,10 +38,12 @@ from ..policy import PolicyStore
 from ..policy.access import Choice, ChoiceError, active_profiles, check_job_caps, resolve_choice
 from ..policy.model import Policy
 from ..jobs import records as R
-from ..jobs.common import TIME_LIMIT, job_priority, policy_hash
+from ..jobs.common import TIME_LIMIT, check_ray_job, job_priority, policy_hash, ray_evidence
 from ..jobs.spec import FAILED, GPU_FAILED, JobSpec
 from ..usage import recorder as usage
 from .job_manifest import JOB_LABEL, RENDEZVOUS_PORT, job_manifest, rendezvous_service
+from . import rayjob_manifest as RJ
+from .ray_manifest import ROLE_LABEL
 from .ledger import RECLAIM_ANNOTATION, KueueLedger
 from .policy_configmap import hub_namespace
 from .spawner import KueueSpawner
@@ -82,6 +84,8 @@ def _disrupted(pod: dict) -> bool:
 
 
 class KubeJobManager(SingletonConfigurable):
+    job_kinds = ("command", "notebook", "ray")  # notebook: refused in submit with the reason (501)
+
     data_dir = Unicode("data", help="Where job records live (<data_dir>/jobs): the hub's persistent volume.").tag(config=True)
     poll_interval = Float(10.0, help="Seconds between reads of unfinished Jobs, their pods and Workloads.").tag(config=True)
 
@@ -164,6 +168,8 @@ class KubeJobManager(SingletonConfigurable):
             )
         policy = self.policy
         choice = resolve_choice(policy, groups, {"profile": spec.profile, **({"team": spec.team} if spec.team else {})})
+        if spec.kind == "ray":
+            check_ray_job(policy, spec)
         team = choice.team
         # N workers hold N times the profile: the per-user cap sees the N-1 beside this request.
         check_job_caps(choice, self.held_profiles(user, releasing) + [choice.profile] * (spec.workers - 1))
@@ -183,7 +189,8 @@ class KubeJobManager(SingletonConfigurable):
         # The choice was checked above with the jobs' caps (GPUs, not maxServers); the spawner
         # applies it to the pod exactly as for a server of this profile.
         pod = await spawner.pod_for(choice)
-        job = job_manifest(
+        build = RJ.ray_job_manifest if spec.kind == "ray" else job_manifest
+        job = build(
             job_id,
             user.name,
             spec,
@@ -194,7 +201,10 @@ class KubeJobManager(SingletonConfigurable):
             namespace=spawner.namespace,
             work_volume=spawner.work_volume,
         )
-        container = job["spec"]["template"]["spec"]["containers"][0]
+        if spec.kind == "ray":
+            container = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+        else:
+            container = job["spec"]["template"]["spec"]["containers"][0]
         profile = choice.profile
         rec = R.JobRecord(
             id=job_id,
@@ -212,7 +222,7 @@ class KubeJobManager(SingletonConfigurable):
             policy_sha256=policy_hash(policy),
             image=container["image"],
             image_digest=container["image"].rsplit("@", 1)[1] if "@" in container["image"] else "",
-            command=spec.argv,
+            command=["/bin/sh", "-c", spec.ray_entrypoint] if spec.kind == "ray" else spec.argv,
             working_dir=spec.working_dir or "",
             checkpoint_dir=spec.checkpoint_dir or f".gpuhub/checkpoints/{job_id}",
             env_names=sorted(e["name"] for e in container.get("env", [])),
@@ -223,11 +233,20 @@ class KubeJobManager(SingletonConfigurable):
             name=spec.name,
             backend="kubernetes",
             workers=spec.workers,
+            kind=spec.kind,
+            ray=ray_evidence(spec) if spec.kind == "ray" else None,
         )
         try:
-            created = await self._client("BatchV1Api").create_namespaced_job(spawner.namespace, job)
+            if spec.kind == "ray":
+                raw = await self._client("CustomObjectsApi").create_namespaced_custom_object(
+                    RJ.GROUP, RJ.VERSION, spawner.namespace, RJ.PLURAL, job
+                )
+                created = SimpleNamespace(metadata=SimpleNamespace(uid=raw["metadata"]["uid"]))
+            else:
+                created = await self._client("BatchV1Api").create_namespaced_job(spawner.namespace, job)
         except Exception as e:  # noqa: BLE001
-            raise ChoiceError(502, f"the cluster refused the Job: {getattr(e, 'reason', e)}") from None
+            what = "RayJob" if spec.kind == "ray" else "Job"
+            raise ChoiceError(502, f"the cluster refused the {what}: {getattr(e, 'reason', e)}") from None
         granted = spawner.granted  # the policy's secrets and data in its pods, by name (kube/grants.py)
         if granted.get("secrets"):
             usage.audit("secrets_delivered", key=f"job:{job_id}", user=user.name, names=granted["secrets"])
@@ -235,7 +254,7 @@ class KubeJobManager(SingletonConfigurable):
             usage.audit("data_mounted", key=f"job:{job_id}", user=user.name, datasets=granted["data"])
         # The wall (kube/walls.py): only the owner's pods and the hub reach the job's pods. Made
         # while the Job is still suspended (Kueue has not admitted it); no wall, no job.
-        owner = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job_id, "uid": created.metadata.uid}}
+        owner = {"apiVersion": job["apiVersion"], "kind": job["kind"], "metadata": {"name": job_id, "uid": created.metadata.uid}}
         try:
             await put_up(
                 self._client("BatchV1Api").api_client,
@@ -252,7 +271,7 @@ class KubeJobManager(SingletonConfigurable):
                 await self._client("CoreV1Api").create_namespaced_service(spawner.namespace, svc)
         except Exception as e:  # noqa: BLE001
             try:
-                await self._client("BatchV1Api").delete_namespaced_job(job_id, spawner.namespace, propagation_policy="Background")
+                await self._delete(job_id, spawner.namespace, spec.kind)
             except Exception as gone:  # noqa: BLE001
                 log.warning(
                     "Job %s: its NetworkPolicy was refused and it could not be deleted: %s", job_id, getattr(gone, "reason", gone)
@@ -297,6 +316,9 @@ class KubeJobManager(SingletonConfigurable):
 
         ns = rec.spec.get("namespace")
         if not ns:
+            return
+        if rec.kind == "ray":
+            await self._refresh_ray(rec, ns)
             return
         try:
             job = self._plain(await self._client("BatchV1Api").read_namespaced_job(rec.id, ns))
@@ -354,6 +376,105 @@ class KubeJobManager(SingletonConfigurable):
                     if att.reason is None:
                         att.reason = "interrupted"
                         att.message = "its pod was still there when the job ended; the job's result is another attempt's"
+        self.store.save(rec)
+
+    async def _delete(self, job_id: str, ns: str, kind: str) -> None:
+        """Delete the job's Job, or its RayJob (``kind: ray``): the garbage collector takes what
+        they own (pods; a RayJob's RayCluster and submitter Job; the wall, the claim)."""
+        if kind == "ray":
+            await self._client("CustomObjectsApi").delete_namespaced_custom_object(
+                RJ.GROUP, RJ.VERSION, ns, RJ.PLURAL, job_id, propagation_policy="Background"
+            )
+        else:
+            await self._client("BatchV1Api").delete_namespaced_job(job_id, ns, propagation_policy="Background")
+
+    async def _refresh_ray(self, rec: R.JobRecord, ns: str) -> None:
+        """A ``kind: ray`` job: read its RayJob (KubeRay's ``jobDeploymentStatus`` and Ray's
+        ``jobStatus``), its pods and its Workload into ``rec``.
+
+        One attempt per admission: the RayJob un-suspended (Kueue admitted it) starts one,
+        a suspension (Kueue preempted it: KubeRay deleted its cluster) ends it ``preempted``
+        and the next waits in the queue; a KubeRay retry (``backoffLimit``, ``status.failed``
+        grown) ends it ``failed`` and starts the next. The attempt's pod (``account``) is the
+        submitter's, whose log is ``ray job submit``'s: the entrypoint's output."""
+        from kubernetes_asyncio.client import ApiException
+
+        try:
+            rj = await self._client("CustomObjectsApi").get_namespaced_custom_object(RJ.GROUP, RJ.VERSION, ns, RJ.PLURAL, rec.id)
+        except ApiException as e:
+            if e.status == 404 and rec.state not in R.FINAL:
+                rec.state, rec.message, rec.finished = R.CANCELLED, "its RayJob was deleted from the cluster", time.time()
+                self.store.save(rec)
+            return
+        pods = self._plain(await self._client("CoreV1Api").list_namespaced_pod(ns, label_selector=f"{JOB_LABEL}={rec.id}")).get(
+            "items", []
+        )
+        wls = (
+            await self._client("CustomObjectsApi").list_namespaced_custom_object(
+                "kueue.x-k8s.io", "v1beta2", ns, "workloads", label_selector=f"{JOB_UID_LABEL}={rj['metadata']['uid']}"
+            )
+        ).get("items", [])
+        wl = wls[0] if wls else None
+        self._workloads[rec.id] = wl
+        status = rj.get("status") or {}
+        deploy, ray_status = status.get("jobDeploymentStatus") or "", status.get("jobStatus") or ""
+        rec.ray = {
+            **(rec.ray or {}),
+            "jobDeploymentStatus": deploy,
+            "jobStatus": ray_status,
+            "rayCluster": status.get("rayClusterName", ""),
+        }
+        suspended = bool(rj["spec"].get("suspend")) or deploy in ("", "New", "Suspending", "Suspended")
+        att = rec.current
+        failed_before = int(rec.spec.get("rayFailed", 0))
+        if att is not None and att.finished is None and int(status.get("failed") or 0) > failed_before:
+            att.finished, att.reason = time.time(), "failed"
+            att.message = status.get("message") or "the Ray job failed"
+            rec.spec["rayFailed"] = int(status.get("failed") or 0)
+            att = None
+        if suspended:
+            if att is not None and att.finished is None and att.admitted is not None:
+                await self._gone(rec, att, {"spec": rj["spec"]}, wl)
+            if rec.current is None or rec.current.finished is not None:
+                rec.attempts.append(R.Attempt(number=len(rec.attempts) + 1, queued=time.time()))
+            rec.state = R.QUEUED
+        elif deploy not in ("Complete", "Failed", "ValidationFailed"):
+            if rec.current is None or rec.current.finished is not None:
+                rec.attempts.append(R.Attempt(number=len(rec.attempts) + 1, queued=time.time()))
+            att = rec.current
+            assert att is not None
+            if att.admitted is None:
+                att.admitted = timestamp((condition(wl, "QuotaReserved") or {}).get("lastTransitionTime")) or time.time()
+            rec.state = R.RUNNING
+        att = rec.current
+        if att is not None and att.finished is None and not suspended:
+            mine = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+            workers = [p for p in mine if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "worker"]
+            nodes = sorted({p["spec"].get("nodeName") or "" for p in workers} - {""})
+            if nodes:
+                att.devices = nodes
+            submitter = next((p for p in mine if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "submitter"), None)
+            if submitter is not None:
+                att.account = submitter["metadata"]["name"]
+                att.started = att.started or timestamp((submitter.get("status") or {}).get("startTime"))
+                await self._copy_log(rec, att, ns, att.account)
+            elif att.started is None:
+                att.started = timestamp(status.get("startTime"))
+        if deploy == "Complete" or deploy in ("Failed", "ValidationFailed"):
+            ok = deploy == "Complete" and ray_status == "SUCCEEDED"
+            reason = status.get("reason") or ""
+            message = status.get("message") or ""
+            if reason == "DeadlineExceeded" and rec.time_limit:
+                message = f"stopped: it reached its time limit of {rec.time_limit:g}s"
+            elif not ok and not message:
+                message = f"the Ray job ended {ray_status or deploy}"
+            if att is not None and att.finished is None:
+                att.finished = timestamp(status.get("endTime")) or time.time()
+                att.reason = "succeeded" if ok else (TIME_LIMIT if reason == "DeadlineExceeded" else "failed")
+                att.message = "the Ray job succeeded" if ok else message
+            rec.state = R.SUCCEEDED if ok else R.FAILED
+            rec.message = "" if ok else message
+            rec.finished = timestamp(status.get("endTime")) or time.time()
         self.store.save(rec)
 
     async def _read_pods(self, rec: R.JobRecord, job: dict, pods: list[dict], wl: dict | None, ns: str) -> None:
@@ -643,6 +764,12 @@ class KubeJobManager(SingletonConfigurable):
         if rec.state == R.RUNNING:
             att = rec.current
             pods = [p for p in ((att.rendezvous or {}).get("pods") or []) if p] if att else []
+            if rec.kind == "ray":
+                ray = rec.ray or {}
+                return (
+                    f"running: attempt {att.number if att else '?'}, Ray job {ray.get('jobStatus') or 'PENDING'} "
+                    f"(KubeRay: {ray.get('jobDeploymentStatus') or '?'}) on cluster {ray.get('rayCluster') or '(being made)'}."
+                )
             if rec.workers > 1:
                 return f"running: attempt {att.number if att else '?'}, {rec.workers} workers in pods {', '.join(pods) or '?'}."
             return f"running: attempt {att.number if att else '?'} in pod {att.account if att else '?'}."
@@ -668,9 +795,9 @@ class KubeJobManager(SingletonConfigurable):
             return rec
         await self._refresh(rec)
         try:
-            await self._client("BatchV1Api").delete_namespaced_job(job_id, rec.spec["namespace"], propagation_policy="Background")
+            await self._delete(job_id, rec.spec["namespace"], rec.kind)
         except Exception:  # noqa: BLE001
-            log.warning("Cannot delete Job %s", job_id, exc_info=True)
+            log.warning("Cannot delete %s %s", "RayJob" if rec.kind == "ray" else "Job", job_id, exc_info=True)
         att = rec.current
         if att is not None and att.finished is None:
             att.finished, att.reason, att.message = time.time(), "cancelled", "cancelled by its owner or an admin"

@@ -108,6 +108,14 @@ RIGHTS: tuple[Right, ...] = (
     ),
     Right(
         USERS,
+        "ray.io",
+        "rayjobs",
+        ("create", "get", "delete"),
+        "kind: ray jobs: a suspended RayJob Kueue admits; read on every refresh; deleted on cancel, which takes its "
+        "RayCluster and pods with it (kube/job_manager.py, kube/rayjob_manifest.py)",
+    ),
+    Right(
+        USERS,
         "networking.k8s.io",
         "networkpolicies",
         ("create",),

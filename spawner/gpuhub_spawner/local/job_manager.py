@@ -58,7 +58,7 @@ from ..policy.quantities import format_duration, format_memory
 from ..jobs import mlflow_runs
 from ..jobs.notebook import failed_cell as notebook_failed_cell, load_bounded as notebook_load
 from ..jobs import records as R
-from ..jobs.common import TIME_LIMIT, _ts, job_priority, policy_hash
+from ..jobs.common import TIME_LIMIT, _ts, check_ray_job, job_priority, policy_hash, ray_evidence
 from .job_launcher import JobProcess, launcher_config
 from ..admission.health import BAD
 from ..jobs.spec import FAILED, GPU_FAILED, INTERRUPTED, OOM, PLATFORM_REASONS, PREEMPTED, JobSpec
@@ -224,7 +224,7 @@ class JobManager(SingletonConfigurable):
         options = {"profile": spec.profile, **({"team": spec.team} if spec.team else {})}
         choice = resolve_choice(policy, groups, options)
         if spec.kind == "ray":
-            _check_ray_job(policy, spec)
+            check_ray_job(policy, spec)
         # The team's per-user GPUs (servers and jobs together), not maxServers (check_job_caps).
         team = choice.team
         # N workers hold N times the profile: the cap sees the N-1 beside this request.
@@ -277,7 +277,7 @@ class JobManager(SingletonConfigurable):
             kind=spec.kind,
             workers=spec.workers,
             notebook={"path": spec.notebook, "parameters": dict(spec.parameters)} if spec.notebook else None,
-            ray=_ray_evidence(spec) if spec.kind == "ray" else None,
+            ray=ray_evidence(spec) if spec.kind == "ray" else None,
         )
         self._env_values[job_id] = dict(spec.env)  # values: hub-private file, never in the record
         live = self._live.setdefault(job_id, _Live())
@@ -888,27 +888,6 @@ def _processes(rec: R.JobRecord) -> int:
     """Processes the hub starts per attempt: one per worker; one for a Ray job, whose
     launcher starts the cluster's nodes itself (in one cgroup with all its GPUs)."""
     return 1 if rec.kind == "ray" else max(1, rec.workers)
-
-
-def _check_ray_job(policy: Policy, spec: JobSpec) -> None:
-    """The policy's ``ray:`` section applies to a Ray job's cluster as to ``gpuhub ray up``'s."""
-    if not policy.ray.enabled:
-        raise ChoiceError(403, "Ray jobs are not enabled on this hub (the policy's ray.enabled is false).")
-    if spec.workers > 1 and spec.workers > policy.ray.max_workers:
-        raise ChoiceError(
-            403,
-            f"A Ray job's cluster may have at most {policy.ray.max_workers} workers on this hub "
-            f"(the policy's ray.maxWorkers); the job file asks for {spec.workers}.",
-        )
-
-
-def _ray_evidence(spec: JobSpec) -> dict:
-    """What a Ray job ran, for its record: the entrypoint and runtime environment as given."""
-    return {
-        "entrypoint": spec.ray_entrypoint,
-        "runtime_env": spec.runtime_env.for_ray() if spec.runtime_env else {},
-        "workers": spec.workers if spec.workers > 1 else 0,
-    }
 
 
 def _times(demand: dict, n: int) -> dict:

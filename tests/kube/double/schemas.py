@@ -217,10 +217,14 @@ def validate_ray(obj: dict) -> None:
         messages.append("metadata.namespace is required for a namespaced kind")
     if messages:
         raise InvalidObject(f"{kind} {name}: " + "; ".join(messages))
-    if kind == "RayCluster":
-        spec = obj["spec"]
-        templates = [("head", spec["headGroupSpec"]["template"])]
-        templates += [(g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs") or []]
+    if kind in ("RayCluster", "RayJob"):
+        spec = obj["spec"] if kind == "RayCluster" else obj["spec"].get("rayClusterSpec")
+        templates = []
+        if kind == "RayJob" and obj["spec"].get("submitterPodTemplate"):
+            templates.append(("submitter", obj["spec"]["submitterPodTemplate"]))
+        if spec:
+            templates.append(("head", spec["headGroupSpec"]["template"]))
+            templates += [(g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs") or []]
         for group, tmpl in templates:
             validate_core(
                 {

@@ -139,7 +139,7 @@ class _Api:
     async def list_namespaced_pod(self, ns, label_selector):
         return {"items": self.pods}
 
-    async def read_namespaced_pod_log(self, name, ns):
+    async def read_namespaced_pod_log(self, name, ns, limit_bytes=None, tail_lines=None):  # the hub reads a bounded tail
         return f"log of {name}\n"
 
     async def list_node(self, **kwargs):

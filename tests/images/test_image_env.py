@@ -28,7 +28,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"
 
-pytestmark = pytest.mark.integration
+# The module's venv is two pip installs from PyPI (each bounded at 900 s) before its first test.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(2000)]
 
 
 def _pin(name: str) -> str:

@@ -131,6 +131,7 @@ def _image_python() -> str | None:
     return None
 
 
+@pytest.mark.timeout(1500)  # a fresh venv from PyPI on a machine without a pip cache
 def test_package_installs_and_registers_in_a_clean_python_of_the_images_version(tmp_path):
     python = _image_python()
     if python is None:

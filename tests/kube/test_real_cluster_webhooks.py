@@ -75,6 +75,7 @@ def cluster(real_cluster):
         subprocess.run(["bash", str(real.HERE / "up.sh")], check=False, timeout=600)
 
 
+@pytest.mark.timeout(1500)  # it stops Kueue and brings the plane back up (up.sh: up to 600 s)
 def test_a_kueue_outage_leaves_the_hub_namespace_deployable_after_the_guides_step(cluster):
     configs = {
         kind: json.loads(cluster.kubectl("get", f"{kind}webhookconfiguration", name, "-o", "json").stdout)

@@ -312,3 +312,53 @@ def backend_fixture(policy: str):
         b.teardown()
 
     return backend
+
+
+def kube_hub_fixture(policy: str, kube_config: str, name: str):
+    """A module-scoped ``kube_hub`` fixture: a real JupyterHub with ``KueueSpawner`` on the
+    module's ``backend`` (``backend_fixture``, or a module's own), for ``gpuhub job`` tests."""
+    from support.hub import Hub
+
+    @pytest.fixture(scope="module")
+    def kube_hub(backend, tmp_path_factory):
+        hub = Hub(
+            tmp_path_factory.mktemp(f"{name}-{backend.name}"),
+            policy,
+            extra_config=backend.hub_config(kube_config),
+            env={"KUBECONFIG": str(backend.kubeconfig)},
+        )
+        try:
+            hub.start()
+            yield hub
+        finally:
+            hub.stop()
+
+    return kube_hub
+
+
+def job_cli(hub, user, *args, check=True):
+    """``gpuhub job ARGS`` against ``hub`` as ``user`` (their token), as a researcher runs it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
+    env["GPUHUB_TOKEN"] = user.token
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    if check:
+        assert r.returncode == 0, r.stderr + hub.tail(40)
+    return r
+
+
+def job_record(user, job_id):
+    """The job's record as its owner reads it from the hub's API."""
+    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
+    r.raise_for_status()
+    return r.json()
+
+
+def condition(obj, ctype):
+    """The condition of type ``ctype`` in a Kubernetes object's status, or None."""
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)

@@ -14,15 +14,13 @@ kubelet (the pod's command runs as a local process; its exit code becomes the po
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from backends import backend_fixture
-from support.hub import Hub, wait_for
+from backends import backend_fixture, kube_hub_fixture, job_cli as cli, job_record as record
+from support.hub import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -66,40 +64,7 @@ TRAIN = textwrap.dedent("""\
 backend = backend_fixture(POLICY)
 
 
-@pytest.fixture(scope="module")
-def kube_hub(backend, tmp_path_factory):
-    hub = Hub(
-        tmp_path_factory.mktemp(f"kube-jobs-{backend.name}"),
-        POLICY,
-        extra_config=backend.hub_config(KUBE_CONFIG),
-        env={"KUBECONFIG": str(backend.kubeconfig)},
-    )
-    try:
-        hub.start()
-        yield hub
-    finally:
-        hub.stop()
-
-
-def cli(hub, user, *args, check=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
-    env["GPUHUB_TOKEN"] = user.token
-    r = subprocess.run(
-        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
-    if check:
-        assert r.returncode == 0, r.stderr + hub.tail(40)
-    return r
-
-
-def record(user, job_id):
-    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
-    r.raise_for_status()
-    return r.json()
+kube_hub = kube_hub_fixture(POLICY, KUBE_CONFIG, "kube-jobs")
 
 
 def test_a_job_submitted_to_the_kube_hub_is_a_suspended_job_that_kueue_admits_preempts_and_resumes(kube_hub, backend, tmp_path):

@@ -16,15 +16,13 @@ not resolved (the rendezvous itself is shown on one machine, tests/integration/t
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from backends import backend_fixture
-from support.hub import Hub, wait_for
+from backends import backend_fixture, kube_hub_fixture, job_cli as cli, job_record as record, condition
+from support.hub import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -64,44 +62,7 @@ WORKER = textwrap.dedent("""\
 backend = backend_fixture(POLICY)
 
 
-@pytest.fixture(scope="module")
-def kube_hub(backend, tmp_path_factory):
-    hub = Hub(
-        tmp_path_factory.mktemp(f"kube-workers-{backend.name}"),
-        POLICY,
-        extra_config=backend.hub_config(KUBE_CONFIG),
-        env={"KUBECONFIG": str(backend.kubeconfig)},
-    )
-    try:
-        hub.start()
-        yield hub
-    finally:
-        hub.stop()
-
-
-def cli(hub, user, *args, check=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
-    env["GPUHUB_TOKEN"] = user.token
-    r = subprocess.run(
-        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
-    if check:
-        assert r.returncode == 0, r.stderr + hub.tail(40)
-    return r
-
-
-def record(user, job_id):
-    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
-    r.raise_for_status()
-    return r.json()
-
-
-def condition(obj, ctype):
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
+kube_hub = kube_hub_fixture(POLICY, KUBE_CONFIG, "kube-workers")
 
 
 def test_a_two_worker_job_gets_both_workers_or_none_each_with_its_rank(kube_hub, backend, tmp_path):

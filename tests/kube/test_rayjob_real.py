@@ -18,15 +18,13 @@ Needs tests/cluster/build.sh kuberay (the operator; skipped with the reason othe
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from backends import make_backend
-from support.hub import Hub, wait_for
+from backends import make_backend, kube_hub_fixture, job_cli as cli, job_record as record, condition
+from support.hub import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 import harness as real  # noqa: E402
@@ -85,44 +83,7 @@ def backend(request, tmp_path_factory):
     b.teardown()
 
 
-@pytest.fixture(scope="module")
-def kube_hub(backend, tmp_path_factory):
-    hub = Hub(
-        tmp_path_factory.mktemp("kube-rayjob"),
-        POLICY,
-        extra_config=backend.hub_config(KUBE_CONFIG),
-        env={"KUBECONFIG": str(backend.kubeconfig)},
-    )
-    try:
-        hub.start()
-        yield hub
-    finally:
-        hub.stop()
-
-
-def cli(hub, user, *args, check=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
-    env["GPUHUB_TOKEN"] = user.token
-    r = subprocess.run(
-        [sys.executable, "-m", "gpuhub_spawner.cli", "job", "--hub", hub.url, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
-    if check:
-        assert r.returncode == 0, r.stderr + hub.tail(40)
-    return r
-
-
-def record(user, job_id):
-    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
-    r.raise_for_status()
-    return r.json()
-
-
-def condition(obj, ctype):
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
+kube_hub = kube_hub_fixture(POLICY, KUBE_CONFIG, "kube-rayjob")
 
 
 def get(cluster, plural, name):

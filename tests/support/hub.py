@@ -101,7 +101,7 @@ def browser_like_session() -> requests.Session:
 
 
 _NETWORKS_TAKEN = [0]
-_NETWORK_CLAIMS: list[int] = []  # flocked files, one per network this process handed out
+_NETWORK_CLAIMS: dict[str, int] = {}  # network -> its flocked file, for each this process handed out
 
 
 def _claim_network(net: str) -> bool:
@@ -112,6 +112,8 @@ def _claim_network(net: str) -> bool:
     took the same /24 and one hub's servers could not reach it through the wall."""
     import fcntl
 
+    if net in _NETWORK_CLAIMS:  # this process's already: reused once no interface has it
+        return True
     folder = Path(tempfile.gettempdir()) / "gpuhub-test-networks"
     folder.mkdir(mode=0o755, exist_ok=True)
     fd = os.open(folder / (net.replace("/", "_") + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -120,7 +122,7 @@ def _claim_network(net: str) -> bool:
     except BlockingIOError:
         os.close(fd)
         return False
-    _NETWORK_CLAIMS.append(fd)
+    _NETWORK_CLAIMS[net] = fd
     return True
 
 

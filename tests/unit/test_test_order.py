@@ -120,7 +120,8 @@ def tree(tmp_path: Path) -> Path:
 
 
 def pytest_run(root: Path, order: str | None, *args: str, **more_env: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "GPUHUB_TEST_ORDER"} | more_env
+    # (the outer run's PYTEST_ADDOPTS, such as -v, would change the inner runs' output)
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUHUB_TEST_ORDER", "PYTEST_ADDOPTS")} | more_env
     if order is not None:
         env["GPUHUB_TEST_ORDER"] = order
     env["ORDER_LOG"] = str(root / "log.txt")
@@ -250,7 +251,7 @@ def test_the_suite_takes_its_seed_from_the_git_tree_of_tests():
     tree_id = subprocess.run(["git", "rev-parse", "HEAD:./"], cwd=TESTS, capture_output=True, text=True)
     if tree_id.returncode != 0:
         pytest.skip("not a git checkout (the generated tree's test covers the content-hash seed)")
-    env = {k: v for k, v in os.environ.items() if k != "GPUHUB_TEST_ORDER"}
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUHUB_TEST_ORDER", "PYTEST_ADDOPTS")}
     run = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", str(Path(__file__))]
     out = subprocess.run(run, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=300).stdout
     assert f"seed {tree_id.stdout.strip()[:8]} (the git tree of tests/ at HEAD)" in out, out

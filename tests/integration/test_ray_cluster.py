@@ -48,7 +48,9 @@ teams:
     quota: {{gpus: {{gpu: 2}}}}
     perUser: {{maxGPUs: 2}}
 profiles:
-  - {{slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}}
+  # 2 GiB: a kernel that imports Ray and drives a cluster beside JupyterLab went over 1 GiB
+  # on a fresh clone (2026-12-05: the server stopped for its memory limit, three tests failed)
+  - {{slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 2Gi}}
   - slug: gpu-2
     displayName: Two GPUs
     gpu: {{count: 2, flavor: gpu}}

@@ -102,6 +102,24 @@ def pod_failure_policy(spec: JobSpec) -> dict:
     return {"rules": rules}
 
 
+def job_kueue_labels(policy: Policy, choice: Choice, user, job_id: str, spec: JobSpec, job_priority_class: str | None) -> dict:
+    """The labels by which Kueue queues a job's object (a Job or a RayJob): the team's (or the
+    user's) LocalQueue, the job's priority, and its time limit as Kueue's own."""
+    pclass = job_priority_class or choice.team.job_priority or choice.priority_class
+    labels = {
+        QUEUE_LABEL: queue_for(policy, choice.team, user),
+        TEAM_LABEL: choice.team.name,
+        PROFILE_LABEL: choice.profile.slug,
+        JOB_LABEL: job_id,
+    }
+    if pclass:
+        labels[PRIORITY_LABEL] = pclass
+    if spec.time_limit:
+        # Kueue's own limit (Workload.spec.maximumExecutionTimeSeconds) besides the Job's deadline.
+        labels[MAX_EXEC_LABEL] = str(int(spec.time_limit))
+    return labels
+
+
 def job_manifest(
     job_id: str,
     user: str,
@@ -168,18 +186,7 @@ def job_manifest(
             {"name": "MLFLOW_EXPERIMENT_NAME", "value": spec.experiment}
         ]
     container["env"] = env
-    pclass = job_priority_class or choice.team.job_priority or choice.priority_class
-    job_labels = {
-        QUEUE_LABEL: queue_for(policy, choice.team, user),
-        TEAM_LABEL: choice.team.name,
-        PROFILE_LABEL: choice.profile.slug,
-        JOB_LABEL: job_id,
-    }
-    if pclass:
-        job_labels[PRIORITY_LABEL] = pclass
-    if spec.time_limit:
-        # Kueue's own limit (Workload.spec.maximumExecutionTimeSeconds) besides the Job's deadline.
-        job_labels[MAX_EXEC_LABEL] = str(int(spec.time_limit))
+    job_labels = job_kueue_labels(policy, choice, user, job_id, spec, job_priority_class)
     annotations = dict(meta.get("annotations") or {})
     flavor = next((f for f in policy.flavors if f.name == choice.flavor), None)
     if spec.workers > 1 and flavor is not None and flavor.topology is not None:

@@ -35,10 +35,8 @@ import copy
 
 import yaml
 
-from .job_manifest import JOB_LABEL, MAX_EXEC_LABEL, USER_ANNOTATION
-from .kueue import PRIORITY_LABEL, PROFILE_LABEL, QUEUE_LABEL, TEAM_LABEL
+from .job_manifest import JOB_LABEL, USER_ANNOTATION, job_kueue_labels
 from .ray_manifest import API_VERSION, ROLE_LABEL, WorkerGroup, ray_cluster_manifest
-from .render import queue_for
 from ..jobs.spec import FAILED, JobSpec
 from ..policy.access import Choice
 from ..policy.model import Policy
@@ -112,17 +110,7 @@ def ray_job_manifest(
         sc["workingDir"] = home
 
     meta = pod.get("metadata") or {}
-    pclass = job_priority_class or choice.team.job_priority or choice.priority_class
-    labels = {
-        QUEUE_LABEL: queue_for(policy, choice.team, user),
-        TEAM_LABEL: choice.team.name,
-        PROFILE_LABEL: choice.profile.slug,
-        JOB_LABEL: job_id,
-    }
-    if pclass:
-        labels[PRIORITY_LABEL] = pclass
-    if spec.time_limit:
-        labels[MAX_EXEC_LABEL] = str(int(spec.time_limit))
+    labels = job_kueue_labels(policy, choice, user, job_id, spec, job_priority_class)
     rj_spec: dict = {
         "entrypoint": spec.ray_entrypoint,
         "suspend": True,  # Kueue un-suspends it on admission

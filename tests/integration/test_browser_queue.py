@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from support.browser import CHROMIUM, log_in
+from support.browser import CHROMIUM, log_in, wait_lab_whole
 from support.hub import processes_with_env, running_hub
 from test_local_hub import POLICY
 
@@ -163,7 +163,9 @@ def test_the_spawn_page_moves_to_jupyterlab_when_the_server_listens(hub, browser
     try:
         carol.check("input[value=cpu]")
         carol.click("form button[type=submit], form input[type=submit]")
-        carol.locator(".jp-Launcher").wait_for(timeout=90_000)  # JupyterLab's launcher, on screen
+        carol.locator("#jp-main-dock-panel").wait_for(timeout=90_000)
+        wait_lab_whole(carol)
+        carol.locator(".jp-Launcher").wait_for()  # JupyterLab's launcher, on screen
     finally:
         stop.set()
         watcher.join(5)

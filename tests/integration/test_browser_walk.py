@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from gpuhub_spawner.policy.quantities import format_duration
-from support.browser import CHROMIUM, log_in
+from support.browser import CHROMIUM, log_in, wait_lab_whole
 from support.hub import REPO, running_hub, wait_for
 from support.lab_screen import assert_stop_shown, first_seen, log_time, seen, watch_lab
 
@@ -316,6 +316,7 @@ def test_the_demo_walk(hub, browser, tmp_path):
         alice_lab.locator("#gpuhub-profiles").wait_for()
         alice_lab.locator("label", has_text="CPU only").click()
         alice_lab.locator("form").get_by_role("button", name=re.compile("Start")).click()
+        wait_lab_whole(alice_lab)
         alice_lab.locator(".jp-Launcher").wait_for()
         step("8a. alice: the home page says why; a CPU server started again")
         alice_lab.locator(".jp-LauncherCard[data-category='Notebook']").first.click()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from support.browser import CHROMIUM, chromium, log_in
+from support.browser import CHROMIUM, chromium, log_in, wait_lab_whole
 from support.fake_gpus import FakeGpus, fake_nvml_env, health_policy
 from support.hub import running_hub, wait_for
 
@@ -100,7 +100,7 @@ def test_jupyterlab_tells_the_holder_of_a_gpu_gone_bad(hub, users, gpus, tmp_pat
             # The long poll is in flight once Lab has loaded (no wait on the 30 s poll after this).
             with page.expect_request(lambda r: "/gpuhub/culling?wait=" in r.url, timeout=120_000):
                 page.goto(lab)
-            page.locator("#jp-main-dock-panel").wait_for()
+            wait_lab_whole(page)
 
             def long_poll_held() -> bool:  # the hub holds one of alice's long polls now (its debug log)
                 log = hub.log.read_text(errors="replace")

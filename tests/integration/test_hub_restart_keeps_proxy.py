@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support.browser import CHROMIUM, chromium, log_in
+from support.browser import CHROMIUM, chromium, log_in, wait_lab_whole
 from support.hub import alive, running_hub, wait_for
 from test_local_hub import POLICY
 
@@ -112,6 +112,7 @@ def test_waiting_page_and_open_lab_survive_a_restart(hub, tmp_path):
             lab = login("alice")
             lab.goto(hub.server_url(alice_api.server()["url"]) + "lab", timeout=120_000)
             lab.locator("#jp-main-dock-panel").wait_for(timeout=120_000)
+            wait_lab_whole(lab)
 
             bob = login("bob")
             bob.goto(hub.url + "/hub/spawn")

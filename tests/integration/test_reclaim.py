@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from support.browser import CHROMIUM, chromium, log_in
+from support.browser import CHROMIUM, chromium, log_in, wait_lab_whole
 from support.hub import running_hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -278,7 +278,7 @@ def test_jupyterlab_and_the_spawn_page_in_chromium(hub, users):
 
             page = login("bob")
             page.goto(lab)
-            page.locator("#jp-main-dock-panel").wait_for()
+            wait_lab_whole(page)
             cp = login("carol")
             cp.goto(hub.url + "/hub/spawn")
             cp.check("input[value=gpu-1]")

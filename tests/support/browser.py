@@ -55,3 +55,29 @@ def fill_login_form(page, name: str, password: str | None = None) -> None:
     page.fill("#username_input", name)
     page.fill("#password_input", PASSWORD if password is None else password)
     page.click("#login_submit")
+
+
+THEME_ERROR = ".jp-Dialog[aria-label^='Error Loading Theme']"
+
+
+def wait_lab_whole(page) -> None:
+    """JupyterLab on ``page`` loaded whole: its main area and its theme.
+
+    Twice in fresh-clone runs under load (CI, load ~8) JupyterLab 4.6 showed its own "Error
+    Loading Theme" dialog over an unstyled page instead, with nothing in the hub's, proxy's or
+    server's log (once its text said the theme's stylesheet failed to load; JupyterLab asks for
+    it once and never again, and also gives up if the theme plugin has not registered 1.6 s after
+    the settings came). Not gpuhub's page: a person reloads it, and so does the test, once,
+    printing JupyterLab's words; a second failure fails the test with them. Checked by aborting
+    the stylesheet's first request through Playwright: the dialog came, the reload loaded the theme.
+    """
+    for attempt in (1, 2):
+        page.locator("#jp-main-dock-panel").wait_for()
+        page.locator(f"body[data-jp-theme-name], {THEME_ERROR}").first.wait_for(state="attached")
+        error = page.locator(THEME_ERROR)
+        if not error.count():
+            return
+        said = " ".join(error.first.inner_text().split())
+        assert attempt == 1, f"JupyterLab's theme failed to load twice, after a reload: {said!r}"
+        print(f"JupyterLab said {said!r}; reloading the page once")
+        page.reload()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
-from support.browser import log_in
+from support.browser import log_in, wait_lab_whole
 from support.hub import wait_for
 
 # Every toast and dialog JupyterLab shows, and every change of a toast's words, with the
@@ -68,10 +68,9 @@ def log_time(hub, needle: str) -> float:
 def watch_lab(page, hub, user: str) -> None:
     """On a page showing ``user``'s loaded JupyterLab: install the screen watch and wait until the
     hub holds the lab extension's long poll (an open JupyterLab's usual state)."""
-    page.locator("#jp-main-dock-panel").wait_for()
-    # JupyterLab loaded whole: its theme's stylesheet too (a stop while it is still on its way
-    # shows JupyterLab's own "Error Loading Theme" dialog, of a page that never finished loading).
-    page.locator("body[data-jp-theme-name]").wait_for(state="attached")
+    # JupyterLab loaded whole, its theme too (a stop while it is still on its way shows
+    # JupyterLab's own "Error Loading Theme" dialog, of a page that never finished loading).
+    wait_lab_whole(page)
     page.evaluate(WATCH_SCREEN)
 
     def long_poll_held() -> bool:  # the hub's debug log

@@ -16,7 +16,7 @@ from gpuhub_spawner.admission import AdmissionQueue, Ticket
 from gpuhub_spawner.admission.queue import Admission
 from gpuhub_spawner.culling.board import CullBoard
 from gpuhub_spawner.local.devices import DeviceTable
-from gpuhub_spawner.culling.reclaimer import Reclaimer
+from gpuhub_spawner.culling.reclaimer import Reclaimer, reclaim_reason
 from gpuhub_spawner.policy import parse_policy
 
 POLICY = parse_policy("""\
@@ -112,3 +112,40 @@ async def test_minimum_runtime_protects_a_borrower_and_the_lender_is_told_until_
     )
     r.evaluate(now=q.admitted["bob/"].since + 1201)
     assert list(r.notices) == ["bob/"]
+
+
+def test_the_warning_names_only_what_was_borrowed():
+    two = {"gpu/gpu": 2, "cpu": 1000}
+    assert reclaim_reason(POLICY, "NLP Group", "Vision Lab", two, ["0", "1"], {"gpu/gpu": 2}) == (
+        "NLP Group needs back GPUs 0, 1 that your team Vision Lab borrowed"
+    )
+    # One of two on loan: the one that took the team above its quota, the last given.
+    assert reclaim_reason(POLICY, "NLP Group", "Vision Lab", two, ["0", "1"], {"gpu/gpu": 1}) == (
+        "NLP Group needs back GPU 1 that your team Vision Lab borrowed"
+    )
+    # Kubernetes: no device ids, the count.
+    assert reclaim_reason(POLICY, "NLP Group", "Vision Lab", two, [], {"gpu/gpu": 1}) == (
+        "NLP Group needs back 1 Tesla GPU that your team Vision Lab borrowed"
+    )
+
+
+async def test_a_two_gpu_server_with_one_borrowed_is_told_one(config):
+    policy = parse_policy("""\
+flavors: [{name: gpu, displayName: Tesla, local: {virtual: 3}}]
+teams:
+  - {name: vision, displayName: Vision Lab, groups: [v], cohort: lab, quota: {gpus: {gpu: 1}}}
+  - {name: nlp, displayName: NLP Group, groups: [n], cohort: lab, quota: {gpus: {gpu: 2}}}
+profiles:
+  - {slug: g1, displayName: g, gpu: {count: 1, flavor: gpu}, teams: "*"}
+  - {slug: g2, displayName: g2, gpu: {count: 2, flavor: gpu}, teams: "*"}
+""")
+    q = AdmissionQueue(lambda: policy, DeviceTable(lambda: policy, discover=lambda: []))
+    broker = SimpleNamespace(queue=q, store=SimpleNamespace(current=policy), devices=q.allocator, config=config)
+    r = Reclaimer(broker)
+    q.submit(Ticket(key="bob/", user="bob", team="vision", profile="g2", demand={"gpu/gpu": 2}))  # 1 of 2 borrowed
+    q.submit(T("carol/", "nlp"))  # the free GPU
+    q.submit(T("dave/", "nlp"))  # within NLP's quota of 2: the borrowed one comes back
+    await settle()
+    assert list(r.notices) == ["bob/"]
+    first, second = q.admitted["bob/"].devices
+    assert r.notices["bob/"].reason == f"NLP Group needs back GPU {second} that your team Vision Lab borrowed"

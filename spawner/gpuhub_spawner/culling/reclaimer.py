@@ -71,6 +71,33 @@ def _by(ts: float) -> str:
     return _clock(math.ceil((ts + STOP_MARGIN) / 60) * 60)
 
 
+def reclaim_reason(policy, lender: str, team: str, demand: dict[str, int], devices: list[str], borrowed: dict[str, int]) -> str:
+    """The borrower's warning: what the lender needs back, and that the borrower's team borrowed it.
+
+    Only what is on loan is named: a server given GPUs 1 and 2 of which its team borrowed one
+    reads "NLP Group needs back GPU 2 that your team Vision Lab borrowed" (the JupyterLab
+    notice before it says the server stops). Quota is counted, not pinned to a device, so the
+    borrowed ones are named as the last the server was given of that flavor (those that took
+    its team above its nominal quota). On Kubernetes (no device ids: the node's) the count
+    with the flavor: "1 L4 24GB GPU". ``borrowed``: GPUs per ``gpu/<flavor>`` key the team
+    holds above its nominal quota, capped at the server's own. ``devices``: the server's, in
+    its demand's order (``DeviceTable.allocate``). Short: JupyterLab's notice keeps 140
+    characters with the deadline, about 70 for this.
+    """
+    gpu = {k: v for k, v in demand.items() if k.startswith("gpu/") and v > 0}
+    lent = {k: min(borrowed.get(k, 0), v) for k, v in gpu.items() if borrowed.get(k, 0) > 0} or gpu
+    if devices and len(devices) == sum(gpu.values()):
+        named: list[str] = []
+        start = 0
+        for key, count in gpu.items():
+            mine, start = devices[start : start + count], start + count
+            named += mine[count - lent.get(key, 0) :]
+        what = ("GPU " if len(named) == 1 else "GPUs ") + ", ".join(named)
+    else:
+        what = ", ".join(describe(k, n, policy) for k, n in lent.items())
+    return f"{lender} needs back {what} that your team {team} borrowed"
+
+
 class Reclaimer:
     def __init__(self, broker):
         self.broker = broker
@@ -291,13 +318,15 @@ class Reclaimer:
             return
         lender = policy.team_or_none(for_team)
         notice = policy.reclaim_rules(lender).notice if lender else 0.0
-        # Short enough for a JupyterLab notification (140 characters with the deadline).
-        if adm.devices:
-            gpus = ("GPU " if len(adm.devices) == 1 else "GPUs ") + ", ".join(adm.devices)
-        else:
-            gpus = ", ".join(describe(k, v, policy) for k, v in adm.demand.items() if k.startswith("gpu/"))
+        used = {t: dict(u) for t, u in self.broker.queue.usage().items()}
+        for a in self.broker.queue.holdings():
+            if a.key in self._stopping:  # already on its way back: no longer borrowed
+                add_usage(used, a.team, dict(a.demand), -1)
+        borrowed = {
+            k: min(v, borrowing(policy, used, adm.team, k)) for k, v in adm.demand.items() if k.startswith("gpu/") and v > 0
+        }
         # (Why this server: the home page says it; JupyterLab's toast has room for this only.)
-        reason = f"{self._label(for_team)} needs back {gpus} that your team {self._label(adm.team)} borrowed"
+        reason = reclaim_reason(policy, self._label(for_team), self._label(adm.team), adm.demand, adm.devices, borrowed)
         warned_at, deadline = now, now + (notice or 0.0)
         before = self._board().reclaims.get(key)
         if before and before.get("for_team") == for_team and before.get("since") == adm.since:

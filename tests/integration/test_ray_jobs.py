@@ -155,6 +155,12 @@ def test_refusals_say_why_before_anything_queues(hub, users):
         "ray.yaml:3:14: runtimeEnv.conda: Ray's 'conda' is not offered here: a Ray job's runtime environment may have "
         "env_vars, working_dir, py_modules, pip, excludes",
     ]
+    # Ray runs the entrypoint with /bin/sh -c: a leading '-' is refused at the key, not run.
+    r = submit(alice, "kind: ray\nprofile: gpu-1\nentrypoint: -m mymodule\n")
+    assert r.status_code == 400 and r.json()["issues"] == [
+        "ray.yaml:3:13: entrypoint: starts with '-': Ray runs the entrypoint as a shell command (/bin/sh -c), which "
+        "would read it as the shell's own option; begin with the program, e.g. 'python -m mymodule'"
+    ], r.text
     before = alice.api.get(alice.url("/gpuhub/jobs")).json()["jobs"]
     r = submit(alice, ray_job(["true"], "workers: 2\n"))
     assert r.status_code == 403 and "at most 1 workers" in r.json()["message"], r.text

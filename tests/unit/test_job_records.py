@@ -78,9 +78,9 @@ def test_a_ray_jobs_record_keeps_what_was_submitted_and_runs_one_launcher_with_e
         gpus=2, workers=2, cpus=4, name="job-0123456789", virtual=True, entrypoint="python t.py", runtime_env={"pip": ["x"]}
     )
     assert argv[1:4] == ["-I", "-m", "gpuhub_spawner.rayclusters.node"]  # gpuhub's Ray launcher, as `gpuhub ray up`'s
-    assert argv[argv.index("--entrypoint") + 1] == "python t.py"
+    assert argv[-2:] == ["--", "python t.py"]  # last, after '--': never one of the launcher's options
     assert json.loads(argv[argv.index("--runtime-env") + 1]) == {"pip": ["x"]}
-    assert "--entrypoint" not in ray_node_argv(gpus=1, workers=0, cpus=1, name="ray-a", virtual=False)
+    assert "--" not in ray_node_argv(gpus=1, workers=0, cpus=1, name="ray-a", virtual=False)
     rec = make()
     rec.kind, rec.workers, rec.command = "ray", 2, argv
     rec.ray = {"entrypoint": "python t.py", "runtime_env": {"pip": ["x"]}, "workers": 2}
@@ -92,3 +92,17 @@ def test_a_ray_jobs_record_keeps_what_was_submitted_and_runs_one_launcher_with_e
     assert _processes(back) == 1 and _worker_devices(["0", "1"], _processes(back), 0) == ["0", "1"]
     rec.kind = "command"
     assert _processes(rec) == 2
+
+
+def test_the_ray_launcher_takes_any_entrypoint_verbatim():
+    """The entrypoint is the user's text: one that looks like an option reaches Ray as given."""
+    from gpuhub_spawner.local.job_manager import ray_node_argv
+    from gpuhub_spawner.rayclusters.node import parse_args
+
+    for entrypoint in ("--version", "-x", "--gpus", "--", "python -m m --workers 3"):
+        argv = ray_node_argv(gpus=1, workers=0, cpus=1, name="job-0123456789", virtual=True, entrypoint=entrypoint)
+        args = parse_args(argv[4:])
+        assert (args.entrypoint, args.gpus, args.workers, args.runtime_env) == (entrypoint, 1, 0, "{}"), entrypoint
+    assert parse_args(["--gpus", "1"]).entrypoint is None  # a `gpuhub ray up` cluster
+    # A job recorded before (its command is re-run on a retry): still read.
+    assert parse_args(["--entrypoint", "python t.py", "--runtime-env", "{}"]).entrypoint == "python t.py"

@@ -141,6 +141,13 @@ def test_ray_job_mistakes_are_located_at_the_key_they_are_about():
         "job.yaml:3:1: command: is not for kind: notebook (use kind: command, or leave 'kind' out)"
     ]
     assert errors("kind: ray\nprofile: p\nentrypoint: ''\n") == ["job.yaml:3:13: entrypoint: must not be empty"]
+    # Ray runs the entrypoint with /bin/sh -c: a leading '-' would be the shell's option, not a command.
+    leading = (
+        "entrypoint: starts with '-': Ray runs the entrypoint as a shell command (/bin/sh -c), which would read it as "
+        "the shell's own option; begin with the program, e.g. 'python -m mymodule'"
+    )
+    assert errors("kind: ray\nprofile: p\nentrypoint: -m mymodule\n") == [f"job.yaml:3:13: {leading}"]
+    assert errors("kind: ray\nprofile: p\nentrypoint: [--version]\n") == [f"job.yaml:3:13: {leading}"]
 
 
 def test_a_ray_jobs_runtime_env_offers_only_what_runs_inside_the_users_sandbox():

@@ -263,9 +263,19 @@ class JobSpec(_Model):
 
     @field_validator("entrypoint")
     @classmethod
-    def _entrypoint_size(cls, value):
-        if value is not None and len(value if isinstance(value, str) else shlex.join(value)) > MAX_ENTRYPOINT_CHARS:
+    def _entrypoint(cls, value):
+        if value is None:
+            return value
+        line = value if isinstance(value, str) else shlex.join(value)
+        if len(line) > MAX_ENTRYPOINT_CHARS:
             raise ValueError(f"must be at most {MAX_ENTRYPOINT_CHARS} characters")
+        if line[:1] in ("-", "+"):
+            # Ray runs it as `/bin/sh -c ENTRYPOINT` (both backends): the shell would take it
+            # for its own options and run nothing.
+            raise ValueError(
+                f"starts with {line[0]!r}: Ray runs the entrypoint as a shell command (/bin/sh -c), which would read "
+                "it as the shell's own option; begin with the program, e.g. 'python -m mymodule'"
+            )
         return value
 
     @model_validator(mode="after")

@@ -114,7 +114,8 @@ def ray_node_argv(
     argv += ["--gpus", str(gpus), "--workers", str(workers), "--cpus", str(cpus), "--name", name]
     argv += ["--virtual"] if virtual else []
     if entrypoint is not None:
-        argv += ["--entrypoint", entrypoint, "--runtime-env", json.dumps(runtime_env or {}, sort_keys=True)]
+        # The entrypoint last, after '--': never read as one of the launcher's options.
+        argv += ["--runtime-env", json.dumps(runtime_env or {}, sort_keys=True), "--", entrypoint]
     return argv
 
 

@@ -20,7 +20,7 @@ It ends when any of its Ray processes ends (``--block``) or on ``SIGTERM`` (the 
 the whole cgroup goes after 5 s anyway).
 
 **A Ray job** (``kind: ray`` in a job file, docs/jobs.md) is the same cluster with an
-``--entrypoint``: once ready, the entrypoint is submitted to it through Ray's job submission
+entrypoint (after ``--``): once ready, the entrypoint is submitted to it through Ray's job submission
 API (``JobSubmissionClient`` on the cluster's own dashboard, with the user's token), its
 output is followed into the attempt's log, and the cluster is stopped when the entrypoint
 ends; the exit code is the driver's (0 when Ray says SUCCEEDED). Why submission rather than
@@ -111,16 +111,34 @@ def _pump(pr: subprocess.Popen, joined: threading.Event) -> None:
             joined.set()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The launcher's arguments. A Ray job's entrypoint comes last, after ``--``: it is the
+    user's text, and as an option's value argparse would read one starting with ``-`` as an
+    option of ours (``--entrypoint --x``: "expected one argument"). ``--entrypoint VALUE``
+    is still read, for the commands of jobs recorded before."""
     p = argparse.ArgumentParser(prog="gpuhub-ray-node")
     p.add_argument("--gpus", type=int, default=0)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--cpus", type=int, default=1, help="logical CPUs Ray schedules on (the profile's)")
     p.add_argument("--name", default="ray")
     p.add_argument("--virtual", action="store_true", help="the GPUs are the hub's virtual stand-ins (no CUDA)")
-    p.add_argument("--entrypoint", default=None, help="a Ray job: the shell command submitted once the cluster is ready")
+    p.add_argument("--entrypoint", default=None, help=argparse.SUPPRESS)
     p.add_argument("--runtime-env", default="{}", help="a Ray job: Ray's runtime_env, as JSON")
+    p.add_argument(
+        "job_entrypoint",
+        nargs="?",
+        default=None,
+        metavar="-- ENTRYPOINT",
+        help="a Ray job: the shell command submitted once the cluster is ready (after '--')",
+    )
     args = p.parse_args(argv)
+    if args.job_entrypoint is not None:
+        args.entrypoint = args.job_entrypoint
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     devices = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
     token = os.environ.get("RAY_AUTH_TOKEN", "")
     if token:

@@ -161,6 +161,13 @@ def test_refusals_say_why_before_anything_queues(hub, users):
         "ray.yaml:3:13: entrypoint: starts with '-': Ray runs the entrypoint as a shell command (/bin/sh -c), which "
         "would read it as the shell's own option; begin with the program, e.g. 'python -m mymodule'"
     ], r.text
+    # Code from the user's files only: Ray would fetch a URI (here: from anywhere on the web).
+    r = submit(alice, ray_job(["python", "x.py"]) + "  working_dir: https://code.example/x.zip\n")
+    assert r.status_code == 400 and r.json()["issues"] == [
+        "ray.yaml:6:16: runtimeEnv.working_dir: 'https://code.example/x.zip' is a URI (https:), which Ray would "
+        "fetch instead of reading your files: give a path inside your home directory (a relative path whose first "
+        "part has a ':' reads as a URI: write './' before it)"
+    ], r.text
     before = alice.api.get(alice.url("/gpuhub/jobs")).json()["jobs"]
     r = submit(alice, ray_job(["true"], "workers: 2\n"))
     assert r.status_code == 403 and "at most 1 workers" in r.json()["message"], r.text

@@ -171,3 +171,23 @@ def test_a_ray_jobs_runtime_env_offers_only_what_runs_inside_the_users_sandbox()
         "job.yaml:4:27: runtimeEnv.working_dir: must be a relative path, inside your home directory (no leading '/')",
         "job.yaml:4:45: runtimeEnv.py_modules: must stay inside your home directory (no '..')",
     ]
+
+
+def test_a_ray_jobs_code_comes_from_the_users_files_never_a_uri():
+    """Ray fetches a working_dir or py_modules URI (https, s3, gs, file, a cluster's gcs: package)."""
+
+    def refused(value: str) -> str:
+        return (
+            f"{value!r} is a URI ({value.split(':')[0].lower()}:), which Ray would fetch instead of reading your files: "
+            "give a path inside your home directory (a relative path whose first part has a ':' reads as a URI: "
+            "write './' before it)"
+        )
+
+    text = "kind: ray\nprofile: p\nentrypoint: python x.py\nruntimeEnv:\n  working_dir: {w}\n  py_modules: [lib, {m}]\n"
+    for w, m in (("https://evil.example/x.zip", "s3://b/m.zip"), ("gcs:_ray_pkg_0a1b.zip", "file:///etc/x.zip")):
+        assert errors(text.format(w=w, m=m)) == [
+            f"job.yaml:5:16: runtimeEnv.working_dir: {refused(w)}",
+            f"job.yaml:6:15: runtimeEnv.py_modules: {refused(m)}",
+        ]
+    ok = parse_job(text.format(w="./proj:v2", m="pkgs/m.whl"))
+    assert ok.runtime_env is not None and ok.runtime_env.for_ray()["py_modules"] == ["lib", "pkgs/m.whl"]

@@ -17,6 +17,8 @@ import re
 import shlex
 from typing import Annotated, Any, Final, Literal
 
+from urllib.parse import urlsplit
+
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -77,6 +79,26 @@ def _checked_env(value: Any) -> Any:
     if unsafe:
         raise _EnvNamesRefused(unsafe)
     return out
+
+
+def _ray_local_path(value: str) -> str:
+    """A Ray job's ``working_dir`` or ``py_modules`` entry: your own files, never a URI.
+
+    Ray reads anything with a URI scheme (``urlparse``'s, as Ray's ``is_path`` does: not only
+    ``https://``, ``s3://``, ``gs://``, ``file://`` but also ``gcs:_ray_pkg_...``) as a package
+    to fetch rather than a path. Refused: the machine would download code from wherever the
+    job file points (the operator's network, not the user's files); ``file://`` reaches
+    outside the home; a ``gcs://`` name is a package Ray uploaded to a cluster's store, not a
+    file of the user's; and the job's record would not say what code ran (the git evidence
+    is of the working directory)."""
+    scheme = urlsplit(value).scheme
+    if scheme:
+        raise ValueError(
+            f"{value[:80]!r} is a URI ({scheme}:), which Ray would fetch instead of reading your files: give a "
+            "path inside your home directory (a relative path whose first part has a ':' reads as a URI: "
+            "write './' before it)"
+        )
+    return _inside_home(value)
 
 
 def _inside_home(value: str) -> str:
@@ -148,12 +170,12 @@ class RayRuntimeEnv(BaseModel):
     @field_validator("working_dir")
     @classmethod
     def _working_dir(cls, value):
-        return value if value is None else _inside_home(value)
+        return value if value is None else _ray_local_path(value)
 
     @field_validator("py_modules")
     @classmethod
     def _py_modules(cls, value):
-        return [_inside_home(v) for v in value]
+        return [_ray_local_path(v) for v in value]
 
     def for_ray(self) -> dict:
         """What Ray's job submission takes as ``runtime_env`` (empty keys left out)."""

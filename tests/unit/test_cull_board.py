@@ -44,6 +44,22 @@ def test_a_pending_warning_and_its_snoozes_survive_a_restart_in_a_private_file(c
     assert (w["deadline"], w["snoozes_used"], w["snoozes_left"], w["warned_at"]) == (deadline, 1, 1, 1800.0)
 
 
+def test_a_person_seen_survives_a_restart_and_spends_one_snooze_where_traffic_spends_none(config):
+    board = CullBoard(config=config)
+    assert not board.person_seen("carol/", now=1000.0)  # no warning: nothing to spend it on
+    # carol's and erin's open tabs poll all along (activity a second before every pass)
+    views = lambda b, t: [gpu_server(b, "carol", activity=t - 1), gpu_server(b, "erin", activity=t - 1)]  # noqa: E731
+    assert {d.action for d in decide(board, views(board, 1800.0), now=1800.0).values()} == {"warn"}
+    assert board.person_seen("carol/", now=2000.0)  # someone clicked in carol's JupyterLab
+    assert not board.person_seen("mallory/", now=2000.0)  # no such server: nothing recorded
+    again = CullBoard(config=config)  # a restarted hub
+    assert again.records["carol/"].state.person_seen == 2000.0
+    d = decide(again, views(again, 2700.0), now=2700.0)
+    assert d["carol/"].action == "warn" and d["carol/"].deadline == 2700.0 + 3600
+    assert again.records["carol/"].state.snoozes == 1
+    assert d["erin/"].action == "cull"  # her tab's traffic is not a person: no snooze spent
+
+
 def test_a_damaged_state_file_is_set_aside_not_fatal(config):
     path = Path(config.CullBoard.state_file)
     path.parent.mkdir(parents=True)

@@ -211,16 +211,16 @@ class CullBoard(SingletonConfigurable):
     def wants_fresh_activity(self, view: ServerView, now: float, policy: Policy | None = None) -> bool:
         """Whether the proxy's latest activity could change this server's decision now.
 
-        Yes for a server whose rule is due (about to be warned), a warning about inactivity
-        (activity withdraws it) and a warning at its deadline (a user who came back is
-        snoozed, not stopped). Not for a GPU-idle or maximum-age warning before its
-        deadline: activity does not end those (``rules._idle_period_ended``).
+        Yes for a server whose rule is due (about to be warned) and a warning about
+        inactivity (activity withdraws it). Not for a GPU-idle or maximum-age warning:
+        activity does not end those (``rules._idle_period_ended``), and what snoozes a
+        GPU-idle warning at its deadline is a person seen (``person_seen``), not traffic.
         """
         rec = self.records.get(view.key)
         if rec is not None and abs(rec.started - view.started) > 1:
             rec = None  # restarted: its old record is not about this server
         if rec is not None and rec.state.deadline is not None:
-            return rec.state.rule == TIMEOUT or rec.state.deadline <= now
+            return rec.state.rule == TIMEOUT
         rules = self.rules_for(view.profile, policy)
         if rec is not None and rec.kept_until(rules, view.has_gpus, view.last_activity, now):
             return False
@@ -417,6 +417,24 @@ class CullBoard(SingletonConfigurable):
             self.save()
             self.changed()
         return ok, message, rec.state.deadline
+
+    def person_seen(self, key: str, now: float | None = None) -> bool:
+        """The user's open JupyterLab says a person clicked, typed or scrolled on it (the lab
+        extension reports the first such input after each warning it shows). Recorded on the
+        hub's clock, only while a warning is pending; at a GPU-idle deadline it spends one
+        snooze (``rules.decide``), as the user's own Snooze button could. Returns whether it
+        was recorded."""
+        rec = self.records.get(key)
+        if rec is None or rec.state.deadline is None:
+            return False
+        now = time.time() if now is None else now
+        first = (rec.state.person_seen or 0.0) <= (rec.state.warned_at or 0.0)
+        rec.state.person_seen = now
+        if first:  # once per warning: later reports within it change nothing a user sees
+            log.info("Person seen on %s's open JupyterLab after the warning (%s)", key, rec.state.rule)
+            self._dirty = True
+            self.save()
+        return True
 
     def warnings_for(self, user: str, profiles: dict[str, Profile | None]) -> dict[str, dict]:
         """The user's servers with a pending stop (home page, JupyterLab, API)."""

@@ -78,6 +78,19 @@ def since_warning(hub, key: str) -> str:
     return hub.log.read_text(errors="replace").rsplit(f"Warning {key}", 1)[-1]
 
 
+def wait_warning(page, hub, key: str):
+    """The GPU-idle warning's toast, once on screen (what was on screen and the hub's words on
+    the server when it does not come)."""
+    warning = page.locator(".Toastify__toast", has_text="This server will be stopped at")
+    try:
+        warning.wait_for(timeout=(GPU_IDLE + 30) * 1000)
+    except Exception:
+        print("seen:", seen(page), "\nconsole:", getattr(page, "_gpuhub_console", []))
+        print("\n".join(ln for ln in hub.log.read_text(errors="replace").splitlines() if key in ln)[-3000:])
+        raise
+    return warning
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     if not os.path.exists(CHROMIUM):
@@ -114,8 +127,7 @@ def test_a_culled_servers_lab_says_why_at_once(hub, browser, users, tmp_path):
     ctx, page = open_lab(browser, hub, alice)
     try:
         # The warning comes through the long poll, as soon as the hub warns (no tab switch).
-        warning = page.locator(".Toastify__toast", has_text="This server will be stopped at")
-        warning.wait_for(timeout=(GPU_IDLE + 30) * 1000)
+        warning = wait_warning(page, hub, "alice/")
         warned_at = log_time(hub, "Warning alice/")
         came = first_seen(page, "toast", "This server will be stopped at")
         assert came and came["at"] / 1000 - warned_at <= 2.0, (warned_at, seen(page))
@@ -158,8 +170,7 @@ def test_a_key_pressed_in_the_lab_after_the_warning_spends_one_snooze(hub, brows
     alice.wait_ready()
     ctx, page = open_lab(browser, hub, alice)
     try:
-        warning = page.locator(".Toastify__toast", has_text="This server will be stopped at")
-        warning.wait_for(timeout=(GPU_IDLE + 30) * 1000)
+        wait_warning(page, hub, "alice/")
         page.keyboard.press("Shift")  # a person on the page (a key that changes nothing in JupyterLab)
         wait_for(lambda: "Person seen on alice/" in since_warning(hub, "alice/"), WARNING, "the hub to hear of a person")
         wait_for(

@@ -231,6 +231,8 @@ def test_an_open_lab_is_woken_by_a_cull_and_told_why_the_run_stopped(config):
     why = board.stopped_for("carol", {"": 0.0})[""]
     assert why["rule"] == "gpu-idle" and "GPUs were idle for 30m" in why["reason"] and why["at"] == 2700.0
     assert board.stopped_for("carol", {"": 3000.0}) == {}  # started again since: not news to it
+    # started again within a second of the cull (a quick restart): the new run is not told either
+    assert board.stopped_for("carol", {"": 2700.5}) == {}
 
 
 def test_a_stop_from_the_hub_waits_for_the_open_labs_answer_and_keeps_a_culls_words(config):
@@ -259,6 +261,9 @@ def test_a_stop_from_the_hub_waits_for_the_open_labs_answer_and_keeps_a_culls_wo
 
     asyncio.run(scenario())
     assert board.stopped_for("dave", {"": 200.0})[""]["rule"] == "gpu-idle"
+    # a new run of carol's, started within a second of the last stop's notice: not told of it
+    assert board.stopped_for("carol", {"": 100.0})[""]["rule"] == "stop"
+    assert board.stopped_for("carol", {"": board.stops["carol/"]["at"] + 0.5}) == {}
 
 
 def test_a_stop_waits_for_the_poll_on_its_way_from_an_open_lab(config):

@@ -558,8 +558,8 @@ class CullBoard(SingletonConfigurable):
         user, _, server = key.partition("/")
         now = time.time()
         last = next((e for e in reversed(self.history.get(user, [])) if e["server"] == server), None)
-        if last is None or started is None or last["at"] < started - 1:
-            self.stops[key] = {"server": server, "at": now, "reason": reason, "rule": "stop"}
+        if last is None or started is None or not _of_run(last, started):
+            self.stops[key] = {"server": server, "at": now, "reason": reason, "rule": "stop", "started": started}
         for old in [k for k, e in self.stops.items() if e["at"] < now - 86400]:
             del self.stops[old]
         held = list(self._answering.get(user, ()))
@@ -594,13 +594,24 @@ class CullBoard(SingletonConfigurable):
             if server not in started:
                 continue
             since = started[server]
-            if since is None or entry["at"] >= since - 1:
+            if since is None or _of_run(entry, since):
                 result[server] = {k: entry.get(k) for k in ("at", "reason", "rule")}
         return result
 
     def forget(self, key: str) -> None:
         if self.records.pop(key, None) is not None:
             self._dirty = True
+
+
+def _of_run(entry: dict, started: float) -> bool:
+    """Whether a stop or cull ``entry`` is about the run that started at ``started``: by the
+    run it names where it names one (a cull, a stop from the hub), else by its time. By time
+    alone, a run started within a second of the previous run's cull would be told it was
+    culled (a JupyterLab opened on it showed the old stop instead of its own warning)."""
+    run = entry.get("started")
+    if run is not None:
+        return abs(run - started) <= 1
+    return entry["at"] >= started - 1
 
 
 def _wake(fut: asyncio.Future) -> None:

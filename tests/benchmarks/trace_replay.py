@@ -58,8 +58,9 @@ The trace (all times simulated; the replay starts on a Monday at 00:00)
   the last pass whose trusted GPU reading (NVML/DCGM) was busy; nothing the server says
   about its kernels or GPUs, and the pass itself is not activity. (b) uses ``--b-timeout``.
 - Warnings and snoozes (c): a rule that fires warns; the stop comes ``warning`` later.
-  Activity withdraws an activity-timeout warning; for a GPU-idle warning, activity after
-  the warning uses one snooze at the deadline (as in the hub). A fraction ``--snoozers``
+  Activity withdraws an activity-timeout warning; for a GPU-idle warning, the user at work
+  after the warning (a person on the page, which the lab extension reports; not an open
+  tab's polling) uses one snooze at the deadline (as in the hub). A fraction ``--snoozers``
   of users click "snooze" when they see a warning, and they see it only while at the desk
   (JupyterLab shows it; nobody reads a notification in a closed laptop or a meeting).
 
@@ -484,6 +485,9 @@ async def replay(p: Params, trace: list[TraceUser], policy: Policy, scenario: st
                     s = u.server
                 if s is not None:
                     s.last_hub = now
+                    if s.cull.deadline is not None:
+                        # a person on the page after a warning: the lab extension tells the hub
+                        s.cull.person_seen = now * 60.0
                     if code & CELL:
                         s.last_cell = now
                     if s.run is None and u.next_train < len(u.trace.trains):

@@ -38,8 +38,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.integration]
 # gpuIdleTimeout, so: warned 110 s after the start, stopped 100 s later unless snoozed, a snooze
 # adds 10 s, one snooze. Steps 2 to 5a must end before the first deadline (start + 210 s; they
 # took 95-160 s on a 2-core machine at load 8-11, the spawn alone 28-62 s) so that step 5's
-# Snooze is the user's: at the deadline, a user who used the server since the warning is
-# snoozed by the hub ("came back"), which would use up the only snooze.
+# Snooze is the user's: at the deadline, a user who clicked or typed in its JupyterLab since the
+# warning is snoozed by the hub ("came back"), which would use up the only snooze.
 GPU_IDLE, WARNING, SNOOZE = 110, 100, 10
 IDLE_RULE = f"{{timeout: 1h, gpuIdleTimeout: {GPU_IDLE}s, warning: {WARNING}s, snooze: {SNOOZE}s, maxSnoozes: 1}}"
 

@@ -53,7 +53,7 @@ class FakeNvml:
 
 
 class HubStandIn:
-    """``GET/POST {api}/gpuhub/culling/{user}[/snooze]``, ``GET {api}/gpuhub/profiles`` and ``POST
+    """``GET/POST {api}/gpuhub/culling/{user}[/snooze|/seen]``, ``GET {api}/gpuhub/profiles`` and ``POST
     {api}/gpuhub/jobs`` as the hub serves them, nothing else."""
 
     def __init__(self):
@@ -128,6 +128,9 @@ class HubStandIn:
                         w["snoozes_left"] -= 1
                         w["deadline"] += w["snooze_seconds"]
                         return self._reply(200, {"message": "Snoozed", "deadline": w["deadline"]})
+                    if method == "POST" and rest[1:] == ["seen"]:
+                        name = json.loads(raw)["server"]  # the hub stamps its own time
+                        return self._reply(200, {"recorded": name in stand_in.warnings})
                     return self._reply(404, {"message": "Not Found"})
 
             def do_GET(self):

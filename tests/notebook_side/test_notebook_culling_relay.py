@@ -62,6 +62,24 @@ def test_snooze_relays_for_this_server_until_none_are_left(nb_server, stand_in):
     assert r.json()["message"].startswith("No snoozes left")
 
 
+def test_a_person_seen_is_relayed_for_this_server_with_no_word_of_the_browser(nb_server, stand_in):
+    stand_in.warn(SERVER_NAME, minutes=10, reason="its GPUs were idle for 30m")
+    r = nb_server.post("gpuhub/culling/seen")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"recorded": True}
+    (post,) = stand_in.posts()
+    assert post["path"] == f"/hub/api/gpuhub/culling/{USER}/seen"
+    # this server, and no time: the hub stamps its own (a browser's clock or claim is not asked)
+    assert post["body"] == {"server": SERVER_NAME} and post["auth"] == f"token {HUB_TOKEN}"
+    # a browser naming another server, or a time of its choosing, is refused before the hub
+    for body in ({"server": "someone-else"}, {"at": time.time() + 86400}):
+        r = nb_server.post("gpuhub/culling/seen", json=body)
+        assert r.status_code == 400, (body, r.text)
+    assert len(stand_in.posts()) == 1
+    assert requests.post(nb_server.url + "gpuhub/culling/seen", timeout=10).status_code == 403  # not logged in
+    assert len(stand_in.posts()) == 1
+
+
 def test_relay_needs_the_users_authentication(nb_server, stand_in):
     assert requests.get(nb_server.url + "gpuhub/culling", timeout=10).status_code == 403
     assert requests.post(nb_server.url + "gpuhub/culling", timeout=10).status_code == 403

@@ -44,6 +44,22 @@ def test_a_pending_warning_and_its_snoozes_survive_a_restart_in_a_private_file(c
     assert (w["deadline"], w["snoozes_used"], w["snoozes_left"], w["warned_at"]) == (deadline, 1, 1, 1800.0)
 
 
+def test_a_person_seen_survives_a_restart_and_spends_one_snooze_where_traffic_spends_none(config):
+    board = CullBoard(config=config)
+    assert not board.person_seen("carol/", now=1000.0)  # no warning: nothing to spend it on
+    # carol's and erin's open tabs poll all along (activity a second before every pass)
+    views = lambda b, t: [gpu_server(b, "carol", activity=t - 1), gpu_server(b, "erin", activity=t - 1)]  # noqa: E731
+    assert {d.action for d in decide(board, views(board, 1800.0), now=1800.0).values()} == {"warn"}
+    assert board.person_seen("carol/", now=2000.0)  # someone clicked in carol's JupyterLab
+    assert not board.person_seen("mallory/", now=2000.0)  # no such server: nothing recorded
+    again = CullBoard(config=config)  # a restarted hub
+    assert again.records["carol/"].state.person_seen == 2000.0
+    d = decide(again, views(again, 2700.0), now=2700.0)
+    assert d["carol/"].action == "warn" and d["carol/"].deadline == 2700.0 + 3600
+    assert again.records["carol/"].state.snoozes == 1
+    assert d["erin/"].action == "cull"  # her tab's traffic is not a person: no snooze spent
+
+
 def test_a_damaged_state_file_is_set_aside_not_fatal(config):
     path = Path(config.CullBoard.state_file)
     path.parent.mkdir(parents=True)
@@ -215,6 +231,8 @@ def test_an_open_lab_is_woken_by_a_cull_and_told_why_the_run_stopped(config):
     why = board.stopped_for("carol", {"": 0.0})[""]
     assert why["rule"] == "gpu-idle" and "GPUs were idle for 30m" in why["reason"] and why["at"] == 2700.0
     assert board.stopped_for("carol", {"": 3000.0}) == {}  # started again since: not news to it
+    # started again within a second of the cull (a quick restart): the new run is not told either
+    assert board.stopped_for("carol", {"": 2700.5}) == {}
 
 
 def test_a_stop_from_the_hub_waits_for_the_open_labs_answer_and_keeps_a_culls_words(config):
@@ -243,6 +261,9 @@ def test_a_stop_from_the_hub_waits_for_the_open_labs_answer_and_keeps_a_culls_wo
 
     asyncio.run(scenario())
     assert board.stopped_for("dave", {"": 200.0})[""]["rule"] == "gpu-idle"
+    # a new run of carol's, started within a second of the last stop's notice: not told of it
+    assert board.stopped_for("carol", {"": 100.0})[""]["rule"] == "stop"
+    assert board.stopped_for("carol", {"": board.stops["carol/"]["at"] + 0.5}) == {}
 
 
 def test_a_stop_waits_for_the_poll_on_its_way_from_an_open_lab(config):

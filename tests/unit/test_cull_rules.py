@@ -1,7 +1,8 @@
 """The culling decision: warned at the timeout, stopped after the warning, never against the user.
 
 Times are epoch seconds; a server started at t=0. Only hub-recorded times go in:
-start, last activity, last trusted busy GPU reading.
+start, last activity, last trusted busy GPU reading, when the hub heard of a person on the
+open JupyterLab (``CullState.person_seen``).
 """
 
 from gpuhub_spawner.culling.rules import GPU_IDLE, MAX_AGE, TIMEOUT, CullState, Signals, decide, snooze
@@ -40,18 +41,54 @@ def test_a_user_who_comes_back_before_the_deadline_is_never_stopped_whatever_the
 
 def test_an_idle_gpu_is_released_after_gpu_idle_timeout_plus_warning_whatever_the_browser_does():
     s = CullState()
-    # a browser tab keeps the hub's activity fresh; the GPU never reads busy
+    # an open, untouched JupyterLab keeps the hub's activity fresh (it polls every few seconds);
+    # the GPU never reads busy: that traffic is nobody coming back, so no snooze is spent
     d = step(1800, GPU, s, activity=1799)
     assert d.action == "warn" and d.rule == GPU_IDLE and "GPUs were idle" in d.reason
     assert step(2699, GPU, s, activity=2698).action == "warn"
-    # the user was there all along (activity after the warning): each deadline costs a snooze ...
     d = step(2700, GPU, s, activity=2699)
-    assert d.action == "warn" and s.snoozes == 1 and d.deadline == 2700 + 3600
+    assert d.action == "cull" and s.snoozes == 0 and s.returned == 0
+    assert 2700 == GPU.gpu_idle_timeout + GPU.warning
+
+
+def test_a_person_seen_after_the_warning_spends_one_snooze_each_deadline_until_none_are_left():
+    s = CullState()
+    assert step(1800, GPU, s, activity=1799).action == "warn"
+    # someone clicked in the open JupyterLab after the warning (the hub's time of the report)
+    s.person_seen = 2000.0
+    d = step(2700, GPU, s, activity=2699)
+    assert d.action == "warn" and s.snoozes == 1 and s.returned == 1 and d.deadline == 2700 + 3600
+    # the same report does not count twice: the fresh warning needs a fresh sign of a person
+    assert s.warned_at == 2700
     d = step(6300, GPU, s, activity=6299)
-    assert d.action == "warn" and s.snoozes == 2
+    assert d.action == "cull" and s.snoozes == 1
+
+
+def test_a_person_there_all_along_is_kept_at_most_max_snoozes_times():
+    s = CullState()
+    assert step(1800, GPU, s).action == "warn"
+    for deadline in (2700, 6300):
+        s.person_seen = deadline - 1.0
+        assert step(deadline, GPU, s).action == "warn"
+    assert s.snoozes == 2
+    s.person_seen = 9899.0
     # ... and when they are used up the GPU goes, as the last warning said
-    assert step(9900, GPU, s, activity=9899).action == "cull"
+    assert step(9900, GPU, s).action == "cull"
     assert 9900 == GPU.gpu_idle_timeout + GPU.warning + GPU.max_snoozes * GPU.snooze
+
+
+def test_a_person_seen_before_the_warning_spends_nothing():
+    s = CullState(person_seen=1700.0)
+    assert step(1800, GPU, s).action == "warn"
+    assert step(2700, GPU, s).action == "cull"
+
+
+def test_a_person_seen_does_not_keep_a_server_warned_for_no_activity():
+    """The ``timeout`` rule is about activity (it withdraws its warning); a report adds nothing."""
+    s = CullState()
+    assert step(CPU.timeout, CPU, s, gpus=False).action == "warn"
+    s.person_seen = CPU.timeout + 10.0
+    assert step(CPU.timeout + 900, CPU, s, gpus=False).action == "cull"
 
 
 def test_a_busy_gpu_keeps_the_server_with_no_browser_and_ends_a_warning():

@@ -211,16 +211,16 @@ class CullBoard(SingletonConfigurable):
     def wants_fresh_activity(self, view: ServerView, now: float, policy: Policy | None = None) -> bool:
         """Whether the proxy's latest activity could change this server's decision now.
 
-        Yes for a server whose rule is due (about to be warned), a warning about inactivity
-        (activity withdraws it) and a warning at its deadline (a user who came back is
-        snoozed, not stopped). Not for a GPU-idle or maximum-age warning before its
-        deadline: activity does not end those (``rules._idle_period_ended``).
+        Yes for a server whose rule is due (about to be warned) and a warning about
+        inactivity (activity withdraws it). Not for a GPU-idle or maximum-age warning:
+        activity does not end those (``rules._idle_period_ended``), and what snoozes a
+        GPU-idle warning at its deadline is a person seen (``person_seen``), not traffic.
         """
         rec = self.records.get(view.key)
         if rec is not None and abs(rec.started - view.started) > 1:
             rec = None  # restarted: its old record is not about this server
         if rec is not None and rec.state.deadline is not None:
-            return rec.state.rule == TIMEOUT or rec.state.deadline <= now
+            return rec.state.rule == TIMEOUT
         rules = self.rules_for(view.profile, policy)
         if rec is not None and rec.kept_until(rules, view.has_gpus, view.last_activity, now):
             return False
@@ -418,6 +418,24 @@ class CullBoard(SingletonConfigurable):
             self.changed()
         return ok, message, rec.state.deadline
 
+    def person_seen(self, key: str, now: float | None = None) -> bool:
+        """The user's open JupyterLab says a person clicked, typed or scrolled on it (the lab
+        extension reports the first such input after each warning it shows). Recorded on the
+        hub's clock, only while a warning is pending; at a GPU-idle deadline it spends one
+        snooze (``rules.decide``), as the user's own Snooze button could. Returns whether it
+        was recorded."""
+        rec = self.records.get(key)
+        if rec is None or rec.state.deadline is None:
+            return False
+        now = time.time() if now is None else now
+        first = (rec.state.person_seen or 0.0) <= (rec.state.warned_at or 0.0)
+        rec.state.person_seen = now
+        if first:  # once per warning: later reports within it change nothing a user sees
+            log.info("Person seen on %s's open JupyterLab after the warning (%s)", key, rec.state.rule)
+            self._dirty = True
+            self.save()
+        return True
+
     def warnings_for(self, user: str, profiles: dict[str, Profile | None]) -> dict[str, dict]:
         """The user's servers with a pending stop (home page, JupyterLab, API)."""
         out = {}
@@ -540,8 +558,8 @@ class CullBoard(SingletonConfigurable):
         user, _, server = key.partition("/")
         now = time.time()
         last = next((e for e in reversed(self.history.get(user, [])) if e["server"] == server), None)
-        if last is None or started is None or last["at"] < started - 1:
-            self.stops[key] = {"server": server, "at": now, "reason": reason, "rule": "stop"}
+        if last is None or started is None or not _of_run(last, started):
+            self.stops[key] = {"server": server, "at": now, "reason": reason, "rule": "stop", "started": started}
         for old in [k for k, e in self.stops.items() if e["at"] < now - 86400]:
             del self.stops[old]
         held = list(self._answering.get(user, ()))
@@ -576,13 +594,24 @@ class CullBoard(SingletonConfigurable):
             if server not in started:
                 continue
             since = started[server]
-            if since is None or entry["at"] >= since - 1:
+            if since is None or _of_run(entry, since):
                 result[server] = {k: entry.get(k) for k in ("at", "reason", "rule")}
         return result
 
     def forget(self, key: str) -> None:
         if self.records.pop(key, None) is not None:
             self._dirty = True
+
+
+def _of_run(entry: dict, started: float) -> bool:
+    """Whether a stop or cull ``entry`` is about the run that started at ``started``: by the
+    run it names where it names one (a cull, a stop from the hub), else by its time. By time
+    alone, a run started within a second of the previous run's cull would be told it was
+    culled (a JupyterLab opened on it showed the old stop instead of its own warning)."""
+    run = entry.get("started")
+    if run is not None:
+        return abs(run - started) <= 1
+    return entry["at"] >= started - 1
 
 
 def _wake(fut: asyncio.Future) -> None:

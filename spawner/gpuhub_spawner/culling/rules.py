@@ -27,10 +27,13 @@ server without GPUs. The warning says which.
 A rule that fires opens a warning; the server is stopped ``warning`` later unless the
 idle period ends first. What ends it: activity for ``timeout`` (the user came back:
 the warning is simply withdrawn), a busy GPU for both GPU rules. For a ``gpuIdleTimeout``
-warning, activity after the warning (the user came back but left the GPU idle) counts as
-one snooze at the deadline while snoozes remain, so a returning user is not stopped
-without a fresh warning; after the last snooze the GPU is released, as announced. The
-longest an idle GPU can be held is therefore ``gpuIdleTimeout + warning + maxSnoozes x snooze``.
+warning, a person seen after the warning (``CullState.person_seen``: the hub's time of a
+report from the user's open JupyterLab that someone clicked, typed or scrolled on it; not
+traffic, which an open, untouched tab makes every few seconds) counts as one snooze at the
+deadline while snoozes remain, so a returning user is not stopped without a fresh warning;
+after the last snooze the GPU is released, as announced. The report is the user's word, but
+it can do no more than their own Snooze button. The longest an idle GPU can be held is
+therefore ``gpuIdleTimeout + warning + maxSnoozes x snooze``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class CullState:
     snoozes: int = 0
     hard: bool = False  # the maximum age: no snooze moves it
     returned: int = 0  # snoozes used up by the user coming back
+    # When the hub last heard that a person used the server's open JupyterLab (hub clock);
+    # after ``warned_at`` it spends a snooze at a GPU-idle deadline (``decide``).
+    person_seen: float | None = None
 
 
 @dataclass
@@ -148,7 +154,8 @@ def decide(now: float, rules: IdleRules, s: Signals, state: CullState) -> Decisi
         state.hard = rule == MAX_AGE
         state.snoozes = state.returned = 0
     if now >= state.deadline:
-        came_back = (s.last_activity or 0.0) > (state.warned_at or 0.0)
+        # A person, not traffic: an open tab's own polling must not keep an idle GPU.
+        came_back = (state.person_seen or 0.0) > (state.warned_at or 0.0)
         if state.rule == GPU_IDLE and came_back and state.snoozes < (rules.max_snoozes or 0) and rules.snooze:
             # The user came back after the warning but left the GPU idle: one snooze,
             # with a fresh warning, instead of stopping a server in front of them.
@@ -183,3 +190,4 @@ def clear(state: CullState) -> None:
     state.warned_at = state.deadline = state.reason = state.rule = state.idle_since = None
     state.hard = False
     state.snoozes = state.returned = 0
+    state.person_seen = None

@@ -11,6 +11,10 @@
   server's), admins: pending stops (``servers``), recent culls (``culled``) and the user's
   servers whose GPU went bad (``gpu_failed``); ``?gpu_wait=S`` long-polls for the latter.
 - ``POST /hub/api/gpuhub/culling/{user}/snooze`` ``{"server": name}`` — the user or an admin.
+- ``POST /hub/api/gpuhub/culling/{user}/seen`` ``{"server": name}`` — the user (their server's
+  relay): a person used that server's open JupyterLab. The hub stamps its own time (the body
+  carries none); while a GPU-idle warning is pending it spends one snooze at the deadline,
+  nothing the user's Snooze button could not do. ``{"recorded": bool}``.
 
 Bodies are read with bounded work (``policy.bounded``): size first (413), then a JSON
 decode whose depth and value count are capped (400).
@@ -400,6 +404,22 @@ class SnoozeHandler(_Base):
         self.write(json.dumps({"message": message, "deadline": deadline}))
 
 
+class SeenHandler(_Base):
+    """A person on the open JupyterLab of one of the user's own servers (see the module)."""
+
+    def post(self, name):
+        user = self.target_user(name)  # 404 for anyone else's
+        body = _json_object(self, max_bytes=MAX_SMALL_BODY_BYTES, max_nodes=16)
+        server = body.get("server", "")
+        if not isinstance(server, str) or set(body) - {"server"}:
+            raise web.HTTPError(400, 'send {"server": "<a server\'s name>"} and nothing else (the hub records its own time)')
+        if server not in self.profiles_of(user):  # the user's running servers
+            raise web.HTTPError(404, f"no running server {server[:64]!r}")
+        recorded = self.board.person_seen(f"{user.name}/{server}")
+        self.set_header("Cache-Control", "no-store")
+        self.write(json.dumps({"recorded": recorded}))
+
+
 def template_vars(config) -> dict:
     """Home-page variables: pending stops and recent culls of the logged-in user.
 
@@ -483,4 +503,5 @@ handlers = [
     (r"/api/gpuhub/cull-decisions", CullDecisionsHandler),
     (r"/api/gpuhub/culling/([^/]+)", CullWarningsHandler),
     (r"/api/gpuhub/culling/([^/]+)/snooze", SnoozeHandler),
+    (r"/api/gpuhub/culling/([^/]+)/seen", SeenHandler),
 ]

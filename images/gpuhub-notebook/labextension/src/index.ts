@@ -9,6 +9,12 @@
  * notification (never auto-closing) says when the server will be stopped, counting down on the
  * browser's clock, with a Snooze action.
  *
+ * A person on the page is told to the hub, not inferred from traffic (an open tab polls the
+ * server every few seconds, touched or not): the first click, key or scroll on the page after a
+ * GPU-idle warning appeared (not on the warning itself, whose Snooze says what it does) is
+ * posted once (`gpuhub/culling/seen`, no body: the relay names this server, the hub stamps its
+ * own time), and at the deadline the hub spends one snooze for it instead of stopping the server.
+ *
  * Any stop (the culler, a reclaim, the user's or an admin's from the hub) is told by the hub
  * before the server goes: the notice says when and why, that the files are kept, and offers
  * the hub home page. JupyterLab's own "Server unavailable or unreachable… Restart?" dialog is
@@ -31,6 +37,8 @@ const GPU_WAIT_S = 25; // the hub holds a long poll at most this long (culling_a
 const MAX_MESSAGE = 140; // JupyterLab truncates longer notification messages
 const REMIND_MINUTES = 5; // a warning the user closed comes back once this close to the deadline
 const HUB_DOWN_RETRY_MS = 5_000; // the relay could not reach the hub (502): ask again after this
+const SEEN_RETRY_MS = 5_000; // a report of a person that did not arrive: tried again on input after this
+const PERSON_EVENTS = ['pointerdown', 'keydown', 'wheel']; // what a person does, never what a page does
 
 interface ICullWarning {
   deadline: number;
@@ -161,7 +169,54 @@ class CullWatcher {
         this.tick();
       }
     });
+    for (const type of PERSON_EVENTS) {
+      window.addEventListener(type, event => this.personInput(event), {
+        capture: true,
+        passive: true
+      });
+    }
     void this.watch();
+  }
+
+  /**
+   * A click, key or scroll on the page: the first after a GPU-idle warning appeared is reported
+   * (once per warning; a fresh warning after a snooze asks for a fresh sign). Input on the
+   * warning itself does not count (its Snooze button snoozes; closing it is not using the page).
+   */
+  private personInput(event: Event): void {
+    const w = this._last;
+    if (!event.isTrusted || this._goneShown || !w || w.rule !== 'gpu-idle') {
+      return;
+    }
+    const target = event.target as Element | null;
+    if (target && typeof target.closest === 'function' && target.closest('.Toastify')) {
+      return;
+    }
+    const key = `${w.warned_at}`;
+    if (key === this._seenFor || Date.now() < this._seenRetryAt) {
+      return;
+    }
+    this._seenFor = key;
+    void this.reportSeen(key);
+  }
+
+  private async reportSeen(key: string): Promise<void> {
+    const url = URLExt.join(this.settings.baseUrl, 'gpuhub', 'culling', 'seen');
+    let ok = false;
+    try {
+      const resp = await ServerConnection.makeRequest(
+        url,
+        { method: 'POST', cache: 'no-store' },
+        this.settings
+      );
+      ok = resp.status === 200;
+    } catch (err) {
+      console.debug('gpuhub: could not report a person on the page', err);
+    }
+    if (!ok && this._seenFor === key) {
+      this._seenFor = null; // the next input (after a pause) tries again
+      this._seenRetryAt = Date.now() + SEEN_RETRY_MS;
+    }
   }
 
   /** Whether this tab already says that (and why) the server stopped. */
@@ -604,6 +659,8 @@ class CullWatcher {
   }
 
   private _checking = false;
+  private _seenFor: string | null = null; // the warning (warned_at) a person was reported for
+  private _seenRetryAt = 0;
   private _disabled = false;
   private _gpuId: string | null = null;
   private _gpuKey: string | null = null;

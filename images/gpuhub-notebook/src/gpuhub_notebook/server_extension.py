@@ -25,6 +25,14 @@ Handlers, under the server's ``base_url`` and authenticated like every server AP
     Relays ``POST {JUPYTERHUB_API_URL}/gpuhub/culling/{user}/snooze`` with ``{"server": "<this
     server>"}`` and passes the hub's status (200, 409, ...) and JSON body through.
 
+``POST gpuhub/culling/seen``
+    A person clicked, typed or scrolled on this server's open JupyterLab (the lab extension sends
+    it once per warning, on the first such input after the warning appeared). Relays ``POST
+    {JUPYTERHUB_API_URL}/gpuhub/culling/{user}/seen`` with ``{"server": "<this server>"}``: the
+    browser names neither the server nor a time (the hub stamps its own); a body is refused.
+    At a GPU-idle deadline the hub spends one snooze for it, where an open tab's own polling
+    spends none.
+
 ``GET gpuhub/jobs``
     The profiles this user's teams may use, as the spawn page offers them (the hub's
     ``GET {JUPYTERHUB_API_URL}/gpuhub/profiles``, with this server's token), for JupyterLab's
@@ -218,6 +226,31 @@ class CullingHandler(APIHandler):
             status = 502
         self.set_status(status)
         data.setdefault("server", hub["server"])
+        self.finish(json.dumps(data))
+
+
+class CullingSeenHandler(APIHandler):
+    """A person on this page: relayed to the hub for this server only (see the module)."""
+
+    auth_resource = "api"
+
+    @web.authenticated
+    @authorized
+    async def post(self):
+        if (self.request.body or b"").strip() not in (b"", b"{}"):
+            raise web.HTTPError(400, "send no body: the hub records this server and its own time")
+        hub = hub_environment()
+        if hub is None:
+            self.set_status(404)
+            self.finish(json.dumps({"message": "not running under JupyterHub: nothing is culled here"}))
+            return
+        status, data = await _hub_request(hub, "/seen", method="POST", body={"server": hub["server"]})
+        if status == 0:
+            status = 502
+        elif status in (401, 403):
+            data = {"message": f"the hub refused this server's token ({status}): {data.get('message', '')}".strip()}
+            status = 502
+        self.set_status(status)
         self.finish(json.dumps(data))
 
 
@@ -450,6 +483,7 @@ def load(serverapp) -> None:
         [
             (url_path_join(base, "gpuhub", "activity"), ActivityHandler),
             (url_path_join(base, "gpuhub", "culling"), CullingHandler),
+            (url_path_join(base, "gpuhub", "culling", "seen"), CullingSeenHandler),
             (url_path_join(base, "gpuhub", "jobs"), RunAsJobHandler),
         ],
     )

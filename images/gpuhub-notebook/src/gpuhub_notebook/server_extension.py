@@ -216,17 +216,22 @@ class CullingHandler(APIHandler):
             self.set_status(404)
             self.finish(json.dumps({"message": "not running under JupyterHub: nothing to snooze"}))
             return
-        # Always this server: the relay acts with this server's token, for this server only.
-        status, data = await _hub_request(hub, "/snooze", method="POST", body={"server": hub["server"]})
-        if status == 0:
-            status = 502
-        elif status in (401, 403):
-            # Our token was refused by the hub: not the browser's credentials, so not a 403 here.
-            data = {"message": f"the hub refused this server's token ({status}): {data.get('message', '')}".strip()}
-            status = 502
+        status, data = await _post_for_this_server(hub, "/snooze")
         self.set_status(status)
         data.setdefault("server", hub["server"])
         self.finish(json.dumps(data))
+
+
+async def _post_for_this_server(hub: dict, path: str) -> tuple[int, dict]:
+    """POST ``path`` of the hub's culling API for this server, always this server only (the relay
+    acts with this server's token): (the status to answer, the body). The hub unreachable is a
+    502; the hub refusing our token too (not the browser's credentials, so not a 401/403 here)."""
+    status, data = await _hub_request(hub, path, method="POST", body={"server": hub["server"]})
+    if status == 0:
+        return 502, data
+    if status in (401, 403):
+        return 502, {"message": f"the hub refused this server's token ({status}): {data.get('message', '')}".strip()}
+    return status, data
 
 
 class CullingSeenHandler(APIHandler):
@@ -244,12 +249,7 @@ class CullingSeenHandler(APIHandler):
             self.set_status(404)
             self.finish(json.dumps({"message": "not running under JupyterHub: nothing is culled here"}))
             return
-        status, data = await _hub_request(hub, "/seen", method="POST", body={"server": hub["server"]})
-        if status == 0:
-            status = 502
-        elif status in (401, 403):
-            data = {"message": f"the hub refused this server's token ({status}): {data.get('message', '')}".strip()}
-            status = 502
+        status, data = await _post_for_this_server(hub, "/seen")
         self.set_status(status)
         self.finish(json.dumps(data))
 

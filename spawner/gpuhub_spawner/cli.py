@@ -106,9 +106,19 @@ def _mlflow_url(hub_url: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     program = argv is None  # the ``gpuhub`` command itself, not a caller in a larger process
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["validate"]:
-        return _quick(lambda: _main(argv), program)
-    return _main(argv)
+    try:
+        if argv[:1] == ["validate"]:
+            return _quick(lambda: _main(argv), program)
+        return _main(argv)
+    except BrokenPipeError:
+        if not program:
+            raise
+        # The reader stopped reading (``gpuhub policy history | head -n 3``, as the runbooks do):
+        # it has what it wanted. Quiet, with no traceback, and a success, so a runbook under
+        # ``set -o pipefail`` goes on; stdout now goes nowhere, so Python's flush at exit does
+        # not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _quick(command, program: bool) -> int:

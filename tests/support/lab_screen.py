@@ -114,7 +114,15 @@ def assert_stop_shown(page, hub, stopped_at: float, pattern: str) -> str:
     late = came["at"] / 1000 - stopped_at
     print(f"stop notice {late:+.2f} s after the hub's stop: {text!r}")
     assert late <= 2.0, (late, seen(page))
-    assert page.locator(".Toastify__toast", has_text="will be stopped").count() == 0
+    # The warning (and its countdown) leaves with the notice: its exit animation, a fraction of
+    # a second on a quiet machine, is all that may follow it (once, under load, it was still on
+    # its way out when counted at once).
+    warning = page.locator(".Toastify__toast", has_text="will be stopped")
+    try:
+        warning.first.wait_for(state="detached", timeout=5_000)
+    except Exception:
+        print("the warning still on screen 5 s after the stop notice:", warning.all_inner_texts(), "seen:", seen(page))
+        raise
     # JupyterLab's own polls meet the stopped server (the hub answers 424 for it): where the
     # stock dialog would come.
     with page.expect_response(lambda r: re.search(r"/api/(kernels|sessions|terminals)\b", r.url) and r.status == 424):

@@ -57,3 +57,20 @@ def test_every_hub_client_command_finds_the_hub_and_reports_refusals_alike(monke
         assert seen == ["http://after", "http://before"], mod
         name = "ray" if mod is ray_cli else "gpu"
         assert capsys.readouterr().err.splitlines() == [f"gpuhub {name}: This needs the scope custom:gpuhub:jobs. (HTTP 403)"] * 2
+
+
+def test_a_reader_that_stops_early_gets_no_traceback_and_the_pipeline_holds():
+    """`gpuhub policy history | head -n 3` under `set -o pipefail` (the escalation runbook) failed
+    with a BrokenPipeError traceback whenever head left before gpuhub's last line. Here the
+    reader is gone before the first line: the command ends quietly, with success."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    gpuhub = Path(sys.executable).with_name("gpuhub")
+    demo = Path(__file__).resolve().parents[2] / "jupyterhub_config" / "profiles.yaml"
+    p = subprocess.Popen([str(gpuhub), "validate", str(demo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader leaves before gpuhub writes
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

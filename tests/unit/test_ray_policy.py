@@ -90,6 +90,38 @@ def test_gpus_are_split_among_workers_or_held_by_the_head():
     assert shares([], 0, 1) == [[]]
 
 
+def test_a_clusters_ports_never_repeat_even_when_the_kernel_reuses_a_closed_port(monkeypatch):
+    """CI saw a head refuse to start ("runtime_env_agent is trying to use a port number 36723
+    that is used by other components"): its ports came from two draws, and the kernel handed a
+    port of the first, closed, draw out again. Here a kernel that always reuses the lowest
+    closed port: every port of a 2-worker cluster is still different."""
+    import socket as real_socket
+
+    from gpuhub_spawner.rayclusters import node
+
+    bound: set[int] = set()
+
+    class ReusingSocket:
+        def bind(self, addr):
+            self.port = next(p for p in range(20000, 30000) if p not in bound)
+            bound.add(self.port)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            bound.discard(self.port)
+
+    monkeypatch.setattr(node.socket, "socket", ReusingSocket)
+    head, nodes = node.cluster_ports(workers=2)
+    monkeypatch.setattr(node.socket, "socket", real_socket.socket)
+    every = head + [p for ports in nodes for p in ports]
+    assert len(nodes) == 3 and all(len(ports) == len(node.NODE_PORTS) for ports in nodes)
+    assert len(set(every)) == len(every), every
+    flags = node.node_ports(nodes[1])
+    assert flags[:2] == ["--node-ip-address", "127.0.0.1"] and flags[3] == str(nodes[1][0])
+
+
 def test_jobs_and_clusters_are_capped_by_gpus_not_by_servers():
     """``check_job_caps``, which every job and Ray manager calls: an open notebook (the team's
     ``maxServers: 1`` reached) does not refuse a cluster, the GPU cap still does."""

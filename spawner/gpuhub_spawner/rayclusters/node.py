@@ -48,7 +48,17 @@ SUBMITTED = "[gpuhub-ray] submitted "
 ENDED = "[gpuhub-ray] entrypoint ended "
 
 
-def node_ports() -> list[str]:
+NODE_PORTS = (
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--runtime-env-agent-port",
+    "--metrics-export-port",
+    "--node-manager-port",
+    "--object-manager-port",
+)
+
+
+def node_ports(ports: list[int]) -> list[str]:
     """Every port a Ray node opens besides the head's, named: free ones, not Ray's defaults.
 
     Ray's defaults are the same for every cluster (the dashboard agent's 52365, the metrics
@@ -56,17 +66,14 @@ def node_ports() -> list[str]:
     runs without the service (no ``ray job submit``). Behind the wall each user has a network
     of their own, but one user's two clusters still share it. The node's address is the
     loopback of the user's namespace: nothing of it listens where the hub's side could
-    reach it, except what Ray binds to every address (its metrics)."""
-    names = (
-        "--dashboard-agent-listen-port",
-        "--dashboard-agent-grpc-port",
-        "--runtime-env-agent-port",
-        "--metrics-export-port",
-        "--node-manager-port",
-        "--object-manager-port",
-    )
+    reach it, except what Ray binds to every address (its metrics).
+
+    ``ports`` come from one :func:`free_ports` draw for the whole cluster: two draws let the
+    kernel hand out a port again once the first draw's sockets closed (CI saw the head's client
+    server and its runtime-env agent both on 36723, and the head refused to start)."""
+    assert len(ports) == len(NODE_PORTS)
     out = ["--node-ip-address", "127.0.0.1"]
-    for name, port in zip(names, free_ports(len(names))):
+    for name, port in zip(NODE_PORTS, ports):
         out += [name, str(port)]
     return out
 
@@ -83,6 +90,16 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in held:
             s.close()
+
+
+def cluster_ports(workers: int) -> tuple[list[int], list[list[int]]]:
+    """The head's four ports (GCS, dashboard, client server, autoscaler monitor) and each
+    node's :data:`NODE_PORTS` (head first), all from one draw so that none repeats.
+
+    Ray's client server defaults to 10001 in every cluster, so it is drawn too."""
+    per = len(NODE_PORTS)
+    ports = free_ports(4 + per * (1 + workers))
+    return ports[:4], [ports[4 + i * per : 4 + (i + 1) * per] for i in range(1 + workers)]
 
 
 def listening(port: int) -> bool:
@@ -159,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
-    gcs, dash, client, monitor = free_ports(4)  # Ray's client server defaults to 10001 for all
+    (gcs, dash, client, monitor), per_node = cluster_ports(args.workers)
     # The head's autoscaler monitor serves metrics on 0.0.0.0:44217 in every cluster: a
     # second cluster in the user's network would find it taken.
     env["AUTOSCALER_METRIC_PORT"] = str(monitor)
@@ -193,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.cpus if args.workers == 0 else 0),
                 "--include-dashboard",
                 "true",
-                *node_ports(),
+                *node_ports(per_node[0]),
             ],
             env=head_env,
         )
@@ -209,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         time.sleep(0.2)
     joined: list[threading.Event] = []
-    for share in per if args.workers else []:
+    for i, share in enumerate(per if args.workers else []):
         pr = subprocess.Popen(
             ray
             + [
@@ -219,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(len(share)),
                 "--num-cpus",
                 str(max(1, args.cpus // max(1, args.workers))),
-                *node_ports(),
+                *node_ports(per_node[1 + i]),
             ],
             env=dict(env, CUDA_VISIBLE_DEVICES=",".join(share), PYTHONUNBUFFERED="1"),
             stdout=subprocess.PIPE,

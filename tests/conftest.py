@@ -207,6 +207,11 @@ def pytest_runtest_makereport(item, call):
     there and nowhere else."""
     outcome = yield
     report = outcome.get_result()
+    if call.when == "teardown" and hasattr(item, "_gpuhub_cpu_start"):
+        # Each test's CPU seconds (its module fixtures' counted where they end), handed to
+        # the controller in the teardown report: on 2 cores the suite is bound by CPU, not by
+        # waiting, so CPU says which file to make lighter (issue 45).
+        report.user_properties.append(("gpuhub_cpu", _cpu_seconds() - item._gpuhub_cpu_start))
     if not report.failed:
         return
     from support.hub import Hub
@@ -218,9 +223,30 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"hub log of fixture {name!r}, last 80 lines ({value.log})", value.tail(80)))
 
 
+_file_cpu: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of every descendant it (or a descendant) has reaped: a
+    hub, its proxy, the servers and Ray clusters the hub reaped, Chromium after its close."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Where each test's CPU count starts (see the report hook below)."""
+    item._gpuhub_cpu_start = _cpu_seconds()
+
+
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::", 1)[0]
     _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+    cpu = dict(report.user_properties).get("gpuhub_cpu")
+    if cpu is not None:
+        _file_cpu[path] = _file_cpu.get(path, 0.0) + cpu
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -234,5 +260,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for path, seconds in ranked[:20]:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")
     terminalreporter.write_line(f"{sum(_file_seconds.values()):8.1f}  all files together (workers' time)")
+    costly = sorted(_file_cpu.items(), key=lambda kv: -kv[1])
+    if costly:
+        terminalreporter.write_sep(
+            "-", "costliest test files (CPU seconds of the test process and what it reaped: hubs, servers, browsers)"
+        )
+        for path, cpu in costly[:20]:
+            terminalreporter.write_line(f"{cpu:8.1f}  {path}")
+        terminalreporter.write_line(f"{sum(_file_cpu.values()):8.1f}  all files together")
     if os.environ.get("GPUHUB_TEST_TIMES"):
-        Path(os.environ["GPUHUB_TEST_TIMES"]).write_text(json.dumps(dict(ranked), indent=1) + "\n")
+        times = {path: {"seconds": seconds, "cpu": _file_cpu.get(path)} for path, seconds in ranked}
+        Path(os.environ["GPUHUB_TEST_TIMES"]).write_text(json.dumps(times, indent=1) + "\n")

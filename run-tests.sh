@@ -29,6 +29,10 @@ xdist=()
 if [ "$workers" != "1" ] && ! printf '%s\n' "$@" | grep -qE '^(-n|--numprocesses)(=?[0-9a-z]*)?$|^-n[0-9]+$|no:xdist'; then
   xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
+# Python may write its bytecode caches here, whatever the environment says (CI's sets
+# PYTHONDONTWRITEBYTECODE): without them every worker compiles and assert-rewrites all 180 test
+# files again at collection (7 CPU-s each, 2.4 with the caches) and every hub its imports.
+unset PYTHONDONTWRITEBYTECODE
 set +e
 .venv/bin/python -m pytest ${xdist[@]+"${xdist[@]}"} "$@"
 rc=$?

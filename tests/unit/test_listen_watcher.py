@@ -13,34 +13,33 @@ import time
 import pytest
 
 from gpuhub_spawner.local.listening import PortTaken, listening_sockets, watcher
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.ports import free_port  # this worker's block, below the ephemeral range: never one twice
 
 
 def server(port: int, delay: float) -> subprocess.Popen:
-    """A process that listens on ``port`` after ``delay`` seconds, from a child of its own."""
+    """A process that listens on ``port`` after ``delay`` seconds, from a child of its own,
+    and prints the moment it listened (the system's monotonic clock, the test's too)."""
     code = (
         f"import socket, time, os\ntime.sleep({delay})\n"
         "if os.fork() == 0:\n"
-        f"    s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)\n"
+        f"    s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); print(time.monotonic(), flush=True)\n"
+        "    time.sleep(30)\n"
         "else:\n    os.wait()\n"
     )
-    return subprocess.Popen([sys.executable, "-c", code])
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
 
 async def test_the_servers_own_listen_wakes_the_wait_within_ticks():
     port = free_port()
     proc = server(port, 0.5)
     try:
-        t0 = time.monotonic()
         assert await watcher().wait(port, proc.pid, timeout=20) == "listening"
-        waited = time.monotonic() - t0
+        ended = time.monotonic()
+        listened = float(proc.stdout.readline())
         assert port in listening_sockets()
-        assert 0.5 <= waited < 3, waited  # the listen, not a back-off step, ends the wait
+        # The listen ends the wait, soon after it (the watcher reads every tick, 10 ms), however
+        # long the loaded machine took to start the process that listens.
+        assert 0 <= ended - listened < 2, f"the wait ended {ended - listened:.2f}s after the listen"
     finally:
         proc.kill()
         proc.wait()

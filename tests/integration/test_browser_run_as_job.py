@@ -77,21 +77,21 @@ TRAIN = notebook(
         state = {"step": 0, "total": 0}
         if os.path.exists(ckpt):
             state = json.load(open(ckpt))
-            print("resumed from step", state["step"], "attempt", os.environ["GPUHUB_ATTEMPT"], flush=True)
-        print("label", label, "attempt", os.environ["GPUHUB_ATTEMPT"], "starts after step", state["step"], flush=True)"""),
+            print(f"resumed from step {state['step']} attempt {os.environ['GPUHUB_ATTEMPT']}", flush=True)
+        print(f"label {label} attempt {os.environ['GPUHUB_ATTEMPT']} starts after step {state['step']}", flush=True)"""),
     textwrap.dedent("""\
         for step in range(state["step"] + 1, 3000):
             time.sleep(pause)
             state = {"step": step, "total": state["total"] + step}
             json.dump(state, open(ckpt + ".tmp", "w")); os.replace(ckpt + ".tmp", ckpt)
-            print("step", step, flush=True)
+            print(f"step {step}", flush=True)
             if os.path.exists(finish) and os.environ["GPUHUB_ATTEMPT"] != "1":
                 break"""),
     textwrap.dedent("""\
         import mlflow
         with mlflow.start_run(run_name=f"lab-{label}") as run:
             mlflow.log_metric("last_step", state["step"])
-        print("total", state["total"], "run", run.info.run_id)"""),
+        print(f"total {state['total']} run {run.info.run_id}")"""),
 )
 
 FAILING = notebook(

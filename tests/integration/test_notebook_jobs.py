@@ -58,9 +58,9 @@ defaults:
 
 TRAIN = notebook(
     ("parameters", "lr = 0.5\nsteps = 2"),
-    "import os, json\nprint('lr', lr, 'steps', steps, 'uid', os.getuid(), flush=True)\n"
-    "print('ctx', os.environ['MLFLOW_RUN_CONTEXT'], flush=True)",
-    "print('has server token', 'JPY_API_TOKEN' in os.environ, 'cwd', os.getcwd())",
+    "import os, json\nprint(f'lr {lr} steps {steps} uid {os.getuid()}', flush=True)\n"
+    "print(f\"ctx {os.environ['MLFLOW_RUN_CONTEXT']}\", flush=True)",
+    "print(f\"has server token {'JPY_API_TOKEN' in os.environ} cwd {os.getcwd()}\")",
 )
 
 FAILING = notebook(
@@ -78,15 +78,15 @@ RESUMING = notebook(
         state = {"step": 0, "total": 0}
         if os.path.exists(ckpt):
             state = json.load(open(ckpt))
-            print("resumed from step", state["step"], "attempt", os.environ["GPUHUB_ATTEMPT"], flush=True)
-        print("attempt", os.environ["GPUHUB_ATTEMPT"], "starts after step", state["step"])"""),
+            print(f"resumed from step {state['step']} attempt {os.environ['GPUHUB_ATTEMPT']}", flush=True)
+        print(f"attempt {os.environ['GPUHUB_ATTEMPT']} starts after step {state['step']}", flush=True)"""),
     textwrap.dedent("""\
         for step in range(state["step"] + 1, last + 1):
             time.sleep(0.4)
             state = {"step": step, "total": state["total"] + step}
             json.dump(state, open(ckpt + ".tmp", "w")); os.replace(ckpt + ".tmp", ckpt)
-            print("step", step, flush=True)"""),
-    "print('total', state['total'])",
+            print(f"step {step}", flush=True)"""),
+    "print(f\"total {state['total']}\")",
 )
 
 

@@ -203,3 +203,39 @@ def test_a_notebook_that_names_no_kernel_or_language_runs_on_the_machines_python
     assert defaults_for({"kernelspec": {"name": "ir"}, "language_info": {"name": "R"}}) == {}
     assert defaults_for({"kernelspec": {"name": "python3"}}) == {"language": "python"}
     assert defaults_for({}) == defaults_for(None) == defaults_for([]) == {"kernel_name": "python3", "language": "python"}
+
+
+def test_a_cells_output_reaches_the_job_log_as_printed(tmp_path):
+    """A real kernel flushes its output every 0.2 s: a line printed in two parts with a pause
+    between arrives as two chunks. The job's log has the line whole, and no blank line after
+    each print (papermill's log_output gave "step" and " 2" on lines of their own)."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.mkdir()
+    nb = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "metadata": {},
+                "execution_count": None,
+                "outputs": [],
+                "source": "import sys, time\nprint('step 1')\nsys.stdout.write('step'); time.sleep(0.5); print(' 2')\nprint('done')",
+            }
+        ],
+        "metadata": {"kernelspec": {"name": "python3", "language": "python", "display_name": "Python 3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    (home / "train.ipynb").write_text(json.dumps(nb))
+    env = dict(os.environ, HOME=str(home), GPUHUB_JOB_ID="job-test", GPUHUB_ATTEMPT="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuhub_spawner.jobs.notebook", "--", "train.ipynb"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step 1\nstep 2\ndone\n" in r.stdout, r.stdout

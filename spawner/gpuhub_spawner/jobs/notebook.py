@@ -123,7 +123,12 @@ def main(argv: list[str]) -> int:
             out,
             parameters=parameters,
             cwd=os.path.dirname(source),
-            log_output=True,
+            # The cells' output into the job's log as the user printed it. papermill's
+            # log_output logs each chunk the kernel flushed as a line of its own: a blank line
+            # after every print, and "step 2" as "step" and " 2" where the kernel flushed
+            # between print's writes (it does, on a loaded machine).
+            stdout_file=sys.stdout,
+            stderr_file=sys.stderr,
             progress_bar=False,
             request_save_on_cell_execute=True,
             autosave_cell_every=AUTOSAVE_SECONDS,

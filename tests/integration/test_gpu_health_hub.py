@@ -270,7 +270,10 @@ def test_a_drained_gpu_stays_with_its_holder_then_is_out(hub, users, gpus):
 
 
 # A training loop that checkpoints every step (atomically) and resumes from the last one
-# (the shape of tests/integration/test_jobs.py's TRAIN; plain Python, no torch).
+# (the shape of tests/integration/test_jobs.py's TRAIN; plain Python, no torch). The first
+# attempt waits at step 2 for its GPU to fail: the XID never races that attempt's own end (3 s
+# after step 2, which a loaded machine's look at the log, two requests and the event's way
+# through NVML's event thread can spend).
 TRAIN = """\
 import json, os, time
 ckpt = os.path.join(os.environ["GPUHUB_CHECKPOINT_DIR"], "state.json")
@@ -284,6 +287,8 @@ for step in range(state["step"] + 1, 9):
     state = {"step": step, "total": state["total"] + step}
     json.dump(state, open(ckpt + ".tmp", "w")); os.replace(ckpt + ".tmp", ckpt)
     print("step", step, flush=True)
+    if step == 2 and os.environ["GPUHUB_ATTEMPT"] == "1":
+        time.sleep(300)  # stopped long before, for its failed GPU (bounded: nothing outlives the test)
 print("total", state["total"], flush=True)
 """
 

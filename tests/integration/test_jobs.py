@@ -57,7 +57,10 @@ defaults:
   queueTimeout: 5m
 """
 
-# A training loop that checkpoints every step (atomically) and resumes from the last one.
+# A training loop that checkpoints every step (atomically) and resumes from the last one. Its
+# first attempt waits at step 2 to be ended (preempted, interrupted by a restart): what the test
+# brings then never races the attempt's own end (it used to finish 2.4 s after step 2, a budget
+# the test's look at the log, its next request and the hub's reaction can spend under load).
 TRAIN = textwrap.dedent("""\
     import json, os, time
     ckpt = os.path.join(os.environ["GPUHUB_CHECKPOINT_DIR"], "state.json")
@@ -71,6 +74,8 @@ TRAIN = textwrap.dedent("""\
         state = {"step": step, "total": state["total"] + step}
         json.dump(state, open(ckpt + ".tmp", "w")); os.replace(ckpt + ".tmp", ckpt)
         print("step", step, flush=True)
+        if step == 2 and os.environ["GPUHUB_ATTEMPT"] == "1":
+            time.sleep(300)  # ended long before by what the test brings (bounded: no orphan outlives it)
     print("total", state["total"], flush=True)
 """)
 

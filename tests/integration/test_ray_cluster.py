@@ -19,13 +19,14 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
 import pytest
 import requests
 
-from support.hub import running_hub, wait_for
+from support.hub import browser_like_session, running_hub, wait_for
 from support.kernel import KernelSession
 
 pytestmark = [
@@ -106,6 +107,38 @@ def view(user, name) -> requests.Response:
     return user.api.get(user.url(f"/gpuhub/ray/{name}"))
 
 
+class IdleWarningWatch(threading.Thread):
+    """The owner's view of a running cluster, looked at every second until it says the cluster is
+    warned (or stopped). The idle warning stands for ``WARNING`` seconds only, and the walk's
+    steps between the cluster's start and its check of the warning (Ray's task, the other
+    accounts' probes) can outlast ``IDLE`` on a loaded machine: a first look after the cull finds
+    only the stop. Ends by itself: the cluster stops with alice's server at the latest."""
+
+    def __init__(self, user, name):
+        super().__init__(daemon=True)
+        self.url = user.url(f"/gpuhub/ray/{name}")
+        self.session = browser_like_session()  # its own: the test's session is used meanwhile
+        self.session.headers["Authorization"] = f"token {user.token}"
+        self.warned: dict | None = None
+        self.last: dict | None = None
+        self.start()
+
+    def run(self):
+        while True:
+            try:
+                v = self.session.get(self.url, timeout=30).json()
+            except (requests.RequestException, ValueError):
+                v = None
+            if v:
+                self.last = v
+                if "idle:" in v.get("status", ""):
+                    self.warned = v
+                    return
+                if v.get("state") == "stopped":
+                    return
+            time.sleep(1)
+
+
 def test_requests_the_policy_refuses_say_why(hub, users):
     alice, carol = users["alice"], users["carol"]
     had = cli(hub, alice, "list").stdout  # the other tests' clusters, if they ran first (any order)
@@ -164,6 +197,7 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     assert out.startswith("0\n"), out
     assert "Ray cluster mine: running: since" in out and "export RAY_ADDRESS=127.0.0.1:" in out, out
     address = re.search(r"export RAY_ADDRESS=(\S+)", out).group(1)
+    idle_watch = IdleWarningWatch(alice, "mine")  # its idle clock runs from here
 
     # Her kernel joins the cluster and runs a task that asks for both GPUs.
     out = k.execute(
@@ -257,7 +291,9 @@ def test_researcher_queued_behind_teammate_runs_a_task_and_is_culled_when_idle(h
     t_task = time.time()
 
     # Idle: virtual GPUs report no utilisation, so they count as idle: warned, then stopped.
-    warned = wait_for(lambda: "idle:" in (v := view(alice, "mine").json())["status"] and v, IDLE + 60, "the idle warning")
+    idle_watch.join(IDLE + 60)
+    warned = idle_watch.warned
+    assert warned, f"no idle warning seen in alice's view of her cluster; last seen: {idle_watch.last}"
     assert "its GPUs were idle for" in warned["status"] and "it will be stopped at" in warned["status"], warned
     ended = wait_for(lambda: (v := view(alice, "mine").json())["state"] == "stopped" and v, WARNING + 30, "the cull")
     assert ended["status"].startswith("stopped: stopped because it was idle: its GPUs were idle for"), ended

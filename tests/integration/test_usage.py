@@ -289,6 +289,12 @@ def day(hub, users, gpus, prometheus):
     clock["_report"] = _rows(u["admin"])
     if prometheus.url:
         prometheus.wait_scrapes(2, since=time.time())  # Prometheus scrapes the hub after NLP stopped
+    # The day is over: every GPU reads busy again, as before it. A later test's GPU server (any
+    # order) would otherwise land on a GPU the day left idle, and a loaded machine's spawn and
+    # steps outlast the 20 s + 10 s idle rule: the culler stopped it under the test, and its cull
+    # was a second one in the history the CLI and usage-page tests read ("1 culled for idleness").
+    for device in gpus.devices:
+        gpus.set(device["uuid"], 80)
     return clock
 
 

@@ -300,6 +300,42 @@ def test_mlflow_command_and_environment(tmp_path):
     assert "adminpw" not in ini
 
 
+def test_the_upstream_port_is_kept_from_everyone_but_a_server_that_binds_it():
+    """The MLflow child binds its port 10-20 s after the service chose it. Meanwhile no bind of
+    port 0 and no outgoing connection on the machine is handed that port, and a plain bind of
+    it is refused; a server binding it with SO_REUSEADDR (uvicorn, gunicorn) listens there."""
+    import errno
+    import socket
+
+    from gpuhub_spawner.mlflow.upstream import free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) == 20
+    drawn = set()
+    for _ in range(2000):  # what any process drawing port 0 would get now
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            drawn.add(s.getsockname()[1])
+    assert not drawn & ports, sorted(drawn & ports)
+    with socket.socket() as listener:  # what any client connection would take as its local port
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        for _ in range(200):
+            with socket.create_connection(listener.getsockname()) as c:
+                assert c.getsockname()[1] not in ports
+                listener.accept()[0].close()
+    port = min(ports)
+    with socket.socket() as plain, pytest.raises(OSError) as refused:
+        plain.bind(("127.0.0.1", port))
+    assert refused.value.errno == errno.EADDRINUSE
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", port)):
+            pass
+
+
 def test_store_uri_passwords_are_redacted_in_logs():
     assert _redact("postgresql://mlflow:s3cret@db:5432/mlflow") == "postgresql://mlflow:***@db:5432/mlflow"
     assert _redact("sqlite:////data/mlflow.db") == "sqlite:////data/mlflow.db"

@@ -23,6 +23,13 @@ def _activity(server) -> dict:
     return r.json()
 
 
+def _held_cell(release) -> str:
+    """A cell that runs until the test creates ``release`` (at most 120 s): busy for as long as
+    the test needs to see it busy, however slowly a loaded machine answers the test's looks (a
+    fixed ``time.sleep(3)`` cell could end between two of them)."""
+    return f"import os, time\nt = time.time() + 120\nwhile not os.path.exists({str(release)!r}) and time.time() < t:\n    time.sleep(0.05)"
+
+
 def _wait(server, predicate, timeout=20.0) -> dict:
     deadline = time.time() + timeout
     while True:
@@ -90,9 +97,11 @@ def test_kernel_busy_and_idle_and_terminals(nb_server):
         kc.start_channels(hb=False)
         try:
             kc.wait_for_ready(timeout=30)
-            kc.execute("import time; time.sleep(3)")
+            release = nb_server.workdir / f"release-{kid}"
+            kc.execute(_held_cell(release))
             busy = _wait(nb_server, lambda b: b["kernels"]["busy"] == 1, timeout=15)
             assert busy["kernels"] == {**busy["kernels"], "count": 1, "busy": 1}, busy
+            release.touch()
             done = _wait(nb_server, lambda b: b["kernels"]["busy"] == 0, timeout=20)
             assert done["kernels"]["busy"] == 0, done
             later = datetime.fromisoformat(done["kernels"]["last_activity"].replace("Z", "+00:00"))
@@ -172,10 +181,14 @@ def test_a_busy_silent_kernel_keeps_its_server_active(tmp_path, fake_nvml):
         # No heartbeat channel: its 1 s time-to-dead calls a kernel that is still importing on a loaded
         # machine "dead" (CI saw it); the shell reply of wait_for_ready is the readiness we need.
         kc.start_channels(hb=False)
+        # Busy until released: the activity must move while the cell still runs (a fixed 8 s
+        # cell could end before the look below, and its end moves the activity too).
+        release = tmp_path / "release"
         try:
             kc.wait_for_ready(timeout=30)
-            kc.execute("import time; time.sleep(8)")
-            _wait(server, lambda b: b["kernels"]["busy"] == 1, timeout=15)
+            kc.execute(_held_cell(release))
+            busy = _wait(server, lambda b: b["kernels"]["busy"] == 1, timeout=15)
+            assert busy["kernels"]["busy"] == 1, busy
 
             def last():  # what jupyterhub-singleuser reports to the hub (not itself activity)
                 return datetime.fromisoformat(server.get("api/status").json()["last_activity"].replace("Z", "+00:00"))
@@ -186,6 +199,7 @@ def test_a_busy_silent_kernel_keeps_its_server_active(tmp_path, fake_nvml):
                 time.sleep(0.5)
             assert last() > first, "a busy kernel did not count as activity"
         finally:
+            release.touch()
             kc.stop_channels()
     finally:
         server.stop()

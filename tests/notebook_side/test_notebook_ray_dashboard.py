@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 from nbside import NotebookServer
+
+from support.ports import free_port
 
 USER = "alice"
 HUB_TOKEN = "server-token-" + uuid.uuid4().hex
@@ -204,10 +205,10 @@ def test_a_port_another_account_listens_on_gets_nothing(server, clusters):
 
 
 def test_nothing_listening_is_a_502_not_a_hang(server, clusters):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    # A port nothing listens on, from this worker's block (support/ports.py): one bound to port 0
+    # and closed is the ephemeral range's, which any process on the machine may listen on, or a
+    # client connection take, before the server forwards there.
+    port = free_port()
     clusters["gone"] = running(port)
     t0 = time.time()
     r = server.get("gpuhub/ray/gone/dashboard/")

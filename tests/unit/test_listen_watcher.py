@@ -13,7 +13,12 @@ import time
 import pytest
 
 from gpuhub_spawner.local.listening import PortTaken, listening_sockets, watcher
-from support.ports import free_port  # this worker's block, below the ephemeral range: never one twice
+
+# Ports from this worker's block (none twice, each bind-checked), not port-0 binds closed at once:
+# the kernel hands a closed draw's port out again (20 such draws held a repeat 40 times in 3,000
+# here, so two of the 20 servers below met on one port about one run in 75), and anything on the
+# machine may take an ephemeral port in the half second before a server here binds it.
+from support.ports import free_port
 
 
 def server(port: int, delay: float) -> subprocess.Popen:

@@ -29,9 +29,26 @@ ADMIN_USERNAME = "gpuhub-mlflow-admin"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port for the MLflow child that the kernel hands to nobody else before the child binds
+    it: MLflow imports for 10-20 s first (longer on a loaded machine).
+
+    A port found by binding port 0 and closing the socket at once is the kernel's to give again
+    to the next bind of port 0 or outgoing connection on the machine (a kernel's or a Ray
+    node's port draws, anyone's client connection); the child then cannot listen, or this
+    service's health check meets another program there. Here the port is left in TIME_WAIT
+    instead, by a connection to it closed from its own side (the technique of Yelp's
+    ephemeral-port-reserve): for the next 60 s the kernel gives it to no bind of port 0 and no
+    outgoing connection and refuses a plain bind of it, while a server that binds with
+    SO_REUSEADDR, as uvicorn and gunicorn do, takes it."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
-        return s.getsockname()[1]
+        s.listen(1)
+        port = s.getsockname()[1]
+        with socket.create_connection((host, port)):
+            accepted, _ = s.accept()
+            accepted.close()  # this side closes first: the TIME_WAIT is on the port itself
+        return port
 
 
 def auth_ini(auth_db_uri: str, admin_username: str = ADMIN_USERNAME) -> str:

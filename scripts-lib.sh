@@ -1,5 +1,10 @@
 # Shared by run-hub.sh and run-tests.sh: install what gpuhub needs, idempotently.
 
+# uv installs the locked set (requirements.lock, relock.sh) in ~40 s where pip takes ~110 s
+# (2 cores): it downloads and unpacks in parallel, and with every version pinned there is no
+# resolver search. Both take the same pins; pip is the fallback wherever uv cannot be had.
+UV_VERSION="0.13.9"
+
 ensure_venv() {
   local extras="$1"
   local py="${PYTHON:-python3}"
@@ -11,18 +16,32 @@ ensure_venv() {
   local want
   # (the notebook package's lab extension and server config are copied at install time, so they count too)
   want="$( (sha256sum pyproject.toml images/gpuhub-notebook/pyproject.toml; \
+            [ -f requirements.lock ] && sha256sum requirements.lock; \
             find images/gpuhub-notebook/src/gpuhub_notebook/labextension images/gpuhub-notebook/jupyter-config \
                  -type f -exec sha256sum {} + 2>/dev/null | sort) \
           | sha256sum | cut -c1-16) $extras"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    # One resolver run for the project and the notebook package; the venv's own pip (no
-    # self-upgrade first: the bundled one installs all of this).
     local notebook=()
     [ -f images/gpuhub-notebook/pyproject.toml ] && notebook=(-e images/gpuhub-notebook)
-    PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -e "$extras" "${notebook[@]}"
+    if [ -f requirements.lock ]; then
+      # The pins CI last passed with; bytecode compiled now, as pip does (the servers run as
+      # other accounts and could not write it into .venv at their first import).
+      if ! { PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet "uv==$UV_VERSION" \
+          && .venv/bin/uv pip install --quiet --python .venv/bin/python --compile-bytecode \
+               -c requirements.lock -e "$extras" "${notebook[@]}"; }; then
+        echo "uv could not install the locked set; pip installs it..." >&2
+        if ! PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -c requirements.lock -e "$extras" "${notebook[@]}"; then
+          echo "requirements.lock does not install here (another Python?); pip resolves without it (./relock.sh writes a new one)" >&2
+          PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -e "$extras" "${notebook[@]}"
+        fi
+      fi
+    else
+      # One resolver run for the project and the notebook package; the venv's own pip.
+      PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -e "$extras" "${notebook[@]}"
+    fi
     echo "$want" > "$stamp"
   fi
-  # gpuhub's own code is installed editable, so pip compiles none of it; where the environment
+  # gpuhub's own code is installed editable, so no installer compiles it; where the environment
   # sets PYTHONDONTWRITEBYTECODE (CI's does) every hub, culler, launcher and CLI process then
   # compiles the package again at import (0.2 CPU-s of a hub's start). Compile it once here
   # (only what changed since the last run; a stale file is recompiled in memory as before).

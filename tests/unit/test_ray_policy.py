@@ -122,6 +122,32 @@ def test_a_clusters_ports_never_repeat_even_when_the_kernel_reuses_a_closed_port
     assert flags[:2] == ["--node-ip-address", "127.0.0.1"] and flags[3] == str(nodes[1][0])
 
 
+@pytest.mark.parametrize(
+    "env", [{}, {"TMPDIR": "/home/alice/tmp"}, {"RAY_TMPDIR": "/scratch/r", "TMPDIR": "/home/alice/tmp"}, {"RAY_TMPDIR": ""}]
+)
+def test_the_cluster_is_ready_once_ray_recorded_it_where_a_kernels_ray_init_looks(env, monkeypatch, tmp_path):
+    """CI's run 37: the launcher said "ready" once the head's GCS and dashboard listened, but
+    ``ray start --head`` records the cluster for a plain ``ray.init()`` only after its raylet
+    is up; alice's kernel, a moment too early, started a Ray of its own without GPUs and her
+    2-GPU task waited until the idle rule stopped her real cluster. The launcher now waits
+    for the record, read where Ray itself reads it."""
+    ray_utils = pytest.importorskip("ray._common.utils")
+    from gpuhub_spawner.rayclusters import node
+
+    for name in ("RAY_TMPDIR", "TMPDIR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert node.address_file(env) == ray_utils.get_ray_address_file(None)
+
+    path = tmp_path / "ray_current_cluster"
+    assert not node.recorded(str(path), 6380)  # not written yet
+    path.write_text("127.0.0.1:6379")  # her previous cluster
+    assert not node.recorded(str(path), 6380)
+    path.write_text("10.217.0.2:6380\n")  # this one (Ray writes the node's address)
+    assert node.recorded(str(path), 6380)
+
+
 def test_jobs_and_clusters_are_capped_by_gpus_not_by_servers():
     """``check_job_caps``, which every job and Ray manager calls: an open notebook (the team's
     ``maxServers: 1`` reached) does not refuse a cluster, the GPU cap still does."""

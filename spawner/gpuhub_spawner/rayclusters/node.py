@@ -108,6 +108,34 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def address_file(env: dict[str, str]) -> str:
+    """The file where ``ray start`` records the cluster a plain ``ray.init()`` joins: Ray's
+    ``get_ray_address_file(None)`` for a process with ``env`` (``$RAY_TMPDIR``, else
+    ``$TMPDIR``, else ``/tmp``; then ``ray/ray_current_cluster``). In the user's private
+    ``/tmp`` her kernels read the same file."""
+    base = "/tmp"
+    if "RAY_TMPDIR" in env:
+        base = env["RAY_TMPDIR"]
+    elif "TMPDIR" in env:
+        base = env["TMPDIR"]
+    return os.path.join(base, "ray", "ray_current_cluster")
+
+
+def recorded(path: str, gcs_port: int) -> bool:
+    """Whether ``path`` (:func:`address_file`) names the cluster whose GCS is on ``gcs_port``.
+
+    ``ray start --head`` writes it last, after its raylet is up; its GCS and dashboard listen
+    well before. A cluster reported ready before then is not one: a kernel's ``ray.init()``
+    found no cluster (or the user's previous one) and started a Ray of its own without GPUs,
+    whose tasks then waited until the idle rule stopped the real cluster (CI's run 37)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return False
+    return text.rpartition(":")[2] == str(gcs_port)
+
+
 def shares(devices: list[str], gpus: int, workers: int) -> list[list[str]]:
     """GPU ids per worker (round robin); the head's share when there is no worker."""
     if workers == 0:
@@ -216,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     deadline = time.time() + 600
-    while not (listening(gcs) and listening(dash)):
+    recorded_at = address_file(head_env)
+    while not (listening(gcs) and listening(dash) and recorded(recorded_at, gcs)):
         if procs[0].poll() is not None:
             print(f"[gpuhub-ray] the head exited with {procs[0].returncode} before it was ready", flush=True)
             return procs[0].returncode or 1

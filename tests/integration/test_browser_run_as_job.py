@@ -30,7 +30,9 @@ import requests
 
 from support.browser import CHROMIUM, log_in
 from support.hub import running_hub, wait_for
+from support.jobs import logs, record, wait_state
 from support.notebooks import notebook, put_notebook
+from support.policies import jobs_policy
 
 pytestmark = [
     pytest.mark.integration,
@@ -38,33 +40,16 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root"),
 ]
 
-POLICY = """\
-flavors:
-  - name: gpu
-    displayName: Tesla
-    local: {virtual: 1}
-priorityClasses:
-  - {name: interactive, value: 1000}
-  - {name: batch, value: 100}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    jobPriority: batch
-    quota: {gpus: {gpu: 1}}
-    perUser: {maxGPUs: 1}
-  - name: nlp
-    displayName: NLP Group
-    groups: [nlp-group]
-    quota: {gpus: {gpu: 0}}
-profiles:
+POLICY = jobs_policy(
+    teams="""\
+  - {name: nlp, displayName: NLP Group, groups: [nlp-group], quota: {gpus: {gpu: 0}}}
+""",
+    profiles="""\
   - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}
   - {slug: gpu-1, displayName: One GPU, description: For training, gpu: {count: 1, flavor: gpu}, teams: [vision], cpu: 500m, memory: 1Gi}
   - {slug: nlp-big, displayName: NLP only, teams: [nlp], cpu: 500m, memory: 1Gi}
-defaults:
-  queueTimeout: 5m
-"""
+""",
+)
 
 # A training loop that checkpoints every step and resumes from the last checkpoint. It runs
 # until the test lets it finish (a file in the home), so the preemption never races its end.
@@ -129,24 +114,6 @@ def mlflow(hub):
     from mlflow_service import MlflowEndpoint
 
     return MlflowEndpoint(hub, hub.mlflow_port)
-
-
-def record(user, job_id) -> dict:
-    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
-    r.raise_for_status()
-    return r.json()
-
-
-def wait_state(user, job_id, *states, timeout=120) -> dict:
-    return wait_for(
-        lambda: (rec := record(user, job_id))["state"] in states and rec,
-        timeout,
-        f"{job_id} to be {'/'.join(states)} (last: {record(user, job_id)['status']})",
-    )
-
-
-def logs(user, job_id) -> str:
-    return user.api.get(user.url(f"/gpuhub/jobs/{job_id}/logs")).json()["text"]
 
 
 def shot(page, hub, name: str) -> None:
@@ -236,7 +203,7 @@ def test_a_notebook_run_as_a_job_from_jupyterlab_survives_a_preemption_and_opens
         # It runs on the GPU the server held; a teammate's server takes it back.
         wait_for(lambda: "step 2\n" in logs(alice, job_id), 120, "the job to reach step 2")
         assert bob.start("gpu-1").status_code in (201, 202)
-        rec = wait_state(alice, job_id, "queued")
+        rec = wait_state(alice, job_id, "queued", timeout=120)
         assert rec["attempts"][0]["reason"] == "preempted"
         bob.wait_ready()
         bob.stop()
@@ -311,7 +278,7 @@ def test_a_failed_cell_shows_the_cell_and_its_traceback_on_the_jobs_page(hub, us
     r = alice.api.post(alice.url("/gpuhub/jobs"), json={"spec": json.dumps({"profile": "cpu", "notebook": rel})})
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
-    assert wait_state(alice, job_id, "failed", "succeeded")["state"] == "failed"
+    assert wait_state(alice, job_id, "failed", "succeeded", timeout=120)["state"] == "failed"
     ctx = browser.new_context()
     ctx.set_default_timeout(60_000)
     page = ctx.new_page()

@@ -16,34 +16,21 @@ import textwrap
 import pytest
 
 from support.hub import Hub, alive, processes_with_env, wait_for
+from support.jobs import logs, record, wait_state
+from support.policies import jobs_policy
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root"),
 ]
 
-POLICY = """\
-flavors:
-  - name: gpu
-    displayName: Tesla
-    local: {virtual: 2}
-priorityClasses:
-  - {name: interactive, value: 1000}
-  - {name: batch, value: 100}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    jobPriority: batch
-    quota: {gpus: {gpu: 2}}
-    perUser: {maxGPUs: 2}
-profiles:
+POLICY = jobs_policy(
+    vision_gpus=2,
+    profiles="""\
   - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}
   - {slug: gpu-1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: [vision], cpu: 500m, memory: 1Gi}
-defaults:
-  queueTimeout: 5m
-"""
+""",
+)
 
 # torch.distributed's rendezvous in miniature: rank 0 listens on MASTER_ADDR:MASTER_PORT,
 # every other rank connects and says who it is; rank 0 reports whom it heard.
@@ -95,22 +82,6 @@ def submit(user, spec: dict) -> str:
     r = user.api.post(user.url("/gpuhub/jobs"), json={"spec": json.dumps(spec), "filename": "workers.yaml"})
     assert r.status_code == 201, r.text
     return r.json()["id"]
-
-
-def record(user, job_id) -> dict:
-    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
-    r.raise_for_status()
-    return r.json()
-
-
-def wait_state(user, job_id, *states, timeout=90) -> dict:
-    return wait_for(
-        lambda: (rec := record(user, job_id))["state"] in states and rec, timeout, f"{job_id} to be {'/'.join(states)}"
-    )
-
-
-def logs(user, job_id) -> str:
-    return user.api.get(user.url(f"/gpuhub/jobs/{job_id}/logs")).json()["text"]
 
 
 def held(users) -> dict[str, list[str]]:

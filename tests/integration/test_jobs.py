@@ -20,42 +20,31 @@ import pytest
 import requests
 
 from support.hub import Hub, wait_for
+from support.jobs import logs, record, wait_state
 from support.kernel import KernelSession
+from support.policies import jobs_policy
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root"),
 ]
 
-POLICY = """\
-flavors:
-  - name: gpu
-    displayName: Tesla
-    local: {virtual: 2}
-priorityClasses:
-  - {name: interactive, value: 1000}
-  - {name: batch, value: 100}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    jobPriority: batch
-    quota: {gpus: {gpu: 1}}
-    perUser: {maxGPUs: 1}
+POLICY = jobs_policy(
+    virtual=2,
+    teams="""\
   - name: nlp
     displayName: NLP
     groups: [nlp-group]
     jobPriority: batch
     quota: {gpus: {gpu: 1}}
-profiles:
+""",
+    profiles="""\
   - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}
   - {slug: gpu-1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: [vision, nlp], cpu: "1", memory: 1Gi}
   - {slug: nlp-special, displayName: NLP only, teams: [nlp]}
   - {slug: small, displayName: Small, teams: "*", cpu: 500m, memory: 300Mi}
-defaults:
-  queueTimeout: 5m
-"""
+""",
+)
 
 # A training loop that checkpoints every step (atomically) and resumes from the last one. Its
 # first attempt waits at step 2 to be ended (preempted, interrupted by a restart): what the test
@@ -128,22 +117,6 @@ def job_file(tmp_path, text: str) -> str:
 def submit(hub, user, tmp_path, text: str) -> str:
     r = cli(hub, user, "submit", job_file(tmp_path, text))
     return r.stdout.strip().splitlines()[-1]
-
-
-def record(user, job_id) -> dict:
-    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
-    r.raise_for_status()
-    return r.json()
-
-
-def wait_state(user, job_id, *states, timeout=60) -> dict:
-    return wait_for(
-        lambda: (rec := record(user, job_id))["state"] in states and rec, timeout, f"{job_id} to be {'/'.join(states)}"
-    )
-
-
-def logs(user, job_id) -> str:
-    return user.api.get(user.url(f"/gpuhub/jobs/{job_id}/logs")).json()["text"]
 
 
 def stop_servers(users):

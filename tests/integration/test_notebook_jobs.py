@@ -20,40 +20,25 @@ import uuid
 import pytest
 
 from support.hub import Hub, wait_for
+from support.jobs import logs, wait_state
 from support.kernel import KernelSession
 from support.notebooks import notebook, put_notebook
+from support.policies import jobs_policy
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their user's account: needs a hub running as root"),
 ]
 
-POLICY = """\
-flavors:
-  - name: gpu
-    displayName: Tesla
-    local: {virtual: 1}
-priorityClasses:
-  - {name: interactive, value: 1000}
-  - {name: batch, value: 100}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    jobPriority: batch
-    quota: {gpus: {gpu: 1}}
-    perUser: {maxGPUs: 1}
-  - name: nlp
-    displayName: NLP
-    groups: [nlp-group]
-    quota: {gpus: {gpu: 0}}
-profiles:
+POLICY = jobs_policy(
+    teams="""\
+  - {name: nlp, displayName: NLP, groups: [nlp-group], quota: {gpus: {gpu: 0}}}
+""",
+    profiles="""\
   - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: "1", memory: 1Gi}
   - {slug: gpu-1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: [vision], cpu: "1", memory: 1Gi}
-defaults:
-  queueTimeout: 5m
-"""
+""",
+)
 
 
 TRAIN = notebook(
@@ -128,22 +113,6 @@ def cli(hub, user, *args, check=True):
 
 def submit(hub, user, rel, *args) -> str:
     return cli(hub, user, "submit", rel, "--home-path", *args).stdout.strip().splitlines()[-1]
-
-
-def record(user, job_id) -> dict:
-    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
-    r.raise_for_status()
-    return r.json()
-
-
-def wait_state(user, job_id, *states, timeout=90) -> dict:
-    return wait_for(
-        lambda: (rec := record(user, job_id))["state"] in states and rec, timeout, f"{job_id} to be {'/'.join(states)}"
-    )
-
-
-def logs(user, job_id) -> str:
-    return user.api.get(user.url(f"/gpuhub/jobs/{job_id}/logs")).json()["text"]
 
 
 def executed(user, job_id, attempt=None):

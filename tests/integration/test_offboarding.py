@@ -42,7 +42,9 @@ teams:
 roles:
   admins: [platform-admins]
 profiles:
-  - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}
+  # 4Gi: the leaver's Ray cluster (--gpus 0) runs in this profile's cgroup, and a Ray head
+  # outgrew 1Gi as its last processes started (run 39: OOM-killed before the off-boarding)
+  - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 4Gi}
 offboarding:
   home: archive
 ray:

@@ -27,7 +27,9 @@ import pytest
 
 from gpuhub_spawner.local.user_network import Wall
 from support.hub import running_hub, wait_for
+from support.jobs import logs, record
 from support.kernel import KernelSession
+from support.policies import jobs_policy
 from support.walls import PROBE, account, host_listening_ports, listeners_of, pid_arg
 
 pytestmark = [
@@ -38,32 +40,22 @@ pytestmark = [
 ]
 ray = pytest.importorskip("ray", reason="the ray extra (pip install -e '.[ray]')")
 
-POLICY = """\
-flavors:
-  - name: gpu
-    displayName: Tesla
-    local: {virtual: 2}
-priorityClasses:
-  - {name: interactive, value: 1000}
-  - {name: batch, value: 100}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    jobPriority: batch
-    quota: {gpus: {gpu: 1}}
-    perUser: {maxGPUs: 1}
+POLICY = jobs_policy(
+    virtual=2,
+    teams="""\
   - {name: nlp, displayName: NLP, groups: [nlp-group], quota: {gpus: {gpu: 1}}}
-profiles:
+""",
+    profiles="""\
   - {slug: cpu, displayName: CPU only, teams: "*", default: true, cpu: 500m, memory: 1Gi}
   - {slug: gpu-1, displayName: One GPU, gpu: {count: 1, flavor: gpu}, teams: [vision], cpu: "1", memory: 4Gi}
+""",
+    extra="""\
 ray:
   enabled: true
   maxWorkers: 1
-defaults:
-  queueTimeout: 10m
-"""
+""",
+    queue_timeout="10m",
+)
 
 # The driver: a task on the job's GPU; then it holds in the attempt named by HOLD (the job
 # file's env), else exits with EXIT (default 0). GPUHUB_ATTEMPT and the job file's env reach
@@ -108,16 +100,6 @@ def ray_job(entrypoint: list[str], extra: str = "") -> str:
         f"kind: ray\nprofile: gpu-1\nentrypoint: {json.dumps(entrypoint)}\n"
         "runtimeEnv:\n  env_vars: {GREETING: hello-from-runtime-env}\n" + extra
     )
-
-
-def record(user, job_id) -> dict:
-    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
-    r.raise_for_status()
-    return r.json()
-
-
-def logs(user, job_id) -> str:
-    return user.api.get(user.url(f"/gpuhub/jobs/{job_id}/logs")).json()["text"]
 
 
 def left_of(hub, name: str) -> tuple[list[str], dict]:

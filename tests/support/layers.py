@@ -6,7 +6,12 @@ builders, no hub. ``tests/unit/test_architecture.py`` checks that every file of
 """
 
 LAYER_TESTS = {
-    "architecture": ["unit/test_architecture.py", "unit/test_test_order.py", "unit/test_test_ports.py"],
+    "architecture": [
+        "unit/test_architecture.py",
+        "unit/test_test_order.py",
+        "unit/test_test_ports.py",
+        "unit/test_install_lock.py",
+    ],
     "policy": [
         "unit/test_policy_validation.py",
         "unit/test_policy_reload.py",

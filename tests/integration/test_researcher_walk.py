@@ -313,7 +313,9 @@ def test_a_new_researchers_first_session(hub, browser, tmp_path):
         # The stale "will be stopped" warning (and its countdown) is replaced, not left beside it:
         # the notice dismisses it, and its exit animation is all that may follow the notice (counted
         # at once, a loaded machine can still have it on its way out; as support/lab_screen.py waits).
-        page.locator(".Toastify__toast", has_text="will be stopped").first.wait_for(state="detached", timeout=5_000)
+        page.locator(".Toastify__toast", has_text="will be stopped").first.wait_for(
+            state="detached", timeout=15_000
+        )  # ends when it leaves
         text = stopped.inner_text()
         assert re.search(
             rf"This server was stopped at \d\d:\d\d: its GPUs were idle for {format_duration(GPU_IDLE)}\. "

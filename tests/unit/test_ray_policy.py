@@ -122,30 +122,33 @@ def test_a_clusters_ports_never_repeat_even_when_the_kernel_reuses_a_closed_port
     assert flags[:2] == ["--node-ip-address", "127.0.0.1"] and flags[3] == str(nodes[1][0])
 
 
-@pytest.mark.parametrize(
-    "env", [{}, {"TMPDIR": "/home/alice/tmp"}, {"RAY_TMPDIR": "/scratch/r", "TMPDIR": "/home/alice/tmp"}, {"RAY_TMPDIR": ""}]
-)
-def test_the_cluster_is_ready_once_ray_recorded_it_where_a_kernels_ray_init_looks(env, monkeypatch, tmp_path):
+def test_the_cluster_is_ready_once_ray_start_has_finished_not_when_its_ports_listen():
     """CI's run 37: the launcher said "ready" once the head's GCS and dashboard listened, but
     ``ray start --head`` records the cluster for a plain ``ray.init()`` only after its raylet
     is up; alice's kernel, a moment too early, started a Ray of its own without GPUs and her
-    2-GPU task waited until the idle rule stopped her real cluster. The launcher now waits
-    for the record, read where Ray itself reads it."""
-    ray_utils = pytest.importorskip("ray._common.utils")
+    2-GPU task waited until the idle rule stopped her real cluster. The launcher now waits for
+    the head's own "Ray runtime started.", which ``ray start`` prints once its node is up and
+    just before it records the cluster. Checked against the installed Ray's source: a Ray that
+    said it elsewhere, or not at all, would leave every cluster "starting" for 10 minutes."""
+    import inspect
+    import io
+    import re
+    import threading
+
+    scripts = pytest.importorskip("ray.scripts.scripts")
     from gpuhub_spawner.rayclusters import node
 
-    for name in ("RAY_TMPDIR", "TMPDIR"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert node.address_file(env) == ray_utils.get_ray_address_file(None)
+    source = inspect.getsource(scripts.start.callback)
+    said = [m.start() for m in re.finditer(r'startup_msg = "Ray runtime started\."', source)]
+    assert len(said) == 2, "ray start no longer says 'Ray runtime started.' for the head and for a worker"
+    assert all(at < source.index("write_ray_address(") for at in said), "Ray now records the cluster before it says so"
 
-    path = tmp_path / "ray_current_cluster"
-    assert not node.recorded(str(path), 6380)  # not written yet
-    path.write_text("127.0.0.1:6379")  # her previous cluster
-    assert not node.recorded(str(path), 6380)
-    path.write_text("10.217.0.2:6380\n")  # this one (Ray writes the node's address)
-    assert node.recorded(str(path), 6380)
+    class Head:  # a head's output, as the launcher reads it through its pipe
+        stdout = io.StringIO("Local node IP: 127.0.0.1\n--------------------\nRay runtime started.\n")
+
+    started = threading.Event()
+    node._pump(Head(), started)  # type: ignore[arg-type]
+    assert started.is_set()
 
 
 def test_jobs_and_clusters_are_capped_by_gpus_not_by_servers():

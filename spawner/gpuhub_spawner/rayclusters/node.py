@@ -108,34 +108,6 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def address_file(env: dict[str, str]) -> str:
-    """The file where ``ray start`` records the cluster a plain ``ray.init()`` joins: Ray's
-    ``get_ray_address_file(None)`` for a process with ``env`` (``$RAY_TMPDIR``, else
-    ``$TMPDIR``, else ``/tmp``; then ``ray/ray_current_cluster``). In the user's private
-    ``/tmp`` her kernels read the same file."""
-    base = "/tmp"
-    if "RAY_TMPDIR" in env:
-        base = env["RAY_TMPDIR"]
-    elif "TMPDIR" in env:
-        base = env["TMPDIR"]
-    return os.path.join(base, "ray", "ray_current_cluster")
-
-
-def recorded(path: str, gcs_port: int) -> bool:
-    """Whether ``path`` (:func:`address_file`) names the cluster whose GCS is on ``gcs_port``.
-
-    ``ray start --head`` writes it last, after its raylet is up; its GCS and dashboard listen
-    well before. A cluster reported ready before then is not one: a kernel's ``ray.init()``
-    found no cluster (or the user's previous one) and started a Ray of its own without GPUs,
-    whose tasks then waited until the idle rule stopped the real cluster (CI's run 37)."""
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return False
-    return text.rpartition(":")[2] == str(gcs_port)
-
-
 def shares(devices: list[str], gpus: int, workers: int) -> list[list[str]]:
     """GPU ids per worker (round robin); the head's share when there is no worker."""
     if workers == 0:
@@ -147,7 +119,8 @@ def shares(devices: list[str], gpus: int, workers: int) -> list[list[str]]:
 
 
 def _pump(pr: subprocess.Popen, joined: threading.Event) -> None:
-    """Copy a worker's output to ours; note when it has joined the cluster."""
+    """Copy a Ray node's output to ours; note when its ``ray start`` has finished (the head:
+    the cluster is up; a worker: it has joined the cluster)."""
     assert pr.stdout is not None  # started with stdout=PIPE
     for line in pr.stdout:
         sys.stdout.write(line)
@@ -218,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 pr.terminate()
 
     signal.signal(signal.SIGTERM, lambda *a: (stop(), sys.exit(143)))
-    head_env = dict(env, CUDA_VISIBLE_DEVICES=",".join(head_gpus))
+    head_env = dict(env, CUDA_VISIBLE_DEVICES=",".join(head_gpus), PYTHONUNBUFFERED="1")
     procs.append(
         subprocess.Popen(
             ray
@@ -241,11 +214,22 @@ def main(argv: list[str] | None = None) -> int:
                 *node_ports(per_node[0]),
             ],
             env=head_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
     )
+    # Ready means `ray start --head` finished: it says "Ray runtime started." once its raylet
+    # is up, and then records the cluster where a plain `ray.init()` finds it
+    # (/tmp/ray/ray_current_cluster, the user's private /tmp). Its GCS and dashboard listen well
+    # before; a cluster reported ready then was not one (CI's run 37: alice's kernel, a moment
+    # early, found no cluster, started a Ray of its own without GPUs, and her 2-GPU task waited
+    # until the idle rule stopped her real cluster). Not the file itself: the user's clusters
+    # and Ray jobs share it, and one starting at the same moment overwrites it.
+    head_started = threading.Event()
+    threading.Thread(target=_pump, args=(procs[0], head_started), daemon=True).start()
     deadline = time.time() + 600
-    recorded_at = address_file(head_env)
-    while not (listening(gcs) and listening(dash) and recorded(recorded_at, gcs)):
+    while not (listening(gcs) and listening(dash) and head_started.is_set()):
         if procs[0].poll() is not None:
             print(f"[gpuhub-ray] the head exited with {procs[0].returncode} before it was ready", flush=True)
             return procs[0].returncode or 1

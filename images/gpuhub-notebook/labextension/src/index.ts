@@ -463,16 +463,25 @@ class CullWatcher {
     const message = stopped
       ? stoppedMessage(stopped.at, stopped.reason, stopped.rule)
       : `This server is no longer running (stopped from the hub, or it ended)${STOPPED_TAIL}`;
-    if (this._id && Notification.manager.has(this._id)) {
-      Notification.dismiss(this._id);
-    }
-    if (this._gpuId && Notification.manager.has(this._gpuId)) {
-      Notification.dismiss(this._gpuId); // the stop notice says what to do now
-    }
+    // The notice and the dismissal come one task later, not now. A countdown update sent a
+    // moment before (the tick at the deadline, when the cull also comes) is still on its way
+    // through JupyterLab's toast plugin: it awaits the toast module, then updates the toast if
+    // it is active, else *creates* it. A dismissal now could overtake it, and the update then
+    // brought the warning back under the stop notice, out of the manager, for good ("will be
+    // stopped any moment now", a fresh-clone run on 2026-12-05). By the next task every update sent has
+    // landed: the warning's last words come before the notice, and then it goes.
+    const stale = [this._id, this._gpuId]; // the GPU notice goes too: the stop notice says what to do now
     this._gpuId = null;
     this._id = null;
     this._key = null;
-    this.stopNotice(message);
+    window.setTimeout(() => {
+      for (const id of stale) {
+        if (id && Notification.manager.has(id)) {
+          Notification.dismiss(id);
+        }
+      }
+      this.stopNotice(message);
+    }, 0);
   }
 
   /**

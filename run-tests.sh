@@ -15,8 +15,8 @@ ensure_attack_tools
 # Parallel workers (pytest-xdist; 4: on 2 cores they keep both ~75% busy with real hubs,
 # servers, MLflow and Chromium, where 2 left them waiting. 6 kept them ~99% busy from the fifth
 # minute and took 15:24-16:41 of tests against 16:43-17:03, but under that load 2 of 4 whole
-# runs failed a test on its timing (runs 38-42, 2026-12-05: JupyterLab's theme twice in a row,
-# a Lab warning left on screen after the stop notice), where runs 33-36 with 4 passed), each taking whole test files (a module's hub is shared by
+# runs failed a test (runs 38-42, 2026-12-05: JupyterLab's theme twice in a row, and a race
+# in the lab extension, since fixed, that the load exposed), where runs 33-36 with 4 passed), each taking whole test files (a module's hub is shared by
 # its tests; every hub has its own ports, account prefix and data folder). The slowest files
 # are handed out first (tests/conftest.py; --no-loadscope-reorder keeps that order, where
 # xdist would hand out the files with the most tests first). GPUHUB_TEST_WORKERS=1 runs serially; an explicit

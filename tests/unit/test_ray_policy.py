@@ -123,7 +123,7 @@ def test_a_clusters_ports_never_repeat_even_when_the_kernel_reuses_a_closed_port
 
 
 def test_the_cluster_is_ready_once_ray_start_has_finished_not_when_its_ports_listen():
-    """CI's run 37: the launcher said "ready" once the head's GCS and dashboard listened, but
+    """Fresh-clone run 37 (2026-12-05): the launcher said "ready" once the head's GCS and dashboard listened, but
     ``ray start --head`` records the cluster for a plain ``ray.init()`` only after its raylet
     is up; alice's kernel, a moment too early, started a Ray of its own without GPUs and her
     2-GPU task waited until the idle rule stopped her real cluster. The launcher now waits for

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ready means `ray start --head` finished: it says "Ray runtime started." once its raylet
     # is up, and then records the cluster where a plain `ray.init()` finds it
     # (/tmp/ray/ray_current_cluster, the user's private /tmp). Its GCS and dashboard listen well
-    # before; a cluster reported ready then was not one (CI's run 37: alice's kernel, a moment
+    # before; a cluster reported ready then was not one (fresh-clone run 37: alice's kernel, a moment
     # early, found no cluster, started a Ray of its own without GPUs, and her 2-GPU task waited
     # until the idle rule stopped her real cluster). Not the file itself: the user's clusters
     # and Ray jobs share it, and one starting at the same moment overwrites it.

@@ -23,21 +23,22 @@ ensure_venv() {
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     local notebook=()
     [ -f images/gpuhub-notebook/pyproject.toml ] && notebook=(-e images/gpuhub-notebook)
+    # (the venv's own pip, no self-upgrade first: the bundled one installs all of this)
+    local pip=(env PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet)
     if [ -f requirements.lock ]; then
       # The pins CI last passed with; bytecode compiled now, as pip does (the servers run as
       # other accounts and could not write it into .venv at their first import).
-      if ! { PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet "uv==$UV_VERSION" \
+      if ! { "${pip[@]}" "uv==$UV_VERSION" \
           && .venv/bin/uv pip install --quiet --python .venv/bin/python --compile-bytecode \
                -c requirements.lock -e "$extras" "${notebook[@]}"; }; then
         echo "uv could not install the locked set; pip installs it..." >&2
-        if ! PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -c requirements.lock -e "$extras" "${notebook[@]}"; then
+        if ! "${pip[@]}" -c requirements.lock -e "$extras" "${notebook[@]}"; then
           echo "requirements.lock does not install here (another Python?); pip resolves without it (./relock.sh writes a new one)" >&2
-          PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -e "$extras" "${notebook[@]}"
+          "${pip[@]}" -e "$extras" "${notebook[@]}"
         fi
       fi
     else
-      # One resolver run for the project and the notebook package; the venv's own pip.
-      PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -e "$extras" "${notebook[@]}"
+      "${pip[@]}" -e "$extras" "${notebook[@]}"  # one resolver run for both packages
     fi
     echo "$want" > "$stamp"
   fi

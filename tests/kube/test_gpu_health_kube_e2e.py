@@ -41,6 +41,7 @@ import yaml
 
 from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.hub import Hub, wait_for
+from support.jobs import record
 from test_capacity_hub_e2e import vision_l4_quota
 from test_hub_e2e import KUBE_CONFIG, WAIT
 
@@ -166,12 +167,6 @@ def cli(hub, user, *args):
     )
     assert r.returncode == 0, r.stderr + hub.tail(40)
     return r.stdout
-
-
-def record(user, job_id) -> dict:
-    r = user.api.get(user.url(f"/gpuhub/jobs/{job_id}"))
-    r.raise_for_status()
-    return r.json()
 
 
 def submit(hub, user, tmp_path, retries: str) -> tuple[str, Path]:

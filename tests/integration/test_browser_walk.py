@@ -50,7 +50,7 @@ import pytest
 from gpuhub_spawner.policy.quantities import format_duration
 from support.browser import CHROMIUM, log_in, wait_lab_whole
 from support.hub import REPO, running_hub, wait_for
-from support.lab_screen import assert_stop_shown, first_seen, log_time, seen, watch_lab
+from support.lab_screen import assert_no_warning_after_stop, assert_stop_shown, log_time, watch_lab
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -260,8 +260,7 @@ def test_the_demo_walk(hub, browser, tmp_path):
             rf"This server was stopped at \d\d:\d\d: its GPUs were idle for {format_duration(GPU_IDLE)}\. "
             r"Your files are kept; start it again from the hub home page\.",
         )
-        stop = first_seen(alice_lab, "toast", "This server was stopped")
-        assert not [e for e in seen(alice_lab) if e["at"] > stop["at"] and "will be stopped" in e["text"]]
+        assert_no_warning_after_stop(alice_lab)
         step("4b. alice's Lab: 'This server was stopped at HH:MM: its GPUs were idle ...', no dialog")
 
         # -- 5. lena previews her own team's quota; NLP's effect read-only -----------------------

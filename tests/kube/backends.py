@@ -37,15 +37,19 @@ flavors:
     displayName: L4 24GB
     resource: nvidia.com/gpu
     nodeLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}
+{tolerations}    local: {{virtual: {virtual}}}
+"""
+L4_TOLERATIONS = """\
     tolerations:
-      - {{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}}
-    local: {{virtual: {virtual}}}
+      - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
 """
 
 
-def l4_policy(rest: str, virtual: int = 2) -> str:
-    """A scenario's policy: the L4 flavor, then its own priorities, teams and profiles."""
-    return L4_FLAVOR.format(virtual=virtual) + rest
+def l4_policy(rest: str, virtual: int = 2, tolerations: bool = True) -> str:
+    """A scenario's policy: the L4 flavor, then its own priorities, teams and profiles.
+    ``tolerations=False`` leaves out the toleration of the real plane's L4 taint, as the
+    scenarios that run on the double alone were written."""
+    return L4_FLAVOR.format(virtual=virtual, tolerations=L4_TOLERATIONS if tolerations else "") + rest
 
 
 # The smallest scenario: one team with four L4s and a one-GPU profile.
@@ -61,6 +65,55 @@ teams:
 profiles:
   - {slug: l4-1, displayName: One L4, gpu: {count: 1, flavor: l4}, teams: "*"}
 """)
+
+
+SERVER_DEFAULTS = """\
+defaults:
+  queueTimeout: 5m
+  launchTimeout: 2m
+"""
+
+
+def vision_servers_on_l4(virtual: int = 2, gpus: int = 2) -> str:
+    """The servers scenario: one team (vision) with ``gpus`` L4s of quota, one server and one GPU
+    per user, a CPU profile for everyone and a one-L4 profile."""
+    return l4_policy(
+        "priorityClasses:\n"
+        "  - {name: interactive, value: 1000}\n"
+        "teams:\n"
+        "  - name: vision\n"
+        "    displayName: Vision Lab\n"
+        "    groups: [vision-lab]\n"
+        "    defaultPriority: interactive\n"
+        f"    quota: {{cpu: 8, memory: 16Gi, gpus: {{l4: {{nominal: {gpus}}}}}}}\n"
+        "    perUser: {maxServers: 1, maxGPUs: 1}\n"
+        "profiles:\n"
+        '  - {slug: cpu, displayName: CPU only, cpu: 0.5, memory: 1Gi, teams: "*", default: true}\n'
+        "  - {slug: l4-1, displayName: One L4, cpu: 1, memory: 2Gi, gpu: {count: 1, flavor: l4}, teams: [vision]}\n"
+        + SERVER_DEFAULTS,
+        virtual=virtual,
+    )
+
+
+def vision_jobs_on_l4(
+    virtual: int = 2, cpu: int = 8, gpus: int = 2, max_gpus: int = 1, rest: str = "", tolerations: bool = True
+) -> str:
+    """The jobs scenario: one team (vision) whose servers run at interactive priority and whose
+    jobs at batch, with ``gpus`` L4s of quota, a CPU profile for everyone and a one-L4 profile;
+    ``rest`` adds the scenario's own sections (defaults, health, ray)."""
+    return l4_policy(
+        "priorityClasses:\n"
+        "  - {name: interactive, value: 1000}\n"
+        "  - {name: batch, value: 100}\n"
+        "teams:\n"
+        "  - {name: vision, displayName: Vision Lab, groups: [vision-lab], defaultPriority: interactive, jobPriority: batch,\n"
+        f"     quota: {{cpu: {cpu}, memory: {2 * cpu}Gi, gpus: {{l4: {{nominal: {gpus}}}}}}}, perUser: {{maxGPUs: {max_gpus}}}}}\n"
+        "profiles:\n"
+        '  - {slug: cpu, displayName: CPU only, cpu: 0.5, memory: 1Gi, teams: "*", default: true}\n'
+        "  - {slug: l4-1, displayName: One L4, cpu: 1, memory: 2Gi, gpu: {count: 1, flavor: l4}, teams: [vision]}\n" + rest,
+        virtual=virtual,
+        tolerations=tolerations,
+    )
 
 
 # What every Kubernetes hub of the end-to-end tests runs with (fast timings for tests).

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from backends import l4_policy, l4_policy
 from double.harness import KUBECONFIG, apply_policy
 from support.hub import Hub
 from test_hub_e2e import KUBE_CONFIG, WAIT, pods, until
@@ -34,14 +35,8 @@ L4_NODE = next(
     if n["metadata"]["name"] == NODE
 )
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    local: {virtual: 1}
+POLICY = l4_policy(
+    """\
 priorityClasses:
   - {name: interactive, value: 1000}
 teams:
@@ -60,7 +55,10 @@ health:
   kubernetes:
     capacityQueue: {l4: vision}
     syncInterval: 1s
-"""
+""",
+    virtual=1,
+    tolerations=False,
+)
 
 
 def l4_node(allocatable: int) -> dict:

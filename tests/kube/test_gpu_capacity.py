@@ -26,6 +26,7 @@ import harness as real  # noqa: E402
 
 from double.harness import KUBECONFIG as DOUBLE_KUBECONFIG, NAMESPACE  # noqa: E402
 from backends import VISION_ON_L4  # noqa: E402
+from support.hub import waiter
 
 NODE = "kwok-gpu-l4-1"
 L4_NODE = next(n for n in yaml.safe_load_all((Path(real.HERE) / "nodes.yaml").read_text()) if n["metadata"]["name"] == NODE)
@@ -40,14 +41,7 @@ health:
 )
 
 
-def until(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not reached in {timeout}s")
+until = waiter(60)
 
 
 class Backend:

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from backends import vision_jobs_on_l4, vision_jobs_on_l4
 from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.hub import Hub, wait_for
 from support.jobs import record
@@ -55,28 +56,13 @@ L4_NODE = next(
 )
 TAINT = {"key": "nvidia.com/gpu-error", "value": "XID79", "effect": "NoSchedule"}
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    local: {virtual: 1}
-priorityClasses:
-  - {name: interactive, value: 1000}
-  - {name: batch, value: 100}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    jobPriority: batch
-    quota: {cpu: 6, memory: 12Gi, gpus: {l4: {nominal: 2}}}
-    perUser: {maxGPUs: 1}
-profiles:
-  - {slug: cpu, displayName: CPU only, cpu: 0.5, memory: 1Gi, teams: "*", default: true}
-  - {slug: l4-1, displayName: One L4, cpu: 1, memory: 2Gi, gpu: {count: 1, flavor: l4}, teams: [vision]}
+POLICY = vision_jobs_on_l4(
+    virtual=1,
+    cpu=6,
+    gpus=2,
+    max_gpus=1,
+    tolerations=False,
+    rest="""\
 defaults:
   queueTimeout: 5m
   launchTimeout: 2m
@@ -84,7 +70,8 @@ health:
   kubernetes:
     capacityQueue: {l4: vision}
     syncInterval: 1s
-"""
+""",
+)
 
 HUB_EXTRA = (
     KUBE_CONFIG

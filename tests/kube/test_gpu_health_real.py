@@ -24,7 +24,7 @@ import threading
 
 import pytest
 
-from backends import RealBackend
+from backends import RealBackend, vision_jobs_on_l4
 from support.hub import Hub, wait_for
 from test_gpu_health_kube_e2e import WAIT, cli, culling, home, record, submit
 
@@ -33,20 +33,12 @@ pytestmark = pytest.mark.integration
 NODE = "kwok-gpu-l4-1"
 TAINT = "nvidia.com/gpu-error=XID79:NoSchedule"
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - {name: l4, displayName: L4 24GB, resource: nvidia.com/gpu, nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}, local: {virtual: 1},
-     tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]}
-priorityClasses:
-  - {name: interactive, value: 1000}
-  - {name: batch, value: 100}
-teams:
-  - {name: vision, displayName: Vision Lab, groups: [vision-lab], defaultPriority: interactive, jobPriority: batch,
-     quota: {cpu: 6, memory: 12Gi, gpus: {l4: {nominal: 2}}}, perUser: {maxGPUs: 1}}
-profiles:
-  - {slug: cpu, displayName: CPU only, cpu: 0.5, memory: 1Gi, teams: "*", default: true}
-  - {slug: l4-1, displayName: One L4, cpu: 1, memory: 2Gi, gpu: {count: 1, flavor: l4}, teams: [vision]}
+POLICY = vision_jobs_on_l4(
+    virtual=1,
+    cpu=6,
+    gpus=2,
+    max_gpus=1,
+    rest="""\
 defaults:
   queueTimeout: 5m
   launchTimeout: 2m
@@ -54,7 +46,8 @@ health:
   kubernetes:
     capacityQueue: {l4: vision}
     syncInterval: 1s
-"""
+""",
+)
 
 
 def untaint(cluster) -> None:

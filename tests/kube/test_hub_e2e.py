@@ -16,29 +16,22 @@ and status intervals are short so the test does not wait for production cadences
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 import yaml
 
-from backends import HUB_CONFIG  # what every Kubernetes hub of these tests runs with
+from backends import HUB_CONFIG, l4_policy  # what every Kubernetes hub of these tests runs with
 from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.helm import chart_proxy_command, require_shared
-from support.hub import Hub
+from support.hub import Hub, waiter
 from support.ports import pod_port_hook
 
 pytestmark = pytest.mark.integration
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    local: {virtual: 1}
+POLICY = l4_policy(
+    """\
 priorityClasses:
   - {name: interactive, value: 1000}
 teams:
@@ -60,7 +53,10 @@ profiles:
 defaults:
   queueTimeout: 5m
   launchTimeout: 2m
-"""
+""",
+    virtual=1,
+    tolerations=False,
+)
 
 # Appended to our hub config (after configure_local): what a z2jh deployment sets instead
 # (helm-values/values.yaml). The culler service stays, as it does there; MLflow is off.
@@ -76,14 +72,7 @@ RAW = ("couldn't assign", "pod set", "nodes are available", "insufficient unused
 WAIT = 90
 
 
-def until(predicate, timeout: float = WAIT, what: str = "condition", hub: Hub | None = None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not reached in {timeout}s" + (f"\n{hub.tail(80)}" if hub else ""))
+until = waiter(WAIT)
 
 
 @pytest.fixture(scope="module")

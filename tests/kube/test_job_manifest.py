@@ -116,12 +116,12 @@ async def test_a_cpu_job_sees_no_gpu_and_fails_on_any_exit_without_retries(make_
 
 import json as _json  # noqa: E402
 import sys as _sys  # noqa: E402
-import time as _time  # noqa: E402
 
 import requests as _requests  # noqa: E402
 
 from double.harness import NAMESPACE  # noqa: E402
 from double.server import TOKEN  # noqa: E402
+from support.hub import waiter  # noqa: E402
 
 TRAIN = """\
 import json, os, time
@@ -149,14 +149,7 @@ def _post_job(double, job):
     return r.json()
 
 
-def _until(check, timeout, what):
-    deadline = _time.time() + timeout
-    while _time.time() < deadline:
-        value = check()
-        if value:
-            return value
-        _time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+_until = waiter(60, interval=0.1)
 
 
 def _cond(obj, ctype):

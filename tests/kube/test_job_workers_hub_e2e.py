@@ -21,26 +21,12 @@ import textwrap
 
 import pytest
 
-from backends import backend_fixture, kube_hub_fixture, job_cli as cli, job_record as record, condition
+from backends import backend_fixture, kube_hub_fixture, job_cli as cli, job_record as record, condition, vision_jobs_on_l4
 from support.hub import wait_for
 
 pytestmark = pytest.mark.integration
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - {name: l4, displayName: L4 24GB, resource: nvidia.com/gpu, nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}, local: {virtual: 2},
-     tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]}
-priorityClasses:
-  - {name: interactive, value: 1000}
-  - {name: batch, value: 100}
-teams:
-  - {name: vision, displayName: Vision Lab, groups: [vision-lab], defaultPriority: interactive, jobPriority: batch,
-     quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 2}}}, perUser: {maxGPUs: 2}}
-profiles:
-  - {slug: cpu, displayName: CPU only, cpu: 0.5, memory: 1Gi, teams: "*", default: true}
-  - {slug: l4-1, displayName: One L4, cpu: 1, memory: 2Gi, gpu: {count: 1, flavor: l4}, teams: [vision]}
-"""
+POLICY = vision_jobs_on_l4(virtual=2, cpu=8, gpus=2, max_gpus=2)
 
 KUBE_CONFIG = """
 c.KubeJobManager.poll_interval = 0.3   # production: 10 s

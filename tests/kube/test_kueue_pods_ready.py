@@ -33,6 +33,7 @@ import harness as real  # noqa: E402
 from gpuhub_spawner.kube import kueue as K  # noqa: E402
 from gpuhub_spawner.kube.messages import eviction_message  # noqa: E402
 from backends import VISION_ON_L4  # noqa: E402
+from support.hub import waiter
 
 NS = "gpuhub-users"
 TIMEOUT_S = 10
@@ -42,14 +43,7 @@ POLICY = VISION_ON_L4
 NEVER = {"gpuhub.test/no-node-has-this": "true"}  # the real scheduler finds no node for it
 
 
-def until(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not reached in {timeout}s")
+until = waiter(60)
 
 
 def restart_kueue() -> None:

@@ -26,6 +26,7 @@ import harness as real  # noqa: E402
 
 from double.harness import NAMESPACE  # noqa: E402
 from backends import l4_policy  # noqa: E402
+from support.hub import waiter
 
 
 POLICY = l4_policy(
@@ -127,14 +128,7 @@ class Backend:
         self.api.delete("pods", NAMESPACE, name, grace=1)
 
 
-def until(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not reached in {timeout}s")
+until = waiter(60)
 
 
 class Watch(threading.Thread):

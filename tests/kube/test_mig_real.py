@@ -34,6 +34,7 @@ from gpuhub_spawner.kube import kueue as K  # noqa: E402
 from gpuhub_spawner.kube.messages import waiting_message  # noqa: E402
 from gpuhub_spawner.policy.access import resolve_choice  # noqa: E402
 from gpuhub_spawner.policy.loader import parse_policy  # noqa: E402
+from support.hub import waiter
 
 SKIP = real.skip_reason()
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(bool(SKIP), reason=SKIP or "")]
@@ -127,14 +128,7 @@ def get_pod(cluster, name: str) -> dict | None:
     return None if r.status_code == 404 else r.json()
 
 
-def until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not reached in {timeout}s")
+until = waiter(60, interval=0.1)
 
 
 def admitted_and_bound(cluster, name: str, t0: float, timeline: dict) -> dict:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import requests
@@ -16,6 +15,7 @@ from gpuhub_spawner.kube import kueue as K
 from gpuhub_spawner.kube.messages import waiting_message
 from gpuhub_spawner.kube.ray_manifest import ELASTIC_GATE, MSG_AUTOSCALING_NOT_ELASTIC, WorkerGroup, ray_cluster_manifest
 from gpuhub_spawner.policy.access import resolve_choice
+from support.hub import waiter
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 H = {"Authorization": f"Bearer {TOKEN}"}
@@ -25,14 +25,7 @@ def _url(double, name=""):
     return f"{double.url}/apis/ray.io/v1/namespaces/{NAMESPACE}/rayclusters" + (f"/{name}" if name else "")
 
 
-def _until(check, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+_until = waiter(60, interval=0.05)
 
 
 def _wl(double, name):

@@ -33,6 +33,7 @@ from gpuhub_spawner.kube import kueue as K  # noqa: E402
 from gpuhub_spawner.kube.messages import waiting_message  # noqa: E402
 from gpuhub_spawner.kube.ray_manifest import ELASTIC_ANNOTATION, ELASTIC_GATE, WorkerGroup, ray_cluster_manifest  # noqa: E402
 from gpuhub_spawner.policy.access import resolve_choice  # noqa: E402
+from support.hub import waiter
 
 NS = "gpuhub-users"
 POLICY = real.REPO / "jupyterhub_config" / "profiles.yaml"
@@ -53,14 +54,7 @@ SKIP = _skip()
 pytestmark = [pytest.mark.cluster, pytest.mark.asyncio(loop_scope="function")]
 
 
-def until(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not reached in {timeout}s")
+until = waiter(60)
 
 
 def rc_url(cluster, name: str = "") -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from backends import make_backend, kube_hub_fixture, job_cli as cli, job_record as record, condition
+from backends import make_backend, kube_hub_fixture, job_cli as cli, job_record as record, condition, vision_jobs_on_l4
 from support.hub import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
@@ -31,23 +31,16 @@ import harness as real  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - {name: l4, displayName: L4 24GB, resource: nvidia.com/gpu, nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}, local: {virtual: 1},
-     tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]}
-priorityClasses:
-  - {name: interactive, value: 1000}
-  - {name: batch, value: 100}
-teams:
-  - {name: vision, displayName: Vision Lab, groups: [vision-lab], defaultPriority: interactive, jobPriority: batch,
-     quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 1}}}, perUser: {maxGPUs: 1}}
-profiles:
-  - {slug: cpu, displayName: CPU only, cpu: 0.5, memory: 1Gi, teams: "*", default: true}
-  - {slug: l4-1, displayName: One L4, cpu: 1, memory: 2Gi, gpu: {count: 1, flavor: l4}, teams: [vision]}
+POLICY = vision_jobs_on_l4(
+    virtual=1,
+    cpu=8,
+    gpus=1,
+    max_gpus=1,
+    rest="""\
 ray:
   enabled: true
-"""
+""",
+)
 
 KUBE_CONFIG = """
 c.KubeJobManager.poll_interval = 0.3   # production: 10 s

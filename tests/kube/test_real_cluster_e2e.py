@@ -23,46 +23,21 @@ import pytest
 import requests
 
 from backends import backend_fixture, real
-from support.hub import Hub
-from backends import l4_policy  # noqa: E402
+from support.hub import Hub, waiter
+from backends import vision_servers_on_l4  # noqa: E402
 
 # Both sides opt-in: the double's side of these scenarios also runs in every ./run-tests.sh as
 # test_hub_e2e.py, so this file does not slow it.
 SKIP = real.skip_reason()
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.skipif(bool(SKIP), reason=SKIP or "")]
 
-POLICY = l4_policy(
-    """\
-priorityClasses:
-  - {name: interactive, value: 1000}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 2}}}
-    perUser: {maxServers: 1, maxGPUs: 1}
-profiles:
-  - {slug: cpu, displayName: CPU only, cpu: 0.5, memory: 1Gi, teams: "*", default: true}
-  - {slug: l4-1, displayName: One L4, cpu: 1, memory: 2Gi, gpu: {count: 1, flavor: l4}, teams: [vision]}
-defaults:
-  queueTimeout: 5m
-  launchTimeout: 2m
-"""
-)
+POLICY = vision_servers_on_l4(virtual=2, gpus=2)
 
 RAW = ("couldn't assign", "pod set", "nodes are available", "insufficient unused quota", "flavor l4")
 WAIT = 120
 
 
-def until(predicate, timeout: float = WAIT, what: str = "condition", hub: Hub | None = None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not reached in {timeout}s" + (f"\n{hub.tail(80)}" if hub else ""))
+until = waiter(WAIT)
 
 
 backend = backend_fixture(POLICY)

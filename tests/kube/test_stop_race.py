@@ -23,37 +23,12 @@ import time
 
 import pytest
 
-from backends import backend_fixture
-from support.hub import Hub
+from backends import backend_fixture, vision_servers_on_l4
+from support.hub import Hub, waiter
 
 pytestmark = pytest.mark.integration
 
-POLICY = """\
-apiVersion: gpuhub/v1
-flavors:
-  - name: l4
-    displayName: L4 24GB
-    resource: nvidia.com/gpu
-    nodeLabels: {nvidia.com/gpu.product: NVIDIA-L4}
-    tolerations:
-      - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
-    local: {virtual: 1}
-priorityClasses:
-  - {name: interactive, value: 1000}
-teams:
-  - name: vision
-    displayName: Vision Lab
-    groups: [vision-lab]
-    defaultPriority: interactive
-    quota: {cpu: 8, memory: 16Gi, gpus: {l4: {nominal: 1}}}
-    perUser: {maxServers: 1, maxGPUs: 1}
-profiles:
-  - {slug: cpu, displayName: CPU only, cpu: 0.5, memory: 1Gi, teams: "*", default: true}
-  - {slug: l4-1, displayName: One L4, cpu: 1, memory: 2Gi, gpu: {count: 1, flavor: l4}, teams: [vision]}
-defaults:
-  queueTimeout: 5m
-  launchTimeout: 2m
-"""
+POLICY = vision_servers_on_l4(virtual=1, gpus=1)
 
 HELD = "RACE: holding the finished start of"
 
@@ -127,14 +102,7 @@ _KueueSpawner.start = _held_start
 WAIT = 120
 
 
-def until(predicate, timeout: float = WAIT, what: str = "condition", hub: Hub | None = None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not reached in {timeout}s" + (f"\n{hub.tail(80)}" if hub else ""))
+until = waiter(WAIT, interval=0.1)
 
 
 backend = backend_fixture(POLICY)

@@ -37,8 +37,10 @@ def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
     assert r.status_code in (200, 201), r.text
 
     ctx = browser.new_context()
+    # On the context, not the page: the run's page below opens in a tab of its own, which would
+    # otherwise wait Playwright's 30 s for MLflow's UI (a large bundle; run 44 ran out there).
+    ctx.set_default_timeout(int(os.environ.get("GPUHUB_BROWSER_TIMEOUT_MS", 90_000)))
     page = ctx.new_page()
-    page.set_default_timeout(int(os.environ.get("GPUHUB_BROWSER_TIMEOUT_MS", 90_000)))
     page.goto(hub.url + "/hub/login")
     page.fill("input[name=username]", "dave")
     page.fill("input[name=password]", PASSWORD)
@@ -76,7 +78,11 @@ def test_notebook_run_appears_in_mlflow_ui(mlflow_hub, browser):
     with ctx.expect_page() as opened:
         printed.click()
     tab = opened.value
-    tab.get_by_text(run_name).first.wait_for()
+    try:
+        tab.get_by_text(run_name).first.wait_for()
+    except Exception:
+        tab.screenshot(path=str(hub.workdir / "mlflow-run-tab.png"))
+        raise
     assert "lots of moons" not in tab.content()
 
     # From the hub's home page, follow the MLflow button: hub OAuth, no password prompt, and

@@ -28,15 +28,27 @@ CONFIG = REPO / "jupyterhub_config" / "jupyterhub_config.py"
 PASSWORD = "test-password-123"
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
-    """Poll ``predicate`` until it returns something truthy; fail with ``what``."""
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5, hub: Hub | None = None):
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` (and ``hub``'s
+    last log lines, where the wait was on a hub's work)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{hub.tail(80)}" if hub else ""))
+
+
+def waiter(timeout: float, interval: float = 0.2):
+    """A module's ``until(predicate, timeout=<its default>, what=..., hub=None)``: the
+    Kubernetes files poll watched objects more often than a hub's pages, each with the
+    deadline its scenario allows."""
+
+    def until(predicate, timeout: float = timeout, what: str = "condition", hub: Hub | None = None):
+        return wait_for(predicate, timeout, what, interval=interval, hub=hub)
+
+    return until
 
 
 def alive(pid: int) -> bool:

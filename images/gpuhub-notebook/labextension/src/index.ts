@@ -469,7 +469,9 @@ class CullWatcher {
     // it is active, else *creates* it. A dismissal now could overtake it, and the update then
     // brought the warning back under the stop notice, out of the manager, for good ("will be
     // stopped any moment now", a fresh-clone run on 2026-12-05). By the next task every update sent has
-    // landed: the warning's last words come before the notice, and then it goes.
+    // reached Toastify, ahead of the dismissal: the warning takes its last words and then goes.
+    // (React renders those words in a task of its own, so they may land a few milliseconds after
+    // the notice is drawn: "any moment now", which the notice agrees with.)
     const stale = [this._id, this._gpuId]; // the GPU notice goes too: the stop notice says what to do now
     this._gpuId = null;
     this._id = null;

@@ -189,7 +189,13 @@ class Wall:
             "  }\n"
             "  chain postrouting {\n"
             "    type nat hook postrouting priority srcnat; policy accept;\n"
-            f'    ip saddr {self.network} oifname != "{self.bridge}" masquerade\n'
+            # Not on loopback: the hub's side answers on the bridge's address, so the proxy's
+            # and the hub's own connections to it (this machine to itself, out through `lo`)
+            # start from a user-network address too. Masqueraded as 127.0.0.1, each of them
+            # depended on this table: when an admin's firewall reload flushed it, the kernel
+            # stopped translating them and the hub reset the proxy's kept-alive connection
+            # (a 503 for the next person through the proxy).
+            f'    ip saddr {self.network} oifname != {{ "{self.bridge}", "lo" }} masquerade\n'
             "  }\n"
             "  chain input {\n"
             "    type filter hook input priority filter; policy accept;\n"

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import io
 import os
@@ -198,6 +199,9 @@ def _completed_copy(chart: Path, files: dict[str, bytes], key: str) -> Path:
     if cached is not None and cached.is_dir():
         return cached
     target = Path(tempfile.mkdtemp(prefix="gpuhub-chart-")) / chart.name
+    # One copy per test process, kept for its later tests and removed when it exits: a whole
+    # run left two or three of these in /tmp, one per worker that rendered the chart.
+    atexit.register(shutil.rmtree, target.parent, ignore_errors=True)
     shutil.copytree(chart, target)
     (target / "files" / "hub").mkdir(parents=True, exist_ok=True)
     for name, data in files.items():

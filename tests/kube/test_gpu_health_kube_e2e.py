@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backends import vision_jobs_on_l4, vision_jobs_on_l4
+from backends import SERVER_DEFAULTS, vision_jobs_on_l4
 from double.harness import KUBECONFIG, NAMESPACE, apply_policy
 from support.hub import Hub, wait_for
 from support.jobs import record
@@ -56,22 +56,15 @@ L4_NODE = next(
 )
 TAINT = {"key": "nvidia.com/gpu-error", "value": "XID79", "effect": "NoSchedule"}
 
-POLICY = vision_jobs_on_l4(
-    virtual=1,
-    cpu=6,
-    gpus=2,
-    max_gpus=1,
-    tolerations=False,
-    rest="""\
-defaults:
-  queueTimeout: 5m
-  launchTimeout: 2m
-health:
-  kubernetes:
-    capacityQueue: {l4: vision}
-    syncInterval: 1s
-""",
-)
+
+def health_policy(tolerations: bool) -> str:
+    """The GPU health scenario (two L4s, one per user, the capacity queue synced every second);
+    the real plane's file adds the toleration of its L4 nodes' taint."""
+    health = "health:\n  kubernetes:\n    capacityQueue: {l4: vision}\n    syncInterval: 1s\n"
+    return vision_jobs_on_l4(virtual=1, cpu=6, gpus=2, max_gpus=1, tolerations=tolerations, rest=SERVER_DEFAULTS + health)
+
+
+POLICY = health_policy(tolerations=False)
 
 HUB_EXTRA = (
     KUBE_CONFIG

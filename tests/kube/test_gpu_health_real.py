@@ -24,30 +24,16 @@ import threading
 
 import pytest
 
-from backends import RealBackend, vision_jobs_on_l4
+from backends import RealBackend
 from support.hub import Hub, wait_for
-from test_gpu_health_kube_e2e import WAIT, cli, culling, home, record, submit
+from test_gpu_health_kube_e2e import WAIT, cli, culling, health_policy, home, record, submit
 
 pytestmark = pytest.mark.integration
 
 NODE = "kwok-gpu-l4-1"
 TAINT = "nvidia.com/gpu-error=XID79:NoSchedule"
 
-POLICY = vision_jobs_on_l4(
-    virtual=1,
-    cpu=6,
-    gpus=2,
-    max_gpus=1,
-    rest="""\
-defaults:
-  queueTimeout: 5m
-  launchTimeout: 2m
-health:
-  kubernetes:
-    capacityQueue: {l4: vision}
-    syncInterval: 1s
-""",
-)
+POLICY = health_policy(tolerations=True)
 
 
 def untaint(cluster) -> None:

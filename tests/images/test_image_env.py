@@ -49,7 +49,7 @@ def image_env(tmp_path_factory):
 
     def pip(*args):
         p = subprocess.run(
-            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile", *args],
             capture_output=True,
             text=True,
             timeout=900,

@@ -151,6 +151,22 @@ function sleep(ms: number): Promise<void> {
 }
 
 /**
+ * Hide these notifications' toasts for good, whatever reaches them later: a style rule on
+ * their elements (a toast's element id is its notification's id, as ``toastVisible`` reads).
+ */
+function hideToasts(ids: (string | null)[]): void {
+  const live = ids.filter((id): id is string => !!id);
+  if (live.length === 0) {
+    return;
+  }
+  const style = document.createElement('style');
+  style.textContent =
+    live.map(id => `.Toastify__toast[id="${CSS.escape(id)}"]`).join(',\n') +
+    ' { display: none !important; }';
+  document.head.appendChild(style);
+}
+
+/**
  * Whether the notification's toast is on screen (JupyterLab's toasts carry the notification id;
  * if that ever changes, a warning is simply treated as closed and refreshed less often).
  */
@@ -463,16 +479,18 @@ class CullWatcher {
     const message = stopped
       ? stoppedMessage(stopped.at, stopped.reason, stopped.rule)
       : `This server is no longer running (stopped from the hub, or it ended)${STOPPED_TAIL}`;
-    // The notice and the dismissal come one task later, not now. A countdown update sent a
-    // moment before (the tick at the deadline, when the cull also comes) is still on its way
-    // through JupyterLab's toast plugin: it awaits the toast module, then updates the toast if
-    // it is active, else *creates* it. A dismissal now could overtake it, and the update then
-    // brought the warning back under the stop notice, out of the manager, for good ("will be
-    // stopped any moment now", a fresh-clone run on 2026-12-05). By the next task every update sent has
-    // reached Toastify, ahead of the dismissal: the warning takes its last words and then goes.
-    // (React renders those words in a task of its own, so they may land a few milliseconds after
-    // the notice is drawn: "any moment now", which the notice agrees with.)
-    const stale = [this._id, this._gpuId]; // the GPU notice goes too: the stop notice says what to do now
+    // The warning (and the GPU notice: the stop notice says what to do now) leaves the screen
+    // now, by a style rule, before the notice is drawn; the dismissal that removes it follows.
+    // A dismissal alone did not hold: a countdown update sent a moment before (the tick at the
+    // deadline, when the cull also comes) reaches the toast two timer hops later (react-toastify
+    // 9.1.1's update, then its event bus, each a setTimeout 0), and Chrome clamps each hop to
+    // 4 ms inside the countdown's chain of timers, while a dismissal sent from the poll's answer
+    // is not clamped. It overtook the update twice (fresh-clone runs on 2026-12-05 and 06), even
+    // one task later; the update then found the leaving toast (kept until its exit animation
+    // ends) and put it back, outside JupyterLab's manager, for good ("will be stopped any moment
+    // now" under the notice). Hidden by the rule, a warning brought back stays off the screen.
+    const stale = [this._id, this._gpuId];
+    hideToasts(stale);
     this._gpuId = null;
     this._id = null;
     this._key = null;

@@ -311,8 +311,10 @@ def test_a_new_researchers_first_session(hub, browser, tmp_path):
         stopped = page.locator(".gpuhub-stop-notice", has_text="This server was stopped")
         stopped.wait_for()
         # The stale "will be stopped" warning (and its countdown) is replaced, not left beside it:
-        # the notice dismisses it, and its exit animation is all that may follow the notice (counted
-        # at once, a loaded machine can still have it on its way out; as support/lab_screen.py waits).
+        # off the screen before the notice came, then gone from the page once its exit animation
+        # ends (a fraction of a second; a loaded machine can take seconds).
+        on_screen = page.locator(".Toastify__toast:visible", has_text="will be stopped")
+        assert on_screen.count() == 0, on_screen.all_inner_texts()
         page.locator(".Toastify__toast", has_text="will be stopped").first.wait_for(
             state="detached", timeout=15_000
         )  # ends when it leaves

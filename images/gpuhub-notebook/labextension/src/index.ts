@@ -153,6 +153,8 @@ function sleep(ms: number): Promise<void> {
 /**
  * Hide these notifications' toasts for good, whatever reaches them later: a style rule on
  * their elements (a toast's element id is its notification's id, as ``toastVisible`` reads).
+ * ``visibility``, not ``display``: a dismissed toast leaves the page at the end of its exit
+ * animation, which does not run (nor end) on an element that is not displayed.
  */
 function hideToasts(ids: (string | null)[]): void {
   const live = ids.filter((id): id is string => !!id);
@@ -162,7 +164,7 @@ function hideToasts(ids: (string | null)[]): void {
   const style = document.createElement('style');
   style.textContent =
     live.map(id => `.Toastify__toast[id="${CSS.escape(id)}"]`).join(',\n') +
-    ' { display: none !important; }';
+    ' { visibility: hidden !important; }';
   document.head.appendChild(style);
 }
 

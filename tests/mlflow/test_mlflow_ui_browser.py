@@ -83,12 +83,17 @@ def test_a_viewer_opens_another_teams_run_in_the_mlflow_ui(mlflow_hub, carols_ru
     page.on("response", on_response)
     errors: list[str] = []  # the page's own errors and requests that got no answer at all
     page.on("pageerror", lambda e: errors.append(f"page error: {e}"[:500]))
-    page.on("requestfailed", lambda r: errors.append(f"request failed: {r.method} {r.url} {r.failure}"[:500]))
     # Chromium aborts the requests in flight when the machine's addresses change
     # (net::ERR_NETWORK_CHANGED): here, another test's hub bringing up its users' bridge. MLflow's
     # UI does not ask again (seen in a fresh-clone run on 2026-12-06: the runs never came).
-    lost = []
-    page.on("requestfailed", lambda r: "ERR_NETWORK_CHANGED" in (r.failure or "") and lost.append(r.url))
+    lost: list[str] = []
+
+    def request_failed(r) -> None:
+        errors.append(f"request failed: {r.method} {r.url} {r.failure}"[:500])
+        if "ERR_NETWORK_CHANGED" in (r.failure or ""):
+            lost.append(r.url)
+
+    page.on("requestfailed", request_failed)
     shots = hub.workdir
 
     try:

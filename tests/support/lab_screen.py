@@ -19,8 +19,9 @@ from support.hub import wait_for
 
 # Every toast and dialog JupyterLab shows (``how``: "added"), and every change of a toast's words
 # ("changed"), with the browser's time (epoch ms): what is on the screen, so an element the page
-# keeps hidden (display: none, visibility: hidden) is not noted. A toast's other changes (its exit animation when it
-# is dismissed) are not words on screen changing, so they are not noted either.
+# keeps hidden (display: none, visibility: hidden) is not noted. A toast's other changes (its
+# exit animation when it is dismissed) are not words on screen changing, so they are not noted
+# either.
 WATCH_SCREEN = """() => {
     window.__gpuhub_seen = [];
     const said = new WeakMap();
